@@ -1,0 +1,69 @@
+// ringd-reduce-bench: throughput of the reduction kernels next to memcpy, per dtype.
+// GB/s counts bytes read + written, so memcpy and a 2-input reduction compare like for like.
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+
+#include "common/fd_io.h"
+#include "common/units.h"
+#include "daemon/engine/reduce.h"
+
+using namespace ringd;
+
+namespace {
+
+template <typename F>
+double best_seconds(int iters, F &&f) {
+    double best = 1e30;
+    for (int i = 0; i < iters; ++i) {
+        const auto t0 = Clock::now();
+        f();
+        best = std::min(best, std::chrono::duration<double>(Clock::now() - t0).count());
+    }
+    return best;
+}
+
+}  // namespace
+
+int main(int argc, char **argv) {
+    CLI::App app{"ringd-reduce-bench: reduction kernels vs memcpy"};
+    std::string size_s = "64M";
+    int iters = 10;
+    int inputs = 2;
+    app.add_option("-s,--size", size_s, "bytes per buffer")->capture_default_str();
+    app.add_option("-n,--iters", iters, "repetitions (best is reported)")->capture_default_str()->check(CLI::Range(1, 10000));
+    app.add_option("-i,--inputs", inputs, "buffers reduced together (local ranks)")->capture_default_str()->check(CLI::Range(2, 64));
+    CLI11_PARSE(app, argc, argv);
+    const auto bytes = parse_size(size_s);
+    if (!bytes || *bytes < 64) {
+        std::fprintf(stderr, "bad size %s\n", size_s.c_str());
+        return 1;
+    }
+    std::vector<std::vector<unsigned char>> bufs(static_cast<size_t>(inputs), std::vector<unsigned char>(*bytes, 1));
+    std::vector<unsigned char> out(*bytes, 0);
+
+    const double tm = best_seconds(iters, [&] { std::memcpy(out.data(), bufs[0].data(), *bytes); });
+    std::printf("# %zu-byte buffers, %d inputs, best of %d; GB/s = (bytes read + written) / time\n",
+                static_cast<size_t>(*bytes), inputs, iters);
+    std::printf("%-10s %-5s %10s %12s\n", "kernel", "op", "GB/s", "vs memcpy");
+    const double mgbs = 2.0 * static_cast<double>(*bytes) / tm / 1e9;
+    std::printf("%-10s %-5s %10.2f %12s\n", "memcpy", "-", mgbs, "1.00x");
+    std::vector<const void *> srcs;
+    for (auto &b : bufs) srcs.push_back(b.data());
+    void *dst = out.data();
+    for (uint32_t t = 0; t < kDTypeCount; ++t) {
+        for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max}) {
+            const auto dt = static_cast<DType>(t);
+            if (op == ReduceOp::Avg && dtype_is_integer(dt)) continue;
+            ReduceArgs a{dt, op, srcs.data(), srcs.size(), &dst, 1, *bytes / dtype_size(dt), static_cast<uint32_t>(inputs)};
+            const double s = best_seconds(iters, [&] { reduce(a); });
+            const double gbs = static_cast<double>(inputs + 1) * static_cast<double>(*bytes) / s / 1e9;
+            std::printf("%-10s %-5s %10.2f %11.2fx\n", std::string(dtype_name(dt)).c_str(),
+                        std::string(reduce_op_name(op)).c_str(), gbs, gbs / mgbs);
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,149 @@
+// ringd-bench: a trainer that measures allreduce through ringd, nccl-tests style.
+// Every local rank runs it; local rank 0 prints the table. Timing covers only the timed loop;
+// the correctness check runs afterwards on freshly filled data and is not timed.
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include "bench/bench_data.h"
+#include "common/fd_io.h"
+#include "common/status_client.h"
+#include "common/units.h"
+#include "ringd/ringd.h"
+
+using namespace ringd;
+
+namespace {
+
+struct Options {
+    std::string socket = "/run/ringd/ringd.sock";
+    std::string group = "bench";
+    int local_rank = 0;
+    int local_size = 1;
+    std::string min_bytes = "4K", max_bytes = "64M";
+    int factor = 2;
+    std::string dtype = "float", op = "avg";
+    int iters = 20, warmup = 5, check = 1;
+    int timeout_ms = -1;
+};
+
+int fail(const Options &o, const std::string &msg) {
+    std::fprintf(stderr, "ringd-bench: local rank %d: %s\n", o.local_rank, msg.c_str());
+    return 1;
+}
+
+}  // namespace
+
+int main(int argc, char **argv) {
+    Options o;
+    CLI::App app{"ringd-bench: allreduce bandwidth through ringd (nccl-tests columns)"};
+    app.add_option("--socket", o.socket, "ringd's Unix socket")->capture_default_str();
+    app.add_option("--group", o.group, "group name")->capture_default_str();
+    app.add_option("--local-rank", o.local_rank, "this trainer's rank on the host")->capture_default_str();
+    app.add_option("--local-size", o.local_size, "trainers of the group on this host")->capture_default_str();
+    app.add_option("-b,--minbytes", o.min_bytes, "smallest size")->capture_default_str();
+    app.add_option("-e,--maxbytes", o.max_bytes, "largest size")->capture_default_str();
+    app.add_option("-f,--stepfactor", o.factor, "size multiplier")->capture_default_str()->check(CLI::Range(2, 1 << 20));
+    app.add_option("-d,--datatype", o.dtype, "float double half bfloat16 int32 int64 (or f32 ...)")->capture_default_str();
+    app.add_option("-o,--op", o.op, "sum avg min max")->capture_default_str();
+    app.add_option("-n,--iters", o.iters, "timed iterations per size")->capture_default_str()->check(CLI::Range(1, 1 << 20));
+    app.add_option("-w,--warmup_iters", o.warmup, "untimed iterations first")->capture_default_str()->check(CLI::Range(0, 1 << 20));
+    app.add_option("-c,--check", o.check, "check results (0|1)")->capture_default_str()->check(CLI::Range(0, 1));
+    app.add_option("--timeout-ms", o.timeout_ms, "per-op deadline (default: ringd's op timeout + 10 s)");
+    CLI11_PARSE(app, argc, argv);
+
+    const auto dtype = parse_dtype(o.dtype);
+    const auto op = parse_reduce_op(o.op);
+    const auto min_b = parse_size(o.min_bytes), max_b = parse_size(o.max_bytes);
+    if (!dtype) return fail(o, "unknown dtype " + o.dtype);
+    if (!op) return fail(o, "unknown op " + o.op);
+    if (!min_b || !max_b || *min_b > *max_b) return fail(o, "bad size range " + o.min_bytes + ".." + o.max_bytes);
+    const size_t esize = dtype_size(*dtype);
+
+    // The ring's size (hosts) comes from the daemon; busbw needs the total rank count.
+    auto st = fetch_status(o.socket);
+    if (!st) return fail(o, st.error().message);
+    uint64_t hosts = 1;
+    try {
+        hosts = nlohmann::json::parse(*st)["ring"]["size"].get<uint64_t>();
+    } catch (const std::exception &e) {
+        return fail(o, std::string("bad status from ringd: ") + e.what());
+    }
+    const uint64_t nranks = hosts * static_cast<uint64_t>(o.local_size);
+    const uint64_t host_index = 0;  // this host's place in the ring (a single-host ring for now)
+    const uint64_t global_rank = host_index * static_cast<uint64_t>(o.local_size) + static_cast<uint64_t>(o.local_rank);
+
+    const size_t slot_bytes = std::max<size_t>(*max_b, 64);
+    char err[512] = "";
+    ringd_client *c = ringd_connect(o.socket.c_str(), o.group.c_str(), o.local_rank, o.local_size, slot_bytes, err, sizeof err);
+    if (!c) return fail(o, err);
+    size_t have = 0;
+    void *buf = ringd_slot(c, &have);
+    const auto cdt = static_cast<ringd_dtype>(*dtype);
+    const auto cop = static_cast<ringd_op>(*op);
+    auto run = [&](size_t count, ringd_dtype t, ringd_op p) { return ringd_allreduce(c, 0, count, t, p, o.timeout_ms); };
+
+    const bool printer = o.local_rank == 0;
+    if (printer) {
+        std::printf("# ringd-bench: %llu host(s) x %d local rank(s) = %llu ranks, group %s, %s %s, %d iters (+%d warm-up)\n",
+                    static_cast<unsigned long long>(hosts), o.local_size, static_cast<unsigned long long>(nranks),
+                    o.group.c_str(), std::string(dtype_name(*dtype)).c_str(), std::string(reduce_op_name(*op)).c_str(),
+                    o.iters, o.warmup);
+        std::printf("#\n# %12s %12s %8s %6s %11s %12s %12s %8s\n", "size(B)", "count", "type", "redop", "time(us)",
+                    "algbw(GB/s)", "busbw(GB/s)", "#wrong");
+        std::fflush(stdout);
+    }
+    double busbw_sum = 0;
+    int rows = 0;
+    uint64_t wrong_total = 0;
+    int rc = 0;
+    for (uint64_t size = *min_b; size <= *max_b; size *= static_cast<uint64_t>(o.factor)) {
+        const size_t count = size / esize;
+        bench::fill(buf, count, *dtype, global_rank);
+        for (int i = 0; i < o.warmup && rc == 0; ++i) rc = run(count, cdt, cop);
+        const auto t0 = Clock::now();
+        for (int i = 0; i < o.iters && rc == 0; ++i) rc = run(count, cdt, cop);
+        const double us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count() / o.iters;
+        if (rc != 0) break;
+        uint64_t wrong = 0;
+        if (o.check) {
+            bench::fill(buf, count, *dtype, global_rank);
+            if ((rc = run(count, cdt, cop)) != 0) break;
+            wrong = bench::count_wrong(buf, count, *dtype, *op, nranks);
+            // Sum every rank's count of wrong values through ringd itself.
+            auto *w = static_cast<int64_t *>(buf);
+            *w = static_cast<int64_t>(wrong);
+            if ((rc = run(1, RINGD_I64, RINGD_SUM)) != 0) break;
+            wrong = static_cast<uint64_t>(*w);
+        }
+        wrong_total += wrong;
+        const double algbw = static_cast<double>(count * esize) / (us * 1e3);
+        const double busbw = algbw * 2.0 * static_cast<double>(nranks - 1) / static_cast<double>(nranks);
+        busbw_sum += busbw;
+        ++rows;
+        if (printer) {
+            char wrong_s[32];
+            std::snprintf(wrong_s, sizeof wrong_s, "%llu", static_cast<unsigned long long>(wrong));
+            std::printf("  %12llu %12zu %8s %6s %11.2f %12.3f %12.3f %8s\n", static_cast<unsigned long long>(count * esize),
+                        count, std::string(dtype_name(*dtype)).c_str(), std::string(reduce_op_name(*op)).c_str(), us, algbw,
+                        busbw, o.check ? wrong_s : "N/A");
+            std::fflush(stdout);
+        }
+        if (size > UINT64_MAX / static_cast<uint64_t>(o.factor)) break;
+    }
+    if (rc != 0) {
+        const std::string msg = ringd_last_error(c);
+        ringd_close(c);
+        return fail(o, msg.empty() ? "allreduce failed: " + errno_string(rc) : msg);
+    }
+    ringd_close(c);
+    if (printer) {
+        std::printf("# Avg bus bandwidth : %.3f\n", rows ? busbw_sum / rows : 0.0);
+        std::printf("# Wrong values : %llu\n", static_cast<unsigned long long>(wrong_total));
+    }
+    if (wrong_total) return fail(o, std::to_string(wrong_total) + " wrong values");
+    return 0;
+}

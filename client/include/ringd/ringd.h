@@ -1,0 +1,53 @@
+/* libringd-client: hand gradients to the host's ringd and wait for their allreduce.
+ *
+ * Usage: ringd_connect() joins `group` as `local_rank` of `local_size` trainers on this host and
+ * maps a shared-memory slot of `slot_bytes`; put tensors in the slot (ringd_slot()), then
+ * ringd_allreduce() in place, or ringd_submit() several and ringd_wait() for their tickets.
+ * Every rank of a group must submit the same sequence of ops (same count, dtype and op).
+ *
+ * Errors: functions return 0 or a negative errno and never abort or throw; ringd_last_error()
+ * says what happened. timeout_ms < 0 waits for the daemon's op timeout plus a margin; every
+ * wait has a deadline. A ringd_client must not be used from two threads at once.
+ */
+#ifndef RINGD_RINGD_H
+#define RINGD_RINGD_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(__GNUC__)
+#define RINGD_API __attribute__((visibility("default")))
+#else
+#define RINGD_API
+#endif
+
+typedef struct ringd_client ringd_client;
+typedef enum { RINGD_F32, RINGD_F64, RINGD_F16, RINGD_BF16, RINGD_I32, RINGD_I64 } ringd_dtype;
+typedef enum { RINGD_SUM, RINGD_AVG, RINGD_MIN, RINGD_MAX } ringd_op;
+
+/* Returns NULL on failure with the reason in err (if err_len > 0). */
+RINGD_API ringd_client *ringd_connect(const char *socket_path, const char *group, int local_rank, int local_size,
+                            size_t slot_bytes, char *err, size_t err_len);
+/* The slot's data area; *bytes receives its size (if bytes is not NULL). */
+RINGD_API void *ringd_slot(ringd_client *c, size_t *bytes);
+/* In place, in the slot, at byte `offset`; 0 or -errno. */
+RINGD_API int ringd_allreduce(ringd_client *c, size_t offset, size_t count, ringd_dtype dtype, ringd_op op, int timeout_ms);
+/* Queues an op; *ticket identifies it for ringd_wait. -EAGAIN when too many ops are unwaited. */
+RINGD_API int ringd_submit(ringd_client *c, size_t offset, size_t count, ringd_dtype dtype, ringd_op op, uint64_t *ticket);
+/* 0 when the op succeeded, -ETIMEDOUT when the deadline passed (the ticket may be waited again),
+ * another -errno when it failed. */
+RINGD_API int ringd_wait(ringd_client *c, uint64_t ticket, int timeout_ms);
+/* The last error on this client ("" if none). Valid until the next call on c. */
+RINGD_API const char *ringd_last_error(const ringd_client *c);
+/* Disconnects and frees c (NULL is fine). */
+RINGD_API void ringd_close(ringd_client *c);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* RINGD_RINGD_H */

@@ -1,0 +1,77 @@
+// C++ RAII wrapper over the C ABI of libringd-client. Errors become ringd::Error exceptions here,
+// in the caller's code; nothing throws across the C ABI.
+#pragma once
+
+#include <cerrno>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+#include "ringd/ringd.h"
+
+namespace ringd {
+
+class Error : public std::runtime_error {
+public:
+    Error(int code, const std::string &what) : std::runtime_error(what), code_(code) {}
+    int code() const { return code_; }  // negative errno
+
+private:
+    int code_;
+};
+
+class Client {
+public:
+    Client(const std::string &socket, const std::string &group, int local_rank, int local_size, size_t slot_bytes) {
+        char err[512] = "";
+        c_ = ringd_connect(socket.c_str(), group.c_str(), local_rank, local_size, slot_bytes, err, sizeof err);
+        if (!c_) throw Error(-ECONNREFUSED, err);
+    }
+    Client(Client &&o) noexcept : c_(std::exchange(o.c_, nullptr)) {}
+    Client &operator=(Client &&o) noexcept {
+        if (this != &o) {
+            ringd_close(c_);
+            c_ = std::exchange(o.c_, nullptr);
+        }
+        return *this;
+    }
+    Client(const Client &) = delete;
+    Client &operator=(const Client &) = delete;
+    ~Client() { ringd_close(c_); }
+
+    std::span<std::byte> slot() const {
+        size_t n = 0;
+        void *p = ringd_slot(c_, &n);
+        return {static_cast<std::byte *>(p), n};
+    }
+    // `count` elements of T at byte `offset` of the slot; throws when they do not fit.
+    template <typename T>
+    std::span<T> slot_as(size_t offset, size_t count) const {
+        auto s = slot();
+        if (offset > s.size() || count > (s.size() - offset) / sizeof(T)) throw Error(-ERANGE, "outside the slot");
+        return {reinterpret_cast<T *>(s.data() + offset), count};
+    }
+
+    void allreduce(size_t offset, size_t count, ringd_dtype dtype, ringd_op op, int timeout_ms = -1) {
+        check(ringd_allreduce(c_, offset, count, dtype, op, timeout_ms));
+    }
+    uint64_t submit(size_t offset, size_t count, ringd_dtype dtype, ringd_op op) {
+        uint64_t t = 0;
+        check(ringd_submit(c_, offset, count, dtype, op, &t));
+        return t;
+    }
+    void wait(uint64_t ticket, int timeout_ms = -1) { check(ringd_wait(c_, ticket, timeout_ms)); }
+
+    ringd_client *get() const { return c_; }
+
+private:
+    void check(int rc) const {
+        if (rc != 0) throw Error(rc, ringd_last_error(c_));
+    }
+    ringd_client *c_ = nullptr;
+};
+
+}  // namespace ringd

@@ -1,0 +1,289 @@
+// libringd-client: the trainer's side of the slot protocol (proto/slot.h). No exception leaves
+// this file: every entry point catches and turns failures into -errno + ringd_last_error().
+#include "ringd/ringd.h"
+
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "common/fd_io.h"
+#include "common/shm_mapping.h"
+#include "proto/frame.h"
+#include "proto/slot.h"
+
+using namespace ringd;
+
+namespace {
+
+constexpr auto kConnectTimeout = std::chrono::seconds(10);
+constexpr auto kSpin = std::chrono::microseconds(20);    // spin this long before blocking
+constexpr auto kWaitMargin = std::chrono::seconds(10);   // beyond the daemon's op timeout
+
+enum class TicketState : uint8_t { Free, InFlight, Done, Abandoned };
+
+struct Ticket {
+    uint64_t seq = 0;
+    TicketState state = TicketState::Free;
+    int32_t status = 0;
+    std::string message;
+};
+
+inline void cpu_relax() {
+#if defined(__x86_64__)
+    _mm_pause();
+#endif
+}
+
+}  // namespace
+
+struct ringd_client {
+    UniqueFd sock;
+    UniqueFd doorbell;
+    UniqueFd completion;
+    SharedMapping map;
+    proto::Welcome welcome;
+    proto::SlotHeader *header = nullptr;
+    proto::SubmitDesc *sq = nullptr;
+    const proto::CompletionDesc *cq = nullptr;
+    std::byte *data = nullptr;
+    uint64_t next_seq = 1;
+    uint64_t sq_tail = 0;
+    uint64_t cq_head = 0;
+    std::vector<Ticket> tickets;  // index = seq % depth
+    std::string last_error;
+    int dead = 0;  // non-zero errno once the daemon connection is gone
+
+    int fail(int code, std::string msg) {
+        last_error = std::move(msg);
+        return code;
+    }
+    void drain_completions();
+    int check_socket();
+};
+
+void ringd_client::drain_completions() {
+    const uint64_t tail = header->cq_tail.value.load(std::memory_order_acquire);
+    for (; cq_head != tail && tail - cq_head <= welcome.cq_depth; ++cq_head) {
+        const proto::CompletionDesc &c = cq[cq_head % welcome.cq_depth];
+        Ticket &t = tickets[c.seq % tickets.size()];
+        if (t.seq != c.seq) continue;
+        if (t.state == TicketState::Abandoned) {
+            t.state = TicketState::Free;
+        } else if (t.state == TicketState::InFlight) {
+            t.state = TicketState::Done;
+            t.status = c.status;
+            t.message.assign(c.message, std::min<size_t>(c.message_len, proto::kCompletionMessageBytes));
+        }
+    }
+    header->cq_head.value.store(cq_head, std::memory_order_release);
+}
+
+// The socket is readable only when ringd sends an error or goes away.
+int ringd_client::check_socket() {
+    uint8_t hdr[proto::kFrameHeaderBytes];
+    std::vector<UniqueFd> fds;
+    const ssize_t n = ::recv(sock.get(), hdr, sizeof hdr, MSG_DONTWAIT | MSG_PEEK);
+    if (n == -1 && (errno == EAGAIN || errno == EINTR)) return 0;
+    std::string msg = "ringd closed the connection";
+    int code = -ECONNRESET;
+    if (n == static_cast<ssize_t>(sizeof hdr)) {
+        auto h = proto::decode_frame_header(std::span(hdr, sizeof hdr), proto::kMaxDaemonPayload);
+        if (h && h->type == proto::FrameType::Error) {
+            std::vector<uint8_t> frame(sizeof hdr + h->length);
+            if (recv_exact(sock.get(), frame.data(), frame.size(), Clock::now() + std::chrono::seconds(1), fds)) {
+                auto e = proto::decode_error(std::span(frame).subspan(sizeof hdr));
+                if (e) {
+                    msg = "ringd: " + e->message;
+                    code = e->code;
+                }
+            }
+        }
+    }
+    dead = code;
+    return fail(code, msg);
+}
+
+extern "C" {
+
+ringd_client *ringd_connect(const char *socket_path, const char *group, int local_rank, int local_size,
+                            size_t slot_bytes, char *err, size_t err_len) {
+    auto report = [&](const std::string &m) -> ringd_client * {
+        if (err && err_len) std::snprintf(err, err_len, "%s", m.c_str());
+        return nullptr;
+    };
+    try {
+        if (!socket_path || !group) return report("socket_path and group must not be NULL");
+        if (std::strlen(socket_path) >= sizeof(sockaddr_un::sun_path)) return report("socket path is too long");
+        if (local_rank < 0 || local_size <= 0) return report("local_rank and local_size must be non-negative/positive");
+        if (auto why = proto::check_group_name(group); !why.empty()) return report(why);
+        auto c = std::make_unique<ringd_client>();
+        c->sock = UniqueFd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+        if (!c->sock) return report("socket: " + errno_string(errno));
+        sockaddr_un addr{};
+        addr.sun_family = AF_UNIX;
+        std::strcpy(addr.sun_path, socket_path);
+        if (::connect(c->sock.get(), reinterpret_cast<sockaddr *>(&addr), sizeof addr) != 0)
+            return report(std::string("cannot connect to ringd at ") + socket_path + ": " + errno_string(errno) +
+                          " (is ringd running?)");
+        proto::Hello hello{group, static_cast<uint32_t>(local_rank), static_cast<uint32_t>(local_size), slot_bytes};
+        if (auto s = send_all(c->sock.get(), proto::encode_hello(hello)); !s) return report(s.error().message);
+
+        const auto deadline = Clock::now() + kConnectTimeout;
+        std::vector<UniqueFd> fds;
+        uint8_t hdr[proto::kFrameHeaderBytes];
+        if (auto s = recv_exact(c->sock.get(), hdr, sizeof hdr, deadline, fds); !s) return report(s.error().message);
+        auto h = proto::decode_frame_header(std::span(hdr, sizeof hdr), proto::kMaxDaemonPayload);
+        if (!h) return report("bad reply from ringd: " + h.error().message);
+        std::vector<uint8_t> payload(h->length);
+        if (auto s = recv_exact(c->sock.get(), payload.data(), payload.size(), deadline, fds); !s)
+            return report(s.error().message);
+        if (h->type == proto::FrameType::Error) {
+            auto e = proto::decode_error(payload);
+            return report(e ? "ringd refused: " + e->message : "bad error frame from ringd: " + e.error().message);
+        }
+        if (h->type != proto::FrameType::Welcome) return report("unexpected reply from ringd");
+        auto w = proto::decode_welcome(payload);
+        if (!w) return report("bad welcome from ringd: " + w.error().message);
+        if (fds.size() != proto::kWelcomeFds) return report("ringd passed " + std::to_string(fds.size()) + " fds, expected 3");
+        c->welcome = *w;
+        struct stat st{};
+        if (::fstat(fds[0].get(), &st) != 0 || static_cast<uint64_t>(st.st_size) != w->map_bytes)
+            return report("slot memfd does not have the announced size");
+        auto m = SharedMapping::map(fds[0].get(), w->map_bytes);
+        if (!m) return report(m.error().message);
+        c->map = std::move(*m);
+        c->doorbell = std::move(fds[1]);
+        c->completion = std::move(fds[2]);
+        auto geo = proto::slot_geometry(w->data_bytes, w->sq_depth, w->cq_depth);
+        c->header = reinterpret_cast<proto::SlotHeader *>(c->map.data());
+        if (!geo || geo->data_offset != w->data_offset || c->header->magic != proto::kSlotMagic ||
+            c->header->version != proto::kSlotVersion)
+            return report("slot layout does not match this library (version skew?)");
+        c->sq = reinterpret_cast<proto::SubmitDesc *>(c->map.data() + geo->sq_offset);
+        c->cq = reinterpret_cast<const proto::CompletionDesc *>(c->map.data() + geo->cq_offset);
+        c->data = c->map.data() + geo->data_offset;
+        c->tickets.resize(std::min(w->sq_depth, w->cq_depth));
+        return c.release();
+    } catch (const std::exception &e) {
+        return report(std::string("ringd_connect: ") + e.what());
+    }
+}
+
+void *ringd_slot(ringd_client *c, size_t *bytes) {
+    if (!c) {
+        if (bytes) *bytes = 0;
+        return nullptr;
+    }
+    if (bytes) *bytes = c->welcome.data_bytes;
+    return c->data;
+}
+
+int ringd_submit(ringd_client *c, size_t offset, size_t count, ringd_dtype dtype, ringd_op op, uint64_t *ticket) {
+    if (!c) return -EINVAL;
+    try {
+        if (c->dead) return c->fail(c->dead, c->last_error);
+        proto::SubmitDesc d{};
+        d.seq = c->next_seq;
+        d.count = count;
+        d.dtype = static_cast<uint32_t>(dtype);
+        d.op = static_cast<uint32_t>(op);
+        d.buffer_kind = static_cast<uint32_t>(proto::BufferKind::Slot);
+        d.offset = offset;
+        // The daemon validates again; checking here gives the caller the error without a round trip.
+        if (auto s = proto::validate_submit(d, c->welcome.data_bytes, false); !s) return c->fail(s.error().code, s.error().message);
+        c->drain_completions();
+        Ticket &t = c->tickets[d.seq % c->tickets.size()];
+        if (t.state != TicketState::Free)
+            return c->fail(-EAGAIN, "too many ops in flight: wait for ticket " + std::to_string(t.seq) + " first");
+        if (c->sq_tail - c->header->sq_head.value.load(std::memory_order_acquire) >= c->welcome.sq_depth)
+            return c->fail(-EAGAIN, "submission queue is full");
+        std::memcpy(&c->sq[c->sq_tail % c->welcome.sq_depth], &d, sizeof d);
+        ++c->sq_tail;
+        c->header->sq_tail.value.store(c->sq_tail, std::memory_order_release);
+        t = Ticket{d.seq, TicketState::InFlight, 0, {}};
+        ++c->next_seq;
+        const uint64_t one = 1;
+        if (::write(c->doorbell.get(), &one, sizeof one) != sizeof one)
+            return c->fail(-errno, "doorbell: " + errno_string(errno));
+        if (ticket) *ticket = d.seq;
+        c->last_error.clear();
+        return 0;
+    } catch (const std::exception &e) {
+        return c->fail(-ENOMEM, e.what());
+    }
+}
+
+int ringd_wait(ringd_client *c, uint64_t ticket, int timeout_ms) {
+    if (!c) return -EINVAL;
+    try {
+        Ticket &t = c->tickets[ticket % c->tickets.size()];
+        if (ticket == 0 || t.seq != ticket || (t.state != TicketState::InFlight && t.state != TicketState::Done))
+            return c->fail(-EINVAL, "ticket " + std::to_string(ticket) + " is not in flight");
+        const auto wait_for = timeout_ms >= 0 ? std::chrono::milliseconds(timeout_ms)
+                                              : std::chrono::milliseconds(c->welcome.op_timeout_ms) + kWaitMargin;
+        const auto deadline = Clock::now() + wait_for;
+        const auto spin_until = Clock::now() + kSpin;
+        for (;;) {
+            c->drain_completions();
+            if (t.state == TicketState::Done) {
+                t.state = TicketState::Free;
+                if (t.status != 0) return c->fail(t.status, t.message);
+                c->last_error.clear();
+                return 0;
+            }
+            if (c->dead) return c->fail(c->dead, c->last_error);
+            if (Clock::now() < spin_until) {
+                for (int i = 0; i < 64; ++i) cpu_relax();
+                continue;
+            }
+            pollfd p[2] = {{c->completion.get(), POLLIN, 0}, {c->sock.get(), POLLIN, 0}};
+            const int r = ::poll(p, 2, ms_until(deadline));
+            if (r < 0 && errno != EINTR) return c->fail(-errno, "poll: " + errno_string(errno));
+            if (r == 0)
+                return c->fail(-ETIMEDOUT, "op " + std::to_string(ticket) + " did not complete within " +
+                                               std::to_string(wait_for.count()) + " ms");
+            if (p[0].revents & POLLIN) {
+                uint64_t v;
+                (void)!::read(c->completion.get(), &v, sizeof v);
+            }
+            if (p[1].revents) {
+                c->drain_completions();  // results that arrived before an error still count
+                if (t.state != TicketState::Done) {
+                    if (int rc = c->check_socket(); rc != 0) return rc;
+                }
+            }
+        }
+    } catch (const std::exception &e) {
+        return c->fail(-ENOMEM, e.what());
+    }
+}
+
+int ringd_allreduce(ringd_client *c, size_t offset, size_t count, ringd_dtype dtype, ringd_op op, int timeout_ms) {
+    uint64_t ticket = 0;
+    if (int rc = ringd_submit(c, offset, count, dtype, op, &ticket); rc != 0) return rc;
+    const int rc = ringd_wait(c, ticket, timeout_ms);
+    if (rc == -ETIMEDOUT) {
+        // The caller will not wait for this ticket again; free its entry when the result arrives.
+        Ticket &t = c->tickets[ticket % c->tickets.size()];
+        if (t.seq == ticket && t.state == TicketState::InFlight) t.state = TicketState::Abandoned;
+    }
+    return rc;
+}
+
+const char *ringd_last_error(const ringd_client *c) { return c ? c->last_error.c_str() : "no client"; }
+
+void ringd_close(ringd_client *c) { delete c; }
+
+}  // extern "C"

@@ -1,0 +1,96 @@
+// ringctl [--socket PATH] status [--json]: what the host's ringd is doing.
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include "common/status_client.h"
+#include "common/units.h"
+
+using namespace ringd;
+using nlohmann::json;
+
+namespace {
+
+std::string duration(double s) {
+    char b[64];
+    const auto t = static_cast<long long>(s);
+    if (t >= 86400) std::snprintf(b, sizeof b, "%lldd %02lldh%02lldm", t / 86400, t % 86400 / 3600, t % 3600 / 60);
+    else if (t >= 3600) std::snprintf(b, sizeof b, "%lldh%02lldm%02llds", t / 3600, t % 3600 / 60, t % 60);
+    else if (t >= 60) std::snprintf(b, sizeof b, "%lldm%02llds", t / 60, t % 60);
+    else std::snprintf(b, sizeof b, "%.1fs", s);
+    return b;
+}
+
+void print_human(const json &j) {
+    std::printf("ringd %s on %s (cluster %s, pid %d), up %s\n", j["version"].get<std::string>().c_str(),
+                j["host"].get<std::string>().c_str(), j["cluster"].get<std::string>().c_str(), j["pid"].get<int>(),
+                duration(j["uptime_s"].get<double>()).c_str());
+    std::printf("transport %s, poll %s, socket %s\n\n", j["transport"].get<std::string>().c_str(),
+                j["poll"].get<std::string>().c_str(), j["socket"].get<std::string>().c_str());
+    const auto &ring = j["ring"];
+    std::printf("ring: generation %llu, %zu host(s)\n", ring["generation"].get<unsigned long long>(), ring["members"].size());
+    std::printf("  %-16s %-24s %s\n", "HOST", "ADDRESS", "LINK");
+    for (const auto &m : ring["members"]) {
+        const std::string addr = m["address"].get<std::string>() + ":" + std::to_string(m["port"].get<int>());
+        std::printf("  %-16s %-24s %s\n", m["name"].get<std::string>().c_str(), addr.c_str(),
+                    m["link"].get<std::string>().c_str());
+    }
+    std::printf("\ngroups: %zu\n", j["groups"].size());
+    if (!j["groups"].empty())
+        std::printf("  %-16s %-6s %-14s %-7s %10s %8s %12s\n", "GROUP", "LOCAL", "JOINED", "STATE", "COMPLETED", "FAILED",
+                    "REDUCED");
+    for (const auto &g : j["groups"]) {
+        std::string ranks;
+        for (const auto &r : g["joined_ranks"]) ranks += (ranks.empty() ? "" : ",") + std::to_string(r.get<int>());
+        std::printf("  %-16s %-6d %-14s %-7s %10llu %8llu %12s\n", g["name"].get<std::string>().c_str(),
+                    g["local_size"].get<int>(), ranks.empty() ? "-" : ranks.c_str(), g["state"].get<std::string>().c_str(),
+                    g["ops_completed"].get<unsigned long long>(), g["ops_failed"].get<unsigned long long>(),
+                    format_bytes(g["bytes_reduced"].get<uint64_t>()).c_str());
+        if (!g["error"].get<std::string>().empty()) std::printf("    error: %s\n", g["error"].get<std::string>().c_str());
+    }
+    const auto &ops = j["ops"];
+    const auto &mem = j["memory"];
+    const auto &cl = j["clients"];
+    std::printf("\nclients: %d connected, %d with a slot (max %d)\n", cl["connected"].get<int>(), cl["joined"].get<int>(),
+                cl["max_slots"].get<int>());
+    std::printf("ops: %llu completed, %llu failed, %s reduced\n", ops["completed"].get<unsigned long long>(),
+                ops["failed"].get<unsigned long long>(), format_bytes(ops["bytes_reduced"].get<uint64_t>()).c_str());
+    std::printf("memory registered: %s in %llu region(s); %llu registration(s) since start\n",
+                format_bytes(mem["registered_bytes"].get<uint64_t>()).c_str(),
+                mem["live_regions"].get<unsigned long long>(), mem["registrations"].get<unsigned long long>());
+    const auto &errs = j["recent_errors"];
+    std::printf("\nrecent errors: %s\n", errs.empty() ? "none" : "");
+    for (const auto &e : errs)
+        std::printf("  %8s ago  %s\n", duration(e["age_s"].get<double>()).c_str(), e["message"].get<std::string>().c_str());
+}
+
+}  // namespace
+
+int main(int argc, char **argv) {
+    CLI::App app{"ringctl: show what the host's ringd is doing"};
+    std::string socket = "/run/ringd/ringd.sock";
+    bool as_json = false;
+    app.add_option("-s,--socket", socket, "ringd's Unix socket")->capture_default_str();
+    auto *status = app.add_subcommand("status", "ring, groups, ops, memory and recent errors");
+    status->add_flag("--json", as_json, "machine-readable output (stable schema)");
+    app.require_subcommand(1);
+    CLI11_PARSE(app, argc, argv);
+
+    auto s = fetch_status(socket);
+    if (!s) {
+        std::fprintf(stderr, "ringctl: %s\n", s.error().message.c_str());
+        return 1;
+    }
+    try {
+        const json j = json::parse(*s);
+        if (as_json) std::printf("%s\n", j.dump(2).c_str());
+        else print_human(j);
+    } catch (const std::exception &e) {
+        std::fprintf(stderr, "ringctl: bad status from ringd: %s\n", e.what());
+        return 1;
+    }
+    return 0;
+}

@@ -1,0 +1,39 @@
+#include "common/status_client.h"
+
+#include <sys/socket.h>
+#include <sys/un.h>
+
+#include <cstring>
+#include <vector>
+
+#include "common/fd_io.h"
+#include "proto/frame.h"
+
+namespace ringd {
+
+Result<std::string> fetch_status(const std::string &path, int timeout_ms) {
+    UniqueFd sock(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    if (path.size() >= sizeof addr.sun_path) return make_error(-ENAMETOOLONG, "socket path is too long");
+    std::strcpy(addr.sun_path, path.c_str());
+    if (::connect(sock.get(), reinterpret_cast<sockaddr *>(&addr), sizeof addr) != 0)
+        return make_error(-errno, "cannot connect to ringd at " + path + ": " + errno_string(errno));
+    if (auto s = send_all(sock.get(), proto::encode_status_request({})); !s) return s.error();
+    const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
+    std::vector<UniqueFd> fds;
+    uint8_t hdr[proto::kFrameHeaderBytes];
+    if (auto s = recv_exact(sock.get(), hdr, sizeof hdr, deadline, fds); !s) return s.error();
+    auto h = proto::decode_frame_header(std::span(hdr, sizeof hdr), proto::kMaxDaemonPayload);
+    if (!h) return h.error();
+    std::vector<uint8_t> payload(h->length);
+    if (auto s = recv_exact(sock.get(), payload.data(), payload.size(), deadline, fds); !s) return s.error();
+    if (h->type == proto::FrameType::Error) {
+        auto e = proto::decode_error(payload);
+        return make_error(e ? e->code : -EPROTO, e ? "ringd refused: " + e->message : e.error().message);
+    }
+    if (h->type != proto::FrameType::StatusReply) return make_error(-EPROTO, "unexpected reply from ringd");
+    return proto::decode_status_reply(payload);
+}
+
+}  // namespace ringd

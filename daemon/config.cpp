@@ -1,0 +1,208 @@
+#include "daemon/config.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <cstring>
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include "common/units.h"
+
+namespace ringd {
+namespace {
+
+// Thrown only inside this file and turned into an Error by parse_config.
+struct ConfigError {
+    std::string message;
+};
+
+[[noreturn]] void fail(const std::string &key, const std::string &why) { throw ConfigError{key + ": " + why}; }
+
+std::string scalar(const YAML::Node &n, const std::string &key) {
+    if (!n.IsScalar()) fail(key, "expected a single value");
+    return n.Scalar();
+}
+
+void check_keys(const YAML::Node &map, const std::string &where, std::initializer_list<const char *> known) {
+    if (!map.IsMap()) fail(where.empty() ? "config" : where, "expected a mapping");
+    for (const auto &kv : map) {
+        const std::string k = kv.first.as<std::string>();
+        bool found = false;
+        for (const char *n : known) found = found || k == n;
+        if (!found) {
+            std::string list;
+            for (const char *n : known) list += (list.empty() ? "" : ", ") + std::string(n);
+            fail(where.empty() ? k : where + "." + k, "unknown key (known here: " + list + ")");
+        }
+    }
+}
+
+uint64_t get_uint(const YAML::Node &n, const std::string &key, uint64_t lo, uint64_t hi) {
+    const std::string s = scalar(n, key);
+    uint64_t v = 0;
+    if (s.empty() || s.size() > 19 || s.find_first_not_of("0123456789") != std::string::npos)
+        fail(key, "'" + s + "' is not a non-negative integer");
+    v = std::stoull(s);
+    if (v < lo || v > hi) fail(key, std::to_string(v) + " is out of range [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
+    return v;
+}
+
+uint64_t get_size(const YAML::Node &n, const std::string &key) {
+    const std::string s = scalar(n, key);
+    auto v = parse_size(s);
+    if (!v) fail(key, "'" + s + "' is not a size (examples: 4096, 64KiB, 256MiB, 1GiB)");
+    return *v;
+}
+
+std::chrono::milliseconds get_duration(const YAML::Node &n, const std::string &key) {
+    const std::string s = scalar(n, key);
+    auto v = parse_duration(s);
+    if (!v || v->count() == 0) fail(key, "'" + s + "' is not a positive duration (examples: 500ms, 30s, 2m)");
+    return *v;
+}
+
+std::string get_choice(const YAML::Node &n, const std::string &key, std::initializer_list<const char *> choices) {
+    const std::string s = scalar(n, key);
+    std::string list;
+    for (const char *c : choices) {
+        if (s == c) return s;
+        list += (list.empty() ? "" : " | ") + std::string(c);
+    }
+    fail(key, "'" + s + "' is not one of " + list);
+}
+
+std::vector<uint32_t> get_id_list(const YAML::Node &n, const std::string &key) {
+    if (!n.IsSequence()) fail(key, "expected a list of numeric ids");
+    std::vector<uint32_t> ids;
+    for (size_t i = 0; i < n.size(); ++i)
+        ids.push_back(static_cast<uint32_t>(get_uint(n[i], key + "[" + std::to_string(i) + "]", 0, UINT32_MAX - 1)));
+    return ids;
+}
+
+void parse_hosts(const YAML::Node &n, Config &c) {
+    if (!n.IsSequence() || n.size() == 0) fail("hosts", "expected a non-empty list of {name, address, port}");
+    std::set<std::string> names, endpoints;
+    for (size_t i = 0; i < n.size(); ++i) {
+        const std::string at = "hosts[" + std::to_string(i) + "]";
+        check_keys(n[i], at, {"name", "address", "port"});
+        HostEntry h;
+        if (!n[i]["name"]) fail(at + ".name", "missing");
+        if (!n[i]["address"]) fail(at + ".address", "missing");
+        h.name = scalar(n[i]["name"], at + ".name");
+        h.address = scalar(n[i]["address"], at + ".address");
+        if (h.name.empty()) fail(at + ".name", "is empty");
+        if (h.address.empty()) fail(at + ".address", "is empty");
+        if (n[i]["port"]) h.port = static_cast<uint16_t>(get_uint(n[i]["port"], at + ".port", 1, 65535));
+        if (!names.insert(h.name).second) fail(at + ".name", "'" + h.name + "' appears twice");
+        if (!endpoints.insert(h.address + ":" + std::to_string(h.port)).second)
+            fail(at, "address " + h.address + ":" + std::to_string(h.port) + " appears twice");
+        c.hosts.push_back(std::move(h));
+    }
+}
+
+Config parse_root(const YAML::Node &root) {
+    Config c;
+    check_keys(root, "", {"cluster", "hosts", "transport", "tcp", "ibverbs", "socket", "socket_group", "allow_uids",
+                          "allow_gids", "memory", "timeouts", "poll", "auth", "log"});
+    if (!root["cluster"]) fail("cluster", "missing (a name shared by every host of the ring)");
+    c.cluster = scalar(root["cluster"], "cluster");
+    if (c.cluster.empty()) fail("cluster", "is empty");
+    if (!root["hosts"]) fail("hosts", "missing (the ring's hosts, in ring order)");
+    parse_hosts(root["hosts"], c);
+    if (auto n = root["transport"]) c.transport = get_choice(n, "transport", {"tcp", "ibverbs"});
+    if (auto n = root["tcp"]) {
+        check_keys(n, "tcp", {"streams"});
+        if (n["streams"]) c.tcp.streams = static_cast<uint32_t>(get_uint(n["streams"], "tcp.streams", 1, 64));
+    }
+    if (auto n = root["ibverbs"]) {
+        check_keys(n, "ibverbs", {"device", "port", "gid_index"});
+        if (n["device"]) c.ibverbs.device = scalar(n["device"], "ibverbs.device");
+        if (n["port"]) c.ibverbs.port = static_cast<uint32_t>(get_uint(n["port"], "ibverbs.port", 1, 255));
+        if (n["gid_index"]) {
+            c.ibverbs.gid_index = scalar(n["gid_index"], "ibverbs.gid_index");
+            if (c.ibverbs.gid_index != "auto") get_uint(n["gid_index"], "ibverbs.gid_index", 0, 255);
+        }
+    }
+    if (auto n = root["socket"]) {
+        c.socket = scalar(n, "socket");
+        if (c.socket.empty() || c.socket.size() >= 108) fail("socket", "must be a path of 1..107 bytes");
+    }
+    if (auto n = root["socket_group"]) c.socket_group = scalar(n, "socket_group");
+    if (auto n = root["allow_uids"]) c.allow_uids = get_id_list(n, "allow_uids");
+    if (auto n = root["allow_gids"]) c.allow_gids = get_id_list(n, "allow_gids");
+    if (auto n = root["memory"]) {
+        check_keys(n, "memory", {"slot_bytes", "max_slots"});
+        if (n["slot_bytes"]) {
+            c.memory.slot_bytes = get_size(n["slot_bytes"], "memory.slot_bytes");
+            if (c.memory.slot_bytes < 4096 || c.memory.slot_bytes > (1ull << 40))
+                fail("memory.slot_bytes", "must be between 4KiB and 1TiB");
+        }
+        if (n["max_slots"])
+            c.memory.max_slots = static_cast<uint32_t>(get_uint(n["max_slots"], "memory.max_slots", 1, 4096));
+    }
+    if (auto n = root["timeouts"]) {
+        check_keys(n, "timeouts", {"op", "connect", "heartbeat"});
+        if (n["op"]) c.timeouts.op = get_duration(n["op"], "timeouts.op");
+        if (n["connect"]) c.timeouts.connect = get_duration(n["connect"], "timeouts.connect");
+        if (n["heartbeat"]) c.timeouts.heartbeat = get_duration(n["heartbeat"], "timeouts.heartbeat");
+        if (c.timeouts.op > std::chrono::hours(24)) fail("timeouts.op", "must be at most 24h");
+    }
+    if (auto n = root["poll"]) {
+        const std::string p = get_choice(n, "poll", {"event", "busy", "adaptive"});
+        c.poll = p == "event" ? PollMode::Event : p == "busy" ? PollMode::Busy : PollMode::Adaptive;
+    }
+    if (auto n = root["auth"]) {
+        check_keys(n, "auth", {"secret_file"});
+        if (n["secret_file"]) c.secret_file = scalar(n["secret_file"], "auth.secret_file");
+    }
+    if (auto n = root["log"]) {
+        check_keys(n, "log", {"level"});
+        if (n["level"]) c.log_level = get_choice(n["level"], "log.level", {"trace", "debug", "info", "warn", "error"});
+    }
+    return c;
+}
+
+}  // namespace
+
+Result<Config> parse_config(const std::string &text) {
+    try {
+        YAML::Node root = YAML::Load(text);
+        if (!root || root.IsNull()) return make_error(-EINVAL, "config is empty");
+        return parse_root(root);
+    } catch (const ConfigError &e) {
+        return make_error(-EINVAL, e.message);
+    } catch (const YAML::Exception &e) {
+        return make_error(-EINVAL, std::string("YAML syntax: ") + e.what());
+    }
+}
+
+Result<Config> load_config(const std::string &path) {
+    std::ifstream in(path);
+    if (!in) return make_error(-ENOENT, "cannot read config " + path + ": " + std::strerror(errno));
+    std::stringstream ss;
+    ss << in.rdbuf();
+    auto c = parse_config(ss.str());
+    if (!c) return make_error(c.error().code, path + ": " + c.error().message);
+    return c;
+}
+
+Result<size_t> find_host(const Config &c, const std::string &host) {
+    std::string names;
+    for (size_t i = 0; i < c.hosts.size(); ++i) {
+        if (c.hosts[i].name == host) return i;
+        names += (names.empty() ? "" : ", ") + c.hosts[i].name;
+    }
+    return make_error(-ENOENT, "host '" + host + "' is not in hosts (configured: " + names + ")");
+}
+
+const char *poll_mode_name(PollMode m) {
+    switch (m) {
+    case PollMode::Event: return "event";
+    case PollMode::Busy: return "busy";
+    case PollMode::Adaptive: return "adaptive";
+    }
+    return "?";
+}
+
+}  // namespace ringd

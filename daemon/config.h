@@ -1,0 +1,58 @@
+// ringd's configuration (config/ringd.yaml documents every key). Parsing validates every value
+// and rejects unknown keys; each error names the key path ("memory.slot_bytes: ...").
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "proto/result.h"
+
+namespace ringd {
+
+enum class PollMode { Event, Busy, Adaptive };
+
+struct HostEntry {
+    std::string name;
+    std::string address;
+    uint16_t port = 7400;
+};
+
+struct Config {
+    std::string cluster;
+    std::vector<HostEntry> hosts;  // ring order
+    std::string transport = "tcp";
+    struct Tcp { uint32_t streams = 2; } tcp;
+    struct Ibverbs {
+        std::string device = "auto";
+        uint32_t port = 1;
+        std::string gid_index = "auto";  // "auto" or a number
+    } ibverbs;
+    std::string socket = "/run/ringd/ringd.sock";
+    std::string socket_group;  // empty: keep the daemon's group
+    std::vector<uint32_t> allow_uids;  // empty: any uid (subject to the socket's mode)
+    std::vector<uint32_t> allow_gids;
+    struct Memory {
+        uint64_t slot_bytes = 256ull << 20;  // largest slot a client may ask for
+        uint32_t max_slots = 16;             // concurrent clients with a slot
+    } memory;
+    struct Timeouts {
+        std::chrono::milliseconds op{30'000};
+        std::chrono::milliseconds connect{60'000};
+        std::chrono::milliseconds heartbeat{1'000};
+    } timeouts;
+    PollMode poll = PollMode::Adaptive;
+    std::string secret_file;  // auth.secret_file; empty: no authentication
+    std::string log_level = "info";
+};
+
+Result<Config> parse_config(const std::string &yaml_text);
+Result<Config> load_config(const std::string &path);
+
+// Index of `host` in config.hosts, or an error listing the configured names.
+Result<size_t> find_host(const Config &c, const std::string &host);
+
+const char *poll_mode_name(PollMode m);
+
+}  // namespace ringd

@@ -1,0 +1,261 @@
+#include "daemon/engine/group_table.h"
+
+#include <algorithm>
+
+namespace ringd {
+namespace {
+
+constexpr size_t kFailedMemory = 256;  // failed seqs remembered per group for late submitters
+
+std::string describe(const proto::Submission &s) {
+    return std::to_string(s.count) + " x " + std::string(dtype_name(s.dtype)) + " " + std::string(reduce_op_name(s.op));
+}
+
+}  // namespace
+
+size_t GroupTable::Group::joined() const {
+    return static_cast<size_t>(std::count_if(members.begin(), members.end(), [](const auto &m) { return m.has_value(); }));
+}
+
+Status GroupTable::check_join(const std::string &name, uint32_t rank, uint32_t size) const {
+    auto it = groups_.find(name);
+    if (it == groups_.end()) return Ok{};
+    const Group &g = it->second;
+    if (!g.broken.empty())
+        return make_error(-EBUSY, "group " + name + " is closing after an error (" + g.broken +
+                                      "); rejoin once its remaining ranks have disconnected");
+    if (g.local_size != size)
+        return make_error(-EINVAL, "group " + name + " has local_size " + std::to_string(g.local_size) +
+                                       ", this trainer asked for " + std::to_string(size));
+    if (g.members[rank])
+        return make_error(-EADDRINUSE, "group " + name + " local rank " + std::to_string(rank) + " is already joined");
+    return Ok{};
+}
+
+Status GroupTable::join(MemberId id, const std::string &name, uint32_t rank, uint32_t size) {
+    if (members_.count(id)) return make_error(-EALREADY, "this connection already joined a group");
+    if (auto ok = check_join(name, rank, size); !ok) return ok;
+    auto it = groups_.find(name);
+    if (it == groups_.end()) {
+        Group g;
+        g.name = name;
+        g.local_size = size;
+        g.members.resize(size);
+        it = groups_.emplace(name, std::move(g)).first;
+    }
+    Group &g = it->second;
+    g.members[rank] = id;
+    members_[id] = MemberInfo{name, rank};
+    return Ok{};
+}
+
+void GroupTable::fail_seq(Group &g, uint64_t seq, int32_t code, const std::string &message,
+                          std::vector<Completion> &out) {
+    auto pit = g.pending.find(seq);
+    Failed f{message, std::vector<bool>(g.local_size, false)};
+    if (pit != g.pending.end()) {
+        for (uint32_t r = 0; r < g.local_size; ++r) {
+            if (!pit->second.by_rank[r]) continue;
+            f.told[r] = true;
+            if (g.members[r]) out.push_back({*g.members[r], seq, code, message});
+        }
+        g.pending.erase(pit);
+    }
+    ++g.ops_failed;
+    ++totals_.ops_failed;
+    if (std::count(f.told.begin(), f.told.end(), true) == static_cast<long>(g.local_size)) return;
+    g.failed[seq] = std::move(f);
+    g.failed_order.push_back(seq);
+    while (g.failed_order.size() > kFailedMemory) {
+        g.failed.erase(g.failed_order.front());
+        g.failed_order.pop_front();
+    }
+}
+
+void GroupTable::submit(MemberId id, const proto::Submission &s, Clock::time_point now, std::vector<Completion> &out,
+                        std::vector<OpRun> &ready) {
+    auto mit = members_.find(id);
+    if (mit == members_.end()) {
+        out.push_back({id, s.seq, -ENOTCONN, "this connection has not joined a group"});
+        return;
+    }
+    Group &g = groups_.at(mit->second.group);
+    const uint32_t rank = mit->second.local_rank;
+    const std::string at = "group " + g.name + " op " + std::to_string(s.seq) + ": ";
+    if (!g.broken.empty()) {
+        out.push_back({id, s.seq, -ECONNABORTED, at + g.broken});
+        return;
+    }
+    if (auto fit = g.failed.find(s.seq); fit != g.failed.end()) {
+        out.push_back({id, s.seq, -EIO, fit->second.message});
+        fit->second.told[rank] = true;
+        return;
+    }
+    auto [pit, fresh] = g.pending.try_emplace(s.seq);
+    Pending &p = pit->second;
+    if (fresh) {
+        p.by_rank.resize(g.local_size);
+        p.deadline = now + op_timeout_;
+    }
+    if (p.by_rank[rank]) {
+        out.push_back({id, s.seq, -EINVAL, at + "submitted twice by local rank " + std::to_string(rank)});
+        return;
+    }
+    // Compare with the first rank that submitted this seq.
+    for (uint32_t r = 0; r < g.local_size; ++r) {
+        if (!p.by_rank[r]) continue;
+        const auto &o = *p.by_rank[r];
+        if (o.count != s.count || o.dtype != s.dtype || o.op != s.op) {
+            p.by_rank[rank] = s;
+            fail_seq(g, s.seq, -EINVAL,
+                     at + "mismatch: local rank " + std::to_string(r) + " submitted " + describe(o) + ", local rank " +
+                         std::to_string(rank) + " submitted " + describe(s),
+                     out);
+            return;
+        }
+        break;
+    }
+    p.by_rank[rank] = s;
+    if (++p.submitted < g.local_size) return;
+
+    OpRun run;
+    run.op_id = next_op_id_++;
+    run.group = g.name;
+    run.seq = s.seq;
+    run.count = s.count;
+    run.dtype = s.dtype;
+    run.op = s.op;
+    for (uint32_t r = 0; r < g.local_size; ++r) {
+        run.members.push_back(*g.members[r]);
+        run.offsets.push_back(p.by_rank[r]->offset);
+    }
+    g.running[run.op_id] = Running{s.seq, s.bytes, run.members, {}};
+    g.pending.erase(pit);
+    ready.push_back(std::move(run));
+}
+
+void GroupTable::reject(MemberId id, uint64_t seq, int32_t code, const std::string &why, std::vector<Completion> &out) {
+    out.push_back({id, seq, code, why});
+    auto mit = members_.find(id);
+    if (mit == members_.end()) return;
+    Group &g = groups_.at(mit->second.group);
+    const uint32_t rank = mit->second.local_rank;
+    if (!g.broken.empty() || g.failed.count(seq)) return;
+    auto [pit, fresh] = g.pending.try_emplace(seq);
+    if (fresh) pit->second.by_rank.resize(g.local_size);
+    if (pit->second.by_rank[rank]) return;  // duplicate seq; the client was told, the op stays
+    fail_seq(g, seq, code,
+             "group " + g.name + " op " + std::to_string(seq) + ": " + who(rank) + " submitted an invalid op (" + why + ")",
+             out);
+    if (auto fit = g.failed.find(seq); fit != g.failed.end()) fit->second.told[rank] = true;
+}
+
+void GroupTable::leave(MemberId id, std::vector<Completion> &out) {
+    auto mit = members_.find(id);
+    if (mit == members_.end()) return;
+    auto git = groups_.find(mit->second.group);
+    const uint32_t rank = mit->second.local_rank;
+    members_.erase(mit);
+    Group &g = git->second;
+    g.members[rank].reset();
+    const std::string why = who(rank) + " left";
+    if (g.broken.empty()) g.broken = why + "; every rank of the group must reconnect";
+    while (!g.pending.empty()) {
+        const uint64_t seq = g.pending.begin()->first;
+        fail_seq(g, seq, -ECONNABORTED, "group " + g.name + " op " + std::to_string(seq) + ": " + why, out);
+    }
+    for (auto &[op_id, r] : g.running)
+        if (r.failure.empty()) r.failure = "group " + g.name + " op " + std::to_string(r.seq) + ": " + why;
+    if (g.joined() == 0 && g.running.empty()) groups_.erase(git);
+}
+
+void GroupTable::expire(Clock::time_point now, std::vector<Completion> &out) {
+    for (auto &[name, g] : groups_) {
+        std::vector<uint64_t> late;
+        for (const auto &[seq, p] : g.pending)
+            if (p.deadline <= now) late.push_back(seq);
+        for (uint64_t seq : late) {
+            std::string missing;
+            for (uint32_t r = 0; r < g.local_size; ++r)
+                if (!g.pending[seq].by_rank[r]) missing += (missing.empty() ? "" : ",") + std::to_string(r);
+            fail_seq(g, seq, -ETIMEDOUT,
+                     "group " + name + " op " + std::to_string(seq) + " timed out after " +
+                         std::to_string(op_timeout_.count()) + " ms: local ranks " + missing + " of host " + host_ +
+                         " did not submit it",
+                     out);
+        }
+    }
+}
+
+std::optional<Clock::time_point> GroupTable::next_deadline() const {
+    std::optional<Clock::time_point> best;
+    for (const auto &[name, g] : groups_)
+        for (const auto &[seq, p] : g.pending)
+            if (!best || p.deadline < *best) best = p.deadline;
+    return best;
+}
+
+void GroupTable::finished(uint64_t op_id, int32_t status, const std::string &message, std::vector<Completion> &out) {
+    for (auto git = groups_.begin(); git != groups_.end(); ++git) {
+        Group &g = git->second;
+        auto rit = g.running.find(op_id);
+        if (rit == g.running.end()) continue;
+        const Running &r = rit->second;
+        const bool ok = status == 0 && r.failure.empty();
+        const std::string msg = !r.failure.empty() ? r.failure : message;
+        const int32_t code = ok ? 0 : (status != 0 ? status : -ECONNABORTED);
+        for (MemberId m : r.members) out.push_back({m, r.seq, code, ok ? std::string() : msg});
+        if (ok) {
+            ++g.ops_completed;
+            g.bytes_reduced += r.bytes;
+            ++totals_.ops_completed;
+            totals_.bytes_reduced += r.bytes;
+        } else {
+            ++g.ops_failed;
+            ++totals_.ops_failed;
+        }
+        g.running.erase(rit);
+        if (g.joined() == 0 && g.running.empty()) groups_.erase(git);
+        return;
+    }
+}
+
+void GroupTable::fail_everything(const std::string &message, std::vector<Completion> &out) {
+    for (auto &[name, g] : groups_) {
+        while (!g.pending.empty()) fail_seq(g, g.pending.begin()->first, -ESHUTDOWN, message, out);
+        for (auto &[op_id, r] : g.running) {
+            for (MemberId m : r.members) out.push_back({m, r.seq, -ESHUTDOWN, message});
+            ++g.ops_failed;
+            ++totals_.ops_failed;
+        }
+        g.running.clear();
+        if (g.broken.empty()) g.broken = message;
+    }
+}
+
+std::vector<GroupSummary> GroupTable::summaries() const {
+    std::vector<GroupSummary> v;
+    for (const auto &[name, g] : groups_) {
+        GroupSummary s;
+        s.name = name;
+        s.local_size = g.local_size;
+        for (uint32_t r = 0; r < g.local_size; ++r)
+            if (g.members[r]) s.joined_ranks.push_back(r);
+        s.broken = g.broken;
+        s.ops_completed = g.ops_completed;
+        s.ops_failed = g.ops_failed;
+        s.bytes_reduced = g.bytes_reduced;
+        s.pending_ops = g.pending.size();
+        s.running_ops = g.running.size();
+        v.push_back(std::move(s));
+    }
+    return v;
+}
+
+size_t GroupTable::running_ops() const {
+    size_t n = 0;
+    for (const auto &[name, g] : groups_) n += g.running.size();
+    return n;
+}
+
+}  // namespace ringd

@@ -1,0 +1,133 @@
+// GroupTable: which local ranks form which group, and the matching of their submissions.
+// An op of a group starts when every local rank submitted the same sequence number with the
+// same count, dtype and op; anything else ends in an error delivered to every rank involved.
+//
+// Pure bookkeeping: no I/O, no clock of its own (the caller passes `now`), so it is unit-tested
+// directly. Called by the control thread only. Outputs are appended to the caller's vectors:
+// Completion = "tell member M that its op `seq` ended with status/message"; OpRun = "start this".
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "proto/result.h"
+#include "proto/slot.h"
+
+namespace ringd {
+
+using MemberId = uint32_t;
+using Clock = std::chrono::steady_clock;
+
+struct Completion {
+    MemberId member = 0;
+    uint64_t seq = 0;
+    int32_t status = 0;
+    std::string message;
+};
+
+struct OpRun {
+    uint64_t op_id = 0;
+    std::string group;
+    uint64_t seq = 0;
+    uint64_t count = 0;
+    DType dtype = DType::F32;
+    ReduceOp op = ReduceOp::Sum;
+    std::vector<MemberId> members;  // index = local rank
+    std::vector<uint64_t> offsets;  // index = local rank
+};
+
+struct GroupSummary {
+    std::string name;
+    uint32_t local_size = 0;
+    std::vector<uint32_t> joined_ranks;
+    std::string broken;  // why the group refuses ops, empty when healthy
+    uint64_t ops_completed = 0;
+    uint64_t ops_failed = 0;
+    uint64_t bytes_reduced = 0;
+    size_t pending_ops = 0;
+    size_t running_ops = 0;
+};
+
+class GroupTable {
+public:
+    explicit GroupTable(std::string host, std::chrono::milliseconds op_timeout)
+        : host_(std::move(host)), op_timeout_(op_timeout) {}
+
+    Status join(MemberId id, const std::string &group, uint32_t local_rank, uint32_t local_size);
+    void submit(MemberId id, const proto::Submission &s, Clock::time_point now, std::vector<Completion> &out,
+                std::vector<OpRun> &ready);
+    // The member's submission of `seq` was invalid: it gets `why`; the group's other ranks get an
+    // error naming it for that seq (now, or when they submit it).
+    void reject(MemberId id, uint64_t seq, int32_t code, const std::string &why, std::vector<Completion> &out);
+    // The member disconnected: every pending or running op of its group fails with
+    // "host H local rank R left", and the group refuses new ops until all its ranks are gone.
+    void leave(MemberId id, std::vector<Completion> &out);
+    // Pending ops whose deadline passed fail on every rank that submitted them.
+    void expire(Clock::time_point now, std::vector<Completion> &out);
+    // Earliest deadline of any pending op, for the caller's timer.
+    std::optional<Clock::time_point> next_deadline() const;
+    // The engine finished op_id. Success is reported only if the group did not break meanwhile.
+    void finished(uint64_t op_id, int32_t status, const std::string &message, std::vector<Completion> &out);
+    // Shutdown: every pending and running op fails with `message`.
+    void fail_everything(const std::string &message, std::vector<Completion> &out);
+
+    std::vector<GroupSummary> summaries() const;
+    struct Totals {
+        uint64_t ops_completed = 0, ops_failed = 0, bytes_reduced = 0;
+    };
+    const Totals &totals() const { return totals_; }
+    // Whether join() would accept this member, without joining.
+    Status check_join(const std::string &group, uint32_t local_rank, uint32_t local_size) const;
+    size_t running_ops() const;
+
+private:
+    struct Pending {
+        std::vector<std::optional<proto::Submission>> by_rank;
+        uint32_t submitted = 0;
+        Clock::time_point deadline;
+    };
+    struct Running {
+        uint64_t seq = 0;
+        uint64_t bytes = 0;
+        std::vector<MemberId> members;
+        std::string failure;  // set when the group broke while the op ran
+    };
+    // An op that already failed; ranks that submit it late get the same error.
+    struct Failed {
+        std::string message;
+        std::vector<bool> told;  // by rank
+    };
+    struct Group {
+        std::string name;
+        uint32_t local_size = 0;
+        std::vector<std::optional<MemberId>> members;  // by rank
+        std::string broken;
+        std::map<uint64_t, Pending> pending;  // by seq
+        std::map<uint64_t, Running> running;  // by op id
+        std::map<uint64_t, Failed> failed;    // by seq
+        std::deque<uint64_t> failed_order;
+        uint64_t ops_completed = 0, ops_failed = 0, bytes_reduced = 0;
+        size_t joined() const;
+    };
+    struct MemberInfo {
+        std::string group;
+        uint32_t local_rank = 0;
+    };
+
+    void fail_seq(Group &g, uint64_t seq, int32_t code, const std::string &message, std::vector<Completion> &out);
+    std::string who(uint32_t rank) const { return "host " + host_ + " local rank " + std::to_string(rank); }
+
+    std::string host_;
+    std::chrono::milliseconds op_timeout_;
+    std::map<std::string, Group> groups_;
+    std::map<MemberId, MemberInfo> members_;
+    uint64_t next_op_id_ = 1;
+    Totals totals_;
+};
+
+}  // namespace ringd

@@ -1,0 +1,140 @@
+#include "daemon/engine/reduce.h"
+
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
+
+#define RINGD_INLINE inline __attribute__((always_inline))
+#if defined(__x86_64__)
+#define RINGD_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define RINGD_CLONES
+#endif
+
+namespace ringd {
+namespace {
+
+constexpr size_t kBlock = 1024;  // elements per block: 4-8 KiB of accumulator, stays in L1
+
+// Storage <-> accumulator conversions.
+struct Bf16 { uint16_t bits; };
+
+RINGD_INLINE float load_acc(const Bf16 &v) {
+    const uint32_t u = static_cast<uint32_t>(v.bits) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+RINGD_INLINE Bf16 store_bf16(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return Bf16{static_cast<uint16_t>((u >> 16) | 0x40)};  // quiet NaN
+    u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
+    return Bf16{static_cast<uint16_t>(u >> 16)};
+}
+
+template <typename T> struct Acc { using type = T; };
+template <> struct Acc<_Float16> { using type = float; };
+template <> struct Acc<Bf16> { using type = float; };
+// Integer sums wrap: accumulate in the unsigned type (no UB); min/max compare signed values.
+template <typename T> using UnsignedOf = std::make_unsigned_t<T>;
+
+template <typename T, typename A>
+RINGD_INLINE A to_acc(const T &v) {
+    if constexpr (std::is_same_v<T, Bf16>) return load_acc(v);
+    else return static_cast<A>(v);
+}
+template <typename T, typename A>
+RINGD_INLINE T from_acc(A v) {
+    if constexpr (std::is_same_v<T, Bf16>) return store_bf16(v);
+    else return static_cast<T>(v);
+}
+
+template <typename A, ReduceOp Op>
+RINGD_INLINE A combine(A x, A y) {
+    if constexpr (Op == ReduceOp::Min) return y < x ? y : x;
+    else if constexpr (Op == ReduceOp::Max) return y > x ? y : x;
+    else if constexpr (std::is_integral_v<A>)
+        return static_cast<A>(static_cast<UnsignedOf<A>>(x) + static_cast<UnsignedOf<A>>(y));
+    else return x + y;
+}
+
+template <typename T, ReduceOp Op>
+RINGD_INLINE void reduce_typed(const ReduceArgs &a) {
+    using A = typename Acc<T>::type;
+    A acc[kBlock];
+    const A scale = static_cast<A>(1) / static_cast<A>(a.avg_divisor ? a.avg_divisor : 1);
+    for (size_t base = 0; base < a.count; base += kBlock) {
+        const size_t n = std::min(kBlock, a.count - base);
+        const T *s0 = static_cast<const T *>(a.srcs[0]) + base;
+        for (size_t i = 0; i < n; ++i) acc[i] = to_acc<T, A>(s0[i]);
+        for (size_t k = 1; k < a.nsrc; ++k) {
+            const T *s = static_cast<const T *>(a.srcs[k]) + base;
+            for (size_t i = 0; i < n; ++i) acc[i] = combine<A, Op>(acc[i], to_acc<T, A>(s[i]));
+        }
+        if constexpr (Op == ReduceOp::Avg && !std::is_integral_v<A>) {
+            for (size_t i = 0; i < n; ++i) acc[i] *= scale;
+        }
+        for (size_t k = 0; k < a.ndst; ++k) {
+            T *d = static_cast<T *>(a.dsts[k]) + base;
+            for (size_t i = 0; i < n; ++i) d[i] = from_acc<T, A>(acc[i]);
+        }
+    }
+}
+
+template <typename T>
+RINGD_INLINE void reduce_dispatch_op(const ReduceArgs &a) {
+    switch (a.op) {
+    case ReduceOp::Sum: reduce_typed<T, ReduceOp::Sum>(a); break;
+    case ReduceOp::Avg:
+        if constexpr (!std::is_integral_v<T>) reduce_typed<T, ReduceOp::Avg>(a);
+        break;  // avg of integers is rejected at validation
+    case ReduceOp::Min: reduce_typed<T, ReduceOp::Min>(a); break;
+    case ReduceOp::Max: reduce_typed<T, ReduceOp::Max>(a); break;
+    }
+}
+
+// One non-template entry per dtype so that target_clones can version it; the templates above
+// are force-inlined into each clone and compiled for its ISA.
+RINGD_CLONES void reduce_f32(const ReduceArgs &a) { reduce_dispatch_op<float>(a); }
+RINGD_CLONES void reduce_f64(const ReduceArgs &a) { reduce_dispatch_op<double>(a); }
+RINGD_CLONES void reduce_f16(const ReduceArgs &a) { reduce_dispatch_op<_Float16>(a); }
+RINGD_CLONES void reduce_bf16(const ReduceArgs &a) { reduce_dispatch_op<Bf16>(a); }
+RINGD_CLONES void reduce_i32(const ReduceArgs &a) { reduce_dispatch_op<int32_t>(a); }
+RINGD_CLONES void reduce_i64(const ReduceArgs &a) { reduce_dispatch_op<int64_t>(a); }
+
+}  // namespace
+
+void reduce(const ReduceArgs &a) {
+    if (a.count == 0 || a.nsrc == 0 || a.ndst == 0) return;
+    switch (a.dtype) {
+    case DType::F32: reduce_f32(a); break;
+    case DType::F64: reduce_f64(a); break;
+    case DType::F16: reduce_f16(a); break;
+    case DType::BF16: reduce_bf16(a); break;
+    case DType::I32: reduce_i32(a); break;
+    case DType::I64: reduce_i64(a); break;
+    }
+}
+
+void reduce_into(void *dst, const void *src, size_t count, DType dtype, ReduceOp op) {
+    const void *srcs[2] = {dst, src};
+    void *dsts[1] = {dst};
+    reduce(ReduceArgs{dtype, op == ReduceOp::Avg ? ReduceOp::Sum : op, srcs, 2, dsts, 1, count, 1});
+}
+
+float half_to_float(uint16_t h) {
+    _Float16 v;
+    std::memcpy(&v, &h, 2);
+    return static_cast<float>(v);
+}
+uint16_t float_to_half(float f) {
+    const _Float16 v = static_cast<_Float16>(f);
+    uint16_t h;
+    std::memcpy(&h, &v, 2);
+    return h;
+}
+float bf16_to_float(uint16_t b) { return load_acc(Bf16{b}); }
+uint16_t float_to_bf16(float f) { return store_bf16(f).bits; }
+
+}  // namespace ringd

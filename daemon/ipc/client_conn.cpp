@@ -1,0 +1,93 @@
+#include "daemon/ipc/client_conn.h"
+
+#include <cstring>
+
+#include "common/fd_io.h"
+#include "daemon/ipc/slot.h"
+
+namespace ringd {
+
+ClientConn::ClientConn(MemberId id, UniqueFd sock, ucred cred, Clock::time_point hello_deadline)
+    : id_(id), sock_(std::move(sock)), cred_(cred), hello_deadline_(hello_deadline) {
+    in_.reserve(proto::kFrameHeaderBytes);
+}
+
+std::string ClientConn::describe() const {
+    std::string s = "client " + std::to_string(id_) + " (pid " + std::to_string(cred_.pid) + " uid " +
+                    std::to_string(cred_.uid) + ")";
+    if (state_ == State::Joined) s += " group " + group_ + " local rank " + std::to_string(local_rank_);
+    return s;
+}
+
+Result<std::optional<Frame>> ClientConn::read_frame() {
+    for (;;) {
+        const size_t want = header_ ? proto::kFrameHeaderBytes + header_->length : proto::kFrameHeaderBytes;
+        if (in_.size() == want) {
+            if (!header_) {
+                auto h = proto::decode_frame_header(in_, proto::kMaxClientPayload);
+                if (!h) return h.error();
+                header_ = *h;
+                in_.reserve(proto::kFrameHeaderBytes + h->length);  // capped by the check above
+                if (h->length > 0) continue;
+            }
+            Frame f{header_->type, proto::Bytes(in_.begin() + proto::kFrameHeaderBytes, in_.end())};
+            header_.reset();
+            in_.clear();
+            return std::optional<Frame>(std::move(f));
+        }
+        uint8_t buf[512];
+        std::vector<UniqueFd> fds;
+        const ssize_t n = recv_some(sock_.get(), buf, std::min(sizeof buf, want - in_.size()), fds);
+        if (n == -EAGAIN || n == -EWOULDBLOCK) return std::optional<Frame>();
+        if (n < 0) return make_error(static_cast<int>(n), "receive: " + errno_string(static_cast<int>(n)));
+        if (!fds.empty()) return make_error(-EPROTO, "client sent file descriptors; ringd accepts none");
+        if (n == 0) {
+            if (in_.empty()) return make_error(-ECONNRESET, "disconnected");
+            return make_error(-ECONNRESET, "disconnected in the middle of a frame");
+        }
+        in_.insert(in_.end(), buf, buf + n);
+    }
+}
+
+void ClientConn::joined(std::shared_ptr<Slot> slot, UniqueFd doorbell, UniqueFd completion, std::string group,
+                        uint32_t local_rank) {
+    slot_ = std::move(slot);
+    doorbell_ = std::move(doorbell);
+    completion_ = std::move(completion);
+    group_ = std::move(group);
+    local_rank_ = local_rank;
+    state_ = State::Joined;
+}
+
+Status ClientConn::take_submissions(std::vector<proto::SubmitDesc> &out) {
+    auto &h = slot_->header();
+    const uint64_t tail = h.sq_tail.value.load(std::memory_order_acquire);
+    const uint64_t depth = slot_->geometry().sq_depth;
+    if (tail - sq_head_ > depth)
+        return make_error(-EPROTO, "submission queue tail " + std::to_string(tail) + " is invalid (head " +
+                                       std::to_string(sq_head_) + ", depth " + std::to_string(depth) + ")");
+    for (; sq_head_ != tail; ++sq_head_) {
+        proto::SubmitDesc d;
+        std::memcpy(&d, &slot_->sq_entry(sq_head_), sizeof d);  // copied once; only the copy is used
+        out.push_back(d);
+    }
+    h.sq_head.value.store(sq_head_, std::memory_order_release);
+    return Ok{};
+}
+
+Status ClientConn::complete(uint64_t seq, int32_t status, std::string_view message) {
+    auto &h = slot_->header();
+    const uint64_t head = h.cq_head.value.load(std::memory_order_acquire);
+    const uint64_t depth = slot_->geometry().cq_depth;
+    if (cq_tail_ - head >= depth)
+        return make_error(-EOVERFLOW, "completion queue overflow: the client does not consume completions (head " +
+                                          std::to_string(head) + ", tail " + std::to_string(cq_tail_) + ")");
+    proto::fill_completion(slot_->cq_entry(cq_tail_), seq, status, message);
+    ++cq_tail_;
+    h.cq_tail.value.store(cq_tail_, std::memory_order_release);
+    const uint64_t one = 1;
+    (void)!::write(completion_.get(), &one, sizeof one);
+    return Ok{};
+}
+
+}  // namespace ringd

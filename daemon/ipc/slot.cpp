@@ -1,0 +1,44 @@
+#include "daemon/ipc/slot.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+
+#include <cstring>
+#include <new>
+
+#include "common/fd_io.h"
+
+namespace ringd {
+
+Result<std::shared_ptr<Slot>> Slot::create(const std::string &name, uint64_t data_bytes, Transport &transport) {
+    auto geo = proto::slot_geometry(data_bytes);
+    if (!geo) return geo.error();
+    std::shared_ptr<Slot> s(new (std::nothrow) Slot());
+    if (!s) return make_error(-ENOMEM, "out of memory");
+    s->geo_ = *geo;
+    s->memfd_ = UniqueFd(::memfd_create(name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING));
+    if (!s->memfd_) return make_error(-errno, "memfd_create: " + errno_string(errno));
+    if (::ftruncate(s->memfd_.get(), static_cast<off_t>(geo->map_bytes)) != 0)
+        return make_error(-errno, "ftruncate of the slot to " + std::to_string(geo->map_bytes) + " bytes: " + errno_string(errno));
+    if (::fcntl(s->memfd_.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0)
+        return make_error(-errno, "sealing the slot memfd: " + errno_string(errno));
+    auto m = SharedMapping::map(s->memfd_.get(), geo->map_bytes);
+    if (!m) return m.error();
+    s->map_ = std::move(*m);
+
+    auto &h = s->header();
+    h.magic = proto::kSlotMagic;
+    h.version = proto::kSlotVersion;
+    h.sq_depth = geo->sq_depth;
+    h.cq_depth = geo->cq_depth;
+    h.data_offset = geo->data_offset;
+    h.data_bytes = geo->data_bytes;
+    // The memfd is zero-filled, which is a valid state for the std::atomic indices.
+
+    auto reg = transport.register_region(s->data(), geo->data_bytes);
+    if (!reg) return reg.error();
+    s->registration_ = RegisteredRegion(&transport, *reg, geo->data_bytes);
+    return s;
+}
+
+}  // namespace ringd

@@ -1,0 +1,46 @@
+// Slot: one client's shared memory. A memfd sized, sealed (F_SEAL_SHRINK | F_SEAL_GROW |
+// F_SEAL_SEAL) and mapped by the daemon, registered with the transport once, at creation.
+// The client maps the same memfd; it cannot resize it, so the daemon never faults on it.
+//
+// Owned through shared_ptr: the control thread holds it while the client is connected and every
+// op running on the progress thread holds it until the op ends, so a client that disappears
+// mid-op never unmaps memory the engine is using. The queue indices in the header are written by
+// the client and only ever read through the checks in ClientConn.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "common/shm_mapping.h"
+#include "common/unique_fd.h"
+#include "daemon/transport/transport.h"
+#include "proto/slot.h"
+
+namespace ringd {
+
+class Slot {
+public:
+    static Result<std::shared_ptr<Slot>> create(const std::string &name, uint64_t data_bytes, Transport &transport);
+
+    int memfd() const { return memfd_.get(); }
+    const proto::SlotGeometry &geometry() const { return geo_; }
+    proto::SlotHeader &header() const { return *reinterpret_cast<proto::SlotHeader *>(map_.data()); }
+    const proto::SubmitDesc &sq_entry(uint64_t index) const {
+        return reinterpret_cast<const proto::SubmitDesc *>(map_.data() + geo_.sq_offset)[index % geo_.sq_depth];
+    }
+    proto::CompletionDesc &cq_entry(uint64_t index) const {
+        return reinterpret_cast<proto::CompletionDesc *>(map_.data() + geo_.cq_offset)[index % geo_.cq_depth];
+    }
+    std::byte *data() const { return map_.data() + geo_.data_offset; }
+    uint64_t data_bytes() const { return geo_.data_bytes; }
+
+private:
+    Slot() = default;
+    // Creation order = declaration order; destruction undoes registration before unmapping.
+    UniqueFd memfd_;
+    proto::SlotGeometry geo_;
+    SharedMapping map_;
+    RegisteredRegion registration_;
+};
+
+}  // namespace ringd

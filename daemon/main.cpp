@@ -1,0 +1,41 @@
+// ringd --config FILE --host NAME
+#include <CLI/CLI.hpp>
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
+
+#include "daemon/config.h"
+#include "daemon/daemon.h"
+
+int main(int argc, char **argv) {
+    CLI::App app{"ringd: per-host gradient allreduce daemon"};
+    std::string config_path = "/etc/ringd/ringd.yaml";
+    std::string host;
+    app.add_option("-c,--config", config_path, "configuration file")->capture_default_str();
+    app.add_option("--host", host, "this host's name in the config's hosts list")->required();
+    app.set_version_flag("--version", RINGD_VERSION);
+    CLI11_PARSE(app, argc, argv);
+
+    auto logger = spdlog::stderr_color_mt("ringd");
+    spdlog::set_default_logger(logger);
+    // journald adds its own timestamps; keep ours for runs outside systemd.
+    spdlog::set_pattern(std::getenv("JOURNAL_STREAM") ? "[%l] %v" : "%Y-%m-%d %H:%M:%S.%e [%l] %v");
+
+    auto config = ringd::load_config(config_path);
+    if (!config) {
+        spdlog::critical("{}", config.error().message);
+        return 2;
+    }
+    spdlog::set_level(spdlog::level::from_str(config->log_level));
+    try {
+        auto daemon = ringd::Daemon::create(std::move(*config), host);
+        if (!daemon) {
+            spdlog::critical("{}", daemon.error().message);
+            return 1;
+        }
+        return (*daemon)->run();
+    } catch (const std::exception &e) {
+        // Nothing a client or peer sends is allowed to get here; this is resource exhaustion.
+        spdlog::critical("fatal: {}", e.what());
+        return 1;
+    }
+}

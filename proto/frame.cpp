@@ -1,0 +1,179 @@
+#include "proto/frame.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <string_view>
+
+#include "proto/le.h"
+
+namespace ringd::proto {
+namespace {
+
+Error bad(std::string msg) { return make_error(-EPROTO, std::move(msg)); }
+
+bool known_type(uint16_t t) {
+    return t >= static_cast<uint16_t>(FrameType::Hello) && t <= static_cast<uint16_t>(FrameType::StatusReply);
+}
+
+Result<Ok> expect_size(std::span<const uint8_t> payload, size_t want, const char *what) {
+    if (payload.size() != want)
+        return bad(std::string(what) + " payload is " + std::to_string(payload.size()) + " bytes, expected " +
+                   std::to_string(want));
+    return Ok{};
+}
+
+}  // namespace
+
+Bytes encode_frame(FrameType type, std::span<const uint8_t> payload) {
+    Bytes out(kFrameHeaderBytes + payload.size());
+    le::put<uint32_t>(&out[0], kFrameMagic);
+    le::put<uint16_t>(&out[4], kProtocolVersion);
+    le::put<uint16_t>(&out[6], static_cast<uint16_t>(type));
+    le::put<uint32_t>(&out[8], static_cast<uint32_t>(payload.size()));
+    le::put<uint32_t>(&out[12], 0);
+    if (!payload.empty()) std::memcpy(&out[kFrameHeaderBytes], payload.data(), payload.size());
+    return out;
+}
+
+Result<FrameHeader> decode_frame_header(std::span<const uint8_t> h, uint32_t max_payload) {
+    if (h.size() != kFrameHeaderBytes) return bad("frame header is " + std::to_string(h.size()) + " bytes, expected 16");
+    const auto magic = le::get<uint32_t>(&h[0]);
+    if (magic != kFrameMagic) {
+        char buf[64];
+        std::snprintf(buf, sizeof buf, "bad frame magic 0x%08x (expected 0x%08x)", magic, kFrameMagic);
+        return bad(buf);
+    }
+    const auto version = le::get<uint16_t>(&h[4]);
+    if (version != kProtocolVersion)
+        return make_error(-EPROTONOSUPPORT, "protocol version " + std::to_string(version) + " is not supported (ringd speaks " +
+                                                std::to_string(kProtocolVersion) + ")");
+    const auto type = le::get<uint16_t>(&h[6]);
+    if (!known_type(type)) return bad("unknown frame type " + std::to_string(type));
+    const auto length = le::get<uint32_t>(&h[8]);
+    if (length > max_payload)
+        return make_error(-EMSGSIZE, "frame length " + std::to_string(length) + " exceeds the limit of " +
+                                         std::to_string(max_payload) + " bytes");
+    if (le::get<uint32_t>(&h[12]) != 0) return bad("reserved frame header field is not zero");
+    return FrameHeader{static_cast<FrameType>(type), length};
+}
+
+std::string check_group_name(std::string_view name) {
+    if (name.empty()) return "group name is empty";
+    if (name.size() >= kGroupNameBytes)
+        return "group name is " + std::to_string(name.size()) + " bytes, at most " + std::to_string(kGroupNameBytes - 1);
+    for (char c : name) {
+        const bool okc = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
+                         c == '_' || c == '-';
+        if (!okc) return "group name may contain only letters, digits, '.', '_' and '-'";
+    }
+    return {};
+}
+
+Bytes encode_hello(const Hello &h) {
+    uint8_t p[kHelloBytes] = {};
+    le::put<uint32_t>(&p[0], h.local_rank);
+    le::put<uint32_t>(&p[4], h.local_size);
+    le::put<uint64_t>(&p[8], h.slot_bytes);
+    std::memcpy(&p[16], h.group.data(), std::min(h.group.size(), kGroupNameBytes - 1));
+    return encode_frame(FrameType::Hello, p);
+}
+
+Result<Hello> decode_hello(std::span<const uint8_t> p) {
+    if (auto s = expect_size(p, kHelloBytes, "hello"); !s) return s.error();
+    Hello h;
+    h.local_rank = le::get<uint32_t>(&p[0]);
+    h.local_size = le::get<uint32_t>(&p[4]);
+    h.slot_bytes = le::get<uint64_t>(&p[8]);
+    const auto *g = reinterpret_cast<const char *>(&p[16]);
+    size_t len = 0;
+    while (len < kGroupNameBytes && g[len] != '\0') ++len;
+    if (len == kGroupNameBytes) return bad("group name is not NUL-terminated");
+    for (size_t i = len; i < kGroupNameBytes; ++i)
+        if (g[i] != '\0') return bad("bytes after the group name's NUL are not zero");
+    h.group.assign(g, len);
+    if (auto why = check_group_name(h.group); !why.empty()) return make_error(-EINVAL, why);
+    if (h.local_size == 0 || h.local_size > kMaxLocalSize)
+        return make_error(-EINVAL, "local_size " + std::to_string(h.local_size) + " is outside [1, " +
+                                       std::to_string(kMaxLocalSize) + "]");
+    if (h.local_rank >= h.local_size)
+        return make_error(-EINVAL, "local_rank " + std::to_string(h.local_rank) + " is not below local_size " +
+                                       std::to_string(h.local_size));
+    if (h.slot_bytes == 0) return make_error(-EINVAL, "slot_bytes is 0");
+    return h;
+}
+
+Bytes encode_welcome(const Welcome &w) {
+    uint8_t p[kWelcomeBytes] = {};
+    le::put<uint32_t>(&p[0], w.client_id);
+    le::put<uint32_t>(&p[4], w.sq_depth);
+    le::put<uint32_t>(&p[8], w.cq_depth);
+    le::put<uint32_t>(&p[12], w.op_timeout_ms);
+    le::put<uint64_t>(&p[16], w.map_bytes);
+    le::put<uint64_t>(&p[24], w.data_offset);
+    le::put<uint64_t>(&p[32], w.data_bytes);
+    le::put<uint64_t>(&p[40], 0);
+    return encode_frame(FrameType::Welcome, p);
+}
+
+Result<Welcome> decode_welcome(std::span<const uint8_t> p) {
+    if (auto s = expect_size(p, kWelcomeBytes, "welcome"); !s) return s.error();
+    Welcome w;
+    w.client_id = le::get<uint32_t>(&p[0]);
+    w.sq_depth = le::get<uint32_t>(&p[4]);
+    w.cq_depth = le::get<uint32_t>(&p[8]);
+    w.op_timeout_ms = le::get<uint32_t>(&p[12]);
+    w.map_bytes = le::get<uint64_t>(&p[16]);
+    w.data_offset = le::get<uint64_t>(&p[24]);
+    w.data_bytes = le::get<uint64_t>(&p[32]);
+    if (le::get<uint64_t>(&p[40]) != 0) return bad("reserved welcome field is not zero");
+    if (w.sq_depth == 0 || w.cq_depth == 0) return bad("welcome has an empty queue");
+    if (w.data_offset > w.map_bytes || w.map_bytes - w.data_offset < w.data_bytes)
+        return bad("welcome data area lies outside the slot");
+    return w;
+}
+
+Bytes encode_error(const ErrorFrame &e) {
+    const size_t len = std::min<size_t>(e.message.size(), kMaxErrorMessage);
+    Bytes p(8 + len);
+    le::put<int32_t>(&p[0], e.code);
+    le::put<uint32_t>(&p[4], static_cast<uint32_t>(len));
+    std::memcpy(p.data() + 8, e.message.data(), len);
+    return encode_frame(FrameType::Error, p);
+}
+
+Result<ErrorFrame> decode_error(std::span<const uint8_t> p) {
+    if (p.size() < 8) return bad("error payload is shorter than 8 bytes");
+    ErrorFrame e;
+    e.code = le::get<int32_t>(&p[0]);
+    const auto len = le::get<uint32_t>(&p[4]);
+    if (len > kMaxErrorMessage) return bad("error message length " + std::to_string(len) + " exceeds 1024");
+    if (p.size() - 8 != len) return bad("error message length does not match the payload");
+    if (e.code >= 0) return bad("error code " + std::to_string(e.code) + " is not a negative errno");
+    e.message.assign(reinterpret_cast<const char *>(p.data() + 8), len);
+    return e;
+}
+
+Bytes encode_status_request(const StatusRequest &r) {
+    uint8_t p[kStatusRequestBytes];
+    le::put<uint32_t>(&p[0], r.flags);
+    return encode_frame(FrameType::StatusRequest, p);
+}
+
+Result<StatusRequest> decode_status_request(std::span<const uint8_t> p) {
+    if (auto s = expect_size(p, kStatusRequestBytes, "status request"); !s) return s.error();
+    StatusRequest r{le::get<uint32_t>(&p[0])};
+    if (r.flags != 0) return bad("status request flags must be 0");
+    return r;
+}
+
+Bytes encode_status_reply(std::string_view json) {
+    return encode_frame(FrameType::StatusReply,
+                        std::span(reinterpret_cast<const uint8_t *>(json.data()), json.size()));
+}
+
+Result<std::string> decode_status_reply(std::span<const uint8_t> p) {
+    return std::string(reinterpret_cast<const char *>(p.data()), p.size());
+}
+
+}  // namespace ringd::proto

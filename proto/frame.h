@@ -1,0 +1,98 @@
+// Client <-> daemon frames on the Unix socket.
+//
+// Every frame is a 16-byte header followed by `length` payload bytes, all little-endian:
+//   u32 magic "RNGD" | u16 version | u16 type | u32 length | u32 reserved (0)
+// Decoders validate every field and return an Error naming what is wrong; lengths are checked
+// against a per-direction cap before anything is allocated. tests/unit/test_frame.cpp pins the
+// exact bytes of each frame.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "proto/result.h"
+
+namespace ringd::proto {
+
+using Bytes = std::vector<uint8_t>;
+
+inline constexpr uint32_t kFrameMagic = 0x44474E52;  // bytes 'R' 'N' 'G' 'D'
+inline constexpr uint16_t kProtocolVersion = 1;
+inline constexpr size_t kFrameHeaderBytes = 16;
+
+// Largest payload the daemon accepts from a client (hello, status request, error).
+inline constexpr uint32_t kMaxClientPayload = 4096;
+// Largest payload a client accepts from the daemon (the status JSON is the big one).
+inline constexpr uint32_t kMaxDaemonPayload = 1u << 20;
+inline constexpr uint32_t kMaxErrorMessage = 1024;
+inline constexpr size_t kGroupNameBytes = 64;  // including the terminating NUL
+inline constexpr uint32_t kMaxLocalSize = 64;    // trainers of one group on one host
+// File descriptors that travel with a Welcome: slot memfd, submit doorbell, completion eventfd.
+inline constexpr int kWelcomeFds = 3;
+
+enum class FrameType : uint16_t {
+    Hello = 1,          // client -> daemon: join a group, ask for a slot
+    Welcome = 2,        // daemon -> client: slot geometry (+ kWelcomeFds fds)
+    Error = 3,          // either way: code and message; the sender closes afterwards
+    StatusRequest = 4,  // ringctl -> daemon
+    StatusReply = 5,    // daemon -> ringctl: JSON document
+};
+
+struct FrameHeader {
+    FrameType type{};
+    uint32_t length = 0;
+};
+
+struct Hello {
+    std::string group;
+    uint32_t local_rank = 0;
+    uint32_t local_size = 0;
+    uint64_t slot_bytes = 0;  // data bytes the client wants in its slot
+};
+inline constexpr size_t kHelloBytes = 16 + kGroupNameBytes;
+
+struct Welcome {
+    uint32_t client_id = 0;
+    uint32_t sq_depth = 0;
+    uint32_t cq_depth = 0;
+    uint32_t op_timeout_ms = 0;  // the daemon's timeouts.op, so clients can bound their waits
+    uint64_t map_bytes = 0;      // size of the slot memfd (header + queues + data)
+    uint64_t data_offset = 0;    // where the data area starts inside the memfd
+    uint64_t data_bytes = 0;
+};
+inline constexpr size_t kWelcomeBytes = 48;
+
+struct ErrorFrame {
+    int32_t code = -EINVAL;  // negative errno
+    std::string message;
+};
+
+struct StatusRequest {
+    uint32_t flags = 0;  // reserved, must be 0
+};
+inline constexpr size_t kStatusRequestBytes = 4;
+
+// Header.
+Bytes encode_frame(FrameType type, std::span<const uint8_t> payload);
+// `max_payload` is the cap for this direction; an unknown type, bad magic/version or a length
+// over the cap is an error.
+Result<FrameHeader> decode_frame_header(std::span<const uint8_t> header, uint32_t max_payload);
+
+// Payloads (encode returns the whole frame, header included).
+Bytes encode_hello(const Hello &h);
+Result<Hello> decode_hello(std::span<const uint8_t> payload);
+Bytes encode_welcome(const Welcome &w);
+Result<Welcome> decode_welcome(std::span<const uint8_t> payload);
+Bytes encode_error(const ErrorFrame &e);
+Result<ErrorFrame> decode_error(std::span<const uint8_t> payload);
+Bytes encode_status_request(const StatusRequest &r);
+Result<StatusRequest> decode_status_request(std::span<const uint8_t> payload);
+Bytes encode_status_reply(std::string_view json);
+Result<std::string> decode_status_reply(std::span<const uint8_t> payload);
+
+// Group names: 1..63 bytes of [A-Za-z0-9._-]. Returns an empty string when valid, else why not.
+std::string check_group_name(std::string_view name);
+
+}  // namespace ringd::proto

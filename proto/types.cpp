@@ -1,0 +1,23 @@
+#include "proto/types.h"
+
+namespace ringd {
+
+std::optional<DType> parse_dtype(std::string_view s) {
+    struct Name { std::string_view a, b; DType t; };
+    static constexpr Name names[] = {
+        {"f32", "float", DType::F32},   {"f64", "double", DType::F64},
+        {"f16", "half", DType::F16},    {"bf16", "bfloat16", DType::BF16},
+        {"i32", "int32", DType::I32},   {"i64", "int64", DType::I64},
+    };
+    for (const auto &n : names)
+        if (s == n.a || s == n.b) return n.t;
+    return std::nullopt;
+}
+
+std::optional<ReduceOp> parse_reduce_op(std::string_view s) {
+    for (uint32_t i = 0; i < kReduceOpCount; ++i)
+        if (s == reduce_op_name(static_cast<ReduceOp>(i))) return static_cast<ReduceOp>(i);
+    return std::nullopt;
+}
+
+}  // namespace ringd

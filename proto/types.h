@@ -1,0 +1,58 @@
+// Element types and reduction operators. The numeric values are part of the C ABI
+// (client/include/ringd/ringd.h) and of the submit descriptor; never renumber.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string_view>
+
+namespace ringd {
+
+enum class DType : uint32_t { F32 = 0, F64 = 1, F16 = 2, BF16 = 3, I32 = 4, I64 = 5 };
+enum class ReduceOp : uint32_t { Sum = 0, Avg = 1, Min = 2, Max = 3 };
+
+inline constexpr uint32_t kDTypeCount = 6;
+inline constexpr uint32_t kReduceOpCount = 4;
+
+constexpr size_t dtype_size(DType t) {
+    switch (t) {
+    case DType::F32: return 4;
+    case DType::F64: return 8;
+    case DType::F16: return 2;
+    case DType::BF16: return 2;
+    case DType::I32: return 4;
+    case DType::I64: return 8;
+    }
+    return 0;
+}
+
+constexpr bool dtype_is_integer(DType t) { return t == DType::I32 || t == DType::I64; }
+
+constexpr std::string_view dtype_name(DType t) {
+    switch (t) {
+    case DType::F32: return "float";
+    case DType::F64: return "double";
+    case DType::F16: return "half";
+    case DType::BF16: return "bfloat16";
+    case DType::I32: return "int32";
+    case DType::I64: return "int64";
+    }
+    return "?";
+}
+
+constexpr std::string_view reduce_op_name(ReduceOp o) {
+    switch (o) {
+    case ReduceOp::Sum: return "sum";
+    case ReduceOp::Avg: return "avg";
+    case ReduceOp::Min: return "min";
+    case ReduceOp::Max: return "max";
+    }
+    return "?";
+}
+
+// Accepts the names above and the short forms f32 f64 f16 bf16 i32 i64.
+std::optional<DType> parse_dtype(std::string_view s);
+std::optional<ReduceOp> parse_reduce_op(std::string_view s);
+
+}  // namespace ringd
