@@ -342,6 +342,10 @@ void Daemon::on_doorbell(MemberId id) {
     std::vector<OpRun> ready;
     const auto now = Clock::now();
     for (const auto &d : descs) {
+        if (!running_) {  // submitted while shutting down
+            completions.push_back({id, d.seq, -ESHUTDOWN, "ringd is shutting down"});
+            continue;
+        }
         if (d.seq != c.expected_seq()) {
             completions.push_back({id, d.seq, -EINVAL,
                                    "op " + std::to_string(d.seq) + " is out of sequence (expected " +
@@ -450,6 +454,11 @@ void Daemon::shutdown() {
     epoll_del(epoll_.get(), listener_.get());
     listener_.reset();
     ::unlink(config_.socket.c_str());
+    // Submissions whose doorbell was not handled yet are answered too.
+    std::vector<MemberId> joined;
+    for (const auto &[id, c] : clients_)
+        if (c->state() == ClientConn::State::Joined) joined.push_back(id);
+    for (MemberId id : joined) on_doorbell(id);
     std::vector<Completion> completions;
     std::vector<OpRun> ready;
     groups_.fail_everything("ringd is shutting down", completions);

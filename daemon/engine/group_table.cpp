@@ -84,6 +84,8 @@ void GroupTable::submit(MemberId id, const proto::Submission &s, Clock::time_poi
     const std::string at = "group " + g.name + " op " + std::to_string(s.seq) + ": ";
     if (!g.broken.empty()) {
         out.push_back({id, s.seq, -ECONNABORTED, at + g.broken});
+        ++g.ops_failed;
+        ++totals_.ops_failed;
         return;
     }
     if (auto fit = g.failed.find(s.seq); fit != g.failed.end()) {

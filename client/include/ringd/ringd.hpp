@@ -14,9 +14,9 @@
 
 namespace ringd {
 
-class Error : public std::runtime_error {
+class ClientError : public std::runtime_error {
 public:
-    Error(int code, const std::string &what) : std::runtime_error(what), code_(code) {}
+    ClientError(int code, const std::string &what) : std::runtime_error(what), code_(code) {}
     int code() const { return code_; }  // negative errno
 
 private:
@@ -28,7 +28,7 @@ public:
     Client(const std::string &socket, const std::string &group, int local_rank, int local_size, size_t slot_bytes) {
         char err[512] = "";
         c_ = ringd_connect(socket.c_str(), group.c_str(), local_rank, local_size, slot_bytes, err, sizeof err);
-        if (!c_) throw Error(-ECONNREFUSED, err);
+        if (!c_) throw ClientError(-ECONNREFUSED, err);
     }
     Client(Client &&o) noexcept : c_(std::exchange(o.c_, nullptr)) {}
     Client &operator=(Client &&o) noexcept {
@@ -51,7 +51,7 @@ public:
     template <typename T>
     std::span<T> slot_as(size_t offset, size_t count) const {
         auto s = slot();
-        if (offset > s.size() || count > (s.size() - offset) / sizeof(T)) throw Error(-ERANGE, "outside the slot");
+        if (offset > s.size() || count > (s.size() - offset) / sizeof(T)) throw ClientError(-ERANGE, "outside the slot");
         return {reinterpret_cast<T *>(s.data() + offset), count};
     }
 
@@ -69,7 +69,7 @@ public:
 
 private:
     void check(int rc) const {
-        if (rc != 0) throw Error(rc, ringd_last_error(c_));
+        if (rc != 0) throw ClientError(rc, ringd_last_error(c_));
     }
     ringd_client *c_ = nullptr;
 };

@@ -1,0 +1,216 @@
+// Test harness: a real ringd process with a generated config in a temp dir, started and
+// stopped with deadlines (READY=1 read from a NOTIFY_SOCKET the test owns, pidfd for exit),
+// and trainer processes forked from the test. No sleeps: every wait is on an fd.
+#pragma once
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <sys/stat.h>
+#include <functional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "common/fd_io.h"
+#include "common/unique_fd.h"
+
+namespace ringd::test {
+
+inline std::string env_or(const char *name, const char *fallback) {
+    const char *v = std::getenv(name);
+    return v ? v : fallback;
+}
+
+inline std::string make_temp_dir() {
+    char tmpl[] = "/tmp/ringd-test.XXXXXX";
+    const char *d = ::mkdtemp(tmpl);
+    return d ? d : "/tmp";
+}
+
+inline std::string read_file(const std::string &path) {
+    std::ifstream in(path);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    return ss.str();
+}
+
+inline int pidfd_open(pid_t pid) { return static_cast<int>(::syscall(SYS_pidfd_open, pid, 0)); }
+
+// Waits for `pid` (a child) to exit within `timeout`; returns its wait status, or -1 on timeout.
+inline int wait_child(pid_t pid, std::chrono::milliseconds timeout) {
+    UniqueFd pfd(pidfd_open(pid));
+    if (pfd) {
+        pollfd p{pfd.get(), POLLIN, 0};
+        if (::poll(&p, 1, static_cast<int>(timeout.count())) <= 0) return -1;
+    }
+    int status = 0;
+    if (::waitpid(pid, &status, 0) != pid) return -1;
+    return status;
+}
+
+// A datagram socket that receives sd_notify messages.
+class NotifySocket {
+public:
+    NotifySocket() {
+        path_ = make_temp_dir() + "/notify.sock";
+        fd_ = UniqueFd(::socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0));
+        sockaddr_un a{};
+        a.sun_family = AF_UNIX;
+        std::strcpy(a.sun_path, path_.c_str());
+        (void)!::bind(fd_.get(), reinterpret_cast<sockaddr *>(&a), sizeof a);
+    }
+    const std::string &path() const { return path_; }
+    // Next message within the timeout, or "" on timeout.
+    std::string next(std::chrono::milliseconds timeout) {
+        pollfd p{fd_.get(), POLLIN, 0};
+        if (::poll(&p, 1, static_cast<int>(timeout.count())) <= 0) return "";
+        char buf[4096];
+        const ssize_t n = ::recv(fd_.get(), buf, sizeof buf, 0);
+        return n > 0 ? std::string(buf, static_cast<size_t>(n)) : "";
+    }
+    // Waits until a message containing `what` arrives.
+    bool wait_for(const std::string &what, std::chrono::milliseconds timeout) {
+        const auto deadline = Clock::now() + timeout;
+        while (Clock::now() < deadline) {
+            const std::string m = next(std::chrono::milliseconds(ms_until(deadline)));
+            if (m.find(what) != std::string::npos) return true;
+        }
+        return false;
+    }
+
+private:
+    std::string path_;
+    UniqueFd fd_;
+};
+
+struct DaemonOptions {
+    std::string extra_yaml;  // appended to the generated config
+    std::string op_timeout = "5s";
+    std::string slot_bytes = "64MiB";
+    int max_slots = 16;
+    std::vector<std::string> env;  // extra KEY=VALUE
+};
+
+class Daemon {
+public:
+    explicit Daemon(const DaemonOptions &o = {}) {
+        dir_ = make_temp_dir();
+        socket_ = dir_ + "/ringd.sock";
+        config_ = dir_ + "/ringd.yaml";
+        log_ = dir_ + "/ringd.log";
+        std::ofstream(config_) << "cluster: test\n"
+                                  "hosts:\n  - {name: node0, address: 127.0.0.1, port: 7400}\n"
+                                  "socket: " << socket_ << "\n"
+                               << "memory: {slot_bytes: " << o.slot_bytes << ", max_slots: " << o.max_slots << "}\n"
+                               << "timeouts: {op: " << o.op_timeout << "}\n"
+                               << "log: {level: debug}\n"
+                               << o.extra_yaml;
+        env_ = o.env;
+        start();
+    }
+    ~Daemon() {
+        if (pid_ > 0) {
+            ::kill(pid_, SIGKILL);
+            wait_child(pid_, std::chrono::seconds(10));
+        }
+    }
+
+    void start() {
+        notify_ = std::make_unique<NotifySocket>();
+        const std::string bin = env_or("RINGD_BIN", "build/daemon/ringd");
+        pid_ = ::fork();
+        if (pid_ == 0) {
+            const int log = ::open(log_.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+            ::dup2(log, 2);
+            ::setenv("NOTIFY_SOCKET", notify_->path().c_str(), 1);
+            for (const auto &kv : env_) ::putenv(const_cast<char *>(kv.c_str()));
+            ::execl(bin.c_str(), bin.c_str(), "--config", config_.c_str(), "--host", "node0", nullptr);
+            ::_exit(127);
+        }
+        ready_ = notify_->wait_for("READY=1", std::chrono::seconds(10));
+    }
+    bool ready() const { return ready_; }
+    pid_t pid() const { return pid_; }
+    const std::string &socket() const { return socket_; }
+    const std::string &dir() const { return dir_; }
+    std::string log() const { return read_file(log_); }
+    NotifySocket &notify() { return *notify_; }
+    bool alive() const { return pid_ > 0 && ::kill(pid_, 0) == 0 && ::waitpid(pid_, nullptr, WNOHANG) == 0; }
+
+    // SIGTERM and wait; returns the wait status (or -1 on timeout).
+    int stop(std::chrono::milliseconds timeout = std::chrono::seconds(10)) {
+        ::kill(pid_, SIGTERM);
+        const int st = wait_child(pid_, timeout);
+        if (st != -1) pid_ = -1;
+        return st;
+    }
+
+private:
+    std::string dir_, socket_, config_, log_;
+    std::vector<std::string> env_;
+    std::unique_ptr<NotifySocket> notify_;
+    pid_t pid_ = -1;
+    bool ready_ = false;
+};
+
+// Forks `fn` into a child process; its return value is the exit code.
+inline pid_t spawn(const std::function<int()> &fn) {
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+        int rc = 99;
+        try {
+            rc = fn();
+        } catch (...) {
+            rc = 98;
+        }
+        ::_exit(rc);
+    }
+    return pid;
+}
+
+// Exit code of a child, or -1 when it did not exit normally within the timeout.
+inline int join(pid_t pid, std::chrono::milliseconds timeout = std::chrono::seconds(60)) {
+    const int st = wait_child(pid, timeout);
+    if (st == -1) {
+        ::kill(pid, SIGKILL);
+        ::waitpid(pid, nullptr, 0);
+        return -1;
+    }
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+// A raw connection to the daemon's socket, for hostile-client tests.
+inline UniqueFd raw_connect(const std::string &path) {
+    UniqueFd s(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    sockaddr_un a{};
+    a.sun_family = AF_UNIX;
+    std::strcpy(a.sun_path, path.c_str());
+    if (::connect(s.get(), reinterpret_cast<sockaddr *>(&a), sizeof a) != 0) return UniqueFd();
+    return s;
+}
+
+// True when the peer closed `fd` (EOF) within the timeout; data before the EOF is discarded.
+inline bool closed_by_peer(int fd, std::chrono::milliseconds timeout) {
+    const auto deadline = Clock::now() + timeout;
+    for (;;) {
+        pollfd p{fd, POLLIN, 0};
+        if (::poll(&p, 1, ms_until(deadline)) <= 0) return false;
+        char buf[4096];
+        const ssize_t n = ::recv(fd, buf, sizeof buf, MSG_DONTWAIT);
+        if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) return true;
+    }
+}
+
+}  // namespace ringd::test

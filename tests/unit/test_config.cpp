@@ -1,0 +1,109 @@
+// Config parsing: every error names its key.
+#include <catch2/catch.hpp>
+
+#include "common/units.h"
+#include "daemon/config.h"
+
+using namespace ringd;
+
+namespace {
+
+const std::string kBase = "cluster: c\nhosts:\n  - {name: a, address: 127.0.0.1, port: 7400}\n";
+
+std::string error_of(const std::string &yaml) {
+    auto c = parse_config(yaml);
+    return c.ok() ? "" : c.error().message;
+}
+
+}  // namespace
+
+TEST_CASE("a minimal config gets the documented defaults", "[config]") {
+    auto c = parse_config(kBase);
+    REQUIRE(c.ok());
+    CHECK(c->cluster == "c");
+    CHECK(c->transport == "tcp");
+    CHECK(c->tcp.streams == 2);
+    CHECK(c->socket == "/run/ringd/ringd.sock");
+    CHECK(c->memory.slot_bytes == 256ull << 20);
+    CHECK(c->memory.max_slots == 16);
+    CHECK(c->timeouts.op == std::chrono::seconds(30));
+    CHECK(c->poll == PollMode::Adaptive);
+    CHECK(c->log_level == "info");
+}
+
+TEST_CASE("the shipped example config parses", "[config]") {
+    auto c = load_config(std::string(RINGD_SOURCE_DIR) + "/config/ringd.yaml");
+    REQUIRE(c.ok());
+    CHECK(c->socket_group == "ringd");
+}
+
+TEST_CASE("every value is parsed", "[config]") {
+    auto c = parse_config(kBase +
+                          "transport: ibverbs\ntcp: {streams: 4}\nibverbs: {device: mlx5_0, port: 2, gid_index: 3}\n"
+                          "socket: /tmp/x.sock\nsocket_group: wheel\nallow_uids: [0, 1000]\nallow_gids: [27]\n"
+                          "memory: {slot_bytes: 1GiB, max_slots: 4}\ntimeouts: {op: 500ms, connect: 2m, heartbeat: 1s}\n"
+                          "poll: busy\nauth: {secret_file: /etc/ringd/secret}\nlog: {level: debug}\n");
+    REQUIRE(c.ok());
+    CHECK(c->transport == "ibverbs");
+    CHECK(c->tcp.streams == 4);
+    CHECK(c->ibverbs.device == "mlx5_0");
+    CHECK(c->ibverbs.gid_index == "3");
+    CHECK(c->allow_uids == std::vector<uint32_t>{0, 1000});
+    CHECK(c->memory.slot_bytes == 1ull << 30);
+    CHECK(c->timeouts.op == std::chrono::milliseconds(500));
+    CHECK(c->timeouts.connect == std::chrono::minutes(2));
+    CHECK(c->poll == PollMode::Busy);
+    CHECK(c->secret_file == "/etc/ringd/secret");
+}
+
+TEST_CASE("errors name the key", "[config]") {
+    CHECK_THAT(error_of(kBase + "memroy: {}\n"), Catch::StartsWith("memroy: unknown key"));
+    CHECK_THAT(error_of(kBase + "memory: {slot_byte: 1}\n"), Catch::StartsWith("memory.slot_byte: unknown key"));
+    CHECK_THAT(error_of(kBase + "memory: {slot_bytes: 12XB}\n"), Catch::StartsWith("memory.slot_bytes: '12XB' is not a size"));
+    CHECK_THAT(error_of(kBase + "memory: {max_slots: 0}\n"), Catch::StartsWith("memory.max_slots: 0 is out of range"));
+    CHECK_THAT(error_of(kBase + "timeouts: {op: 30}\n"), Catch::StartsWith("timeouts.op: '30' is not a positive duration"));
+    CHECK_THAT(error_of(kBase + "transport: udp\n"), Catch::StartsWith("transport: 'udp' is not one of tcp | ibverbs"));
+    CHECK_THAT(error_of(kBase + "poll: sometimes\n"), Catch::StartsWith("poll:"));
+    CHECK_THAT(error_of(kBase + "tcp: {streams: 0}\n"), Catch::StartsWith("tcp.streams:"));
+    CHECK_THAT(error_of(kBase + "allow_uids: root\n"), Catch::StartsWith("allow_uids:"));
+    CHECK_THAT(error_of(kBase + "allow_uids: [x]\n"), Catch::StartsWith("allow_uids[0]:"));
+    CHECK_THAT(error_of(kBase + "log: {level: loud}\n"), Catch::StartsWith("log.level:"));
+    CHECK_THAT(error_of(kBase + "ibverbs: {gid_index: x}\n"), Catch::StartsWith("ibverbs.gid_index:"));
+    CHECK_THAT(error_of("hosts: []\ncluster: c\n"), Catch::StartsWith("hosts:"));
+    CHECK_THAT(error_of("hosts:\n  - {name: a, address: x}\n"), Catch::StartsWith("cluster: missing"));
+    CHECK_THAT(error_of("cluster: c\nhosts:\n  - {name: a}\n"), Catch::StartsWith("hosts[0].address: missing"));
+    CHECK_THAT(error_of("cluster: c\nhosts:\n  - {name: a, address: x, port: 70000}\n"), Catch::StartsWith("hosts[0].port:"));
+    CHECK_THAT(error_of("cluster: c\nhosts:\n  - {name: a, address: x}\n  - {name: a, address: y}\n"),
+               Catch::StartsWith("hosts[1].name: 'a' appears twice"));
+    CHECK_THAT(error_of("cluster: c\nhosts:\n  - {name: a, address: x, colour: red}\n"),
+               Catch::StartsWith("hosts[0].colour: unknown key"));
+    CHECK_THAT(error_of("cluster: [\n"), Catch::StartsWith("YAML syntax"));
+    CHECK_THAT(error_of(""), Catch::Contains("empty"));
+    CHECK_THAT(error_of("- a\n- b\n"), Catch::Contains("expected a mapping"));
+}
+
+TEST_CASE("unreadable file and unknown host", "[config]") {
+    auto c = load_config("/nonexistent/ringd.yaml");
+    REQUIRE_FALSE(c.ok());
+    CHECK_THAT(c.error().message, Catch::Contains("/nonexistent/ringd.yaml"));
+    auto ok = parse_config(kBase);
+    REQUIRE(ok.ok());
+    CHECK(find_host(*ok, "a").ok());
+    CHECK_THAT(find_host(*ok, "b").error().message, Catch::Contains("configured: a"));
+}
+
+TEST_CASE("sizes and durations", "[config]") {
+    CHECK(parse_size("4096") == 4096u);
+    CHECK(parse_size("4K") == 4096u);
+    CHECK(parse_size("64MiB") == 64u << 20);
+    CHECK(parse_size("1 GiB") == 1u << 30);
+    CHECK_FALSE(parse_size("").has_value());
+    CHECK_FALSE(parse_size("1.5G").has_value());
+    CHECK_FALSE(parse_size("99999999999999999999").has_value());
+    CHECK_FALSE(parse_size("17179869184G").has_value());
+    CHECK(parse_duration("250ms") == std::chrono::milliseconds(250));
+    CHECK(parse_duration("2h") == std::chrono::hours(2));
+    CHECK_FALSE(parse_duration("5").has_value());
+    CHECK(format_bytes(256u << 20) == "256 MiB");
+    CHECK(format_bytes(1536) == "1.5 KiB");
+}

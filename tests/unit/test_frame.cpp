@@ -1,0 +1,234 @@
+// proto/: exact bytes of every frame, and rejection of malformed input.
+#include <catch2/catch.hpp>
+
+#include <cstring>
+
+#include "proto/frame.h"
+#include "proto/slot.h"
+
+using namespace ringd;
+using namespace ringd::proto;
+
+namespace {
+
+Bytes header_bytes(uint16_t type, uint32_t len) {
+    return {0x52, 0x4E, 0x47, 0x44, 0x01, 0x00, static_cast<uint8_t>(type), 0x00, static_cast<uint8_t>(len),
+            static_cast<uint8_t>(len >> 8), static_cast<uint8_t>(len >> 16), static_cast<uint8_t>(len >> 24), 0, 0, 0, 0};
+}
+
+Bytes cat(Bytes a, const Bytes &b) {
+    a.insert(a.end(), b.begin(), b.end());
+    return a;
+}
+
+std::span<const uint8_t> payload_of(const Bytes &frame) { return std::span(frame).subspan(kFrameHeaderBytes); }
+
+}  // namespace
+
+TEST_CASE("hello frame bytes are pinned", "[proto]") {
+    const Bytes f = encode_hello({"g1", 1, 2, 4096});
+    Bytes payload = {1, 0, 0, 0, 2, 0, 0, 0, 0x00, 0x10, 0, 0, 0, 0, 0, 0, 'g', '1'};
+    payload.resize(kHelloBytes, 0);
+    CHECK(f == cat(header_bytes(1, 80), payload));
+    auto h = decode_hello(payload_of(f));
+    REQUIRE(h.ok());
+    CHECK(h->group == "g1");
+    CHECK(h->local_rank == 1);
+    CHECK(h->local_size == 2);
+    CHECK(h->slot_bytes == 4096);
+}
+
+TEST_CASE("welcome frame bytes are pinned", "[proto]") {
+    Welcome w{7, 64, 64, 30000, 0x12000, 0x9000, 0x9000};
+    const Bytes f = encode_welcome(w);
+    const Bytes payload = {7, 0, 0, 0,  64, 0, 0, 0,  64, 0, 0, 0,  0x30, 0x75, 0, 0,
+                           0, 0x20, 1, 0, 0, 0, 0, 0,  0, 0x90, 0, 0, 0, 0, 0, 0,
+                           0, 0x90, 0, 0, 0, 0, 0, 0,  0, 0, 0, 0, 0, 0, 0, 0};
+    CHECK(f == cat(header_bytes(2, 48), payload));
+    auto d = decode_welcome(payload_of(f));
+    REQUIRE(d.ok());
+    CHECK(d->client_id == 7);
+    CHECK(d->op_timeout_ms == 30000);
+    CHECK(d->map_bytes == 0x12000);
+    CHECK(d->data_offset == 0x9000);
+}
+
+TEST_CASE("error, status request and status reply frame bytes are pinned", "[proto]") {
+    const Bytes e = encode_error({-22, "bad"});
+    CHECK(e == cat(header_bytes(3, 11), Bytes{0xEA, 0xFF, 0xFF, 0xFF, 3, 0, 0, 0, 'b', 'a', 'd'}));
+    auto de = decode_error(payload_of(e));
+    REQUIRE(de.ok());
+    CHECK(de->code == -22);
+    CHECK(de->message == "bad");
+
+    CHECK(encode_status_request({}) == cat(header_bytes(4, 4), Bytes{0, 0, 0, 0}));
+    CHECK(encode_status_reply("{}") == cat(header_bytes(5, 2), Bytes{'{', '}'}));
+}
+
+TEST_CASE("frame headers are validated", "[proto]") {
+    Bytes h = header_bytes(1, 80);
+    CHECK(decode_frame_header(h, kMaxClientPayload).ok());
+
+    SECTION("short header") { CHECK_FALSE(decode_frame_header(std::span(h).first(15), kMaxClientPayload).ok()); }
+    SECTION("bad magic") {
+        h[0] = 'X';
+        auto r = decode_frame_header(h, kMaxClientPayload);
+        REQUIRE_FALSE(r.ok());
+        CHECK_THAT(r.error().message, Catch::Contains("magic"));
+    }
+    SECTION("wrong version") {
+        h[4] = 9;
+        auto r = decode_frame_header(h, kMaxClientPayload);
+        REQUIRE_FALSE(r.ok());
+        CHECK(r.error().code == -EPROTONOSUPPORT);
+    }
+    SECTION("unknown type") {
+        h[6] = 0;
+        CHECK_FALSE(decode_frame_header(h, kMaxClientPayload).ok());
+        h[6] = 99;
+        CHECK_FALSE(decode_frame_header(h, kMaxClientPayload).ok());
+    }
+    SECTION("length over the cap is refused before anything is allocated") {
+        h = header_bytes(1, 0xFFFFFFFF);
+        auto r = decode_frame_header(h, kMaxClientPayload);
+        REQUIRE_FALSE(r.ok());
+        CHECK(r.error().code == -EMSGSIZE);
+        CHECK_THAT(r.error().message, Catch::Contains("4294967295"));
+    }
+    SECTION("reserved bytes") {
+        h[15] = 1;
+        CHECK_FALSE(decode_frame_header(h, kMaxClientPayload).ok());
+    }
+}
+
+TEST_CASE("hello payloads are validated", "[proto]") {
+    Bytes f = encode_hello({"grp", 0, 4, 1 << 20});
+    Bytes p(f.begin() + kFrameHeaderBytes, f.end());
+    REQUIRE(decode_hello(p).ok());
+
+    SECTION("wrong size") {
+        p.pop_back();
+        CHECK_FALSE(decode_hello(p).ok());
+    }
+    SECTION("rank not below size") {
+        p[0] = 4;
+        CHECK_THAT(decode_hello(p).error().message, Catch::Contains("local_rank 4"));
+    }
+    SECTION("size zero or too large") {
+        p[4] = 0;
+        CHECK_FALSE(decode_hello(p).ok());
+        p[4] = 0;
+        p[5] = 1;  // 256
+        CHECK_FALSE(decode_hello(p).ok());
+    }
+    SECTION("slot size zero") {
+        std::memset(&p[8], 0, 8);
+        CHECK_FALSE(decode_hello(p).ok());
+    }
+    SECTION("group without NUL, with junk after NUL, empty, or with bad characters") {
+        Bytes q = p;
+        std::memset(&q[16], 'a', kGroupNameBytes);
+        CHECK_FALSE(decode_hello(q).ok());
+        q = p;
+        q[16 + 10] = 'x';
+        CHECK_FALSE(decode_hello(q).ok());
+        q = p;
+        q[16] = 0;
+        CHECK_FALSE(decode_hello(q).ok());
+        q = p;
+        q[16] = '/';
+        CHECK_FALSE(decode_hello(q).ok());
+    }
+}
+
+TEST_CASE("error and welcome payloads are validated", "[proto]") {
+    CHECK_FALSE(decode_error(Bytes{1, 2, 3}).ok());
+    CHECK_FALSE(decode_error(Bytes{0xEA, 0xFF, 0xFF, 0xFF, 5, 0, 0, 0, 'a'}).ok());        // length mismatch
+    CHECK_FALSE(decode_error(Bytes{0xEA, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0, 0}).ok());       // over 1024
+    CHECK_FALSE(decode_error(Bytes{1, 0, 0, 0, 0, 0, 0, 0}).ok());                         // positive code
+    Bytes w = encode_welcome({1, 64, 64, 1, 0x2000, 0x3000, 0x10});
+    CHECK_FALSE(decode_welcome(payload_of(w)).ok());  // data offset beyond the mapping
+    w = encode_welcome({1, 0, 64, 1, 0x20000, 0x9000, 0x10});
+    CHECK_FALSE(decode_welcome(payload_of(w)).ok());  // empty queue
+    CHECK_FALSE(decode_status_request(Bytes{1, 0, 0, 0}).ok());
+}
+
+TEST_CASE("slot geometry", "[proto]") {
+    auto g = slot_geometry(1000);
+    REQUIRE(g.ok());
+    CHECK(g->sq_offset == 4096);
+    CHECK(g->cq_offset == 4096 + 64 * 256);
+    CHECK(g->data_offset % 4096 == 0);
+    CHECK(g->data_offset >= g->cq_offset + 64 * 256);
+    CHECK(g->map_bytes == g->data_offset + 4096);
+    CHECK_FALSE(slot_geometry(0).ok());
+    CHECK_FALSE(slot_geometry(UINT64_MAX - 100).ok());
+}
+
+TEST_CASE("submit descriptors are validated with overflow-safe bounds", "[proto]") {
+    SubmitDesc d{};
+    d.seq = 3;
+    d.count = 256;
+    d.dtype = static_cast<uint32_t>(DType::F32);
+    d.op = static_cast<uint32_t>(ReduceOp::Sum);
+    d.offset = 0;
+    auto s = validate_submit(d, 1024, false);
+    REQUIRE(s.ok());
+    CHECK(s->bytes == 1024);
+
+    SECTION("past the end") {
+        d.offset = 4;
+        auto r = validate_submit(d, 1024, false);
+        REQUIRE_FALSE(r.ok());
+        CHECK(r.error().code == -ERANGE);
+    }
+    SECTION("count * size overflows") {
+        d.count = UINT64_MAX / 2;
+        CHECK(validate_submit(d, 1024, false).error().code == -EOVERFLOW);
+    }
+    SECTION("offset + bytes overflows") {
+        d.offset = UINT64_MAX - 3;
+        d.count = 2;
+        CHECK_FALSE(validate_submit(d, 1024, false).ok());
+    }
+    SECTION("misaligned offset") {
+        d.count = 1;
+        d.offset = 2;
+        CHECK_THAT(validate_submit(d, 1024, false).error().message, Catch::Contains("multiple"));
+    }
+    SECTION("unknown dtype, op, kind, flags") {
+        d.dtype = 6;
+        CHECK_FALSE(validate_submit(d, 1024, false).ok());
+        d.dtype = 0;
+        d.op = 4;
+        CHECK_FALSE(validate_submit(d, 1024, false).ok());
+        d.op = 0;
+        d.buffer_kind = 2;
+        CHECK_FALSE(validate_submit(d, 1024, false).ok());
+        d.buffer_kind = 0;
+        d.flags = 1;
+        CHECK_FALSE(validate_submit(d, 1024, false).ok());
+    }
+    SECTION("avg of integers") {
+        d.dtype = static_cast<uint32_t>(DType::I32);
+        d.op = static_cast<uint32_t>(ReduceOp::Avg);
+        CHECK_THAT(validate_submit(d, 1024, false).error().message, Catch::Contains("avg is not defined"));
+    }
+    SECTION("CUDA buffers without CUDA") {
+        d.buffer_kind = static_cast<uint32_t>(BufferKind::CudaIpc);
+        CHECK_THAT(validate_submit(d, 1024, false).error().message, Catch::Contains("ringd was built without CUDA"));
+    }
+    SECTION("zero count is valid") {
+        d.count = 0;
+        d.offset = 1024;
+        CHECK(validate_submit(d, 1024, false).ok());
+    }
+}
+
+TEST_CASE("completions truncate long messages", "[proto]") {
+    CompletionDesc c;
+    fill_completion(c, 9, -5, std::string(1000, 'x'));
+    CHECK(c.seq == 9);
+    CHECK(c.status == -5);
+    CHECK(c.message_len == kCompletionMessageBytes);
+}

@@ -1,0 +1,152 @@
+// GroupTable: matching of submissions across local ranks, mismatches, timeouts, departures.
+#include <catch2/catch.hpp>
+
+#include "daemon/engine/group_table.h"
+
+using namespace ringd;
+using std::chrono::milliseconds;
+
+namespace {
+
+proto::Submission sub(uint64_t seq, uint64_t count = 16, DType t = DType::F32, ReduceOp op = ReduceOp::Sum,
+                      uint64_t offset = 0) {
+    return proto::Submission{seq, count, t, op, offset, count * dtype_size(t)};
+}
+
+struct Fixture {
+    GroupTable table{"h0", milliseconds(1000)};
+    std::vector<Completion> out;
+    std::vector<OpRun> ready;
+    Clock::time_point t0 = Clock::now();
+};
+
+}  // namespace
+
+TEST_CASE_METHOD(Fixture, "an op starts when every local rank submitted it", "[group]") {
+    REQUIRE(table.join(1, "g", 0, 3).ok());
+    REQUIRE(table.join(2, "g", 1, 3).ok());
+    REQUIRE(table.join(3, "g", 2, 3).ok());
+    table.submit(1, sub(1, 16, DType::F32, ReduceOp::Sum, 0), t0, out, ready);
+    table.submit(3, sub(1, 16, DType::F32, ReduceOp::Sum, 128), t0, out, ready);
+    CHECK(ready.empty());
+    table.submit(2, sub(1, 16, DType::F32, ReduceOp::Sum, 64), t0, out, ready);
+    REQUIRE(ready.size() == 1);
+    CHECK(out.empty());
+    CHECK(ready[0].members == std::vector<MemberId>{1, 2, 3});
+    CHECK(ready[0].offsets == std::vector<uint64_t>{0, 64, 128});
+    table.finished(ready[0].op_id, 0, "", out);
+    REQUIRE(out.size() == 3);
+    for (const auto &c : out) CHECK(c.status == 0);
+    CHECK(table.totals().ops_completed == 1);
+    CHECK(table.totals().bytes_reduced == 64);
+}
+
+TEST_CASE_METHOD(Fixture, "joins are checked", "[group]") {
+    REQUIRE(table.join(1, "g", 0, 2).ok());
+    CHECK(table.join(2, "g", 0, 2).error().code == -EADDRINUSE);
+    CHECK_THAT(table.join(2, "g", 1, 3).error().message, Catch::Contains("local_size 2"));
+    CHECK(table.join(1, "h", 0, 1).error().code == -EALREADY);
+    CHECK(table.join(2, "g", 1, 2).ok());
+}
+
+TEST_CASE_METHOD(Fixture, "a mismatch fails every rank with a message naming it", "[group]") {
+    REQUIRE(table.join(1, "g", 0, 3).ok());
+    REQUIRE(table.join(2, "g", 1, 3).ok());
+    REQUIRE(table.join(3, "g", 2, 3).ok());
+    table.submit(1, sub(1, 16), t0, out, ready);
+    table.submit(2, sub(1, 17), t0, out, ready);
+    REQUIRE(out.size() == 2);
+    CHECK_THAT(out[0].message, Catch::Contains("local rank 0 submitted 16 x float sum, local rank 1 submitted 17 x float sum"));
+    CHECK(out[0].status == -EINVAL);
+    out.clear();
+    table.submit(3, sub(1, 16), t0, out, ready);  // the late rank gets the same error
+    REQUIRE(out.size() == 1);
+    CHECK(out[0].member == 3);
+    CHECK_THAT(out[0].message, Catch::Contains("mismatch"));
+    CHECK(ready.empty());
+    // The next op works.
+    out.clear();
+    for (MemberId m : {1u, 2u, 3u}) table.submit(m, sub(2), t0, out, ready);
+    CHECK(ready.size() == 1);
+    CHECK(out.empty());
+}
+
+TEST_CASE_METHOD(Fixture, "dtype and op mismatches are named too", "[group]") {
+    REQUIRE(table.join(1, "g", 0, 2).ok());
+    REQUIRE(table.join(2, "g", 1, 2).ok());
+    table.submit(1, sub(1, 16, DType::F32, ReduceOp::Sum), t0, out, ready);
+    table.submit(2, sub(1, 16, DType::F32, ReduceOp::Max), t0, out, ready);
+    REQUIRE(out.size() == 2);
+    CHECK_THAT(out[1].message, Catch::Contains("float max"));
+    out.clear();
+    table.submit(1, sub(2, 8, DType::F16), t0, out, ready);
+    table.submit(2, sub(2, 8, DType::BF16), t0, out, ready);
+    REQUIRE(out.size() == 2);
+    CHECK_THAT(out[1].message, Catch::Contains("bfloat16"));
+}
+
+TEST_CASE_METHOD(Fixture, "a pending op times out naming the missing ranks", "[group]") {
+    REQUIRE(table.join(1, "g", 0, 3).ok());
+    REQUIRE(table.join(2, "g", 1, 3).ok());
+    REQUIRE(table.join(3, "g", 2, 3).ok());
+    table.submit(2, sub(1), t0, out, ready);
+    REQUIRE(table.next_deadline().has_value());
+    table.expire(t0 + milliseconds(999), out);
+    CHECK(out.empty());
+    table.expire(t0 + milliseconds(1000), out);
+    REQUIRE(out.size() == 1);
+    CHECK(out[0].member == 2);
+    CHECK(out[0].status == -ETIMEDOUT);
+    CHECK_THAT(out[0].message, Catch::Contains("local ranks 0,2 of host h0 did not submit"));
+    CHECK_FALSE(table.next_deadline().has_value());
+}
+
+TEST_CASE_METHOD(Fixture, "a rank that leaves fails pending and running ops and breaks the group", "[group]") {
+    REQUIRE(table.join(1, "g", 0, 2).ok());
+    REQUIRE(table.join(2, "g", 1, 2).ok());
+    table.submit(1, sub(1), t0, out, ready);
+    table.submit(2, sub(1), t0, out, ready);
+    REQUIRE(ready.size() == 1);
+    table.submit(1, sub(2), t0, out, ready);  // pending: rank 1 has not submitted op 2
+    table.leave(2, out);
+    REQUIRE(out.size() == 1);
+    CHECK(out[0].member == 1);
+    CHECK(out[0].seq == 2);
+    CHECK_THAT(out[0].message, Catch::Contains("host h0 local rank 1 left"));
+    out.clear();
+    table.finished(ready[0].op_id, 0, "", out);  // the running op ends in an error too
+    REQUIRE(out.size() == 2);
+    CHECK(out[0].status != 0);
+    CHECK_THAT(out[0].message, Catch::Contains("local rank 1 left"));
+    out.clear();
+    table.submit(1, sub(3), t0, out, ready);
+    REQUIRE(out.size() == 1);
+    CHECK(out[0].status == -ECONNABORTED);
+    CHECK(table.join(3, "g", 1, 2).error().code == -EBUSY);
+    table.leave(1, out);
+    CHECK(table.summaries().empty());  // all gone: the name is free again
+    CHECK(table.join(3, "g", 0, 1).ok());
+}
+
+TEST_CASE_METHOD(Fixture, "an invalid submission fails the op for the whole group", "[group]") {
+    REQUIRE(table.join(1, "g", 0, 2).ok());
+    REQUIRE(table.join(2, "g", 1, 2).ok());
+    table.submit(2, sub(1), t0, out, ready);
+    table.reject(1, 1, -ERANGE, "outside the slot", out);
+    REQUIRE(out.size() == 2);
+    CHECK(out[0].member == 1);
+    CHECK(out[0].message == "outside the slot");
+    CHECK(out[1].member == 2);
+    CHECK_THAT(out[1].message, Catch::Contains("local rank 0 submitted an invalid op (outside the slot)"));
+}
+
+TEST_CASE_METHOD(Fixture, "shutdown fails everything", "[group]") {
+    REQUIRE(table.join(1, "g", 0, 2).ok());
+    REQUIRE(table.join(2, "g", 1, 2).ok());
+    table.submit(1, sub(1), t0, out, ready);
+    table.submit(2, sub(1), t0, out, ready);
+    table.submit(1, sub(2), t0, out, ready);
+    table.fail_everything("ringd is shutting down", out);
+    REQUIRE(out.size() == 3);
+    for (const auto &c : out) CHECK(c.message == "ringd is shutting down");
+}
