@@ -49,7 +49,8 @@ std::string Daemon::status_json() const {
     j["groups"] = groups;
     size_t joined = 0;
     for (const auto &[id, c] : clients_) joined += c->state() == ClientConn::State::Joined;
-    j["clients"] = {{"connected", clients_.size()}, {"joined", joined}, {"max_slots", config_.memory.max_slots}};
+    // The connection asking for this document is one of clients_; it is not counted.
+    j["clients"] = {{"connected", clients_.empty() ? 0 : clients_.size() - 1}, {"joined", joined}, {"max_slots", config_.memory.max_slots}};
     const auto &t = groups_.totals();
     j["ops"] = {{"completed", t.ops_completed}, {"failed", t.ops_failed}, {"bytes_reduced", t.bytes_reduced}};
     const auto &ts = transport_->stats();
