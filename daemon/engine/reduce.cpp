@@ -4,6 +4,10 @@
 #include <cstring>
 #include <type_traits>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #define RINGD_INLINE inline __attribute__((always_inline))
 #if defined(__x86_64__)
 #define RINGD_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
@@ -33,8 +37,53 @@ RINGD_INLINE Bf16 store_bf16(float f) {
     return Bf16{static_cast<uint16_t>(u >> 16)};
 }
 
+// IEEE half is stored as bits and converted a block at a time: with F16C (vcvtph2ps/vcvtps2ph)
+// 8 lanes per instruction, else through _Float16 one element at a time.
+struct Half { uint16_t bits; };
+
+void half_to_float_generic(float *d, const Half *s, size_t n) {
+    for (size_t i = 0; i < n; ++i) {
+        _Float16 h;
+        std::memcpy(&h, &s[i], 2);
+        d[i] = static_cast<float>(h);
+    }
+}
+void float_to_half_generic(Half *d, const float *s, size_t n) {
+    for (size_t i = 0; i < n; ++i) {
+        const _Float16 h = static_cast<_Float16>(s[i]);
+        std::memcpy(&d[i], &h, 2);
+    }
+}
+#if defined(__x86_64__)
+__attribute__((target("avx,f16c"))) void half_to_float_f16c(float *d, const Half *s, size_t n) {
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(d + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(s + i))));
+    half_to_float_generic(d + i, s + i, n - i);
+}
+__attribute__((target("avx,f16c"))) void float_to_half_f16c(Half *d, const float *s, size_t n) {
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128(reinterpret_cast<__m128i *>(d + i), _mm256_cvtps_ph(_mm256_loadu_ps(s + i), _MM_FROUND_TO_NEAREST_INT));
+    float_to_half_generic(d + i, s + i, n - i);
+}
+#endif
+
+struct HalfConv {
+    void (*to_float)(float *, const Half *, size_t) = half_to_float_generic;
+    void (*from_float)(Half *, const float *, size_t) = float_to_half_generic;
+    HalfConv() {
+#if defined(__x86_64__)
+        if (__builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c")) {
+            to_float = half_to_float_f16c;
+            from_float = float_to_half_f16c;
+        }
+#endif
+    }
+};
+const HalfConv kHalf;
+
 template <typename T> struct Acc { using type = T; };
-template <> struct Acc<_Float16> { using type = float; };
 template <> struct Acc<Bf16> { using type = float; };
 // Integer sums wrap: accumulate in the unsigned type (no UB); min/max compare signed values.
 template <typename T> using UnsignedOf = std::make_unsigned_t<T>;
@@ -57,6 +106,25 @@ RINGD_INLINE A combine(A x, A y) {
     else if constexpr (std::is_integral_v<A>)
         return static_cast<A>(static_cast<UnsignedOf<A>>(x) + static_cast<UnsignedOf<A>>(y));
     else return x + y;
+}
+
+// Half: convert each source block to float, reduce in float, convert back once.
+template <ReduceOp Op>
+RINGD_INLINE void reduce_half(const ReduceArgs &a) {
+    float acc[kBlock], in[kBlock];
+    const float scale = 1.0f / static_cast<float>(a.avg_divisor ? a.avg_divisor : 1);
+    for (size_t base = 0; base < a.count; base += kBlock) {
+        const size_t n = std::min(kBlock, a.count - base);
+        kHalf.to_float(acc, static_cast<const Half *>(a.srcs[0]) + base, n);
+        for (size_t k = 1; k < a.nsrc; ++k) {
+            kHalf.to_float(in, static_cast<const Half *>(a.srcs[k]) + base, n);
+            for (size_t i = 0; i < n; ++i) acc[i] = combine<float, Op>(acc[i], in[i]);
+        }
+        if constexpr (Op == ReduceOp::Avg) {
+            for (size_t i = 0; i < n; ++i) acc[i] *= scale;
+        }
+        for (size_t k = 0; k < a.ndst; ++k) kHalf.from_float(static_cast<Half *>(a.dsts[k]) + base, acc, n);
+    }
 }
 
 template <typename T, ReduceOp Op>
@@ -98,7 +166,14 @@ RINGD_INLINE void reduce_dispatch_op(const ReduceArgs &a) {
 // are force-inlined into each clone and compiled for its ISA.
 RINGD_CLONES void reduce_f32(const ReduceArgs &a) { reduce_dispatch_op<float>(a); }
 RINGD_CLONES void reduce_f64(const ReduceArgs &a) { reduce_dispatch_op<double>(a); }
-RINGD_CLONES void reduce_f16(const ReduceArgs &a) { reduce_dispatch_op<_Float16>(a); }
+RINGD_CLONES void reduce_f16(const ReduceArgs &a) {
+    switch (a.op) {
+    case ReduceOp::Sum: reduce_half<ReduceOp::Sum>(a); break;
+    case ReduceOp::Avg: reduce_half<ReduceOp::Avg>(a); break;
+    case ReduceOp::Min: reduce_half<ReduceOp::Min>(a); break;
+    case ReduceOp::Max: reduce_half<ReduceOp::Max>(a); break;
+    }
+}
 RINGD_CLONES void reduce_bf16(const ReduceArgs &a) { reduce_dispatch_op<Bf16>(a); }
 RINGD_CLONES void reduce_i32(const ReduceArgs &a) { reduce_dispatch_op<int32_t>(a); }
 RINGD_CLONES void reduce_i64(const ReduceArgs &a) { reduce_dispatch_op<int64_t>(a); }
