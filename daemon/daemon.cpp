@@ -30,11 +30,6 @@ constexpr auto kTick = std::chrono::milliseconds(100);
 constexpr auto kHelloTimeout = std::chrono::seconds(5);
 constexpr size_t kExtraConnections = 64;  // handshaking / ringctl connections beyond max_slots
 constexpr size_t kRecentErrors = 16;
-#ifdef RINGD_HAVE_CUDA
-constexpr bool kCudaBuilt = true;
-#else
-constexpr bool kCudaBuilt = false;
-#endif
 
 Status epoll_add(int ep, int fd, uint64_t t, uint32_t events = EPOLLIN) {
     epoll_event ev{};
@@ -94,6 +89,7 @@ Status Daemon::setup() {
     ::timerfd_settime(timer_fd_.get(), 0, &its, nullptr);
     spare_fd_ = UniqueFd(::open("/dev/null", O_RDONLY | O_CLOEXEC));
 
+    cuda_ = probe_cuda();
     auto t = make_transport(config_);
     if (!t) return t.error();
     transport_ = std::move(*t);
@@ -145,6 +141,8 @@ int Daemon::run() {
     spdlog::info("ringd {} host {} listening on {} (transport {}, {} max slots of up to {} bytes)", RINGD_VERSION,
                  host_, config_.socket, transport_->name(), config_.memory.max_slots, config_.memory.slot_bytes);
     ::sd_notify(0, "READY=1\nSTATUS=listening");
+    if (cuda_.built)
+        spdlog::info("CUDA: {} device(s){}", cuda_.devices, cuda_.error.empty() ? "" : " (" + cuda_.error + ")");
     if (watchdog_usec_) {
         spdlog::info("systemd watchdog on: every {} ms", watchdog_usec_ / 2000);
         ::sd_notify(0, "WATCHDOG=1");
@@ -353,7 +351,7 @@ void Daemon::on_doorbell(MemberId id) {
             continue;
         }
         c.accept_seq();
-        auto s = proto::validate_submit(d, c.slot()->data_bytes(), kCudaBuilt);
+        auto s = proto::validate_submit(d, c.slot()->data_bytes(), cuda_.built);
         if (!s) {
             groups_.reject(id, d.seq, s.error().code, s.error().message, completions);
             continue;

@@ -12,6 +12,7 @@
 
 #include "common/unique_fd.h"
 #include "daemon/config.h"
+#include "daemon/cuda/cuda_probe.h"
 #include "daemon/engine/group_table.h"
 #include "daemon/engine/progress.h"
 #include "daemon/ipc/client_conn.h"
@@ -53,6 +54,7 @@ private:
     UniqueFd timer_fd_;
     UniqueFd listener_;
     UniqueFd spare_fd_;  // released to accept-and-close when the fd limit is hit
+    CudaInfo cuda_;
     std::unique_ptr<Transport> transport_;
     std::unique_ptr<ProgressEngine> engine_;
     GroupTable groups_{"", std::chrono::milliseconds(1)};

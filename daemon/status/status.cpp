@@ -63,6 +63,8 @@ std::string Daemon::status_json() const {
     for (const auto &e : recent_errors_)
         errors.push_back({{"age_s", std::chrono::duration<double>(wall - e.when).count()}, {"message", e.message}});
     j["recent_errors"] = errors;
+    j["cuda"] = {{"built", cuda_.built}, {"devices", cuda_.devices}, {"runtime_version", cuda_.runtime_version},
+                 {"error", cuda_.error}};
     return j.dump();
 }
 
