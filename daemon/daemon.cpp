@@ -30,6 +30,9 @@ constexpr auto kTick = std::chrono::milliseconds(100);
 constexpr auto kHelloTimeout = std::chrono::seconds(5);
 constexpr size_t kExtraConnections = 64;  // handshaking / ringctl connections beyond max_slots
 constexpr size_t kRecentErrors = 16;
+// Ops that move at most this many bytes in total (all local ranks) are reduced on the control
+// thread when the progress thread is idle: two thread hops cost more than the reduction.
+constexpr uint64_t kInlineOpBytes = 256 << 10;
 
 Status epoll_add(int ep, int fd, uint64_t t, uint32_t events = EPOLLIN) {
     epoll_event ev{};
@@ -374,6 +377,7 @@ void Daemon::deliver(std::vector<Completion> &completions, std::vector<OpRun> &r
         spdlog::warn("{}", m);
         record_error(m);
     }
+    std::vector<Completion> inline_done;
     for (auto &run : ready) {
         EngineWork w;
         w.op_id = run.op_id;
@@ -383,11 +387,19 @@ void Daemon::deliver(std::vector<Completion> &completions, std::vector<OpRun> &r
         w.avg_divisor = static_cast<uint32_t>(run.members.size());
         w.offsets = std::move(run.offsets);
         for (MemberId m : run.members) w.slots.push_back(clients_.at(m)->slot());  // members are live here
-        engine_->post(std::move(w));
+        const uint64_t total = run.count * dtype_size(run.dtype) * run.members.size();
+        if (total <= kInlineOpBytes && engine_->in_flight() == 0) {
+            // Nothing queued on the progress thread, so this cannot overtake an earlier op.
+            EngineResult r = ProgressEngine::execute(w);
+            groups_.finished(r.op_id, r.status, r.message, inline_done);
+        } else {
+            engine_->post(std::move(w));
+        }
     }
     completions.clear();
     ready.clear();
     for (auto &[id, e] : bad) drop(id, e, true);
+    if (!inline_done.empty()) deliver(inline_done, ready);
 }
 
 void Daemon::on_engine_results() {

@@ -26,6 +26,7 @@ Result<std::unique_ptr<ProgressEngine>> ProgressEngine::start() {
 ProgressEngine::~ProgressEngine() { stop(); }
 
 void ProgressEngine::post(EngineWork work) {
+    ++in_flight_;
     {
         std::lock_guard lock(mu_);
         work_.push_back(std::move(work));
@@ -39,6 +40,7 @@ std::vector<EngineResult> ProgressEngine::take_results() {
     std::lock_guard lock(mu_);
     std::vector<EngineResult> out(std::make_move_iterator(results_.begin()), std::make_move_iterator(results_.end()));
     results_.clear();
+    in_flight_ -= out.size();
     return out;
 }
 

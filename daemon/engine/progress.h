@@ -52,11 +52,16 @@ public:
     std::vector<EngineResult> take_results();
     // Finishes the op in progress (if any), drops queued work, joins the thread.
     void stop();
+    // Ops posted and not yet taken back with take_results().
+    size_t in_flight() const { return in_flight_; }
+
+    // Runs one op on the calling thread (the progress thread, or the control thread for ops so
+    // small that a thread hop would cost more than the reduction).
+    static EngineResult execute(EngineWork &w);
 
 private:
     ProgressEngine() = default;
     void run();
-    EngineResult execute(EngineWork &w);
 
     UniqueFd result_fd_;
     std::mutex mu_;
@@ -64,6 +69,7 @@ private:
     std::deque<EngineWork> work_;
     std::deque<EngineResult> results_;
     bool stopping_ = false;
+    size_t in_flight_ = 0;  // control thread only
     std::thread thread_;  // last: started after everything it uses exists
 };
 
