@@ -198,6 +198,37 @@ TEST_CASE("a connection flood is capped and does not disturb connected trainers"
     CHECK(d.alive());
 }
 
+TEST_CASE("running out of file descriptors refuses connections without spinning or crashing", "[hostile]") {
+    DaemonOptions o;
+    o.nofile = 48;  // a few dozen: the flood below exhausts it
+    Daemon d(o);
+    REQUIRE(d.ready());
+    HonestGroup honest(d.socket(), "honest");
+    std::vector<UniqueFd> flood;
+    for (int i = 0; i < 80; ++i) {
+        UniqueFd s = raw_connect(d.socket());
+        if (s) flood.push_back(std::move(s));
+    }
+    // The last connections found the daemon out of fds: accepted and closed at once.
+    CHECK(closed_by_peer(flood.back().get(), kDeadline));
+    for (int i = 0; i < 5; ++i) honest.step();
+    flood.clear();
+    // Once the flood is gone (the daemon sees the EOFs), a new trainer gets its slot.
+    std::unique_ptr<Client> late;
+    const auto deadline = Clock::now() + kDeadline;
+    while (!late && Clock::now() < deadline) {
+        try {
+            late = std::make_unique<Client>(d.socket(), "late", 0, 1, 4096);
+        } catch (const ClientError &) {
+        }
+    }
+    REQUIRE(late);
+    late->allreduce(0, 10, RINGD_F32, RINGD_SUM, 5000);
+    honest.step();
+    CHECK(d.alive());
+    CHECK_THAT(d.log(), Catch::Contains("out of file descriptors"));
+}
+
 TEST_CASE("the slot cannot be resized or resealed by the client", "[hostile]") {
     Daemon d;
     REQUIRE(d.ready());

@@ -6,6 +6,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
 #include <sys/un.h>
@@ -101,6 +102,7 @@ struct DaemonOptions {
     std::string slot_bytes = "64MiB";
     int max_slots = 16;
     std::vector<std::string> env;  // extra KEY=VALUE
+    int nofile = 0;                 // RLIMIT_NOFILE for the daemon (soft = hard), 0: inherit
 };
 
 class Daemon {
@@ -118,6 +120,7 @@ public:
                                << "log: {level: debug}\n"
                                << o.extra_yaml;
         env_ = o.env;
+        nofile_ = o.nofile;
         start();
     }
     ~Daemon() {
@@ -137,6 +140,10 @@ public:
             ::dup2(log, 2);
             ::setenv("NOTIFY_SOCKET", notify_->path().c_str(), 1);
             for (const auto &kv : env_) ::putenv(const_cast<char *>(kv.c_str()));
+            if (nofile_ > 0) {
+                const rlimit lim{static_cast<rlim_t>(nofile_), static_cast<rlim_t>(nofile_)};
+                ::setrlimit(RLIMIT_NOFILE, &lim);
+            }
             ::execl(bin.c_str(), bin.c_str(), "--config", config_.c_str(), "--host", "node0", nullptr);
             ::_exit(127);
         }
@@ -161,6 +168,7 @@ public:
 private:
     std::string dir_, socket_, config_, log_;
     std::vector<std::string> env_;
+    int nofile_ = 0;
     std::unique_ptr<NotifySocket> notify_;
     pid_t pid_ = -1;
     bool ready_ = false;
