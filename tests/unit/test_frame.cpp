@@ -2,6 +2,7 @@
 #include <catch2/catch.hpp>
 
 #include <cstring>
+#include <random>
 
 #include "proto/frame.h"
 #include "proto/slot.h"
@@ -231,4 +232,49 @@ TEST_CASE("completions truncate long messages", "[proto]") {
     CHECK(c.seq == 9);
     CHECK(c.status == -5);
     CHECK(c.message_len == kCompletionMessageBytes);
+}
+
+TEST_CASE("decoders survive random mutations of valid frames", "[proto]") {
+    // Every decoder is fed mutated copies of valid frames and random lengths; whatever it
+    // accepts must re-encode to a frame that decodes to the same thing.
+    std::mt19937_64 rng(7);
+    const std::vector<Bytes> seeds = {encode_hello({"grp", 1, 4, 1 << 20}), encode_welcome({1, 64, 64, 1000, 0x20000, 0x9000, 0x100}),
+                                      encode_error({-5, "message"}), encode_status_request({}), encode_status_reply("{}")};
+    size_t accepted = 0;
+    for (int iter = 0; iter < 20000; ++iter) {
+        Bytes f = seeds[rng() % seeds.size()];
+        const int flips = 1 + static_cast<int>(rng() % 4);
+        for (int k = 0; k < flips; ++k) f[rng() % f.size()] ^= static_cast<uint8_t>(1u << (rng() % 8));
+        if (rng() % 8 == 0) f.resize(rng() % (f.size() + 8));
+        if (f.size() < kFrameHeaderBytes) {
+            CHECK_FALSE(decode_frame_header(f, kMaxClientPayload).ok());
+            continue;
+        }
+        auto h = decode_frame_header(std::span(f).first(kFrameHeaderBytes), kMaxDaemonPayload);
+        if (!h || h->length != f.size() - kFrameHeaderBytes) continue;
+        const auto p = std::span(f).subspan(kFrameHeaderBytes);
+        switch (h->type) {
+        case FrameType::Hello:
+            if (auto d = decode_hello(p)) {
+                ++accepted;
+                CHECK(decode_hello(payload_of(encode_hello(*d)))->group == d->group);
+            }
+            break;
+        case FrameType::Welcome:
+            if (auto d = decode_welcome(p)) {
+                ++accepted;
+                CHECK(decode_welcome(payload_of(encode_welcome(*d)))->map_bytes == d->map_bytes);
+            }
+            break;
+        case FrameType::Error:
+            if (auto d = decode_error(p)) {
+                ++accepted;
+                CHECK(decode_error(payload_of(encode_error(*d)))->message == d->message);
+            }
+            break;
+        case FrameType::StatusRequest: accepted += decode_status_request(p).ok(); break;
+        case FrameType::StatusReply: accepted += decode_status_reply(p).ok(); break;
+        }
+    }
+    CHECK(accepted > 0);
 }
