@@ -37,7 +37,7 @@ Result<std::shared_ptr<Slot>> Slot::create(const std::string &name, uint64_t dat
 
     auto reg = transport.register_region(s->data(), geo->data_bytes);
     if (!reg) return reg.error();
-    s->registration_ = RegisteredRegion(&transport, *reg, geo->data_bytes);
+    s->registration_ = RegisteredRegion(&transport, *reg);
     return s;
 }
 

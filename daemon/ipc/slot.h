@@ -33,6 +33,7 @@ public:
     }
     std::byte *data() const { return map_.data() + geo_.data_offset; }
     uint64_t data_bytes() const { return geo_.data_bytes; }
+    const RegionHandle &region() const { return registration_.handle(); }
 
 private:
     Slot() = default;

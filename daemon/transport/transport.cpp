@@ -14,11 +14,11 @@ Result<RegionHandle> Transport::register_region(std::byte *base, size_t bytes) {
     return h;
 }
 
-void Transport::deregister_region(RegionHandle h, size_t bytes) {
+void Transport::deregister_region(RegionHandle h) {
     if (h.id == 0) return;
     do_deregister(h);
     --stats_.live_regions;
-    stats_.registered_bytes -= bytes;
+    stats_.registered_bytes -= h.bytes;
 }
 
 Result<std::unique_ptr<Transport>> make_transport(const Config &config) {

@@ -2,20 +2,30 @@
 // plugin regMr/isend/irecv/test, Gloo's pair/buffer): memory is registered once and referred to
 // by handle afterwards; nothing on the data path registers, allocates or looks anything up.
 //
-// This file holds the part every transport needs from the first host on: registration of the
-// memory the engine moves data in and out of (client slots, staging). Links to peers (connect,
-// non-blocking sends/receives or writes-with-immediate between registered regions, completion
-// polling, sticky per-link errors naming the peer) join the interface with the ring.
+//   register_region  once per slot / staging buffer -> RegionHandle (carries what a post needs)
+//   Link             a connection to one peer, both directions; the control plane establishes and
+//                    authenticates it, then hands it to the transport
+//   post_send/recv   non-blocking, many in flight, between registered regions; a message is
+//                    matched to the receive posted with the same tag and lands straight in it
+//   poll             progress + completions (LinkEvent), waiting at most timeout_ms
+//   errors           sticky per link, naming the peer; they fail everything pending on the link
 //
-// Threading: register/deregister are called by the control thread only.
+// Contract for tags: both sides post the messages of one direction of a link in the same order
+// (the ring schedule guarantees it); a transport may rely on that for flow control.
+//
+// Threading: registration from one thread at a time; a Link and poll() from one thread (the
+// progress thread) at a time.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
+#include "common/unique_fd.h"
 #include "proto/result.h"
 
 namespace ringd {
@@ -23,13 +33,54 @@ namespace ringd {
 struct Config;
 
 struct RegionHandle {
-    uint64_t id = 0;  // 0 = not registered
+    uint64_t id = 0;           // 0 = not registered
+    std::byte *base = nullptr;
+    uint64_t bytes = 0;
 };
 
 struct TransportStats {
-    uint64_t registrations = 0;       // regions registered since start (never per op)
-    uint64_t registered_bytes = 0;    // bytes registered now
+    uint64_t registrations = 0;     // regions registered since start (never per op)
+    uint64_t registered_bytes = 0;  // bytes registered now
     uint64_t live_regions = 0;
+};
+
+class Link;
+
+struct LinkEvent {
+    enum class Kind { SendDone, RecvDone, Failed };
+    Link *link = nullptr;
+    Kind kind = Kind::SendDone;
+    uint64_t tag = 0;
+    Error error;  // Failed only
+};
+
+class Link {
+public:
+    virtual ~Link() = default;
+    const std::string &peer() const { return peer_; }
+    // Sends [region.base + offset, +bytes) as the message `tag`. The memory must stay unchanged
+    // until SendDone.
+    virtual Status post_send(const RegionHandle &region, uint64_t offset, uint64_t bytes, uint64_t tag) = 0;
+    // Receives the message `tag` (exactly `bytes` long) into [region.base + offset, +bytes).
+    virtual Status post_recv(const RegionHandle &region, uint64_t offset, uint64_t bytes, uint64_t tag) = 0;
+    // The first error on this link; once set, every post fails and every pending op has failed.
+    const std::optional<Error> &error() const { return error_; }
+    uint64_t bytes_sent() const { return bytes_sent_; }
+    uint64_t bytes_received() const { return bytes_received_; }
+
+protected:
+    explicit Link(std::string peer) : peer_(std::move(peer)) {}
+    // Records the first error (prefixed with the peer's name) and returns it.
+    const Error &set_error(int code, const std::string &why) {
+        if (!error_) error_ = Error{code, "link to " + peer_ + ": " + why};
+        return *error_;
+    }
+    uint64_t bytes_sent_ = 0;
+    uint64_t bytes_received_ = 0;
+
+private:
+    std::string peer_;
+    std::optional<Error> error_;
 };
 
 class Transport {
@@ -37,11 +88,13 @@ public:
     virtual ~Transport() = default;
     virtual std::string_view name() const = 0;
 
-    // Registers [base, base + bytes) for the lifetime of the returned handle's owner.
     Result<RegionHandle> register_region(std::byte *base, size_t bytes);
-    void deregister_region(RegionHandle h, size_t bytes);
-
+    void deregister_region(RegionHandle h);
     const TransportStats &stats() const { return stats_; }
+
+    // Moves data and appends completions to `out`; blocks at most timeout_ms (0: never) when
+    // nothing is ready. An error here is about the transport itself, not one link.
+    virtual Status poll(std::vector<LinkEvent> &out, int timeout_ms) = 0;
 
 protected:
     virtual Result<RegionHandle> do_register(std::byte *base, size_t bytes) = 0;
@@ -55,14 +108,13 @@ private:
 class RegisteredRegion {
 public:
     RegisteredRegion() = default;
-    RegisteredRegion(Transport *t, RegionHandle h, size_t bytes) : t_(t), h_(h), bytes_(bytes) {}
-    RegisteredRegion(RegisteredRegion &&o) noexcept : t_(o.t_), h_(o.h_), bytes_(o.bytes_) { o.t_ = nullptr; }
+    RegisteredRegion(Transport *t, RegionHandle h) : t_(t), h_(h) {}
+    RegisteredRegion(RegisteredRegion &&o) noexcept : t_(o.t_), h_(o.h_) { o.t_ = nullptr; }
     RegisteredRegion &operator=(RegisteredRegion &&o) noexcept {
         if (this != &o) {
             reset();
             t_ = o.t_;
             h_ = o.h_;
-            bytes_ = o.bytes_;
             o.t_ = nullptr;
         }
         return *this;
@@ -70,16 +122,15 @@ public:
     RegisteredRegion(const RegisteredRegion &) = delete;
     RegisteredRegion &operator=(const RegisteredRegion &) = delete;
     ~RegisteredRegion() { reset(); }
-    RegionHandle handle() const { return h_; }
+    const RegionHandle &handle() const { return h_; }
     void reset() {
-        if (t_) t_->deregister_region(h_, bytes_);
+        if (t_) t_->deregister_region(h_);
         t_ = nullptr;
     }
 
 private:
     Transport *t_ = nullptr;
     RegionHandle h_;
-    size_t bytes_ = 0;
 };
 
 // The transport named by config.transport, or an error saying why it cannot be used here.

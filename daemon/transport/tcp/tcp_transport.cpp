@@ -1,19 +1,239 @@
 #include "daemon/transport/tcp/tcp_transport.h"
 
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/epoll.h>
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "common/fd_io.h"
+#include "proto/le.h"
+
 namespace ringd {
+namespace {
+
+constexpr uint32_t kDataMagic = 0x4D444752;  // bytes 'R' 'G' 'D' 'M'
+constexpr int kSocketBuffer = 8 << 20;       // covers 10 Gbit/s x 5 ms
+
+}  // namespace
+
+TcpTransport::TcpTransport() : epoll_(::epoll_create1(EPOLL_CLOEXEC)) {}
 
 Result<RegionHandle> TcpTransport::do_register(std::byte *base, size_t bytes) {
     if (!base || bytes == 0) return make_error(-EINVAL, "cannot register an empty region");
-    const uint64_t id = next_id_++;
-    regions_.emplace(id, Region{base, bytes});
-    return RegionHandle{id};
+    return RegionHandle{next_region_++, base, bytes};
 }
 
-void TcpTransport::do_deregister(RegionHandle h) { regions_.erase(h.id); }
+void TcpTransport::do_deregister(RegionHandle) {}
 
-const TcpTransport::Region *TcpTransport::region(RegionHandle h) const {
-    auto it = regions_.find(h.id);
-    return it == regions_.end() ? nullptr : &it->second;
+Result<Link *> TcpTransport::add_link(const std::string &peer, std::vector<UniqueFd> streams) {
+    if (!epoll_) return make_error(-EMFILE, "epoll_create1 failed");
+    if (streams.empty()) return make_error(-EINVAL, "a link needs at least one stream");
+    auto link = std::make_unique<TcpLink>(*this, peer);
+    for (auto &fd : streams)
+        if (auto s = link->add_stream(std::move(fd)); !s) return s.error();
+    links_.push_back(std::move(link));
+    return static_cast<Link *>(links_.back().get());
+}
+
+void TcpTransport::remove_link(Link *link) {
+    std::erase_if(links_, [&](const auto &l) { return l.get() == link; });
+    std::erase_if(ready_, [&](const LinkEvent &e) { return e.link == link; });
+}
+
+Status TcpTransport::poll(std::vector<LinkEvent> &out, int timeout_ms) {
+    if (!ready_.empty()) timeout_ms = 0;
+    epoll_event events[64];
+    const int n = ::epoll_wait(epoll_.get(), events, 64, timeout_ms);
+    if (n < 0 && errno != EINTR) return make_error(-errno, "epoll_wait: " + errno_string(errno));
+    for (int i = 0; i < n; ++i) {
+        auto *s = static_cast<TcpLink::Stream *>(events[i].data.ptr);
+        s->link->on_event(*s, events[i].events);
+    }
+    out.insert(out.end(), std::make_move_iterator(ready_.begin()), std::make_move_iterator(ready_.end()));
+    ready_.clear();
+    return Ok{};
+}
+
+TcpLink::TcpLink(TcpTransport &t, std::string peer) : Link(std::move(peer)), t_(t) {}
+
+TcpLink::~TcpLink() {
+    for (auto &s : streams_)
+        if (s->fd) ::epoll_ctl(t_.epoll_.get(), EPOLL_CTL_DEL, s->fd.get(), nullptr);
+}
+
+Status TcpLink::add_stream(UniqueFd fd) {
+    const int flags = ::fcntl(fd.get(), F_GETFL);
+    if (flags < 0 || ::fcntl(fd.get(), F_SETFL, flags | O_NONBLOCK) != 0)
+        return make_error(-errno, "fcntl: " + errno_string(errno));
+    const int one = 1;
+    ::setsockopt(fd.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);  // fails harmlessly on socketpairs
+    ::setsockopt(fd.get(), SOL_SOCKET, SO_SNDBUF, &kSocketBuffer, sizeof kSocketBuffer);
+    ::setsockopt(fd.get(), SOL_SOCKET, SO_RCVBUF, &kSocketBuffer, sizeof kSocketBuffer);
+    auto s = std::make_unique<Stream>();
+    s->link = this;
+    s->fd = std::move(fd);
+    s->interest = EPOLLIN;
+    epoll_event ev{};
+    ev.events = s->interest;
+    ev.data.ptr = s.get();
+    if (::epoll_ctl(t_.epoll_.get(), EPOLL_CTL_ADD, s->fd.get(), &ev) != 0)
+        return make_error(-errno, "epoll_ctl: " + errno_string(errno));
+    streams_.push_back(std::move(s));
+    return Ok{};
+}
+
+Status TcpLink::post_send(const RegionHandle &region, uint64_t offset, uint64_t bytes, uint64_t tag) {
+    if (error()) return *error();
+    if (offset > region.bytes || bytes > region.bytes - offset)
+        return make_error(-ERANGE, "send outside its registered region");
+    Stream &s = *streams_[next_stream_++ % streams_.size()];
+    SendOp op;
+    op.tag = tag;
+    op.data = region.base + offset;
+    op.bytes = bytes;
+    proto::le::put<uint32_t>(&op.header[0], kDataMagic);
+    proto::le::put<uint32_t>(&op.header[4], 0);
+    proto::le::put<uint64_t>(&op.header[8], tag);
+    proto::le::put<uint64_t>(&op.header[16], bytes);
+    s.sendq.push_back(op);
+    if (s.sendq.size() == 1) write_some(s);  // opportunistic: most sends leave right away
+    if (!error()) update_interest(s);
+    return Ok{};
+}
+
+Status TcpLink::post_recv(const RegionHandle &region, uint64_t offset, uint64_t bytes, uint64_t tag) {
+    if (error()) return *error();
+    if (offset > region.bytes || bytes > region.bytes - offset)
+        return make_error(-ERANGE, "receive outside its registered region");
+    RecvOp op{region.base + offset, bytes};
+    // A stream may already hold this message's header, waiting for exactly this receive.
+    for (auto &sp : streams_) {
+        Stream &s = *sp;
+        if (s.have_header && !s.cur && s.tag == tag) {
+            if (s.bytes != bytes) {
+                fail(-EPROTO, "message " + std::to_string(tag) + " has " + std::to_string(s.bytes) +
+                                  " bytes, the receive expects " + std::to_string(bytes));
+                return *error();
+            }
+            s.cur = op;
+            read_some(s);
+            if (!error()) update_interest(s);
+            return Ok{};
+        }
+    }
+    if (!posted_.emplace(tag, op).second) return make_error(-EEXIST, "receive " + std::to_string(tag) + " posted twice");
+    return Ok{};
+}
+
+void TcpLink::on_event(Stream &s, uint32_t events) {
+    if (error()) return;
+    if (events & EPOLLOUT) write_some(s);
+    if (!error() && (events & (EPOLLIN | EPOLLHUP | EPOLLERR))) read_some(s);
+    if (!error()) update_interest(s);
+}
+
+void TcpLink::write_some(Stream &s) {
+    while (!s.sendq.empty()) {
+        SendOp &op = s.sendq.front();
+        iovec iov[2];
+        int n = 0;
+        if (op.done < kHeaderBytes) iov[n++] = {op.header + op.done, kHeaderBytes - op.done};
+        const uint64_t pdone = op.done > kHeaderBytes ? op.done - kHeaderBytes : 0;
+        if (op.bytes > pdone) iov[n++] = {const_cast<std::byte *>(op.data) + pdone, op.bytes - pdone};
+        ssize_t w = 0;
+        if (n > 0) {
+            msghdr msg{};
+            msg.msg_iov = iov;
+            msg.msg_iovlen = static_cast<size_t>(n);
+            w = ::sendmsg(s.fd.get(), &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+            if (w < 0) {
+                if (errno == EAGAIN || errno == EINTR) return;
+                fail(-errno, "send: " + errno_string(errno));
+                return;
+            }
+        }
+        op.done += static_cast<uint64_t>(w);
+        if (op.done < kHeaderBytes + op.bytes) continue;
+        bytes_sent_ += op.bytes;
+        t_.complete({this, LinkEvent::Kind::SendDone, op.tag, {}});
+        s.sendq.pop_front();
+    }
+}
+
+void TcpLink::read_some(Stream &s) {
+    for (;;) {
+        if (!s.have_header) {
+            const ssize_t r = ::recv(s.fd.get(), s.header + s.header_got, kHeaderBytes - s.header_got, MSG_DONTWAIT);
+            if (r == 0) return fail(-ECONNRESET, "connection closed by peer");
+            if (r < 0) {
+                if (errno == EAGAIN || errno == EINTR) return;
+                return fail(-errno, "receive: " + errno_string(errno));
+            }
+            s.header_got += static_cast<size_t>(r);
+            if (s.header_got < kHeaderBytes) continue;
+            if (proto::le::get<uint32_t>(&s.header[0]) != kDataMagic || proto::le::get<uint32_t>(&s.header[4]) != 0)
+                return fail(-EPROTO, "bad data header (not a ringd peer, or a corrupted stream)");
+            s.tag = proto::le::get<uint64_t>(&s.header[8]);
+            s.bytes = proto::le::get<uint64_t>(&s.header[16]);
+            s.got = 0;
+            s.have_header = true;
+            auto it = posted_.find(s.tag);
+            if (it == posted_.end()) return;  // stall until post_recv(tag)
+            if (it->second.bytes != s.bytes)
+                return fail(-EPROTO, "message " + std::to_string(s.tag) + " has " + std::to_string(s.bytes) +
+                                         " bytes, the receive expects " + std::to_string(it->second.bytes));
+            s.cur = it->second;
+            posted_.erase(it);
+        }
+        if (!s.cur) return;  // header waiting for its receive
+        if (s.got < s.bytes) {
+            const ssize_t r = ::recv(s.fd.get(), s.cur->data + s.got, s.bytes - s.got, MSG_DONTWAIT);
+            if (r == 0) return fail(-ECONNRESET, "connection closed by peer");
+            if (r < 0) {
+                if (errno == EAGAIN || errno == EINTR) return;
+                return fail(-errno, "receive: " + errno_string(errno));
+            }
+            s.got += static_cast<uint64_t>(r);
+            if (s.got < s.bytes) continue;
+        }
+        bytes_received_ += s.bytes;
+        t_.complete({this, LinkEvent::Kind::RecvDone, s.tag, {}});
+        s.cur.reset();
+        s.have_header = false;
+        s.header_got = 0;
+    }
+}
+
+void TcpLink::update_interest(Stream &s) {
+    uint32_t want = 0;
+    if (!s.sendq.empty()) want |= EPOLLOUT;
+    if (!s.have_header || s.cur) want |= EPOLLIN;  // a stalled stream is left unread
+    if (want == s.interest) return;
+    epoll_event ev{};
+    ev.events = want;
+    ev.data.ptr = &s;
+    ::epoll_ctl(t_.epoll_.get(), EPOLL_CTL_MOD, s.fd.get(), &ev);
+    s.interest = want;
+}
+
+void TcpLink::fail(int code, const std::string &why) {
+    if (error()) return;
+    const Error e = set_error(code, why);
+    for (auto &sp : streams_) {
+        Stream &s = *sp;
+        for (const auto &op : s.sendq) t_.complete({this, LinkEvent::Kind::Failed, op.tag, e});
+        s.sendq.clear();
+        if (s.cur) t_.complete({this, LinkEvent::Kind::Failed, s.tag, e});
+        s.cur.reset();
+        ::epoll_ctl(t_.epoll_.get(), EPOLL_CTL_DEL, s.fd.get(), nullptr);
+        s.fd.reset();
+    }
+    for (const auto &[tag, op] : posted_) t_.complete({this, LinkEvent::Kind::Failed, tag, e});
+    posted_.clear();
 }
 
 }  // namespace ringd

@@ -1,31 +1,94 @@
-// TCP transport. Registration keeps a table of regions by handle: TCP receives land straight
-// into registered memory, so the table is what lets a receive be posted against a handle and an
-// offset without any lookup by address on the data path.
+// TCP transport. A link is `tcp.streams` connected sockets to one peer (the control plane
+// connects and authenticates them, then hands them over). Messages are striped over the streams
+// in posting order; each is a 24-byte header (magic, tag, length) followed by the payload, sent
+// with one scatter/gather sendmsg straight from registered memory and received straight into the
+// matching posted receive — no bounce buffer. A stream whose next message has no receive posted
+// yet is left unread (TCP flow control backs the sender off) until the receive is posted.
+//
+// Non-blocking sockets driven by one epoll set; poll() is called by the progress thread only.
 #pragma once
 
+#include <deque>
+#include <memory>
 #include <unordered_map>
+#include <vector>
 
 #include "daemon/transport/transport.h"
 
 namespace ringd {
 
+class TcpTransport;
+
+class TcpLink final : public Link {
+public:
+    TcpLink(TcpTransport &t, std::string peer);
+    ~TcpLink() override;
+    Status post_send(const RegionHandle &region, uint64_t offset, uint64_t bytes, uint64_t tag) override;
+    Status post_recv(const RegionHandle &region, uint64_t offset, uint64_t bytes, uint64_t tag) override;
+
+private:
+    friend class TcpTransport;
+    static constexpr size_t kHeaderBytes = 24;
+    struct SendOp {
+        uint64_t tag = 0;
+        const std::byte *data = nullptr;
+        uint64_t bytes = 0;
+        uint64_t done = 0;  // header + payload bytes written
+        uint8_t header[kHeaderBytes];
+    };
+    struct RecvOp {
+        std::byte *data = nullptr;
+        uint64_t bytes = 0;
+    };
+    struct Stream {
+        TcpLink *link = nullptr;
+        UniqueFd fd;
+        uint32_t interest = 0;  // epoll events registered
+        std::deque<SendOp> sendq;
+        uint8_t header[kHeaderBytes];
+        size_t header_got = 0;
+        bool have_header = false;  // header complete, message not yet matched or not yet read
+        uint64_t tag = 0, bytes = 0, got = 0;
+        std::optional<RecvOp> cur;  // matched receive being filled
+    };
+
+    Status add_stream(UniqueFd fd);
+    void on_event(Stream &s, uint32_t events);
+    void write_some(Stream &s);
+    void read_some(Stream &s);
+    void update_interest(Stream &s);
+    void fail(int code, const std::string &why);
+
+    TcpTransport &t_;
+    std::vector<std::unique_ptr<Stream>> streams_;
+    size_t next_stream_ = 0;
+    std::unordered_map<uint64_t, RecvOp> posted_;
+};
+
 class TcpTransport final : public Transport {
 public:
+    TcpTransport();
     std::string_view name() const override { return "tcp"; }
 
-    struct Region {
-        std::byte *base = nullptr;
-        size_t bytes = 0;
-    };
-    const Region *region(RegionHandle h) const;
+    // Takes over connected sockets to `peer` as one link (>= 1 stream). They are made
+    // non-blocking, TCP_NODELAY and get socket buffers sized for bandwidth x delay.
+    Result<Link *> add_link(const std::string &peer, std::vector<UniqueFd> streams);
+    void remove_link(Link *link);
+
+    Status poll(std::vector<LinkEvent> &out, int timeout_ms) override;
 
 protected:
     Result<RegionHandle> do_register(std::byte *base, size_t bytes) override;
     void do_deregister(RegionHandle h) override;
 
 private:
-    uint64_t next_id_ = 1;
-    std::unordered_map<uint64_t, Region> regions_;
+    friend class TcpLink;
+    void complete(LinkEvent e) { ready_.push_back(std::move(e)); }
+
+    UniqueFd epoll_;
+    uint64_t next_region_ = 1;
+    std::vector<std::unique_ptr<TcpLink>> links_;
+    std::vector<LinkEvent> ready_;  // completions produced outside poll(), handed out by the next poll()
 };
 
 }  // namespace ringd

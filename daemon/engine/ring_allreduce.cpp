@@ -1,0 +1,144 @@
+#include "daemon/engine/ring_allreduce.h"
+
+#include "common/fd_io.h"
+#include "daemon/engine/reduce.h"
+
+namespace ringd {
+namespace {
+
+constexpr uint32_t kMaxChunks = 1u << 20;
+constexpr uint32_t kMaxSteps = 1u << 11;
+
+uint64_t seg_begin(uint64_t count, uint32_t n, uint32_t k) {
+    return static_cast<uint64_t>((static_cast<unsigned __int128>(count) * k) / n);
+}
+
+}  // namespace
+
+void RingAllreduce::plan(const RingPosition &pos, const RingOp &op) {
+    const uint32_t n = pos.size, r = pos.rank;
+    const uint64_t chunk_elems = std::max<uint64_t>(1, opt_.chunk_bytes / dtype_size(op.dtype));
+    steps_ = n - 1;
+    sends_.clear();
+    recvs_.clear();
+    send_base_.assign(2 * steps_, 0);
+    recv_base_.assign(2 * steps_, 0);
+    auto add = [&](std::vector<Msg> &list, std::vector<size_t> &base, Phase p, uint32_t s, uint32_t seg) {
+        base[p * steps_ + s] = list.size();
+        const uint64_t b = seg_begin(op.count, n, seg), e = seg_begin(op.count, n, seg + 1);
+        uint32_t j = 0;
+        for (uint64_t at = b; at < e; at += chunk_elems, ++j)
+            list.push_back({p, s, j, at, std::min(chunk_elems, e - at), false, false, -1});
+    };
+    for (Phase p : {kReduceScatter, kAllgather}) {
+        for (uint32_t s = 0; s < steps_; ++s) {
+            const uint32_t send_seg = p == kReduceScatter ? (r + n - s) % n : (r + 1 + n - s) % n;
+            const uint32_t recv_seg = p == kReduceScatter ? (r + 2 * n - s - 1) % n : (r + n - s) % n;
+            add(sends_, send_base_, p, s, send_seg);
+            add(recvs_, recv_base_, p, s, recv_seg);
+        }
+    }
+    free_slots_.clear();
+    for (uint32_t i = 0; i < opt_.depth; ++i) free_slots_.push_back(static_cast<int32_t>(opt_.depth - 1 - i));
+}
+
+Status RingAllreduce::run(const RingPosition &pos, const RingOp &op, std::chrono::steady_clock::time_point deadline) {
+    const size_t es = dtype_size(op.dtype);
+    std::byte *data = op.data.base + op.data_offset;
+    if (op.data_offset > op.data.bytes || op.count > (op.data.bytes - op.data_offset) / es)
+        return make_error(-ERANGE, "ring op outside its data region");
+    if (pos.size <= 1) {
+        if (op.op == ReduceOp::Avg && op.count > 0 && op.avg_divisor > 1) {
+            const void *src = data;
+            void *dst = data;
+            reduce(ReduceArgs{op.dtype, op.op, &src, 1, &dst, 1, op.count, op.avg_divisor});
+        }
+        return Ok{};
+    }
+    if (pos.size > kMaxSteps) return make_error(-E2BIG, "ring of more than 2048 hosts");
+    if (op.staging.bytes < staging_bytes()) return make_error(-EINVAL, "ring staging area is too small");
+    if (op.count / pos.size / std::max<uint64_t>(1, opt_.chunk_bytes / es) + 1 >= kMaxChunks)
+        return make_error(-E2BIG, "ring op has too many chunks; raise the chunk size");
+    plan(pos, op);
+
+    const uint32_t last = steps_ - 1;
+    size_t next_send = 0, next_recv = 0, sends_done = 0, recvs_done = 0;
+    auto ready_to_send = [&](const Msg &m) {
+        if (m.phase == kReduceScatter)
+            return m.step == 0 || recvs_[index(recv_base_, kReduceScatter, m.step - 1, m.chunk)].done;
+        if (m.step == 0) return recvs_[index(recv_base_, kReduceScatter, last, m.chunk)].done;
+        return recvs_[index(recv_base_, kAllgather, m.step - 1, m.chunk)].done;
+    };
+    for (;;) {
+        // Receives in canonical order: reduce-scatter ones need a staging slot, allgather ones
+        // land in memory that must not still be on its way out.
+        while (next_recv < recvs_.size()) {
+            Msg &m = recvs_[next_recv];
+            Status s = Ok{};
+            if (m.phase == kReduceScatter) {
+                if (free_slots_.empty()) break;
+                m.slot = free_slots_.back();
+                free_slots_.pop_back();
+                s = pos.prev->post_recv(op.staging, static_cast<uint64_t>(m.slot) * opt_.chunk_bytes, m.elems * es,
+                                        tag(op, m.phase, m.step, m.chunk));
+            } else {
+                if (!sends_[index(send_base_, kReduceScatter, m.step, m.chunk)].done) break;
+                s = pos.prev->post_recv(op.data, op.data_offset + m.elem_begin * es, m.elems * es,
+                                        tag(op, m.phase, m.step, m.chunk));
+            }
+            if (!s) return s;
+            m.posted = true;
+            ++next_recv;
+        }
+        // Sends in canonical order, each once its data is final for this step.
+        while (next_send < sends_.size() && ready_to_send(sends_[next_send])) {
+            Msg &m = sends_[next_send];
+            if (auto s = pos.next->post_send(op.data, op.data_offset + m.elem_begin * es, m.elems * es,
+                                             tag(op, m.phase, m.step, m.chunk));
+                !s)
+                return s;
+            m.posted = true;
+            ++next_send;
+        }
+        if (sends_done == sends_.size() && recvs_done == recvs_.size()) return Ok{};
+
+        const int wait_ms = ms_until(deadline);
+        if (wait_ms == 0)
+            return make_error(-ETIMEDOUT, "ring allreduce timed out: waiting for " +
+                                              (recvs_done < recvs_.size() ? "data from " + pos.prev->peer()
+                                                                          : "host " + pos.next->peer() + " to take data"));
+        events_.clear();
+        if (auto s = t_.poll(events_, std::min(wait_ms, 100)); !s) return s;
+        for (const LinkEvent &e : events_) {
+            if (e.kind == LinkEvent::Kind::Failed) {
+                if (e.link == pos.next || e.link == pos.prev) return e.error;
+                continue;
+            }
+            if ((e.tag >> 32) != op.op_tag) continue;  // not this op's (cannot happen on a fresh ring)
+            const auto p = static_cast<Phase>((e.tag >> 31) & 1);
+            const auto step = static_cast<uint32_t>((e.tag >> 20) & (kMaxSteps - 1));
+            const auto chunk = static_cast<uint32_t>(e.tag & (kMaxChunks - 1));
+            if (e.kind == LinkEvent::Kind::SendDone && e.link == pos.next) {
+                Msg &m = sends_[index(send_base_, p, step, chunk)];
+                if (!m.done) ++sends_done;
+                m.done = true;
+            } else if (e.kind == LinkEvent::Kind::RecvDone && e.link == pos.prev) {
+                Msg &m = recvs_[index(recv_base_, p, step, chunk)];
+                if (m.done) continue;
+                if (p == kReduceScatter) {
+                    // Reduce while the chunk is hot; the last step also applies avg's scaling.
+                    void *dst = data + m.elem_begin * es;
+                    const void *srcs[2] = {dst, op.staging.base + static_cast<uint64_t>(m.slot) * opt_.chunk_bytes};
+                    const bool scale = op.op == ReduceOp::Avg && step == last;
+                    const ReduceOp rop = op.op == ReduceOp::Avg && !scale ? ReduceOp::Sum : op.op;
+                    reduce(ReduceArgs{op.dtype, rop, srcs, 2, &dst, 1, m.elems, scale ? op.avg_divisor : 1});
+                    free_slots_.push_back(m.slot);
+                }
+                m.done = true;
+                ++recvs_done;
+            }
+        }
+    }
+}
+
+}  // namespace ringd

@@ -1,0 +1,92 @@
+// RingAllreduce: the cross-host part of an allreduce — ring reduce-scatter, then allgather —
+// over any Transport, written like the algorithm on a whiteboard: post, wait, reduce.
+//
+// The host's contribution (already reduced over its local ranks; sums, not averages) lies in a
+// registered data region; it is replaced by the result. The buffer is cut into one segment per
+// host and each segment into chunks; chunks are pipelined: while chunk j of step s is on the
+// wire, chunk j-1 is being reduced and chunk j+1 is being sent. Reduce-scatter receives land in
+// a registered staging area (`depth` chunk slots, reused), are reduced into the data region and
+// forwarded; allgather receives land straight in the data region. avg scaling is fused into the
+// last reduce-scatter step.
+//
+// Both ends of a link post its messages in the same canonical order (step-major, then chunk), so
+// a transport may rely on in-order arrival for flow control, and nothing can deadlock.
+//
+// Called on the progress thread. After a failed run the links must not be reused: receives may
+// still be posted into the caller's memory (the daemon aborts the ring generation).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <vector>
+
+#include "daemon/transport/transport.h"
+#include "proto/types.h"
+
+namespace ringd {
+
+struct RingPosition {
+    uint32_t rank = 0;  // this host's index in ring order
+    uint32_t size = 1;  // hosts
+    Link *next = nullptr;  // to rank + 1 (we send)
+    Link *prev = nullptr;  // from rank - 1 (we receive); the same link when size == 2
+};
+
+struct RingOptions {
+    uint64_t chunk_bytes = 512 << 10;
+    uint32_t depth = 8;  // reduce-scatter receives in flight (staging slots)
+};
+
+struct RingOp {
+    DType dtype = DType::F32;
+    ReduceOp op = ReduceOp::Sum;
+    uint64_t count = 0;
+    uint32_t avg_divisor = 1;  // contributions in total (all ranks of all hosts)
+    RegionHandle data;         // in/out
+    uint64_t data_offset = 0;
+    RegionHandle staging;      // at least depth * chunk_bytes
+    uint32_t op_tag = 0;       // distinguishes this op's messages from any other's
+};
+
+class RingAllreduce {
+public:
+    RingAllreduce(Transport &transport, RingOptions options) : t_(transport), opt_(options) {}
+
+    // Staging bytes run() needs.
+    uint64_t staging_bytes() const { return opt_.chunk_bytes * opt_.depth; }
+
+    // Blocks until the result is in place, a link fails (error names the peer), or the deadline
+    // passes (error names the peer we were waiting for).
+    Status run(const RingPosition &pos, const RingOp &op, std::chrono::steady_clock::time_point deadline);
+
+private:
+    enum Phase : uint32_t { kReduceScatter = 0, kAllgather = 1 };
+    struct Msg {
+        Phase phase;
+        uint32_t step;
+        uint32_t chunk;
+        uint64_t elem_begin;  // into the op's buffer
+        uint64_t elems;
+        bool posted, done;
+        int32_t slot;  // staging slot of a reduce-scatter receive
+    };
+
+    void plan(const RingPosition &pos, const RingOp &op);
+    size_t index(const std::vector<size_t> &base, Phase p, uint32_t step, uint32_t chunk) const {
+        return base[p * steps_ + step] + chunk;
+    }
+    uint64_t tag(const RingOp &op, Phase p, uint32_t step, uint32_t chunk) const {
+        return (uint64_t{op.op_tag} << 32) | (uint64_t{p} << 31) | (uint64_t{step} << 20) | chunk;
+    }
+
+    Transport &t_;
+    RingOptions opt_;
+    uint32_t steps_ = 0;
+    // Reused from op to op (capacity stays): the schedule of messages sent and received.
+    std::vector<Msg> sends_, recvs_;
+    std::vector<size_t> send_base_, recv_base_;  // first message of (phase, step)
+    std::vector<int32_t> free_slots_;
+    std::vector<LinkEvent> events_;
+};
+
+}  // namespace ringd

@@ -1,0 +1,222 @@
+// RingAllreduce over every transport that runs here (in-process loopback; TCP over real
+// 127.0.0.1 sockets, 1 and 3 streams per link), each rank a thread with its own transport:
+// 1..5 hosts, every dtype x op, counts 0, 1, fewer than hosts, primes and many chunks; every
+// value checked on every rank. Faults: a peer that disappears mid-op, a peer that never comes.
+#include <catch2/catch.hpp>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
+#include <random>
+#include <thread>
+
+#include "bench/bench_data.h"
+#include "daemon/engine/ring_allreduce.h"
+#include "daemon/transport/loopback/loopback_transport.h"
+#include "daemon/transport/tcp/tcp_transport.h"
+
+using namespace ringd;
+using namespace std::chrono_literals;
+
+namespace {
+
+// Connected TCP socket pairs over 127.0.0.1.
+std::pair<UniqueFd, UniqueFd> tcp_pair() {
+    UniqueFd lst(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof a;
+    REQUIRE(::bind(lst.get(), reinterpret_cast<sockaddr *>(&a), sizeof a) == 0);
+    REQUIRE(::listen(lst.get(), 1) == 0);
+    REQUIRE(::getsockname(lst.get(), reinterpret_cast<sockaddr *>(&a), &len) == 0);
+    UniqueFd c(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    REQUIRE(::connect(c.get(), reinterpret_cast<sockaddr *>(&a), sizeof a) == 0);
+    UniqueFd s(::accept4(lst.get(), nullptr, nullptr, SOCK_CLOEXEC));
+    REQUIRE(s.valid());
+    return {std::move(c), std::move(s)};
+}
+
+std::string host(uint32_t r) { return "node" + std::to_string(r); }
+
+// A ring of n hosts in one process.
+struct Ring {
+    uint32_t n;
+    std::vector<std::unique_ptr<Transport>> transports;
+    std::vector<RingPosition> pos;
+    std::vector<std::vector<Link *>> links_of;  // every link a rank owns
+
+    Ring(uint32_t hosts, const std::string &kind, int streams = 2) : n(hosts), pos(hosts), links_of(hosts) {
+        for (uint32_t r = 0; r < n; ++r) {
+            if (kind == "loopback") transports.push_back(std::make_unique<LoopbackTransport>());
+            else transports.push_back(std::make_unique<TcpTransport>());
+            pos[r].rank = r;
+            pos[r].size = n;
+        }
+        if (n == 1) return;
+        // Link r -> r+1 (one link per neighbouring pair; with two hosts a single link).
+        const uint32_t pairs = n == 2 ? 1 : n;
+        for (uint32_t r = 0; r < pairs; ++r) {
+            const uint32_t q = (r + 1) % n;
+            Link *a, *b;
+            if (kind == "loopback") {
+                auto [x, y] = LoopbackTransport::connect(static_cast<LoopbackTransport &>(*transports[r]), host(r),
+                                                         static_cast<LoopbackTransport &>(*transports[q]), host(q));
+                a = x;
+                b = y;
+            } else {
+                std::vector<UniqueFd> sa, sb;
+                for (int i = 0; i < streams; ++i) {
+                    auto [c, s] = tcp_pair();
+                    sa.push_back(std::move(c));
+                    sb.push_back(std::move(s));
+                }
+                a = *static_cast<TcpTransport &>(*transports[r]).add_link(host(q), std::move(sa));
+                b = *static_cast<TcpTransport &>(*transports[q]).add_link(host(r), std::move(sb));
+            }
+            pos[r].next = a;
+            pos[q].prev = b;
+            links_of[r].push_back(a);
+            links_of[q].push_back(b);
+        }
+        if (n == 2) {
+            pos[0].prev = pos[0].next;
+            pos[1].next = pos[1].prev;
+        }
+    }
+};
+
+struct HostBuffers {
+    std::vector<std::byte> data, staging;
+    RegisteredRegion data_reg, staging_reg;
+};
+
+// Runs one allreduce on every host (a thread each) and checks every value.
+void allreduce_and_check(Ring &ring, DType t, ReduceOp op, uint64_t count, RingOptions opt, uint32_t op_tag) {
+    const size_t es = dtype_size(t);
+    std::vector<HostBuffers> bufs(ring.n);
+    std::vector<Status> results(ring.n, Ok{});
+    std::vector<uint64_t> wrong(ring.n, 0);
+    for (uint32_t r = 0; r < ring.n; ++r) {
+        auto &b = bufs[r];
+        b.data.resize(count * es + 64);
+        b.staging.resize(opt.chunk_bytes * opt.depth);
+        b.data_reg = RegisteredRegion(ring.transports[r].get(), *ring.transports[r]->register_region(b.data.data(), b.data.size()));
+        b.staging_reg = RegisteredRegion(ring.transports[r].get(), *ring.transports[r]->register_region(b.staging.data(), b.staging.size()));
+        bench::fill(b.data.data() + 8, count, t, r);
+    }
+    std::vector<std::thread> threads;
+    for (uint32_t r = 0; r < ring.n; ++r) {
+        threads.emplace_back([&, r] {
+            RingAllreduce ar(*ring.transports[r], opt);
+            RingOp o;
+            o.dtype = t;
+            o.op = op;
+            o.count = count;
+            o.avg_divisor = ring.n;
+            o.data = bufs[r].data_reg.handle();
+            o.data_offset = 8;
+            o.staging = bufs[r].staging_reg.handle();
+            o.op_tag = op_tag;
+            results[r] = ar.run(ring.pos[r], o, std::chrono::steady_clock::now() + 20s);
+            if (results[r]) wrong[r] = bench::count_wrong(bufs[r].data.data() + 8, count, t, op, ring.n);
+        });
+    }
+    for (auto &th : threads) th.join();
+    for (uint32_t r = 0; r < ring.n; ++r) {
+        INFO("host " << r << " of " << ring.n << " " << dtype_name(t) << " " << reduce_op_name(op) << " count " << count);
+        REQUIRE(results[r].ok());
+        CHECK(wrong[r] == 0);
+    }
+}
+
+}  // namespace
+
+TEST_CASE("ring allreduce is exact for every host count, dtype, op and size", "[ring]") {
+    const auto [kind, streams] = GENERATE(std::pair<std::string, int>{"loopback", 1}, std::pair<std::string, int>{"tcp", 1},
+                                          std::pair<std::string, int>{"tcp", 3});
+    std::mt19937_64 rng(99);
+    for (uint32_t n : {1u, 2u, 3u, 4u, 5u}) {
+        Ring ring(n, kind, streams);
+        uint32_t op_tag = 1;
+        for (uint64_t count : {uint64_t{0}, uint64_t{1}, uint64_t{n > 1 ? n - 1 : 1}, uint64_t{7}, uint64_t{997},
+                               uint64_t{65537}}) {
+            const auto t = static_cast<DType>(rng() % kDTypeCount);
+            auto op = static_cast<ReduceOp>(rng() % kReduceOpCount);
+            if (op == ReduceOp::Avg && dtype_is_integer(t)) op = ReduceOp::Max;
+            // Small chunks and a shallow staging area: many chunks per segment, slots reused.
+            allreduce_and_check(ring, t, op, count, RingOptions{4096, 3}, op_tag++);
+        }
+    }
+}
+
+TEST_CASE("every dtype x op across 3 hosts", "[ring]") {
+    Ring ring(3, "tcp", 2);
+    uint32_t op_tag = 1;
+    for (uint32_t t = 0; t < kDTypeCount; ++t)
+        for (uint32_t o = 0; o < kReduceOpCount; ++o) {
+            const auto dt = static_cast<DType>(t);
+            const auto op = static_cast<ReduceOp>(o);
+            if (op == ReduceOp::Avg && dtype_is_integer(dt)) continue;
+            allreduce_and_check(ring, dt, op, 12345, RingOptions{8192, 4}, op_tag++);
+        }
+}
+
+TEST_CASE("a peer that disappears mid-op fails its neighbours with an error naming it", "[ring]") {
+    const std::string kind = GENERATE(std::string("loopback"), std::string("tcp"));
+    Ring ring(3, kind);
+    const uint64_t count = 1 << 20;
+    std::vector<HostBuffers> bufs(3);
+    std::vector<Status> results(3, Ok{});
+    for (uint32_t r = 0; r < 3; ++r) {
+        bufs[r].data.resize(count * 4);
+        bufs[r].staging.resize(4096 * 2);
+        bufs[r].data_reg = RegisteredRegion(ring.transports[r].get(), *ring.transports[r]->register_region(bufs[r].data.data(), bufs[r].data.size()));
+        bufs[r].staging_reg = RegisteredRegion(ring.transports[r].get(), *ring.transports[r]->register_region(bufs[r].staging.data(), bufs[r].staging.size()));
+    }
+    std::vector<std::thread> threads;
+    const auto start = std::chrono::steady_clock::now();
+    for (uint32_t r = 0; r < 2; ++r) {
+        threads.emplace_back([&, r] {
+            RingAllreduce ar(*ring.transports[r], RingOptions{4096, 2});
+            RingOp o;
+            o.count = count;
+            o.data = bufs[r].data_reg.handle();
+            o.staging = bufs[r].staging_reg.handle();
+            o.op_tag = 1;
+            results[r] = ar.run(ring.pos[r], o, start + 20s);
+        });
+    }
+    // Host 2 never takes part and then goes away: its links break.
+    if (kind == "loopback") {
+        for (Link *l : ring.links_of[2]) static_cast<LoopbackLink *>(l)->cut("node2 died");
+    } else {
+        auto &t2 = static_cast<TcpTransport &>(*ring.transports[2]);
+        for (Link *l : ring.links_of[2]) t2.remove_link(l);  // closes its sockets
+    }
+    for (auto &th : threads) th.join();
+    CHECK(std::chrono::steady_clock::now() - start < 10s);
+    for (uint32_t r = 0; r < 2; ++r) {
+        REQUIRE_FALSE(results[r].ok());
+        CHECK_THAT(results[r].error().message, Catch::Contains("link to node2"));
+    }
+}
+
+TEST_CASE("a peer that never answers ends in a timeout naming it, not a hang", "[ring]") {
+    Ring ring(2, "tcp");
+    std::vector<std::byte> data(1 << 16), staging(4096 * 2);
+    auto dr = *ring.transports[0]->register_region(data.data(), data.size());
+    auto sr = *ring.transports[0]->register_region(staging.data(), staging.size());
+    RingAllreduce ar(*ring.transports[0], RingOptions{4096, 2});
+    RingOp o;
+    o.count = data.size() / 4;
+    o.data = dr;
+    o.staging = sr;
+    const auto start = std::chrono::steady_clock::now();
+    auto s = ar.run(ring.pos[0], o, start + 500ms);
+    REQUIRE_FALSE(s.ok());
+    CHECK(s.error().code == -ETIMEDOUT);
+    CHECK_THAT(s.error().message, Catch::Contains("node1"));
+    CHECK(std::chrono::steady_clock::now() - start < 5s);
+}
