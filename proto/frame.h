@@ -38,6 +38,12 @@ enum class FrameType : uint16_t {
     Error = 3,          // either way: code and message; the sender closes afterwards
     StatusRequest = 4,  // ringctl -> daemon
     StatusReply = 5,    // daemon -> ringctl: JSON document
+    // Between daemons (proto/peer.h).
+    PeerHello = 16,      // dialer -> listener: who, for which cluster, which connection, nonce
+    PeerChallenge = 17,  // listener -> dialer: its nonce and its proof of the secret
+    PeerAuth = 18,       // dialer -> listener: the dialer's proof of the secret
+    PeerAccept = 19,     // listener -> dialer: the connection is up
+    Heartbeat = 20,      // either way, every timeouts.heartbeat on control connections
 };
 
 struct FrameHeader {

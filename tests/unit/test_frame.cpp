@@ -5,6 +5,7 @@
 #include <random>
 
 #include "proto/frame.h"
+#include "proto/peer.h"
 #include "proto/slot.h"
 
 using namespace ringd;
@@ -239,7 +240,10 @@ TEST_CASE("decoders survive random mutations of valid frames", "[proto]") {
     // accepts must re-encode to a frame that decodes to the same thing.
     std::mt19937_64 rng(7);
     const std::vector<Bytes> seeds = {encode_hello({"grp", 1, 4, 1 << 20}), encode_welcome({1, 64, 64, 1000, 0x20000, 0x9000, 0x100}),
-                                      encode_error({-5, "message"}), encode_status_request({}), encode_status_reply("{}")};
+                                      encode_error({-5, "message"}), encode_status_request({}), encode_status_reply("{}"),
+                                      encode_peer_hello({"c", "a", "b", ConnKind::Data, 1, 3, Nonce{}}),
+                                      encode_peer_challenge({}), encode_peer_auth(Mac{}), encode_peer_accept(4),
+                                      encode_heartbeat({1, 2})};
     size_t accepted = 0;
     for (int iter = 0; iter < 20000; ++iter) {
         Bytes f = seeds[rng() % seeds.size()];
@@ -274,7 +278,73 @@ TEST_CASE("decoders survive random mutations of valid frames", "[proto]") {
             break;
         case FrameType::StatusRequest: accepted += decode_status_request(p).ok(); break;
         case FrameType::StatusReply: accepted += decode_status_reply(p).ok(); break;
+        case FrameType::PeerHello:
+            if (auto d = decode_peer_hello(p)) {
+                ++accepted;
+                CHECK(decode_peer_hello(payload_of(encode_peer_hello(*d)))->from == d->from);
+            }
+            break;
+        case FrameType::PeerChallenge: accepted += decode_peer_challenge(p).ok(); break;
+        case FrameType::PeerAuth: accepted += decode_peer_auth(p).ok(); break;
+        case FrameType::PeerAccept: accepted += decode_peer_accept(p).ok(); break;
+        case FrameType::Heartbeat: accepted += decode_heartbeat(p).ok(); break;
         }
     }
     CHECK(accepted > 0);
+}
+
+TEST_CASE("peer frame bytes are pinned", "[proto]") {
+    Nonce n;
+    for (size_t i = 0; i < n.size(); ++i) n[i] = static_cast<uint8_t>(i);
+    const Bytes f = encode_peer_hello({"demo", "node0", "node1", ConnKind::Data, 2, 0x0102, n});
+    Bytes p(kPeerHelloBytes, 0);
+    std::memcpy(&p[0], "demo", 4);
+    std::memcpy(&p[64], "node0", 5);
+    std::memcpy(&p[128], "node1", 5);
+    p[192] = 1;     // kind: data
+    p[196] = 2;     // stream
+    p[200] = 0x02;  // generation, little-endian
+    p[201] = 0x01;
+    for (size_t i = 0; i < 32; ++i) p[208 + i] = static_cast<uint8_t>(i);
+    CHECK(f == cat(header_bytes(16, 240), p));
+    auto h = decode_peer_hello(payload_of(f));
+    REQUIRE(h.ok());
+    CHECK(h->cluster == "demo");
+    CHECK(h->to == "node1");
+    CHECK(h->kind == ConnKind::Data);
+    CHECK(h->generation == 0x0102);
+
+    PeerChallenge c;
+    c.nonce[0] = 0xAA;
+    c.mac[31] = 0xBB;
+    Bytes cp(64, 0);
+    cp[0] = 0xAA;
+    cp[63] = 0xBB;
+    CHECK(encode_peer_challenge(c) == cat(header_bytes(17, 64), cp));
+    CHECK(encode_peer_auth(Mac{}) == cat(header_bytes(18, 32), Bytes(32, 0)));
+    CHECK(encode_peer_accept(7) == cat(header_bytes(19, 8), Bytes{7, 0, 0, 0, 0, 0, 0, 0}));
+    CHECK(encode_heartbeat({1, 2}) == cat(header_bytes(20, 16), Bytes{1, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0}));
+}
+
+TEST_CASE("peer hellos are validated", "[proto]") {
+    const Bytes f = encode_peer_hello({"demo", "node0", "node1", ConnKind::Control, 0, 1, Nonce{}});
+    Bytes p(f.begin() + kFrameHeaderBytes, f.end());
+    REQUIRE(decode_peer_hello(p).ok());
+    Bytes q = p;
+    q[192] = 9;
+    CHECK_THAT(decode_peer_hello(q).error().message, Catch::Contains("kind"));
+    q = p;
+    q[196] = 1;
+    CHECK_FALSE(decode_peer_hello(q).ok());  // control connections have no stream index
+    q = p;
+    q[64] = '/';
+    CHECK_FALSE(decode_peer_hello(q).ok());
+    q = p;
+    std::memset(&q[0], 0, 4);
+    CHECK_THAT(decode_peer_hello(q).error().message, Catch::Contains("cluster is empty"));
+    q[0] = 'x';
+    q[2] = 'y';
+    CHECK_THAT(decode_peer_hello(q).error().message, Catch::Contains("after the cluster's NUL"));
+    q.pop_back();
+    CHECK_FALSE(decode_peer_hello(q).ok());
 }

@@ -1,0 +1,126 @@
+#include "proto/peer.h"
+
+#include <cstring>
+
+#include "proto/le.h"
+
+namespace ringd::proto {
+namespace {
+
+Error bad(std::string msg) { return make_error(-EPROTO, std::move(msg)); }
+
+void put_name(uint8_t *p, const std::string &s) {
+    std::memset(p, 0, kNameBytes);
+    std::memcpy(p, s.data(), std::min(s.size(), kNameBytes - 1));
+}
+
+Result<std::string> get_name(const uint8_t *p, const char *what) {
+    size_t len = 0;
+    while (len < kNameBytes && p[len] != 0) ++len;
+    if (len == kNameBytes) return bad(std::string(what) + " is not NUL-terminated");
+    for (size_t i = len; i < kNameBytes; ++i)
+        if (p[i] != 0) return bad(std::string("bytes after the ") + what + "'s NUL are not zero");
+    std::string s(reinterpret_cast<const char *>(p), len);
+    if (auto why = check_name(what, s); !why.empty()) return bad(why);
+    return s;
+}
+
+Result<Ok> expect_size(std::span<const uint8_t> p, size_t want, const char *what) {
+    if (p.size() != want)
+        return bad(std::string(what) + " payload is " + std::to_string(p.size()) + " bytes, expected " + std::to_string(want));
+    return Ok{};
+}
+
+}  // namespace
+
+std::string check_name(std::string_view what, std::string_view name) {
+    if (name.empty()) return std::string(what) + " is empty";
+    if (name.size() >= kNameBytes) return std::string(what) + " is longer than 63 bytes";
+    for (char c : name)
+        if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' || c == '_' || c == '-'))
+            return std::string(what) + " '" + std::string(name) + "' may contain only letters, digits, '.', '_' and '-'";
+    return {};
+}
+
+Bytes encode_peer_hello(const PeerHello &h) {
+    uint8_t p[kPeerHelloBytes];
+    put_name(&p[0], h.cluster);
+    put_name(&p[kNameBytes], h.from);
+    put_name(&p[2 * kNameBytes], h.to);
+    le::put<uint32_t>(&p[3 * kNameBytes], static_cast<uint32_t>(h.kind));
+    le::put<uint32_t>(&p[3 * kNameBytes + 4], h.stream);
+    le::put<uint64_t>(&p[3 * kNameBytes + 8], h.generation);
+    std::memcpy(&p[3 * kNameBytes + 16], h.nonce.data(), kNonceBytes);
+    return encode_frame(FrameType::PeerHello, p);
+}
+
+Result<PeerHello> decode_peer_hello(std::span<const uint8_t> p) {
+    if (auto s = expect_size(p, kPeerHelloBytes, "peer hello"); !s) return s.error();
+    PeerHello h;
+    auto cluster = get_name(&p[0], "cluster");
+    if (!cluster) return cluster.error();
+    auto from = get_name(&p[kNameBytes], "host name");
+    if (!from) return from.error();
+    auto to = get_name(&p[2 * kNameBytes], "host name");
+    if (!to) return to.error();
+    h.cluster = *cluster;
+    h.from = *from;
+    h.to = *to;
+    const auto kind = le::get<uint32_t>(&p[3 * kNameBytes]);
+    if (kind > static_cast<uint32_t>(ConnKind::Data)) return bad("unknown connection kind " + std::to_string(kind));
+    h.kind = static_cast<ConnKind>(kind);
+    h.stream = le::get<uint32_t>(&p[3 * kNameBytes + 4]);
+    if (h.kind == ConnKind::Control && h.stream != 0) return bad("control connection with a stream index");
+    h.generation = le::get<uint64_t>(&p[3 * kNameBytes + 8]);
+    std::memcpy(h.nonce.data(), &p[3 * kNameBytes + 16], kNonceBytes);
+    return h;
+}
+
+Bytes encode_peer_challenge(const PeerChallenge &c) {
+    uint8_t p[kNonceBytes + kMacBytes];
+    std::memcpy(p, c.nonce.data(), kNonceBytes);
+    std::memcpy(p + kNonceBytes, c.mac.data(), kMacBytes);
+    return encode_frame(FrameType::PeerChallenge, p);
+}
+
+Result<PeerChallenge> decode_peer_challenge(std::span<const uint8_t> p) {
+    if (auto s = expect_size(p, kNonceBytes + kMacBytes, "peer challenge"); !s) return s.error();
+    PeerChallenge c;
+    std::memcpy(c.nonce.data(), p.data(), kNonceBytes);
+    std::memcpy(c.mac.data(), p.data() + kNonceBytes, kMacBytes);
+    return c;
+}
+
+Bytes encode_peer_auth(const Mac &mac) { return encode_frame(FrameType::PeerAuth, mac); }
+
+Result<Mac> decode_peer_auth(std::span<const uint8_t> p) {
+    if (auto s = expect_size(p, kMacBytes, "peer auth"); !s) return s.error();
+    Mac m;
+    std::memcpy(m.data(), p.data(), kMacBytes);
+    return m;
+}
+
+Bytes encode_peer_accept(uint64_t generation) {
+    uint8_t p[8];
+    le::put<uint64_t>(p, generation);
+    return encode_frame(FrameType::PeerAccept, p);
+}
+
+Result<uint64_t> decode_peer_accept(std::span<const uint8_t> p) {
+    if (auto s = expect_size(p, 8, "peer accept"); !s) return s.error();
+    return le::get<uint64_t>(p.data());
+}
+
+Bytes encode_heartbeat(const Heartbeat &h) {
+    uint8_t p[16];
+    le::put<uint64_t>(&p[0], h.generation);
+    le::put<uint64_t>(&p[8], h.seq);
+    return encode_frame(FrameType::Heartbeat, p);
+}
+
+Result<Heartbeat> decode_heartbeat(std::span<const uint8_t> p) {
+    if (auto s = expect_size(p, 16, "heartbeat"); !s) return s.error();
+    return Heartbeat{le::get<uint64_t>(&p[0]), le::get<uint64_t>(&p[8])};
+}
+
+}  // namespace ringd::proto

@@ -1,0 +1,68 @@
+// Frames between ringd daemons (same 16-byte header as proto/frame.h).
+//
+// Every connection between daemons — control or data stream — starts with this handshake,
+// before any buffer address, key or data is exchanged:
+//   dialer   -> PeerHello     {cluster, from, to, kind, stream, generation, nonce_d}
+//   listener -> PeerChallenge {nonce_l, mac_l = HMAC(secret, "ringd listener" | hello | nonce_l)}
+//   dialer   -> PeerAuth      {mac_d = HMAC(secret, "ringd dialer" | hello | nonce_l)}
+//   listener -> PeerAccept    {generation}
+// Both MACs cover both nonces (nonce_d is inside the hello) and every hello field, so neither
+// side can be impersonated or replayed. Without auth.secret_file the MACs are all zero and a
+// peer that sends non-zero MACs (it has a secret) is refused, and the other way round.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <span>
+#include <string>
+
+#include "proto/frame.h"
+
+namespace ringd::proto {
+
+inline constexpr size_t kNameBytes = 64;  // cluster and host names, NUL-padded
+inline constexpr size_t kNonceBytes = 32;
+inline constexpr size_t kMacBytes = 32;
+inline constexpr uint32_t kMaxPeerPayload = 4096;
+
+using Nonce = std::array<uint8_t, kNonceBytes>;
+using Mac = std::array<uint8_t, kMacBytes>;
+
+enum class ConnKind : uint32_t { Control = 0, Data = 1 };
+
+struct PeerHello {
+    std::string cluster;
+    std::string from;  // the dialer's host name
+    std::string to;    // the listener's host name, as the dialer knows it
+    ConnKind kind = ConnKind::Control;
+    uint32_t stream = 0;  // data stream index (< tcp.streams); 0 for control
+    uint64_t generation = 0;
+    Nonce nonce{};
+};
+inline constexpr size_t kPeerHelloBytes = 3 * kNameBytes + 16 + kNonceBytes;
+
+struct PeerChallenge {
+    Nonce nonce{};
+    Mac mac{};
+};
+
+struct Heartbeat {
+    uint64_t generation = 0;
+    uint64_t seq = 0;
+};
+
+Bytes encode_peer_hello(const PeerHello &h);
+Result<PeerHello> decode_peer_hello(std::span<const uint8_t> payload);
+Bytes encode_peer_challenge(const PeerChallenge &c);
+Result<PeerChallenge> decode_peer_challenge(std::span<const uint8_t> payload);
+Bytes encode_peer_auth(const Mac &mac);
+Result<Mac> decode_peer_auth(std::span<const uint8_t> payload);
+Bytes encode_peer_accept(uint64_t generation);
+Result<uint64_t> decode_peer_accept(std::span<const uint8_t> payload);
+Bytes encode_heartbeat(const Heartbeat &h);
+Result<Heartbeat> decode_heartbeat(std::span<const uint8_t> payload);
+
+// Cluster and host names: 1..63 bytes of [A-Za-z0-9._-]; empty string when valid.
+std::string check_name(std::string_view what, std::string_view name);
+
+}  // namespace ringd::proto
