@@ -8,9 +8,7 @@
 namespace ringd {
 
 ClientConn::ClientConn(MemberId id, UniqueFd sock, ucred cred, Clock::time_point hello_deadline)
-    : id_(id), sock_(std::move(sock)), cred_(cred), hello_deadline_(hello_deadline) {
-    in_.reserve(proto::kFrameHeaderBytes);
-}
+    : id_(id), sock_(std::move(sock)), cred_(cred), hello_deadline_(hello_deadline) {}
 
 std::string ClientConn::describe() const {
     std::string s = "client " + std::to_string(id_) + " (pid " + std::to_string(cred_.pid) + " uid " +
@@ -19,35 +17,7 @@ std::string ClientConn::describe() const {
     return s;
 }
 
-Result<std::optional<Frame>> ClientConn::read_frame() {
-    for (;;) {
-        const size_t want = header_ ? proto::kFrameHeaderBytes + header_->length : proto::kFrameHeaderBytes;
-        if (in_.size() == want) {
-            if (!header_) {
-                auto h = proto::decode_frame_header(in_, proto::kMaxClientPayload);
-                if (!h) return h.error();
-                header_ = *h;
-                in_.reserve(proto::kFrameHeaderBytes + h->length);  // capped by the check above
-                if (h->length > 0) continue;
-            }
-            Frame f{header_->type, proto::Bytes(in_.begin() + proto::kFrameHeaderBytes, in_.end())};
-            header_.reset();
-            in_.clear();
-            return std::optional<Frame>(std::move(f));
-        }
-        uint8_t buf[512];
-        std::vector<UniqueFd> fds;
-        const ssize_t n = recv_some(sock_.get(), buf, std::min(sizeof buf, want - in_.size()), fds);
-        if (n == -EAGAIN || n == -EWOULDBLOCK) return std::optional<Frame>();
-        if (n < 0) return make_error(static_cast<int>(n), "receive: " + errno_string(static_cast<int>(n)));
-        if (!fds.empty()) return make_error(-EPROTO, "client sent file descriptors; ringd accepts none");
-        if (n == 0) {
-            if (in_.empty()) return make_error(-ECONNRESET, "disconnected");
-            return make_error(-ECONNRESET, "disconnected in the middle of a frame");
-        }
-        in_.insert(in_.end(), buf, buf + n);
-    }
-}
+Result<std::optional<Frame>> ClientConn::read_frame() { return reader_.read(sock_.get(), proto::kMaxClientPayload); }
 
 void ClientConn::joined(std::shared_ptr<Slot> slot, UniqueFd doorbell, UniqueFd completion, std::string group,
                         uint32_t local_rank) {

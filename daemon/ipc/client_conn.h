@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "common/frame_reader.h"
 #include "common/unique_fd.h"
 #include "daemon/engine/group_table.h"
 #include "proto/frame.h"
@@ -22,11 +23,6 @@
 namespace ringd {
 
 class Slot;
-
-struct Frame {
-    proto::FrameType type{};
-    proto::Bytes payload;
-};
 
 class ClientConn {
 public:
@@ -73,8 +69,7 @@ private:
     ucred cred_;
     State state_ = State::Handshake;
     Clock::time_point hello_deadline_;
-    proto::Bytes in_;  // header, then payload once the header is validated
-    std::optional<proto::FrameHeader> header_;
+    FrameReader reader_;
 
     std::shared_ptr<Slot> slot_;
     UniqueFd doorbell_;

@@ -1,0 +1,62 @@
+#include "daemon/control/peer_auth.h"
+
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
+#include <openssl/rand.h>
+#include <sys/stat.h>
+
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+namespace ringd {
+
+Result<PeerSecret> PeerSecret::load(const std::string &path) {
+    struct stat st{};
+    if (::stat(path.c_str(), &st) != 0)
+        return make_error(-errno, "auth.secret_file: cannot read " + path + ": " + std::strerror(errno));
+    if (st.st_mode & S_IROTH)
+        return make_error(-EPERM, "auth.secret_file: " + path + " is readable by everyone; chmod 0600 or 0640 it");
+    std::ifstream in(path, std::ios::binary);
+    if (!in) return make_error(-EACCES, "auth.secret_file: cannot read " + path);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    std::string key = ss.str();
+    while (!key.empty() && (key.back() == '\n' || key.back() == '\r' || key.back() == ' ' || key.back() == '\t'))
+        key.pop_back();
+    if (key.size() < 16)
+        return make_error(-EINVAL, "auth.secret_file: " + path + " holds " + std::to_string(key.size()) +
+                                       " bytes; use at least 16 (e.g. openssl rand -hex 32)");
+    return from_bytes(std::move(key));
+}
+
+proto::Mac PeerSecret::mac(std::string_view role, std::span<const uint8_t> hello_payload, const proto::Nonce &nonce_l) const {
+    proto::Mac out{};
+    if (!enabled()) return out;
+    std::vector<uint8_t> msg;
+    msg.reserve(role.size() + hello_payload.size() + nonce_l.size());
+    msg.insert(msg.end(), role.begin(), role.end());
+    msg.insert(msg.end(), hello_payload.begin(), hello_payload.end());
+    msg.insert(msg.end(), nonce_l.begin(), nonce_l.end());
+    unsigned int len = 0;
+    HMAC(EVP_sha256(), key_.data(), static_cast<int>(key_.size()), msg.data(), msg.size(), out.data(), &len);
+    return out;
+}
+
+bool PeerSecret::verify(const proto::Mac &got, std::string_view role, std::span<const uint8_t> hello_payload,
+                        const proto::Nonce &nonce_l) const {
+    const proto::Mac want = mac(role, hello_payload, nonce_l);
+    return CRYPTO_memcmp(want.data(), got.data(), want.size()) == 0;
+}
+
+proto::Nonce random_nonce() {
+    proto::Nonce n{};
+    if (RAND_bytes(n.data(), static_cast<int>(n.size())) != 1) {
+        // The CSPRNG failing is not something to run on: a predictable nonce would allow replay.
+        std::abort();
+    }
+    return n;
+}
+
+}  // namespace ringd

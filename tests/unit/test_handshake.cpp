@@ -1,0 +1,154 @@
+// The daemon-to-daemon handshake over real 127.0.0.1 TCP connections: success with and without
+// a shared secret, and every refusal (wrong secret, one side without a secret, wrong cluster,
+// wrong host, a host the listener does not know, wrong version, garbage, oversize frames).
+#include <catch2/catch.hpp>
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+
+#include <fstream>
+
+#include "common/fd_io.h"
+#include "daemon/control/peer_handshake.h"
+
+using namespace ringd;
+using State = PeerHandshake::State;
+
+namespace {
+
+std::pair<UniqueFd, UniqueFd> tcp_pair() {
+    UniqueFd lst(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof a;
+    REQUIRE(::bind(lst.get(), reinterpret_cast<sockaddr *>(&a), sizeof a) == 0);
+    REQUIRE(::listen(lst.get(), 1) == 0);
+    REQUIRE(::getsockname(lst.get(), reinterpret_cast<sockaddr *>(&a), &len) == 0);
+    UniqueFd c(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+    ::connect(c.get(), reinterpret_cast<sockaddr *>(&a), sizeof a);
+    UniqueFd s(::accept4(lst.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
+    REQUIRE(s.valid());
+    pollfd p{c.get(), POLLOUT, 0};
+    REQUIRE(::poll(&p, 1, 5000) == 1);
+    return {std::move(c), std::move(s)};
+}
+
+bool terminal(State s) { return s == State::Up || s == State::Failed; }
+
+// Drives both ends until each is up or failed.
+void drive(PeerHandshake &d, PeerHandshake &l) {
+    const auto deadline = Clock::now() + std::chrono::seconds(5);
+    while (!(terminal(d.state()) && terminal(l.state())) && Clock::now() < deadline) {
+        pollfd p[2] = {{d.fd(), POLLIN, 0}, {l.fd(), POLLIN, 0}};
+        if (::poll(p, 2, ms_until(deadline)) <= 0) break;
+        if (p[0].revents && !terminal(d.state())) d.advance();
+        if (p[1].revents && !terminal(l.state())) l.advance();
+        // A failed end closes its socket, as the daemon does, so the other end sees EOF
+        // (poll ignores the closed end's -1).
+        if (d.state() == State::Failed) d.take_fd();
+        if (l.state() == State::Failed) l.take_fd();
+    }
+}
+
+Status accept_node0(const proto::PeerHello &h) {
+    if (h.from != "node0") return make_error(-EACCES, "host '" + h.from + "' is not configured");
+    return Ok{};
+}
+
+}  // namespace
+
+TEST_CASE("handshake succeeds with a shared secret and without one", "[handshake]") {
+    const PeerSecret with = PeerSecret::from_bytes("0123456789abcdef0123456789abcdef");
+    const PeerSecret none;
+    for (const PeerSecret *secret : {&with, &none}) {
+        auto [c, s] = tcp_pair();
+        PeerIdentity a{"demo", "node0", 3, secret}, b{"demo", "node1", 5, secret};
+        auto d = PeerHandshake::dial(std::move(c), a, "node1", proto::ConnKind::Data, 1);
+        auto l = PeerHandshake::listen(std::move(s), b, accept_node0);
+        drive(d, l);
+        REQUIRE(d.state() == State::Up);
+        REQUIRE(l.state() == State::Up);
+        CHECK(l.hello().from == "node0");
+        CHECK(l.hello().kind == proto::ConnKind::Data);
+        CHECK(l.hello().stream == 1);
+        CHECK(l.hello().generation == 3);
+        CHECK(d.peer_generation() == 5);
+    }
+}
+
+TEST_CASE("handshake refusals say why, on both ends", "[handshake]") {
+    const PeerSecret good = PeerSecret::from_bytes("0123456789abcdef0123456789abcdef");
+    const PeerSecret bad = PeerSecret::from_bytes("fedcba9876543210fedcba9876543210");
+    const PeerSecret none;
+    struct Case {
+        const char *name;
+        const PeerSecret *ds, *ls;
+        std::string dcluster, target;
+        std::string dself;
+        const char *listener_says, *dialer_says;
+    };
+    const Case cases[] = {
+        {"wrong secret", &bad, &good, "demo", "node1", "node0", nullptr, "authentication failed"},
+        {"dialer without secret", &none, &good, "demo", "node1", "node0", nullptr, "authentication failed"},
+        {"listener without secret", &good, &none, "demo", "node1", "node0", nullptr, "authentication failed"},
+        {"wrong cluster", &good, &good, "other", "node1", "node0", "cluster 'other'", nullptr},
+        {"wrong host", &good, &good, "demo", "node7", "node0", "hello for host 'node7'", nullptr},
+        {"unconfigured host", &good, &good, "demo", "node1", "intruder", "not configured", nullptr},
+    };
+    for (const Case &k : cases) {
+        INFO(k.name);
+        auto [c, s] = tcp_pair();
+        PeerIdentity a{k.dcluster, k.dself, 1, k.ds}, b{"demo", "node1", 1, k.ls};
+        auto d = PeerHandshake::dial(std::move(c), a, k.target, proto::ConnKind::Control, 0);
+        auto l = PeerHandshake::listen(std::move(s), b, [](const proto::PeerHello &h) {
+            return h.from == "intruder" ? Status(make_error(-EACCES, "host 'intruder' is not configured")) : Status(Ok{});
+        });
+        drive(d, l);
+        CHECK(d.state() == State::Failed);
+        CHECK(l.state() == State::Failed);
+        if (k.listener_says) CHECK_THAT(l.error().message, Catch::Contains(k.listener_says));
+        if (k.dialer_says) CHECK_THAT(d.error().message, Catch::Contains(k.dialer_says));
+    }
+}
+
+TEST_CASE("a listener refuses wrong versions, garbage and oversize frames", "[handshake]") {
+    const PeerSecret none;
+    PeerIdentity me{"demo", "node1", 1, &none};
+    auto attempt = [&](const proto::Bytes &bytes) {
+        auto [c, s] = tcp_pair();
+        auto l = PeerHandshake::listen(std::move(s), me, accept_node0);
+        REQUIRE(send_all(c.get(), bytes).ok());
+        pollfd p{l.fd(), POLLIN, 0};
+        const auto deadline = Clock::now() + std::chrono::seconds(5);
+        while (!terminal(l.state()) && ::poll(&p, 1, ms_until(deadline)) > 0) l.advance();
+        CHECK(l.state() == State::Failed);
+        return l.error().message;
+    };
+    auto hello = proto::encode_peer_hello({"demo", "node0", "node1", proto::ConnKind::Control, 0, 1, {}});
+    hello[4] = 2;  // protocol version 2
+    CHECK_THAT(attempt(hello), Catch::Contains("protocol version 2"));
+    CHECK_THAT(attempt(proto::Bytes(64, 0x5A)), Catch::Contains("magic"));
+    auto big = proto::encode_frame(proto::FrameType::PeerHello, {});
+    big[8] = big[9] = big[10] = 0xFF;
+    CHECK_THAT(attempt(big), Catch::Contains("exceeds the limit"));
+    CHECK_THAT(attempt(proto::encode_peer_auth(proto::Mac{})), Catch::Contains("expected a peer hello"));
+}
+
+TEST_CASE("secret files are checked", "[handshake]") {
+    char dir[] = "/tmp/ringd-secret.XXXXXX";
+    REQUIRE(::mkdtemp(dir));
+    const std::string path = std::string(dir) + "/secret";
+    std::ofstream(path) << "short\n";
+    ::chmod(path.c_str(), 0600);
+    CHECK_THAT(PeerSecret::load(path).error().message, Catch::Contains("at least 16"));
+    std::ofstream(path) << "0123456789abcdef0123\n";
+    CHECK(PeerSecret::load(path).ok());
+    ::chmod(path.c_str(), 0644);
+    CHECK_THAT(PeerSecret::load(path).error().message, Catch::Contains("readable by everyone"));
+    CHECK_FALSE(PeerSecret::load(std::string(dir) + "/missing").ok());
+}
