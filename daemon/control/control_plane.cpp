@@ -1,0 +1,417 @@
+#include "daemon/control/control_plane.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/epoll.h>
+#include <sys/socket.h>
+
+#include <spdlog/spdlog.h>
+
+#include "common/fd_io.h"
+
+namespace ringd {
+namespace {
+
+constexpr uint64_t kListenerId = 0;
+constexpr auto kRedial = std::chrono::milliseconds(500);
+constexpr int kMissedHeartbeats = 3;
+
+// sockaddr for an IPv4 or IPv6 literal.
+bool make_addr(const std::string &ip, uint16_t port, sockaddr_storage &ss, socklen_t &len) {
+    std::memset(&ss, 0, sizeof ss);
+    auto *v4 = reinterpret_cast<sockaddr_in *>(&ss);
+    if (::inet_pton(AF_INET, ip.c_str(), &v4->sin_addr) == 1) {
+        v4->sin_family = AF_INET;
+        v4->sin_port = htons(port);
+        len = sizeof *v4;
+        return true;
+    }
+    auto *v6 = reinterpret_cast<sockaddr_in6 *>(&ss);
+    if (::inet_pton(AF_INET6, ip.c_str(), &v6->sin6_addr) == 1) {
+        v6->sin6_family = AF_INET6;
+        v6->sin6_port = htons(port);
+        len = sizeof *v6;
+        return true;
+    }
+    return false;
+}
+
+std::string ip_of(const sockaddr_storage &ss) {
+    char buf[INET6_ADDRSTRLEN] = "?";
+    if (ss.ss_family == AF_INET) ::inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in *>(&ss)->sin_addr, buf, sizeof buf);
+    if (ss.ss_family == AF_INET6) ::inet_ntop(AF_INET6, &reinterpret_cast<const sockaddr_in6 *>(&ss)->sin6_addr, buf, sizeof buf);
+    return buf;
+}
+
+// Same address, whatever the spelling ("::ffff:10.0.0.1" and "10.0.0.1" included).
+bool same_ip(const std::string &a, const std::string &b) {
+    auto norm = [](const std::string &s) { return s.rfind("::ffff:", 0) == 0 ? s.substr(7) : s; };
+    return norm(a) == norm(b);
+}
+
+const char *kind_name(proto::ConnKind k) { return k == proto::ConnKind::Control ? "control" : "data"; }
+
+}  // namespace
+
+Result<std::unique_ptr<ControlPlane>> ControlPlane::create(const Config &config, size_t self_index,
+                                                           const PeerSecret *secret, Callbacks callbacks) {
+    std::unique_ptr<ControlPlane> cp(new ControlPlane());
+    cp->config_ = config;
+    cp->self_ = static_cast<uint32_t>(self_index);
+    cp->n_ = static_cast<uint32_t>(config.hosts.size());
+    cp->secret_ = secret ? secret : &cp->no_secret_;
+    cp->cb_ = std::move(callbacks);
+    for (size_t i = 0; i < config.hosts.size(); ++i) {
+        const auto &h = config.hosts[i];
+        sockaddr_storage ss;
+        socklen_t len;
+        if (!make_addr(h.address, h.port, ss, len))
+            return make_error(-EINVAL, "hosts[" + std::to_string(i) + "].address: '" + h.address +
+                                           "' is not an IPv4 or IPv6 address");
+        if (auto why = proto::check_name("host name", h.name); !why.empty())
+            return make_error(-EINVAL, "hosts[" + std::to_string(i) + "].name: " + why);
+        cp->peers_.push_back(Peer{h, 0, false, i == self_index ? "self" : "idle", {}, {}, {}, 0});
+    }
+    if (auto why = proto::check_name("cluster", config.cluster); !why.empty()) return make_error(-EINVAL, "cluster: " + why);
+    cp->data_out_.assign(config.tcp.streams, 0);
+    cp->data_in_.assign(config.tcp.streams, 0);
+    cp->epoll_ = UniqueFd(::epoll_create1(EPOLL_CLOEXEC));
+    if (!cp->epoll_) return make_error(-errno, "epoll_create1: " + errno_string(errno));
+    if (auto s = cp->listen(); !s) return s.error();
+    if (cp->n_ == 1) {
+        // A ring of one host is up from the start; nothing crosses a network.
+        cp->ring_up_ = true;
+        cp->generation_ = 1;
+    }
+    return cp;
+}
+
+ControlPlane::~ControlPlane() = default;
+
+Status ControlPlane::watch(int fd, uint64_t id, uint32_t events) {
+    epoll_event ev{};
+    ev.events = events;
+    ev.data.u64 = id;
+    if (::epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, fd, &ev) != 0 &&
+        (errno != EEXIST || ::epoll_ctl(epoll_.get(), EPOLL_CTL_MOD, fd, &ev) != 0))
+        return make_error(-errno, "epoll_ctl: " + errno_string(errno));
+    return Ok{};
+}
+
+Status ControlPlane::listen() {
+    const auto &me = peers_[self_].host;
+    sockaddr_storage ss;
+    socklen_t len;
+    make_addr(me.address, me.port, ss, len);
+    listener_ = UniqueFd(::socket(ss.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+    const int one = 1;
+    ::setsockopt(listener_.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    const std::string where = me.address + ":" + std::to_string(me.port);
+    if (::bind(listener_.get(), reinterpret_cast<sockaddr *>(&ss), len) != 0)
+        return make_error(-errno, "hosts[" + std::to_string(self_) + "]: cannot listen on " + where + ": " + errno_string(errno) +
+                                      (errno == EADDRNOTAVAIL ? " (is this address configured on this machine?)" : ""));
+    if (::listen(listener_.get(), 64) != 0) return make_error(-errno, "listen on " + where + ": " + errno_string(errno));
+    return watch(listener_.get(), kListenerId, EPOLLIN);
+}
+
+void ControlPlane::set_state(uint32_t peer, const std::string &state) {
+    Peer &p = peers_[peer];
+    if (p.state == state) return;
+    spdlog::info("link to {} (control): {} -> {}", p.host.name, p.state, state);
+    p.state = state;
+}
+
+void ControlPlane::on_ready() {
+    epoll_event events[32];
+    const int n = ::epoll_wait(epoll_.get(), events, 32, 0);
+    for (int i = 0; i < n; ++i) {
+        if (events[i].data.u64 == kListenerId) accept_all();
+        else on_conn(events[i].data.u64, events[i].events);
+    }
+}
+
+void ControlPlane::accept_all() {
+    for (;;) {
+        sockaddr_storage ss{};
+        socklen_t len = sizeof ss;
+        UniqueFd fd(::accept4(listener_.get(), reinterpret_cast<sockaddr *>(&ss), &len, SOCK_NONBLOCK | SOCK_CLOEXEC));
+        if (!fd) return;
+        const std::string ip = ip_of(ss);
+        bool known = false;
+        for (uint32_t i = 0; i < n_; ++i) known = known || (i != self_ && same_ip(peers_[i].host.address, ip));
+        if (!known) {
+            spdlog::warn("refused a connection from {}: not the address of any host in the config", ip);
+            continue;
+        }
+        auto c = std::make_unique<Conn>();
+        c->id = next_conn_id_++;
+        c->state = ConnState::Handshaking;
+        c->remote = ip;
+        c->deadline = Clock::now() + std::min<Clock::duration>(config_.timeouts.connect, std::chrono::seconds(10));
+        const PeerIdentity me{config_.cluster, peers_[self_].host.name, generation_, secret_};
+        c->hs.emplace(PeerHandshake::listen(std::move(fd), me, [this, ip](const proto::PeerHello &h) -> Status {
+            for (uint32_t i = 0; i < n_; ++i) {
+                if (peers_[i].host.name != h.from) continue;
+                if (i == self_) break;
+                if (!same_ip(peers_[i].host.address, ip))
+                    return make_error(-EACCES, "host " + h.from + " connected from " + ip + ", its configured address is " +
+                                                   peers_[i].host.address);
+                if (h.kind == proto::ConnKind::Control && i > self_)
+                    return make_error(-EPROTO, "host " + h.from + " dialed a control connection it should accept");
+                if (h.kind == proto::ConnKind::Data && (i != prev() || h.stream >= data_in_.size()))
+                    return make_error(-EPROTO, "host " + h.from + " offered data stream " + std::to_string(h.stream) +
+                                                   "; only the previous host sends data, on " +
+                                                   std::to_string(data_in_.size()) + " stream(s)");
+                return Ok{};
+            }
+            return make_error(-EACCES, "host '" + h.from + "' is not in this ring's config");
+        }));
+        const uint64_t id = c->id;
+        if (auto s = watch(c->hs->fd(), id, EPOLLIN); !s) continue;
+        conns_.emplace(id, std::move(c));
+    }
+}
+
+void ControlPlane::dial(uint32_t peer, proto::ConnKind kind, uint32_t stream) {
+    const auto &h = peers_[peer].host;
+    sockaddr_storage ss;
+    socklen_t len;
+    make_addr(h.address, h.port, ss, len);
+    auto c = std::make_unique<Conn>();
+    c->id = next_conn_id_++;
+    c->dialer = true;
+    c->peer = peer;
+    c->kind = kind;
+    c->stream = stream;
+    c->remote = h.address + ":" + std::to_string(h.port);
+    c->deadline = Clock::now() + std::min<Clock::duration>(config_.timeouts.connect, std::chrono::seconds(5));
+    c->fd = UniqueFd(::socket(ss.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+    if (kind == proto::ConnKind::Control) {
+        peers_[peer].dialing = true;
+        set_state(peer, "connecting");
+    }
+    const uint64_t id = c->id;
+    const int rc = ::connect(c->fd.get(), reinterpret_cast<sockaddr *>(&ss), len);
+    const int err = errno;
+    const int fd = c->fd.get();
+    conns_.emplace(id, std::move(c));
+    if (kind == proto::ConnKind::Data) data_out_[stream] = id;
+    if (rc != 0 && err != EINPROGRESS) return conn_failed(id, "connect to " + h.address + ": " + errno_string(err));
+    if (auto s = watch(fd, id, EPOLLOUT); !s) return conn_failed(id, s.error().message);
+}
+
+void ControlPlane::on_conn(uint64_t id, uint32_t events) {
+    auto it = conns_.find(id);
+    if (it == conns_.end()) return;
+    Conn &c = *it->second;
+    if (c.state == ConnState::Connecting) {
+        int err = 0;
+        socklen_t len = sizeof err;
+        ::getsockopt(c.fd.get(), SOL_SOCKET, SO_ERROR, &err, &len);
+        if (err != 0) return conn_failed(id, "connect to " + c.remote + ": " + errno_string(err));
+        if (!(events & EPOLLOUT)) return;
+        const PeerIdentity me{config_.cluster, peers_[self_].host.name, generation_, secret_};
+        c.hs.emplace(PeerHandshake::dial(std::move(c.fd), me, peers_[c.peer].host.name, c.kind, c.stream));
+        c.state = ConnState::Handshaking;
+        if (c.kind == proto::ConnKind::Control) set_state(c.peer, "handshaking");
+        if (c.hs->state() == PeerHandshake::State::Failed) return conn_failed(id, c.hs->error().message);
+        (void)watch(c.hs->fd(), id, EPOLLIN);
+        return;
+    }
+    if (c.state == ConnState::Handshaking) {
+        const auto st = c.hs->advance();
+        if (st == PeerHandshake::State::Failed) return conn_failed(id, c.hs->error().message);
+        if (st == PeerHandshake::State::Up) promote(c);
+        return;
+    }
+    // An up control connection: heartbeats and engine messages.
+    for (;;) {
+        auto f = c.reader.read(c.fd.get(), proto::kMaxPeerPayload);
+        if (!f) return peer_failed(c.peer, f.error().code == -ECONNRESET ? "connection closed" : f.error().message);
+        if (!*f) return;
+        peers_[c.peer].last_heard = Clock::now();
+        if ((*f)->type == proto::FrameType::Heartbeat) {
+            if (auto h = proto::decode_heartbeat((*f)->payload); !h) return peer_failed(c.peer, h.error().message);
+            continue;
+        }
+        if (cb_.message) cb_.message(c.peer, **f);
+        if (conns_.find(id) == conns_.end()) return;  // the callback may have closed it
+    }
+}
+
+void ControlPlane::promote(Conn &c) {
+    const proto::PeerHello &h = c.hs->hello();
+    if (!c.dialer) {
+        for (uint32_t i = 0; i < n_; ++i)
+            if (peers_[i].host.name == h.from) c.peer = i;
+        c.kind = h.kind;
+        c.stream = h.stream;
+    }
+    c.fd = c.hs->take_fd();
+    c.hs.reset();
+    c.state = ConnState::Up;
+    const uint64_t id = c.id;
+    const uint32_t peer = c.peer;
+    Peer &p = peers_[peer];
+    if (c.kind == proto::ConnKind::Control) {
+        if (p.control && p.control != id) {
+            // The peer came back (restart) while we still had its old connection.
+            const uint64_t old = p.control;
+            p.control = 0;
+            close_conn(old);
+            if (ring_up_) abort_ring("host " + p.host.name + " reconnected (restarted?)");
+        }
+        p.control = id;
+        p.dialing = false;
+        p.last_error.clear();
+        p.last_heard = Clock::now();
+        set_state(peer, "up");
+    } else if (c.dialer) {
+        spdlog::debug("data stream {} to {}: up", c.stream, p.host.name);
+    } else {
+        if (ring_up_) abort_ring("host " + p.host.name + " re-formed its data links");
+        if (data_in_[c.stream]) close_conn(data_in_[c.stream]);
+        data_in_[c.stream] = id;
+        spdlog::debug("data stream {} from {}: up", c.stream, p.host.name);
+    }
+    maybe_ring_up();
+}
+
+void ControlPlane::maybe_ring_up() {
+    if (ring_up_ || n_ == 1) return;
+    for (uint32_t i = 0; i < n_; ++i)
+        if (i != self_ && !peers_[i].control) return;
+    for (uint64_t id : data_out_)
+        if (!id || conns_.at(id)->state != ConnState::Up) return;
+    for (uint64_t id : data_in_)
+        if (!id) return;
+    std::vector<UniqueFd> out, in;
+    for (uint64_t &id : data_out_) {
+        ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, conns_.at(id)->fd.get(), nullptr);
+        out.push_back(std::move(conns_.at(id)->fd));
+        conns_.erase(id);
+        id = 0;
+    }
+    for (uint64_t &id : data_in_) {
+        ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, conns_.at(id)->fd.get(), nullptr);
+        in.push_back(std::move(conns_.at(id)->fd));
+        conns_.erase(id);
+        id = 0;
+    }
+    ring_up_ = true;
+    ++generation_;
+    spdlog::info("ring up: generation {}, {} hosts", generation_, n_);
+    if (cb_.ring_up) cb_.ring_up(generation_, std::move(out), std::move(in));
+}
+
+void ControlPlane::close_conn(uint64_t id) {
+    auto it = conns_.find(id);
+    if (it == conns_.end()) return;
+    Conn &c = *it->second;
+    const int fd = c.hs ? c.hs->fd() : c.fd.get();
+    if (fd >= 0) ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, fd, nullptr);
+    for (auto &d : data_out_)
+        if (d == id) d = 0;
+    for (auto &d : data_in_)
+        if (d == id) d = 0;
+    if (c.kind == proto::ConnKind::Control && c.dialer && peers_[c.peer].control != id) peers_[c.peer].dialing = false;
+    conns_.erase(it);
+}
+
+void ControlPlane::conn_failed(uint64_t id, const std::string &why) {
+    auto it = conns_.find(id);
+    if (it == conns_.end()) return;
+    Conn &c = *it->second;
+    const std::string who = c.dialer ? peers_[c.peer].host.name : c.remote;
+    spdlog::warn("{} connection {} {}: {}", kind_name(c.kind), c.dialer ? "to" : "from", who, why);
+    if (c.dialer && c.kind == proto::ConnKind::Control) {
+        peers_[c.peer].last_error = why;
+        peers_[c.peer].next_dial = Clock::now() + kRedial;
+        set_state(c.peer, "failed");
+    } else if (c.dialer) {
+        next_data_dial_ = Clock::now() + kRedial;
+        peers_[c.peer].last_error = why;
+    }
+    close_conn(id);
+}
+
+void ControlPlane::peer_failed(uint32_t peer, const std::string &why) {
+    Peer &p = peers_[peer];
+    spdlog::warn("host {}: {}", p.host.name, why);
+    p.last_error = why;
+    if (p.control) close_conn(p.control);
+    p.control = 0;
+    p.dialing = false;
+    p.next_dial = Clock::now() + kRedial;
+    set_state(peer, "failed");
+    if (ring_up_) abort_ring("host " + p.host.name + ": " + why);
+}
+
+void ControlPlane::abort_ring(const std::string &why) {
+    if (!ring_up_ || n_ == 1) return;
+    ring_up_ = false;
+    spdlog::warn("ring generation {} aborted: {}", generation_, why);
+    // Data connections of the next generation are made afresh by everyone.
+    for (uint64_t id : data_out_)
+        if (id) close_conn(id);
+    for (uint64_t id : data_in_)
+        if (id) close_conn(id);
+    next_data_dial_ = Clock::now() + kRedial;
+    if (cb_.ring_down) cb_.ring_down(why);
+}
+
+void ControlPlane::data_link_failed(const std::string &why) { abort_ring(why); }
+
+void ControlPlane::tick(Clock::time_point now) {
+    if (n_ == 1) return;
+    for (uint32_t i = self_ + 1; i < n_; ++i)
+        if (!peers_[i].control && !peers_[i].dialing && now >= peers_[i].next_dial) dial(i, proto::ConnKind::Control, 0);
+    if (!ring_up_ && now >= next_data_dial_)
+        for (uint32_t s = 0; s < data_out_.size(); ++s)
+            if (!data_out_[s]) dial(next(), proto::ConnKind::Data, s);
+    // Deadlines of connections that are still being set up.
+    std::vector<std::pair<uint64_t, std::string>> late;
+    for (const auto &[id, c] : conns_)
+        if (c->state != ConnState::Up && now > c->deadline)
+            late.emplace_back(id, c->state == ConnState::Connecting ? "connect timed out" : "handshake timed out");
+    for (const auto &[id, why] : late) conn_failed(id, why);
+    // Heartbeats out, and silence in.
+    const auto hb = config_.timeouts.heartbeat;
+    if (now >= next_heartbeat_) {
+        next_heartbeat_ = now + hb;
+        for (uint32_t i = 0; i < n_; ++i)
+            if (peers_[i].control) (void)send(i, proto::encode_heartbeat({generation_, ++peers_[i].heartbeat_seq}));
+    }
+    for (uint32_t i = 0; i < n_; ++i)
+        if (peers_[i].control && now - peers_[i].last_heard > kMissedHeartbeats * hb)
+            peer_failed(i, "no heartbeat for " + std::to_string(kMissedHeartbeats * hb.count()) + " ms (hung or unreachable)");
+}
+
+Status ControlPlane::send(uint32_t host_index, const proto::Bytes &frame) {
+    Peer &p = peers_.at(host_index);
+    if (!p.control) return make_error(-ENOTCONN, "no control connection to " + p.host.name);
+    // Control frames are small and rare; a peer whose socket buffer is full is not keeping up
+    // (hung): treat it as failed rather than block.
+    const int fd = conns_.at(p.control)->fd.get();
+    const ssize_t n = ::send(fd, frame.data(), frame.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n != static_cast<ssize_t>(frame.size())) {
+        const std::string why = n < 0 ? errno_string(errno) : "control connection is congested";
+        peer_failed(host_index, "send: " + why);
+        return make_error(-EPIPE, why);
+    }
+    return Ok{};
+}
+
+std::vector<ControlPlane::PeerStatus> ControlPlane::status() const {
+    std::vector<PeerStatus> out;
+    const auto now = Clock::now();
+    for (uint32_t i = 0; i < n_; ++i) {
+        const Peer &p = peers_[i];
+        PeerStatus s{p.host.name, p.host.address, p.host.port, i == self_, p.state, p.last_error, -1};
+        if (p.last_heard != Clock::time_point{}) s.last_heard_s = std::chrono::duration<double>(now - p.last_heard).count();
+        out.push_back(std::move(s));
+    }
+    return out;
+}
+
+}  // namespace ringd

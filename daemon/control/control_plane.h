@@ -1,0 +1,128 @@
+// ControlPlane: ringd's connections to the other hosts of its ring, on the control thread.
+//
+// Every pair of hosts keeps one authenticated control connection (the host earlier in ring
+// order dials), carrying heartbeats and the control messages of the engine; each host dials
+// `tcp.streams` data connections to its next host and accepts as many from its previous host.
+// When all of them are up the ring is up: the generation counter advances and the data sockets
+// are handed over (ring_up) to the progress thread's transport. Any failure — EOF, a link
+// error reported back by the engine, missed heartbeats (a hung host), a peer that reconnects —
+// takes the ring down (ring_down, with a reason naming the host) and everything re-forms by
+// itself as the next generation once the hosts are back.
+//
+// Link states per peer, logged on change: connecting -> handshaking -> up -> failed.
+// Connections from addresses not in `hosts`, with the wrong cluster/secret/version or bad
+// frames are closed and logged with the reason.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "common/fd_io.h"
+#include "common/frame_reader.h"
+#include "common/unique_fd.h"
+#include "daemon/config.h"
+#include "daemon/control/peer_handshake.h"
+
+namespace ringd {
+
+class ControlPlane {
+public:
+    struct Callbacks {
+        // The ring is up as `generation`: sockets to the next host, and from the previous one.
+        std::function<void(uint64_t generation, std::vector<UniqueFd> to_next, std::vector<UniqueFd> from_prev)> ring_up;
+        // The ring generation is over; `why` names the host.
+        std::function<void(const std::string &why)> ring_down;
+        // A control frame (other than heartbeats) from peer `host_index`.
+        std::function<void(uint32_t host_index, const Frame &frame)> message;
+    };
+
+    struct PeerStatus {
+        std::string name, address;
+        uint16_t port = 0;
+        bool self = false;
+        std::string control;  // connecting | handshaking | up | failed | idle
+        std::string last_error;
+        double last_heard_s = -1;  // seconds ago, -1: never
+    };
+
+    static Result<std::unique_ptr<ControlPlane>> create(const Config &config, size_t self_index, const PeerSecret *secret,
+                                                        Callbacks callbacks);
+    ~ControlPlane();
+
+    int fd() const { return epoll_.get(); }  // readable when on_ready() has work
+    void on_ready();
+    // Dials, retries, heartbeats and deadlines; call every ~100 ms.
+    void tick(Clock::time_point now);
+    // The engine found a data link broken: the generation is over.
+    void data_link_failed(const std::string &why);
+    Status send(uint32_t host_index, const proto::Bytes &frame);
+
+    bool ring_up() const { return ring_up_; }
+    uint64_t generation() const { return generation_; }
+    uint32_t self_index() const { return self_; }
+    std::vector<PeerStatus> status() const;
+
+private:
+    enum class ConnState { Connecting, Handshaking, Up };
+    struct Conn {
+        uint64_t id = 0;
+        bool dialer = false;
+        uint32_t peer = 0;  // known from the start when dialing, from the hello when accepting
+        proto::ConnKind kind = proto::ConnKind::Control;
+        uint32_t stream = 0;
+        ConnState state = ConnState::Connecting;
+        UniqueFd fd;                         // Connecting, Up
+        std::optional<PeerHandshake> hs;     // Handshaking (owns the socket)
+        FrameReader reader;                  // Up control connections
+        Clock::time_point deadline;
+        std::string remote;                  // address:port, for logs
+    };
+    struct Peer {
+        HostEntry host;
+        uint64_t control = 0;  // conn id when up
+        bool dialing = false;
+        std::string state = "idle";
+        std::string last_error;
+        Clock::time_point last_heard{}, next_dial{};
+        uint64_t heartbeat_seq = 0;
+    };
+
+    ControlPlane() = default;
+    Status listen();
+    void accept_all();
+    void dial(uint32_t peer, proto::ConnKind kind, uint32_t stream);
+    void on_conn(uint64_t id, uint32_t events);
+    void promote(Conn &c);
+    void close_conn(uint64_t id);
+    void conn_failed(uint64_t id, const std::string &why);
+    void peer_failed(uint32_t peer, const std::string &why);
+    void abort_ring(const std::string &why);
+    void maybe_ring_up();
+    void set_state(uint32_t peer, const std::string &state);
+    Status watch(int fd, uint64_t id, uint32_t events);
+    uint32_t next() const { return (self_ + 1) % n_; }
+    uint32_t prev() const { return (self_ + n_ - 1) % n_; }
+
+    Config config_;
+    uint32_t self_ = 0, n_ = 1;
+    const PeerSecret *secret_ = nullptr;
+    PeerSecret no_secret_;
+    Callbacks cb_;
+    UniqueFd epoll_;
+    UniqueFd listener_;
+    std::vector<Peer> peers_;
+    std::map<uint64_t, std::unique_ptr<Conn>> conns_;
+    uint64_t next_conn_id_ = 1;
+    std::vector<uint64_t> data_out_, data_in_;  // conn ids by stream, 0 = none
+    Clock::time_point next_data_dial_{};
+    bool ring_up_ = false;
+    uint64_t generation_ = 0;
+    Clock::time_point next_heartbeat_{};
+};
+
+}  // namespace ringd

@@ -1,0 +1,211 @@
+// ControlPlane: rings of daemons' control planes on 127.0.0.1 (different ports), driven in one
+// thread: formation, data sockets to the right neighbours, a host that dies or hangs, the ring
+// coming back as a new generation, and refusals (wrong secret, unconfigured address, garbage).
+#include <catch2/catch.hpp>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <spdlog/spdlog.h>
+
+#include "common/fd_io.h"
+#include "daemon/control/control_plane.h"
+
+using namespace ringd;
+using namespace std::chrono_literals;
+
+namespace {
+
+uint16_t base_port() { return static_cast<uint16_t>(20000 + (::getpid() * 7) % 20000); }
+
+Config ring_config(uint32_t n, uint16_t port0, int streams = 2) {
+    Config c;
+    c.cluster = "test";
+    for (uint32_t i = 0; i < n; ++i) c.hosts.push_back({"node" + std::to_string(i), "127.0.0.1", static_cast<uint16_t>(port0 + i)});
+    c.tcp.streams = static_cast<uint32_t>(streams);
+    c.timeouts.heartbeat = 100ms;
+    c.timeouts.connect = 2s;
+    return c;
+}
+
+struct Host {
+    std::unique_ptr<ControlPlane> cp;
+    uint64_t ups = 0, downs = 0, generation = 0;
+    std::string last_down;
+    std::vector<UniqueFd> to_next, from_prev;
+    bool frozen = false;  // a hung host: nobody drives it
+};
+
+struct Cluster {
+    Config config;
+    std::vector<Host> hosts;
+    PeerSecret secret;
+
+    Cluster(uint32_t n, PeerSecret s = {}) : config(ring_config(n, base_port())), hosts(n), secret(std::move(s)) {
+        for (uint32_t i = 0; i < n; ++i) start(i);
+    }
+    void start(uint32_t i, const PeerSecret *secret_override = nullptr) {
+        Host &h = hosts[i];
+        h.cp.reset();  // a restart: the old instance's port is free again
+        ControlPlane::Callbacks cb;
+        cb.ring_up = [&h](uint64_t g, std::vector<UniqueFd> out, std::vector<UniqueFd> in) {
+            ++h.ups;
+            h.generation = g;
+            h.to_next = std::move(out);
+            h.from_prev = std::move(in);
+        };
+        cb.ring_down = [&h](const std::string &why) {
+            ++h.downs;
+            h.last_down = why;
+            h.to_next.clear();  // the engine drops its links
+            h.from_prev.clear();
+        };
+        auto cp = ControlPlane::create(config, i, secret_override ? secret_override : &secret, cb);
+        REQUIRE(cp.ok());
+        h.cp = std::move(*cp);
+        h.frozen = false;
+    }
+    // Drives every live, unfrozen host until pred() or the deadline.
+    bool run_until(const std::function<bool()> &pred, std::chrono::milliseconds limit) {
+        const auto deadline = Clock::now() + limit;
+        while (!pred()) {
+            if (Clock::now() >= deadline) return false;
+            std::vector<pollfd> fds;
+            std::vector<Host *> who;
+            for (auto &h : hosts)
+                if (h.cp && !h.frozen) {
+                    fds.push_back({h.cp->fd(), POLLIN, 0});
+                    who.push_back(&h);
+                }
+            ::poll(fds.data(), fds.size(), 20);
+            for (size_t k = 0; k < fds.size(); ++k) {
+                if (fds[k].revents) who[k]->cp->on_ready();
+                who[k]->cp->tick(Clock::now());
+            }
+        }
+        return true;
+    }
+    bool all_up(uint64_t min_generation = 1) {
+        for (auto &h : hosts)
+            if (!h.cp || !h.cp->ring_up() || h.generation < min_generation) return false;
+        return true;
+    }
+};
+
+}  // namespace
+
+TEST_CASE("a ring forms and its data sockets join each host to its neighbours", "[control]") {
+    spdlog::set_level(spdlog::level::warn);
+    for (uint32_t n : {2u, 3u, 4u}) {
+        Cluster c(n);
+        REQUIRE(c.run_until([&] { return c.all_up(); }, 10s));
+        for (uint32_t i = 0; i < n; ++i) {
+            CHECK(c.hosts[i].generation == 1);
+            REQUIRE(c.hosts[i].to_next.size() == 2);
+            REQUIRE(c.hosts[i].from_prev.size() == 2);
+        }
+        // A byte written on host i's stream k to next arrives on next's stream k from prev.
+        for (uint32_t i = 0; i < n; ++i)
+            for (int k = 0; k < 2; ++k) {
+                const char b = static_cast<char>('a' + i * 2 + k);
+                REQUIRE(::send(c.hosts[i].to_next[k].get(), &b, 1, 0) == 1);
+            }
+        for (uint32_t i = 0; i < n; ++i) {
+            const uint32_t p = (i + n - 1) % n;
+            std::vector<char> got;
+            for (auto &fd : c.hosts[i].from_prev) {
+                pollfd pf{fd.get(), POLLIN, 0};
+                REQUIRE(::poll(&pf, 1, 2000) == 1);
+                char b;
+                REQUIRE(::recv(fd.get(), &b, 1, 0) == 1);
+                got.push_back(b);
+            }
+            std::sort(got.begin(), got.end());
+            CHECK(got == std::vector<char>{static_cast<char>('a' + p * 2), static_cast<char>('a' + p * 2 + 1)});
+        }
+        for (auto &h : c.hosts) {
+            auto st = h.cp->status();
+            for (const auto &p : st) CHECK((p.self || p.control == "up"));
+        }
+    }
+}
+
+TEST_CASE("a host that dies takes the ring down everywhere, naming it; it re-forms when the host is back", "[control]") {
+    spdlog::set_level(spdlog::level::off);
+    Cluster c(3);
+    REQUIRE(c.run_until([&] { return c.all_up(); }, 10s));
+    c.hosts[2].cp.reset();  // killed: its sockets close
+    const auto start = Clock::now();
+    REQUIRE(c.run_until([&] { return c.hosts[0].downs == 1 && c.hosts[1].downs == 1; }, 5s));
+    CHECK(Clock::now() - start < 2s);
+    CHECK_THAT(c.hosts[0].last_down, Catch::Contains("node2"));
+    CHECK_THAT(c.hosts[1].last_down, Catch::Contains("node2"));
+    c.start(2);  // restarted
+    REQUIRE(c.run_until([&] { return c.all_up() && c.hosts[0].generation == 2 && c.hosts[1].generation == 2; }, 10s));
+    CHECK(c.hosts[0].generation == 2);
+    CHECK(c.hosts[1].generation == 2);
+    CHECK(c.hosts[2].generation == 1);  // its own first generation
+}
+
+TEST_CASE("a hung host is caught by missed heartbeats", "[control]") {
+    spdlog::set_level(spdlog::level::off);
+    Cluster c(3);
+    REQUIRE(c.run_until([&] { return c.all_up(); }, 10s));
+    c.hosts[1].frozen = true;  // like SIGSTOP: sockets open, nothing answered
+    const auto start = Clock::now();
+    REQUIRE(c.run_until([&] { return c.hosts[0].downs == 1 && c.hosts[2].downs == 1; }, 5s));
+    CHECK(Clock::now() - start < 1500ms);  // 3 heartbeats of 100 ms, plus ticks
+    CHECK_THAT(c.hosts[0].last_down, Catch::Contains("node1") && Catch::Contains("heartbeat"));
+    c.hosts[1].frozen = false;  // SIGCONT: it notices, and everything re-forms
+    REQUIRE(c.run_until([&] { return c.all_up(2); }, 10s));
+}
+
+TEST_CASE("a host with the wrong secret never joins; the reason is recorded", "[control]") {
+    spdlog::set_level(spdlog::level::off);
+    Cluster c(2, PeerSecret::from_bytes("0123456789abcdef0123456789abcdef"));
+    const PeerSecret wrong = PeerSecret::from_bytes("fedcba9876543210fedcba9876543210");
+    c.start(1, &wrong);
+    CHECK_FALSE(c.run_until([&] { return c.hosts[0].cp->ring_up() || c.hosts[1].cp->ring_up(); }, 1500ms));
+    CHECK_THAT(c.hosts[0].cp->status()[1].last_error, Catch::Contains("authentication failed"));
+}
+
+TEST_CASE("unconfigured addresses and garbage on the peer port are refused; the ring is unaffected", "[control]") {
+    spdlog::set_level(spdlog::level::off);
+    Cluster c(2);
+    REQUIRE(c.run_until([&] { return c.all_up(); }, 10s));
+    const uint16_t port = c.config.hosts[0].port;
+    auto connect_from = [&](const char *src) {
+        UniqueFd s(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+        sockaddr_in a{};
+        a.sin_family = AF_INET;
+        ::inet_pton(AF_INET, src, &a.sin_addr);
+        REQUIRE(::bind(s.get(), reinterpret_cast<sockaddr *>(&a), sizeof a) == 0);
+        a.sin_port = htons(port);
+        ::inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+        REQUIRE(::connect(s.get(), reinterpret_cast<sockaddr *>(&a), sizeof a) == 0);
+        return s;
+    };
+    auto closed = [&](int fd) {
+        bool eof = false;
+        c.run_until([&] {
+            char b[256];
+            const ssize_t r = ::recv(fd, b, sizeof b, MSG_DONTWAIT);
+            eof = r == 0 || (r < 0 && errno != EAGAIN);
+            return eof;
+        }, 3s);
+        return eof;
+    };
+    UniqueFd stranger = connect_from("127.0.0.2");  // not any host's address
+    CHECK(closed(stranger.get()));
+    UniqueFd garbage = connect_from("127.0.0.1");
+    const std::string junk(300, 'x');
+    (void)!::send(garbage.get(), junk.data(), junk.size(), MSG_NOSIGNAL);
+    CHECK(closed(garbage.get()));
+    UniqueFd silent = connect_from("127.0.0.1");  // says nothing: dropped at the handshake deadline
+    CHECK(closed(silent.get()));
+    CHECK(c.hosts[0].cp->ring_up());
+    CHECK(c.hosts[0].downs == 0);
+}
