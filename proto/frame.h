@@ -44,6 +44,9 @@ enum class FrameType : uint16_t {
     PeerAuth = 18,       // dialer -> listener: the dialer's proof of the secret
     PeerAccept = 19,     // listener -> dialer: the connection is up
     Heartbeat = 20,      // either way, every timeouts.heartbeat on control connections
+    OpReport = 21,       // host -> coordinator: a group's next op is ready here (or failed here)
+    OpStart = 22,        // coordinator -> every host: run it now, as ring op `op_id`
+    OpFail = 23,         // coordinator -> every host: it failed; the message names the host(s)
 };
 
 struct FrameHeader {

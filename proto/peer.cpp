@@ -1,8 +1,10 @@
 #include "proto/peer.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "proto/le.h"
+#include "proto/types.h"
 
 namespace ringd::proto {
 namespace {
@@ -121,6 +123,129 @@ Bytes encode_heartbeat(const Heartbeat &h) {
 Result<Heartbeat> decode_heartbeat(std::span<const uint8_t> p) {
     if (auto s = expect_size(p, 16, "heartbeat"); !s) return s.error();
     return Heartbeat{le::get<uint64_t>(&p[0]), le::get<uint64_t>(&p[8])};
+}
+
+namespace {
+
+// Appends a u32 length and the bytes of `m` (capped at kMaxErrorMessage).
+void put_message(Bytes &p, const std::string &m) {
+    const size_t len = std::min<size_t>(m.size(), kMaxErrorMessage);
+    const size_t at = p.size();
+    p.resize(at + 4 + len);
+    le::put<uint32_t>(&p[at], static_cast<uint32_t>(len));
+    std::memcpy(&p[at + 4], m.data(), len);
+}
+
+Result<std::string> get_message(std::span<const uint8_t> rest) {
+    if (rest.size() < 4) return bad("message length missing");
+    const auto len = le::get<uint32_t>(rest.data());
+    if (len > kMaxErrorMessage || rest.size() - 4 != len) return bad("message length does not match the payload");
+    return std::string(reinterpret_cast<const char *>(rest.data() + 4), len);
+}
+
+Result<std::string> get_group(const uint8_t *p) {
+    size_t len = 0;
+    while (len < kGroupNameBytes && p[len] != 0) ++len;
+    if (len == kGroupNameBytes) return bad("group name is not NUL-terminated");
+    for (size_t i = len; i < kGroupNameBytes; ++i)
+        if (p[i] != 0) return bad("bytes after the group name's NUL are not zero");
+    std::string g(reinterpret_cast<const char *>(p), len);
+    if (auto why = check_group_name(g); !why.empty()) return bad(why);
+    return g;
+}
+
+constexpr size_t kOpReportFixed = 8 + kGroupNameBytes + 8 + 8 + 4 + 4 + 4 + 4;
+constexpr size_t kOpStartBytes = 8 + kGroupNameBytes + 8 + 8 + 4;
+constexpr size_t kOpFailFixed = 8 + kGroupNameBytes + 8 + 4;
+
+}  // namespace
+
+Bytes encode_op_report(const OpReport &r) {
+    Bytes p(kOpReportFixed, 0);
+    le::put<uint64_t>(&p[0], r.generation);
+    put_name(&p[8], r.group);
+    le::put<uint64_t>(&p[72], r.ordinal);
+    le::put<uint64_t>(&p[80], r.count);
+    le::put<uint32_t>(&p[88], r.dtype);
+    le::put<uint32_t>(&p[92], r.op);
+    le::put<uint32_t>(&p[96], r.local_size);
+    le::put<int32_t>(&p[100], r.status);
+    put_message(p, r.message);
+    return encode_frame(FrameType::OpReport, p);
+}
+
+Result<OpReport> decode_op_report(std::span<const uint8_t> p) {
+    if (p.size() < kOpReportFixed) return bad("op report is too short");
+    OpReport r;
+    r.generation = le::get<uint64_t>(&p[0]);
+    auto g = get_group(&p[8]);
+    if (!g) return g.error();
+    r.group = *g;
+    r.ordinal = le::get<uint64_t>(&p[72]);
+    r.count = le::get<uint64_t>(&p[80]);
+    r.dtype = le::get<uint32_t>(&p[88]);
+    r.op = le::get<uint32_t>(&p[92]);
+    r.local_size = le::get<uint32_t>(&p[96]);
+    r.status = le::get<int32_t>(&p[100]);
+    if (r.status > 0) return bad("op report status must be 0 or a negative errno");
+    if (r.status == 0) {
+        if (r.dtype >= kDTypeCount || r.op >= kReduceOpCount) return bad("op report has an unknown dtype or op");
+        if (r.local_size == 0 || r.local_size > kMaxLocalSize) return bad("op report has a bad local_size");
+    }
+    auto m = get_message(p.subspan(kOpReportFixed));
+    if (!m) return m.error();
+    r.message = *m;
+    return r;
+}
+
+Bytes encode_op_start(const OpStart &s) {
+    uint8_t p[kOpStartBytes] = {};
+    le::put<uint64_t>(&p[0], s.generation);
+    put_name(&p[8], s.group);
+    le::put<uint64_t>(&p[72], s.ordinal);
+    le::put<uint64_t>(&p[80], s.op_id);
+    le::put<uint32_t>(&p[88], s.total_ranks);
+    return encode_frame(FrameType::OpStart, p);
+}
+
+Result<OpStart> decode_op_start(std::span<const uint8_t> p) {
+    if (auto s = expect_size(p, kOpStartBytes, "op start"); !s) return s.error();
+    OpStart s;
+    s.generation = le::get<uint64_t>(&p[0]);
+    auto g = get_group(&p[8]);
+    if (!g) return g.error();
+    s.group = *g;
+    s.ordinal = le::get<uint64_t>(&p[72]);
+    s.op_id = le::get<uint64_t>(&p[80]);
+    s.total_ranks = le::get<uint32_t>(&p[88]);
+    if (s.total_ranks == 0) return bad("op start with no ranks");
+    return s;
+}
+
+Bytes encode_op_fail(const OpFail &f) {
+    Bytes p(kOpFailFixed, 0);
+    le::put<uint64_t>(&p[0], f.generation);
+    put_name(&p[8], f.group);
+    le::put<uint64_t>(&p[72], f.ordinal);
+    le::put<int32_t>(&p[80], f.code);
+    put_message(p, f.message);
+    return encode_frame(FrameType::OpFail, p);
+}
+
+Result<OpFail> decode_op_fail(std::span<const uint8_t> p) {
+    if (p.size() < kOpFailFixed) return bad("op fail is too short");
+    OpFail f;
+    f.generation = le::get<uint64_t>(&p[0]);
+    auto g = get_group(&p[8]);
+    if (!g) return g.error();
+    f.group = *g;
+    f.ordinal = le::get<uint64_t>(&p[72]);
+    f.code = le::get<int32_t>(&p[80]);
+    if (f.code >= 0) return bad("op fail code must be a negative errno");
+    auto m = get_message(p.subspan(kOpFailFixed));
+    if (!m) return m.error();
+    f.message = *m;
+    return f;
 }
 
 }  // namespace ringd::proto

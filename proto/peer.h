@@ -51,6 +51,43 @@ struct Heartbeat {
     uint64_t seq = 0;
 };
 
+// Op negotiation. Ops of a group are numbered per ring generation on every host in the order
+// they resolve locally (`ordinal`), so hosts whose trainers restarted still line up; the
+// coordinator (the first host in ring order) matches the reports of all hosts and answers
+// every host with OpStart or OpFail, in one order that every host follows.
+struct OpReport {
+    uint64_t generation = 0;  // the coordinator's generation the host reports in
+    std::string group;
+    uint64_t ordinal = 0;
+    uint64_t count = 0;
+    uint32_t dtype = 0;
+    uint32_t op = 0;
+    uint32_t local_size = 0;
+    int32_t status = 0;   // 0: ready; negative errno: the op failed on this host
+    std::string message;  // why, when status != 0 (at most kMaxErrorMessage bytes)
+};
+struct OpStart {
+    uint64_t generation = 0;
+    std::string group;
+    uint64_t ordinal = 0;
+    uint64_t op_id = 0;        // unique within the generation: tags the op's messages
+    uint32_t total_ranks = 0;  // avg divides by this
+};
+struct OpFail {
+    uint64_t generation = 0;
+    std::string group;
+    uint64_t ordinal = 0;
+    int32_t code = 0;
+    std::string message;
+};
+
+Bytes encode_op_report(const OpReport &r);
+Result<OpReport> decode_op_report(std::span<const uint8_t> payload);
+Bytes encode_op_start(const OpStart &s);
+Result<OpStart> decode_op_start(std::span<const uint8_t> payload);
+Bytes encode_op_fail(const OpFail &f);
+Result<OpFail> decode_op_fail(std::span<const uint8_t> payload);
+
 Bytes encode_peer_hello(const PeerHello &h);
 Result<PeerHello> decode_peer_hello(std::span<const uint8_t> payload);
 Bytes encode_peer_challenge(const PeerChallenge &c);

@@ -243,7 +243,10 @@ TEST_CASE("decoders survive random mutations of valid frames", "[proto]") {
                                       encode_error({-5, "message"}), encode_status_request({}), encode_status_reply("{}"),
                                       encode_peer_hello({"c", "a", "b", ConnKind::Data, 1, 3, Nonce{}}),
                                       encode_peer_challenge({}), encode_peer_auth(Mac{}), encode_peer_accept(4),
-                                      encode_heartbeat({1, 2})};
+                                      encode_heartbeat({1, 2}),
+                                      encode_op_report({1, "g", 2, 100, 0, 1, 2, 0, ""}),
+                                      encode_op_report({1, "g", 3, 0, 0, 0, 0, -5, "host a: local rank 1 left"}),
+                                      encode_op_start({1, "g", 2, 7, 8}), encode_op_fail({1, "g", 2, -22, "mismatch"})};
     size_t accepted = 0;
     for (int iter = 0; iter < 20000; ++iter) {
         Bytes f = seeds[rng() % seeds.size()];
@@ -288,6 +291,16 @@ TEST_CASE("decoders survive random mutations of valid frames", "[proto]") {
         case FrameType::PeerAuth: accepted += decode_peer_auth(p).ok(); break;
         case FrameType::PeerAccept: accepted += decode_peer_accept(p).ok(); break;
         case FrameType::Heartbeat: accepted += decode_heartbeat(p).ok(); break;
+        case FrameType::OpReport:
+            if (auto d = decode_op_report(p)) {
+                ++accepted;
+                auto again = decode_op_report(payload_of(encode_op_report(*d)));
+                REQUIRE(again.ok());
+                CHECK((again->group == d->group && again->count == d->count && again->message == d->message));
+            }
+            break;
+        case FrameType::OpStart: accepted += decode_op_start(p).ok(); break;
+        case FrameType::OpFail: accepted += decode_op_fail(p).ok(); break;
         }
     }
     CHECK(accepted > 0);
@@ -347,4 +360,36 @@ TEST_CASE("peer hellos are validated", "[proto]") {
     CHECK_THAT(decode_peer_hello(q).error().message, Catch::Contains("after the cluster's NUL"));
     q.pop_back();
     CHECK_FALSE(decode_peer_hello(q).ok());
+}
+
+TEST_CASE("op negotiation frames round-trip and are validated", "[proto]") {
+    const OpReport r{3, "grp", 9, 1000, 1, 3, 2, 0, ""};
+    const Bytes f = encode_op_report(r);
+    CHECK(f.size() == kFrameHeaderBytes + 104 + 4);
+    auto d = decode_op_report(payload_of(f));
+    REQUIRE(d.ok());
+    CHECK(d->generation == 3);
+    CHECK(d->ordinal == 9);
+    CHECK(d->count == 1000);
+    CHECK(d->op == 3);
+    Bytes p(f.begin() + kFrameHeaderBytes, f.end());
+    Bytes q = p;
+    q[88] = 9;  // dtype
+    CHECK_FALSE(decode_op_report(q).ok());
+    q = p;
+    q[100] = 1;  // positive status
+    CHECK_FALSE(decode_op_report(q).ok());
+    q = p;
+    q.push_back('x');  // message length mismatch
+    CHECK_FALSE(decode_op_report(q).ok());
+
+    auto s = decode_op_start(payload_of(encode_op_start({3, "grp", 9, 44, 8})));
+    REQUIRE(s.ok());
+    CHECK(s->op_id == 44);
+    CHECK(s->total_ranks == 8);
+    CHECK_FALSE(decode_op_start(payload_of(encode_op_start({3, "grp", 9, 44, 0}))).ok());
+    auto fl = decode_op_fail(payload_of(encode_op_fail({3, "grp", 9, -5, "host b did not submit it"})));
+    REQUIRE(fl.ok());
+    CHECK(fl->message == "host b did not submit it");
+    CHECK_FALSE(decode_op_fail(payload_of(encode_op_fail({3, "grp", 9, 5, "x"}))).ok());
 }
