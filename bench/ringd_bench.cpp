@@ -66,14 +66,17 @@ int main(int argc, char **argv) {
     // The ring's size (hosts) comes from the daemon; busbw needs the total rank count.
     auto st = fetch_status(o.socket);
     if (!st) return fail(o, st.error().message);
-    uint64_t hosts = 1;
+    uint64_t hosts = 1, host_index = 0;
     try {
-        hosts = nlohmann::json::parse(*st)["ring"]["size"].get<uint64_t>();
+        const auto ring = nlohmann::json::parse(*st)["ring"];
+        hosts = ring["size"].get<uint64_t>();
+        for (uint64_t i = 0; i < ring["members"].size(); ++i)
+            if (ring["members"][i]["self"].get<bool>()) host_index = i;  // this host's place in the ring
     } catch (const std::exception &e) {
         return fail(o, std::string("bad status from ringd: ") + e.what());
     }
+    // Every host runs the same local_size (a group spans every host alike).
     const uint64_t nranks = hosts * static_cast<uint64_t>(o.local_size);
-    const uint64_t host_index = 0;  // this host's place in the ring (a single-host ring for now)
     const uint64_t global_rank = host_index * static_cast<uint64_t>(o.local_size) + static_cast<uint64_t>(o.local_rank);
 
     const size_t slot_bytes = std::max<size_t>(*max_b, 64);

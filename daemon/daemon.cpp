@@ -19,11 +19,12 @@
 
 #include "common/fd_io.h"
 #include "daemon/ipc/slot.h"
+#include "daemon/transport/tcp/tcp_transport.h"
 
 namespace ringd {
 namespace {
 
-enum Kind : uint32_t { kListener = 1, kSignal, kTimer, kEngine, kClientSock, kClientDoorbell };
+enum Kind : uint32_t { kListener = 1, kSignal, kTimer, kEngine, kClientSock, kClientDoorbell, kControl };
 
 constexpr uint64_t tag(Kind k, MemberId id = 0) { return (uint64_t{k} << 32) | id; }
 constexpr auto kTick = std::chrono::milliseconds(100);
@@ -62,11 +63,9 @@ Daemon::~Daemon() {
 }
 
 Status Daemon::setup() {
-    if (auto self = find_host(config_, host_); !self) return self.error();
-    if (config_.hosts.size() > 1)
-        return make_error(-ENOTSUP, "hosts: lists " + std::to_string(config_.hosts.size()) +
-                                        " hosts, but this ringd runs single-host rings only (the cross-host ring is "
-                                        "not built yet); list just this host");
+    auto self = find_host(config_, host_);
+    if (!self) return self.error();
+    self_index_ = static_cast<uint32_t>(*self);
     // Clients hold an fd each for their socket, doorbell and slot: lift the soft limit.
     rlimit nofile{};
     if (::getrlimit(RLIMIT_NOFILE, &nofile) == 0 && nofile.rlim_cur < nofile.rlim_max) {
@@ -96,14 +95,30 @@ Status Daemon::setup() {
     auto t = make_transport(config_);
     if (!t) return t.error();
     transport_ = std::move(*t);
-    auto e = ProgressEngine::start();
+    TcpTransport *tcp = nullptr;
+    RingOptions ring_options;
+    if (multi_host()) {
+        // Receive staging for the ring, registered once for the daemon's lifetime.
+        tcp = dynamic_cast<TcpTransport *>(transport_.get());
+        staging_mem_.reset(new (std::nothrow) std::byte[ring_options.chunk_bytes * ring_options.depth]);
+        if (!tcp || !staging_mem_) return make_error(-ENOMEM, "cannot set up the ring's staging memory");
+        auto reg = transport_->register_region(staging_mem_.get(), ring_options.chunk_bytes * ring_options.depth);
+        if (!reg) return reg.error();
+        staging_ = RegisteredRegion(transport_.get(), *reg);
+    }
+    auto e = ProgressEngine::start(tcp, staging_.handle(), ring_options, config_.timeouts.op);
     if (!e) return e.error();
     engine_ = std::move(*e);
+    if (multi_host()) {
+        if (auto s = setup_ring(); !s) return s;
+    }
 
     if (auto s = listen_socket(); !s) return s;
     for (auto [fd, k] : {std::pair{listener_.get(), kListener}, {signal_fd_.get(), kSignal},
                          {timer_fd_.get(), kTimer}, {engine_->result_fd(), kEngine}})
         if (auto s = epoll_add(epoll_.get(), fd, tag(k)); !s) return s;
+    if (control_)
+        if (auto s = epoll_add(epoll_.get(), control_->fd(), tag(kControl)); !s) return s;
 
     if (::sd_watchdog_enabled(0, &watchdog_usec_) <= 0) watchdog_usec_ = 0;
     return Ok{};
@@ -175,6 +190,7 @@ int Daemon::run() {
             case kEngine: on_engine_results(); break;
             case kClientSock: on_client_readable(id); break;
             case kClientDoorbell: on_doorbell(id); break;
+            case kControl: control_->on_ready(); break;
             }
         }
     }
@@ -377,6 +393,13 @@ void Daemon::deliver(std::vector<Completion> &completions, std::vector<OpRun> &r
         spdlog::warn("{}", m);
         record_error(m);
     }
+    if (multi_host()) {
+        completions.clear();
+        queue_host_ops(ready);  // also picks up this host's local failures
+        for (auto &[id, e] : bad) drop(id, e, true);
+        return;
+    }
+    (void)groups_.take_failures();  // one host: nobody else needs to hear of them
     std::vector<Completion> inline_done;
     for (auto &run : ready) {
         EngineWork w;
@@ -405,9 +428,20 @@ void Daemon::deliver(std::vector<Completion> &completions, std::vector<OpRun> &r
 void Daemon::on_engine_results() {
     std::vector<Completion> completions;
     std::vector<OpRun> ready;
-    for (auto &r : engine_->take_results()) groups_.finished(r.op_id, r.status, r.message, completions);
+    std::string link_failure;
+    for (auto &r : engine_->take_results()) {
+        const bool ring_ending = r.link_failed && control_ && r.generation == local_generation_;
+        if (ring_ending) link_failure = r.message;
+        if (r.op_id != 0 && !(ring_ending && control_->ring_up())) {
+            running_ring_.erase(r.op_id);
+            groups_.finished(r.op_id, r.status, r.message, completions);
+        }
+        // An op that ended with its link stays running until the generation's end fails it
+        // with the reason that names the host at fault.
+    }
     // The results (and the slot references they carried back) are released here, on this thread.
     deliver(completions, ready);
+    if (!link_failure.empty()) control_->data_link_failed(link_failure);
 }
 
 void Daemon::on_timer() {
@@ -422,6 +456,19 @@ void Daemon::on_timer() {
     std::vector<OpRun> ready;
     groups_.expire(now, completions);
     deliver(completions, ready);
+    if (control_) {
+        control_->tick(now);
+        expire_host_ops(now);
+        const double dt = std::chrono::duration<double>(now - rate_at_).count();
+        if (dt >= 1.0) {
+            const uint64_t out = engine_->bytes_to_next(), in = engine_->bytes_from_prev();
+            rate_next_ = static_cast<double>(out - rate_bytes_next_) / dt;
+            rate_prev_ = static_cast<double>(in - rate_bytes_prev_) / dt;
+            rate_bytes_next_ = out;
+            rate_bytes_prev_ = in;
+            rate_at_ = now;
+        }
+    }
     if (watchdog_usec_ && now >= next_watchdog_) {
         ::sd_notify(0, "WATCHDOG=1");
         next_watchdog_ = now + std::chrono::microseconds(watchdog_usec_ / 2);

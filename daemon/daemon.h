@@ -8,10 +8,14 @@
 #include <deque>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "common/unique_fd.h"
 #include "daemon/config.h"
+#include "daemon/control/control_plane.h"
+#include "daemon/control/peer_auth.h"
+#include "daemon/engine/coordinator.h"
 #include "daemon/cuda/cuda_probe.h"
 #include "daemon/engine/group_table.h"
 #include "daemon/engine/progress.h"
@@ -46,6 +50,20 @@ private:
     void shutdown();
     std::string status_json() const;
 
+    // Rings of several hosts (daemon_ring.cpp).
+    Status setup_ring();
+    void on_ring_up(uint64_t generation, std::vector<UniqueFd> to_next, std::vector<UniqueFd> from_prev);
+    void on_ring_down(const std::string &why);
+    void on_peer_message(uint32_t host, const Frame &frame);
+    void queue_host_ops(std::vector<OpRun> &ready);
+    void flush_reports();
+    void flush_reports_now();
+    void on_report(uint32_t host, const proto::OpReport &r);
+    void broadcast(const Coordinator::Decisions &d);
+    void on_start(const proto::OpStart &s);
+    void on_fail(const proto::OpFail &f);
+    void expire_host_ops(Clock::time_point now);
+    bool multi_host() const { return config_.hosts.size() > 1; }
     Config config_;
     std::string host_;
     Clock::time_point started_ = Clock::now();
@@ -56,7 +74,6 @@ private:
     UniqueFd spare_fd_;  // released to accept-and-close when the fd limit is hit
     CudaInfo cuda_;
     std::unique_ptr<Transport> transport_;
-    std::unique_ptr<ProgressEngine> engine_;
     GroupTable groups_{"", std::chrono::milliseconds(1)};
     std::map<MemberId, std::unique_ptr<ClientConn>> clients_;
     MemberId next_id_ = 1;
@@ -70,6 +87,40 @@ private:
     std::deque<RecentError> recent_errors_;
     uint64_t clients_dropped_ = 0;
     bool running_ = true;
+
+    // Rings of several hosts.
+    uint32_t self_index_ = 0;
+    PeerSecret secret_;
+    std::unique_ptr<std::byte[]> staging_mem_;
+    RegisteredRegion staging_;  // after staging_mem_: deregistered before it is freed
+    std::unique_ptr<ControlPlane> control_;
+    std::optional<Coordinator> coordinator_;  // on the first host in ring order
+    // An op of a group that is ready here (status 0) or failed here, on its way to the coordinator.
+    struct HostOp {
+        OpRun run;
+        std::vector<std::shared_ptr<Slot>> slots;
+        int32_t status = 0;
+        std::string message;
+        Clock::time_point deadline;
+    };
+    std::map<std::string, std::deque<HostOp>> unreported_;             // by group, in local order
+    std::map<std::pair<std::string, uint64_t>, HostOp> reported_;       // by (group, ordinal)
+    std::map<std::string, uint64_t> next_ordinal_;                       // per group, this generation
+    std::map<uint64_t, uint64_t> running_ring_;                          // local op id -> generation
+    uint64_t local_generation_ = 0;
+    uint64_t coord_generation_ = 0;   // the coordinator's generation we report in
+    uint64_t coord_generation_used_ = 0;
+    bool coord_known_ = false;
+    std::string ring_down_reason_ = "the ring has not formed yet";
+    std::string last_abort_;  // for status: empty until a generation has been aborted
+    bool flushing_ = false;
+    // Per-link throughput, sampled every second by on_timer.
+    Clock::time_point rate_at_{};
+    uint64_t rate_bytes_next_ = 0, rate_bytes_prev_ = 0;
+    double rate_next_ = 0, rate_prev_ = 0;
+    // Last: the progress thread stops (and drops its references to slots and links) before
+    // anything above goes away.
+    std::unique_ptr<ProgressEngine> engine_;
 };
 
 }  // namespace ringd

@@ -47,6 +47,7 @@ enum class FrameType : uint16_t {
     OpReport = 21,       // host -> coordinator: a group's next op is ready here (or failed here)
     OpStart = 22,        // coordinator -> every host: run it now, as ring op `op_id`
     OpFail = 23,         // coordinator -> every host: it failed; the message names the host(s)
+    RingAbort = 24,      // either way: this host ended the ring generation, and why
 };
 
 struct FrameHeader {

@@ -198,6 +198,23 @@ Result<OpReport> decode_op_report(std::span<const uint8_t> p) {
     return r;
 }
 
+Bytes encode_ring_abort(const RingAbort &a) {
+    Bytes p(8, 0);
+    le::put<uint64_t>(&p[0], a.generation);
+    put_message(p, a.reason);
+    return encode_frame(FrameType::RingAbort, p);
+}
+
+Result<RingAbort> decode_ring_abort(std::span<const uint8_t> p) {
+    if (p.size() < 8) return bad("ring abort is too short");
+    RingAbort a;
+    a.generation = le::get<uint64_t>(&p[0]);
+    auto m = get_message(p.subspan(8));
+    if (!m) return m.error();
+    a.reason = *m;
+    return a;
+}
+
 Bytes encode_op_start(const OpStart &s) {
     uint8_t p[kOpStartBytes] = {};
     le::put<uint64_t>(&p[0], s.generation);

@@ -81,6 +81,15 @@ struct OpFail {
     std::string message;
 };
 
+// Sent to every peer by a host that ends the ring generation, before its data links close, so
+// that every host fails its ops with the reason that names the culprit host.
+struct RingAbort {
+    uint64_t generation = 0;
+    std::string reason;
+};
+Bytes encode_ring_abort(const RingAbort &a);
+Result<RingAbort> decode_ring_abort(std::span<const uint8_t> payload);
+
 Bytes encode_op_report(const OpReport &r);
 Result<OpReport> decode_op_report(std::span<const uint8_t> payload);
 Bytes encode_op_start(const OpStart &s);

@@ -31,12 +31,25 @@ void print_human(const json &j) {
     std::printf("transport %s, poll %s, socket %s\n\n", j["transport"].get<std::string>().c_str(),
                 j["poll"].get<std::string>().c_str(), j["socket"].get<std::string>().c_str());
     const auto &ring = j["ring"];
-    std::printf("ring: generation %llu, %zu host(s)\n", ring["generation"].get<unsigned long long>(), ring["members"].size());
-    std::printf("  %-16s %-24s %s\n", "HOST", "ADDRESS", "LINK");
+    std::printf("ring: %s, generation %llu, %zu host(s)\n", ring.value("state", "up").c_str(),
+                ring["generation"].get<unsigned long long>(), ring["members"].size());
+    if (!ring.value("last_abort", "").empty()) std::printf("  last abort: %s\n", ring["last_abort"].get<std::string>().c_str());
+    std::printf("  %-16s %-22s %-12s %-34s %s\n", "HOST", "ADDRESS", "CONTROL", "DATA", "LAST ERROR");
     for (const auto &m : ring["members"]) {
         const std::string addr = m["address"].get<std::string>() + ":" + std::to_string(m["port"].get<int>());
-        std::printf("  %-16s %-24s %s\n", m["name"].get<std::string>().c_str(), addr.c_str(),
-                    m["link"].get<std::string>().c_str());
+        std::string data;
+        auto link = [&](const char *key, const char *arrow) {
+            if (!m.contains(key)) return;
+            char b[96];
+            std::snprintf(b, sizeof b, "%s%s %s %.1f MB/s", data.empty() ? "" : ", ", arrow,
+                          format_bytes(m[key]["bytes"].get<uint64_t>()).c_str(), m[key]["rate_Bps"].get<double>() / 1e6);
+            data += b;
+        };
+        link("data_out", "->");
+        link("data_in", "<-");
+        std::printf("  %-16s %-22s %-12s %-34s %s\n", m["name"].get<std::string>().c_str(), addr.c_str(),
+                    m["link"].get<std::string>().c_str(), data.empty() ? "-" : data.c_str(),
+                    m.value("last_error", "").c_str());
     }
     std::printf("\ngroups: %zu\n", j["groups"].size());
     if (!j["groups"].empty())

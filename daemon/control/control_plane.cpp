@@ -230,8 +230,12 @@ void ControlPlane::on_conn(uint64_t id, uint32_t events) {
         if (!f) return peer_failed(c.peer, f.error().code == -ECONNRESET ? "connection closed" : f.error().message);
         if (!*f) return;
         peers_[c.peer].last_heard = Clock::now();
-        if ((*f)->type == proto::FrameType::Heartbeat) {
+        if ((*f)->type == proto::FrameType::Heartbeat)
             if (auto h = proto::decode_heartbeat((*f)->payload); !h) return peer_failed(c.peer, h.error().message);
+        if ((*f)->type == proto::FrameType::RingAbort) {
+            auto a = proto::decode_ring_abort((*f)->payload);
+            if (!a) return peer_failed(c.peer, a.error().message);
+            abort_ring(a->reason, false);
             continue;
         }
         if (cb_.message) cb_.message(c.peer, **f);
@@ -347,10 +351,20 @@ void ControlPlane::peer_failed(uint32_t peer, const std::string &why) {
     if (ring_up_) abort_ring("host " + p.host.name + ": " + why);
 }
 
-void ControlPlane::abort_ring(const std::string &why) {
+void ControlPlane::abort_ring(const std::string &why, bool tell_peers) {
+    pending_link_failure_.reset();
     if (!ring_up_ || n_ == 1) return;
     ring_up_ = false;
     spdlog::warn("ring generation {} aborted: {}", generation_, why);
+    if (tell_peers) {
+        // Before the data links close: the others then fail their ops with this reason.
+        const auto frame = proto::encode_ring_abort({generation_, why});
+        for (uint32_t i = 0; i < n_; ++i)
+            if (peers_[i].control) {
+                const int fd = conns_.at(peers_[i].control)->fd.get();
+                (void)!::send(fd, frame.data(), frame.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+            }
+    }
     // Data connections of the next generation are made afresh by everyone.
     for (uint64_t id : data_out_)
         if (id) close_conn(id);
@@ -360,10 +374,20 @@ void ControlPlane::abort_ring(const std::string &why) {
     if (cb_.ring_down) cb_.ring_down(why);
 }
 
-void ControlPlane::data_link_failed(const std::string &why) { abort_ring(why); }
+void ControlPlane::data_link_failed(const std::string &why) {
+    if (!ring_up_ || pending_link_failure_) return;
+    pending_link_failure_.emplace(Clock::now() + std::chrono::milliseconds(300), why);
+}
+
+void ControlPlane::heartbeat_now(uint64_t generation) {
+    heartbeat_generation_ = generation;
+    for (uint32_t i = 0; i < n_; ++i)
+        if (peers_[i].control) (void)send(i, proto::encode_heartbeat({generation, ++peers_[i].heartbeat_seq}));
+}
 
 void ControlPlane::tick(Clock::time_point now) {
     if (n_ == 1) return;
+    if (pending_link_failure_ && now >= pending_link_failure_->first) abort_ring(pending_link_failure_->second);
     for (uint32_t i = self_ + 1; i < n_; ++i)
         if (!peers_[i].control && !peers_[i].dialing && now >= peers_[i].next_dial) dial(i, proto::ConnKind::Control, 0);
     if (!ring_up_ && now >= next_data_dial_)
@@ -380,7 +404,7 @@ void ControlPlane::tick(Clock::time_point now) {
     if (now >= next_heartbeat_) {
         next_heartbeat_ = now + hb;
         for (uint32_t i = 0; i < n_; ++i)
-            if (peers_[i].control) (void)send(i, proto::encode_heartbeat({generation_, ++peers_[i].heartbeat_seq}));
+            if (peers_[i].control) (void)send(i, proto::encode_heartbeat({heartbeat_generation_, ++peers_[i].heartbeat_seq}));
     }
     for (uint32_t i = 0; i < n_; ++i)
         if (peers_[i].control && now - peers_[i].last_heard > kMissedHeartbeats * hb)

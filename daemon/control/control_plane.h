@@ -37,7 +37,8 @@ public:
         std::function<void(uint64_t generation, std::vector<UniqueFd> to_next, std::vector<UniqueFd> from_prev)> ring_up;
         // The ring generation is over; `why` names the host.
         std::function<void(const std::string &why)> ring_down;
-        // A control frame (other than heartbeats) from peer `host_index`.
+        // A control frame from peer `host_index` (heartbeats included: they carry the sender's
+        // idea of the generation, see heartbeat_now).
         std::function<void(uint32_t host_index, const Frame &frame)> message;
     };
 
@@ -58,9 +59,14 @@ public:
     void on_ready();
     // Dials, retries, heartbeats and deadlines; call every ~100 ms.
     void tick(Clock::time_point now);
-    // The engine found a data link broken: the generation is over.
+    // The engine found a data link broken: the generation is over. The abort waits a moment
+    // for a peer's RingAbort, whose reason names the host that caused it.
     void data_link_failed(const std::string &why);
     Status send(uint32_t host_index, const proto::Bytes &frame);
+    // Sends a heartbeat carrying `generation` to every peer now, and in every later heartbeat
+    // (the coordinator announces the generation the hosts report ops in).
+    void heartbeat_now(uint64_t generation);
+    void set_heartbeat_generation(uint64_t generation) { heartbeat_generation_ = generation; }
 
     bool ring_up() const { return ring_up_; }
     uint64_t generation() const { return generation_; }
@@ -101,7 +107,7 @@ private:
     void close_conn(uint64_t id);
     void conn_failed(uint64_t id, const std::string &why);
     void peer_failed(uint32_t peer, const std::string &why);
-    void abort_ring(const std::string &why);
+    void abort_ring(const std::string &why, bool tell_peers = true);
     void maybe_ring_up();
     void set_state(uint32_t peer, const std::string &state);
     Status watch(int fd, uint64_t id, uint32_t events);
@@ -123,6 +129,8 @@ private:
     bool ring_up_ = false;
     uint64_t generation_ = 0;
     Clock::time_point next_heartbeat_{};
+    uint64_t heartbeat_generation_ = 0;
+    std::optional<std::pair<Clock::time_point, std::string>> pending_link_failure_;
 };
 
 }  // namespace ringd

@@ -63,6 +63,7 @@ void GroupTable::fail_seq(Group &g, uint64_t seq, int32_t code, const std::strin
     }
     ++g.ops_failed;
     ++totals_.ops_failed;
+    failures_.push_back({g.name, seq, code, message});
     if (std::count(f.told.begin(), f.told.end(), true) == static_cast<long>(g.local_size)) return;
     g.failed[seq] = std::move(f);
     g.failed_order.push_back(seq);
@@ -84,8 +85,12 @@ void GroupTable::submit(MemberId id, const proto::Submission &s, Clock::time_poi
     const std::string at = "group " + g.name + " op " + std::to_string(s.seq) + ": ";
     if (!g.broken.empty()) {
         out.push_back({id, s.seq, -ECONNABORTED, at + g.broken});
-        ++g.ops_failed;
-        ++totals_.ops_failed;
+        if (s.seq > g.last_refused_seq) {
+            g.last_refused_seq = s.seq;
+            ++g.ops_failed;
+            ++totals_.ops_failed;
+            failures_.push_back({g.name, s.seq, -ECONNABORTED, at + g.broken});
+        }
         return;
     }
     if (auto fit = g.failed.find(s.seq); fit != g.failed.end()) {

@@ -13,6 +13,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "proto/result.h"
@@ -39,6 +40,16 @@ struct OpRun {
     ReduceOp op = ReduceOp::Sum;
     std::vector<MemberId> members;  // index = local rank
     std::vector<uint64_t> offsets;  // index = local rank
+};
+
+// An op of a group that ended on this host before it could start (mismatch between local
+// ranks, timeout, an invalid submission, a rank that left, a refused op of a broken group).
+// Across hosts every such op still takes its place in the group's sequence of ops.
+struct LocalFailure {
+    std::string group;
+    uint64_t seq = 0;
+    int32_t code = 0;
+    std::string message;
 };
 
 struct GroupSummary {
@@ -84,6 +95,8 @@ public:
     // Whether join() would accept this member, without joining.
     Status check_join(const std::string &group, uint32_t local_rank, uint32_t local_size) const;
     size_t running_ops() const;
+    // Ops that failed locally since the last call, in the order they failed.
+    std::vector<LocalFailure> take_failures() { return std::exchange(failures_, {}); }
 
 private:
     struct Pending {
@@ -112,6 +125,7 @@ private:
         std::map<uint64_t, Failed> failed;    // by seq
         std::deque<uint64_t> failed_order;
         uint64_t ops_completed = 0, ops_failed = 0, bytes_reduced = 0;
+        uint64_t last_refused_seq = 0;  // a broken group's refusals count once per seq
         size_t joined() const;
     };
     struct MemberInfo {
@@ -128,6 +142,7 @@ private:
     std::map<MemberId, MemberInfo> members_;
     uint64_t next_op_id_ = 1;
     Totals totals_;
+    std::vector<LocalFailure> failures_;
 };
 
 }  // namespace ringd

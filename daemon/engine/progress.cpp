@@ -1,20 +1,30 @@
 #include "daemon/engine/progress.h"
 
+#include <poll.h>
 #include <sys/eventfd.h>
 
 #include <array>
+#include <cstring>
 
 #include "common/fd_io.h"
 #include "daemon/engine/reduce.h"
 #include "daemon/ipc/slot.h"
+#include "daemon/transport/tcp/tcp_transport.h"
 #include "proto/frame.h"
 
 namespace ringd {
 
-Result<std::unique_ptr<ProgressEngine>> ProgressEngine::start() {
+Result<std::unique_ptr<ProgressEngine>> ProgressEngine::start(TcpTransport *transport, RegionHandle staging,
+                                                              RingOptions ring_options, std::chrono::milliseconds op_timeout) {
     std::unique_ptr<ProgressEngine> e(new ProgressEngine());
     e->result_fd_ = UniqueFd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
-    if (!e->result_fd_) return make_error(-errno, "eventfd: " + errno_string(errno));
+    e->wake_fd_ = UniqueFd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
+    if (!e->result_fd_ || !e->wake_fd_) return make_error(-errno, "eventfd: " + errno_string(errno));
+    e->transport_ = transport;
+    e->staging_ = staging;
+    e->ring_options_ = ring_options;
+    e->op_timeout_ = op_timeout;
+    if (transport) e->ring_ = std::make_unique<RingAllreduce>(*transport, ring_options);
     try {
         e->thread_ = std::thread([p = e.get()] { p->run(); });
     } catch (const std::system_error &err) {
@@ -25,13 +35,37 @@ Result<std::unique_ptr<ProgressEngine>> ProgressEngine::start() {
 
 ProgressEngine::~ProgressEngine() { stop(); }
 
-void ProgressEngine::post(EngineWork work) {
-    ++in_flight_;
+void ProgressEngine::enqueue(Item item) {
     {
         std::lock_guard lock(mu_);
-        work_.push_back(std::move(work));
+        items_.push_back(std::move(item));
     }
-    cv_.notify_one();
+    const uint64_t one = 1;
+    (void)!::write(wake_fd_.get(), &one, sizeof one);
+}
+
+void ProgressEngine::post(EngineWork work) {
+    ++in_flight_;
+    Item i;
+    i.kind = Item::Kind::Work;
+    i.work = std::move(work);
+    enqueue(std::move(i));
+}
+
+void ProgressEngine::ring_up(RingLinks links) {
+    Item i;
+    i.kind = Item::Kind::Up;
+    i.generation = links.generation;
+    i.links = std::move(links);
+    enqueue(std::move(i));
+}
+
+void ProgressEngine::ring_down(uint64_t generation) {
+    aborted_generation_.store(generation, std::memory_order_release);
+    Item i;
+    i.kind = Item::Kind::Down;
+    i.generation = generation;
+    enqueue(std::move(i));
 }
 
 std::vector<EngineResult> ProgressEngine::take_results() {
@@ -40,7 +74,7 @@ std::vector<EngineResult> ProgressEngine::take_results() {
     std::lock_guard lock(mu_);
     std::vector<EngineResult> out(std::make_move_iterator(results_.begin()), std::make_move_iterator(results_.end()));
     results_.clear();
-    in_flight_ -= out.size();
+    for (const auto &r : out) in_flight_ -= r.op_id != 0;
     return out;
 }
 
@@ -49,27 +83,84 @@ void ProgressEngine::stop() {
         std::lock_guard lock(mu_);
         stopping_ = true;
     }
-    cv_.notify_one();
+    const uint64_t one = 1;
+    if (wake_fd_) (void)!::write(wake_fd_.get(), &one, sizeof one);
     if (thread_.joinable()) thread_.join();
+}
+
+void ProgressEngine::push_result(EngineResult r) {
+    {
+        std::lock_guard lock(mu_);
+        results_.push_back(std::move(r));
+    }
+    const uint64_t one = 1;
+    (void)!::write(result_fd_.get(), &one, sizeof one);
+}
+
+void ProgressEngine::drop_links() {
+    if (next_) transport_->remove_link(next_);
+    if (prev_ && prev_ != next_) transport_->remove_link(prev_);
+    next_ = prev_ = nullptr;
+}
+
+// Between ops the links are still watched, so that a neighbour that goes away is noticed (and
+// the generation ends) before the next op needs it.
+void ProgressEngine::watch_idle_links() {
+    std::vector<LinkEvent> events;
+    (void)transport_->poll(events, 0);
+    for (const auto &e : events) {
+        if (e.kind != LinkEvent::Kind::Failed || (e.link != next_ && e.link != prev_) || link_failure_reported_) continue;
+        link_failure_reported_ = true;
+        push_result(EngineResult{0, e.error.code, e.error.message, true, generation_, {}});
+    }
 }
 
 void ProgressEngine::run() {
     for (;;) {
-        EngineWork w;
-        {
-            std::unique_lock lock(mu_);
-            cv_.wait(lock, [&] { return stopping_ || !work_.empty(); });
-            if (stopping_) return;
-            w = std::move(work_.front());
-            work_.pop_front();
-        }
-        EngineResult r = execute(w);
+        Item item;
+        bool have = false;
         {
             std::lock_guard lock(mu_);
-            results_.push_back(std::move(r));
+            if (stopping_) return;
+            if (!items_.empty()) {
+                item = std::move(items_.front());
+                items_.pop_front();
+                have = true;
+            }
         }
-        const uint64_t one = 1;
-        (void)!::write(result_fd_.get(), &one, sizeof one);
+        if (!have) {
+            pollfd p[2] = {{wake_fd_.get(), POLLIN, 0}, {transport_ && next_ ? transport_->fd() : -1, POLLIN, 0}};
+            ::poll(p, 2, -1);  // woken by an item, by stop(), or by link activity
+            uint64_t v;
+            if (p[0].revents) (void)!::read(wake_fd_.get(), &v, sizeof v);
+            if (p[1].revents) watch_idle_links();
+            continue;
+        }
+        switch (item.kind) {
+        case Item::Kind::Work:
+            push_result(item.work.ring ? execute_ring(item.work) : execute(item.work));
+            break;
+        case Item::Kind::Up: {
+            drop_links();
+            RingLinks &l = item.links;
+            generation_ = l.generation;
+            link_failure_reported_ = false;
+            auto next = transport_->add_link(l.next_name, std::move(l.to_next));
+            auto prev = transport_->add_link(l.prev_name, std::move(l.from_prev));
+            if (!next || !prev) {
+                link_failure_reported_ = true;
+                push_result(EngineResult{0, -EIO, (!next ? next.error() : prev.error()).message, true, generation_, {}});
+                break;
+            }
+            next_ = *next;
+            prev_ = *prev;
+            pos_ = RingPosition{l.rank, l.size, next_, prev_};
+            break;
+        }
+        case Item::Kind::Down:
+            if (item.generation >= generation_) drop_links();
+            break;
+        }
     }
 }
 
@@ -79,18 +170,56 @@ EngineResult ProgressEngine::execute(EngineWork &w) {
     if (n > 1 && w.count > 0) {
         std::array<void *, proto::kMaxLocalSize> bufs;
         for (size_t r = 0; r < n; ++r) bufs[r] = w.slots[r]->data() + w.offsets[r];
-        ReduceArgs a;
-        a.dtype = w.dtype;
-        a.op = w.op;
-        a.srcs = bufs.data();
-        a.nsrc = n;
-        a.dsts = bufs.data();
-        a.ndst = n;
-        a.count = w.count;
-        a.avg_divisor = w.avg_divisor;
-        reduce(a);
+        reduce(ReduceArgs{w.dtype, w.op, bufs.data(), n, bufs.data(), n, w.count, w.avg_divisor});
     }
-    return EngineResult{w.op_id, 0, {}, std::move(w.slots)};
+    return EngineResult{w.op_id, 0, {}, false, 0, std::move(w.slots)};
+}
+
+EngineResult ProgressEngine::execute_ring(EngineWork &w) {
+    EngineResult res{w.op_id, 0, {}, false, w.generation, {}};
+    auto done = [&](int code, std::string msg, bool link) {
+        res.status = code;
+        res.message = std::move(msg);
+        res.link_failed = link;
+        res.slots = std::move(w.slots);
+        return std::move(res);
+    };
+    if (!next_ || w.generation != generation_ || aborted_generation_.load() >= w.generation)
+        return done(-ECONNABORTED, "ring generation " + std::to_string(w.generation) + " is over", false);
+    const size_t n = w.slots.size();
+    const size_t es = dtype_size(w.dtype);
+    std::byte *dst0 = w.slots[0]->data() + w.offsets[0];
+    // 1. Local ranks into local rank 0's slot (sums; avg is scaled once, in the ring).
+    if (n > 1 && w.count > 0) {
+        std::array<const void *, proto::kMaxLocalSize> srcs;
+        for (size_t r = 0; r < n; ++r) srcs[r] = w.slots[r]->data() + w.offsets[r];
+        void *d = dst0;
+        reduce(ReduceArgs{w.dtype, w.op == ReduceOp::Avg ? ReduceOp::Sum : w.op, srcs.data(), n, &d, 1, w.count, 1});
+    }
+    // 2. Across hosts.
+    RingOp op;
+    op.dtype = w.dtype;
+    op.op = w.op;
+    op.count = w.count;
+    op.avg_divisor = w.avg_divisor;
+    op.data = w.slots[0]->region();
+    op.data_offset = w.offsets[0];
+    op.staging = staging_;
+    op.op_tag = w.op_tag;
+    op.aborted_generation = &aborted_generation_;
+    op.generation = w.generation;
+    const uint64_t sent0 = next_->bytes_sent(), recv0 = prev_->bytes_received();
+    Status s = ring_->run(pos_, op, Clock::now() + op_timeout_);
+    bytes_to_next_ += next_->bytes_sent() - sent0;
+    bytes_from_prev_ += prev_->bytes_received() - recv0;
+    if (!s) {
+        const bool link = s.error().code != -ECONNABORTED;
+        if (link) link_failure_reported_ = true;
+        return done(s.error().code, s.error().message, link);
+    }
+    // 3. The result into every other local slot.
+    for (size_t r = 1; r < n; ++r) std::memcpy(w.slots[r]->data() + w.offsets[r], dst0, w.count * es);
+    return done(0, {}, false);
 }
 
 }  // namespace ringd

@@ -1,14 +1,19 @@
 // ProgressEngine: the progress thread. It executes ops handed over by the control thread and
-// hands results back; the two threads share nothing but these two queues (and the slots the
-// work items keep alive).
+// hands results back; the threads share nothing but queues (and the slots the work items keep
+// alive, and one atomic: the generation the control thread declared aborted).
 //
-// Contract: post()/take_results()/stop() are called by the control thread only. result_fd() is
-// an eventfd that becomes readable when results wait. Slots referenced by a work item travel
-// back in its result, so the last reference to a slot is always dropped on the control thread
-// (which owns transport registration).
+// One host: an op is the reduction of the local ranks' slots, written to every slot.
+// Several hosts: local ranks reduced into local rank 0's slot, the ring allreduce across hosts
+// on that buffer (RingAllreduce over the transport's links to the next and previous host), the
+// result copied into the other local slots. Ring ops arrive in the coordinator's order.
+//
+// Contract: every public method is called by the control thread. result_fd() is an eventfd
+// readable while results wait. Slots referenced by a work item travel back in its result, so the
+// last reference to a slot is dropped on the control thread (which owns registration).
 #pragma once
 
-#include <condition_variable>
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -18,12 +23,14 @@
 #include <vector>
 
 #include "common/unique_fd.h"
+#include "daemon/engine/ring_allreduce.h"
 #include "proto/result.h"
 #include "proto/types.h"
 
 namespace ringd {
 
 class Slot;
+class TcpTransport;
 
 struct EngineWork {
     uint64_t op_id = 0;
@@ -33,43 +40,89 @@ struct EngineWork {
     uint32_t avg_divisor = 1;  // all contributions of the op (local ranks x hosts)
     std::vector<std::shared_ptr<Slot>> slots;  // index = local rank
     std::vector<uint64_t> offsets;             // byte offsets into each slot's data area
+    // Cross-host ops.
+    bool ring = false;
+    uint64_t generation = 0;
+    uint32_t op_tag = 0;
 };
 
 struct EngineResult {
-    uint64_t op_id = 0;
+    uint64_t op_id = 0;  // 0: not an op, a link of the ring failed while idle
     int32_t status = 0;
     std::string message;
+    bool link_failed = false;  // the ring generation is over
+    uint64_t generation = 0;
     std::vector<std::shared_ptr<Slot>> slots;  // returned for release on the control thread
+};
+
+struct RingLinks {
+    uint64_t generation = 0;
+    uint32_t rank = 0, size = 1;
+    std::string next_name, prev_name;
+    std::vector<UniqueFd> to_next, from_prev;
 };
 
 class ProgressEngine {
 public:
-    static Result<std::unique_ptr<ProgressEngine>> start();
+    // `transport` and `staging` (registered, RingAllreduce::staging_bytes()) for rings of hosts.
+    static Result<std::unique_ptr<ProgressEngine>> start(TcpTransport *transport = nullptr, RegionHandle staging = {},
+                                                         RingOptions ring_options = {},
+                                                         std::chrono::milliseconds op_timeout = std::chrono::seconds(30));
     ~ProgressEngine();
 
     int result_fd() const { return result_fd_.get(); }
     void post(EngineWork work);
+    void ring_up(RingLinks links);
+    // Effective at once for the op in progress (it fails), then the links are dropped.
+    void ring_down(uint64_t generation);
     std::vector<EngineResult> take_results();
     // Finishes the op in progress (if any), drops queued work, joins the thread.
     void stop();
     // Ops posted and not yet taken back with take_results().
     size_t in_flight() const { return in_flight_; }
+    uint64_t bytes_to_next() const { return bytes_to_next_.load(std::memory_order_relaxed); }
+    uint64_t bytes_from_prev() const { return bytes_from_prev_.load(std::memory_order_relaxed); }
 
-    // Runs one op on the calling thread (the progress thread, or the control thread for ops so
-    // small that a thread hop would cost more than the reduction).
+    // Runs one single-host op on the calling thread (the progress thread, or the control thread
+    // for ops so small that a thread hop would cost more than the reduction).
     static EngineResult execute(EngineWork &w);
 
 private:
+    struct Item {
+        enum class Kind { Work, Up, Down } kind = Kind::Work;
+        EngineWork work;
+        RingLinks links;
+        uint64_t generation = 0;
+    };
     ProgressEngine() = default;
     void run();
+    void enqueue(Item item);
+    void push_result(EngineResult r);
+    EngineResult execute_ring(EngineWork &w);
+    void drop_links();
+    void watch_idle_links();
 
     UniqueFd result_fd_;
+    UniqueFd wake_fd_;  // eventfd: items queued
     std::mutex mu_;
-    std::condition_variable cv_;
-    std::deque<EngineWork> work_;
+    std::deque<Item> items_;
     std::deque<EngineResult> results_;
     bool stopping_ = false;
     size_t in_flight_ = 0;  // control thread only
+    std::atomic<uint64_t> aborted_generation_{0};
+    std::atomic<uint64_t> bytes_to_next_{0}, bytes_from_prev_{0};
+
+    // Progress thread only.
+    TcpTransport *transport_ = nullptr;
+    RegionHandle staging_;
+    RingOptions ring_options_;
+    std::chrono::milliseconds op_timeout_{30000};
+    std::unique_ptr<RingAllreduce> ring_;
+    RingPosition pos_;
+    uint64_t generation_ = 0;       // of the links below
+    bool link_failure_reported_ = false;
+    Link *next_ = nullptr, *prev_ = nullptr;
+
     std::thread thread_;  // last: started after everything it uses exists
 };
 

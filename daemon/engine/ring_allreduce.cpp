@@ -101,6 +101,8 @@ Status RingAllreduce::run(const RingPosition &pos, const RingOp &op, std::chrono
             ++next_send;
         }
         if (sends_done == sends_.size() && recvs_done == recvs_.size()) return Ok{};
+        if (op.aborted_generation && op.aborted_generation->load(std::memory_order_acquire) >= op.generation)
+            return make_error(-ECONNABORTED, "ring generation " + std::to_string(op.generation) + " was aborted");
 
         const int wait_ms = ms_until(deadline);
         if (wait_ms == 0)

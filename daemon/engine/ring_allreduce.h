@@ -16,6 +16,7 @@
 // still be posted into the caller's memory (the daemon aborts the ring generation).
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <vector>
@@ -46,6 +47,9 @@ struct RingOp {
     uint64_t data_offset = 0;
     RegionHandle staging;      // at least depth * chunk_bytes
     uint32_t op_tag = 0;       // distinguishes this op's messages from any other's
+    // Set by another thread when the ring generation is over: run() returns promptly.
+    const std::atomic<uint64_t> *aborted_generation = nullptr;
+    uint64_t generation = 0;
 };
 
 class RingAllreduce {

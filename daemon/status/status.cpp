@@ -23,15 +23,29 @@ std::string Daemon::status_json() const {
     j["socket"] = config_.socket;
 
     json members = json::array();
-    for (const auto &h : config_.hosts) {
-        const bool self = h.name == host_;
-        members.push_back({{"name", h.name},
-                           {"address", h.address},
-                           {"port", h.port},
-                           {"self", self},
-                           {"link", self ? "self" : "down"}});
+    const uint32_t n = static_cast<uint32_t>(config_.hosts.size());
+    const uint32_t next = (self_index_ + 1) % n, prev = (self_index_ + n - 1) % n;
+    if (control_) {
+        const auto peers = control_->status();
+        for (uint32_t i = 0; i < n; ++i) {
+            const auto &p = peers[i];
+            json m = {{"name", p.name}, {"address", p.address}, {"port", p.port}, {"self", p.self},
+                      {"link", p.self ? "self" : p.control}, {"last_error", p.last_error},
+                      {"last_heard_s", p.last_heard_s}, {"next", i == next}, {"prev", i == prev}};
+            if (i == next) m["data_out"] = {{"bytes", engine_->bytes_to_next()}, {"rate_Bps", rate_next_}};
+            if (i == prev) m["data_in"] = {{"bytes", engine_->bytes_from_prev()}, {"rate_Bps", rate_prev_}};
+            members.push_back(std::move(m));
+        }
+    } else {
+        for (const auto &h : config_.hosts)
+            members.push_back({{"name", h.name}, {"address", h.address}, {"port", h.port}, {"self", true},
+                               {"link", "self"}, {"last_error", ""}, {"last_heard_s", -1}, {"next", true}, {"prev", true}});
     }
-    j["ring"] = {{"generation", 1}, {"size", config_.hosts.size()}, {"members", members}};
+    j["ring"] = {{"generation", control_ ? control_->generation() : 1},
+                 {"state", !control_ || control_->ring_up() ? "up" : "forming"},
+                 {"last_abort", last_abort_},
+                 {"size", n},
+                 {"members", members}};
 
     json groups = json::array();
     for (const auto &g : groups_.summaries()) {

@@ -275,7 +275,7 @@ TEST_CASE("ringctl status shows the daemon, its groups and memory; --json is val
     CHECK(j["ops"]["completed"] == 3);
     CHECK(j["memory"]["registrations"] == 2);
     const std::string human = run("status");
-    CHECK_THAT(human, Catch::Contains("ring: generation 1") && Catch::Contains("shown") &&
+    CHECK_THAT(human, Catch::Contains("generation 1") && Catch::Contains("shown") &&
                           Catch::Contains("memory registered"));
     FILE *p = ::popen((ringctl + " --socket /nonexistent.sock status 2>&1").c_str(), "r");
     CHECK(::pclose(p) != 0);

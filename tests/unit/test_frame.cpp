@@ -246,7 +246,8 @@ TEST_CASE("decoders survive random mutations of valid frames", "[proto]") {
                                       encode_heartbeat({1, 2}),
                                       encode_op_report({1, "g", 2, 100, 0, 1, 2, 0, ""}),
                                       encode_op_report({1, "g", 3, 0, 0, 0, 0, -5, "host a: local rank 1 left"}),
-                                      encode_op_start({1, "g", 2, 7, 8}), encode_op_fail({1, "g", 2, -22, "mismatch"})};
+                                      encode_op_start({1, "g", 2, 7, 8}), encode_op_fail({1, "g", 2, -22, "mismatch"}),
+                                      encode_ring_abort({3, "host b: no heartbeat"})};
     size_t accepted = 0;
     for (int iter = 0; iter < 20000; ++iter) {
         Bytes f = seeds[rng() % seeds.size()];
@@ -301,6 +302,7 @@ TEST_CASE("decoders survive random mutations of valid frames", "[proto]") {
             break;
         case FrameType::OpStart: accepted += decode_op_start(p).ok(); break;
         case FrameType::OpFail: accepted += decode_op_fail(p).ok(); break;
+        case FrameType::RingAbort: accepted += decode_ring_abort(p).ok(); break;
         }
     }
     CHECK(accepted > 0);
@@ -392,4 +394,8 @@ TEST_CASE("op negotiation frames round-trip and are validated", "[proto]") {
     REQUIRE(fl.ok());
     CHECK(fl->message == "host b did not submit it");
     CHECK_FALSE(decode_op_fail(payload_of(encode_op_fail({3, "grp", 9, 5, "x"}))).ok());
+    auto a = decode_ring_abort(payload_of(encode_ring_abort({4, "host c: connection closed"})));
+    REQUIRE(a.ok());
+    CHECK(a->generation == 4);
+    CHECK(a->reason == "host c: connection closed");
 }

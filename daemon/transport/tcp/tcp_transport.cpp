@@ -234,6 +234,8 @@ void TcpLink::fail(int code, const std::string &why) {
     }
     for (const auto &[tag, op] : posted_) t_.complete({this, LinkEvent::Kind::Failed, tag, e});
     posted_.clear();
+    // Also when nothing was pending: the owner learns that the link is gone.
+    t_.complete({this, LinkEvent::Kind::Failed, 0, e});
 }
 
 }  // namespace ringd

@@ -76,6 +76,7 @@ public:
     void remove_link(Link *link);
 
     Status poll(std::vector<LinkEvent> &out, int timeout_ms) override;
+    int fd() const { return epoll_.get(); }  // readable when poll() has work
 
 protected:
     Result<RegionHandle> do_register(std::byte *base, size_t bytes) override;

@@ -1,0 +1,276 @@
+// The Daemon's part in rings of several hosts (control thread): the control plane's callbacks,
+// the op reports to the coordinator and its decisions, and what a generation's end fails.
+//
+// An op of a group goes: ready on this host (all local ranks submitted it) -> reported to the
+// coordinator with the group's next ordinal of this generation -> OpStart (run it in the ring,
+// in the coordinator's order) or OpFail (every rank gets the coordinator's message). Ops that
+// fail on this host before they are ready are reported too, so that every host numbers the
+// group's ops alike. When a generation ends, every op that is ready here fails with the reason;
+// the ordinals start again at 0 in the next generation.
+#include <spdlog/spdlog.h>
+
+#include "daemon/daemon.h"
+#include "daemon/ipc/slot.h"
+
+namespace ringd {
+namespace {
+
+constexpr uint32_t kCoordinator = 0;  // the first host in ring order
+
+}  // namespace
+
+Status Daemon::setup_ring() {
+    if (!config_.secret_file.empty()) {
+        auto s = PeerSecret::load(config_.secret_file);
+        if (!s) return s.error();
+        secret_ = std::move(*s);
+    } else {
+        spdlog::warn("auth.secret_file is not set: daemons of this ring do not authenticate each other");
+    }
+    ControlPlane::Callbacks cb;
+    cb.ring_up = [this](uint64_t g, std::vector<UniqueFd> to_next, std::vector<UniqueFd> from_prev) {
+        on_ring_up(g, std::move(to_next), std::move(from_prev));
+    };
+    cb.ring_down = [this](const std::string &why) { on_ring_down(why); };
+    cb.message = [this](uint32_t host, const Frame &f) { on_peer_message(host, f); };
+    auto cp = ControlPlane::create(config_, self_index_, &secret_, std::move(cb));
+    if (!cp) return cp.error();
+    control_ = std::move(*cp);
+    if (self_index_ == kCoordinator) {
+        std::vector<std::string> names;
+        for (const auto &h : config_.hosts) names.push_back(h.name);
+        coordinator_.emplace(std::move(names), config_.timeouts.op);
+    }
+    return Ok{};
+}
+
+void Daemon::on_ring_up(uint64_t generation, std::vector<UniqueFd> to_next, std::vector<UniqueFd> from_prev) {
+    local_generation_ = generation;
+    const uint32_t n = static_cast<uint32_t>(config_.hosts.size());
+    RingLinks l;
+    l.generation = generation;
+    l.rank = self_index_;
+    l.size = n;
+    l.next_name = config_.hosts[(self_index_ + 1) % n].name;
+    l.prev_name = config_.hosts[(self_index_ + n - 1) % n].name;
+    l.to_next = std::move(to_next);
+    l.from_prev = std::move(from_prev);
+    engine_->ring_up(std::move(l));
+    next_ordinal_.clear();
+    if (coordinator_) {
+        coordinator_->reset(generation);
+        coord_generation_ = generation;
+        coord_known_ = true;
+        control_->heartbeat_now(generation);  // the hosts report in this generation from now on
+    }
+    spdlog::info("ring generation {} is up ({} hosts)", generation, n);
+    flush_reports();
+}
+
+void Daemon::on_ring_down(const std::string &why) {
+    engine_->ring_down(local_generation_);
+    ring_down_reason_ = "ring generation " + std::to_string(local_generation_) + " aborted: " + why;
+    record_error(ring_down_reason_);
+    last_abort_ = ring_down_reason_;
+    coord_known_ = false;
+    coord_generation_used_ = coord_generation_;
+    std::vector<Completion> completions;
+    std::vector<OpRun> none;
+    // Everything that is ready here fails, so that no host carries an op into the next
+    // generation that the others failed.
+    for (auto &[key, op] : reported_) groups_.finished(op.run.op_id, -ECONNABORTED, ring_down_reason_, completions);
+    reported_.clear();
+    for (auto &[group, q] : unreported_)
+        for (auto &op : q)
+            if (op.status == 0) groups_.finished(op.run.op_id, -ECONNABORTED, ring_down_reason_, completions);
+    unreported_.clear();
+    for (auto &[op_id, gen] : running_ring_) groups_.finished(op_id, -ECONNABORTED, ring_down_reason_, completions);
+    running_ring_.clear();
+    next_ordinal_.clear();
+    deliver(completions, none);
+}
+
+void Daemon::queue_host_ops(std::vector<OpRun> &ready) {
+    const auto deadline = Clock::now() + config_.timeouts.op;
+    auto insert = [&](HostOp op) {
+        auto &q = unreported_[op.run.group];
+        auto at = q.end();
+        while (at != q.begin() && std::prev(at)->run.seq > op.run.seq) --at;  // local order = seq order
+        q.insert(at, std::move(op));
+    };
+    for (auto &f : groups_.take_failures()) {
+        HostOp op;
+        op.run.group = f.group;
+        op.run.seq = f.seq;
+        op.status = f.code;
+        op.message = "host " + host_ + ": " + f.message;
+        op.deadline = deadline;
+        insert(std::move(op));
+    }
+    for (auto &run : ready) {
+        HostOp op;
+        for (MemberId m : run.members) op.slots.push_back(clients_.at(m)->slot());
+        op.run = std::move(run);
+        op.deadline = deadline;
+        insert(std::move(op));
+    }
+    ready.clear();
+    flush_reports();
+}
+
+void Daemon::flush_reports() {
+    if (!control_ || !control_->ring_up() || !coord_known_ || flushing_) return;
+    flushing_ = true;
+    // Reports can make more (a local failure delivered on the way): go on until none are left.
+    for (int round = 0; round < 16; ++round) {
+        flush_reports_now();
+        bool more = false;
+        for (const auto &[group, q] : unreported_) more = more || !q.empty();
+        if (!more || !control_->ring_up() || !coord_known_) break;
+    }
+    flushing_ = false;
+}
+
+void Daemon::flush_reports_now() {
+    for (auto &[group, q] : unreported_) {
+        while (!q.empty()) {
+            HostOp op = std::move(q.front());
+            q.pop_front();
+            const uint64_t ordinal = next_ordinal_[group]++;
+            proto::OpReport r;
+            r.generation = coord_generation_;
+            r.group = group;
+            r.ordinal = ordinal;
+            r.count = op.run.count;
+            r.dtype = static_cast<uint32_t>(op.run.dtype);
+            r.op = static_cast<uint32_t>(op.run.op);
+            r.local_size = static_cast<uint32_t>(op.run.members.size());
+            r.status = op.status;
+            r.message = op.message;
+            if (op.status == 0) reported_[{group, ordinal}] = std::move(op);
+            if (self_index_ == kCoordinator) on_report(self_index_, r);
+            else (void)control_->send(kCoordinator, proto::encode_op_report(r));
+            if (!control_->ring_up()) return;  // a send failure ended the generation
+        }
+    }
+}
+
+void Daemon::on_peer_message(uint32_t host, const Frame &frame) {
+    auto adopt = [&](uint64_t generation) {
+        if (host == kCoordinator && !coord_known_ && generation > coord_generation_used_) {
+            coord_generation_ = generation;
+            coord_known_ = true;
+            flush_reports();
+        }
+    };
+    switch (frame.type) {
+    case proto::FrameType::Heartbeat:
+        if (auto h = proto::decode_heartbeat(frame.payload)) adopt(h->generation);
+        return;
+    case proto::FrameType::OpReport: {
+        auto r = proto::decode_op_report(frame.payload);
+        if (!r || !coordinator_) {
+            spdlog::warn("host {}: bad op report: {}", config_.hosts[host].name, r ? "this host is not the coordinator" : r.error().message);
+            return;
+        }
+        on_report(host, *r);
+        return;
+    }
+    case proto::FrameType::OpStart:
+        if (host != kCoordinator) break;
+        if (auto s = proto::decode_op_start(frame.payload)) {
+            adopt(s->generation);
+            on_start(*s);
+        }
+        return;
+    case proto::FrameType::OpFail:
+        if (host != kCoordinator) break;
+        if (auto f = proto::decode_op_fail(frame.payload)) {
+            adopt(f->generation);
+            on_fail(*f);
+        }
+        return;
+    default: break;
+    }
+    spdlog::warn("host {}: unexpected control frame type {}", config_.hosts[host].name, static_cast<int>(frame.type));
+}
+
+void Daemon::on_report(uint32_t host, const proto::OpReport &r) {
+    Coordinator::Decisions d;
+    coordinator_->report(host, r, Clock::now(), d);
+    broadcast(d);
+}
+
+void Daemon::broadcast(const Coordinator::Decisions &d) {
+    for (const auto &s : d.starts) {
+        const auto frame = proto::encode_op_start(s);
+        for (uint32_t h = 0; h < config_.hosts.size(); ++h)
+            if (h != self_index_) (void)control_->send(h, frame);
+        on_start(s);
+    }
+    for (const auto &f : d.fails) {
+        const auto frame = proto::encode_op_fail(f);
+        for (uint32_t h = 0; h < config_.hosts.size(); ++h)
+            if (h != self_index_) (void)control_->send(h, frame);
+        on_fail(f);
+    }
+}
+
+void Daemon::on_start(const proto::OpStart &s) {
+    if (!coord_known_ || s.generation != coord_generation_) return;
+    auto it = reported_.find({s.group, s.ordinal});
+    if (it == reported_.end()) {
+        spdlog::warn("op start for group {} op {} that this host did not report", s.group, s.ordinal);
+        return;
+    }
+    HostOp op = std::move(it->second);
+    reported_.erase(it);
+    EngineWork w;
+    w.op_id = op.run.op_id;
+    w.dtype = op.run.dtype;
+    w.op = op.run.op;
+    w.count = op.run.count;
+    w.avg_divisor = s.total_ranks;
+    w.offsets = op.run.offsets;
+    w.slots = std::move(op.slots);
+    w.ring = true;
+    w.generation = local_generation_;
+    w.op_tag = static_cast<uint32_t>(s.op_id);
+    running_ring_[w.op_id] = local_generation_;
+    engine_->post(std::move(w));
+}
+
+void Daemon::on_fail(const proto::OpFail &f) {
+    if (!coord_known_ || f.generation != coord_generation_) return;
+    auto it = reported_.find({f.group, f.ordinal});
+    if (it == reported_.end()) return;  // this host failed it itself; its ranks know
+    std::vector<Completion> completions;
+    std::vector<OpRun> none;
+    groups_.finished(it->second.run.op_id, f.code, f.message, completions);
+    reported_.erase(it);
+    deliver(completions, none);
+}
+
+void Daemon::expire_host_ops(Clock::time_point now) {
+    if (coordinator_ && control_->ring_up()) {
+        Coordinator::Decisions d;
+        coordinator_->expire(now, d);
+        broadcast(d);
+    }
+    // Ops waiting for a ring that does not come back in time.
+    std::vector<Completion> completions;
+    std::vector<OpRun> none;
+    for (auto &[group, q] : unreported_) {
+        while (!q.empty() && q.front().deadline <= now) {
+            if (q.front().status == 0)
+                groups_.finished(q.front().run.op_id, -ETIMEDOUT,
+                                 "group " + group + " op " + std::to_string(q.front().run.seq) +
+                                     ": the ring is not up (" + ring_down_reason_ + ")",
+                                 completions);
+            q.pop_front();
+        }
+    }
+    deliver(completions, none);
+}
+
+}  // namespace ringd
