@@ -166,7 +166,12 @@ void GroupTable::leave(MemberId id, std::vector<Completion> &out) {
     Group &g = git->second;
     g.members[rank].reset();
     const std::string why = who(rank) + " left";
-    if (g.broken.empty()) g.broken = why + "; every rank of the group must reconnect";
+    const bool first_departure = g.broken.empty();
+    if (first_departure) g.broken = why + "; every rank of the group must reconnect";
+    // With nothing pending here, the group's next op (which the other hosts' ranks may be
+    // waiting in) fails with the reason too.
+    if (first_departure && g.pending.empty())
+        failures_.push_back({g.name, UINT64_MAX, -ECONNABORTED, "group " + g.name + ": " + why});
     while (!g.pending.empty()) {
         const uint64_t seq = g.pending.begin()->first;
         fail_seq(g, seq, -ECONNABORTED, "group " + g.name + " op " + std::to_string(seq) + ": " + why, out);

@@ -97,6 +97,8 @@ private:
 };
 
 struct DaemonOptions {
+    std::string host = "node0";
+    std::string hosts_yaml;  // the hosts list; empty: just node0 on 127.0.0.1:7400
     std::string extra_yaml;  // appended to the generated config
     std::string op_timeout = "5s";
     std::string slot_bytes = "64MiB";
@@ -112,9 +114,11 @@ public:
         socket_ = dir_ + "/ringd.sock";
         config_ = dir_ + "/ringd.yaml";
         log_ = dir_ + "/ringd.log";
+        host_ = o.host;
         std::ofstream(config_) << "cluster: test\n"
-                                  "hosts:\n  - {name: node0, address: 127.0.0.1, port: 7400}\n"
-                                  "socket: " << socket_ << "\n"
+                               << (o.hosts_yaml.empty() ? "hosts:\n  - {name: node0, address: 127.0.0.1, port: 7400}\n"
+                                                        : o.hosts_yaml)
+                               << "socket: " << socket_ << "\n"
                                << "memory: {slot_bytes: " << o.slot_bytes << ", max_slots: " << o.max_slots << "}\n"
                                << "timeouts: {op: " << o.op_timeout << "}\n"
                                << "log: {level: debug}\n"
@@ -144,7 +148,7 @@ public:
                 const rlimit lim{static_cast<rlim_t>(nofile_), static_cast<rlim_t>(nofile_)};
                 ::setrlimit(RLIMIT_NOFILE, &lim);
             }
-            ::execl(bin.c_str(), bin.c_str(), "--config", config_.c_str(), "--host", "node0", nullptr);
+            ::execl(bin.c_str(), bin.c_str(), "--config", config_.c_str(), "--host", host_.c_str(), nullptr);
             ::_exit(127);
         }
         ready_ = notify_->wait_for("READY=1", std::chrono::seconds(10));
@@ -166,7 +170,7 @@ public:
     }
 
 private:
-    std::string dir_, socket_, config_, log_;
+    std::string dir_, socket_, config_, log_, host_;
     std::vector<std::string> env_;
     int nofile_ = 0;
     std::unique_ptr<NotifySocket> notify_;

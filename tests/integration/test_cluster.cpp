@@ -1,0 +1,197 @@
+// Rings of real ringd processes on 127.0.0.1 (one port each) with real trainers: results across
+// 3 and 4 hosts x 1-2 local ranks, every value checked; a host killed, a host stopped, the ring
+// coming back as a new generation for the survivors' trainers; mismatches between hosts; a
+// trainer that dies on one host.
+#include <catch2/catch.hpp>
+
+#include <random>
+
+#include <nlohmann/json.hpp>
+
+#include "bench/bench_data.h"
+#include "common/status_client.h"
+#include "ringd/ringd.hpp"
+#include "tests/support/harness.h"
+
+using namespace ringd;
+using namespace ringd::test;
+using namespace std::chrono_literals;
+using nlohmann::json;
+
+namespace {
+
+struct TestCluster {
+    uint32_t n;
+    std::vector<std::unique_ptr<Daemon>> d;
+
+    TestCluster(uint32_t hosts, const std::string &op_timeout = "5s") : n(hosts) {
+        const int base = 22000 + static_cast<int>((::getpid() * 17) % 15000);
+        std::string yaml = "hosts:\n";
+        for (uint32_t i = 0; i < n; ++i)
+            yaml += "  - {name: node" + std::to_string(i) + ", address: 127.0.0.1, port: " + std::to_string(base + static_cast<int>(i)) + "}\n";
+        for (uint32_t i = 0; i < n; ++i) {
+            DaemonOptions o;
+            o.host = "node" + std::to_string(i);
+            o.hosts_yaml = yaml;
+            o.op_timeout = op_timeout;
+            o.extra_yaml = "tcp: {streams: 2}\n";
+            d.push_back(std::make_unique<Daemon>(o));
+            REQUIRE(d.back()->ready());
+        }
+    }
+    json status(uint32_t i) {
+        auto s = fetch_status(d[i]->socket());
+        return s ? json::parse(*s) : json{};
+    }
+    // Every live daemon reports the ring up (each check is a round trip to the daemon).
+    bool wait_up(std::chrono::milliseconds limit = 15s, const std::vector<uint32_t> &skip = {}) {
+        const auto deadline = Clock::now() + limit;
+        while (Clock::now() < deadline) {
+            bool all = true;
+            for (uint32_t i = 0; i < n; ++i) {
+                if (std::find(skip.begin(), skip.end(), i) != skip.end()) continue;
+                auto j = status(i);
+                all = all && !j.is_null() && j["ring"]["state"] == "up";
+            }
+            if (all) return true;
+            d[0]->notify().next(50ms);  // nothing arrives there: a bounded pause between rounds
+        }
+        return false;
+    }
+};
+
+using Clients = std::vector<std::unique_ptr<Client>>;  // index = host * L + local rank
+
+Clients connect_all(TestCluster &c, const std::string &group, uint32_t local) {
+    Clients v;
+    for (uint32_t h = 0; h < c.n; ++h)
+        for (uint32_t r = 0; r < local; ++r)
+            v.push_back(std::make_unique<Client>(c.d[h]->socket(), group, static_cast<int>(r), static_cast<int>(local), 1 << 20));
+    return v;
+}
+
+// One allreduce on every client (submitted on all, then waited on all); checks every value.
+void allreduce_checked(Clients &cl, DType t, ReduceOp op, size_t count, uint64_t offset_seed) {
+    const size_t n = cl.size();
+    std::vector<size_t> off(n);
+    for (size_t g = 0; g < n; ++g) {
+        off[g] = ((offset_seed + g * 7) % 64) * 8;
+        bench::fill(cl[g]->slot().data() + off[g], count, t, g);
+    }
+    std::vector<uint64_t> tickets(n);
+    for (size_t g = 0; g < n; ++g)
+        tickets[g] = cl[g]->submit(off[g], count, static_cast<ringd_dtype>(t), static_cast<ringd_op>(op));
+    for (size_t g = 0; g < n; ++g) cl[g]->wait(tickets[g], 20000);
+    for (size_t g = 0; g < n; ++g) {
+        INFO("rank " << g << " of " << n << " " << dtype_name(t) << " " << reduce_op_name(op) << " count " << count);
+        CHECK(bench::count_wrong(cl[g]->slot().data() + off[g], count, t, op, n) == 0);
+    }
+}
+
+}  // namespace
+
+TEST_CASE("3 and 4 hosts x 1-2 local ranks: random dtypes, ops and sizes, every value exact", "[cluster]") {
+    std::mt19937_64 rng(2024);
+    for (uint32_t hosts : {3u, 4u}) {
+        TestCluster c(hosts);
+        REQUIRE(c.wait_up());
+        for (uint32_t local : {1u, 2u}) {
+            auto cl = connect_all(c, "g" + std::to_string(local), local);
+            for (int k = 0; k < 8; ++k) {
+                const auto t = static_cast<DType>(rng() % kDTypeCount);
+                auto op = static_cast<ReduceOp>(rng() % kReduceOpCount);
+                if (op == ReduceOp::Avg && dtype_is_integer(t)) op = ReduceOp::Min;
+                const size_t sizes[] = {1, hosts - 1, 13, 997, 65537, (size_t{200} << 10) / dtype_size(t)};
+                allreduce_checked(cl, t, op, sizes[rng() % 6], rng());
+            }
+        }
+        const auto j = c.status(0);
+        CHECK(j["ring"]["generation"] == 1);
+        CHECK(j["ops"]["failed"] == 0);
+        CHECK(j["memory"]["registrations"].get<int>() <= 4);  // 3 slots + the ring's staging, never per op
+    }
+}
+
+TEST_CASE("a host killed mid-op fails every other trainer naming it; the ring re-forms for the survivors", "[cluster]") {
+    TestCluster c(3);
+    REQUIRE(c.wait_up());
+    auto cl = connect_all(c, "k", 1);
+    allreduce_checked(cl, DType::F32, ReduceOp::Sum, 1000, 1);
+    // Ranks 0 and 1 submit; node2 is killed before its rank does.
+    const auto t0 = cl[0]->submit(0, 50000, RINGD_F32, RINGD_SUM);
+    const auto t1 = cl[1]->submit(0, 50000, RINGD_F32, RINGD_SUM);
+    const auto start = Clock::now();
+    ::kill(c.d[2]->pid(), SIGKILL);
+    for (auto [cli, t] : {std::pair{cl[0].get(), t0}, {cl[1].get(), t1}}) {
+        CHECK(ringd_wait(cli->get(), t, 10000) != 0);
+        CHECK_THAT(ringd_last_error(cli->get()), Catch::Contains("node2"));
+    }
+    CHECK(Clock::now() - start < 7s);  // timeouts.op + 2 s
+    // Restart node2: the same survivors' trainers go on with a new trainer there.
+    c.d[2]->start();
+    REQUIRE(c.d[2]->ready());
+    REQUIRE(c.wait_up());
+    CHECK(c.status(0)["ring"]["generation"] == 2);
+    cl[2] = std::make_unique<Client>(c.d[2]->socket(), "k", 0, 1, 1 << 20);
+    allreduce_checked(cl, DType::F32, ReduceOp::Avg, 77777, 5);
+}
+
+TEST_CASE("a hung host is detected by heartbeats and named; the ring re-forms when it continues", "[cluster]") {
+    TestCluster c(3);
+    REQUIRE(c.wait_up());
+    auto cl = connect_all(c, "h", 1);
+    allreduce_checked(cl, DType::F64, ReduceOp::Max, 333, 2);
+    ::kill(c.d[1]->pid(), SIGSTOP);
+    const auto start = Clock::now();
+    const auto t0 = cl[0]->submit(0, 1000, RINGD_F32, RINGD_SUM);
+    const auto t2 = cl[2]->submit(0, 1000, RINGD_F32, RINGD_SUM);
+    CHECK(ringd_wait(cl[0]->get(), t0, 10000) != 0);
+    CHECK_THAT(ringd_last_error(cl[0]->get()), Catch::Contains("node1"));
+    CHECK(ringd_wait(cl[2]->get(), t2, 10000) != 0);
+    CHECK_THAT(ringd_last_error(cl[2]->get()), Catch::Contains("node1"));
+    CHECK(Clock::now() - start < 7s);
+    ::kill(c.d[1]->pid(), SIGCONT);
+    REQUIRE(c.wait_up());
+    // Every rank goes on; ops are matched by their place in the new generation.
+    allreduce_checked(cl, DType::BF16, ReduceOp::Sum, 4099, 3);
+}
+
+TEST_CASE("a count mismatch between hosts fails every rank naming both hosts", "[cluster]") {
+    TestCluster c(3);
+    REQUIRE(c.wait_up());
+    auto cl = connect_all(c, "m", 1);
+    const auto a = cl[0]->submit(0, 100, RINGD_F32, RINGD_SUM);
+    const auto b = cl[1]->submit(0, 101, RINGD_F32, RINGD_SUM);
+    const auto d = cl[2]->submit(0, 100, RINGD_F32, RINGD_SUM);
+    for (auto [cli, t] : {std::pair{cl[0].get(), a}, {cl[1].get(), b}, {cl[2].get(), d}}) {
+        CHECK(ringd_wait(cli->get(), t, 10000) == -EINVAL);
+        CHECK_THAT(ringd_last_error(cli->get()), Catch::Contains("mismatch") && Catch::Contains("host node0") &&
+                                                     Catch::Contains("host node1"));
+    }
+    allreduce_checked(cl, DType::I64, ReduceOp::Sum, 5000, 9);  // the group goes on
+}
+
+TEST_CASE("a trainer that dies on one host fails the group's op on every host", "[cluster]") {
+    TestCluster c(3);
+    REQUIRE(c.wait_up());
+    const std::string sock1 = c.d[1]->socket();
+    int ready_pipe[2];
+    REQUIRE(::pipe(ready_pipe) == 0);
+    const pid_t victim = spawn([&] {
+        Client me(sock1, "t", 0, 1, 1 << 20);
+        (void)!::write(ready_pipe[1], "x", 1);
+        ::pause();
+        return 0;
+    });
+    char x;
+    REQUIRE(::read(ready_pipe[0], &x, 1) == 1);
+    Client a(c.d[0]->socket(), "t", 0, 1, 1 << 20), b(c.d[2]->socket(), "t", 0, 1, 1 << 20);
+    const auto ta = a.submit(0, 100, RINGD_F32, RINGD_SUM);
+    const auto tb = b.submit(0, 100, RINGD_F32, RINGD_SUM);
+    ::kill(victim, SIGKILL);
+    join(victim);
+    for (auto [cli, t] : {std::pair{&a, ta}, {&b, tb}}) {
+        CHECK(ringd_wait(cli->get(), t, 10000) != 0);
+        CHECK_THAT(ringd_last_error(cli->get()), Catch::Contains("host node1 local rank 0 left"));
+    }
+}
