@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# bench/cluster end to end: ringd-bench on a ring of test hosts, every value checked.
+#   cluster_bench.sh netns     3 namespace hosts x 2 ranks (exit 77 without root/namespaces)
+#   cluster_bench.sh loopback  3 hosts on 127.0.0.1 x 2 ranks
+set -euo pipefail
+mode=$1
+src=${RINGD_SOURCE_DIR:?}
+build=$(dirname "$(dirname "${RINGD_BIN:?}")")
+args=(--hosts 3 --ranks-per-host 2 --build "$build" --op-timeout 20s)
+if [ "$mode" = netns ]; then
+    [ "$(id -u)" = 0 ] || { echo "not root: skipped"; exit 77; }
+    ip netns add "ringd-probe-$$" 2>/dev/null || { echo "network namespaces unavailable: skipped"; exit 77; }
+    ip netns del "ringd-probe-$$"
+else
+    args+=(--loopback)
+fi
+out=$("$src/bench/cluster" "${args[@]}" -- "$build/bench/ringd-bench" --socket {socket} --group g \
+      --local-rank {rank} --local-size {size} -b 4 -e 4M -f 16 -d float -o sum -n 3 -w 1 2>&1)
+echo "$out"
+grep -q "^# ringd-bench: 3 host(s) x 2 local rank(s) = 6 ranks" <<<"$out"
+grep -q "^# Wrong values : 0$" <<<"$out"
