@@ -14,8 +14,11 @@ if [ "$mode" = netns ]; then
 else
     args+=(--loopback)
 fi
-out=$("$src/bench/cluster" "${args[@]}" -- "$build/bench/ringd-bench" --socket {socket} --group g \
-      --local-rank {rank} --local-size {size} -b 4 -e 4M -f 16 -d float -o sum -n 3 -w 1 2>&1)
-echo "$out"
-grep -q "^# ringd-bench: 3 host(s) x 2 local rank(s) = 6 ranks" <<<"$out"
-grep -q "^# Wrong values : 0$" <<<"$out"
+# Several dtype x op pairs, sizes from 1 element to 4 MiB; ringd-bench checks every value.
+for pair in float:sum half:max bfloat16:avg int64:min double:avg; do
+    out=$("$src/bench/cluster" "${args[@]}" -- "$build/bench/ringd-bench" --socket {socket} --group g \
+          --local-rank {rank} --local-size {size} -b 8 -e 4M -f 16 -d "${pair%:*}" -o "${pair#*:}" -n 3 -w 1 2>&1)
+    echo "$out"
+    grep -q "^# ringd-bench: 3 host(s) x 2 local rank(s) = 6 ranks" <<<"$out"
+    grep -q "^# Wrong values : 0$" <<<"$out"
+done

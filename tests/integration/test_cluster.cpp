@@ -4,6 +4,11 @@
 // trainer that dies on one host.
 #include <catch2/catch.hpp>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/stat.h>
+
+#include <fstream>
 #include <random>
 
 #include <nlohmann/json.hpp>
@@ -194,4 +199,85 @@ TEST_CASE("a trainer that dies on one host fails the group's op on every host", 
         CHECK(ringd_wait(cli->get(), t, 10000) != 0);
         CHECK_THAT(ringd_last_error(cli->get()), Catch::Contains("host node1 local rank 0 left"));
     }
+}
+
+TEST_CASE("hosts may run different numbers of local ranks in one group", "[cluster]") {
+    TestCluster c(3);
+    REQUIRE(c.wait_up());
+    Clients cl;  // host 0: 1 rank, host 1: 3 ranks, host 2: 2 ranks
+    const uint32_t local[] = {1, 3, 2};
+    for (uint32_t h = 0; h < 3; ++h)
+        for (uint32_t r = 0; r < local[h]; ++r)
+            cl.push_back(std::make_unique<Client>(c.d[h]->socket(), "mixed", static_cast<int>(r), static_cast<int>(local[h]), 1 << 20));
+    allreduce_checked(cl, DType::F32, ReduceOp::Avg, 10007, 4);
+    allreduce_checked(cl, DType::I32, ReduceOp::Sum, 3, 5);
+    allreduce_checked(cl, DType::F16, ReduceOp::Max, 65536, 6);
+}
+
+TEST_CASE("a host with the wrong secret is refused and the reason shows in status", "[cluster]") {
+    const std::string dir = make_temp_dir();
+    std::ofstream(dir + "/good") << "0123456789abcdef0123456789abcdef\n";
+    std::ofstream(dir + "/bad") << "fedcba9876543210fedcba9876543210\n";
+    ::chmod((dir + "/good").c_str(), 0600);
+    ::chmod((dir + "/bad").c_str(), 0600);
+    const int base = 24000 + static_cast<int>((::getpid() * 11) % 15000);
+    const std::string yaml = "hosts:\n  - {name: node0, address: 127.0.0.1, port: " + std::to_string(base) +
+                             "}\n  - {name: node1, address: 127.0.0.1, port: " + std::to_string(base + 1) + "}\n";
+    DaemonOptions a, b;
+    a.hosts_yaml = b.hosts_yaml = yaml;
+    b.host = "node1";
+    a.extra_yaml = "auth: {secret_file: " + dir + "/good}\n";
+    b.extra_yaml = "auth: {secret_file: " + dir + "/bad}\n";
+    Daemon d0(a), d1(b);
+    REQUIRE(d0.ready());
+    REQUIRE(d1.ready());
+    // node0 dials node1 and fails to prove itself; wait (bounded) for the reason to show.
+    std::string err;
+    const auto deadline = Clock::now() + 10s;
+    while (err.find("authentication failed") == std::string::npos && Clock::now() < deadline) {
+        auto s = fetch_status(d0.socket());
+        REQUIRE(s.ok());
+        err = json::parse(*s)["ring"]["members"][1]["last_error"].get<std::string>();
+        d0.notify().next(100ms);
+    }
+    CHECK_THAT(err, Catch::Contains("authentication failed"));
+    CHECK(json::parse(*fetch_status(d1.socket()))["ring"]["state"] == "forming");
+    CHECK_THAT(d1.log(), Catch::Contains("authentication failed"));
+}
+
+TEST_CASE("garbage and strangers on the peer port are refused; the ring is unaffected", "[cluster]") {
+    TestCluster c(2);
+    REQUIRE(c.wait_up());
+    const int port = c.status(0)["ring"]["members"][0]["port"].get<int>();
+    for (const char *src : {"127.0.0.1", "127.0.0.9"}) {
+        UniqueFd s(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+        sockaddr_in a{};
+        a.sin_family = AF_INET;
+        ::inet_pton(AF_INET, src, &a.sin_addr);
+        REQUIRE(::bind(s.get(), reinterpret_cast<sockaddr *>(&a), sizeof a) == 0);
+        a.sin_port = htons(static_cast<uint16_t>(port));
+        ::inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+        REQUIRE(::connect(s.get(), reinterpret_cast<sockaddr *>(&a), sizeof a) == 0);
+        const std::string junk(4096, '\x7f');
+        (void)!::send(s.get(), junk.data(), junk.size(), MSG_NOSIGNAL);
+        CHECK(closed_by_peer(s.get(), 5s));
+    }
+    CHECK_THAT(c.d[0]->log(), Catch::Contains("not the address of any host") && Catch::Contains("magic"));
+    auto cl = connect_all(c, "after", 1);
+    allreduce_checked(cl, DType::F64, ReduceOp::Sum, 1000, 1);
+    CHECK(c.status(0)["ring"]["generation"] == 1);
+}
+
+TEST_CASE("an address that cannot be bound stops ringd at start with a clear error", "[cluster]") {
+    const std::string dir = make_temp_dir();
+    std::ofstream(dir + "/c.yaml") << "cluster: c\nhosts:\n  - {name: a, address: 192.0.2.1, port: 7400}\n"
+                                      "  - {name: b, address: 127.0.0.1, port: 7401}\nsocket: " << dir << "/s.sock\n";
+    const std::string cmd = env_or("RINGD_BIN", "build/daemon/ringd") + " --config " + dir + "/c.yaml --host a 2>&1";
+    FILE *p = ::popen(cmd.c_str(), "r");
+    std::string out;
+    char buf[4096];
+    size_t n;
+    while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
+    CHECK(::pclose(p) != 0);
+    CHECK_THAT(out, Catch::Contains("cannot listen on 192.0.2.1:7400") && Catch::Contains("configured on this machine"));
 }
