@@ -30,7 +30,7 @@ struct TestCluster {
     std::vector<std::unique_ptr<Daemon>> d;
 
     TestCluster(uint32_t hosts, const std::string &op_timeout = "5s") : n(hosts) {
-        const int base = 22000 + static_cast<int>((::getpid() * 17) % 15000);
+        const int base = 10000 + static_cast<int>((::getpid() * 17) % 20000);  // below the ephemeral range
         std::string yaml = "hosts:\n";
         for (uint32_t i = 0; i < n; ++i)
             yaml += "  - {name: node" + std::to_string(i) + ", address: 127.0.0.1, port: " + std::to_string(base + static_cast<int>(i)) + "}\n";
@@ -220,7 +220,7 @@ TEST_CASE("a host with the wrong secret is refused and the reason shows in statu
     std::ofstream(dir + "/bad") << "fedcba9876543210fedcba9876543210\n";
     ::chmod((dir + "/good").c_str(), 0600);
     ::chmod((dir + "/bad").c_str(), 0600);
-    const int base = 24000 + static_cast<int>((::getpid() * 11) % 15000);
+    const int base = 10000 + static_cast<int>((::getpid() * 11) % 20000);
     const std::string yaml = "hosts:\n  - {name: node0, address: 127.0.0.1, port: " + std::to_string(base) +
                              "}\n  - {name: node1, address: 127.0.0.1, port: " + std::to_string(base + 1) + "}\n";
     DaemonOptions a, b;

@@ -19,7 +19,7 @@ using namespace std::chrono_literals;
 
 namespace {
 
-uint16_t base_port() { return static_cast<uint16_t>(20000 + (::getpid() * 7) % 20000); }
+uint16_t base_port() { return static_cast<uint16_t>(10000 + (::getpid() * 7) % 20000); }  // below the ephemeral range
 
 Config ring_config(uint32_t n, uint16_t port0, int streams = 2) {
     Config c;
