@@ -520,6 +520,7 @@ void Daemon::shutdown() {
     std::vector<OpRun> ready;
     groups_.fail_everything("ringd is shutting down", completions);
     deliver(completions, ready);
+    if (control_) engine_->ring_down(local_generation_);  // a ring op in progress returns at once
     engine_->stop();
     (void)engine_->take_results();
     clients_.clear();

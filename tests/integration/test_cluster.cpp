@@ -281,3 +281,22 @@ TEST_CASE("an address that cannot be bound stops ringd at start with a clear err
     CHECK(::pclose(p) != 0);
     CHECK_THAT(out, Catch::Contains("cannot listen on 192.0.2.1:7400") && Catch::Contains("configured on this machine"));
 }
+
+TEST_CASE("SIGTERM on one host ends its ring op at once; the others are told it is gone", "[cluster]") {
+    TestCluster c(3, "20s");
+    REQUIRE(c.wait_up());
+    auto cl = connect_all(c, "term", 1);
+    // Hosts 0 and 2 start a big op; host 1's trainer never submits, so the op waits in the ring.
+    const auto t0 = cl[0]->submit(0, 200000, RINGD_F32, RINGD_SUM);
+    const auto t2 = cl[2]->submit(0, 200000, RINGD_F32, RINGD_SUM);
+    const auto start = Clock::now();
+    const int st = c.d[1]->stop(10s);
+    REQUIRE(st != -1);
+    CHECK(WIFEXITED(st));
+    CHECK(WEXITSTATUS(st) == 0);
+    CHECK(Clock::now() - start < 3s);
+    for (auto [cli, t] : {std::pair{cl[0].get(), t0}, {cl[2].get(), t2}}) {
+        CHECK(ringd_wait(cli->get(), t, 10000) != 0);
+        CHECK_THAT(ringd_last_error(cli->get()), Catch::Contains("node1"));
+    }
+}
