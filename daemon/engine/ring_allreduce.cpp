@@ -63,6 +63,7 @@ Status RingAllreduce::run(const RingPosition &pos, const RingOp &op, std::chrono
 
     const uint32_t last = steps_ - 1;
     size_t next_send = 0, next_recv = 0, sends_done = 0, recvs_done = 0;
+    auto last_progress = std::chrono::steady_clock::now();
     auto ready_to_send = [&](const Msg &m) {
         if (m.phase == kReduceScatter)
             return m.step == 0 || recvs_[index(recv_base_, kReduceScatter, m.step - 1, m.chunk)].done;
@@ -110,7 +111,13 @@ Status RingAllreduce::run(const RingPosition &pos, const RingOp &op, std::chrono
                                               (recvs_done < recvs_.size() ? "data from " + pos.prev->peer()
                                                                           : "host " + pos.next->peer() + " to take data"));
         events_.clear();
-        if (auto s = t_.poll(events_, std::min(wait_ms, 100)); !s) return s;
+        // busy: never block; adaptive: spin for a while after the last progress, then block;
+        // event: block at once. Blocking is bounded so that aborts are seen promptly.
+        const bool spin = opt_.spin_us < 0 ||
+                          (opt_.spin_us > 0 && std::chrono::steady_clock::now() - last_progress <
+                                                   std::chrono::microseconds(opt_.spin_us));
+        if (auto s = t_.poll(events_, spin ? 0 : std::min(wait_ms, 100)); !s) return s;
+        if (!events_.empty()) last_progress = std::chrono::steady_clock::now();
         for (const LinkEvent &e : events_) {
             if (e.kind == LinkEvent::Kind::Failed) {
                 if (e.link == pos.next || e.link == pos.prev) return e.error;

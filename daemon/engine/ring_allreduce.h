@@ -36,6 +36,10 @@ struct RingPosition {
 struct RingOptions {
     uint64_t chunk_bytes = 512 << 10;
     uint32_t depth = 8;  // reduce-scatter receives in flight (staging slots)
+    // How the progress thread waits for the transport during an op (config `poll`): -1 = busy
+    // (never block), 0 = event (block at once), > 0 = adaptive (spin this long after the last
+    // progress, then block).
+    int spin_us = 50;
 };
 
 struct RingOp {

@@ -151,9 +151,11 @@ TEST_CASE("ring allreduce is exact for every host count, dtype, op and size", "[
     }
 }
 
-TEST_CASE("every dtype x op across 3 hosts", "[ring]") {
+TEST_CASE("every dtype x op across 3 hosts, in every polling mode", "[ring]") {
     Ring ring(3, "tcp", 2);
     uint32_t op_tag = 1;
+    for (int spin_us : {-1, 0, 50})
+        allreduce_and_check(ring, DType::F32, ReduceOp::Sum, 100000, RingOptions{8192, 4, spin_us}, op_tag++);
     for (uint32_t t = 0; t < kDTypeCount; ++t)
         for (uint32_t o = 0; o < kReduceOpCount; ++o) {
             const auto dt = static_cast<DType>(t);
