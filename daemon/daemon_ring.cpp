@@ -7,6 +7,8 @@
 // fail on this host before they are ready are reported too, so that every host numbers the
 // group's ops alike. When a generation ends, every op that is ready here fails with the reason;
 // the ordinals start again at 0 in the next generation.
+#include <systemd/sd-daemon.h>
+
 #include <spdlog/spdlog.h>
 
 #include "daemon/daemon.h"
@@ -64,6 +66,8 @@ void Daemon::on_ring_up(uint64_t generation, std::vector<UniqueFd> to_next, std:
         control_->heartbeat_now(generation);  // the hosts report in this generation from now on
     }
     spdlog::info("ring generation {} is up ({} hosts)", generation, n);
+    // For `systemctl status ringd` (and tests, which wait for it on their NOTIFY_SOCKET).
+    ::sd_notifyf(0, "STATUS=ring generation %llu up (%u hosts)", static_cast<unsigned long long>(generation), n);
     flush_reports();
 }
 
@@ -72,6 +76,7 @@ void Daemon::on_ring_down(const std::string &why) {
     ring_down_reason_ = "ring generation " + std::to_string(local_generation_) + " aborted: " + why;
     record_error(ring_down_reason_);
     last_abort_ = ring_down_reason_;
+    ::sd_notifyf(0, "STATUS=%s", ring_down_reason_.c_str());
     coord_known_ = false;
     coord_generation_used_ = coord_generation_;
     std::vector<Completion> completions;
@@ -202,16 +207,16 @@ void Daemon::on_report(uint32_t host, const proto::OpReport &r) {
 }
 
 void Daemon::broadcast(const Coordinator::Decisions &d) {
-    for (const auto &s : d.starts) {
-        const auto frame = proto::encode_op_start(s);
+    auto to_peers = [&](const proto::Bytes &frame) {
         for (uint32_t h = 0; h < config_.hosts.size(); ++h)
             if (h != self_index_) (void)control_->send(h, frame);
+    };
+    for (const auto &s : d.starts) {
+        to_peers(proto::encode_op_start(s));
         on_start(s);
     }
     for (const auto &f : d.fails) {
-        const auto frame = proto::encode_op_fail(f);
-        for (uint32_t h = 0; h < config_.hosts.size(); ++h)
-            if (h != self_index_) (void)control_->send(h, frame);
+        to_peers(proto::encode_op_fail(f));
         on_fail(f);
     }
 }

@@ -2,6 +2,8 @@
 // check, and the nccl-tests columns, so that their tables compare line for line.
 #pragma once
 
+#include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <string>
 
@@ -15,6 +17,20 @@ struct Sweep {
     uint64_t factor = 2;
     int iters = 20, warmup = 5, check = 1;
 };
+
+// -b -e -f -n -w -c with ringd-bench's meaning; false when `flag` is none of them.
+inline bool parse_sweep_arg(const std::string &flag, const char *value, Sweep &s) {
+    const auto n = parse_size(value);
+    if (!n) return false;
+    if (flag == "-b") s.min_bytes = *n;
+    else if (flag == "-e") s.max_bytes = *n;
+    else if (flag == "-f") s.factor = *n;
+    else if (flag == "-n") s.iters = static_cast<int>(*n);
+    else if (flag == "-w") s.warmup = static_cast<int>(*n);
+    else if (flag == "-c") s.check = static_cast<int>(*n);
+    else return false;
+    return true;
+}
 
 inline void print_header(const char *system, int ranks, const Sweep &s) {
     std::printf("# %s: %d ranks, float avg, %d iters (+%d warm-up)\n#\n# %12s %12s %8s %6s %11s %12s %12s %8s\n", system,
@@ -31,6 +47,40 @@ inline double print_row(uint64_t bytes, int ranks, double us, uint64_t wrong, bo
                 static_cast<unsigned long long>(bytes / 4), "float", "avg", us, algbw, busbw, checked ? w : "N/A");
     std::fflush(stdout);
     return busbw;
+}
+
+// The whole sweep: for each size, fill, warm up, barrier, time `iters` allreduces, then check
+// on fresh data (untimed), summing every rank's wrong count with `sum_wrong`. Rank 0 prints the
+// table. Returns the total of wrong values.
+template <typename Allreduce, typename Barrier, typename SumWrong>
+uint64_t run_sweep(const Sweep &s, const char *system, int rank, int size, float *buf, Allreduce allreduce,
+                   Barrier barrier, SumWrong sum_wrong) {
+    if (rank == 0) print_header(system, size, s);
+    double sum_busbw = 0;
+    int rows = 0;
+    uint64_t wrong_total = 0;
+    for (uint64_t bytes = s.min_bytes; bytes <= s.max_bytes; bytes *= s.factor) {
+        const size_t count = bytes / 4;
+        fill(buf, count, DType::F32, static_cast<uint64_t>(rank));
+        for (int i = 0; i < std::max(1, s.warmup); ++i) allreduce(count);
+        barrier();
+        const auto t0 = std::chrono::steady_clock::now();
+        for (int i = 0; i < s.iters; ++i) allreduce(count);
+        const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / s.iters;
+        uint64_t wrong = 0;
+        if (s.check) {
+            fill(buf, count, DType::F32, static_cast<uint64_t>(rank));
+            allreduce(count);
+            wrong = sum_wrong(count_wrong(buf, count, DType::F32, ReduceOp::Avg, static_cast<uint64_t>(size)));
+        }
+        wrong_total += wrong;
+        if (rank == 0) sum_busbw += print_row(count * 4, size, us, wrong, s.check);
+        ++rows;
+    }
+    if (rank == 0)
+        std::printf("# Avg bus bandwidth : %.3f\n# Wrong values : %llu\n", rows ? sum_busbw / rows : 0.0,
+                    static_cast<unsigned long long>(wrong_total));
+    return wrong_total;
 }
 
 }  // namespace ringd::bench

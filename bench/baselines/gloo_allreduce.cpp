@@ -10,7 +10,6 @@
 #include <gloo/rendezvous/prefix_store.h>
 #include <gloo/transport/tcp/device.h>
 
-#include <chrono>
 #include <memory>
 #include <vector>
 
@@ -29,13 +28,9 @@ int main(int argc, char **argv) {
         else if (k == "--store") store_dir = v;
         else if (k == "--address") address = v;
         else if (k == "--algo") algo = v;
-        else if (auto n = parse_size(v)) {
-            if (k == "-b") s.min_bytes = *n;
-            else if (k == "-e") s.max_bytes = *n;
-            else if (k == "-f") s.factor = *n;
-            else if (k == "-n") s.iters = static_cast<int>(*n);
-            else if (k == "-w") s.warmup = static_cast<int>(*n);
-            else if (k == "-c") s.check = static_cast<int>(*n);
+        else if (!bench::parse_sweep_arg(k, argv[i + 1], s)) {
+            std::fprintf(stderr, "gloo-allreduce: bad argument %s %s\n", k.c_str(), v.c_str());
+            return 2;
         }
     }
     if (algo != "ring" && algo != "ring_chunked") {
@@ -68,35 +63,14 @@ int main(int argc, char **argv) {
         };
         gloo::BarrierAllToOne barrier(context);
         const std::string name = "Gloo " + algo;
-        if (rank == 0) bench::print_header(name.c_str(), size, s);
-        double sum_busbw = 0;
-        int rows = 0;
-        uint64_t wrong_total = 0;
-        for (uint64_t bytes = s.min_bytes; bytes <= s.max_bytes; bytes *= s.factor) {
-            const size_t count = bytes / 4;
-            bench::fill(buf.data(), count, DType::F32, static_cast<uint64_t>(rank));
-            for (int i = 0; i < std::max(1, s.warmup); ++i) allreduce(count);
-            barrier.run();
-            const auto t0 = std::chrono::steady_clock::now();
-            for (int i = 0; i < s.iters; ++i) allreduce(count);
-            const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / s.iters;
-            uint64_t wrong = 0;
-            if (s.check) {
-                bench::fill(buf.data(), count, DType::F32, static_cast<uint64_t>(rank));
-                allreduce(count);
-                // Every rank's count of wrong values, summed with Gloo itself.
-                float mine = static_cast<float>(bench::count_wrong(buf.data(), count, DType::F32, ReduceOp::Avg,
-                                                                   static_cast<uint64_t>(size)));
-                std::vector<float *> p{&mine};
+        const uint64_t wrong_total = bench::run_sweep(
+            s, name.c_str(), rank, size, buf.data(), allreduce, [&] { barrier.run(); },
+            [&](uint64_t mine) {  // every rank's count of wrong values, summed with Gloo itself
+                float v = static_cast<float>(mine);
+                std::vector<float *> p{&v};
                 gloo::AllreduceRing<float>(context, p, 1).run();
-                wrong = static_cast<uint64_t>(mine);
-            }
-            wrong_total += wrong;
-            if (rank == 0) sum_busbw += bench::print_row(count * 4, size, us, wrong, s.check);
-            ++rows;
-        }
-        if (rank == 0) std::printf("# Avg bus bandwidth : %.3f\n# Wrong values : %llu\n", rows ? sum_busbw / rows : 0.0,
-                                   static_cast<unsigned long long>(wrong_total));
+                return static_cast<uint64_t>(v);
+            });
         return wrong_total ? 1 : 0;
     } catch (const std::exception &e) {
         std::fprintf(stderr, "gloo-allreduce: rank %d: %s\n", rank, e.what());

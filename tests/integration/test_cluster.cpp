@@ -17,6 +17,7 @@
 #include "common/status_client.h"
 #include "ringd/ringd.hpp"
 #include "tests/support/harness.h"
+#include "tests/support/net.h"
 
 using namespace ringd;
 using namespace ringd::test;
@@ -48,20 +49,25 @@ struct TestCluster {
         auto s = fetch_status(d[i]->socket());
         return s ? json::parse(*s) : json{};
     }
-    // Every live daemon reports the ring up (each check is a round trip to the daemon).
-    bool wait_up(std::chrono::milliseconds limit = 15s, const std::vector<uint32_t> &skip = {}) {
+    // Waits until daemon i reports (sd_notify STATUS, on the NOTIFY_SOCKET the harness owns) that
+    // its ring is up as generation min_generation or later.
+    bool wait_ring(uint32_t i, uint64_t min_generation, std::chrono::milliseconds limit = 15s) {
         const auto deadline = Clock::now() + limit;
+        const std::string key = "STATUS=ring generation ";
         while (Clock::now() < deadline) {
-            bool all = true;
-            for (uint32_t i = 0; i < n; ++i) {
-                if (std::find(skip.begin(), skip.end(), i) != skip.end()) continue;
-                auto j = status(i);
-                all = all && !j.is_null() && j["ring"]["state"] == "up";
-            }
-            if (all) return true;
-            d[0]->notify().next(50ms);  // nothing arrives there: a bounded pause between rounds
+            const std::string m = d[i]->notify().next(std::chrono::milliseconds(ms_until(deadline)));
+            const auto at = m.find(key);
+            if (at == std::string::npos || m.find(" up (", at) == std::string::npos) continue;
+            if (std::stoull(m.substr(at + key.size())) >= min_generation) return true;
         }
         return false;
+    }
+    // Every daemon's ring is up, as generation min_generation[i] (default 1) or later.
+    bool wait_up(std::vector<uint64_t> min_generation = {}) {
+        min_generation.resize(n, 1);
+        for (uint32_t i = 0; i < n; ++i)
+            if (!wait_ring(i, min_generation[i])) return false;
+        return true;
     }
 };
 
@@ -135,7 +141,7 @@ TEST_CASE("a host killed mid-op fails every other trainer naming it; the ring re
     // Restart node2: the same survivors' trainers go on with a new trainer there.
     c.d[2]->start();
     REQUIRE(c.d[2]->ready());
-    REQUIRE(c.wait_up());
+    REQUIRE(c.wait_up({2, 2, 1}));  // the restarted daemon counts its own generations
     CHECK(c.status(0)["ring"]["generation"] == 2);
     cl[2] = std::make_unique<Client>(c.d[2]->socket(), "k", 0, 1, 1 << 20);
     allreduce_checked(cl, DType::F32, ReduceOp::Avg, 77777, 5);
@@ -156,7 +162,7 @@ TEST_CASE("a hung host is detected by heartbeats and named; the ring re-forms wh
     CHECK_THAT(ringd_last_error(cl[2]->get()), Catch::Contains("node1"));
     CHECK(Clock::now() - start < 7s);
     ::kill(c.d[1]->pid(), SIGCONT);
-    REQUIRE(c.wait_up());
+    REQUIRE(c.wait_up({2, 2, 2}));
     // Every rank goes on; ops are matched by their place in the new generation.
     allreduce_checked(cl, DType::BF16, ReduceOp::Sum, 4099, 3);
 }
@@ -250,14 +256,7 @@ TEST_CASE("garbage and strangers on the peer port are refused; the ring is unaff
     REQUIRE(c.wait_up());
     const int port = c.status(0)["ring"]["members"][0]["port"].get<int>();
     for (const char *src : {"127.0.0.1", "127.0.0.9"}) {
-        UniqueFd s(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
-        sockaddr_in a{};
-        a.sin_family = AF_INET;
-        ::inet_pton(AF_INET, src, &a.sin_addr);
-        REQUIRE(::bind(s.get(), reinterpret_cast<sockaddr *>(&a), sizeof a) == 0);
-        a.sin_port = htons(static_cast<uint16_t>(port));
-        ::inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
-        REQUIRE(::connect(s.get(), reinterpret_cast<sockaddr *>(&a), sizeof a) == 0);
+        UniqueFd s = connect_from(src, static_cast<uint16_t>(port));
         const std::string junk(4096, '\x7f');
         (void)!::send(s.get(), junk.data(), junk.size(), MSG_NOSIGNAL);
         CHECK(closed_by_peer(s.get(), 5s));
@@ -272,14 +271,9 @@ TEST_CASE("an address that cannot be bound stops ringd at start with a clear err
     const std::string dir = make_temp_dir();
     std::ofstream(dir + "/c.yaml") << "cluster: c\nhosts:\n  - {name: a, address: 192.0.2.1, port: 7400}\n"
                                       "  - {name: b, address: 127.0.0.1, port: 7401}\nsocket: " << dir << "/s.sock\n";
-    const std::string cmd = env_or("RINGD_BIN", "build/daemon/ringd") + " --config " + dir + "/c.yaml --host a 2>&1";
-    FILE *p = ::popen(cmd.c_str(), "r");
-    std::string out;
-    char buf[4096];
-    size_t n;
-    while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
-    CHECK(::pclose(p) != 0);
-    CHECK_THAT(out, Catch::Contains("cannot listen on 192.0.2.1:7400") && Catch::Contains("configured on this machine"));
+    const auto r = run_command(env_or("RINGD_BIN", "build/daemon/ringd") + " --config " + dir + "/c.yaml --host a 2>&1");
+    CHECK(r.exit_code != 0);
+    CHECK_THAT(r.output, Catch::Contains("cannot listen on 192.0.2.1:7400") && Catch::Contains("configured on this machine"));
 }
 
 TEST_CASE("SIGTERM on one host ends its ring op at once; the others are told it is gone", "[cluster]") {

@@ -258,13 +258,9 @@ TEST_CASE("ringctl status shows the daemon, its groups and memory; --json is val
     run_random_ops(c, 3, 5);
     const std::string ringctl = env_or("RINGCTL_BIN", "build/client/ringctl");
     auto run = [&](const std::string &args) {
-        std::string out;
-        FILE *p = ::popen((ringctl + " --socket " + d.socket() + " " + args).c_str(), "r");
-        char buf[4096];
-        size_t n;
-        while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
-        CHECK(::pclose(p) == 0);
-        return out;
+        auto r = run_command(ringctl + " --socket " + d.socket() + " " + args);
+        CHECK(r.exit_code == 0);
+        return r.output;
     };
     const json j = json::parse(run("status --json"));
     CHECK(j["host"] == "node0");
@@ -277,8 +273,9 @@ TEST_CASE("ringctl status shows the daemon, its groups and memory; --json is val
     const std::string human = run("status");
     CHECK_THAT(human, Catch::Contains("generation 1") && Catch::Contains("shown") &&
                           Catch::Contains("memory registered"));
-    FILE *p = ::popen((ringctl + " --socket /nonexistent.sock status 2>&1").c_str(), "r");
-    CHECK(::pclose(p) != 0);
+    auto missing = run_command(ringctl + " --socket /nonexistent.sock status 2>&1");
+    CHECK(missing.exit_code != 0);
+    CHECK_THAT(missing.output, Catch::Contains("cannot connect to ringd at /nonexistent.sock"));
 }
 
 TEST_CASE("ringd refuses to start with a clear error", "[daemon]") {
@@ -286,14 +283,8 @@ TEST_CASE("ringd refuses to start with a clear error", "[daemon]") {
     const std::string dir = make_temp_dir();
     auto start = [&](const std::string &yaml, const std::string &host) {
         std::ofstream(dir + "/c.yaml") << yaml;
-        const std::string cmd = bin + " --config " + dir + "/c.yaml --host " + host + " 2>&1";
-        FILE *p = ::popen(cmd.c_str(), "r");
-        std::string out;
-        char buf[4096];
-        size_t n;
-        while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
-        const int st = ::pclose(p);
-        return std::pair{WEXITSTATUS(st), out};
+        auto r = run_command(bin + " --config " + dir + "/c.yaml --host " + host + " 2>&1");
+        return std::pair{r.exit_code, r.output};
     };
     const std::string base = "cluster: c\nhosts:\n  - {name: a, address: 127.0.0.1}\nsocket: " + dir + "/s.sock\n";
     auto [rc1, out1] = start(base, "zz");

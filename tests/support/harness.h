@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -177,6 +178,24 @@ private:
     pid_t pid_ = -1;
     bool ready_ = false;
 };
+
+struct CommandResult {
+    int exit_code = -1;  // -1: did not exit normally
+    std::string output;  // stdout (add 2>&1 to the command for stderr)
+};
+
+// Runs a shell command to completion and captures its output.
+inline CommandResult run_command(const std::string &cmd) {
+    CommandResult r;
+    FILE *p = ::popen(cmd.c_str(), "r");
+    if (!p) return r;
+    char buf[4096];
+    size_t n;
+    while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) r.output.append(buf, n);
+    const int st = ::pclose(p);
+    r.exit_code = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+    return r;
+}
 
 // Forks `fn` into a child process; its return value is the exit code.
 inline pid_t spawn(const std::function<int()> &fn) {

@@ -13,6 +13,7 @@
 
 #include "common/fd_io.h"
 #include "daemon/control/control_plane.h"
+#include "tests/support/net.h"
 
 using namespace ringd;
 using namespace std::chrono_literals;
@@ -177,17 +178,6 @@ TEST_CASE("unconfigured addresses and garbage on the peer port are refused; the 
     Cluster c(2);
     REQUIRE(c.run_until([&] { return c.all_up(); }, 10s));
     const uint16_t port = c.config.hosts[0].port;
-    auto connect_from = [&](const char *src) {
-        UniqueFd s(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
-        sockaddr_in a{};
-        a.sin_family = AF_INET;
-        ::inet_pton(AF_INET, src, &a.sin_addr);
-        REQUIRE(::bind(s.get(), reinterpret_cast<sockaddr *>(&a), sizeof a) == 0);
-        a.sin_port = htons(port);
-        ::inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
-        REQUIRE(::connect(s.get(), reinterpret_cast<sockaddr *>(&a), sizeof a) == 0);
-        return s;
-    };
     auto closed = [&](int fd) {
         bool eof = false;
         c.run_until([&] {
@@ -198,13 +188,13 @@ TEST_CASE("unconfigured addresses and garbage on the peer port are refused; the 
         }, 3s);
         return eof;
     };
-    UniqueFd stranger = connect_from("127.0.0.2");  // not any host's address
+    UniqueFd stranger = test::connect_from("127.0.0.2", port);  // not any host's address
     CHECK(closed(stranger.get()));
-    UniqueFd garbage = connect_from("127.0.0.1");
+    UniqueFd garbage = test::connect_from("127.0.0.1", port);
     const std::string junk(300, 'x');
     (void)!::send(garbage.get(), junk.data(), junk.size(), MSG_NOSIGNAL);
     CHECK(closed(garbage.get()));
-    UniqueFd silent = connect_from("127.0.0.1");  // says nothing: dropped at the handshake deadline
+    UniqueFd silent = test::connect_from("127.0.0.1", port);  // says nothing: dropped at the handshake deadline
     CHECK(closed(silent.get()));
     CHECK(c.hosts[0].cp->ring_up());
     CHECK(c.hosts[0].downs == 0);

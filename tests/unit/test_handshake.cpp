@@ -14,29 +14,12 @@
 
 #include "common/fd_io.h"
 #include "daemon/control/peer_handshake.h"
+#include "tests/support/net.h"
 
 using namespace ringd;
 using State = PeerHandshake::State;
 
 namespace {
-
-std::pair<UniqueFd, UniqueFd> tcp_pair() {
-    UniqueFd lst(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t len = sizeof a;
-    REQUIRE(::bind(lst.get(), reinterpret_cast<sockaddr *>(&a), sizeof a) == 0);
-    REQUIRE(::listen(lst.get(), 1) == 0);
-    REQUIRE(::getsockname(lst.get(), reinterpret_cast<sockaddr *>(&a), &len) == 0);
-    UniqueFd c(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
-    ::connect(c.get(), reinterpret_cast<sockaddr *>(&a), sizeof a);
-    UniqueFd s(::accept4(lst.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
-    REQUIRE(s.valid());
-    pollfd p{c.get(), POLLOUT, 0};
-    REQUIRE(::poll(&p, 1, 5000) == 1);
-    return {std::move(c), std::move(s)};
-}
 
 bool terminal(State s) { return s == State::Up || s == State::Failed; }
 
@@ -66,7 +49,7 @@ TEST_CASE("handshake succeeds with a shared secret and without one", "[handshake
     const PeerSecret with = PeerSecret::from_bytes("0123456789abcdef0123456789abcdef");
     const PeerSecret none;
     for (const PeerSecret *secret : {&with, &none}) {
-        auto [c, s] = tcp_pair();
+        auto [c, s] = test::tcp_pair(true);
         PeerIdentity a{"demo", "node0", 3, secret}, b{"demo", "node1", 5, secret};
         auto d = PeerHandshake::dial(std::move(c), a, "node1", proto::ConnKind::Data, 1);
         auto l = PeerHandshake::listen(std::move(s), b, accept_node0);
@@ -102,7 +85,7 @@ TEST_CASE("handshake refusals say why, on both ends", "[handshake]") {
     };
     for (const Case &k : cases) {
         INFO(k.name);
-        auto [c, s] = tcp_pair();
+        auto [c, s] = test::tcp_pair(true);
         PeerIdentity a{k.dcluster, k.dself, 1, k.ds}, b{"demo", "node1", 1, k.ls};
         auto d = PeerHandshake::dial(std::move(c), a, k.target, proto::ConnKind::Control, 0);
         auto l = PeerHandshake::listen(std::move(s), b, [](const proto::PeerHello &h) {
@@ -120,7 +103,7 @@ TEST_CASE("a listener refuses wrong versions, garbage and oversize frames", "[ha
     const PeerSecret none;
     PeerIdentity me{"demo", "node1", 1, &none};
     auto attempt = [&](const proto::Bytes &bytes) {
-        auto [c, s] = tcp_pair();
+        auto [c, s] = test::tcp_pair(true);
         auto l = PeerHandshake::listen(std::move(s), me, accept_node0);
         REQUIRE(send_all(c.get(), bytes).ok());
         pollfd p{l.fd(), POLLIN, 0};

@@ -4,10 +4,6 @@
 // value checked on every rank. Faults: a peer that disappears mid-op, a peer that never comes.
 #include <catch2/catch.hpp>
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-
 #include <random>
 #include <thread>
 
@@ -15,28 +11,13 @@
 #include "daemon/engine/ring_allreduce.h"
 #include "daemon/transport/loopback/loopback_transport.h"
 #include "daemon/transport/tcp/tcp_transport.h"
+#include "tests/support/net.h"
 
 using namespace ringd;
+using ringd::test::tcp_pair;
 using namespace std::chrono_literals;
 
 namespace {
-
-// Connected TCP socket pairs over 127.0.0.1.
-std::pair<UniqueFd, UniqueFd> tcp_pair() {
-    UniqueFd lst(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t len = sizeof a;
-    REQUIRE(::bind(lst.get(), reinterpret_cast<sockaddr *>(&a), sizeof a) == 0);
-    REQUIRE(::listen(lst.get(), 1) == 0);
-    REQUIRE(::getsockname(lst.get(), reinterpret_cast<sockaddr *>(&a), &len) == 0);
-    UniqueFd c(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
-    REQUIRE(::connect(c.get(), reinterpret_cast<sockaddr *>(&a), sizeof a) == 0);
-    UniqueFd s(::accept4(lst.get(), nullptr, nullptr, SOCK_CLOEXEC));
-    REQUIRE(s.valid());
-    return {std::move(c), std::move(s)};
-}
 
 std::string host(uint32_t r) { return "node" + std::to_string(r); }
 
