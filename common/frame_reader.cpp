@@ -8,31 +8,43 @@ namespace ringd {
 
 Result<std::optional<Frame>> FrameReader::read(int fd, uint32_t max_payload) {
     for (;;) {
-        const size_t want = header_ ? proto::kFrameHeaderBytes + header_->length : proto::kFrameHeaderBytes;
-        if (in_.size() == want) {
-            if (!header_) {
-                auto h = proto::decode_frame_header(in_, max_payload);
+        // The header into its own buffer, then the payload straight into the frame's (sized
+        // only once the header's length passed the cap).
+        uint8_t *at;
+        size_t want;
+        if (!header_) {
+            if (header_got_ == proto::kFrameHeaderBytes) {
+                auto h = proto::decode_frame_header(header_buf_, max_payload);
                 if (!h) return h.error();
                 header_ = *h;
-                in_.reserve(proto::kFrameHeaderBytes + h->length);  // capped by the check above
-                if (h->length > 0) continue;
+                payload_.resize(h->length);
+                got_ = 0;
+                continue;
             }
-            Frame f{header_->type, proto::Bytes(in_.begin() + proto::kFrameHeaderBytes, in_.end())};
-            header_.reset();
-            in_.clear();
-            return std::optional<Frame>(std::move(f));
+            at = header_buf_.data() + header_got_;
+            want = proto::kFrameHeaderBytes - header_got_;
+        } else {
+            if (got_ == payload_.size()) {
+                Frame f{header_->type, std::move(payload_)};
+                header_.reset();
+                header_got_ = 0;
+                payload_ = {};
+                return std::optional<Frame>(std::move(f));
+            }
+            at = payload_.data() + got_;
+            want = payload_.size() - got_;
         }
-        uint8_t buf[512];
         std::vector<UniqueFd> fds;
-        const ssize_t n = recv_some(fd, buf, std::min(sizeof buf, want - in_.size()), fds);
+        const ssize_t n = recv_some(fd, at, want, fds);
         if (n == -EAGAIN || n == -EWOULDBLOCK) return std::optional<Frame>();
         if (n < 0) return make_error(static_cast<int>(n), "receive: " + errno_string(static_cast<int>(n)));
         if (!fds.empty()) return make_error(-EPROTO, "file descriptors were sent; ringd accepts none");
         if (n == 0) {
-            if (in_.empty()) return make_error(-ECONNRESET, "disconnected");
+            if (idle()) return make_error(-ECONNRESET, "disconnected");
             return make_error(-ECONNRESET, "disconnected in the middle of a frame");
         }
-        in_.insert(in_.end(), buf, buf + n);
+        if (header_) got_ += static_cast<size_t>(n);
+        else header_got_ += static_cast<size_t>(n);
     }
 }
 

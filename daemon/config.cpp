@@ -104,7 +104,7 @@ void parse_hosts(const YAML::Node &n, Config &c) {
 Config parse_root(const YAML::Node &root) {
     Config c;
     check_keys(root, "", {"cluster", "hosts", "transport", "tcp", "ibverbs", "socket", "socket_group", "allow_uids",
-                          "allow_gids", "memory", "timeouts", "poll", "auth", "log"});
+                          "allow_gids", "memory", "timeouts", "poll", "tuning", "auth", "log"});
     if (!root["cluster"]) fail("cluster", "missing (a name shared by every host of the ring)");
     c.cluster = scalar(root["cluster"], "cluster");
     if (c.cluster.empty()) fail("cluster", "is empty");
@@ -151,6 +151,16 @@ Config parse_root(const YAML::Node &root) {
     if (auto n = root["poll"]) {
         const std::string p = get_choice(n, "poll", {"event", "busy", "adaptive"});
         c.poll = p == "event" ? PollMode::Event : p == "busy" ? PollMode::Busy : PollMode::Adaptive;
+    }
+    if (auto n = root["tuning"]) {
+        check_keys(n, "tuning", {"direct_max_bytes", "hop_latency_us", "link_mbit"});
+        if (n["direct_max_bytes"]) {
+            c.tuning.direct_max_bytes = get_size(n["direct_max_bytes"], "tuning.direct_max_bytes");
+            if (c.tuning.direct_max_bytes > (16u << 20)) fail("tuning.direct_max_bytes", "must be at most 16MiB");
+        }
+        if (n["hop_latency_us"])
+            c.tuning.hop_latency_us = static_cast<uint32_t>(get_uint(n["hop_latency_us"], "tuning.hop_latency_us", 1, 1'000'000));
+        if (n["link_mbit"]) c.tuning.link_mbit = get_uint(n["link_mbit"], "tuning.link_mbit", 1, 100'000'000);
     }
     if (auto n = root["auth"]) {
         check_keys(n, "auth", {"secret_file"});

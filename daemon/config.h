@@ -43,6 +43,14 @@ struct Config {
         std::chrono::milliseconds heartbeat{1'000};
     } timeouts;
     PollMode poll = PollMode::Adaptive;
+    // The algorithm per op size (daemon/engine/tuner.h): ops up to direct_max_bytes may go by
+    // direct exchange instead of the ring, when the cost model, fed the hop latency and the
+    // link rate, says it is faster.
+    struct Tuning {
+        uint64_t direct_max_bytes = 1 << 20;  // 0: always the ring
+        uint32_t hop_latency_us = 100;        // one message's latency, wake-ups included
+        uint64_t link_mbit = 10'000;          // what one host can send per second
+    } tuning;
     std::string secret_file;  // auth.secret_file; empty: no authentication
     std::string log_level = "info";
 };

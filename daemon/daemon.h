@@ -10,6 +10,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <tuple>
 
 #include "common/unique_fd.h"
 #include "daemon/config.h"
@@ -54,7 +55,14 @@ private:
     Status setup_ring();
     void on_ring_up(uint64_t generation, std::vector<UniqueFd> to_next, std::vector<UniqueFd> from_prev);
     void on_ring_down(const std::string &why);
-    void on_peer_message(uint32_t host, const Frame &frame);
+    void on_peer_message(uint32_t host, Frame &frame);
+    void on_op_data(uint32_t host, Frame &frame);
+    void adopt_generation(uint32_t host, uint64_t generation);
+    struct HostOp;
+    void report_direct(HostOp op, proto::OpReport r);
+    void add_contribution(uint32_t host, const proto::OpReport &r, proto::Bytes buf, size_t offset);
+    void try_complete_direct(const std::string &group, uint64_t ordinal);
+    void drop_direct_before(uint64_t generation);
     void queue_host_ops(std::vector<OpRun> &ready);
     void flush_reports();
     void flush_reports_now();
@@ -102,11 +110,25 @@ private:
         int32_t status = 0;
         std::string message;
         Clock::time_point deadline;
+        bool direct = false;  // reported by OpData: completes here when every host's data is in
     };
     std::map<std::string, std::deque<HostOp>> unreported_;             // by group, in local order
     std::map<std::pair<std::string, uint64_t>, HostOp> reported_;       // by (group, ordinal)
     std::map<std::string, uint64_t> next_ordinal_;                       // per group, this generation
     std::map<uint64_t, uint64_t> running_ring_;                          // local op id -> generation
+    // Small ops by direct exchange: every host's contribution (its report and data), by
+    // (coordinator generation, group, ordinal); also those of peers that are ahead of this host.
+    struct Contribution {
+        proto::OpReport report;
+        proto::Bytes buf;
+        size_t offset = 0;  // of the data in buf
+    };
+    using DirectKey = std::tuple<uint64_t, std::string, uint64_t>;
+    std::map<DirectKey, std::vector<std::optional<Contribution>>> direct_;
+    std::vector<uint64_t> direct_bytes_;  // buffered per host
+    std::vector<const void *> direct_srcs_;
+    std::vector<void *> direct_dsts_;
+    uint64_t ops_direct_ = 0, ops_ring_ = 0;
     uint64_t local_generation_ = 0;
     uint64_t coord_generation_ = 0;   // the coordinator's generation we report in
     uint64_t coord_generation_used_ = 0;

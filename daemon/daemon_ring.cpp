@@ -7,17 +7,28 @@
 // fail on this host before they are ready are reported too, so that every host numbers the
 // group's ops alike. When a generation ends, every op that is ready here fails with the reason;
 // the ordinals start again at 0 in the next generation.
+//
+// Small ops (daemon/engine/tuner.h) go by direct exchange instead: the report travels to every
+// host with this host's contribution (OpData), and each host completes the op itself once every
+// host's contribution is in, reducing them in ring order (so every host gets the same bits). The
+// coordinator sees the same reports and fails the op with OpFail when something is wrong.
 #include <systemd/sd-daemon.h>
 
 #include <spdlog/spdlog.h>
 
+#include <cstring>
+
 #include "daemon/daemon.h"
+#include "daemon/engine/reduce.h"
+#include "daemon/engine/tuner.h"
 #include "daemon/ipc/slot.h"
 
 namespace ringd {
 namespace {
 
 constexpr uint32_t kCoordinator = 0;  // the first host in ring order
+// Contributions of peers that are ahead of this host are buffered up to this much per peer.
+constexpr uint64_t kMaxDirectBacklog = 512ull << 20;
 
 }  // namespace
 
@@ -34,7 +45,7 @@ Status Daemon::setup_ring() {
         on_ring_up(g, std::move(to_next), std::move(from_prev));
     };
     cb.ring_down = [this](const std::string &why) { on_ring_down(why); };
-    cb.message = [this](uint32_t host, const Frame &f) { on_peer_message(host, f); };
+    cb.message = [this](uint32_t host, Frame &f) { on_peer_message(host, f); };
     auto cp = ControlPlane::create(config_, self_index_, &secret_, std::move(cb));
     if (!cp) return cp.error();
     control_ = std::move(*cp);
@@ -43,6 +54,7 @@ Status Daemon::setup_ring() {
         for (const auto &h : config_.hosts) names.push_back(h.name);
         coordinator_.emplace(std::move(names), config_.timeouts.op);
     }
+    direct_bytes_.assign(config_.hosts.size(), 0);
     return Ok{};
 }
 
@@ -92,7 +104,16 @@ void Daemon::on_ring_down(const std::string &why) {
     for (auto &[op_id, gen] : running_ring_) groups_.finished(op_id, -ECONNABORTED, ring_down_reason_, completions);
     running_ring_.clear();
     next_ordinal_.clear();
+    drop_direct_before(coord_generation_used_ + 1);
     deliver(completions, none);
+}
+
+void Daemon::drop_direct_before(uint64_t generation) {
+    for (auto it = direct_.begin(); it != direct_.end() && std::get<0>(it->first) < generation;) {
+        for (size_t h = 0; h < it->second.size(); ++h)
+            if (it->second[h]) direct_bytes_[h] -= it->second[h]->buf.size();
+        it = direct_.erase(it);
+    }
 }
 
 void Daemon::queue_host_ops(std::vector<OpRun> &ready) {
@@ -152,6 +173,13 @@ void Daemon::flush_reports_now() {
             r.local_size = static_cast<uint32_t>(op.run.members.size());
             r.status = op.status;
             r.message = op.message;
+            const uint64_t bytes = op.run.count * dtype_size(op.run.dtype);
+            if (op.status == 0 &&
+                choose_algorithm(bytes, static_cast<uint32_t>(config_.hosts.size()), config_.tuning) == Algorithm::Direct) {
+                report_direct(std::move(op), std::move(r));
+                if (!control_->ring_up()) return;
+                continue;
+            }
             if (op.status == 0) reported_[{group, ordinal}] = std::move(op);
             if (self_index_ == kCoordinator) on_report(self_index_, r);
             else (void)control_->send(kCoordinator, proto::encode_op_report(r));
@@ -160,14 +188,115 @@ void Daemon::flush_reports_now() {
     }
 }
 
-void Daemon::on_peer_message(uint32_t host, const Frame &frame) {
-    auto adopt = [&](uint64_t generation) {
-        if (host == kCoordinator && !coord_known_ && generation > coord_generation_used_) {
-            coord_generation_ = generation;
-            coord_known_ = true;
-            flush_reports();
+// The op's contribution of this host (its local ranks reduced) goes straight into the OpData
+// frame, which goes to every other host.
+void Daemon::report_direct(HostOp op, proto::OpReport r) {
+    r.direct = true;
+    const size_t es = dtype_size(op.run.dtype);
+    proto::Bytes frame = proto::encode_op_data(r, op.run.count * es);
+    if (op.run.count > 0) {
+        void *dst = frame.data() + proto::op_data_offset();
+        const size_t n = op.slots.size();
+        if (n == 1) {
+            std::memcpy(dst, op.slots[0]->data() + op.run.offsets[0], op.run.count * es);
+        } else {
+            direct_srcs_.clear();
+            for (size_t i = 0; i < n; ++i) direct_srcs_.push_back(op.slots[i]->data() + op.run.offsets[i]);
+            reduce(ReduceArgs{op.run.dtype, op.run.op == ReduceOp::Avg ? ReduceOp::Sum : op.run.op, direct_srcs_.data(),
+                              n, &dst, 1, op.run.count, 1});
         }
-    };
+    }
+    op.direct = true;
+    const std::string group = r.group;
+    const uint64_t ordinal = r.ordinal;
+    reported_[{group, ordinal}] = std::move(op);
+    for (uint32_t h = 0; h < config_.hosts.size(); ++h) {
+        if (h == self_index_) continue;
+        (void)control_->send(h, frame);
+        if (!control_->ring_up()) return;  // a send failure ended the generation (and failed the op)
+    }
+    add_contribution(self_index_, r, std::move(frame), proto::op_data_offset());
+    if (self_index_ == kCoordinator) on_report(self_index_, r);
+    try_complete_direct(group, ordinal);
+}
+
+void Daemon::add_contribution(uint32_t host, const proto::OpReport &r, proto::Bytes buf, size_t offset) {
+    auto &by_host = direct_[DirectKey{r.generation, r.group, r.ordinal}];
+    by_host.resize(config_.hosts.size());
+    if (by_host[host]) return;  // a duplicate
+    direct_bytes_[host] += buf.size();
+    by_host[host] = Contribution{r, std::move(buf), offset};
+}
+
+void Daemon::on_op_data(uint32_t host, Frame &frame) {
+    auto d = proto::decode_op_data(frame.payload);
+    if (!d) {
+        spdlog::warn("host {}: bad op data: {}", config_.hosts[host].name, d.error().message);
+        return;
+    }
+    const proto::OpReport &r = d->report;
+    adopt_generation(host, r.generation);
+    if (coordinator_) on_report(host, r);  // the coordinator checks it like any report
+    // Stale (a generation that is over here) or not the coordinator's current one yet.
+    if ((coord_known_ && r.generation < coord_generation_) || (!coord_known_ && r.generation <= coord_generation_used_))
+        return;
+    if (direct_bytes_[host] + frame.payload.size() > kMaxDirectBacklog) {
+        record_error("host " + config_.hosts[host].name + " is more than " + std::to_string(kMaxDirectBacklog >> 20) +
+                     " MiB of small ops ahead of this host; dropping its data for group " + r.group);
+        return;  // the coordinator fails the op when it times out here
+    }
+    const proto::OpReport report = r;
+    add_contribution(host, report, std::move(frame.payload), proto::kOpDataHeaderBytes);
+    if (coord_known_ && report.generation == coord_generation_) try_complete_direct(report.group, report.ordinal);
+}
+
+// Completes a direct op once this host reported it and every host's contribution is in. A
+// mismatch is left to the coordinator, which sees the same reports and answers with OpFail.
+void Daemon::try_complete_direct(const std::string &group, uint64_t ordinal) {
+    auto rep = reported_.find({group, ordinal});
+    if (rep == reported_.end() || !rep->second.direct) return;
+    auto it = direct_.find(DirectKey{coord_generation_, group, ordinal});
+    if (it == direct_.end()) return;
+    auto &by_host = it->second;
+    HostOp &op = rep->second;
+    uint32_t total = 0;
+    direct_srcs_.clear();
+    for (const auto &c : by_host) {
+        if (!c) return;
+        if (c->report.count != op.run.count || c->report.dtype != static_cast<uint32_t>(op.run.dtype) ||
+            c->report.op != static_cast<uint32_t>(op.run.op))
+            return;
+        total += c->report.local_size;
+        direct_srcs_.push_back(c->buf.data() + c->offset);
+    }
+    if (op.run.count > 0) {
+        direct_dsts_.clear();
+        for (size_t i = 0; i < op.slots.size(); ++i) direct_dsts_.push_back(op.slots[i]->data() + op.run.offsets[i]);
+        reduce(ReduceArgs{op.run.dtype, op.run.op, direct_srcs_.data(), direct_srcs_.size(), direct_dsts_.data(),
+                          direct_dsts_.size(), op.run.count, total});
+    }
+    ++ops_direct_;
+    std::vector<Completion> completions;
+    std::vector<OpRun> none;
+    groups_.finished(op.run.op_id, 0, {}, completions);
+    reported_.erase(rep);
+    for (size_t h = 0; h < by_host.size(); ++h) direct_bytes_[h] -= by_host[h]->buf.size();
+    direct_.erase(it);
+    deliver(completions, none);
+}
+
+// The coordinator's messages carry the generation the hosts report in.
+void Daemon::adopt_generation(uint32_t host, uint64_t generation) {
+    if (host == kCoordinator && !coord_known_ && generation > coord_generation_used_) {
+        coord_generation_ = generation;
+        coord_known_ = true;
+        drop_direct_before(generation);
+        flush_reports();
+    }
+}
+
+void Daemon::on_peer_message(uint32_t host, Frame &frame) {
+    auto adopt = [&](uint64_t generation) { adopt_generation(host, generation); };
     switch (frame.type) {
     case proto::FrameType::Heartbeat:
         if (auto h = proto::decode_heartbeat(frame.payload)) adopt(h->generation);
@@ -187,6 +316,9 @@ void Daemon::on_peer_message(uint32_t host, const Frame &frame) {
             adopt(s->generation);
             on_start(*s);
         }
+        return;
+    case proto::FrameType::OpData:
+        on_op_data(host, frame);
         return;
     case proto::FrameType::OpFail:
         if (host != kCoordinator) break;
@@ -228,8 +360,13 @@ void Daemon::on_start(const proto::OpStart &s) {
         spdlog::warn("op start for group {} op {} that this host did not report", s.group, s.ordinal);
         return;
     }
+    if (it->second.direct) {
+        spdlog::warn("op start for group {} op {}, which goes by direct exchange", s.group, s.ordinal);
+        return;
+    }
     HostOp op = std::move(it->second);
     reported_.erase(it);
+    ++ops_ring_;
     EngineWork w;
     w.op_id = op.run.op_id;
     w.dtype = op.run.dtype;
@@ -247,6 +384,11 @@ void Daemon::on_start(const proto::OpStart &s) {
 
 void Daemon::on_fail(const proto::OpFail &f) {
     if (!coord_known_ || f.generation != coord_generation_) return;
+    if (auto d = direct_.find(DirectKey{f.generation, f.group, f.ordinal}); d != direct_.end()) {
+        for (size_t h = 0; h < d->second.size(); ++h)
+            if (d->second[h]) direct_bytes_[h] -= d->second[h]->buf.size();
+        direct_.erase(d);
+    }
     auto it = reported_.find({f.group, f.ordinal});
     if (it == reported_.end()) return;  // this host failed it itself; its ranks know
     std::vector<Completion> completions;

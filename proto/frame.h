@@ -48,6 +48,7 @@ enum class FrameType : uint16_t {
     OpStart = 22,        // coordinator -> every host: run it now, as ring op `op_id`
     OpFail = 23,         // coordinator -> every host: it failed; the message names the host(s)
     RingAbort = 24,      // either way: this host ended the ring generation, and why
+    OpData = 25,         // host -> every host: a small op's report with this host's contribution
 };
 
 struct FrameHeader {

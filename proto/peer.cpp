@@ -198,6 +198,34 @@ Result<OpReport> decode_op_report(std::span<const uint8_t> p) {
     return r;
 }
 
+static_assert(kOpDataHeaderBytes == kOpReportFixed);
+
+Bytes encode_op_data(const OpReport &r, uint64_t data_bytes) {
+    Bytes frame(kFrameHeaderBytes + kOpReportFixed + data_bytes, 0);
+    Bytes head = encode_op_report(r);  // the fixed part (status 0: no message follows)
+    std::memcpy(&frame[kFrameHeaderBytes], &head[kFrameHeaderBytes], kOpReportFixed);
+    const Bytes h = encode_frame(FrameType::OpData, {});
+    std::memcpy(frame.data(), h.data(), kFrameHeaderBytes);
+    le::put<uint32_t>(&frame[8], static_cast<uint32_t>(kOpReportFixed + data_bytes));
+    le::put<int32_t>(&frame[kFrameHeaderBytes + 100], 0);  // status: ready
+    return frame;
+}
+
+Result<OpData> decode_op_data(std::span<const uint8_t> p) {
+    if (p.size() < kOpReportFixed) return bad("op data is too short");
+    Bytes fixed(p.begin(), p.begin() + kOpReportFixed);
+    fixed.resize(kOpReportFixed + 4, 0);  // an empty message, as decode_op_report expects one
+    auto r = decode_op_report(fixed);
+    if (!r) return r.error();
+    if (r->status != 0) return bad("op data must carry status 0");
+    const uint64_t want = r->count * dtype_size(static_cast<DType>(r->dtype));
+    if (r->count > (uint64_t{1} << 40) || p.size() - kOpReportFixed != want)
+        return bad("op data has " + std::to_string(p.size() - kOpReportFixed) + " data bytes for " +
+                   std::to_string(r->count) + " elements");
+    r->direct = true;
+    return OpData{std::move(*r), p.subspan(kOpReportFixed)};
+}
+
 Bytes encode_ring_abort(const RingAbort &a) {
     Bytes p(8, 0);
     le::put<uint64_t>(&p[0], a.generation);

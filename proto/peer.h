@@ -65,6 +65,7 @@ struct OpReport {
     uint32_t local_size = 0;
     int32_t status = 0;   // 0: ready; negative errno: the op failed on this host
     std::string message;  // why, when status != 0 (at most kMaxErrorMessage bytes)
+    bool direct = false;  // not on the wire: the report came as OpData (see below)
 };
 struct OpStart {
     uint64_t generation = 0;
@@ -80,6 +81,23 @@ struct OpFail {
     int32_t code = 0;
     std::string message;
 };
+
+// Small ops skip the ring: every host sends its report together with its contribution (its
+// local ranks already reduced, count x dtype bytes) to every other host (OpData), and each host
+// reduces the n contributions in ring order itself — one network hop instead of 2(n-1), and no
+// OpStart. The coordinator gets the same OpData; it stays the one that fails an op (mismatch,
+// a host's local failure, a host that does not report in time) with OpFail, and otherwise
+// decides it without a message.
+inline constexpr size_t kOpDataHeaderBytes = 104;  // the OpReport fields before the data
+struct OpData {
+    OpReport report;               // status 0, direct = true
+    std::span<const uint8_t> data;  // into the decoded payload: count x dtype size bytes
+};
+// A whole OpData frame with `data_bytes` zero bytes of data at data_offset(), to be filled in
+// place (the local ranks are reduced straight into the frame).
+Bytes encode_op_data(const OpReport &r, uint64_t data_bytes);
+inline constexpr size_t op_data_offset() { return kFrameHeaderBytes + kOpDataHeaderBytes; }
+Result<OpData> decode_op_data(std::span<const uint8_t> payload);
 
 // Sent to every peer by a host that ends the ring generation, before its data links close, so
 // that every host fails its ops with the reason that names the culprit host.

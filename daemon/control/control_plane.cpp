@@ -2,6 +2,7 @@
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <sys/epoll.h>
 #include <sys/socket.h>
 
@@ -11,6 +12,9 @@
 
 namespace ringd {
 namespace {
+
+// Control frames are small but for OpData, which carries a small op's data.
+constexpr uint32_t kMaxControlPayload = proto::kOpDataHeaderBytes + (16u << 20);
 
 constexpr uint64_t kListenerId = 0;
 constexpr auto kRedial = std::chrono::milliseconds(500);
@@ -224,9 +228,10 @@ void ControlPlane::on_conn(uint64_t id, uint32_t events) {
         if (st == PeerHandshake::State::Up) promote(c);
         return;
     }
-    // An up control connection: heartbeats and engine messages.
+    // An up control connection: heartbeats and engine messages (small ops' data included).
+    if ((events & EPOLLOUT) && !flush(c)) return;
     for (;;) {
-        auto f = c.reader.read(c.fd.get(), proto::kMaxPeerPayload);
+        auto f = c.reader.read(c.fd.get(), kMaxControlPayload);
         if (!f) return peer_failed(c.peer, f.error().code == -ECONNRESET ? "connection closed" : f.error().message);
         if (!*f) return;
         peers_[c.peer].last_heard = Clock::now();
@@ -258,6 +263,9 @@ void ControlPlane::promote(Conn &c) {
     const uint32_t peer = c.peer;
     Peer &p = peers_[peer];
     if (c.kind == proto::ConnKind::Control) {
+        // Control frames are latency-bound (small ops' data travels on them too): no Nagle.
+        const int one = 1;
+        ::setsockopt(c.fd.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
         if (p.control && p.control != id) {
             // The peer came back (restart) while we still had its old connection.
             const uint64_t old = p.control;
@@ -414,16 +422,47 @@ void ControlPlane::tick(Clock::time_point now) {
 Status ControlPlane::send(uint32_t host_index, const proto::Bytes &frame) {
     Peer &p = peers_.at(host_index);
     if (!p.control) return make_error(-ENOTCONN, "no control connection to " + p.host.name);
-    // Control frames are small and rare; a peer whose socket buffer is full is not keeping up
-    // (hung): treat it as failed rather than block.
-    const int fd = conns_.at(p.control)->fd.get();
-    const ssize_t n = ::send(fd, frame.data(), frame.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
-    if (n != static_cast<ssize_t>(frame.size())) {
-        const std::string why = n < 0 ? errno_string(errno) : "control connection is congested";
-        peer_failed(host_index, "send: " + why);
-        return make_error(-EPIPE, why);
+    Conn &c = *conns_.at(p.control);
+    size_t off = 0;
+    if (c.outq.empty()) {
+        const ssize_t n = ::send(c.fd.get(), frame.data(), frame.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+            const std::string why = errno_string(errno);
+            peer_failed(host_index, "send: " + why);
+            return make_error(-EPIPE, why);
+        }
+        if (n == static_cast<ssize_t>(frame.size())) return Ok{};
+        off = n > 0 ? static_cast<size_t>(n) : 0;
     }
+    c.outq.push_back(frame);
+    if (c.outq.size() == 1) c.out_off = off;
+    c.out_bytes += frame.size() - off;
+    if (c.out_bytes > kMaxBacklog) {
+        peer_failed(host_index, "control connection backlog over " + std::to_string(kMaxBacklog >> 20) +
+                                    " MiB: the host is not keeping up");
+        return make_error(-EPIPE, "control connection to " + p.host.name + " is congested");
+    }
+    if (c.outq.size() == 1) (void)watch(c.fd.get(), c.id, EPOLLIN | EPOLLOUT);
     return Ok{};
+}
+
+bool ControlPlane::flush(Conn &c) {
+    while (!c.outq.empty()) {
+        const proto::Bytes &f = c.outq.front();
+        const ssize_t n = ::send(c.fd.get(), f.data() + c.out_off, f.size() - c.out_off, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (n < 0) {
+            if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return true;
+            peer_failed(c.peer, "send: " + errno_string(errno));
+            return false;
+        }
+        c.out_off += static_cast<size_t>(n);
+        c.out_bytes -= static_cast<uint64_t>(n);
+        if (c.out_off < f.size()) return true;
+        c.outq.pop_front();
+        c.out_off = 0;
+    }
+    (void)watch(c.fd.get(), c.id, EPOLLIN);
+    return true;
 }
 
 std::vector<ControlPlane::PeerStatus> ControlPlane::status() const {

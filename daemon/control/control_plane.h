@@ -15,6 +15,7 @@
 #pragma once
 
 #include <chrono>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -39,7 +40,8 @@ public:
         std::function<void(const std::string &why)> ring_down;
         // A control frame from peer `host_index` (heartbeats included: they carry the sender's
         // idea of the generation, see heartbeat_now).
-        std::function<void(uint32_t host_index, const Frame &frame)> message;
+        // The callee may take the payload.
+        std::function<void(uint32_t host_index, Frame &frame)> message;
     };
 
     struct PeerStatus {
@@ -62,7 +64,10 @@ public:
     // The engine found a data link broken: the generation is over. The abort waits a moment
     // for a peer's RingAbort, whose reason names the host that caused it.
     void data_link_failed(const std::string &why);
+    // Queues what the socket does not take at once (small ops carry data); a peer that lets
+    // more than kMaxBacklog pile up is not keeping up and fails.
     Status send(uint32_t host_index, const proto::Bytes &frame);
+    static constexpr uint64_t kMaxBacklog = 256ull << 20;
     // Sends a heartbeat carrying `generation` to every peer now, and in every later heartbeat
     // (the coordinator announces the generation the hosts report ops in).
     void heartbeat_now(uint64_t generation);
@@ -85,6 +90,9 @@ private:
         UniqueFd fd;                         // Connecting, Up
         std::optional<PeerHandshake> hs;     // Handshaking (owns the socket)
         FrameReader reader;                  // Up control connections
+        std::deque<proto::Bytes> outq;       // frames the socket did not take yet (Up control)
+        size_t out_off = 0;                  // of outq.front()
+        uint64_t out_bytes = 0;
         Clock::time_point deadline;
         std::string remote;                  // address:port, for logs
     };
@@ -105,6 +113,7 @@ private:
     void on_conn(uint64_t id, uint32_t events);
     void promote(Conn &c);
     void close_conn(uint64_t id);
+    bool flush(Conn &c);  // false: the connection failed
     void conn_failed(uint64_t id, const std::string &why);
     void peer_failed(uint32_t peer, const std::string &why);
     void abort_ring(const std::string &why, bool tell_peers = true);

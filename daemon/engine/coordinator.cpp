@@ -59,6 +59,13 @@ void Coordinator::report(uint32_t host, const proto::OpReport &r, Clock::time_po
             decide(k);
             return;
         }
+        if (o.direct != r.direct) {  // same op, different tuning.* on the two hosts
+            out.fails.push_back({generation_, r.group, r.ordinal, -EINVAL,
+                                 at + "hosts " + hosts_[h] + " and " + hosts_[host] +
+                                     " chose different algorithms (their tuning settings differ)"});
+            decide(k);
+            return;
+        }
         break;
     }
     p.by_host[host] = r;
@@ -67,7 +74,8 @@ void Coordinator::report(uint32_t host, const proto::OpReport &r, Clock::time_po
         if (!b) return;
         total += b->local_size;
     }
-    out.starts.push_back({generation_, r.group, r.ordinal, next_op_id_++, total});
+    // A direct op completes on every host by itself; a ring op starts now, in this order.
+    if (!r.direct) out.starts.push_back({generation_, r.group, r.ordinal, next_op_id_++, total});
     decide(k);
 }
 

@@ -44,6 +44,8 @@ std::string Daemon::status_json() const {
     j["ring"] = {{"generation", control_ ? control_->generation() : 1},
                  {"state", !control_ || control_->ring_up() ? "up" : "forming"},
                  {"last_abort", last_abort_},
+                 {"ops_ring", ops_ring_},
+                 {"ops_direct", ops_direct_},
                  {"size", n},
                  {"members", members}};
 

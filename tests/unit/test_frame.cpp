@@ -247,7 +247,8 @@ TEST_CASE("decoders survive random mutations of valid frames", "[proto]") {
                                       encode_op_report({1, "g", 2, 100, 0, 1, 2, 0, ""}),
                                       encode_op_report({1, "g", 3, 0, 0, 0, 0, -5, "host a: local rank 1 left"}),
                                       encode_op_start({1, "g", 2, 7, 8}), encode_op_fail({1, "g", 2, -22, "mismatch"}),
-                                      encode_ring_abort({3, "host b: no heartbeat"})};
+                                      encode_ring_abort({3, "host b: no heartbeat"}),
+                                      encode_op_data({1, "g", 2, 3, 0, 1, 2, 0, ""}, 12)};
     size_t accepted = 0;
     for (int iter = 0; iter < 20000; ++iter) {
         Bytes f = seeds[rng() % seeds.size()];
@@ -303,6 +304,12 @@ TEST_CASE("decoders survive random mutations of valid frames", "[proto]") {
         case FrameType::OpStart: accepted += decode_op_start(p).ok(); break;
         case FrameType::OpFail: accepted += decode_op_fail(p).ok(); break;
         case FrameType::RingAbort: accepted += decode_ring_abort(p).ok(); break;
+        case FrameType::OpData:
+            if (auto d = decode_op_data(p)) {
+                ++accepted;
+                CHECK(d->data.size() == d->report.count * dtype_size(static_cast<DType>(d->report.dtype)));
+            }
+            break;
         }
     }
     CHECK(accepted > 0);
@@ -398,4 +405,42 @@ TEST_CASE("op negotiation frames round-trip and are validated", "[proto]") {
     REQUIRE(a.ok());
     CHECK(a->generation == 4);
     CHECK(a->reason == "host c: connection closed");
+}
+
+TEST_CASE("op data frames carry the report and exactly count x dtype bytes", "[proto]") {
+    const OpReport r{5, "grp", 7, 3, static_cast<uint32_t>(DType::F32), static_cast<uint32_t>(ReduceOp::Avg), 2, 0, ""};
+    Bytes f = encode_op_data(r, 12);
+    CHECK(f.size() == op_data_offset() + 12);
+    const float v[3] = {1.5f, -2.0f, 4.25f};
+    std::memcpy(&f[op_data_offset()], v, sizeof v);
+    // The same fixed fields as an op report, then the data.
+    const Bytes rep = encode_op_report(r);
+    CHECK(std::equal(rep.begin() + kFrameHeaderBytes, rep.begin() + kFrameHeaderBytes + kOpDataHeaderBytes,
+                     f.begin() + kFrameHeaderBytes));
+    auto h = decode_frame_header(std::span(f).first(kFrameHeaderBytes), 1 << 20);
+    REQUIRE(h.ok());
+    CHECK(h->type == FrameType::OpData);
+    CHECK(h->length == kOpDataHeaderBytes + 12);
+    auto d = decode_op_data(payload_of(f));
+    REQUIRE(d.ok());
+    CHECK(d->report.direct);
+    CHECK(d->report.local_size == 2);
+    CHECK(d->report.ordinal == 7);
+    REQUIRE(d->data.size() == 12);
+    float back[3];
+    std::memcpy(back, d->data.data(), 12);
+    CHECK(back[2] == 4.25f);
+
+    const Bytes p(f.begin() + kFrameHeaderBytes, f.end());
+    Bytes q = p;
+    q.pop_back();  // one byte short of 3 floats
+    CHECK_FALSE(decode_op_data(q).ok());
+    q = p;
+    q[100] = 0xfb;  // a failure status: failures travel as op reports
+    q[101] = q[102] = q[103] = 0xff;
+    CHECK_FALSE(decode_op_data(q).ok());
+    q = p;
+    q[80] = 0xff;  // a count that does not match the data
+    CHECK_FALSE(decode_op_data(q).ok());
+    CHECK_FALSE(decode_op_data(Bytes(50, 0)).ok());
 }
