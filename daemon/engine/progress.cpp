@@ -186,17 +186,10 @@ EngineResult ProgressEngine::execute_ring(EngineWork &w) {
     };
     if (!next_ || w.generation != generation_ || aborted_generation_.load() >= w.generation)
         return done(-ECONNABORTED, "ring generation " + std::to_string(w.generation) + " is over", false);
-    const size_t n = w.slots.size();
-    const size_t es = dtype_size(w.dtype);
-    std::byte *dst0 = w.slots[0]->data() + w.offsets[0];
-    // 1. Local ranks into local rank 0's slot (sums; avg is scaled once, in the ring).
-    if (n > 1 && w.count > 0) {
-        std::array<const void *, proto::kMaxLocalSize> srcs;
-        for (size_t r = 0; r < n; ++r) srcs[r] = w.slots[r]->data() + w.offsets[r];
-        void *d = dst0;
-        reduce(ReduceArgs{w.dtype, w.op == ReduceOp::Avg ? ReduceOp::Sum : w.op, srcs.data(), n, &d, 1, w.count, 1});
-    }
-    // 2. Across hosts.
+    // Local rank 0's slot is the ring's data region; the other local ranks' buffers are folded in
+    // and written out by the ring itself, chunk by chunk.
+    locals_.clear();
+    for (size_t r = 1; r < w.slots.size(); ++r) locals_.push_back(w.slots[r]->data() + w.offsets[r]);
     RingOp op;
     op.dtype = w.dtype;
     op.op = w.op;
@@ -205,6 +198,7 @@ EngineResult ProgressEngine::execute_ring(EngineWork &w) {
     op.data = w.slots[0]->region();
     op.data_offset = w.offsets[0];
     op.staging = staging_;
+    op.locals = locals_;
     op.op_tag = w.op_tag;
     op.aborted_generation = &aborted_generation_;
     op.generation = w.generation;
@@ -217,8 +211,6 @@ EngineResult ProgressEngine::execute_ring(EngineWork &w) {
         if (link) link_failure_reported_ = true;
         return done(s.error().code, s.error().message, link);
     }
-    // 3. The result into every other local slot.
-    for (size_t r = 1; r < n; ++r) std::memcpy(w.slots[r]->data() + w.offsets[r], dst0, w.count * es);
     return done(0, {}, false);
 }
 

@@ -3,9 +3,9 @@
 // alive, and one atomic: the generation the control thread declared aborted).
 //
 // One host: an op is the reduction of the local ranks' slots, written to every slot.
-// Several hosts: local ranks reduced into local rank 0's slot, the ring allreduce across hosts
-// on that buffer (RingAllreduce over the transport's links to the next and previous host), the
-// result copied into the other local slots. Ring ops arrive in the coordinator's order.
+// Several hosts: the ring allreduce across hosts (RingAllreduce over the transport's links to the
+// next and previous host) on local rank 0's slot, folding the other local ranks' slots in and
+// writing the result to them chunk by chunk. Ring ops arrive in the coordinator's order.
 //
 // Contract: every public method is called by the control thread. result_fd() is an eventfd
 // readable while results wait. Slots referenced by a work item travel back in its result, so the
@@ -118,6 +118,7 @@ private:
     RingOptions ring_options_;
     std::chrono::milliseconds op_timeout_{30000};
     std::unique_ptr<RingAllreduce> ring_;
+    std::vector<std::byte *> locals_;
     RingPosition pos_;
     uint64_t generation_ = 0;       // of the links below
     bool link_failure_reported_ = false;

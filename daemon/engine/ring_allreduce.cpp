@@ -1,5 +1,7 @@
 #include "daemon/engine/ring_allreduce.h"
 
+#include <cstring>
+
 #include "common/fd_io.h"
 #include "daemon/engine/reduce.h"
 
@@ -47,12 +49,26 @@ Status RingAllreduce::run(const RingPosition &pos, const RingOp &op, std::chrono
     std::byte *data = op.data.base + op.data_offset;
     if (op.data_offset > op.data.bytes || op.count > (op.data.bytes - op.data_offset) / es)
         return make_error(-ERANGE, "ring op outside its data region");
+    // The reductions, over the data region and the other local ranks' buffers.
+    const ReduceOp sum_op = op.op == ReduceOp::Avg ? ReduceOp::Sum : op.op;
+    auto fold = [&](uint64_t begin, uint64_t elems, const std::byte *received, bool final) {
+        std::byte *d = data + begin * es;
+        srcs_.assign(1, d);
+        for (std::byte *l : op.locals) srcs_.push_back(l + begin * es);
+        if (received) srcs_.push_back(received);
+        dsts_.assign(1, d);
+        if (final)
+            for (std::byte *l : op.locals) dsts_.push_back(l + begin * es);
+        const bool scale = final && op.op == ReduceOp::Avg;
+        if (srcs_.size() == 1 && dsts_.size() == 1 && !scale) return;
+        reduce(ReduceArgs{op.dtype, scale ? op.op : sum_op, srcs_.data(), srcs_.size(), dsts_.data(), dsts_.size(), elems,
+                          scale ? op.avg_divisor : 1});
+    };
+    auto copy_out = [&](uint64_t begin, uint64_t elems) {
+        for (std::byte *l : op.locals) std::memcpy(l + begin * es, data + begin * es, elems * es);
+    };
     if (pos.size <= 1) {
-        if (op.op == ReduceOp::Avg && op.count > 0 && op.avg_divisor > 1) {
-            const void *src = data;
-            void *dst = data;
-            reduce(ReduceArgs{op.dtype, op.op, &src, 1, &dst, 1, op.count, op.avg_divisor});
-        }
+        if (op.count > 0) fold(0, op.count, nullptr, true);
         return Ok{};
     }
     if (pos.size > kMaxSteps) return make_error(-E2BIG, "ring of more than 2048 hosts");
@@ -94,6 +110,8 @@ Status RingAllreduce::run(const RingPosition &pos, const RingOp &op, std::chrono
         // Sends in canonical order, each once its data is final for this step.
         while (next_send < sends_.size() && ready_to_send(sends_[next_send])) {
             Msg &m = sends_[next_send];
+            // This host's own segment leaves at step 0: its local ranks are summed in first.
+            if (m.phase == kReduceScatter && m.step == 0 && !op.locals.empty()) fold(m.elem_begin, m.elems, nullptr, false);
             if (auto s = pos.next->post_send(op.data, op.data_offset + m.elem_begin * es, m.elems * es,
                                              tag(op, m.phase, m.step, m.chunk));
                 !s)
@@ -135,13 +153,14 @@ Status RingAllreduce::run(const RingPosition &pos, const RingOp &op, std::chrono
                 Msg &m = recvs_[index(recv_base_, p, step, chunk)];
                 if (m.done) continue;
                 if (p == kReduceScatter) {
-                    // Reduce while the chunk is hot; the last step also applies avg's scaling.
-                    void *dst = data + m.elem_begin * es;
-                    const void *srcs[2] = {dst, op.staging.base + static_cast<uint64_t>(m.slot) * opt_.chunk_bytes};
-                    const bool scale = op.op == ReduceOp::Avg && step == last;
-                    const ReduceOp rop = op.op == ReduceOp::Avg && !scale ? ReduceOp::Sum : op.op;
-                    reduce(ReduceArgs{op.dtype, rop, srcs, 2, &dst, 1, m.elems, scale ? op.avg_divisor : 1});
+                    // Reduce while the chunk is hot, the local ranks' contributions with it (this
+                    // is the first time the ring touches the chunk); the last step's result is
+                    // final: avg's scaling, and out to every local rank.
+                    fold(m.elem_begin, m.elems, op.staging.base + static_cast<uint64_t>(m.slot) * opt_.chunk_bytes,
+                         step == last);
                     free_slots_.push_back(m.slot);
+                } else {
+                    copy_out(m.elem_begin, m.elems);
                 }
                 m.done = true;
                 ++recvs_done;

@@ -9,6 +9,12 @@
 // forwarded; allgather receives land straight in the data region. avg scaling is fused into the
 // last reduce-scatter step.
 //
+// Several local ranks: their buffers (`locals`, besides the data region, which is local rank
+// 0's) are folded in chunk by chunk where the ring first touches a chunk — before a step-0 send,
+// or in the reduction of a received chunk — and each chunk's final value is written to them as
+// soon as it is known (the last reduce-scatter step, or an allgather receive), so that neither
+// the local reduction nor the copy-out is a pass of its own.
+//
 // Both ends of a link post its messages in the same canonical order (step-major, then chunk), so
 // a transport may rely on in-order arrival for flow control, and nothing can deadlock.
 //
@@ -19,6 +25,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "daemon/transport/transport.h"
@@ -50,6 +57,9 @@ struct RingOp {
     RegionHandle data;         // in/out
     uint64_t data_offset = 0;
     RegionHandle staging;      // at least depth * chunk_bytes
+    // The other local ranks' buffers (count elements each, not registered: only read and written
+    // here). Their contributions are summed in; the result lands in them too.
+    std::span<std::byte *const> locals;
     uint32_t op_tag = 0;       // distinguishes this op's messages from any other's
     // Set by another thread when the ring generation is over: run() returns promptly.
     const std::atomic<uint64_t> *aborted_generation = nullptr;
@@ -95,6 +105,8 @@ private:
     std::vector<size_t> send_base_, recv_base_;  // first message of (phase, step)
     std::vector<int32_t> free_slots_;
     std::vector<LinkEvent> events_;
+    std::vector<const void *> srcs_;
+    std::vector<void *> dsts_;
 };
 
 }  // namespace ringd

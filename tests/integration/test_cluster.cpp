@@ -30,7 +30,7 @@ struct TestCluster {
     uint32_t n;
     std::vector<std::unique_ptr<Daemon>> d;
 
-    TestCluster(uint32_t hosts, const std::string &op_timeout = "5s") : n(hosts) {
+    TestCluster(uint32_t hosts, const std::string &op_timeout = "5s", const std::string &extra_yaml = "") : n(hosts) {
         const int base = 10000 + static_cast<int>((::getpid() * 17) % 20000);  // below the ephemeral range
         std::string yaml = "hosts:\n";
         for (uint32_t i = 0; i < n; ++i)
@@ -40,7 +40,7 @@ struct TestCluster {
             o.host = "node" + std::to_string(i);
             o.hosts_yaml = yaml;
             o.op_timeout = op_timeout;
-            o.extra_yaml = "tcp: {streams: 2}\n";
+            o.extra_yaml = "tcp: {streams: 2}\n" + extra_yaml;
             d.push_back(std::make_unique<Daemon>(o));
             REQUIRE(d.back()->ready());
         }
@@ -104,7 +104,9 @@ void allreduce_checked(Clients &cl, DType t, ReduceOp op, size_t count, uint64_t
 TEST_CASE("3 and 4 hosts x 1-2 local ranks: random dtypes, ops and sizes, every value exact", "[cluster]") {
     std::mt19937_64 rng(2024);
     for (uint32_t hosts : {3u, 4u}) {
-        TestCluster c(hosts);
+        // 3 hosts: every op on the ring; 4 hosts: ops up to 64 KiB by direct exchange, larger
+        // ones on the ring, interleaved in one group.
+        TestCluster c(hosts, "5s", hosts == 3 ? "tuning: {direct_max_bytes: 0}\n" : "tuning: {direct_max_bytes: 64KiB}\n");
         REQUIRE(c.wait_up());
         for (uint32_t local : {1u, 2u}) {
             auto cl = connect_all(c, "g" + std::to_string(local), local);
@@ -119,6 +121,9 @@ TEST_CASE("3 and 4 hosts x 1-2 local ranks: random dtypes, ops and sizes, every 
         const auto j = c.status(0);
         CHECK(j["ring"]["generation"] == 1);
         CHECK(j["ops"]["failed"] == 0);
+        CHECK(j["ring"]["ops_ring"].get<int>() > 0);
+        if (hosts == 3) CHECK(j["ring"]["ops_direct"] == 0);
+        else CHECK(j["ring"]["ops_direct"].get<int>() > 0);
         CHECK(j["memory"]["registrations"].get<int>() <= 4);  // 3 slots + the ring's staging, never per op
     }
 }
@@ -180,6 +185,23 @@ TEST_CASE("a count mismatch between hosts fails every rank naming both hosts", "
                                                      Catch::Contains("host node1"));
     }
     allreduce_checked(cl, DType::I64, ReduceOp::Sum, 5000, 9);  // the group goes on
+}
+
+TEST_CASE("a host whose op is too large for direct exchange while the others' is small: mismatch, named",
+          "[cluster]") {
+    TestCluster c(3);
+    REQUIRE(c.wait_up());
+    Clients cl;
+    for (uint32_t h = 0; h < 3; ++h) cl.push_back(std::make_unique<Client>(c.d[h]->socket(), "x", 0, 1, 8 << 20));
+    const auto a = cl[0]->submit(0, 64, RINGD_F32, RINGD_AVG);
+    const auto b = cl[1]->submit(0, 1 << 20, RINGD_F32, RINGD_AVG);  // 4 MiB: over direct_max_bytes
+    const auto d = cl[2]->submit(0, 64, RINGD_F32, RINGD_AVG);
+    for (auto [cli, t] : {std::pair{cl[0].get(), a}, {cl[1].get(), b}, {cl[2].get(), d}}) {
+        CHECK(ringd_wait(cli->get(), t, 10000) == -EINVAL);
+        CHECK_THAT(ringd_last_error(cli->get()), Catch::Contains("mismatch") && Catch::Contains("host node1"));
+    }
+    allreduce_checked(cl, DType::F32, ReduceOp::Avg, 64, 1);  // the group goes on, both ways
+    allreduce_checked(cl, DType::F32, ReduceOp::Avg, 1 << 20, 2);
 }
 
 TEST_CASE("a trainer that dies on one host fails the group's op on every host", "[cluster]") {

@@ -98,3 +98,34 @@ TEST_CASE("reports from another generation are ignored; reset forgets pending op
     CHECK(d.starts[0].generation == 8);
     CHECK(d.starts[0].op_id == 1);
 }
+
+TEST_CASE("direct-exchange ops are decided without a start; a host on the ring for the same op fails it",
+          "[coordinator]") {
+    Coordinator c({"a", "b", "c"}, 1000ms);
+    c.reset(7);
+    Coordinator::Decisions d;
+    auto direct = [](uint64_t k) {
+        auto r = ready("g", k);
+        r.direct = true;
+        return r;
+    };
+    for (uint32_t h = 0; h < 3; ++h) c.report(h, direct(0), Clock::now(), d);
+    CHECK(d.starts.empty());
+    CHECK(d.fails.empty());
+    CHECK(c.pending() == 0);
+    // Ring ops keep their own op ids: the direct op took none.
+    for (uint32_t h = 0; h < 3; ++h) c.report(h, ready("g", 1), Clock::now(), d);
+    REQUIRE(d.starts.size() == 1);
+    CHECK(d.starts[0].op_id == 1);
+    // Hosts whose tuning differs pick different algorithms for the same op: it fails, named.
+    c.report(0, direct(2), Clock::now(), d);
+    c.report(1, ready("g", 2), Clock::now(), d);
+    REQUIRE(d.fails.size() == 1);
+    CHECK_THAT(d.fails[0].message, Catch::Contains("hosts a and b chose different algorithms"));
+    // A host that does not send its data is named when the op times out.
+    c.report(0, direct(3), Clock::now(), d);
+    c.report(2, direct(3), Clock::now(), d);
+    c.expire(Clock::now() + 2s, d);
+    REQUIRE(d.fails.size() == 2);
+    CHECK_THAT(d.fails[1].message, Catch::Contains("host(s) b did not submit it"));
+}

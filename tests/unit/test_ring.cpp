@@ -71,10 +71,14 @@ struct Ring {
 struct HostBuffers {
     std::vector<std::byte> data, staging;
     RegisteredRegion data_reg, staging_reg;
+    std::vector<std::vector<std::byte>> locals;  // local ranks 1.. of the host
+    std::vector<std::byte *> local_ptrs;
 };
 
-// Runs one allreduce on every host (a thread each) and checks every value.
-void allreduce_and_check(Ring &ring, DType t, ReduceOp op, uint64_t count, RingOptions opt, uint32_t op_tag) {
+// Runs one allreduce on every host (a thread each), with `local` ranks per host (rank 0's buffer
+// is the data region, the others go in as RingOp::locals), and checks every value of every rank.
+void allreduce_and_check(Ring &ring, DType t, ReduceOp op, uint64_t count, RingOptions opt, uint32_t op_tag,
+                         uint32_t local = 1) {
     const size_t es = dtype_size(t);
     std::vector<HostBuffers> bufs(ring.n);
     std::vector<Status> results(ring.n, Ok{});
@@ -85,8 +89,15 @@ void allreduce_and_check(Ring &ring, DType t, ReduceOp op, uint64_t count, RingO
         b.staging.resize(opt.chunk_bytes * opt.depth);
         b.data_reg = RegisteredRegion(ring.transports[r].get(), *ring.transports[r]->register_region(b.data.data(), b.data.size()));
         b.staging_reg = RegisteredRegion(ring.transports[r].get(), *ring.transports[r]->register_region(b.staging.data(), b.staging.size()));
-        bench::fill(b.data.data() + 8, count, t, r);
+        bench::fill(b.data.data() + 8, count, t, uint64_t{r} * local);
+        b.locals.resize(local - 1);
+        for (uint32_t l = 1; l < local; ++l) {
+            b.locals[l - 1].resize(count * es + 16);
+            bench::fill(b.locals[l - 1].data() + 16, count, t, uint64_t{r} * local + l);
+            b.local_ptrs.push_back(b.locals[l - 1].data() + 16);
+        }
     }
+    const uint64_t total = uint64_t{ring.n} * local;
     std::vector<std::thread> threads;
     for (uint32_t r = 0; r < ring.n; ++r) {
         threads.emplace_back([&, r] {
@@ -95,13 +106,16 @@ void allreduce_and_check(Ring &ring, DType t, ReduceOp op, uint64_t count, RingO
             o.dtype = t;
             o.op = op;
             o.count = count;
-            o.avg_divisor = ring.n;
+            o.avg_divisor = static_cast<uint32_t>(total);
             o.data = bufs[r].data_reg.handle();
             o.data_offset = 8;
             o.staging = bufs[r].staging_reg.handle();
             o.op_tag = op_tag;
+            o.locals = bufs[r].local_ptrs;
             results[r] = ar.run(ring.pos[r], o, std::chrono::steady_clock::now() + 20s);
-            if (results[r]) wrong[r] = bench::count_wrong(bufs[r].data.data() + 8, count, t, op, ring.n);
+            if (!results[r]) return;
+            wrong[r] = bench::count_wrong(bufs[r].data.data() + 8, count, t, op, total);
+            for (std::byte *l : bufs[r].local_ptrs) wrong[r] += bench::count_wrong(l, count, t, op, total);
         });
     }
     for (auto &th : threads) th.join();
@@ -128,6 +142,23 @@ TEST_CASE("ring allreduce is exact for every host count, dtype, op and size", "[
             if (op == ReduceOp::Avg && dtype_is_integer(t)) op = ReduceOp::Max;
             // Small chunks and a shallow staging area: many chunks per segment, slots reused.
             allreduce_and_check(ring, t, op, count, RingOptions{4096, 3}, op_tag++);
+        }
+    }
+}
+
+TEST_CASE("local ranks are folded in and written out by the ring, chunk by chunk", "[ring]") {
+    std::mt19937_64 rng(7);
+    for (uint32_t n : {1u, 2u, 3u, 4u}) {
+        Ring ring(n, "loopback", 1);
+        uint32_t op_tag = 1;
+        for (uint32_t local : {2u, 3u}) {
+            for (uint64_t count : {uint64_t{1}, uint64_t{n + 1}, uint64_t{4099}, uint64_t{30011}}) {
+                const auto t = static_cast<DType>(rng() % kDTypeCount);
+                auto op = static_cast<ReduceOp>(rng() % kReduceOpCount);
+                if (op == ReduceOp::Avg && dtype_is_integer(t)) op = ReduceOp::Sum;
+                allreduce_and_check(ring, t, op, count, RingOptions{4096, 3}, op_tag++, local);
+            }
+            allreduce_and_check(ring, DType::F32, ReduceOp::Avg, 20000, RingOptions{4096, 2}, op_tag++, local);
         }
     }
 }
