@@ -1,6 +1,7 @@
 #include "common/frame_reader.h"
 
 #include <algorithm>
+#include <cstring>
 
 #include "common/fd_io.h"
 
@@ -8,31 +9,52 @@ namespace ringd {
 
 Result<std::optional<Frame>> FrameReader::read(int fd, uint32_t max_payload) {
     for (;;) {
-        // The header into its own buffer, then the payload straight into the frame's (sized
-        // only once the header's length passed the cap).
-        uint8_t *at;
-        size_t want;
+        // Frames out of what is buffered: the header (checked against the cap before the payload
+        // is sized), then the payload.
         if (!header_) {
-            if (header_got_ == proto::kFrameHeaderBytes) {
-                auto h = proto::decode_frame_header(header_buf_, max_payload);
+            if (tail_ - head_ >= proto::kFrameHeaderBytes) {
+                auto h = proto::decode_frame_header(std::span(buf_).subspan(head_, proto::kFrameHeaderBytes), max_payload);
                 if (!h) return h.error();
+                head_ += proto::kFrameHeaderBytes;
                 header_ = *h;
                 payload_.resize(h->length);
                 got_ = 0;
-                continue;
             }
-            at = header_buf_.data() + header_got_;
-            want = proto::kFrameHeaderBytes - header_got_;
-        } else {
+        }
+        if (header_) {
+            const size_t take = std::min(tail_ - head_, payload_.size() - got_);
+            if (take > 0) std::memcpy(payload_.data() + got_, buf_.data() + head_, take);
+            head_ += take;
+            got_ += take;
             if (got_ == payload_.size()) {
                 Frame f{header_->type, std::move(payload_)};
                 header_.reset();
-                header_got_ = 0;
                 payload_ = {};
                 return std::optional<Frame>(std::move(f));
             }
-            at = payload_.data() + got_;
+        }
+        // More bytes are needed. A short read before means the socket was drained then: report
+        // "nothing more for now" without another system call (the caller's poll comes back when
+        // more arrives).
+        if (drained_) {
+            drained_ = false;
+            return std::optional<Frame>();
+        }
+        if (head_ == tail_) head_ = tail_ = 0;
+        uint8_t *at;
+        size_t want;
+        if (header_ && payload_.size() - got_ >= kBufferBytes) {
+            at = payload_.data() + got_;  // a large payload: straight into the frame
             want = payload_.size() - got_;
+        } else {
+            if (buf_.empty()) buf_.resize(kBufferBytes);
+            if (head_ > 0) {  // keep the partial header at the front
+                std::memmove(buf_.data(), buf_.data() + head_, tail_ - head_);
+                tail_ -= head_;
+                head_ = 0;
+            }
+            at = buf_.data() + tail_;
+            want = kBufferBytes - tail_;
         }
         std::vector<UniqueFd> fds;
         const ssize_t n = recv_some(fd, at, want, fds);
@@ -43,8 +65,9 @@ Result<std::optional<Frame>> FrameReader::read(int fd, uint32_t max_payload) {
             if (idle()) return make_error(-ECONNRESET, "disconnected");
             return make_error(-ECONNRESET, "disconnected in the middle of a frame");
         }
-        if (header_) got_ += static_cast<size_t>(n);
-        else header_got_ += static_cast<size_t>(n);
+        drained_ = static_cast<size_t>(n) < want;
+        if (at == buf_.data() + tail_) tail_ += static_cast<size_t>(n);
+        else got_ += static_cast<size_t>(n);
     }
 }
 

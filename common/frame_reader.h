@@ -1,9 +1,10 @@
-// FrameReader: reads one frame at a time from a non-blocking socket, header first; the length
-// is checked against the caller's cap before any payload buffer is sized. File descriptors
-// sent along are refused (closed, and an error returned).
+// FrameReader: reads frames from a non-blocking socket through a small buffer (one recv
+// usually brings several small frames); a header's length is checked against the caller's cap
+// before any payload buffer is sized, and large payloads are received straight into the frame.
+// File descriptors sent along are refused (closed, and an error returned). Call read() until it
+// returns nullopt; after a short read it returns nullopt without a system call.
 #pragma once
 
-#include <array>
 #include <optional>
 
 #include "proto/frame.h"
@@ -20,11 +21,13 @@ public:
     // A complete frame, nullopt when the socket has no more bytes for now (EAGAIN), or an error:
     // EOF (-ECONNRESET), an I/O error, fds received, a bad or oversize header.
     Result<std::optional<Frame>> read(int fd, uint32_t max_payload);
-    bool idle() const { return header_got_ == 0; }  // no partial frame buffered
+    bool idle() const { return !header_ && head_ == tail_; }  // no partial frame buffered
 
 private:
-    std::array<uint8_t, proto::kFrameHeaderBytes> header_buf_{};
-    size_t header_got_ = 0;
+    static constexpr size_t kBufferBytes = 64 << 10;
+    std::vector<uint8_t> buf_;  // sized on first use
+    size_t head_ = 0, tail_ = 0;
+    bool drained_ = false;
     std::optional<proto::FrameHeader> header_;
     proto::Bytes payload_;  // sized from the checked header
     size_t got_ = 0;

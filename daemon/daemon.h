@@ -115,6 +115,7 @@ private:
     std::map<std::string, std::deque<HostOp>> unreported_;             // by group, in local order
     std::map<std::pair<std::string, uint64_t>, HostOp> reported_;       // by (group, ordinal)
     std::map<std::string, uint64_t> next_ordinal_;                       // per group, this generation
+    std::map<std::pair<std::string, uint64_t>, std::pair<int32_t, std::string>> failed_ahead_;  // OpFails not reached yet
     std::map<uint64_t, uint64_t> running_ring_;                          // local op id -> generation
     // Small ops by direct exchange: every host's contribution (its report and data), by
     // (coordinator generation, group, ordinal); also those of peers that are ahead of this host.

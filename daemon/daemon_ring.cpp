@@ -29,6 +29,8 @@ namespace {
 constexpr uint32_t kCoordinator = 0;  // the first host in ring order
 // Contributions of peers that are ahead of this host are buffered up to this much per peer.
 constexpr uint64_t kMaxDirectBacklog = 512ull << 20;
+// OpFails for ops this host has not reached yet, kept at most this many.
+constexpr size_t kMaxFailedAhead = 4096;
 
 }  // namespace
 
@@ -71,6 +73,7 @@ void Daemon::on_ring_up(uint64_t generation, std::vector<UniqueFd> to_next, std:
     l.from_prev = std::move(from_prev);
     engine_->ring_up(std::move(l));
     next_ordinal_.clear();
+    failed_ahead_.clear();
     if (coordinator_) {
         coordinator_->reset(generation);
         coord_generation_ = generation;
@@ -104,6 +107,7 @@ void Daemon::on_ring_down(const std::string &why) {
     for (auto &[op_id, gen] : running_ring_) groups_.finished(op_id, -ECONNABORTED, ring_down_reason_, completions);
     running_ring_.clear();
     next_ordinal_.clear();
+    failed_ahead_.clear();
     drop_direct_before(coord_generation_used_ + 1);
     deliver(completions, none);
 }
@@ -163,6 +167,17 @@ void Daemon::flush_reports_now() {
             HostOp op = std::move(q.front());
             q.pop_front();
             const uint64_t ordinal = next_ordinal_[group]++;
+            if (auto ahead = failed_ahead_.find({group, ordinal}); ahead != failed_ahead_.end()) {
+                // The coordinator failed this op already; no report is needed.
+                if (op.status == 0) {
+                    std::vector<Completion> completions;
+                    std::vector<OpRun> none;
+                    groups_.finished(op.run.op_id, ahead->second.first, ahead->second.second, completions);
+                    deliver(completions, none);
+                }
+                failed_ahead_.erase(ahead);
+                continue;
+            }
             proto::OpReport r;
             r.generation = coord_generation_;
             r.group = group;
@@ -234,20 +249,19 @@ void Daemon::on_op_data(uint32_t host, Frame &frame) {
         spdlog::warn("host {}: bad op data: {}", config_.hosts[host].name, d.error().message);
         return;
     }
-    const proto::OpReport &r = d->report;
-    adopt_generation(host, r.generation);
-    if (coordinator_) on_report(host, r);  // the coordinator checks it like any report
-    // Stale (a generation that is over here) or not the coordinator's current one yet.
-    if ((coord_known_ && r.generation < coord_generation_) || (!coord_known_ && r.generation <= coord_generation_used_))
-        return;
-    if (direct_bytes_[host] + frame.payload.size() > kMaxDirectBacklog) {
+    const proto::OpReport report = d->report;
+    adopt_generation(host, report.generation);
+    // Kept unless stale (a generation that is over here), or a peer too far ahead.
+    bool keep = !((coord_known_ && report.generation < coord_generation_) ||
+                  (!coord_known_ && report.generation <= coord_generation_used_));
+    if (keep && direct_bytes_[host] + frame.payload.size() > kMaxDirectBacklog) {
         record_error("host " + config_.hosts[host].name + " is more than " + std::to_string(kMaxDirectBacklog >> 20) +
-                     " MiB of small ops ahead of this host; dropping its data for group " + r.group);
-        return;  // the coordinator fails the op when it times out here
+                     " MiB of small ops ahead of this host; dropping its data for group " + report.group);
+        keep = false;  // the coordinator fails the op when it times out here
     }
-    const proto::OpReport report = r;
-    add_contribution(host, report, std::move(frame.payload), proto::kOpDataHeaderBytes);
-    if (coord_known_ && report.generation == coord_generation_) try_complete_direct(report.group, report.ordinal);
+    if (keep) add_contribution(host, report, std::move(frame.payload), proto::kOpDataHeaderBytes);
+    if (coordinator_) on_report(host, report);  // checked like any report (an OpFail drops the data again)
+    if (keep && coord_known_ && report.generation == coord_generation_) try_complete_direct(report.group, report.ordinal);
 }
 
 // Completes a direct op once this host reported it and every host's contribution is in. A
@@ -290,6 +304,7 @@ void Daemon::adopt_generation(uint32_t host, uint64_t generation) {
     if (host == kCoordinator && !coord_known_ && generation > coord_generation_used_) {
         coord_generation_ = generation;
         coord_known_ = true;
+        failed_ahead_.clear();
         drop_direct_before(generation);
         flush_reports();
     }
@@ -390,7 +405,15 @@ void Daemon::on_fail(const proto::OpFail &f) {
         direct_.erase(d);
     }
     auto it = reported_.find({f.group, f.ordinal});
-    if (it == reported_.end()) return;  // this host failed it itself; its ranks know
+    if (it == reported_.end()) {
+        // Decided before this host got that far (a mismatch between two other hosts, say): kept
+        // for when its ranks get there. Lower ordinals this host failed itself; its ranks know.
+        if (f.ordinal >= next_ordinal_[f.group]) {
+            if (failed_ahead_.size() >= kMaxFailedAhead) failed_ahead_.erase(failed_ahead_.begin());
+            failed_ahead_[{f.group, f.ordinal}] = {f.code, f.message};
+        }
+        return;
+    }
     std::vector<Completion> completions;
     std::vector<OpRun> none;
     groups_.finished(it->second.run.op_id, f.code, f.message, completions);

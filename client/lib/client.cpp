@@ -29,6 +29,10 @@ namespace {
 
 constexpr auto kConnectTimeout = std::chrono::seconds(10);
 constexpr auto kSpin = std::chrono::microseconds(20);    // spin this long before blocking
+// After a wait that spun in vain (ops take longer than the spin: several hosts, big buffers),
+// this many waits block at once, leaving the core to the daemon and other trainers; then
+// spinning is tried again, so the client follows the op latency both ways.
+constexpr int kSpinBackoff = 15;
 constexpr auto kWaitMargin = std::chrono::seconds(10);   // beyond the daemon's op timeout
 
 enum class TicketState : uint8_t { Free, InFlight, Done, Abandoned };
@@ -64,6 +68,7 @@ struct ringd_client {
     std::vector<Ticket> tickets;  // index = seq % depth
     std::string last_error;
     int dead = 0;  // non-zero errno once the daemon connection is gone
+    int spin_skip = 0;  // waits left that block without spinning
 
     int fail(int code, std::string msg) {
         last_error = std::move(msg);
@@ -234,10 +239,14 @@ int ringd_wait(ringd_client *c, uint64_t ticket, int timeout_ms) {
         const auto wait_for = timeout_ms >= 0 ? std::chrono::milliseconds(timeout_ms)
                                               : std::chrono::milliseconds(c->welcome.op_timeout_ms) + kWaitMargin;
         const auto deadline = Clock::now() + wait_for;
-        const auto spin_until = Clock::now() + kSpin;
+        const bool spin = c->spin_skip == 0;
+        if (!spin) --c->spin_skip;
+        const auto spin_until = spin ? Clock::now() + kSpin : Clock::time_point{};
+        bool blocked = false;
         for (;;) {
             c->drain_completions();
             if (t.state == TicketState::Done) {
+                if (spin) c->spin_skip = blocked ? kSpinBackoff : 0;
                 t.state = TicketState::Free;
                 if (t.status != 0) return c->fail(t.status, t.message);
                 c->last_error.clear();
@@ -249,6 +258,7 @@ int ringd_wait(ringd_client *c, uint64_t ticket, int timeout_ms) {
                 continue;
             }
             pollfd p[2] = {{c->completion.get(), POLLIN, 0}, {c->sock.get(), POLLIN, 0}};
+            blocked = true;
             const int r = ::poll(p, 2, ms_until(deadline));
             if (r < 0 && errno != EINTR) return c->fail(-errno, "poll: " + errno_string(errno));
             if (r == 0)

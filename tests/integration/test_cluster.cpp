@@ -10,6 +10,7 @@
 
 #include <fstream>
 #include <random>
+#include <thread>
 
 #include <nlohmann/json.hpp>
 
@@ -48,6 +49,24 @@ struct TestCluster {
     json status(uint32_t i) {
         auto s = fetch_status(d[i]->socket());
         return s ? json::parse(*s) : json{};
+    }
+    // Waits until daemon i took an op of `group` (all its local ranks submitted it): running, or
+    // already ended.
+    bool wait_taken(uint32_t i, const std::string &group, std::chrono::milliseconds limit = 10s) {
+        const auto deadline = Clock::now() + limit;
+        int polls = 0, empty = 0;
+        while (Clock::now() < deadline) {
+            ++polls;
+            const json st = status(i);
+            if (st.empty()) ++empty;
+            for (const auto &g : st["groups"])
+                if (g["name"] == group &&
+                    g["running_ops"].get<int>() + g["ops_failed"].get<int>() + g["ops_completed"].get<int>() > 0)
+                    return true;
+            std::this_thread::sleep_for(5ms);
+        }
+        UNSCOPED_INFO("host " << i << " polls " << polls << " empty " << empty << " status: " << status(i).dump());
+        return false;
     }
     // Waits until daemon i reports (sd_notify STATUS, on the NOTIFY_SOCKET the harness owns) that
     // its ring is up as generation min_generation or later.
@@ -187,6 +206,27 @@ TEST_CASE("a count mismatch between hosts fails every rank naming both hosts", "
     allreduce_checked(cl, DType::I64, ReduceOp::Sum, 5000, 9);  // the group goes on
 }
 
+TEST_CASE("a host that submits after the coordinator failed the op gets the failure at once", "[cluster]") {
+    TestCluster c(3, "20s");
+    REQUIRE(c.wait_up());
+    auto cl = connect_all(c, "late", 1);
+    for (const size_t count : {size_t{100}, size_t{200000}}) {  // direct exchange, then the ring
+        const auto a = cl[0]->submit(0, count, RINGD_F32, RINGD_SUM);
+        const auto b = cl[1]->submit(0, count + 1, RINGD_F32, RINGD_SUM);
+        for (auto [cli, t] : {std::pair{cl[0].get(), a}, {cl[1].get(), b}}) {
+            CHECK(ringd_wait(cli->get(), t, 10000) == -EINVAL);
+            CHECK_THAT(ringd_last_error(cli->get()), Catch::Contains("mismatch"));
+        }
+        // Host 2 gets there only now: the decision waits for it, well before the op timeout.
+        const auto start = Clock::now();
+        const auto d = cl[2]->submit(0, count, RINGD_F32, RINGD_SUM);
+        CHECK(ringd_wait(cl[2]->get(), d, 10000) == -EINVAL);
+        CHECK_THAT(ringd_last_error(cl[2]->get()), Catch::Contains("mismatch") && Catch::Contains("host node1"));
+        CHECK(Clock::now() - start < 2s);
+    }
+    allreduce_checked(cl, DType::F32, ReduceOp::Avg, 1000, 3);  // the group goes on
+}
+
 TEST_CASE("a host whose op is too large for direct exchange while the others' is small: mismatch, named",
           "[cluster]") {
     TestCluster c(3);
@@ -305,6 +345,8 @@ TEST_CASE("SIGTERM on one host ends its ring op at once; the others are told it 
     // Hosts 0 and 2 start a big op; host 1's trainer never submits, so the op waits in the ring.
     const auto t0 = cl[0]->submit(0, 200000, RINGD_F32, RINGD_SUM);
     const auto t2 = cl[2]->submit(0, 200000, RINGD_F32, RINGD_SUM);
+    REQUIRE(c.wait_taken(0, "term"));  // the op is under way on hosts 0 and 2 before host 1 stops
+    REQUIRE(c.wait_taken(2, "term"));
     const auto start = Clock::now();
     const int st = c.d[1]->stop(10s);
     REQUIRE(st != -1);
