@@ -9,6 +9,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <tuple>
 
@@ -20,6 +21,7 @@
 #include "daemon/cuda/cuda_probe.h"
 #include "daemon/engine/group_table.h"
 #include "daemon/engine/progress.h"
+#include "daemon/engine/tuner.h"
 #include "daemon/ipc/client_conn.h"
 #include "daemon/transport/transport.h"
 
@@ -59,9 +61,14 @@ private:
     void on_op_data(uint32_t host, Frame &frame);
     void adopt_generation(uint32_t host, uint64_t generation);
     struct HostOp;
-    void report_direct(HostOp op, proto::OpReport r);
+    struct DirectState;
+    using DirectKey = std::tuple<uint64_t, std::string, uint64_t>;
+    void local_reduce_into(const HostOp &op, void *dst, uint64_t begin, uint64_t elems);
+    void report_direct(HostOp op, proto::OpReport r, Algorithm algorithm);
     void add_contribution(uint32_t host, const proto::OpReport &r, proto::Bytes buf, size_t offset);
-    void try_complete_direct(const std::string &group, uint64_t ordinal);
+    void on_two_shot_result(uint32_t host, const proto::OpReport &r, std::span<const uint8_t> data);
+    void try_progress_direct(const std::string &group, uint64_t ordinal);
+    void drop_direct(std::map<DirectKey, DirectState>::iterator it);
     void drop_direct_before(uint64_t generation);
     void queue_host_ops(std::vector<OpRun> &ready);
     void flush_reports();
@@ -110,26 +117,32 @@ private:
         int32_t status = 0;
         std::string message;
         Clock::time_point deadline;
-        bool direct = false;  // reported by OpData: completes here when every host's data is in
+        Algorithm algorithm = Algorithm::Ring;  // one-/two-shot: completes here, by OpData
     };
     std::map<std::string, std::deque<HostOp>> unreported_;             // by group, in local order
     std::map<std::pair<std::string, uint64_t>, HostOp> reported_;       // by (group, ordinal)
     std::map<std::string, uint64_t> next_ordinal_;                       // per group, this generation
     std::map<std::pair<std::string, uint64_t>, std::pair<int32_t, std::string>> failed_ahead_;  // OpFails not reached yet
     std::map<uint64_t, uint64_t> running_ring_;                          // local op id -> generation
-    // Small ops by direct exchange: every host's contribution (its report and data), by
-    // (coordinator generation, group, ordinal); also those of peers that are ahead of this host.
+    // One- and two-shot ops, by (coordinator generation, group, ordinal): every host's part
+    // (its report, and data: a whole contribution, or its part of this host's segment), also
+    // those of peers that are ahead of this host; two-shot: which segments' results are in.
     struct Contribution {
         proto::OpReport report;
         proto::Bytes buf;
         size_t offset = 0;  // of the data in buf
     };
-    using DirectKey = std::tuple<uint64_t, std::string, uint64_t>;
-    std::map<DirectKey, std::vector<std::optional<Contribution>>> direct_;
+    struct DirectState {
+        std::vector<std::optional<Contribution>> parts;  // by host
+        bool reduced = false;
+        std::vector<uint8_t> got_result;  // two-shot, by host
+        uint32_t results = 0;
+    };
+    std::map<DirectKey, DirectState> direct_;
     std::vector<uint64_t> direct_bytes_;  // buffered per host
     std::vector<const void *> direct_srcs_;
     std::vector<void *> direct_dsts_;
-    uint64_t ops_direct_ = 0, ops_ring_ = 0;
+    uint64_t ops_one_shot_ = 0, ops_two_shot_ = 0, ops_ring_ = 0;
     uint64_t local_generation_ = 0;
     uint64_t coord_generation_ = 0;   // the coordinator's generation we report in
     uint64_t coord_generation_used_ = 0;

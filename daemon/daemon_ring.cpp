@@ -113,11 +113,7 @@ void Daemon::on_ring_down(const std::string &why) {
 }
 
 void Daemon::drop_direct_before(uint64_t generation) {
-    for (auto it = direct_.begin(); it != direct_.end() && std::get<0>(it->first) < generation;) {
-        for (size_t h = 0; h < it->second.size(); ++h)
-            if (it->second[h]) direct_bytes_[h] -= it->second[h]->buf.size();
-        it = direct_.erase(it);
-    }
+    while (!direct_.empty() && std::get<0>(direct_.begin()->first) < generation) drop_direct(direct_.begin());
 }
 
 void Daemon::queue_host_ops(std::vector<OpRun> &ready) {
@@ -189,9 +185,10 @@ void Daemon::flush_reports_now() {
             r.status = op.status;
             r.message = op.message;
             const uint64_t bytes = op.run.count * dtype_size(op.run.dtype);
-            if (op.status == 0 &&
-                choose_algorithm(bytes, static_cast<uint32_t>(config_.hosts.size()), config_.tuning) == Algorithm::Direct) {
-                report_direct(std::move(op), std::move(r));
+            const Algorithm algorithm =
+                choose_algorithm(bytes, static_cast<uint32_t>(config_.hosts.size()), config_.tuning);
+            if (op.status == 0 && algorithm != Algorithm::Ring) {
+                report_direct(std::move(op), std::move(r), algorithm);
                 if (!control_->ring_up()) return;
                 continue;
             }
@@ -203,44 +200,77 @@ void Daemon::flush_reports_now() {
     }
 }
 
-// The op's contribution of this host (its local ranks reduced) goes straight into the OpData
-// frame, which goes to every other host.
-void Daemon::report_direct(HostOp op, proto::OpReport r) {
-    r.direct = true;
+namespace {
+
+uint64_t seg_begin(uint64_t count, uint32_t n, uint32_t k) {
+    return static_cast<uint64_t>((static_cast<unsigned __int128>(count) * k) / n);
+}
+
+}  // namespace
+
+// This host's local ranks reduced over [begin, begin + elems) into dst (sums for avg: it is
+// scaled once, where the hosts' contributions meet).
+void Daemon::local_reduce_into(const HostOp &op, void *dst, uint64_t begin, uint64_t elems) {
+    if (elems == 0) return;
     const size_t es = dtype_size(op.run.dtype);
-    proto::Bytes frame = proto::encode_op_data(r, op.run.count * es);
-    if (op.run.count > 0) {
-        void *dst = frame.data() + proto::op_data_offset();
-        const size_t n = op.slots.size();
-        if (n == 1) {
-            std::memcpy(dst, op.slots[0]->data() + op.run.offsets[0], op.run.count * es);
-        } else {
-            direct_srcs_.clear();
-            for (size_t i = 0; i < n; ++i) direct_srcs_.push_back(op.slots[i]->data() + op.run.offsets[i]);
-            reduce(ReduceArgs{op.run.dtype, op.run.op == ReduceOp::Avg ? ReduceOp::Sum : op.run.op, direct_srcs_.data(),
-                              n, &dst, 1, op.run.count, 1});
-        }
+    direct_srcs_.clear();
+    for (size_t i = 0; i < op.slots.size(); ++i) direct_srcs_.push_back(op.slots[i]->data() + op.run.offsets[i] + begin * es);
+    if (direct_srcs_.size() == 1) {
+        std::memcpy(dst, direct_srcs_[0], elems * es);
+        return;
     }
-    op.direct = true;
+    reduce(ReduceArgs{op.run.dtype, op.run.op == ReduceOp::Avg ? ReduceOp::Sum : op.run.op, direct_srcs_.data(),
+                      direct_srcs_.size(), &dst, 1, elems, 1});
+}
+
+// One-shot: this host's contribution goes to every other host. Two-shot: segment j of it goes
+// to host j. Either way the local ranks are reduced straight into the frames.
+void Daemon::report_direct(HostOp op, proto::OpReport r, Algorithm algorithm) {
+    r.algorithm = static_cast<uint32_t>(algorithm);
+    const uint32_t n = static_cast<uint32_t>(config_.hosts.size());
+    const size_t es = dtype_size(op.run.dtype);
+    const uint64_t count = op.run.count;
+    op.algorithm = algorithm;
+    proto::Bytes own;
+    if (algorithm == Algorithm::OneShot) {
+        own = proto::encode_op_data(r, proto::OpDataKind::OneShot, count * es);
+        local_reduce_into(op, own.data() + proto::op_data_offset(), 0, count);
+    }
     const std::string group = r.group;
     const uint64_t ordinal = r.ordinal;
-    reported_[{group, ordinal}] = std::move(op);
-    for (uint32_t h = 0; h < config_.hosts.size(); ++h) {
+    const HostOp &kept = reported_[{group, ordinal}] = std::move(op);
+    for (uint32_t h = 0; h < n; ++h) {
         if (h == self_index_) continue;
-        (void)control_->send(h, frame);
+        if (algorithm == Algorithm::OneShot) {
+            (void)control_->send(h, own);
+        } else {
+            const uint64_t b = seg_begin(count, n, h), e = seg_begin(count, n, h + 1);
+            proto::Bytes part = proto::encode_op_data(r, proto::OpDataKind::TwoShotPart, (e - b) * es);
+            local_reduce_into(kept, part.data() + proto::op_data_offset(), b, e - b);
+            (void)control_->send(h, part);
+        }
         if (!control_->ring_up()) return;  // a send failure ended the generation (and failed the op)
     }
-    add_contribution(self_index_, r, std::move(frame), proto::op_data_offset());
+    // This host's own part: the whole contribution (one-shot), or its segment, which stays in
+    // the local slots (two-shot).
+    add_contribution(self_index_, r, std::move(own), proto::op_data_offset());
     if (self_index_ == kCoordinator) on_report(self_index_, r);
-    try_complete_direct(group, ordinal);
+    try_progress_direct(group, ordinal);
 }
 
 void Daemon::add_contribution(uint32_t host, const proto::OpReport &r, proto::Bytes buf, size_t offset) {
-    auto &by_host = direct_[DirectKey{r.generation, r.group, r.ordinal}];
-    by_host.resize(config_.hosts.size());
-    if (by_host[host]) return;  // a duplicate
+    DirectState &st = direct_[DirectKey{r.generation, r.group, r.ordinal}];
+    st.parts.resize(config_.hosts.size());
+    st.got_result.resize(config_.hosts.size(), 0);
+    if (st.parts[host]) return;  // a duplicate
     direct_bytes_[host] += buf.size();
-    by_host[host] = Contribution{r, std::move(buf), offset};
+    st.parts[host] = Contribution{r, std::move(buf), offset};
+}
+
+void Daemon::drop_direct(std::map<DirectKey, DirectState>::iterator it) {
+    for (size_t h = 0; h < it->second.parts.size(); ++h)
+        if (it->second.parts[h]) direct_bytes_[h] -= it->second.parts[h]->buf.size();
+    direct_.erase(it);
 }
 
 void Daemon::on_op_data(uint32_t host, Frame &frame) {
@@ -250,10 +280,23 @@ void Daemon::on_op_data(uint32_t host, Frame &frame) {
         return;
     }
     const proto::OpReport report = d->report;
+    const uint32_t n = static_cast<uint32_t>(config_.hosts.size());
+    const uint64_t es = dtype_size(static_cast<DType>(report.dtype));
     adopt_generation(host, report.generation);
-    // Kept unless stale (a generation that is over here), or a peer too far ahead.
+    if (d->kind == proto::OpDataKind::TwoShotResult) {
+        on_two_shot_result(host, report, d->data);
+        return;
+    }
+    // Kept unless stale (a generation that is over here), a peer too far ahead, or a two-shot
+    // part that is not this host's segment.
     bool keep = !((coord_known_ && report.generation < coord_generation_) ||
                   (!coord_known_ && report.generation <= coord_generation_used_));
+    if (keep && d->kind == proto::OpDataKind::TwoShotPart &&
+        d->data.size() != (seg_begin(report.count, n, self_index_ + 1) - seg_begin(report.count, n, self_index_)) * es) {
+        spdlog::warn("host {}: two-shot part of group {} op {} has {} bytes, not this host's segment",
+                     config_.hosts[host].name, report.group, report.ordinal, d->data.size());
+        keep = false;
+    }
     if (keep && direct_bytes_[host] + frame.payload.size() > kMaxDirectBacklog) {
         record_error("host " + config_.hosts[host].name + " is more than " + std::to_string(kMaxDirectBacklog >> 20) +
                      " MiB of small ops ahead of this host; dropping its data for group " + report.group);
@@ -261,41 +304,95 @@ void Daemon::on_op_data(uint32_t host, Frame &frame) {
     }
     if (keep) add_contribution(host, report, std::move(frame.payload), proto::kOpDataHeaderBytes);
     if (coordinator_) on_report(host, report);  // checked like any report (an OpFail drops the data again)
-    if (keep && coord_known_ && report.generation == coord_generation_) try_complete_direct(report.group, report.ordinal);
+    if (keep && coord_known_ && report.generation == coord_generation_) try_progress_direct(report.group, report.ordinal);
 }
 
-// Completes a direct op once this host reported it and every host's contribution is in. A
-// mismatch is left to the coordinator, which sees the same reports and answers with OpFail.
-void Daemon::try_complete_direct(const std::string &group, uint64_t ordinal) {
-    auto rep = reported_.find({group, ordinal});
-    if (rep == reported_.end() || !rep->second.direct) return;
-    auto it = direct_.find(DirectKey{coord_generation_, group, ordinal});
-    if (it == direct_.end()) return;
-    auto &by_host = it->second;
+// Host `host`'s reduced segment of a two-shot op: straight into every local slot.
+void Daemon::on_two_shot_result(uint32_t host, const proto::OpReport &r, std::span<const uint8_t> data) {
+    if (!coord_known_ || r.generation != coord_generation_) return;
+    auto rep = reported_.find({r.group, r.ordinal});
+    auto it = direct_.find(DirectKey{r.generation, r.group, r.ordinal});
+    if (rep == reported_.end() || it == direct_.end() || rep->second.algorithm != Algorithm::TwoShot) return;  // ended here
     HostOp &op = rep->second;
-    uint32_t total = 0;
-    direct_srcs_.clear();
-    for (const auto &c : by_host) {
-        if (!c) return;
-        if (c->report.count != op.run.count || c->report.dtype != static_cast<uint32_t>(op.run.dtype) ||
-            c->report.op != static_cast<uint32_t>(op.run.op))
-            return;
-        total += c->report.local_size;
-        direct_srcs_.push_back(c->buf.data() + c->offset);
+    const uint32_t n = static_cast<uint32_t>(config_.hosts.size());
+    const size_t es = dtype_size(op.run.dtype);
+    const uint64_t b = seg_begin(op.run.count, n, host), e = seg_begin(op.run.count, n, host + 1);
+    if (r.count != op.run.count || r.dtype != static_cast<uint32_t>(op.run.dtype) || data.size() != (e - b) * es ||
+        it->second.got_result[host]) {
+        spdlog::warn("host {}: unexpected two-shot result for group {} op {}", config_.hosts[host].name, r.group, r.ordinal);
+        return;
     }
-    if (op.run.count > 0) {
+    for (size_t i = 0; i < op.slots.size(); ++i)
+        std::memcpy(op.slots[i]->data() + op.run.offsets[i] + b * es, data.data(), data.size());
+    it->second.got_result[host] = 1;
+    ++it->second.results;
+    try_progress_direct(r.group, r.ordinal);
+}
+
+// Moves a one- or two-shot op on once this host reported it and the parts it needs are in. A
+// mismatch is left to the coordinator, which sees the same reports and answers with OpFail.
+void Daemon::try_progress_direct(const std::string &group, uint64_t ordinal) {
+    auto rep = reported_.find({group, ordinal});
+    if (rep == reported_.end() || rep->second.algorithm == Algorithm::Ring) return;
+    const DirectKey key{coord_generation_, group, ordinal};
+    auto it = direct_.find(key);
+    if (it == direct_.end()) return;
+    HostOp &op = rep->second;
+    DirectState &st = it->second;
+    const uint32_t n = static_cast<uint32_t>(config_.hosts.size());
+    const size_t es = dtype_size(op.run.dtype);
+    if (!st.reduced) {
+        uint32_t total = 0;
+        for (const auto &c : st.parts) {
+            if (!c) return;
+            if (c->report.count != op.run.count || c->report.dtype != static_cast<uint32_t>(op.run.dtype) ||
+                c->report.op != static_cast<uint32_t>(op.run.op) || c->report.algorithm != static_cast<uint32_t>(op.algorithm))
+                return;
+            total += c->report.local_size;
+        }
+        // Every host's part is in: reduce them in ring order (the same bits on every host).
+        const uint64_t b = op.algorithm == Algorithm::OneShot ? 0 : seg_begin(op.run.count, n, self_index_);
+        const uint64_t e = op.algorithm == Algorithm::OneShot ? op.run.count : seg_begin(op.run.count, n, self_index_ + 1);
+        direct_srcs_.clear();
         direct_dsts_.clear();
-        for (size_t i = 0; i < op.slots.size(); ++i) direct_dsts_.push_back(op.slots[i]->data() + op.run.offsets[i]);
-        reduce(ReduceArgs{op.run.dtype, op.run.op, direct_srcs_.data(), direct_srcs_.size(), direct_dsts_.data(),
-                          direct_dsts_.size(), op.run.count, total});
+        for (size_t i = 0; i < op.slots.size(); ++i) direct_dsts_.push_back(op.slots[i]->data() + op.run.offsets[i] + b * es);
+        for (uint32_t h = 0; h < n; ++h) {
+            if (op.algorithm == Algorithm::TwoShot && h == self_index_) {
+                for (void *d : direct_dsts_) direct_srcs_.push_back(d);  // this host's ranks, in place
+            } else {
+                direct_srcs_.push_back(st.parts[h]->buf.data() + st.parts[h]->offset);
+            }
+        }
+        if (e > b)
+            reduce(ReduceArgs{op.run.dtype, op.run.op, direct_srcs_.data(), direct_srcs_.size(), direct_dsts_.data(),
+                              direct_dsts_.size(), e - b, total});
+        st.reduced = true;
+        for (size_t h = 0; h < n; ++h) {  // the parts are used up
+            direct_bytes_[h] -= st.parts[h]->buf.size();
+            st.parts[h]->buf = {};
+        }
+        if (op.algorithm == Algorithm::TwoShot) {
+            // This host's segment is final: to every other host.
+            proto::OpReport me = st.parts[self_index_]->report;
+            proto::Bytes result = proto::encode_op_data(me, proto::OpDataKind::TwoShotResult, (e - b) * es);
+            if (e > b) std::memcpy(result.data() + proto::op_data_offset(), direct_dsts_[0], (e - b) * es);
+            st.got_result[self_index_] = 1;
+            ++st.results;
+            for (uint32_t h = 0; h < n; ++h) {
+                if (h == self_index_) continue;
+                (void)control_->send(h, result);
+                if (!control_->ring_up()) return;  // the generation ended (and failed the op)
+            }
+            return try_progress_direct(group, ordinal);
+        }
     }
-    ++ops_direct_;
+    if (op.algorithm == Algorithm::TwoShot && st.results < n) return;
+    ++(op.algorithm == Algorithm::OneShot ? ops_one_shot_ : ops_two_shot_);
     std::vector<Completion> completions;
     std::vector<OpRun> none;
     groups_.finished(op.run.op_id, 0, {}, completions);
     reported_.erase(rep);
-    for (size_t h = 0; h < by_host.size(); ++h) direct_bytes_[h] -= by_host[h]->buf.size();
-    direct_.erase(it);
+    drop_direct(it);
     deliver(completions, none);
 }
 
@@ -375,8 +472,8 @@ void Daemon::on_start(const proto::OpStart &s) {
         spdlog::warn("op start for group {} op {} that this host did not report", s.group, s.ordinal);
         return;
     }
-    if (it->second.direct) {
-        spdlog::warn("op start for group {} op {}, which goes by direct exchange", s.group, s.ordinal);
+    if (it->second.algorithm != Algorithm::Ring) {
+        spdlog::warn("op start for group {} op {}, which goes by {}", s.group, s.ordinal, algorithm_name(it->second.algorithm));
         return;
     }
     HostOp op = std::move(it->second);
@@ -399,11 +496,7 @@ void Daemon::on_start(const proto::OpStart &s) {
 
 void Daemon::on_fail(const proto::OpFail &f) {
     if (!coord_known_ || f.generation != coord_generation_) return;
-    if (auto d = direct_.find(DirectKey{f.generation, f.group, f.ordinal}); d != direct_.end()) {
-        for (size_t h = 0; h < d->second.size(); ++h)
-            if (d->second[h]) direct_bytes_[h] -= d->second[h]->buf.size();
-        direct_.erase(d);
-    }
+    if (auto d = direct_.find(DirectKey{f.generation, f.group, f.ordinal}); d != direct_.end()) drop_direct(d);
     auto it = reported_.find({f.group, f.ordinal});
     if (it == reported_.end()) {
         // Decided before this host got that far (a mismatch between two other hosts, say): kept

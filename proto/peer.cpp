@@ -198,32 +198,37 @@ Result<OpReport> decode_op_report(std::span<const uint8_t> p) {
     return r;
 }
 
-static_assert(kOpDataHeaderBytes == kOpReportFixed);
+static_assert(kOpDataHeaderBytes == kOpReportFixed + 8);
 
-Bytes encode_op_data(const OpReport &r, uint64_t data_bytes) {
-    Bytes frame(kFrameHeaderBytes + kOpReportFixed + data_bytes, 0);
-    Bytes head = encode_op_report(r);  // the fixed part (status 0: no message follows)
+Bytes encode_op_data(const OpReport &r, OpDataKind kind, uint64_t data_bytes) {
+    Bytes frame(kFrameHeaderBytes + kOpDataHeaderBytes + data_bytes, 0);
+    const Bytes head = encode_op_report(r);  // the fixed part (the message does not come along)
     std::memcpy(&frame[kFrameHeaderBytes], &head[kFrameHeaderBytes], kOpReportFixed);
     const Bytes h = encode_frame(FrameType::OpData, {});
     std::memcpy(frame.data(), h.data(), kFrameHeaderBytes);
-    le::put<uint32_t>(&frame[8], static_cast<uint32_t>(kOpReportFixed + data_bytes));
+    le::put<uint32_t>(&frame[8], static_cast<uint32_t>(kOpDataHeaderBytes + data_bytes));
     le::put<int32_t>(&frame[kFrameHeaderBytes + 100], 0);  // status: ready
+    le::put<uint32_t>(&frame[kFrameHeaderBytes + kOpReportFixed], static_cast<uint32_t>(kind));
     return frame;
 }
 
 Result<OpData> decode_op_data(std::span<const uint8_t> p) {
-    if (p.size() < kOpReportFixed) return bad("op data is too short");
+    if (p.size() < kOpDataHeaderBytes) return bad("op data is too short");
     Bytes fixed(p.begin(), p.begin() + kOpReportFixed);
     fixed.resize(kOpReportFixed + 4, 0);  // an empty message, as decode_op_report expects one
     auto r = decode_op_report(fixed);
     if (!r) return r.error();
     if (r->status != 0) return bad("op data must carry status 0");
-    const uint64_t want = r->count * dtype_size(static_cast<DType>(r->dtype));
-    if (r->count > (uint64_t{1} << 40) || p.size() - kOpReportFixed != want)
-        return bad("op data has " + std::to_string(p.size() - kOpReportFixed) + " data bytes for " +
-                   std::to_string(r->count) + " elements");
-    r->direct = true;
-    return OpData{std::move(*r), p.subspan(kOpReportFixed)};
+    const auto kind = le::get<uint32_t>(&p[kOpReportFixed]);
+    if (kind < 1 || kind > 3) return bad("op data has an unknown kind " + std::to_string(kind));
+    if (le::get<uint32_t>(&p[kOpReportFixed + 4]) != 0) return bad("op data's reserved field is not zero");
+    const uint64_t have = p.size() - kOpDataHeaderBytes;
+    const uint64_t whole = r->count * dtype_size(static_cast<DType>(r->dtype));
+    const auto k = static_cast<OpDataKind>(kind);
+    if (r->count > (uint64_t{1} << 40) || have > whole || (k == OpDataKind::OneShot && have != whole))
+        return bad("op data has " + std::to_string(have) + " data bytes for " + std::to_string(r->count) + " elements");
+    r->algorithm = k == OpDataKind::OneShot ? 1 : 2;
+    return OpData{std::move(*r), k, p.subspan(kOpDataHeaderBytes)};
 }
 
 Bytes encode_ring_abort(const RingAbort &a) {

@@ -65,7 +65,8 @@ struct OpReport {
     uint32_t local_size = 0;
     int32_t status = 0;   // 0: ready; negative errno: the op failed on this host
     std::string message;  // why, when status != 0 (at most kMaxErrorMessage bytes)
-    bool direct = false;  // not on the wire: the report came as OpData (see below)
+    // Not on the wire: how the op runs (0 = ring; else the OpData kind it came with, see below).
+    uint32_t algorithm = 0;
 };
 struct OpStart {
     uint64_t generation = 0;
@@ -82,21 +83,31 @@ struct OpFail {
     std::string message;
 };
 
-// Small ops skip the ring: every host sends its report together with its contribution (its
-// local ranks already reduced, count x dtype bytes) to every other host (OpData), and each host
-// reduces the n contributions in ring order itself — one network hop instead of 2(n-1), and no
-// OpStart. The coordinator gets the same OpData; it stays the one that fails an op (mismatch,
-// a host's local failure, a host that does not report in time) with OpFail, and otherwise
-// decides it without a message.
-inline constexpr size_t kOpDataHeaderBytes = 104;  // the OpReport fields before the data
+// Small ops skip the ring and travel on the control connections as OpData: the op's report, a
+// kind, and data. Two algorithms (daemon/engine/tuner.h):
+//   one-shot  every host sends its contribution (its local ranks already reduced, count x dtype
+//             bytes) to every other host, and each reduces the n contributions in ring order
+//             itself: one hop.
+//   two-shot  every host sends segment j of its contribution to host j (kind TwoShotPart);
+//             host j reduces segment j and sends the result to every other host
+//             (TwoShotResult): two hops, and 2(n-1)/n S bytes on each link like the ring.
+// Segments are the ring's: [count * j / n, count * (j + 1) / n). The coordinator gets every
+// host's OneShot or TwoShotPart frame as its report; it stays the one that fails an op
+// (mismatch, a host's local failure, a host that does not report in time) with OpFail, and
+// otherwise decides it without a message.
+enum class OpDataKind : uint32_t { OneShot = 1, TwoShotPart = 2, TwoShotResult = 3 };
+inline constexpr size_t kOpDataHeaderBytes = 104 + 8;  // the OpReport fields, kind, reserved
 struct OpData {
-    OpReport report;               // status 0, direct = true
-    std::span<const uint8_t> data;  // into the decoded payload: count x dtype size bytes
+    OpReport report;                // status 0, algorithm = 1 (one-shot) or 2 (two-shot)
+    OpDataKind kind = OpDataKind::OneShot;
+    std::span<const uint8_t> data;  // into the decoded payload
 };
-// A whole OpData frame with `data_bytes` zero bytes of data at data_offset(), to be filled in
-// place (the local ranks are reduced straight into the frame).
-Bytes encode_op_data(const OpReport &r, uint64_t data_bytes);
+// A whole OpData frame with `data_bytes` zero bytes of data at op_data_offset(), to be filled
+// in place (the local ranks are reduced straight into the frame).
+Bytes encode_op_data(const OpReport &r, OpDataKind kind, uint64_t data_bytes);
 inline constexpr size_t op_data_offset() { return kFrameHeaderBytes + kOpDataHeaderBytes; }
+// Checks the report and that the data is no longer than count x dtype (exactly that for
+// OneShot); the receiver checks a segment's exact length.
 Result<OpData> decode_op_data(std::span<const uint8_t> payload);
 
 // Sent to every peer by a host that ends the ring generation, before its data links close, so

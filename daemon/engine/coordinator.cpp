@@ -59,7 +59,7 @@ void Coordinator::report(uint32_t host, const proto::OpReport &r, Clock::time_po
             decide(k);
             return;
         }
-        if (o.direct != r.direct) {  // same op, different tuning.* on the two hosts
+        if (o.algorithm != r.algorithm) {  // same op, different tuning.* on the two hosts
             out.fails.push_back({generation_, r.group, r.ordinal, -EINVAL,
                                  at + "hosts " + hosts_[h] + " and " + hosts_[host] +
                                      " chose different algorithms (their tuning settings differ)"});
@@ -74,8 +74,8 @@ void Coordinator::report(uint32_t host, const proto::OpReport &r, Clock::time_po
         if (!b) return;
         total += b->local_size;
     }
-    // A direct op completes on every host by itself; a ring op starts now, in this order.
-    if (!r.direct) out.starts.push_back({generation_, r.group, r.ordinal, next_op_id_++, total});
+    // A one- or two-shot op completes on every host by itself; a ring op starts now, in this order.
+    if (r.algorithm == 0) out.starts.push_back({generation_, r.group, r.ordinal, next_op_id_++, total});
     decide(k);
 }
 

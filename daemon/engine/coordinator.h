@@ -3,8 +3,8 @@
 // OpFail (a host reported a local failure, a count/dtype/op mismatch naming both hosts, or
 // hosts that did not report within timeouts.op, named). Decisions go to every host in one
 // order, which is the order every host's progress thread runs ring ops in — so no two hosts
-// ever wait on each other's different ops. Ops that go by direct exchange (reports with
-// `direct`) need no start: when all hosts reported them alike they are decided silently.
+// ever wait on each other's different ops. Ops that skip the ring (reports with an
+// `algorithm`: one-shot or two-shot) need no start: when all hosts reported them alike they are decided silently.
 //
 // Pure bookkeeping (no I/O, the caller passes `now`), called by the control thread.
 #pragma once

@@ -45,7 +45,8 @@ std::string Daemon::status_json() const {
                  {"state", !control_ || control_->ring_up() ? "up" : "forming"},
                  {"last_abort", last_abort_},
                  {"ops_ring", ops_ring_},
-                 {"ops_direct", ops_direct_},
+                 {"ops_one_shot", ops_one_shot_},
+                 {"ops_two_shot", ops_two_shot_},
                  {"size", n},
                  {"members", members}};
 

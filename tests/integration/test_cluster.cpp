@@ -120,12 +120,23 @@ void allreduce_checked(Clients &cl, DType t, ReduceOp op, size_t count, uint64_t
 
 }  // namespace
 
-TEST_CASE("3 and 4 hosts x 1-2 local ranks: random dtypes, ops and sizes, every value exact", "[cluster]") {
+TEST_CASE("3 and 4 hosts x 1-2 local ranks, every algorithm: random dtypes, ops and sizes, every value exact",
+          "[cluster]") {
     std::mt19937_64 rng(2024);
-    for (uint32_t hosts : {3u, 4u}) {
-        // 3 hosts: every op on the ring; 4 hosts: ops up to 64 KiB by direct exchange, larger
-        // ones on the ring, interleaved in one group.
-        TestCluster c(hosts, "5s", hosts == 3 ? "tuning: {direct_max_bytes: 0}\n" : "tuning: {direct_max_bytes: 64KiB}\n");
+    struct Setup {
+        uint32_t hosts;
+        const char *tuning;
+        const char *expect;  // the algorithms that must have run
+    };
+    const Setup setups[] = {
+        {3, "tuning: {direct_max_bytes: 0}\n", "ring"},                        // every op on the ring
+        {4, "tuning: {direct_max_bytes: 64KiB}\n", "ring one-shot"},           // interleaved in one group
+        {4, "tuning: {direct_max_bytes: 16MiB, hop_latency_us: 1, link_mbit: 1}\n", "two-shot"},  // all two-shot
+    };
+    for (const Setup &setup : setups) {
+        const uint32_t hosts = setup.hosts;
+        INFO(setup.tuning);
+        TestCluster c(hosts, "5s", setup.tuning);
         REQUIRE(c.wait_up());
         for (uint32_t local : {1u, 2u}) {
             auto cl = connect_all(c, "g" + std::to_string(local), local);
@@ -140,9 +151,10 @@ TEST_CASE("3 and 4 hosts x 1-2 local ranks: random dtypes, ops and sizes, every 
         const auto j = c.status(0);
         CHECK(j["ring"]["generation"] == 1);
         CHECK(j["ops"]["failed"] == 0);
-        CHECK(j["ring"]["ops_ring"].get<int>() > 0);
-        if (hosts == 3) CHECK(j["ring"]["ops_direct"] == 0);
-        else CHECK(j["ring"]["ops_direct"].get<int>() > 0);
+        const std::string expect = setup.expect;
+        CHECK((j["ring"]["ops_ring"].get<int>() > 0) == (expect.find("ring") != std::string::npos));
+        CHECK((j["ring"]["ops_one_shot"].get<int>() > 0) == (expect.find("one-shot") != std::string::npos));
+        CHECK((j["ring"]["ops_two_shot"].get<int>() > 0) == (expect.find("two-shot") != std::string::npos));
         CHECK(j["memory"]["registrations"].get<int>() <= 4);  // 3 slots + the ring's staging, never per op
     }
 }

@@ -99,14 +99,14 @@ TEST_CASE("reports from another generation are ignored; reset forgets pending op
     CHECK(d.starts[0].op_id == 1);
 }
 
-TEST_CASE("direct-exchange ops are decided without a start; a host on the ring for the same op fails it",
+TEST_CASE("one-/two-shot ops are decided without a start; hosts on different algorithms fail the op",
           "[coordinator]") {
     Coordinator c({"a", "b", "c"}, 1000ms);
     c.reset(7);
     Coordinator::Decisions d;
     auto direct = [](uint64_t k) {
         auto r = ready("g", k);
-        r.direct = true;
+        r.algorithm = 1;
         return r;
     };
     for (uint32_t h = 0; h < 3; ++h) c.report(h, direct(0), Clock::now(), d);

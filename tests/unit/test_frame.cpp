@@ -248,7 +248,8 @@ TEST_CASE("decoders survive random mutations of valid frames", "[proto]") {
                                       encode_op_report({1, "g", 3, 0, 0, 0, 0, -5, "host a: local rank 1 left"}),
                                       encode_op_start({1, "g", 2, 7, 8}), encode_op_fail({1, "g", 2, -22, "mismatch"}),
                                       encode_ring_abort({3, "host b: no heartbeat"}),
-                                      encode_op_data({1, "g", 2, 3, 0, 1, 2, 0, ""}, 12)};
+                                      encode_op_data({1, "g", 2, 3, 0, 1, 2, 0, ""}, OpDataKind::OneShot, 12),
+                                      encode_op_data({1, "g", 2, 30, 0, 1, 2, 0, ""}, OpDataKind::TwoShotPart, 40)};
     size_t accepted = 0;
     for (int iter = 0; iter < 20000; ++iter) {
         Bytes f = seeds[rng() % seeds.size()];
@@ -307,7 +308,7 @@ TEST_CASE("decoders survive random mutations of valid frames", "[proto]") {
         case FrameType::OpData:
             if (auto d = decode_op_data(p)) {
                 ++accepted;
-                CHECK(d->data.size() == d->report.count * dtype_size(static_cast<DType>(d->report.dtype)));
+                CHECK(d->data.size() <= d->report.count * dtype_size(static_cast<DType>(d->report.dtype)));
             }
             break;
         }
@@ -409,13 +410,13 @@ TEST_CASE("op negotiation frames round-trip and are validated", "[proto]") {
 
 TEST_CASE("op data frames carry the report and exactly count x dtype bytes", "[proto]") {
     const OpReport r{5, "grp", 7, 3, static_cast<uint32_t>(DType::F32), static_cast<uint32_t>(ReduceOp::Avg), 2, 0, ""};
-    Bytes f = encode_op_data(r, 12);
+    Bytes f = encode_op_data(r, OpDataKind::OneShot, 12);
     CHECK(f.size() == op_data_offset() + 12);
     const float v[3] = {1.5f, -2.0f, 4.25f};
     std::memcpy(&f[op_data_offset()], v, sizeof v);
     // The same fixed fields as an op report, then the data.
     const Bytes rep = encode_op_report(r);
-    CHECK(std::equal(rep.begin() + kFrameHeaderBytes, rep.begin() + kFrameHeaderBytes + kOpDataHeaderBytes,
+    CHECK(std::equal(rep.begin() + kFrameHeaderBytes, rep.begin() + kFrameHeaderBytes + 104,
                      f.begin() + kFrameHeaderBytes));
     auto h = decode_frame_header(std::span(f).first(kFrameHeaderBytes), 1 << 20);
     REQUIRE(h.ok());
@@ -423,7 +424,8 @@ TEST_CASE("op data frames carry the report and exactly count x dtype bytes", "[p
     CHECK(h->length == kOpDataHeaderBytes + 12);
     auto d = decode_op_data(payload_of(f));
     REQUIRE(d.ok());
-    CHECK(d->report.direct);
+    CHECK(d->report.algorithm == 1);
+    CHECK(d->kind == OpDataKind::OneShot);
     CHECK(d->report.local_size == 2);
     CHECK(d->report.ordinal == 7);
     REQUIRE(d->data.size() == 12);
@@ -443,4 +445,20 @@ TEST_CASE("op data frames carry the report and exactly count x dtype bytes", "[p
     q[80] = 0xff;  // a count that does not match the data
     CHECK_FALSE(decode_op_data(q).ok());
     CHECK_FALSE(decode_op_data(Bytes(50, 0)).ok());
+    q = p;
+    q[104] = 4;  // an unknown kind
+    CHECK_FALSE(decode_op_data(q).ok());
+    q = p;
+    q[108] = 1;  // reserved
+    CHECK_FALSE(decode_op_data(q).ok());
+
+    // Two-shot frames carry a segment: at most count x dtype bytes, the receiver checks which.
+    const Bytes part = encode_op_data(r, OpDataKind::TwoShotPart, 4);
+    auto dp = decode_op_data(payload_of(part));
+    REQUIRE(dp.ok());
+    CHECK(dp->kind == OpDataKind::TwoShotPart);
+    CHECK(dp->report.algorithm == 2);
+    CHECK(dp->data.size() == 4);
+    CHECK(decode_op_data(payload_of(encode_op_data(r, OpDataKind::TwoShotResult, 0))).ok());
+    CHECK_FALSE(decode_op_data(payload_of(encode_op_data(r, OpDataKind::TwoShotResult, 16))).ok());
 }
