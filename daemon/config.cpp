@@ -1,5 +1,7 @@
 #include "daemon/config.h"
 
+#include <algorithm>
+
 #include <yaml-cpp/yaml.h>
 
 #include <cstring>
@@ -26,8 +28,13 @@ std::string scalar(const YAML::Node &n, const std::string &key) {
 
 void check_keys(const YAML::Node &map, const std::string &where, std::initializer_list<const char *> known) {
     if (!map.IsMap()) fail(where.empty() ? "config" : where, "expected a mapping");
+    std::vector<std::string> seen;
     for (const auto &kv : map) {
         const std::string k = kv.first.as<std::string>();
+        // YAML allows a key twice and the parser keeps the first: refuse it, it is a mistake.
+        if (std::find(seen.begin(), seen.end(), k) != seen.end())
+            fail(where.empty() ? k : where + "." + k, "appears twice");
+        seen.push_back(k);
         bool found = false;
         for (const char *n : known) found = found || k == n;
         if (!found) {
@@ -153,7 +160,7 @@ Config parse_root(const YAML::Node &root) {
         c.poll = p == "event" ? PollMode::Event : p == "busy" ? PollMode::Busy : PollMode::Adaptive;
     }
     if (auto n = root["tuning"]) {
-        check_keys(n, "tuning", {"direct_max_bytes", "hop_latency_us", "link_mbit"});
+        check_keys(n, "tuning", {"direct_max_bytes", "hop_latency_us", "link_mbit", "chunk_bytes", "depth"});
         if (n["direct_max_bytes"]) {
             c.tuning.direct_max_bytes = get_size(n["direct_max_bytes"], "tuning.direct_max_bytes");
             if (c.tuning.direct_max_bytes > (16u << 20)) fail("tuning.direct_max_bytes", "must be at most 16MiB");
@@ -161,6 +168,14 @@ Config parse_root(const YAML::Node &root) {
         if (n["hop_latency_us"])
             c.tuning.hop_latency_us = static_cast<uint32_t>(get_uint(n["hop_latency_us"], "tuning.hop_latency_us", 1, 1'000'000));
         if (n["link_mbit"]) c.tuning.link_mbit = get_uint(n["link_mbit"], "tuning.link_mbit", 1, 100'000'000);
+        if (n["chunk_bytes"]) {
+            c.tuning.chunk_bytes = get_size(n["chunk_bytes"], "tuning.chunk_bytes");
+            if (c.tuning.chunk_bytes < 4096 || c.tuning.chunk_bytes > (64u << 20))
+                fail("tuning.chunk_bytes", "must be between 4KiB and 64MiB");
+        }
+        if (n["depth"]) c.tuning.depth = static_cast<uint32_t>(get_uint(n["depth"], "tuning.depth", 1, 256));
+        if (c.tuning.chunk_bytes * c.tuning.depth > (1ull << 30))
+            fail("tuning.depth", "chunk_bytes x depth (the ring's staging memory) must be at most 1GiB");
     }
     if (auto n = root["auth"]) {
         check_keys(n, "auth", {"secret_file"});

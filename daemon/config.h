@@ -50,6 +50,8 @@ struct Config {
         uint64_t direct_max_bytes = 1 << 20;  // 0: always the ring
         uint32_t hop_latency_us = 100;        // one message's latency, wake-ups included
         uint64_t link_mbit = 10'000;          // what one host can send per second
+        uint64_t chunk_bytes = 512 << 10;     // the ring's pipeline: chunk size
+        uint32_t depth = 8;                   // and receives in flight (staging = chunk x depth)
     } tuning;
     std::string secret_file;  // auth.secret_file; empty: no authentication
     std::string log_level = "info";

@@ -97,6 +97,8 @@ Status Daemon::setup() {
     transport_ = std::move(*t);
     TcpTransport *tcp = nullptr;
     RingOptions ring_options;
+    ring_options.chunk_bytes = config_.tuning.chunk_bytes;
+    ring_options.depth = config_.tuning.depth;
     ring_options.spin_us = config_.poll == PollMode::Busy ? -1 : config_.poll == PollMode::Event ? 0 : 50;
     if (multi_host()) {
         // Receive staging for the ring, registered once for the daemon's lifetime.

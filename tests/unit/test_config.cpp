@@ -42,7 +42,9 @@ TEST_CASE("every value is parsed", "[config]") {
                           "transport: ibverbs\ntcp: {streams: 4}\nibverbs: {device: mlx5_0, port: 2, gid_index: 3}\n"
                           "socket: /tmp/x.sock\nsocket_group: wheel\nallow_uids: [0, 1000]\nallow_gids: [27]\n"
                           "memory: {slot_bytes: 1GiB, max_slots: 4}\ntimeouts: {op: 500ms, connect: 2m, heartbeat: 1s}\n"
-                          "poll: busy\nauth: {secret_file: /etc/ringd/secret}\nlog: {level: debug}\n");
+                          "poll: busy\nauth: {secret_file: /etc/ringd/secret}\nlog: {level: debug}\n"
+                          "tuning: {direct_max_bytes: 256KiB, hop_latency_us: 20, link_mbit: 100000, chunk_bytes: 1MiB, "
+                          "depth: 4}\n");
     REQUIRE(c.ok());
     CHECK(c->transport == "ibverbs");
     CHECK(c->tcp.streams == 4);
@@ -54,6 +56,11 @@ TEST_CASE("every value is parsed", "[config]") {
     CHECK(c->timeouts.connect == std::chrono::minutes(2));
     CHECK(c->poll == PollMode::Busy);
     CHECK(c->secret_file == "/etc/ringd/secret");
+    CHECK(c->tuning.direct_max_bytes == 256u << 10);
+    CHECK(c->tuning.hop_latency_us == 20);
+    CHECK(c->tuning.link_mbit == 100000);
+    CHECK(c->tuning.chunk_bytes == 1u << 20);
+    CHECK(c->tuning.depth == 4);
 }
 
 TEST_CASE("errors name the key", "[config]") {
@@ -69,6 +76,12 @@ TEST_CASE("errors name the key", "[config]") {
     CHECK_THAT(error_of(kBase + "allow_uids: [x]\n"), Catch::StartsWith("allow_uids[0]:"));
     CHECK_THAT(error_of(kBase + "log: {level: loud}\n"), Catch::StartsWith("log.level:"));
     CHECK_THAT(error_of(kBase + "ibverbs: {gid_index: x}\n"), Catch::StartsWith("ibverbs.gid_index:"));
+    CHECK_THAT(error_of(kBase + "tuning: {direct_max_bytes: 1GiB}\n"), Catch::StartsWith("tuning.direct_max_bytes:"));
+    CHECK_THAT(error_of(kBase + "tuning: {link_mbit: 0}\n"), Catch::StartsWith("tuning.link_mbit:"));
+    CHECK_THAT(error_of(kBase + "tuning: {chunk_bytes: 1KiB}\n"), Catch::StartsWith("tuning.chunk_bytes:"));
+    CHECK_THAT(error_of(kBase + "tuning: {chunk_bytes: 64MiB, depth: 32}\n"), Catch::StartsWith("tuning.depth:"));
+    CHECK_THAT(error_of(kBase + "poll: busy\npoll: event\n"), Catch::StartsWith("poll: appears twice"));
+    CHECK_THAT(error_of(kBase + "tuning: {depth: 2, depth: 3}\n"), Catch::StartsWith("tuning.depth: appears twice"));
     CHECK_THAT(error_of("hosts: []\ncluster: c\n"), Catch::StartsWith("hosts:"));
     CHECK_THAT(error_of("hosts:\n  - {name: a, address: x}\n"), Catch::StartsWith("cluster: missing"));
     CHECK_THAT(error_of("cluster: c\nhosts:\n  - {name: a}\n"), Catch::StartsWith("hosts[0].address: missing"));
