@@ -47,7 +47,7 @@ struct Config {
     // direct exchange instead of the ring, when the cost model, fed the hop latency and the
     // link rate, says it is faster.
     struct Tuning {
-        uint64_t direct_max_bytes = 1 << 20;  // 0: always the ring
+        uint64_t direct_max_bytes = 256 << 10;  // 0: always the ring
         uint32_t hop_latency_us = 100;        // one message's latency, wake-ups included
         uint64_t link_mbit = 10'000;          // what one host can send per second
         uint64_t chunk_bytes = 512 << 10;     // the ring's pipeline: chunk size

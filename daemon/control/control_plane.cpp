@@ -263,9 +263,12 @@ void ControlPlane::promote(Conn &c) {
     const uint32_t peer = c.peer;
     Peer &p = peers_[peer];
     if (c.kind == proto::ConnKind::Control) {
-        // Control frames are latency-bound (small ops' data travels on them too): no Nagle.
-        const int one = 1;
+        // Control frames are latency-bound (small ops' data travels on them too): no Nagle, and
+        // socket buffers that take a one- or two-shot op's frames at once.
+        const int one = 1, buffer = 4 << 20;
         ::setsockopt(c.fd.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+        ::setsockopt(c.fd.get(), SOL_SOCKET, SO_SNDBUF, &buffer, sizeof buffer);
+        ::setsockopt(c.fd.get(), SOL_SOCKET, SO_RCVBUF, &buffer, sizeof buffer);
         if (p.control && p.control != id) {
             // The peer came back (restart) while we still had its old connection.
             const uint64_t old = p.control;

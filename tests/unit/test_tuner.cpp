@@ -8,11 +8,11 @@ using namespace ringd;
 
 TEST_CASE("one-shot for the smallest ops, two-shot up to the cap, the ring above; crossovers follow the model",
           "[tuner]") {
-    Config::Tuning t;  // 1 MiB cap, 100 us, 10 Gbit/s
+    Config::Tuning t;  // 256 KiB cap, 100 us, 10 Gbit/s
     CHECK(choose_algorithm(4, 4, t) == Algorithm::OneShot);
     CHECK(choose_algorithm(4096, 4, t) == Algorithm::OneShot);
-    CHECK(choose_algorithm(1 << 20, 4, t) == Algorithm::TwoShot);
-    CHECK(choose_algorithm((1 << 20) + 1, 4, t) == Algorithm::Ring);  // over the cap
+    CHECK(choose_algorithm(256 << 10, 4, t) == Algorithm::TwoShot);
+    CHECK(choose_algorithm((256 << 10) + 1, 4, t) == Algorithm::Ring);  // over the cap
     CHECK(choose_algorithm(256u << 20, 4, t) == Algorithm::Ring);
     CHECK(choose_algorithm(4, 1, t) == Algorithm::Ring);  // one host: no exchange at all
 
@@ -33,7 +33,7 @@ TEST_CASE("one-shot for the smallest ops, two-shot up to the cap, the ring above
     slow.link_mbit = 1000;
     CHECK(static_cast<double>(crossover(4, slow)) == Approx(crossover(4, t) / 10.0).epsilon(0.001));
     CHECK(choose_algorithm(2, 2, t) == Algorithm::OneShot);  // two hosts: the same bytes, one hop fewer
-    CHECK(choose_algorithm(1 << 20, 2, t) == Algorithm::OneShot);
+    CHECK(choose_algorithm(256 << 10, 2, t) == Algorithm::OneShot);
 
     // The model itself: two-shot never loses to the ring (same bytes, fewer hops).
     for (uint64_t s : {uint64_t{1}, uint64_t{1} << 20, uint64_t{1} << 30}) {
