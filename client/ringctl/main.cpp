@@ -34,6 +34,9 @@ void print_human(const json &j) {
     std::printf("ring: %s, generation %llu, %zu host(s)\n", ring.value("state", "up").c_str(),
                 ring["generation"].get<unsigned long long>(), ring["members"].size());
     if (!ring.value("last_abort", "").empty()) std::printf("  last abort: %s\n", ring["last_abort"].get<std::string>().c_str());
+    if (ring["members"].size() > 1)
+        std::printf("  ops by algorithm: ring %llu, one-shot %llu, two-shot %llu\n",
+                    ring.value("ops_ring", 0ull), ring.value("ops_one_shot", 0ull), ring.value("ops_two_shot", 0ull));
     std::printf("  %-16s %-22s %-12s %-34s %s\n", "HOST", "ADDRESS", "CONTROL", "DATA", "LAST ERROR");
     for (const auto &m : ring["members"]) {
         const std::string addr = m["address"].get<std::string>() + ":" + std::to_string(m["port"].get<int>());
