@@ -26,13 +26,17 @@ Result<Ok> expect_size(std::span<const uint8_t> payload, size_t want, const char
 
 }  // namespace
 
+void put_frame_header(uint8_t *at, FrameType type, uint32_t length) {
+    le::put<uint32_t>(at, kFrameMagic);
+    le::put<uint16_t>(at + 4, kProtocolVersion);
+    le::put<uint16_t>(at + 6, static_cast<uint16_t>(type));
+    le::put<uint32_t>(at + 8, length);
+    le::put<uint32_t>(at + 12, 0);
+}
+
 Bytes encode_frame(FrameType type, std::span<const uint8_t> payload) {
     Bytes out(kFrameHeaderBytes + payload.size());
-    le::put<uint32_t>(&out[0], kFrameMagic);
-    le::put<uint16_t>(&out[4], kProtocolVersion);
-    le::put<uint16_t>(&out[6], static_cast<uint16_t>(type));
-    le::put<uint32_t>(&out[8], static_cast<uint32_t>(payload.size()));
-    le::put<uint32_t>(&out[12], 0);
+    put_frame_header(out.data(), type, static_cast<uint32_t>(payload.size()));
     if (!payload.empty()) std::memcpy(&out[kFrameHeaderBytes], payload.data(), payload.size());
     return out;
 }

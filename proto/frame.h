@@ -87,6 +87,9 @@ inline constexpr size_t kStatusRequestBytes = 4;
 
 // Header.
 Bytes encode_frame(FrameType type, std::span<const uint8_t> payload);
+// Writes a frame header for `length` payload bytes at `at` (kFrameHeaderBytes long), for frames
+// whose payload is filled in place.
+void put_frame_header(uint8_t *at, FrameType type, uint32_t length);
 // `max_payload` is the cap for this direction; an unknown type, bad magic/version or a length
 // over the cap is an error.
 Result<FrameHeader> decode_frame_header(std::span<const uint8_t> header, uint32_t max_payload);

@@ -158,10 +158,8 @@ constexpr size_t kOpReportFixed = 8 + kGroupNameBytes + 8 + 8 + 4 + 4 + 4 + 4;
 constexpr size_t kOpStartBytes = 8 + kGroupNameBytes + 8 + 8 + 4;
 constexpr size_t kOpFailFixed = 8 + kGroupNameBytes + 8 + 4;
 
-}  // namespace
-
-Bytes encode_op_report(const OpReport &r) {
-    Bytes p(kOpReportFixed, 0);
+// The fixed fields of a report (OpReport and OpData share them), and their checks.
+void put_report_fixed(uint8_t *p, const OpReport &r) {
     le::put<uint64_t>(&p[0], r.generation);
     put_name(&p[8], r.group);
     le::put<uint64_t>(&p[72], r.ordinal);
@@ -170,11 +168,9 @@ Bytes encode_op_report(const OpReport &r) {
     le::put<uint32_t>(&p[92], r.op);
     le::put<uint32_t>(&p[96], r.local_size);
     le::put<int32_t>(&p[100], r.status);
-    put_message(p, r.message);
-    return encode_frame(FrameType::OpReport, p);
 }
 
-Result<OpReport> decode_op_report(std::span<const uint8_t> p) {
+Result<OpReport> get_report_fixed(std::span<const uint8_t> p) {
     if (p.size() < kOpReportFixed) return bad("op report is too short");
     OpReport r;
     r.generation = le::get<uint64_t>(&p[0]);
@@ -192,9 +188,24 @@ Result<OpReport> decode_op_report(std::span<const uint8_t> p) {
         if (r.dtype >= kDTypeCount || r.op >= kReduceOpCount) return bad("op report has an unknown dtype or op");
         if (r.local_size == 0 || r.local_size > kMaxLocalSize) return bad("op report has a bad local_size");
     }
+    return r;
+}
+
+}  // namespace
+
+Bytes encode_op_report(const OpReport &r) {
+    Bytes p(kOpReportFixed, 0);
+    put_report_fixed(p.data(), r);
+    put_message(p, r.message);
+    return encode_frame(FrameType::OpReport, p);
+}
+
+Result<OpReport> decode_op_report(std::span<const uint8_t> p) {
+    auto r = get_report_fixed(p);
+    if (!r) return r.error();
     auto m = get_message(p.subspan(kOpReportFixed));
     if (!m) return m.error();
-    r.message = *m;
+    r->message = *m;
     return r;
 }
 
@@ -202,21 +213,17 @@ static_assert(kOpDataHeaderBytes == kOpReportFixed + 8);
 
 Bytes encode_op_data(const OpReport &r, OpDataKind kind, uint64_t data_bytes) {
     Bytes frame(kFrameHeaderBytes + kOpDataHeaderBytes + data_bytes, 0);
-    const Bytes head = encode_op_report(r);  // the fixed part (the message does not come along)
-    std::memcpy(&frame[kFrameHeaderBytes], &head[kFrameHeaderBytes], kOpReportFixed);
-    const Bytes h = encode_frame(FrameType::OpData, {});
-    std::memcpy(frame.data(), h.data(), kFrameHeaderBytes);
-    le::put<uint32_t>(&frame[8], static_cast<uint32_t>(kOpDataHeaderBytes + data_bytes));
-    le::put<int32_t>(&frame[kFrameHeaderBytes + 100], 0);  // status: ready
+    put_frame_header(frame.data(), FrameType::OpData, static_cast<uint32_t>(kOpDataHeaderBytes + data_bytes));
+    OpReport ready = r;  // (the message does not come along)
+    ready.status = 0;
+    put_report_fixed(&frame[kFrameHeaderBytes], ready);
     le::put<uint32_t>(&frame[kFrameHeaderBytes + kOpReportFixed], static_cast<uint32_t>(kind));
     return frame;
 }
 
 Result<OpData> decode_op_data(std::span<const uint8_t> p) {
     if (p.size() < kOpDataHeaderBytes) return bad("op data is too short");
-    Bytes fixed(p.begin(), p.begin() + kOpReportFixed);
-    fixed.resize(kOpReportFixed + 4, 0);  // an empty message, as decode_op_report expects one
-    auto r = decode_op_report(fixed);
+    auto r = get_report_fixed(p);
     if (!r) return r.error();
     if (r->status != 0) return bad("op data must carry status 0");
     const auto kind = le::get<uint32_t>(&p[kOpReportFixed]);
