@@ -123,8 +123,19 @@ Config parse_root(const YAML::Node &root) {
         if (n["streams"]) c.tcp.streams = static_cast<uint32_t>(get_uint(n["streams"], "tcp.streams", 1, 64));
     }
     if (auto n = root["ibverbs"]) {
-        check_keys(n, "ibverbs", {"device", "port", "gid_index"});
+        check_keys(n, "ibverbs",
+                   {"provider", "device", "port", "gid_index", "mtu", "qps_per_link", "timeout", "retry_cnt", "rnr_retry"});
+        if (n["provider"]) c.ibverbs.provider = get_choice(n["provider"], "ibverbs.provider", {"hardware", "emulated"});
         if (n["device"]) c.ibverbs.device = scalar(n["device"], "ibverbs.device");
+        if (n["mtu"]) {
+            c.ibverbs.mtu = static_cast<uint32_t>(get_uint(n["mtu"], "ibverbs.mtu", 256, 4096));
+            if (c.ibverbs.mtu & (c.ibverbs.mtu - 1)) fail("ibverbs.mtu", "must be 256, 512, 1024, 2048 or 4096");
+        }
+        if (n["qps_per_link"])
+            c.ibverbs.qps_per_link = static_cast<uint32_t>(get_uint(n["qps_per_link"], "ibverbs.qps_per_link", 1, 8));
+        if (n["timeout"]) c.ibverbs.timeout = static_cast<uint32_t>(get_uint(n["timeout"], "ibverbs.timeout", 0, 31));
+        if (n["retry_cnt"]) c.ibverbs.retry_cnt = static_cast<uint32_t>(get_uint(n["retry_cnt"], "ibverbs.retry_cnt", 0, 7));
+        if (n["rnr_retry"]) c.ibverbs.rnr_retry = static_cast<uint32_t>(get_uint(n["rnr_retry"], "ibverbs.rnr_retry", 0, 7));
         if (n["port"]) c.ibverbs.port = static_cast<uint32_t>(get_uint(n["port"], "ibverbs.port", 1, 255));
         if (n["gid_index"]) {
             c.ibverbs.gid_index = scalar(n["gid_index"], "ibverbs.gid_index");

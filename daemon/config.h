@@ -25,9 +25,13 @@ struct Config {
     std::string transport = "tcp";
     struct Tcp { uint32_t streams = 2; } tcp;
     struct Ibverbs {
+        std::string provider = "hardware";  // hardware (libibverbs) | emulated (software test device)
         std::string device = "auto";
         uint32_t port = 1;
         std::string gid_index = "auto";  // "auto" or a number
+        uint32_t mtu = 0;                // bytes; 0: the port's active MTU
+        uint32_t qps_per_link = 1;
+        uint32_t timeout = 14, retry_cnt = 7, rnr_retry = 7;
     } ibverbs;
     std::string socket = "/run/ringd/ringd.sock";
     std::string socket_group;  // empty: keep the daemon's group

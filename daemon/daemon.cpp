@@ -19,7 +19,6 @@
 
 #include "common/fd_io.h"
 #include "daemon/ipc/slot.h"
-#include "daemon/transport/tcp/tcp_transport.h"
 
 namespace ringd {
 namespace {
@@ -95,21 +94,21 @@ Status Daemon::setup() {
     auto t = make_transport(config_);
     if (!t) return t.error();
     transport_ = std::move(*t);
-    TcpTransport *tcp = nullptr;
+    NetworkTransport *net = nullptr;
     RingOptions ring_options;
     ring_options.chunk_bytes = config_.tuning.chunk_bytes;
     ring_options.depth = config_.tuning.depth;
     ring_options.spin_us = config_.poll == PollMode::Busy ? -1 : config_.poll == PollMode::Event ? 0 : 50;
     if (multi_host()) {
         // Receive staging for the ring, registered once for the daemon's lifetime.
-        tcp = dynamic_cast<TcpTransport *>(transport_.get());
+        net = transport_.get();
         staging_mem_.reset(new (std::nothrow) std::byte[ring_options.chunk_bytes * ring_options.depth]);
-        if (!tcp || !staging_mem_) return make_error(-ENOMEM, "cannot set up the ring's staging memory");
+        if (!staging_mem_) return make_error(-ENOMEM, "cannot set up the ring's staging memory");
         auto reg = transport_->register_region(staging_mem_.get(), ring_options.chunk_bytes * ring_options.depth);
         if (!reg) return reg.error();
         staging_ = RegisteredRegion(transport_.get(), *reg);
     }
-    auto e = ProgressEngine::start(tcp, staging_.handle(), ring_options, config_.timeouts.op);
+    auto e = ProgressEngine::start(net, staging_.handle(), ring_options, config_.timeouts.op);
     if (!e) return e.error();
     engine_ = std::move(*e);
     if (multi_host()) {
@@ -161,6 +160,7 @@ Status Daemon::listen_socket() {
 int Daemon::run() {
     spdlog::info("ringd {} host {} listening on {} (transport {}, {} max slots of up to {} bytes)", RINGD_VERSION,
                  host_, config_.socket, transport_->name(), config_.memory.max_slots, config_.memory.slot_bytes);
+    if (const std::string d = transport_->detail(); !d.empty()) spdlog::info("transport {}: {}", transport_->name(), d);
     ::sd_notify(0, "READY=1\nSTATUS=listening");
     if (cuda_.built)
         spdlog::info("CUDA: {} device(s){}", cuda_.devices, cuda_.error.empty() ? "" : " (" + cuda_.error + ")");

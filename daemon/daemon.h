@@ -88,7 +88,7 @@ private:
     UniqueFd listener_;
     UniqueFd spare_fd_;  // released to accept-and-close when the fd limit is hit
     CudaInfo cuda_;
-    std::unique_ptr<Transport> transport_;
+    std::unique_ptr<NetworkTransport> transport_;
     GroupTable groups_{"", std::chrono::milliseconds(1)};
     std::map<MemberId, std::unique_ptr<ClientConn>> clients_;
     MemberId next_id_ = 1;

@@ -49,6 +49,8 @@ enum class FrameType : uint16_t {
     OpFail = 23,         // coordinator -> every host: it failed; the message names the host(s)
     RingAbort = 24,      // either way: this host ended the ring generation, and why
     OpData = 25,         // host -> every host: a small op's report with this host's contribution
+    RdmaLinkInfo = 26,   // either way on a data connection: QPs and FIFO of an ibverbs link (proto/rdma.h)
+    RdmaLinkReady = 27,  // either way: this end's QPs are ready to receive
 };
 
 struct FrameHeader {

@@ -77,8 +77,11 @@ Result<std::unique_ptr<ControlPlane>> ControlPlane::create(const Config &config,
         cp->peers_.push_back(Peer{h, 0, false, i == self_index ? "self" : "idle", {}, {}, {}, 0});
     }
     if (auto why = proto::check_name("cluster", config.cluster); !why.empty()) return make_error(-EINVAL, "cluster: " + why);
-    cp->data_out_.assign(config.tcp.streams, 0);
-    cp->data_in_.assign(config.tcp.streams, 0);
+    // TCP stripes a link over tcp.streams connections; an ibverbs link needs one (bring-up, then
+    // liveness).
+    const uint32_t streams = config.transport == "tcp" ? config.tcp.streams : 1;
+    cp->data_out_.assign(streams, 0);
+    cp->data_in_.assign(streams, 0);
     cp->epoll_ = UniqueFd(::epoll_create1(EPOLL_CLOEXEC));
     if (!cp->epoll_) return make_error(-errno, "epoll_create1: " + errno_string(errno));
     if (auto s = cp->listen(); !s) return s.error();

@@ -9,12 +9,17 @@
 #include "common/fd_io.h"
 #include "daemon/engine/reduce.h"
 #include "daemon/ipc/slot.h"
-#include "daemon/transport/tcp/tcp_transport.h"
+#include "daemon/transport/transport.h"
 #include "proto/frame.h"
 
 namespace ringd {
 
-Result<std::unique_ptr<ProgressEngine>> ProgressEngine::start(TcpTransport *transport, RegionHandle staging,
+namespace {
+// Bringing the links of a new ring generation up (the peers do the same at the same time).
+constexpr auto kLinkSetupTimeout = std::chrono::seconds(10);
+}  // namespace
+
+Result<std::unique_ptr<ProgressEngine>> ProgressEngine::start(NetworkTransport *transport, RegionHandle staging,
                                                               RingOptions ring_options, std::chrono::milliseconds op_timeout) {
     std::unique_ptr<ProgressEngine> e(new ProgressEngine());
     e->result_fd_ = UniqueFd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
@@ -145,15 +150,19 @@ void ProgressEngine::run() {
             RingLinks &l = item.links;
             generation_ = l.generation;
             link_failure_reported_ = false;
-            auto next = transport_->add_link(l.next_name, std::move(l.to_next));
-            auto prev = transport_->add_link(l.prev_name, std::move(l.from_prev));
-            if (!next || !prev) {
+            // Both links at once: a transport that exchanges something (ibverbs) writes on both
+            // before it reads, so the ring of hosts cannot wait on itself.
+            std::vector<LinkSetup> setups;
+            setups.push_back({l.next_name, std::move(l.to_next)});
+            setups.push_back({l.prev_name, std::move(l.from_prev)});
+            auto links = transport_->add_links(std::move(setups), Clock::now() + kLinkSetupTimeout);
+            if (!links) {
                 link_failure_reported_ = true;
-                push_result(EngineResult{0, -EIO, (!next ? next.error() : prev.error()).message, true, generation_, {}});
+                push_result(EngineResult{0, links.error().code, links.error().message, true, generation_, {}});
                 break;
             }
-            next_ = *next;
-            prev_ = *prev;
+            next_ = (*links)[0];
+            prev_ = (*links)[1];
             pos_ = RingPosition{l.rank, l.size, next_, prev_};
             break;
         }

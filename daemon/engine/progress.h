@@ -30,7 +30,7 @@
 namespace ringd {
 
 class Slot;
-class TcpTransport;
+class NetworkTransport;
 
 struct EngineWork {
     uint64_t op_id = 0;
@@ -65,7 +65,7 @@ struct RingLinks {
 class ProgressEngine {
 public:
     // `transport` and `staging` (registered, RingAllreduce::staging_bytes()) for rings of hosts.
-    static Result<std::unique_ptr<ProgressEngine>> start(TcpTransport *transport = nullptr, RegionHandle staging = {},
+    static Result<std::unique_ptr<ProgressEngine>> start(NetworkTransport *transport = nullptr, RegionHandle staging = {},
                                                          RingOptions ring_options = {},
                                                          std::chrono::milliseconds op_timeout = std::chrono::seconds(30));
     ~ProgressEngine();
@@ -113,7 +113,7 @@ private:
     std::atomic<uint64_t> bytes_to_next_{0}, bytes_from_prev_{0};
 
     // Progress thread only.
-    TcpTransport *transport_ = nullptr;
+    NetworkTransport *transport_ = nullptr;
     RegionHandle staging_;
     RingOptions ring_options_;
     std::chrono::milliseconds op_timeout_{30000};

@@ -19,6 +19,7 @@ std::string Daemon::status_json() const {
     j["pid"] = ::getpid();
     j["uptime_s"] = std::chrono::duration<double>(now - started_).count();
     j["transport"] = std::string(transport_->name());
+    j["transport_detail"] = transport_->detail();
     j["poll"] = poll_mode_name(config_.poll);
     j["socket"] = config_.socket;
 

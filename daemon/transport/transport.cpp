@@ -2,6 +2,10 @@
 
 #include "daemon/config.h"
 #include "daemon/transport/tcp/tcp_transport.h"
+#ifdef RINGD_HAVE_IBVERBS
+#include "daemon/transport/ibverbs/emulated_device.h"
+#include "daemon/transport/ibverbs/ibverbs_transport.h"
+#endif
 
 namespace ringd {
 
@@ -21,11 +25,29 @@ void Transport::deregister_region(RegionHandle h) {
     stats_.registered_bytes -= h.bytes;
 }
 
-Result<std::unique_ptr<Transport>> make_transport(const Config &config) {
-    if (config.transport == "tcp") return std::unique_ptr<Transport>(std::make_unique<TcpTransport>());
+Result<std::unique_ptr<NetworkTransport>> make_transport(const Config &config) {
+    if (config.transport == "tcp") return std::unique_ptr<NetworkTransport>(std::make_unique<TcpTransport>());
+#ifdef RINGD_HAVE_IBVERBS
+    if (config.transport == "ibverbs") {
+        const auto &c = config.ibverbs;
+        IbverbsOptions o;
+        o.provider = c.provider;
+        o.device = c.device;
+        o.port = static_cast<uint8_t>(c.port);
+        o.gid_index = c.gid_index;
+        o.mtu = c.mtu;
+        o.qps_per_link = c.qps_per_link;
+        o.timeout = static_cast<uint8_t>(c.timeout);
+        o.retry_cnt = static_cast<uint8_t>(c.retry_cnt);
+        o.rnr_retry = static_cast<uint8_t>(c.rnr_retry);
+        const auto &api = c.provider == "emulated" ? verbs::emulated_verbs() : verbs::hardware_verbs();
+        auto t = IbverbsTransport::create(api, o);
+        if (!t) return t.error();
+        return std::unique_ptr<NetworkTransport>(std::move(*t));
+    }
+#endif
     return make_error(-ENOTSUP, "transport: '" + config.transport +
-                                    "' is not available in this ringd (the RDMA transport is not built yet); "
-                                    "use transport: tcp");
+                                    "' is not available in this ringd (built without libibverbs); use transport: tcp");
 }
 
 }  // namespace ringd

@@ -17,6 +17,7 @@
 // progress thread) at a time.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -104,6 +105,29 @@ private:
     TransportStats stats_;
 };
 
+struct LinkSetup {
+    std::string peer;               // host name, for errors and logs
+    std::vector<UniqueFd> streams;  // connected, authenticated data connections to it
+};
+
+// A transport between hosts (tcp, ibverbs): links are made from data connections that the
+// control plane established and authenticated.
+class NetworkTransport : public Transport {
+public:
+    // Takes the connections over and brings every link up, before `deadline`. Both ends of a
+    // link call this at about the same time; a transport that exchanges anything first writes on
+    // every link, then reads, so that a ring of hosts never waits on itself. On error no link
+    // was added.
+    virtual Result<std::vector<Link *>> add_links(std::vector<LinkSetup> links,
+                                                  std::chrono::steady_clock::time_point deadline) = 0;
+    // Drops a link (closing its connections); pending operations on it are abandoned.
+    virtual void remove_link(Link *link) = 0;
+    // Readable when poll() has something to report (completions, a failed link).
+    virtual int fd() const = 0;
+    // What the transport runs on, for logs and status ("" when there is nothing to add).
+    virtual std::string detail() const { return {}; }
+};
+
 // A registration that undoes itself. Move-only.
 class RegisteredRegion {
 public:
@@ -134,6 +158,6 @@ private:
 };
 
 // The transport named by config.transport, or an error saying why it cannot be used here.
-Result<std::unique_ptr<Transport>> make_transport(const Config &config);
+Result<std::unique_ptr<NetworkTransport>> make_transport(const Config &config);
 
 }  // namespace ringd

@@ -6,6 +6,7 @@
 
 #include "proto/frame.h"
 #include "proto/peer.h"
+#include "proto/rdma.h"
 #include "proto/slot.h"
 
 using namespace ringd;
@@ -24,6 +25,22 @@ Bytes cat(Bytes a, const Bytes &b) {
 }
 
 std::span<const uint8_t> payload_of(const Bytes &frame) { return std::span(frame).subspan(kFrameHeaderBytes); }
+
+RdmaLinkInfo sample_link_info() {
+    RdmaLinkInfo i;
+    i.qps = 2;
+    i.fifo_entries = 128;
+    i.lid = 0x1234;
+    i.mtu = 5;  // IBV_MTU_4096
+    i.gid = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 10, 0, 0, 1};
+    i.fifo_addr = 0x00007f0011223340;
+    i.fifo_rkey = 0xabcd5a;
+    i.qpn[0] = 0x101;
+    i.psn[0] = 0xfffffe;
+    i.qpn[1] = 0x102;
+    i.psn[1] = 7;
+    return i;
+}
 
 }  // namespace
 
@@ -239,7 +256,7 @@ TEST_CASE("decoders survive random mutations of valid frames", "[proto]") {
     // Every decoder is fed mutated copies of valid frames and random lengths; whatever it
     // accepts must re-encode to a frame that decodes to the same thing.
     std::mt19937_64 rng(7);
-    const std::vector<Bytes> seeds = {encode_hello({"grp", 1, 4, 1 << 20}), encode_welcome({1, 64, 64, 1000, 0x20000, 0x9000, 0x100}),
+    const std::vector<Bytes> seeds = {encode_rdma_link_info(sample_link_info()), encode_hello({"grp", 1, 4, 1 << 20}), encode_welcome({1, 64, 64, 1000, 0x20000, 0x9000, 0x100}),
                                       encode_error({-5, "message"}), encode_status_request({}), encode_status_reply("{}"),
                                       encode_peer_hello({"c", "a", "b", ConnKind::Data, 1, 3, Nonce{}}),
                                       encode_peer_challenge({}), encode_peer_auth(Mac{}), encode_peer_accept(4),
@@ -305,6 +322,13 @@ TEST_CASE("decoders survive random mutations of valid frames", "[proto]") {
         case FrameType::OpStart: accepted += decode_op_start(p).ok(); break;
         case FrameType::OpFail: accepted += decode_op_fail(p).ok(); break;
         case FrameType::RingAbort: accepted += decode_ring_abort(p).ok(); break;
+        case FrameType::RdmaLinkInfo:
+            if (auto d = decode_rdma_link_info(p)) {
+                ++accepted;
+                CHECK(decode_rdma_link_info(payload_of(encode_rdma_link_info(*d)))->qpn == d->qpn);
+            }
+            break;
+        case FrameType::RdmaLinkReady: break;
         case FrameType::OpData:
             if (auto d = decode_op_data(p)) {
                 ++accepted;
@@ -461,4 +485,48 @@ TEST_CASE("op data frames carry the report and exactly count x dtype bytes", "[p
     CHECK(dp->data.size() == 4);
     CHECK(decode_op_data(payload_of(encode_op_data(r, OpDataKind::TwoShotResult, 0))).ok());
     CHECK_FALSE(decode_op_data(payload_of(encode_op_data(r, OpDataKind::TwoShotResult, 16))).ok());
+}
+
+TEST_CASE("RDMA link info bytes are pinned", "[proto]") {
+    const Bytes f = encode_rdma_link_info(sample_link_info());
+    Bytes p(kRdmaLinkInfoBytes, 0);
+    p[0] = 1;                                  // version
+    p[4] = 2;                                  // QPs
+    p[8] = 128;                                // FIFO entries
+    p[12] = 0x34, p[13] = 0x12;                // LID
+    p[14] = 5;                                 // MTU code
+    p[26] = p[27] = 0xff, p[28] = 10, p[31] = 1;  // GID ::ffff:10.0.0.1
+    const uint8_t addr[8] = {0x40, 0x33, 0x22, 0x11, 0x00, 0x7f, 0, 0};
+    std::memcpy(&p[32], addr, 8);
+    p[40] = 0x5a, p[41] = 0xcd, p[42] = 0xab;  // FIFO rkey
+    p[48] = 0x01, p[49] = 0x01;                // QP 0: qpn 0x101
+    p[52] = 0xfe, p[53] = 0xff, p[54] = 0xff;  //       psn 0xfffffe
+    p[56] = 0x02, p[57] = 0x01;                // QP 1: qpn 0x102
+    p[60] = 7;                                 //       psn 7
+    CHECK(f == cat(header_bytes(26, static_cast<uint32_t>(kRdmaLinkInfoBytes)), p));
+    auto d = decode_rdma_link_info(payload_of(f));
+    REQUIRE(d.ok());
+    CHECK(d->qpn == sample_link_info().qpn);
+    CHECK(d->fifo_addr == 0x00007f0011223340);
+    CHECK(encode_rdma_link_ready() == header_bytes(27, 0));
+}
+
+TEST_CASE("RDMA link info is validated", "[proto]") {
+    const Bytes good = encode_rdma_link_info(sample_link_info());
+    auto broken = [&](size_t at, uint8_t v) {
+        Bytes f = good;
+        f[kFrameHeaderBytes + at] = v;
+        auto d = decode_rdma_link_info(payload_of(f));
+        return d.ok() ? std::string() : d.error().message;
+    };
+    CHECK_THAT(broken(0, 2), Catch::Contains("version 2"));
+    CHECK_THAT(broken(4, 0), Catch::Contains("0 QPs"));
+    CHECK_THAT(broken(4, 9), Catch::Contains("9 QPs"));
+    CHECK_THAT(broken(14, 6), Catch::Contains("MTU"));
+    CHECK_THAT(broken(51, 1), Catch::Contains("24-bit"));   // qpn beyond 24 bits
+    CHECK_THAT(broken(64, 1), Catch::Contains("unused"));   // QP 2 set while 2 QPs are in use
+    Bytes no_fifo = good;
+    std::memset(&no_fifo[kFrameHeaderBytes + 32], 0, 8);
+    CHECK_FALSE(decode_rdma_link_info(payload_of(no_fifo)).ok());
+    CHECK_FALSE(decode_rdma_link_info(std::span(payload_of(good)).first(kRdmaLinkInfoBytes - 1)).ok());
 }

@@ -39,6 +39,20 @@ Result<Link *> TcpTransport::add_link(const std::string &peer, std::vector<Uniqu
     return static_cast<Link *>(links_.back().get());
 }
 
+Result<std::vector<Link *>> TcpTransport::add_links(std::vector<LinkSetup> links,
+                                                    std::chrono::steady_clock::time_point) {
+    std::vector<Link *> out;
+    for (auto &l : links) {
+        auto link = add_link(l.peer, std::move(l.streams));
+        if (!link) {
+            for (Link *done : out) remove_link(done);
+            return link.error();
+        }
+        out.push_back(*link);
+    }
+    return out;
+}
+
 void TcpTransport::remove_link(Link *link) {
     std::erase_if(links_, [&](const auto &l) { return l.get() == link; });
     std::erase_if(ready_, [&](const LinkEvent &e) { return e.link == link; });

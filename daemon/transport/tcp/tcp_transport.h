@@ -65,7 +65,7 @@ private:
     std::unordered_map<uint64_t, RecvOp> posted_;
 };
 
-class TcpTransport final : public Transport {
+class TcpTransport final : public NetworkTransport {
 public:
     TcpTransport();
     std::string_view name() const override { return "tcp"; }
@@ -73,10 +73,12 @@ public:
     // Takes over connected sockets to `peer` as one link (>= 1 stream). They are made
     // non-blocking, TCP_NODELAY and get socket buffers sized for bandwidth x delay.
     Result<Link *> add_link(const std::string &peer, std::vector<UniqueFd> streams);
-    void remove_link(Link *link);
+    Result<std::vector<Link *>> add_links(std::vector<LinkSetup> links,
+                                          std::chrono::steady_clock::time_point deadline) override;
+    void remove_link(Link *link) override;
 
     Status poll(std::vector<LinkEvent> &out, int timeout_ms) override;
-    int fd() const { return epoll_.get(); }  // readable when poll() has work
+    int fd() const override { return epoll_.get(); }
 
 protected:
     Result<RegionHandle> do_register(std::byte *base, size_t bytes) override;
