@@ -14,7 +14,7 @@ Error bad(std::string msg) { return make_error(-EPROTO, std::move(msg)); }
 
 bool known_type(uint16_t t) {
     return (t >= static_cast<uint16_t>(FrameType::Hello) && t <= static_cast<uint16_t>(FrameType::StatusReply)) ||
-           (t >= static_cast<uint16_t>(FrameType::PeerHello) && t <= static_cast<uint16_t>(FrameType::OpData));
+           (t >= static_cast<uint16_t>(FrameType::PeerHello) && t <= static_cast<uint16_t>(FrameType::RdmaLinkReady));
 }
 
 Result<Ok> expect_size(std::span<const uint8_t> payload, size_t want, const char *what) {

@@ -1,5 +1,6 @@
 // RingAllreduce over every transport that runs here (in-process loopback; TCP over real
-// 127.0.0.1 sockets, 1 and 3 streams per link), each rank a thread with its own transport:
+// 127.0.0.1 sockets, 1 and 3 streams per link; ibverbs on the software RDMA device, 1 and 2 QPs
+// per link), each rank a thread with its own transport:
 // 1..5 hosts, every dtype x op, counts 0, 1, fewer than hosts, primes and many chunks; every
 // value checked on every rank. Faults: a peer that disappears mid-op, a peer that never comes.
 #include <catch2/catch.hpp>
@@ -11,6 +12,10 @@
 #include "daemon/engine/ring_allreduce.h"
 #include "daemon/transport/loopback/loopback_transport.h"
 #include "daemon/transport/tcp/tcp_transport.h"
+#ifdef RINGD_HAVE_IBVERBS
+#include "daemon/transport/ibverbs/emulated_device.h"
+#include "daemon/transport/ibverbs/ibverbs_transport.h"
+#endif
 #include "tests/support/net.h"
 
 using namespace ringd;
@@ -28,9 +33,20 @@ struct Ring {
     std::vector<RingPosition> pos;
     std::vector<std::vector<Link *>> links_of;  // every link a rank owns
 
+    // kind: loopback | tcp (`streams` per link) | ibverbs (emulated device, `streams` QPs per link)
     Ring(uint32_t hosts, const std::string &kind, int streams = 2) : n(hosts), pos(hosts), links_of(hosts) {
         for (uint32_t r = 0; r < n; ++r) {
             if (kind == "loopback") transports.push_back(std::make_unique<LoopbackTransport>());
+#ifdef RINGD_HAVE_IBVERBS
+            else if (kind == "ibverbs") {
+                IbverbsOptions o;
+                o.provider = "emulated";
+                o.qps_per_link = static_cast<uint32_t>(streams);
+                auto t = IbverbsTransport::create(verbs::emulated_verbs(), o);
+                REQUIRE(t.ok());
+                transports.push_back(std::move(*t));
+            }
+#endif
             else transports.push_back(std::make_unique<TcpTransport>());
             pos[r].rank = r;
             pos[r].size = n;
@@ -53,8 +69,24 @@ struct Ring {
                     sa.push_back(std::move(c));
                     sb.push_back(std::move(s));
                 }
-                a = *static_cast<TcpTransport &>(*transports[r]).add_link(host(q), std::move(sa));
-                b = *static_cast<TcpTransport &>(*transports[q]).add_link(host(r), std::move(sb));
+                // Both ends at once: a transport may exchange something first (ibverbs does).
+                const int conns = kind == "ibverbs" ? 1 : streams;
+                sa.resize(static_cast<size_t>(conns));
+                sb.resize(static_cast<size_t>(conns));
+                auto &ta = static_cast<NetworkTransport &>(*transports[r]);
+                auto &tb = static_cast<NetworkTransport &>(*transports[q]);
+                const auto deadline = std::chrono::steady_clock::now() + 10s;
+                Result<std::vector<Link *>> la = make_error(-1, ""), lb = make_error(-1, "");
+                std::vector<LinkSetup> ua(1), ub(1);
+                ua[0] = {host(q), std::move(sa)};
+                ub[0] = {host(r), std::move(sb)};
+                std::thread other([&] { lb = tb.add_links(std::move(ub), deadline); });
+                la = ta.add_links(std::move(ua), deadline);
+                other.join();
+                INFO((la.ok() ? std::string() : la.error().message) << " / " << (lb.ok() ? std::string() : lb.error().message));
+                REQUIRE((la.ok() && lb.ok()));
+                a = la->front();
+                b = lb->front();
             }
             pos[r].next = a;
             pos[q].prev = b;
@@ -130,7 +162,12 @@ void allreduce_and_check(Ring &ring, DType t, ReduceOp op, uint64_t count, RingO
 
 TEST_CASE("ring allreduce is exact for every host count, dtype, op and size", "[ring]") {
     const auto [kind, streams] = GENERATE(std::pair<std::string, int>{"loopback", 1}, std::pair<std::string, int>{"tcp", 1},
-                                          std::pair<std::string, int>{"tcp", 3});
+                                          std::pair<std::string, int>{"tcp", 3}
+#ifdef RINGD_HAVE_IBVERBS
+                                          , std::pair<std::string, int>{"ibverbs", 1}, std::pair<std::string, int>{"ibverbs", 2}
+#endif
+    );
+    INFO(kind << " x " << streams);
     std::mt19937_64 rng(99);
     for (uint32_t n : {1u, 2u, 3u, 4u, 5u}) {
         Ring ring(n, kind, streams);
@@ -147,9 +184,14 @@ TEST_CASE("ring allreduce is exact for every host count, dtype, op and size", "[
 }
 
 TEST_CASE("local ranks are folded in and written out by the ring, chunk by chunk", "[ring]") {
+    const std::string kind = GENERATE(std::string("loopback")
+#ifdef RINGD_HAVE_IBVERBS
+                                          , std::string("ibverbs")
+#endif
+    );
     std::mt19937_64 rng(7);
     for (uint32_t n : {1u, 2u, 3u, 4u}) {
-        Ring ring(n, "loopback", 1);
+        Ring ring(n, kind, 1);
         uint32_t op_tag = 1;
         for (uint32_t local : {2u, 3u}) {
             for (uint64_t count : {uint64_t{1}, uint64_t{n + 1}, uint64_t{4099}, uint64_t{30011}}) {
@@ -178,7 +220,11 @@ TEST_CASE("every dtype x op across 3 hosts, in every polling mode", "[ring]") {
 }
 
 TEST_CASE("a peer that disappears mid-op fails its neighbours with an error naming it", "[ring]") {
-    const std::string kind = GENERATE(std::string("loopback"), std::string("tcp"));
+    const std::string kind = GENERATE(std::string("loopback"), std::string("tcp")
+#ifdef RINGD_HAVE_IBVERBS
+                                          , std::string("ibverbs")
+#endif
+    );
     Ring ring(3, kind);
     const uint64_t count = 1 << 20;
     std::vector<HostBuffers> bufs(3);
@@ -206,8 +252,8 @@ TEST_CASE("a peer that disappears mid-op fails its neighbours with an error nami
     if (kind == "loopback") {
         for (Link *l : ring.links_of[2]) static_cast<LoopbackLink *>(l)->cut("node2 died");
     } else {
-        auto &t2 = static_cast<TcpTransport &>(*ring.transports[2]);
-        for (Link *l : ring.links_of[2]) t2.remove_link(l);  // closes its sockets
+        auto &t2 = static_cast<NetworkTransport &>(*ring.transports[2]);
+        for (Link *l : ring.links_of[2]) t2.remove_link(l);  // closes its connections (ibverbs: and QPs)
     }
     for (auto &th : threads) th.join();
     CHECK(std::chrono::steady_clock::now() - start < 10s);

@@ -210,6 +210,8 @@ bool run_send_queue(EmuContext *c, const std::shared_ptr<EmuQp> &qp, int budget)
             }
             w.seq = qp->next_seq++;
             w.sent_at = Clock::now();
+            // The RX thread keeps the acknowledgement deadline of the oldest request in flight.
+            if (qp->inflight.empty()) wake_rx(c);
             qp->inflight.push_back(w);
             req.opcode = w.opcode;
             req.imm = w.imm;
