@@ -274,7 +274,6 @@ Status IbverbsLink::create_qps() {
     mr = api.reg_mr(t_.pd_.get(), cts_out_.get(), fifo_bytes, IBV_ACCESS_LOCAL_WRITE);
     if (!mr) return verbs_error(errno, "ibv_reg_mr (FIFO source)");
     cts_out_mr_ = verbs::MemoryRegion(&api, mr);
-    sent_.assign(entries_, {0, 0});
     std::mt19937 rng(std::random_device{}());
     for (uint32_t q = 0; q < o.qps_per_link; ++q) {
         ibv_qp_init_attr a = {};
@@ -454,12 +453,12 @@ void IbverbsLink::try_send() {
                               " of " + std::to_string(e.bytes) + " bytes");
             return;
         }
-        sent_[m.seq % entries_] = {m.tag, m.bytes};
         const uint32_t imm = static_cast<uint32_t>(m.seq & kImmMask);
         if (auto s = post_write(q, kWrData | m.seq, m.addr, m.lkey, m.bytes, e.addr, e.rkey, imm, true); !s) {
             fail(s.error().code, "writing message " + std::to_string(m.seq) + ": " + s.error().message);
             return;
         }
+        written_.push_back({m.tag, m.bytes, false});
         sends_.pop_front();
     }
 }
@@ -518,9 +517,19 @@ void IbverbsLink::on_completion(const ibv_wc &wc, uint32_t q) {
         s.signaled_at.pop_front();
     }
     if (wc.wr_id & kWrData) {
-        const auto &[tag, bytes] = sent_[(wc.wr_id & ~kWrData) % entries_];
-        bytes_sent_ += bytes;
-        t_.complete({this, LinkEvent::Kind::SendDone, tag, {}});
+        const uint64_t seq = wc.wr_id & ~kWrData;
+        if (seq < written_base_ || seq - written_base_ >= written_.size() || written_[seq - written_base_].done) {
+            fail(-EPROTO, "completion for message " + std::to_string(seq) + ", which is not in flight");
+            return;
+        }
+        Written &w = written_[seq - written_base_];
+        w.done = true;
+        bytes_sent_ += w.bytes;
+        t_.complete({this, LinkEvent::Kind::SendDone, w.tag, {}});
+        while (!written_.empty() && written_.front().done) {
+            written_.pop_front();
+            ++written_base_;
+        }
     }
     try_send();
     flush_cts();
@@ -530,13 +539,22 @@ void IbverbsLink::fail(int code, const std::string &why) {
     if (error()) return;
     const Error e = set_error(code, why);
     spdlog::warn("ibverbs: {}", e.message);
-    // Everything pending fails: queued and written sends, announced and waiting receives.
-    for (const auto &m : sends_) t_.complete({this, LinkEvent::Kind::Failed, m.tag, e});
-    sends_.clear();
+    // Everything pending fails: queued and written sends, announced and waiting receives; an
+    // idle link still reports its failure once.
+    size_t told = 0;
+    auto tell = [&](uint64_t tag) {
+        t_.complete({this, LinkEvent::Kind::Failed, tag, e});
+        ++told;
+    };
+    for (const auto &m : sends_) tell(m.tag);
+    for (const auto &w : written_)
+        if (!w.done) tell(w.tag);
     for (const auto &r : recvs_)
-        if (!r.done) t_.complete({this, LinkEvent::Kind::Failed, r.tag, e});
+        if (!r.done) tell(r.tag);
+    if (told == 0) tell(0);
+    sends_.clear();
+    written_.clear();
     recvs_.clear();
-    t_.complete({this, LinkEvent::Kind::Failed, 0, e});  // also for writes in flight
     // The QPs go to the error state: the NIC stops touching our memory and flushes the rest.
     for (auto &qp : qps_) {
         ibv_qp_attr a = {};

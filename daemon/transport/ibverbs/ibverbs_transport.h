@@ -115,7 +115,12 @@ private:
     uint64_t send_seq_ = 0;   // next message number to post
     uint64_t cts_in_ = 0;     // ClearToSend entries arrived
     std::deque<PendingSend> sends_;  // posted, not yet written
-    std::vector<std::pair<uint64_t, uint64_t>> sent_;  // tag and bytes of message seq at seq % entries_
+    struct Written {
+        uint64_t tag, bytes;
+        bool done;
+    };
+    uint64_t written_base_ = 0;      // message number of written_.front()
+    std::deque<Written> written_;    // written, completion outstanding (QPs complete out of order)
     // Receiving side.
     uint64_t recv_base_ = 0;  // message number of recvs_.front()
     std::deque<PostedRecv> recvs_;

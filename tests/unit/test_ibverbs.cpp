@@ -1,0 +1,218 @@
+// The ibverbs transport on the software RDMA device: messages of every size between two
+// transports (straight into the posted receive, many in flight, more than the FIFO's credits),
+// registration once, and the faults — a receive whose memory went away (bad rkey), a peer that
+// dies, a peer with another QP count, no RDMA device (hardware provider here), a memory-lock
+// limit too low — each a clear error naming the peer, never a hang.
+#include <catch2/catch.hpp>
+
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <thread>
+
+#include "daemon/transport/ibverbs/emulated_device.h"
+#include "daemon/transport/ibverbs/ibverbs_transport.h"
+#include "tests/support/net.h"
+
+using namespace ringd;
+using namespace std::chrono_literals;
+
+namespace {
+
+std::unique_ptr<IbverbsTransport> emulated(uint32_t qps = 1) {
+    IbverbsOptions o;
+    o.provider = "emulated";
+    o.qps_per_link = qps;
+    auto t = IbverbsTransport::create(verbs::emulated_verbs(), o);
+    REQUIRE(t.ok());
+    return std::move(*t);
+}
+
+// Links a <-> b (names as seen from the other side) over a fresh TCP connection, both ends at once.
+std::pair<Result<std::vector<Link *>>, Result<std::vector<Link *>>> link_pair(IbverbsTransport &a, IbverbsTransport &b) {
+    auto [c, s] = test::tcp_pair();
+    std::vector<LinkSetup> ua(1), ub(1);
+    ua[0].peer = "hostB";
+    ua[0].streams.push_back(std::move(c));
+    ub[0].peer = "hostA";
+    ub[0].streams.push_back(std::move(s));
+    const auto deadline = std::chrono::steady_clock::now() + 5s;
+    Result<std::vector<Link *>> lb = make_error(-1, "");
+    std::thread other([&] { lb = b.add_links(std::move(ub), deadline); });
+    auto la = a.add_links(std::move(ua), deadline);
+    other.join();
+    return {std::move(la), std::move(lb)};
+}
+
+// Polls both transports until `want` events of `kind` arrived on `t` (or a Failed one), 5 s at most.
+std::vector<LinkEvent> pump(std::vector<Transport *> all, Transport *t, size_t want, LinkEvent::Kind kind) {
+    std::vector<LinkEvent> got;
+    const auto deadline = std::chrono::steady_clock::now() + 5s;
+    while (std::chrono::steady_clock::now() < deadline) {
+        for (Transport *x : all) {
+            std::vector<LinkEvent> ev;
+            REQUIRE(x->poll(ev, 1).ok());
+            if (x != t) continue;
+            for (auto &e : ev) {
+                if (e.kind == LinkEvent::Kind::Failed) return {e};
+                if (e.kind == kind) got.push_back(e);
+            }
+        }
+        if (got.size() >= want) break;
+    }
+    return got;
+}
+
+}  // namespace
+
+TEST_CASE("ibverbs links carry messages of every size into the posted receives, beyond the FIFO's credits",
+          "[ibverbs]") {
+    const uint32_t qps = GENERATE(1u, 3u);
+    auto a = emulated(qps), b = emulated(qps);
+    auto [la, lb] = link_pair(*a, *b);
+    REQUIRE((la.ok() && lb.ok()));
+    Link *ab = la->front(), *ba = lb->front();
+    std::vector<std::byte> src(16 << 20), dst(16 << 20);
+    for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<std::byte>((i * 131) >> 3);
+    auto rs = a->register_region(src.data(), src.size());
+    auto rd = b->register_region(dst.data(), dst.size());
+    REQUIRE((rs.ok() && rd.ok()));
+    // 300 messages (more than the 128 FIFO entries), sizes 0 B .. 64 KiB, to distinct places.
+    std::vector<std::pair<uint64_t, uint64_t>> msgs;  // offset, bytes
+    uint64_t at = 0;
+    for (uint64_t k = 0; k < 300; ++k) {
+        const uint64_t bytes = k % 7 == 0 ? 0 : (k * 977) % (64 << 10);
+        msgs.push_back({at, bytes});
+        at += bytes;
+    }
+    REQUIRE(at <= src.size());
+    // Receives first for half, then sends, then the rest of the receives (both orders happen).
+    for (uint64_t k = 0; k < 150; ++k) REQUIRE(ba->post_recv(*rd, msgs[k].first, msgs[k].second, 1000 + k).ok());
+    for (uint64_t k = 0; k < 300; ++k) REQUIRE(ab->post_send(*rs, msgs[k].first, msgs[k].second, 1000 + k).ok());
+    for (uint64_t k = 150; k < 300; ++k) REQUIRE(ba->post_recv(*rd, msgs[k].first, msgs[k].second, 1000 + k).ok());
+    std::vector<LinkEvent> recvd, sent;
+    const auto deadline = std::chrono::steady_clock::now() + 10s;
+    while ((recvd.size() < 300 || sent.size() < 300) && std::chrono::steady_clock::now() < deadline) {
+        std::vector<LinkEvent> ev;
+        REQUIRE(a->poll(ev, 1).ok());
+        REQUIRE(b->poll(ev, 1).ok());
+        for (auto &e : ev) {
+            REQUIRE(e.kind != LinkEvent::Kind::Failed);
+            (e.kind == LinkEvent::Kind::RecvDone ? recvd : sent).push_back(e);
+        }
+    }
+    REQUIRE(recvd.size() == 300);
+    REQUIRE(sent.size() == 300);
+    CHECK(std::memcmp(src.data(), dst.data(), at) == 0);
+    CHECK(ab->bytes_sent() == at);
+    CHECK(ba->bytes_received() == at);
+    CHECK(a->stats().registrations == 1);  // the one region; the FIFOs are the link's own
+    CHECK(a->detail().find("ringd_emu0 port 1") != std::string::npos);
+    CHECK(static_cast<IbverbsLink *>(ab)->qp_count() == qps);
+}
+
+TEST_CASE("a write into memory the receiver deregistered fails both ends as a remote access error, named", "[ibverbs]") {
+    auto a = emulated(), b = emulated();
+    auto [la, lb] = link_pair(*a, *b);
+    REQUIRE((la.ok() && lb.ok()));
+    std::vector<std::byte> src(4096), dst(4096);
+    auto rs = a->register_region(src.data(), src.size());
+    RegisteredRegion rd(b.get(), *b->register_region(dst.data(), dst.size()));
+    REQUIRE(lb->front()->post_recv(rd.handle(), 0, 4096, 7).ok());
+    rd.reset();  // the receive's rkey is stale now
+    REQUIRE(la->front()->post_send(*rs, 0, 4096, 7).ok());
+    auto ev = pump({a.get()}, a.get(), 1, LinkEvent::Kind::SendDone);  // the peer's NIC works unpolled
+    REQUIRE(ev.size() == 1);
+    CHECK(ev[0].kind == LinkEvent::Kind::Failed);
+    CHECK_THAT(ev[0].error.message, Catch::Contains("link to hostB") && Catch::Contains("remote access error"));
+    CHECK(la->front()->error().has_value());
+    CHECK_FALSE(la->front()->post_send(*rs, 0, 16, 8).ok());  // sticky
+    // The responder's QP failed too: its receive is flushed, its link names the requester.
+    auto evb = pump({b.get()}, b.get(), 1, LinkEvent::Kind::RecvDone);
+    REQUIRE(evb.size() == 1);
+    CHECK(evb[0].kind == LinkEvent::Kind::Failed);
+    CHECK_THAT(evb[0].error.message, Catch::Contains("link to hostA"));
+}
+
+TEST_CASE("a peer that goes away fails the link at once, naming it", "[ibverbs]") {
+    auto a = emulated(), b = emulated();
+    auto [la, lb] = link_pair(*a, *b);
+    REQUIRE((la.ok() && lb.ok()));
+    std::vector<std::byte> buf(4096);
+    auto r = a->register_region(buf.data(), buf.size());
+    REQUIRE(la->front()->post_recv(*r, 0, 4096, 1).ok());
+    const auto start = std::chrono::steady_clock::now();
+    b.reset();  // the peer's transport, QPs and device are gone
+    std::vector<LinkEvent> ev;
+    while (ev.empty() && std::chrono::steady_clock::now() - start < 5s) REQUIRE(a->poll(ev, 100).ok());
+    REQUIRE_FALSE(ev.empty());
+    CHECK(ev[0].kind == LinkEvent::Kind::Failed);
+    CHECK_THAT(ev[0].error.message, Catch::Contains("hostB"));
+    CHECK(std::chrono::steady_clock::now() - start < 2s);
+}
+
+TEST_CASE("peers with different QP counts per link refuse the link with a clear error", "[ibverbs]") {
+    auto a = emulated(1), b = emulated(2);
+    auto [la, lb] = link_pair(*a, *b);
+    REQUIRE_FALSE(la.ok());
+    CHECK_THAT(la.error().message, Catch::Contains("qps_per_link must match"));
+    REQUIRE_FALSE(lb.ok());
+}
+
+TEST_CASE("without an RDMA device the hardware provider fails at once, saying what to do", "[ibverbs]") {
+    int n = 0;
+    ibv_device **list = ibv_get_device_list(&n);
+    if (list) ibv_free_device_list(list);
+    if (n > 0) {
+        WARN("this machine has an RDMA device: nothing to check");
+        return;
+    }
+    IbverbsOptions o;
+    auto t = IbverbsTransport::create(verbs::hardware_verbs(), o);
+    REQUIRE_FALSE(t.ok());
+    CHECK(t.error().code == -ENODEV);
+    CHECK_THAT(t.error().message, Catch::Contains("no RDMA device") && Catch::Contains("ibv_devices") &&
+                                      Catch::Contains("transport: tcp"));
+}
+
+TEST_CASE("a memory-lock limit too low for registration is reported with the fix", "[ibverbs]") {
+    // In a child without CAP_IPC_LOCK and with a 64 KiB RLIMIT_MEMLOCK, as for a non-root daemon.
+    int fds[2];
+    REQUIRE(::pipe(fds) == 0);
+    const pid_t pid = ::fork();
+    REQUIRE(pid >= 0);
+    if (pid == 0) {
+        ::close(fds[0]);
+        std::string msg = "setup failed";
+        if (::setgid(65534) == 0 && ::setuid(65534) == 0) {  // nobody: no capabilities left
+            rlimit lim{64 << 10, 64 << 10};
+            ::setrlimit(RLIMIT_MEMLOCK, &lim);
+            IbverbsOptions o;
+            auto t = IbverbsTransport::create(verbs::emulated_verbs(), o);
+            if (t) {
+                std::vector<std::byte> big(1 << 20);
+                auto r = (*t)->register_region(big.data(), big.size());
+                msg = r ? std::string("registered") : r.error().message;
+            } else {
+                msg = t.error().message;
+            }
+        } else if (::getuid() != 0) {
+            msg = "skip";
+        }
+        (void)!::write(fds[1], msg.data(), msg.size());
+        ::_exit(0);
+    }
+    ::close(fds[1]);
+    std::string msg;
+    char buf[512];
+    for (ssize_t k; (k = ::read(fds[0], buf, sizeof buf)) > 0;) msg.append(buf, static_cast<size_t>(k));
+    ::close(fds[0]);
+    ::waitpid(pid, nullptr, 0);
+    if (msg == "skip") {
+        WARN("not root: cannot drop to a user without CAP_IPC_LOCK; skipped");
+        return;
+    }
+    CHECK_THAT(msg, Catch::Contains("memory-lock limit is too low") && Catch::Contains("LimitMEMLOCK=infinity"));
+}
