@@ -231,6 +231,12 @@ void ControlPlane::on_conn(uint64_t id, uint32_t events) {
         if (st == PeerHandshake::State::Up) promote(c);
         return;
     }
+    if (c.kind == proto::ConnKind::Data) {
+        // What arrives on an up data connection is the transport's (ibverbs starts its link
+        // bring-up as soon as its own side is up): never read here, only watched for closing.
+        if (events & (EPOLLRDHUP | EPOLLHUP | EPOLLERR)) return peer_failed(c.peer, "data connection closed");
+        return;
+    }
     // An up control connection: heartbeats and engine messages (small ops' data included).
     if ((events & EPOLLOUT) && !flush(c)) return;
     for (;;) {
@@ -285,11 +291,13 @@ void ControlPlane::promote(Conn &c) {
         p.last_heard = Clock::now();
         set_state(peer, "up");
     } else if (c.dialer) {
+        (void)watch(c.fd.get(), id, EPOLLRDHUP);
         spdlog::debug("data stream {} to {}: up", c.stream, p.host.name);
     } else {
         if (ring_up_) abort_ring("host " + p.host.name + " re-formed its data links");
         if (data_in_[c.stream]) close_conn(data_in_[c.stream]);
         data_in_[c.stream] = id;
+        (void)watch(c.fd.get(), id, EPOLLRDHUP);
         spdlog::debug("data stream {} from {}: up", c.stream, p.host.name);
     }
     maybe_ring_up();
@@ -401,7 +409,10 @@ void ControlPlane::heartbeat_now(uint64_t generation) {
 
 void ControlPlane::tick(Clock::time_point now) {
     if (n_ == 1) return;
-    if (pending_link_failure_ && now >= pending_link_failure_->first) abort_ring(pending_link_failure_->second);
+    if (pending_link_failure_ && now >= pending_link_failure_->first) {
+        const std::string why = std::move(pending_link_failure_->second);  // abort_ring resets the optional
+        abort_ring(why);
+    }
     for (uint32_t i = self_ + 1; i < n_; ++i)
         if (!peers_[i].control && !peers_[i].dialing && now >= peers_[i].next_dial) dial(i, proto::ConnKind::Control, 0);
     if (!ring_up_ && now >= next_data_dial_)

@@ -8,6 +8,7 @@
 #include <netinet/in.h>
 #include <sys/stat.h>
 
+#include <filesystem>
 #include <fstream>
 #include <random>
 #include <thread>
@@ -159,8 +160,64 @@ TEST_CASE("3 and 4 hosts x 1-2 local ranks, every algorithm: random dtypes, ops 
     }
 }
 
+namespace {
+const char *const kIbverbsYaml = "transport: ibverbs\nibverbs: {provider: emulated}\n";
+
+bool machine_has_rdma_devices() {
+    std::error_code ec;
+    return std::filesystem::exists("/sys/class/infiniband", ec) && !std::filesystem::is_empty("/sys/class/infiniband", ec);
+}
+}  // namespace
+
+TEST_CASE("over ibverbs on the software RDMA device: 3 and 4 hosts x 1-2 ranks, every dtype x op, every value exact",
+          "[cluster][ibverbs]") {
+    for (uint32_t hosts : {3u, 4u}) {
+        // 3 hosts: every op on the RDMA ring; 4: small ops by direct exchange in between.
+        TestCluster c(hosts, "10s", std::string(kIbverbsYaml) + (hosts == 3 ? "tuning: {direct_max_bytes: 0}\n" : ""));
+        REQUIRE(c.wait_up());
+        uint64_t seed = 1;
+        for (uint32_t local : {1u, 2u}) {
+            auto cl = connect_all(c, "v" + std::to_string(local), local);
+            for (uint32_t t = 0; t < kDTypeCount; ++t)
+                for (uint32_t o = 0; o < kReduceOpCount; ++o) {
+                    const auto dt = static_cast<DType>(t);
+                    const auto op = static_cast<ReduceOp>(o);
+                    if (op == ReduceOp::Avg && dtype_is_integer(dt)) continue;
+                    const size_t sizes[] = {hosts - 1, 997, 65537, (size_t{300} << 10) / dtype_size(dt)};
+                    allreduce_checked(cl, dt, op, sizes[seed % 4], seed);
+                    ++seed;
+                }
+        }
+        const auto j = c.status(0);
+        CHECK(j["transport"] == "ibverbs");
+        CHECK_THAT(j["transport_detail"].get<std::string>(), Catch::Contains("ringd_emu0") && Catch::Contains("RoCE v2"));
+        CHECK(j["ops"]["failed"] == 0);
+        CHECK(j["ring"]["ops_ring"].get<int>() > 0);
+        CHECK(j["memory"]["registrations"].get<int>() <= 4);  // 3 slots + the ring's staging, never per op
+    }
+}
+
+TEST_CASE("transport: ibverbs without an RDMA device stops ringd at start with what to do", "[cluster][ibverbs]") {
+    if (machine_has_rdma_devices()) {
+        WARN("this machine has RDMA devices: nothing to check");
+        return;
+    }
+    const std::string dir = make_temp_dir();
+    std::ofstream(dir + "/c.yaml") << "cluster: c\nhosts:\n  - {name: a, address: 127.0.0.1, port: 7400}\n"
+                                      "  - {name: b, address: 127.0.0.1, port: 7401}\ntransport: ibverbs\nsocket: "
+                                   << dir << "/s.sock\n";
+    const auto start = Clock::now();
+    const auto r = run_command(env_or("RINGD_BIN", "build/daemon/ringd") + " --config " + dir + "/c.yaml --host a 2>&1");
+    CHECK(r.exit_code != 0);
+    CHECK(Clock::now() - start < 5s);
+    CHECK_THAT(r.output, Catch::Contains("no RDMA device found") && Catch::Contains("ibv_devices") &&
+                             Catch::Contains("transport: tcp"));
+}
+
 TEST_CASE("a host killed mid-op fails every other trainer naming it; the ring re-forms for the survivors", "[cluster]") {
-    TestCluster c(3);
+    const std::string transport = GENERATE(std::string(), std::string(kIbverbsYaml));
+    INFO(transport);
+    TestCluster c(3, "5s", transport);
     REQUIRE(c.wait_up());
     auto cl = connect_all(c, "k", 1);
     allreduce_checked(cl, DType::F32, ReduceOp::Sum, 1000, 1);

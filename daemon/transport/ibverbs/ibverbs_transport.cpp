@@ -243,7 +243,8 @@ Status IbverbsTransport::poll(std::vector<LinkEvent> &out, int timeout_ms) {
         uint8_t b;
         const ssize_t r = ::recv(l->conn_.get(), &b, 1, MSG_DONTWAIT);
         if (r == 0 || (r < 0 && errno != EAGAIN && errno != EINTR))
-            l->fail(-ECONNRESET, "host " + l->peer() + " closed the link (its ringd stopped or died)");
+            l->fail(-ECONNRESET, "host " + l->peer() + " closed the link (its ringd stopped or died" +
+                                     (r < 0 ? ": " + errno_string(errno) : std::string()) + ")");
         else if (r > 0)
             l->fail(-EPROTO, "unexpected bytes on the link's connection after bring-up");
         if (l->error()) ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, l->conn_.get(), nullptr);
