@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # bench/cluster end to end: ringd-bench on a ring of test hosts, every value checked.
-#   cluster_bench.sh netns     3 namespace hosts x 2 ranks (exit 77 without root/namespaces)
-#   cluster_bench.sh loopback  3 hosts on 127.0.0.1 x 2 ranks
+#   cluster_bench.sh netns          3 namespace hosts x 2 ranks (exit 77 without root/namespaces)
+#   cluster_bench.sh netns-ibverbs  the same with transport: ibverbs on the software RDMA device
+#   cluster_bench.sh loopback       3 hosts on 127.0.0.1 x 2 ranks
 set -euo pipefail
 mode=$1
 src=${RINGD_SOURCE_DIR:?}
 build=$(dirname "$(dirname "${RINGD_BIN:?}")")
 args=(--hosts 3 --ranks-per-host 2 --build "$build" --op-timeout 20s)
-if [ "$mode" = netns ]; then
+if [ "$mode" = netns-ibverbs ]; then
+    args+=(--yaml $'transport: ibverbs\nibverbs: {provider: emulated}')
+fi
+if [ "$mode" != loopback ]; then
     [ "$(id -u)" = 0 ] || { echo "not root: skipped"; exit 77; }
     ip netns add "ringd-probe-$$" 2>/dev/null || { echo "network namespaces unavailable: skipped"; exit 77; }
     ip netns del "ringd-probe-$$"
@@ -22,3 +26,13 @@ for pair in float:sum half:max bfloat16:avg int64:min double:avg; do
     grep -q "^# ringd-bench: 3 host(s) x 2 local rank(s) = 6 ranks" <<<"$out"
     grep -q "^# Wrong values : 0$" <<<"$out"
 done
+if [ "$mode" = netns-ibverbs ]; then
+    # The same config with the hardware provider fails fast here (no RDMA device), saying why.
+    if [ ! -d /sys/class/infiniband ] || [ -z "$(ls -A /sys/class/infiniband 2>/dev/null)" ]; then
+        if out=$("$src/bench/cluster" "${args[@]/provider: emulated/provider: hardware}" -- true 2>&1); then
+            echo "ringd started with transport: ibverbs on a machine without RDMA devices" >&2
+            exit 1
+        fi
+        echo "$out" | grep -m1 "no RDMA device found"
+    fi
+fi
