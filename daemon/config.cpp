@@ -128,8 +128,9 @@ Config parse_root(const YAML::Node &root) {
         if (n["provider"]) c.ibverbs.provider = get_choice(n["provider"], "ibverbs.provider", {"hardware", "emulated"});
         if (n["device"]) c.ibverbs.device = scalar(n["device"], "ibverbs.device");
         if (n["mtu"]) {
-            c.ibverbs.mtu = static_cast<uint32_t>(get_uint(n["mtu"], "ibverbs.mtu", 256, 4096));
-            if (c.ibverbs.mtu & (c.ibverbs.mtu - 1)) fail("ibverbs.mtu", "must be 256, 512, 1024, 2048 or 4096");
+            c.ibverbs.mtu = static_cast<uint32_t>(get_uint(n["mtu"], "ibverbs.mtu", 0, 4096));
+            if (c.ibverbs.mtu != 0 && (c.ibverbs.mtu < 256 || (c.ibverbs.mtu & (c.ibverbs.mtu - 1))))
+                fail("ibverbs.mtu", "must be 0 (the port's), 256, 512, 1024, 2048 or 4096");
         }
         if (n["qps_per_link"])
             c.ibverbs.qps_per_link = static_cast<uint32_t>(get_uint(n["qps_per_link"], "ibverbs.qps_per_link", 1, 8));

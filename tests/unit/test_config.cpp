@@ -39,7 +39,8 @@ TEST_CASE("the shipped example config parses", "[config]") {
 
 TEST_CASE("every value is parsed", "[config]") {
     auto c = parse_config(kBase +
-                          "transport: ibverbs\ntcp: {streams: 4}\nibverbs: {device: mlx5_0, port: 2, gid_index: 3}\n"
+                          "transport: ibverbs\ntcp: {streams: 4}\nibverbs: {device: mlx5_0, port: 2, gid_index: 3, provider: emulated, "
+                          "mtu: 2048, qps_per_link: 4, timeout: 18, retry_cnt: 5, rnr_retry: 6}\n"
                           "socket: /tmp/x.sock\nsocket_group: wheel\nallow_uids: [0, 1000]\nallow_gids: [27]\n"
                           "memory: {slot_bytes: 1GiB, max_slots: 4}\ntimeouts: {op: 500ms, connect: 2m, heartbeat: 1s}\n"
                           "poll: busy\nauth: {secret_file: /etc/ringd/secret}\nlog: {level: debug}\n"
@@ -50,6 +51,12 @@ TEST_CASE("every value is parsed", "[config]") {
     CHECK(c->tcp.streams == 4);
     CHECK(c->ibverbs.device == "mlx5_0");
     CHECK(c->ibverbs.gid_index == "3");
+    CHECK(c->ibverbs.provider == "emulated");
+    CHECK(c->ibverbs.mtu == 2048);
+    CHECK(c->ibverbs.qps_per_link == 4);
+    CHECK(c->ibverbs.timeout == 18);
+    CHECK(c->ibverbs.retry_cnt == 5);
+    CHECK(c->ibverbs.rnr_retry == 6);
     CHECK(c->allow_uids == std::vector<uint32_t>{0, 1000});
     CHECK(c->memory.slot_bytes == 1ull << 30);
     CHECK(c->timeouts.op == std::chrono::milliseconds(500));
@@ -76,6 +83,10 @@ TEST_CASE("errors name the key", "[config]") {
     CHECK_THAT(error_of(kBase + "allow_uids: [x]\n"), Catch::StartsWith("allow_uids[0]:"));
     CHECK_THAT(error_of(kBase + "log: {level: loud}\n"), Catch::StartsWith("log.level:"));
     CHECK_THAT(error_of(kBase + "ibverbs: {gid_index: x}\n"), Catch::StartsWith("ibverbs.gid_index:"));
+    CHECK_THAT(error_of(kBase + "ibverbs: {provider: soft}\n"), Catch::StartsWith("ibverbs.provider:"));
+    CHECK_THAT(error_of(kBase + "ibverbs: {mtu: 1500}\n"), Catch::StartsWith("ibverbs.mtu:"));
+    CHECK_THAT(error_of(kBase + "ibverbs: {qps_per_link: 9}\n"), Catch::StartsWith("ibverbs.qps_per_link:"));
+    CHECK_THAT(error_of(kBase + "ibverbs: {retry_cnt: 8}\n"), Catch::StartsWith("ibverbs.retry_cnt:"));
     CHECK_THAT(error_of(kBase + "tuning: {direct_max_bytes: 1GiB}\n"), Catch::StartsWith("tuning.direct_max_bytes:"));
     CHECK_THAT(error_of(kBase + "tuning: {link_mbit: 0}\n"), Catch::StartsWith("tuning.link_mbit:"));
     CHECK_THAT(error_of(kBase + "tuning: {chunk_bytes: 1KiB}\n"), Catch::StartsWith("tuning.chunk_bytes:"));
