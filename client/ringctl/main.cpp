@@ -28,8 +28,10 @@ void print_human(const json &j) {
     std::printf("ringd %s on %s (cluster %s, pid %d), up %s\n", j["version"].get<std::string>().c_str(),
                 j["host"].get<std::string>().c_str(), j["cluster"].get<std::string>().c_str(), j["pid"].get<int>(),
                 duration(j["uptime_s"].get<double>()).c_str());
-    std::printf("transport %s, poll %s, socket %s\n\n", j["transport"].get<std::string>().c_str(),
-                j["poll"].get<std::string>().c_str(), j["socket"].get<std::string>().c_str());
+    const std::string detail = j.value("transport_detail", "");
+    std::printf("transport %s%s, poll %s, socket %s\n\n", j["transport"].get<std::string>().c_str(),
+                detail.empty() ? "" : (" (" + detail + ")").c_str(), j["poll"].get<std::string>().c_str(),
+                j["socket"].get<std::string>().c_str());
     const auto &ring = j["ring"];
     std::printf("ring: %s, generation %llu, %zu host(s)\n", ring.value("state", "up").c_str(),
                 ring["generation"].get<unsigned long long>(), ring["members"].size());
