@@ -74,7 +74,10 @@ Result<std::unique_ptr<IbverbsTransport>> IbverbsTransport::create(const verbs::
     if (!ch) return verbs_error(errno, "ibv_create_comp_channel on " + dev_name);
     t->channel_ = verbs::CompletionChannel(&api, ch);
     ::fcntl(ch->fd, F_SETFL, ::fcntl(ch->fd, F_GETFL) | O_NONBLOCK);
-    ibv_cq *cq = api.create_cq(t->ctx_.get(), kCqEntries, t.get(), ch, 0);
+    // As many entries as the device allows, up to kCqEntries (every link's QPs share it).
+    ibv_cq *cq = nullptr;
+    for (int entries = kCqEntries; !cq && entries >= 4096; entries /= 4)
+        cq = api.create_cq(t->ctx_.get(), entries, t.get(), ch, 0);
     if (!cq) return verbs_error(errno, "ibv_create_cq on " + dev_name);
     t->cq_ = verbs::CompletionQueue(&api, cq);
     t->epoll_ = UniqueFd(::epoll_create1(EPOLL_CLOEXEC));
@@ -288,6 +291,10 @@ Status IbverbsLink::create_qps() {
         a.cap.max_recv_sge = 1;
         a.cap.max_inline_data = 64;
         ibv_qp *qp = api.create_qp(t_.pd_.get(), &a);
+        if (!qp) {  // some devices have no inline data at all
+            a.cap.max_inline_data = 0;
+            qp = api.create_qp(t_.pd_.get(), &a);
+        }
         if (!qp) return verbs_error(errno, "ibv_create_qp (RC, " + std::to_string(a.cap.max_send_wr) + " send WRs)");
         qps_.emplace_back(&api, qp);
         sq_.emplace_back();
@@ -467,8 +474,11 @@ void IbverbsLink::try_send() {
 void IbverbsLink::on_completion(const ibv_wc &wc, uint32_t q) {
     if (error()) return;
     if (wc.status != IBV_WC_SUCCESS) {
-        const bool recv = wc.opcode & IBV_WC_RECV;
-        fail(-EIO, std::string(recv ? "receive" : (wc.wr_id & kWrData) ? "RDMA write of data" : "RDMA write of a ClearToSend") +
+        // Only wr_id, status, vendor_err and qp_num are defined in an error completion.
+        const char *what = (wc.wr_id & kWrData) ? "RDMA write of data"
+                           : (wc.wr_id & kWrCts) ? "RDMA write of a ClearToSend"
+                                                 : "receive";
+        fail(-EIO, std::string(what) +
                        " on QP " + std::to_string(wc.qp_num) + " failed: " + ibv_wc_status_str(wc.status) + " (status " +
                        std::to_string(static_cast<int>(wc.status)) + ", vendor error 0x" +
                        fmt::format("{:x}", wc.vendor_err) + ")");
