@@ -218,6 +218,11 @@ EngineResult ProgressEngine::execute_ring(EngineWork &w) {
     if (!s) {
         const bool link = s.error().code != -ECONNABORTED;
         if (link) link_failure_reported_ = true;
+        // A failed op ends the generation. Drop its links now, not when the control thread's
+        // ring_down arrives: receives of this op may still be posted into the trainer's slot
+        // (with RDMA the peer's NIC writes there on its own), and the trainer gets its slot back
+        // with the result.
+        drop_links();
         return done(s.error().code, s.error().message, link);
     }
     return done(0, {}, false);

@@ -60,6 +60,10 @@ void complete_send(EmuQp *qp, const SendWqe &w, ibv_wc_status status) {
 
 void qp_to_error(EmuQp *qp) {
     qp->qp.state = IBV_QPS_ERR;
+    {
+        std::unique_lock dma(qp->dma_mu);  // waits out a read into our memory under way
+        qp->dma_off = true;
+    }
     for (auto *q : {&qp->inflight, &qp->sq}) {
         for (const SendWqe &w : *q) {
             ibv_wc wc{};
@@ -474,6 +478,10 @@ int modify_qp(ibv_qp *q, ibv_qp_attr *a, int mask) {
         if (!a->ah_attr.is_global || a->ah_attr.grh.sgid_index >= c->gids.size() ||
             (a->ah_attr.port_num && a->ah_attr.port_num != qp->port))
             return EINVAL;
+        {
+            std::unique_lock dma(qp->dma_mu);
+            qp->dma_off = false;
+        }
         qp->dest_qpn = a->dest_qp_num;
         qp->dgid = a->ah_attr.grh.dgid;
         qp->dlid = a->ah_attr.dlid;
@@ -501,6 +509,10 @@ int destroy_qp(ibv_qp *q) {
         keep = std::move(it->second);
         c->qps.erase(it);
         qp->dead = true;
+        {
+            std::unique_lock dma(qp->dma_mu);
+            qp->dma_off = true;
+        }
         qp->sq.clear();
         qp->inflight.clear();
         qp->rq.clear();

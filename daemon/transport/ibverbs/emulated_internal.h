@@ -127,6 +127,11 @@ struct EmuQp {
     uint32_t next_seq = 0;
     int out_fd = -1;  // requester connection (owned by the TX thread until closed)
     bool connect_failed = false;
+    // The RX thread holds dma_mu (shared) around each socket read into registered memory for
+    // this QP; moving the QP to ERROR or destroying it sets dma_off under the exclusive lock, so
+    // that once that returns no more incoming data lands in the process's memory.
+    std::shared_mutex dma_mu;
+    bool dma_off = false;
     bool rnr_waiting = false;      // an inbound WRITE_WITH_IMM waits for a receive
     uint32_t unsignaled_done = 0;  // acknowledged unsignalled WRs still holding SQ slots
     bool dead = false;             // destroyed

@@ -462,7 +462,13 @@ bool Rx::read_requests(RxConn &k) {
                 continue;
             }
             if (k.target) {
+                std::shared_lock qp_dma(k.qp->dma_mu);
                 std::shared_lock dma(k.target->mu);
+                if (k.qp->dma_off) {
+                    k.target.reset();  // the QP failed or went away: the rest is dropped
+                    k.pending_nak = 0xff;
+                    continue;
+                }
                 if (k.target->dead) {
                     k.target.reset();  // deregistered under the write
                     k.pending_nak = kNakAccess;
