@@ -216,3 +216,34 @@ TEST_CASE("a memory-lock limit too low for registration is reported with the fix
     }
     CHECK_THAT(msg, Catch::Contains("memory-lock limit is too low") && Catch::Contains("LimitMEMLOCK=infinity"));
 }
+
+TEST_CASE("a peer that sends garbage or nothing at bring-up is refused with a clear error, before the deadline",
+          "[ibverbs]") {
+    auto a = emulated();
+    SECTION("garbage") {
+        auto [c, s] = test::tcp_pair();
+        const char junk[64] = "GET / HTTP/1.1\r\nHost: ringd\r\n\r\n";
+        REQUIRE(::write(s.get(), junk, sizeof junk) == static_cast<ssize_t>(sizeof junk));
+        std::vector<LinkSetup> u(1);
+        u[0].peer = "stranger";
+        u[0].streams.push_back(std::move(c));
+        auto l = a->add_links(std::move(u), std::chrono::steady_clock::now() + 5s);
+        REQUIRE_FALSE(l.ok());
+        CHECK_THAT(l.error().message, Catch::Contains("link to stranger") && Catch::Contains("QP info"));
+    }
+    SECTION("nothing (a peer with another transport)") {
+        auto [c, s] = test::tcp_pair();
+        std::vector<LinkSetup> u(1);
+        u[0].peer = "tcp-host";
+        u[0].streams.push_back(std::move(c));
+        const auto start = std::chrono::steady_clock::now();
+        auto l = a->add_links(std::move(u), start + 300ms);
+        REQUIRE_FALSE(l.ok());
+        CHECK_THAT(l.error().message, Catch::Contains("link to tcp-host") && Catch::Contains("waiting for the peer's QP info"));
+        CHECK(std::chrono::steady_clock::now() - start < 2s);
+    }
+    // The transport is still fine for a proper peer.
+    auto b = emulated();
+    auto [la, lb] = link_pair(*a, *b);
+    CHECK((la.ok() && lb.ok()));
+}
