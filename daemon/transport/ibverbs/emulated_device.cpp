@@ -50,12 +50,7 @@ void complete_send(EmuQp *qp, const SendWqe &w, ibv_wc_status status) {
         return;
     }
     if (status == IBV_WC_SUCCESS) qp->unsignaled_done = 0;
-    ibv_wc wc{};
-    wc.wr_id = w.wr_id;
-    wc.status = status;
-    wc.opcode = IBV_WC_RDMA_WRITE;
-    wc.qp_num = qp->qp.qp_num;
-    push_cqe(qp->scq, wc);
+    push_cqe(qp->scq, make_wc(qp, w.wr_id, status, IBV_WC_RDMA_WRITE));
 }
 
 void qp_to_error(EmuQp *qp) {
@@ -65,24 +60,10 @@ void qp_to_error(EmuQp *qp) {
         qp->dma_off = true;
     }
     for (auto *q : {&qp->inflight, &qp->sq}) {
-        for (const SendWqe &w : *q) {
-            ibv_wc wc{};
-            wc.wr_id = w.wr_id;
-            wc.status = IBV_WC_WR_FLUSH_ERR;
-            wc.opcode = IBV_WC_RDMA_WRITE;
-            wc.qp_num = qp->qp.qp_num;
-            push_cqe(qp->scq, wc);
-        }
+        for (const SendWqe &w : *q) push_cqe(qp->scq, make_wc(qp, w.wr_id, IBV_WC_WR_FLUSH_ERR, IBV_WC_RDMA_WRITE));
         q->clear();
     }
-    for (uint64_t id : qp->rq) {
-        ibv_wc wc{};
-        wc.wr_id = id;
-        wc.status = IBV_WC_WR_FLUSH_ERR;
-        wc.opcode = IBV_WC_RECV;
-        wc.qp_num = qp->qp.qp_num;
-        push_cqe(qp->rcq, wc);
-    }
+    for (uint64_t id : qp->rq) push_cqe(qp->rcq, make_wc(qp, id, IBV_WC_WR_FLUSH_ERR, IBV_WC_RECV));
     qp->rq.clear();
     qp->unsignaled_done = 0;
     if (qp->out_fd >= 0) ::shutdown(qp->out_fd, SHUT_RDWR);  // the TX thread stops writing to it
@@ -588,12 +569,7 @@ int post_recv(ibv_qp *q, ibv_recv_wr *wr, ibv_recv_wr **bad) {
             if (wr->num_sge < 0 || static_cast<uint32_t>(wr->num_sge) > qp->cap.max_recv_sge) return EINVAL;
             if (qp->rq.size() >= qp->cap.max_recv_wr) return ENOMEM;
             if (qp->qp.state == IBV_QPS_ERR) {
-                ibv_wc wc{};
-                wc.wr_id = wr->wr_id;
-                wc.status = IBV_WC_WR_FLUSH_ERR;
-                wc.opcode = IBV_WC_RECV;
-                wc.qp_num = qp->qp.qp_num;
-                push_cqe(qp->rcq, wc);
+                push_cqe(qp->rcq, make_wc(qp, wr->wr_id, IBV_WC_WR_FLUSH_ERR, IBV_WC_RECV));
                 continue;
             }
             qp->rq.push_back(wr->wr_id);

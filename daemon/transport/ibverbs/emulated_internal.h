@@ -181,6 +181,16 @@ struct EmuContext {
     std::thread tx, rx;
 };
 
+// A work completion of `qp` (status, opcode and wr_id; the rest as the caller fills it).
+inline ibv_wc make_wc(const EmuQp *qp, uint64_t wr_id, ibv_wc_status status, ibv_wc_opcode opcode) {
+    ibv_wc wc{};
+    wc.wr_id = wr_id;
+    wc.status = status;
+    wc.opcode = opcode;
+    wc.qp_num = qp->qp.qp_num;
+    return wc;
+}
+
 // The NIC threads (emulated_nic.cpp).
 void tx_main(EmuContext *c);
 void rx_main(EmuContext *c);

@@ -65,7 +65,7 @@ bool send_all(int fd, const void *p, size_t n, int limit_ms = 1000) {
 // ---- TX ----
 
 // Opens the requester connection of an RTS QP: to the destination GID's address, port = dlid.
-int connect_qp(EmuQp &qp, uint32_t src_qpn, uint32_t dest_qpn, const ibv_gid &dgid, uint16_t dlid, uint8_t rnr_retry) {
+int connect_qp(uint32_t src_qpn, uint32_t dest_qpn, const ibv_gid &dgid, uint16_t dlid, uint8_t rnr_retry) {
     sockaddr_in a{};
     if (!gid_to_ipv4(dgid, a)) return -1;
     a.sin_port = htons(dlid);
@@ -85,7 +85,6 @@ int connect_qp(EmuQp &qp, uint32_t src_qpn, uint32_t dest_qpn, const ibv_gid &dg
     }
     const WireHello h{kWireMagic, src_qpn, dest_qpn, rnr_retry, {}};
     if (!send_all(s.get(), &h, sizeof h, 2000)) return -1;
-    (void)qp;
     return s.release();
 }
 
@@ -114,10 +113,10 @@ bool transmit(EmuContext *c, int fd, const WireRequest &req, Gather &g, const Se
             v[nv++] = {static_cast<uint8_t *>(g.iov[i].iov_base) + skip, g.iov[i].iov_len - skip};
             skip = 0;
         }
-        std::vector<std::shared_lock<std::shared_mutex>> locks;
+        std::shared_lock<std::shared_mutex> locks[kMaxSge];
         bool dead = false;
         for (uint32_t i = 0; i < w.num_sge; ++i) {
-            locks.emplace_back(g.mrs[i]->mu);
+            locks[i] = std::shared_lock(g.mrs[i]->mu);
             dead |= g.mrs[i]->dead;
         }
         if (dead) return false;  // deregistered under a posted send: a local protection error
@@ -125,7 +124,8 @@ bool transmit(EmuContext *c, int fd, const WireRequest &req, Gather &g, const Se
         m.msg_iov = v;
         m.msg_iovlen = static_cast<size_t>(nv);
         const ssize_t r = ::sendmsg(fd, &m, MSG_NOSIGNAL | MSG_DONTWAIT);
-        locks.clear();
+        for (auto &l : locks)
+            if (l.owns_lock()) l.unlock();
         if (r > 0) {
             off += static_cast<size_t>(r);
             continue;
@@ -151,7 +151,7 @@ bool run_send_queue(EmuContext *c, const std::shared_ptr<EmuQp> &qp, int budget)
             const uint16_t dlid = qp->dlid;
             const uint8_t rnr = qp->rnr_retry;
             lock.unlock();
-            const int s = connect_qp(*qp, src, dest, dgid, dlid, rnr);
+            const int s = connect_qp(src, dest, dgid, dlid, rnr);
             lock.lock();
             if (s < 0 || qp->dead || qp->qp.state != IBV_QPS_RTS) {
                 if (s >= 0) ::close(s);
@@ -288,7 +288,6 @@ private:
     bool finish_request(RxConn &k);
     bool respond(RxConn &k, uint8_t syndrome);
     void check_rnr_waits();
-    int check_ack_timeouts();
 
     EmuContext *c_;
     std::unordered_map<int, std::unique_ptr<RxConn>> conns_;
@@ -432,15 +431,11 @@ bool Rx::finish_request(RxConn &k) {
         std::lock_guard lock(c_->mu);
         EmuQp *qp = k.qp.get();
         if (qp->dead || qp->rq.empty()) return true;  // flushed meanwhile: dropped
-        ibv_wc wc{};
-        wc.wr_id = qp->rq.front();
+        ibv_wc wc = make_wc(qp, qp->rq.front(), IBV_WC_SUCCESS, IBV_WC_RECV_RDMA_WITH_IMM);
         qp->rq.pop_front();
-        wc.status = IBV_WC_SUCCESS;
-        wc.opcode = IBV_WC_RECV_RDMA_WITH_IMM;
         wc.byte_len = k.req.length;
         wc.imm_data = k.req.imm;
         wc.wc_flags = IBV_WC_WITH_IMM;
-        wc.qp_num = qp->qp.qp_num;
         wc.src_qp = qp->dest_qpn;
         push_cqe(qp->rcq, wc);
     }
@@ -562,7 +557,7 @@ void Rx::check_rnr_waits() {
 
 // Fails requests whose acknowledgement is overdue; returns the ms until the next deadline
 // (-1: none).
-int check_ack_timeouts_of(EmuContext *c) {
+int check_ack_timeouts(EmuContext *c) {
     std::lock_guard lock(c->mu);
     const auto now = Clock::now();
     Clock::duration next = Clock::duration::max();
@@ -582,12 +577,10 @@ int check_ack_timeouts_of(EmuContext *c) {
     return static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(next).count()) + 1;
 }
 
-int Rx::check_ack_timeouts() { return check_ack_timeouts_of(c_); }
-
 void Rx::run() {
     epoll_event evs[64];
     for (;;) {
-        int timeout = check_ack_timeouts();
+        int timeout = check_ack_timeouts(c_);
         const auto now = Clock::now();
         for (auto &[fd, k] : conns_) {
             if (!k->rnr_wait || k->rnr_until == Clock::time_point::max()) continue;

@@ -114,9 +114,10 @@ Result<RegionHandle> IbverbsTransport::do_register(std::byte *base, size_t bytes
 
 void IbverbsTransport::do_deregister(RegionHandle h) { regions_.erase(h.id); }
 
-const ibv_mr *IbverbsTransport::region(uint64_t id) const {
-    auto it = regions_.find(id);
-    return it == regions_.end() ? nullptr : it->second.get();
+const ibv_mr *IbverbsTransport::region(const RegionHandle &region, uint64_t offset, uint64_t bytes) const {
+    auto it = regions_.find(region.id);
+    if (it == regions_.end() || offset > region.bytes || bytes > region.bytes - offset) return nullptr;
+    return it->second.get();
 }
 
 Result<std::vector<Link *>> IbverbsTransport::add_links(std::vector<LinkSetup> setups,
@@ -398,9 +399,8 @@ Status IbverbsLink::post_write(uint32_t q, uint64_t wr_id, uint64_t addr, uint32
 
 Status IbverbsLink::post_send(const RegionHandle &region, uint64_t offset, uint64_t bytes, uint64_t tag) {
     if (error()) return *error();
-    const ibv_mr *mr = t_.region(region.id);
-    if (!mr || offset > region.bytes || bytes > region.bytes - offset)
-        return make_error(-EINVAL, "send outside a registered region");
+    const ibv_mr *mr = t_.region(region, offset, bytes);
+    if (!mr) return make_error(-EINVAL, "send outside a registered region");
     if (bytes > kMaxMessage) return make_error(-EMSGSIZE, "message of " + format_bytes(bytes) + " (at most 1GiB)");
     sends_.push_back({send_seq_++, reinterpret_cast<uint64_t>(region.base + offset), mr->lkey, bytes, tag});
     try_send();
@@ -410,9 +410,8 @@ Status IbverbsLink::post_send(const RegionHandle &region, uint64_t offset, uint6
 
 Status IbverbsLink::post_recv(const RegionHandle &region, uint64_t offset, uint64_t bytes, uint64_t tag) {
     if (error()) return *error();
-    const ibv_mr *mr = t_.region(region.id);
-    if (!mr || offset > region.bytes || bytes > region.bytes - offset)
-        return make_error(-EINVAL, "receive outside a registered region");
+    const ibv_mr *mr = t_.region(region, offset, bytes);
+    if (!mr) return make_error(-EINVAL, "receive outside a registered region");
     recvs_.push_back({tag, bytes, reinterpret_cast<uint64_t>(region.base + offset), mr->rkey, false});
     flush_cts();
     if (error()) return *error();

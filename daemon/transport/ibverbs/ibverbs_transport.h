@@ -134,7 +134,6 @@ public:
     std::string_view name() const override { return "ibverbs"; }
     // "mlx5_0 port 1, GID 3 ::ffff:10.0.0.1 (RoCE v2), MTU 4096, 2 QPs per link"
     std::string detail() const override { return description_; }
-    const verbs::VerbsApi &api() const { return *api_; }
 
     Result<std::vector<Link *>> add_links(std::vector<LinkSetup> links,
                                           std::chrono::steady_clock::time_point deadline) override;
@@ -149,7 +148,9 @@ protected:
 private:
     friend class IbverbsLink;
     IbverbsTransport() = default;
-    const ibv_mr *region(uint64_t id) const;
+    // The registration behind [region.base + offset, + bytes), or null if that is not inside a
+    // region of this transport.
+    const ibv_mr *region(const RegionHandle &region, uint64_t offset, uint64_t bytes) const;
     void drain_cq(std::vector<LinkEvent> &out);
     void complete(LinkEvent e) { ready_.push_back(std::move(e)); }
 
