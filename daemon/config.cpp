@@ -119,8 +119,19 @@ Config parse_root(const YAML::Node &root) {
     parse_hosts(root["hosts"], c);
     if (auto n = root["transport"]) c.transport = get_choice(n, "transport", {"tcp", "ibverbs"});
     if (auto n = root["tcp"]) {
-        check_keys(n, "tcp", {"streams"});
+        check_keys(n, "tcp", {"streams", "congestion"});
         if (n["streams"]) c.tcp.streams = static_cast<uint32_t>(get_uint(n["streams"], "tcp.streams", 1, 64));
+        if (n["congestion"]) {
+            c.tcp.congestion = scalar(n["congestion"], "tcp.congestion");
+            c.tcp.congestion_set = true;
+            const bool name_ok = !c.tcp.congestion.empty() && c.tcp.congestion.size() < 16 &&
+                                 std::all_of(c.tcp.congestion.begin(), c.tcp.congestion.end(), [](char ch) {
+                                     return (ch >= 'a' && ch <= 'z') || (ch >= '0' && ch <= '9') || ch == '_';
+                                 });
+            if (!name_ok)
+                fail("tcp.congestion", "'" + c.tcp.congestion +
+                                           "' is not a congestion control name (examples: cubic, reno, bbr, dctcp; or system)");
+        }
     }
     if (auto n = root["ibverbs"]) {
         check_keys(n, "ibverbs",

@@ -23,7 +23,13 @@ struct Config {
     std::string cluster;
     std::vector<HostEntry> hosts;  // ring order
     std::string transport = "tcp";
-    struct Tcp { uint32_t streams = 2; } tcp;
+    struct Tcp {
+        uint32_t streams = 2;
+        // The data streams' TCP congestion control (TCP_CONGESTION), or "system": the kernel's
+        // default (net.ipv4.tcp_congestion_control). congestion_set: given in the file.
+        std::string congestion = "cubic";
+        bool congestion_set = false;
+    } tcp;
     struct Ibverbs {
         std::string provider = "hardware";  // hardware (libibverbs) | emulated (software test device)
         std::string device = "auto";

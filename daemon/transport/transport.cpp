@@ -1,5 +1,7 @@
 #include "daemon/transport/transport.h"
 
+#include <spdlog/spdlog.h>
+
 #include "daemon/config.h"
 #include "daemon/transport/tcp/tcp_transport.h"
 #ifdef RINGD_HAVE_IBVERBS
@@ -26,7 +28,19 @@ void Transport::deregister_region(RegionHandle h) {
 }
 
 Result<std::unique_ptr<NetworkTransport>> make_transport(const Config &config) {
-    if (config.transport == "tcp") return std::unique_ptr<NetworkTransport>(std::make_unique<TcpTransport>());
+    if (config.transport == "tcp") {
+        std::string cc = config.tcp.congestion == "system" ? "" : config.tcp.congestion;
+        if (!cc.empty()) {
+            if (auto s = TcpTransport::check_congestion(cc); !s) {
+                if (config.tcp.congestion_set)
+                    return make_error(s.error().code, "tcp.congestion: " + s.error().message + "; or set tcp.congestion: system");
+                spdlog::warn("tcp.congestion (default {}): {}; the data streams keep the system's congestion control", cc,
+                             s.error().message);
+                cc.clear();
+            }
+        }
+        return std::unique_ptr<NetworkTransport>(std::make_unique<TcpTransport>(std::move(cc)));
+    }
 #ifdef RINGD_HAVE_IBVERBS
     if (config.transport == "ibverbs") {
         const auto &c = config.ibverbs;

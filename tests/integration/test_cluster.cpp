@@ -214,6 +214,19 @@ TEST_CASE("transport: ibverbs without an RDMA device stops ringd at start with w
                              Catch::Contains("transport: tcp"));
 }
 
+TEST_CASE("a TCP congestion control the kernel lacks stops ringd at start naming the key and the fix", "[cluster]") {
+    const std::string dir = make_temp_dir();
+    std::ofstream(dir + "/c.yaml") << "cluster: c\nhosts:\n  - {name: a, address: 127.0.0.1, port: 7400}\n"
+                                      "  - {name: b, address: 127.0.0.1, port: 7401}\ntcp: {congestion: nosuchcc}\nsocket: "
+                                   << dir << "/s.sock\n";
+    const auto start = Clock::now();
+    const auto r = run_command(env_or("RINGD_BIN", "build/daemon/ringd") + " --config " + dir + "/c.yaml --host a 2>&1");
+    CHECK(r.exit_code != 0);
+    CHECK(Clock::now() - start < 5s);
+    CHECK_THAT(r.output, Catch::Contains("tcp.congestion: TCP congestion control 'nosuchcc' is not in this kernel") &&
+                             Catch::Contains("tcp.congestion: system"));
+}
+
 TEST_CASE("a host killed mid-op fails every other trainer naming it; the ring re-forms for the survivors", "[cluster]") {
     const std::string transport = GENERATE(std::string(), std::string(kIbverbsYaml));
     INFO(transport);

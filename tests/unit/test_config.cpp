@@ -23,6 +23,8 @@ TEST_CASE("a minimal config gets the documented defaults", "[config]") {
     CHECK(c->cluster == "c");
     CHECK(c->transport == "tcp");
     CHECK(c->tcp.streams == 2);
+    CHECK(c->tcp.congestion == "cubic");
+    CHECK_FALSE(c->tcp.congestion_set);
     CHECK(c->socket == "/run/ringd/ringd.sock");
     CHECK(c->memory.slot_bytes == 256ull << 20);
     CHECK(c->memory.max_slots == 16);
@@ -39,7 +41,7 @@ TEST_CASE("the shipped example config parses", "[config]") {
 
 TEST_CASE("every value is parsed", "[config]") {
     auto c = parse_config(kBase +
-                          "transport: ibverbs\ntcp: {streams: 4}\nibverbs: {device: mlx5_0, port: 2, gid_index: 3, provider: emulated, "
+                          "transport: ibverbs\ntcp: {streams: 4, congestion: reno}\nibverbs: {device: mlx5_0, port: 2, gid_index: 3, provider: emulated, "
                           "mtu: 2048, qps_per_link: 4, timeout: 18, retry_cnt: 5, rnr_retry: 6}\n"
                           "socket: /tmp/x.sock\nsocket_group: wheel\nallow_uids: [0, 1000]\nallow_gids: [27]\n"
                           "memory: {slot_bytes: 1GiB, max_slots: 4}\ntimeouts: {op: 500ms, connect: 2m, heartbeat: 1s}\n"
@@ -49,6 +51,8 @@ TEST_CASE("every value is parsed", "[config]") {
     REQUIRE(c.ok());
     CHECK(c->transport == "ibverbs");
     CHECK(c->tcp.streams == 4);
+    CHECK(c->tcp.congestion == "reno");
+    CHECK(c->tcp.congestion_set);
     CHECK(c->ibverbs.device == "mlx5_0");
     CHECK(c->ibverbs.gid_index == "3");
     CHECK(c->ibverbs.provider == "emulated");
@@ -79,6 +83,9 @@ TEST_CASE("errors name the key", "[config]") {
     CHECK_THAT(error_of(kBase + "transport: udp\n"), Catch::StartsWith("transport: 'udp' is not one of tcp | ibverbs"));
     CHECK_THAT(error_of(kBase + "poll: sometimes\n"), Catch::StartsWith("poll:"));
     CHECK_THAT(error_of(kBase + "tcp: {streams: 0}\n"), Catch::StartsWith("tcp.streams:"));
+    CHECK_THAT(error_of(kBase + "tcp: {congestion: Cubic}\n"), Catch::StartsWith("tcp.congestion: 'Cubic' is not a congestion control name"));
+    CHECK_THAT(error_of(kBase + "tcp: {congestion: ''}\n"), Catch::StartsWith("tcp.congestion:"));
+    CHECK_THAT(error_of(kBase + "tcp: {congestion: averyveryverylongname}\n"), Catch::StartsWith("tcp.congestion:"));
     CHECK_THAT(error_of(kBase + "allow_uids: root\n"), Catch::StartsWith("allow_uids:"));
     CHECK_THAT(error_of(kBase + "allow_uids: [x]\n"), Catch::StartsWith("allow_uids[0]:"));
     CHECK_THAT(error_of(kBase + "log: {level: loud}\n"), Catch::StartsWith("log.level:"));

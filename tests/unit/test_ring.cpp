@@ -5,6 +5,9 @@
 // value checked on every rank. Faults: a peer that disappears mid-op, a peer that never comes.
 #include <catch2/catch.hpp>
 
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+
 #include <random>
 #include <thread>
 
@@ -279,4 +282,27 @@ TEST_CASE("a peer that never answers ends in a timeout naming it, not a hang", "
     CHECK(s.error().code == -ETIMEDOUT);
     CHECK_THAT(s.error().message, Catch::Contains("node1"));
     CHECK(std::chrono::steady_clock::now() - start < 5s);
+}
+
+TEST_CASE("TCP links carry the configured congestion control; one the kernel lacks is refused by name", "[ring][tcp]") {
+    // reno is built into every kernel and always allowed.
+    REQUIRE(TcpTransport::check_congestion("reno").ok());
+    TcpTransport t("reno");
+    auto [a, b] = tcp_pair();
+    const int fd = a.get();
+    std::vector<UniqueFd> streams;
+    streams.push_back(std::move(a));
+    auto link = t.add_link("node1", std::move(streams));
+    REQUIRE(link.ok());
+    char name[16] = {};
+    socklen_t len = sizeof name;
+    REQUIRE(::getsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, name, &len) == 0);
+    CHECK(std::string(name) == "reno");
+    CHECK(t.detail() == "congestion control reno");
+
+    const auto missing = TcpTransport::check_congestion("nosuchcc");
+    REQUIRE_FALSE(missing.ok());
+    CHECK(missing.error().code == -ENOENT);
+    CHECK_THAT(missing.error().message, Catch::StartsWith("TCP congestion control 'nosuchcc' is not in this kernel (available: "));
+    CHECK_THAT(TcpTransport("").detail(), Catch::StartsWith("congestion control: the system's"));
 }

@@ -18,9 +18,45 @@ namespace {
 constexpr uint32_t kDataMagic = 0x4D444752;  // bytes 'R' 'G' 'D' 'M'
 constexpr int kSocketBuffer = 8 << 20;       // covers 10 Gbit/s x 5 ms
 
+// One line of a /proc/sys file, or "" when it cannot be read.
+std::string read_sysctl(const char *path) {
+    std::string line;
+    if (FILE *f = std::fopen(path, "re")) {
+        char buf[256];
+        if (std::fgets(buf, sizeof buf, f)) line = buf;
+        std::fclose(f);
+    }
+    while (!line.empty() && (line.back() == '\n' || line.back() == ' ')) line.pop_back();
+    return line;
+}
+
 }  // namespace
 
-TcpTransport::TcpTransport() : epoll_(::epoll_create1(EPOLL_CLOEXEC)) {}
+TcpTransport::TcpTransport(std::string congestion)
+    : epoll_(::epoll_create1(EPOLL_CLOEXEC)), congestion_(std::move(congestion)) {}
+
+std::string TcpTransport::detail() const {
+    if (!congestion_.empty()) return "congestion control " + congestion_;
+    const std::string sys = read_sysctl("/proc/sys/net/ipv4/tcp_congestion_control");
+    return "congestion control: the system's" + (sys.empty() ? std::string() : " (" + sys + ")");
+}
+
+Status TcpTransport::check_congestion(const std::string &name) {
+    UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    if (!fd) return make_error(-errno, "socket: " + errno_string(errno));
+    if (::setsockopt(fd.get(), IPPROTO_TCP, TCP_CONGESTION, name.data(), static_cast<socklen_t>(name.size())) == 0)
+        return Ok{};
+    const int e = errno;
+    if (e == ENOENT)
+        return make_error(-e, "TCP congestion control '" + name + "' is not in this kernel (available: " +
+                                  read_sysctl("/proc/sys/net/ipv4/tcp_available_congestion_control") +
+                                  "; a module may need loading: modprobe tcp_" + name + ")");
+    if (e == EPERM)
+        return make_error(-e, "TCP congestion control '" + name + "' needs CAP_NET_ADMIN or an entry in " +
+                                  "net.ipv4.tcp_allowed_congestion_control (now: " +
+                                  read_sysctl("/proc/sys/net/ipv4/tcp_allowed_congestion_control") + ")");
+    return make_error(-e, "TCP congestion control '" + name + "': " + errno_string(e));
+}
 
 Result<RegionHandle> TcpTransport::do_register(std::byte *base, size_t bytes) {
     if (!base || bytes == 0) return make_error(-EINVAL, "cannot register an empty region");
@@ -74,6 +110,8 @@ Status TcpTransport::poll(std::vector<LinkEvent> &out, int timeout_ms) {
 
 TcpLink::TcpLink(TcpTransport &t, std::string peer) : Link(std::move(peer)), t_(t) {}
 
+const std::string &TcpLink::congestion_name() const { return t_.congestion_; }
+
 TcpLink::~TcpLink() {
     for (auto &s : streams_)
         if (s->fd) ::epoll_ctl(t_.epoll_.get(), EPOLL_CTL_DEL, s->fd.get(), nullptr);
@@ -85,6 +123,9 @@ Status TcpLink::add_stream(UniqueFd fd) {
         return make_error(-errno, "fcntl: " + errno_string(errno));
     const int one = 1;
     ::setsockopt(fd.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);  // fails harmlessly on socketpairs
+    if (!congestion_name().empty())  // checked at start (check_congestion); fails harmlessly on socketpairs
+        ::setsockopt(fd.get(), IPPROTO_TCP, TCP_CONGESTION, congestion_name().data(),
+                     static_cast<socklen_t>(congestion_name().size()));
     ::setsockopt(fd.get(), SOL_SOCKET, SO_SNDBUF, &kSocketBuffer, sizeof kSocketBuffer);
     ::setsockopt(fd.get(), SOL_SOCKET, SO_RCVBUF, &kSocketBuffer, sizeof kSocketBuffer);
     auto s = std::make_unique<Stream>();

@@ -5,6 +5,12 @@
 // matching posted receive — no bounce buffer. A stream whose next message has no receive posted
 // yet is left unread (TCP flow control backs the sender off) until the receive is posted.
 //
+// Each stream gets the configured TCP congestion control (tcp.congestion, default cubic): a ring
+// is a chain of flows that wait on one another, and a congestion control that keeps the queue at
+// the bottleneck nearly empty (BBR's pacing and its periodic ProbeRTT drain) lets every short
+// stall of one host idle the next link, where a loss-based one keeps a standing queue that rides
+// it out (measured in the README's Performance section).
+//
 // Non-blocking sockets driven by one epoll set; poll() is called by the progress thread only.
 #pragma once
 
@@ -53,6 +59,7 @@ private:
     };
 
     Status add_stream(UniqueFd fd);
+    const std::string &congestion_name() const;
     void on_event(Stream &s, uint32_t events);
     void write_some(Stream &s);
     void read_some(Stream &s);
@@ -67,8 +74,14 @@ private:
 
 class TcpTransport final : public NetworkTransport {
 public:
-    TcpTransport();
+    // congestion: the TCP congestion control for every stream; empty keeps the kernel's default.
+    explicit TcpTransport(std::string congestion = {});
     std::string_view name() const override { return "tcp"; }
+    std::string detail() const override;
+
+    // Whether this process may give a TCP socket the congestion control `name` (it exists in the
+    // kernel, and is allowed or the process has CAP_NET_ADMIN); the error says which and how to fix it.
+    static Status check_congestion(const std::string &name);
 
     // Takes over connected sockets to `peer` as one link (>= 1 stream). They are made
     // non-blocking, TCP_NODELAY and get socket buffers sized for bandwidth x delay.
@@ -89,6 +102,7 @@ private:
     void complete(LinkEvent e) { ready_.push_back(std::move(e)); }
 
     UniqueFd epoll_;
+    std::string congestion_;
     uint64_t next_region_ = 1;
     std::vector<std::unique_ptr<TcpLink>> links_;
     std::vector<LinkEvent> ready_;  // completions produced outside poll(), handed out by the next poll()
