@@ -15,6 +15,7 @@
 #include "daemon/transport/ibverbs/emulated_device.h"
 #include "daemon/transport/ibverbs/ibverbs_transport.h"
 #include "tests/support/net.h"
+#include "tests/support/unprivileged.h"
 
 using namespace ringd;
 using namespace std::chrono_literals;
@@ -179,42 +180,21 @@ TEST_CASE("without an RDMA device the hardware provider fails at once, saying wh
 
 TEST_CASE("a memory-lock limit too low for registration is reported with the fix", "[ibverbs]") {
     // In a child without CAP_IPC_LOCK and with a 64 KiB RLIMIT_MEMLOCK, as for a non-root daemon.
-    int fds[2];
-    REQUIRE(::pipe(fds) == 0);
-    const pid_t pid = ::fork();
-    REQUIRE(pid >= 0);
-    if (pid == 0) {
-        ::close(fds[0]);
-        std::string msg = "setup failed";
-        if (::setgid(65534) == 0 && ::setuid(65534) == 0) {  // nobody: no capabilities left
-            rlimit lim{64 << 10, 64 << 10};
-            ::setrlimit(RLIMIT_MEMLOCK, &lim);
-            IbverbsOptions o;
-            auto t = IbverbsTransport::create(verbs::emulated_verbs(), o);
-            if (t) {
-                std::vector<std::byte> big(1 << 20);
-                auto r = (*t)->register_region(big.data(), big.size());
-                msg = r ? std::string("registered") : r.error().message;
-            } else {
-                msg = t.error().message;
-            }
-        } else if (::getuid() != 0) {
-            msg = "skip";
-        }
-        (void)!::write(fds[1], msg.data(), msg.size());
-        ::_exit(0);
-    }
-    ::close(fds[1]);
-    std::string msg;
-    char buf[512];
-    for (ssize_t k; (k = ::read(fds[0], buf, sizeof buf)) > 0;) msg.append(buf, static_cast<size_t>(k));
-    ::close(fds[0]);
-    ::waitpid(pid, nullptr, 0);
-    if (msg == "skip") {
+    const auto msg = test::run_as_nobody([] {
+        rlimit lim{64 << 10, 64 << 10};
+        ::setrlimit(RLIMIT_MEMLOCK, &lim);
+        IbverbsOptions o;
+        auto t = IbverbsTransport::create(verbs::emulated_verbs(), o);
+        if (!t) return t.error().message;
+        std::vector<std::byte> big(1 << 20);
+        auto r = (*t)->register_region(big.data(), big.size());
+        return r ? std::string("registered") : r.error().message;
+    });
+    if (!msg) {
         WARN("not root: cannot drop to a user without CAP_IPC_LOCK; skipped");
         return;
     }
-    CHECK_THAT(msg, Catch::Contains("memory-lock limit is too low") && Catch::Contains("LimitMEMLOCK=infinity"));
+    CHECK_THAT(*msg, Catch::Contains("memory-lock limit is too low") && Catch::Contains("LimitMEMLOCK=infinity"));
 }
 
 TEST_CASE("a peer that sends garbage or nothing at bring-up is refused with a clear error, before the deadline",

@@ -8,10 +8,13 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 
+#include <algorithm>
+#include <fstream>
 #include <random>
 #include <thread>
 
 #include "bench/bench_data.h"
+#include "daemon/config.h"
 #include "daemon/engine/ring_allreduce.h"
 #include "daemon/transport/loopback/loopback_transport.h"
 #include "daemon/transport/tcp/tcp_transport.h"
@@ -20,6 +23,7 @@
 #include "daemon/transport/ibverbs/ibverbs_transport.h"
 #endif
 #include "tests/support/net.h"
+#include "tests/support/unprivileged.h"
 
 using namespace ringd;
 using ringd::test::tcp_pair;
@@ -305,4 +309,40 @@ TEST_CASE("TCP links carry the configured congestion control; one the kernel lac
     CHECK(missing.error().code == -ENOENT);
     CHECK_THAT(missing.error().message, Catch::StartsWith("TCP congestion control 'nosuchcc' is not in this kernel (available: "));
     CHECK_THAT(TcpTransport("").detail(), Catch::StartsWith("congestion control: the system's"));
+}
+
+TEST_CASE("a congestion control the daemon may not set: the default falls back to the kernel's, a configured one is refused",
+          "[ring][tcp]") {
+    // One the kernel has but does not allow without CAP_NET_ADMIN (available minus allowed).
+    auto words = [](const char *path) {
+        std::vector<std::string> w;
+        std::ifstream f(path);
+        for (std::string x; f >> x;) w.push_back(x);
+        return w;
+    };
+    const auto allowed = words("/proc/sys/net/ipv4/tcp_allowed_congestion_control");
+    std::string name;
+    for (const auto &a : words("/proc/sys/net/ipv4/tcp_available_congestion_control"))
+        if (std::find(allowed.begin(), allowed.end(), a) == allowed.end()) name = a;
+    if (name.empty()) {
+        WARN("every congestion control of this kernel is allowed to everyone: nothing to refuse");
+        return;
+    }
+    INFO(name);
+    const auto msg = test::run_as_nobody([&] {
+        Config c;
+        c.tcp.congestion = name;  // as the default would be
+        auto fallback = make_transport(c);
+        c.tcp.congestion_set = true;  // as if written in the file
+        auto refused = make_transport(c);
+        return (fallback ? (*fallback)->detail() : "error: " + fallback.error().message) + "\n" +
+               (refused ? "started" : refused.error().message);
+    });
+    if (!msg) {
+        WARN("not root: cannot drop to a user without CAP_NET_ADMIN; skipped");
+        return;
+    }
+    CHECK_THAT(*msg, Catch::StartsWith("congestion control: the system's"));
+    CHECK_THAT(*msg, Catch::Contains("\ntcp.congestion: TCP congestion control '" + name + "' needs CAP_NET_ADMIN") &&
+                         Catch::Contains("or set tcp.congestion: system"));
 }
