@@ -110,8 +110,6 @@ Status TcpTransport::poll(std::vector<LinkEvent> &out, int timeout_ms) {
 
 TcpLink::TcpLink(TcpTransport &t, std::string peer) : Link(std::move(peer)), t_(t) {}
 
-const std::string &TcpLink::congestion_name() const { return t_.congestion_; }
-
 TcpLink::~TcpLink() {
     for (auto &s : streams_)
         if (s->fd) ::epoll_ctl(t_.epoll_.get(), EPOLL_CTL_DEL, s->fd.get(), nullptr);
@@ -123,9 +121,8 @@ Status TcpLink::add_stream(UniqueFd fd) {
         return make_error(-errno, "fcntl: " + errno_string(errno));
     const int one = 1;
     ::setsockopt(fd.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);  // fails harmlessly on socketpairs
-    if (!congestion_name().empty())  // checked at start (check_congestion); fails harmlessly on socketpairs
-        ::setsockopt(fd.get(), IPPROTO_TCP, TCP_CONGESTION, congestion_name().data(),
-                     static_cast<socklen_t>(congestion_name().size()));
+    const std::string &cc = t_.congestion_;  // checked at start (check_congestion); fails harmlessly on socketpairs
+    if (!cc.empty()) ::setsockopt(fd.get(), IPPROTO_TCP, TCP_CONGESTION, cc.data(), static_cast<socklen_t>(cc.size()));
     ::setsockopt(fd.get(), SOL_SOCKET, SO_SNDBUF, &kSocketBuffer, sizeof kSocketBuffer);
     ::setsockopt(fd.get(), SOL_SOCKET, SO_RCVBUF, &kSocketBuffer, sizeof kSocketBuffer);
     auto s = std::make_unique<Stream>();

@@ -59,7 +59,6 @@ private:
     };
 
     Status add_stream(UniqueFd fd);
-    const std::string &congestion_name() const;
     void on_event(Stream &s, uint32_t events);
     void write_some(Stream &s);
     void read_some(Stream &s);
