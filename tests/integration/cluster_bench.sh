@@ -26,6 +26,17 @@ for pair in float:sum half:max bfloat16:avg int64:min double:avg; do
     grep -q "^# ringd-bench: 3 host(s) x 2 local rank(s) = 6 ranks" <<<"$out"
     grep -q "^# Wrong values : 0$" <<<"$out"
 done
+if [ "$mode" = netns ]; then
+    # Rate-limited links (tbf, a bucket of at least 125 KB) and ringd's data streams on the congestion
+    # control given: ringd starts (tuning.link_mbit comes from the rate), reports it, and the op is exact.
+    out=$("$src/bench/cluster" --hosts 2 --build "$build" --rate 500mbit --congestion reno -- sh -c \
+          'tc qdisc show dev eth0 && "$0" --socket {socket} status --json && "$1" --socket {socket} --group r -b 1M -e 1M -n 2 -w 0' \
+          "$build/client/ringctl" "$build/bench/ringd-bench" 2>&1)
+    echo "$out"
+    grep -Eq "tbf .* rate 500Mbit burst (12[5-9]|1[3-9][0-9]|[2-9][0-9][0-9])Kb" <<<"$out"
+    grep -q '"transport_detail": *"congestion control reno"' <<<"$out"
+    grep -q "^# Wrong values : 0$" <<<"$out"
+fi
 if [ "$mode" = netns-ibverbs ]; then
     # The same config with the hardware provider fails fast here (no RDMA device), saying why.
     if [ ! -d /sys/class/infiniband ] || [ -z "$(ls -A /sys/class/infiniband 2>/dev/null)" ]; then
