@@ -197,34 +197,37 @@ TEST_CASE("over ibverbs on the software RDMA device: 3 and 4 hosts x 1-2 ranks, 
     }
 }
 
+namespace {
+
+// Starts ringd for host a of a two-host config with `extra` keys; it must stop at once (< 5 s)
+// with an error. Returns what it printed.
+std::string ringd_start_failure(const std::string &extra) {
+    const std::string dir = make_temp_dir();
+    std::ofstream(dir + "/c.yaml") << "cluster: c\nhosts:\n  - {name: a, address: 127.0.0.1, port: 7400}\n"
+                                      "  - {name: b, address: 127.0.0.1, port: 7401}\n"
+                                   << extra << "socket: " << dir << "/s.sock\n";
+    const auto start = Clock::now();
+    const auto r = run_command(env_or("RINGD_BIN", "build/daemon/ringd") + " --config " + dir + "/c.yaml --host a 2>&1");
+    CHECK(r.exit_code != 0);
+    CHECK(Clock::now() - start < 5s);
+    return r.output;
+}
+
+}  // namespace
+
 TEST_CASE("transport: ibverbs without an RDMA device stops ringd at start with what to do", "[cluster][ibverbs]") {
     if (machine_has_rdma_devices()) {
         WARN("this machine has RDMA devices: nothing to check");
         return;
     }
-    const std::string dir = make_temp_dir();
-    std::ofstream(dir + "/c.yaml") << "cluster: c\nhosts:\n  - {name: a, address: 127.0.0.1, port: 7400}\n"
-                                      "  - {name: b, address: 127.0.0.1, port: 7401}\ntransport: ibverbs\nsocket: "
-                                   << dir << "/s.sock\n";
-    const auto start = Clock::now();
-    const auto r = run_command(env_or("RINGD_BIN", "build/daemon/ringd") + " --config " + dir + "/c.yaml --host a 2>&1");
-    CHECK(r.exit_code != 0);
-    CHECK(Clock::now() - start < 5s);
-    CHECK_THAT(r.output, Catch::Contains("no RDMA device found") && Catch::Contains("ibv_devices") &&
-                             Catch::Contains("transport: tcp"));
+    CHECK_THAT(ringd_start_failure("transport: ibverbs\n"),
+               Catch::Contains("no RDMA device found") && Catch::Contains("ibv_devices") && Catch::Contains("transport: tcp"));
 }
 
 TEST_CASE("a TCP congestion control the kernel lacks stops ringd at start naming the key and the fix", "[cluster]") {
-    const std::string dir = make_temp_dir();
-    std::ofstream(dir + "/c.yaml") << "cluster: c\nhosts:\n  - {name: a, address: 127.0.0.1, port: 7400}\n"
-                                      "  - {name: b, address: 127.0.0.1, port: 7401}\ntcp: {congestion: nosuchcc}\nsocket: "
-                                   << dir << "/s.sock\n";
-    const auto start = Clock::now();
-    const auto r = run_command(env_or("RINGD_BIN", "build/daemon/ringd") + " --config " + dir + "/c.yaml --host a 2>&1");
-    CHECK(r.exit_code != 0);
-    CHECK(Clock::now() - start < 5s);
-    CHECK_THAT(r.output, Catch::Contains("tcp.congestion: TCP congestion control 'nosuchcc' is not in this kernel") &&
-                             Catch::Contains("tcp.congestion: system"));
+    CHECK_THAT(ringd_start_failure("tcp: {congestion: nosuchcc}\n"),
+               Catch::Contains("tcp.congestion: TCP congestion control 'nosuchcc' is not in this kernel") &&
+                   Catch::Contains("tcp.congestion: system"));
 }
 
 TEST_CASE("a host killed mid-op fails every other trainer naming it; the ring re-forms for the survivors", "[cluster]") {

@@ -75,6 +75,12 @@ struct End {
         p.min_rnr_timer = min_rnr_timer;
         return p;
     }
+    // The status of the one completion that comes next (waited for as by wait()).
+    ibv_wc_status next_status() {
+        auto wc = wait(1);
+        REQUIRE(wc.size() == 1);
+        return wc[0].status;
+    }
     // Waits (on the completion channel) for n completions.
     std::vector<ibv_wc> wait(size_t n, std::chrono::milliseconds limit = 5s) {
         std::vector<ibv_wc> out;
@@ -238,17 +244,13 @@ TEST_CASE("a write with a bad rkey, out of bounds or to a region without remote 
         End a, b;
         connect(a, b);
         REQUIRE(a.write(b, 1, 0, 64, b.buf.size() - 32, false) == 0);
-        auto wc = a.wait(1);
-        REQUIRE(wc.size() == 1);
-        CHECK(wc[0].status == IBV_WC_REM_ACCESS_ERR);
+        CHECK(a.next_status() == IBV_WC_REM_ACCESS_ERR);
     }
     SECTION("no REMOTE_WRITE on the region") {
         End a, b(IBV_ACCESS_LOCAL_WRITE);
         connect(a, b);
         REQUIRE(a.write(b, 1, 0, 64, 0, false) == 0);
-        auto wc = a.wait(1);
-        REQUIRE(wc.size() == 1);
-        CHECK(wc[0].status == IBV_WC_REM_ACCESS_ERR);
+        CHECK(a.next_status() == IBV_WC_REM_ACCESS_ERR);
     }
     SECTION("deregistered under the peer") {
         End a, b;
@@ -256,17 +258,13 @@ TEST_CASE("a write with a bad rkey, out of bounds or to a region without remote 
         const uint32_t rkey = b.mr->rkey;
         b.mr.reset();
         REQUIRE(a.write(b, 1, 0, 64, 0, false, 0, IBV_SEND_SIGNALED, rkey) == 0);
-        auto wc = a.wait(1);
-        REQUIRE(wc.size() == 1);
-        CHECK(wc[0].status == IBV_WC_REM_ACCESS_ERR);
+        CHECK(a.next_status() == IBV_WC_REM_ACCESS_ERR);
     }
     SECTION("bad lkey") {
         End a, b;
         connect(a, b);
         REQUIRE(a.write(b, 1, 0, 64, 0, false, 0, IBV_SEND_SIGNALED, 0, a.mr->lkey ^ 0x100) == 0);
-        auto wc = a.wait(1);
-        REQUIRE(wc.size() == 1);
-        CHECK(wc[0].status == IBV_WC_LOC_PROT_ERR);
+        CHECK(a.next_status() == IBV_WC_LOC_PROT_ERR);
     }
 }
 
@@ -276,9 +274,7 @@ TEST_CASE("a WRITE_WITH_IMM without a posted receive: RNR retries, then an error
         End a, b;
         connect(a, b, 1);
         REQUIRE(a.write(b, 1, 0, 64, 0, true, 5) == 0);
-        auto wc = a.wait(1);
-        REQUIRE(wc.size() == 1);
-        CHECK(wc[0].status == IBV_WC_RNR_RETRY_EXC_ERR);
+        CHECK(a.next_status() == IBV_WC_RNR_RETRY_EXC_ERR);
         CHECK(b.wait(1, 100ms).empty());
     }
     SECTION("rnr_retry 7 (forever): a receive posted later takes it") {
@@ -287,9 +283,7 @@ TEST_CASE("a WRITE_WITH_IMM without a posted receive: RNR retries, then an error
         REQUIRE(a.write(b, 1, 0, 64, 0, true, 5) == 0);
         CHECK(a.wait(1, 200ms).empty());
         b.post_recvs(1);
-        auto wc = a.wait(1);
-        REQUIRE(wc.size() == 1);
-        CHECK(wc[0].status == IBV_WC_SUCCESS);
+        CHECK(a.next_status() == IBV_WC_SUCCESS);
         REQUIRE(b.wait(1).size() == 1);
     }
 }
