@@ -1,7 +1,11 @@
-// Test data for ringd-bench and the integration tests: values whose allreduce result is known
-// exactly. Rank g of n contributes value(g, i), small integers, so that sums, minima and maxima
-// are exact in every dtype (bf16 included, up to n * 16 <= 256); avg is exact up to one
-// rounding of sum / n, and checked with a tolerance of a few ulp of the dtype.
+// Test data for ringd-bench, the baselines and the tests: values whose allreduce result is known
+// exactly, and guard bytes around an op's range that nothing may touch.
+//
+// Rank g of n contributes value(g, i): a small integer drawn from a hash of (g, i), so the input
+// has no period (data moved by any number of elements shows up as wrong values) and sums, minima
+// and maxima are exact in every dtype (bf16 included: |sum| <= n * 12 <= 256 for n <= 21).
+// avg must be the mean rounded once to the dtype: exactly that value for f16 and bf16 (they
+// accumulate in f32), within two f32 roundings for f32 and two f64 roundings for f64.
 #pragma once
 
 #include <cmath>
@@ -14,23 +18,42 @@
 
 namespace ringd::bench {
 
+inline uint64_t mix64(uint64_t x) {  // splitmix64's finaliser: every input bit moves every output bit
+    x ^= x >> 30;
+    x *= 0xbf58476d1ce4e5b9ull;
+    x ^= x >> 27;
+    x *= 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+}
+
+// In [-8, 12]: 17 hashed values, shifted by rank % 5 so that ranks differ in range too.
 inline int64_t value(uint64_t rank, uint64_t i) {
-    return static_cast<int64_t>((i * 7 + rank * 13) % 17) - 8 + static_cast<int64_t>(rank % 5);
+    return static_cast<int64_t>(mix64(i * 0x9e3779b97f4a7c15ull + rank * 0x632be59bd9b4e019ull + 1) % 17) - 8 +
+           static_cast<int64_t>(rank % 5);
+}
+
+struct Exact {
+    int64_t sum = 0, lo = INT64_MAX, hi = INT64_MIN;
+};
+
+inline Exact exact(uint64_t nranks, uint64_t i) {
+    Exact e;
+    for (uint64_t g = 0; g < nranks; ++g) {
+        const int64_t v = value(g, i);
+        e.sum += v;
+        e.lo = v < e.lo ? v : e.lo;
+        e.hi = v > e.hi ? v : e.hi;
+    }
+    return e;
 }
 
 inline double expected(uint64_t nranks, uint64_t i, ReduceOp op) {
-    int64_t sum = 0, lo = INT64_MAX, hi = INT64_MIN;
-    for (uint64_t g = 0; g < nranks; ++g) {
-        const int64_t v = value(g, i);
-        sum += v;
-        lo = v < lo ? v : lo;
-        hi = v > hi ? v : hi;
-    }
+    const Exact e = exact(nranks, i);
     switch (op) {
-    case ReduceOp::Sum: return static_cast<double>(sum);
-    case ReduceOp::Avg: return static_cast<double>(sum) / static_cast<double>(nranks);
-    case ReduceOp::Min: return static_cast<double>(lo);
-    case ReduceOp::Max: return static_cast<double>(hi);
+    case ReduceOp::Sum: return static_cast<double>(e.sum);
+    case ReduceOp::Avg: return static_cast<double>(e.sum) / static_cast<double>(nranks);
+    case ReduceOp::Min: return static_cast<double>(e.lo);
+    case ReduceOp::Max: return static_cast<double>(e.hi);
     }
     return 0;
 }
@@ -60,14 +83,22 @@ inline double load(const void *buf, size_t i, DType t) {
     return 0;
 }
 
-// Relative tolerance for one rounding of the result in dtype t.
+// `v` rounded once (to nearest even) to dtype t. The means checked here (an integer sum over at
+// most a few dozen ranks) are never within a float ulp of a half/bf16 tie, so rounding through
+// float is the single rounding.
+inline double round_to(DType t, double v) {
+    unsigned char b[8];
+    store(b, 0, t, v);
+    return load(b, 0, t);
+}
+
+// Relative error allowed on top of the exact result: none but for f32/f64 avg (the sum times the
+// rounded reciprocal: two roundings).
 inline double tolerance(DType t, ReduceOp op) {
     if (op != ReduceOp::Avg) return 0;
     switch (t) {
-    case DType::F16: return 1.0 / 1024;
-    case DType::BF16: return 1.0 / 128;
-    case DType::F32: return 1e-6;
-    case DType::F64: return 1e-14;
+    case DType::F32: return 0x1p-22;
+    case DType::F64: return 0x1p-51;
     default: return 0;
     }
 }
@@ -76,16 +107,72 @@ inline void fill(void *buf, size_t count, DType t, uint64_t rank) {
     for (size_t i = 0; i < count; ++i) store(buf, i, t, static_cast<double>(value(rank, i)));
 }
 
+// The value element i of the allreduce of `nranks` ranks' fill() must have, in dtype t.
+inline double want(uint64_t nranks, size_t i, DType t, ReduceOp op) { return round_to(t, expected(nranks, i, op)); }
+
 // Elements of buf that differ from the allreduce of `nranks` ranks' fill().
 inline uint64_t count_wrong(const void *buf, size_t count, DType t, ReduceOp op, uint64_t nranks) {
     uint64_t wrong = 0;
     const double tol = tolerance(t, op);
     for (size_t i = 0; i < count; ++i) {
-        const double want = expected(nranks, i, op);
+        const double w = want(nranks, i, t, op);
         const double got = load(buf, i, t);
-        if (!(std::fabs(got - want) <= tol * std::fabs(want))) ++wrong;
+        if (!(std::fabs(got - w) <= tol * std::fabs(w))) ++wrong;
     }
     return wrong;
 }
+
+// Guard bytes: a pattern that depends on the absolute position in the buffer (and a salt, so that
+// a copy from another rank's buffer or an earlier run does not match), written around an op's
+// range before it is submitted and checked afterwards.
+constexpr size_t kGuardBytes = 256;
+
+inline unsigned char guard_byte(size_t pos, uint64_t salt) {
+    return static_cast<unsigned char>(mix64(pos * 0x2545f4914f6cdd1dull + salt) >> 56);
+}
+
+inline void guard_fill(void *base, size_t begin, size_t end, uint64_t salt) {
+    auto *b = static_cast<unsigned char *>(base);
+    for (size_t p = begin; p < end; ++p) b[p] = guard_byte(p, salt);
+}
+
+// Bytes in [begin, end) that no longer hold the guard pattern.
+inline uint64_t guard_damage(const void *base, size_t begin, size_t end, uint64_t salt) {
+    const auto *b = static_cast<const unsigned char *>(base);
+    uint64_t bad = 0;
+    for (size_t p = begin; p < end; ++p) bad += b[p] != guard_byte(p, salt);
+    return bad;
+}
+
+// One op's range inside a buffer of `buf_bytes`, with up to kGuardBytes of guard on each side
+// (fewer where the buffer ends). prepare() fills the guards and the rank's input; check() counts
+// wrong result values and damaged guard bytes.
+struct GuardedRange {
+    size_t offset = 0, count = 0, buf_bytes = 0;
+    DType dtype = DType::F32;
+    uint64_t salt = 0;
+
+    size_t bytes() const { return count * dtype_size(dtype); }
+    size_t guard_begin() const { return offset > kGuardBytes ? offset - kGuardBytes : 0; }
+    size_t guard_end() const {
+        const size_t e = offset + bytes();
+        return buf_bytes - e > kGuardBytes ? e + kGuardBytes : buf_bytes;
+    }
+    void prepare(void *base, uint64_t rank) const {
+        guard_fill(base, guard_begin(), offset, salt);
+        guard_fill(base, offset + bytes(), guard_end(), salt);
+        fill(static_cast<unsigned char *>(base) + offset, count, dtype, rank);
+    }
+    struct Verdict {
+        uint64_t wrong = 0, guard = 0;
+        bool ok() const { return wrong == 0 && guard == 0; }
+    };
+    Verdict check(const void *base, ReduceOp op, uint64_t nranks) const {
+        Verdict v;
+        v.wrong = count_wrong(static_cast<const unsigned char *>(base) + offset, count, dtype, op, nranks);
+        v.guard = guard_damage(base, guard_begin(), offset, salt) + guard_damage(base, offset + bytes(), guard_end(), salt);
+        return v;
+    }
+};
 
 }  // namespace ringd::bench

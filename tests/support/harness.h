@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <sys/stat.h>
@@ -35,11 +36,36 @@ inline std::string env_or(const char *name, const char *fallback) {
     return v ? v : fallback;
 }
 
-inline std::string make_temp_dir() {
-    char tmpl[] = "/tmp/ringd-test.XXXXXX";
-    const char *d = ::mkdtemp(tmpl);
-    return d ? d : "/tmp";
-}
+// Temp dirs made by this process, removed (with what is in them) when it exits normally; forked
+// children end with _exit and leave them to their parent.
+class TempDirs {
+public:
+    static TempDirs &get() {
+        static TempDirs t;
+        return t;
+    }
+    std::string make() {
+        char tmpl[] = "/tmp/ringd-test.XXXXXX";
+        if (!::mkdtemp(tmpl)) {
+            std::perror("mkdtemp");
+            std::abort();  // a test without its directory would write somewhere it does not own
+        }
+        dirs_.emplace_back(tmpl);
+        return tmpl;
+    }
+    ~TempDirs() {
+        if (::getpid() != owner_) return;
+        std::error_code ec;
+        for (const auto &d : dirs_) std::filesystem::remove_all(d, ec);
+    }
+
+private:
+    TempDirs() : owner_(::getpid()) {}
+    pid_t owner_;
+    std::vector<std::string> dirs_;
+};
+
+inline std::string make_temp_dir() { return TempDirs::get().make(); }
 
 inline std::string read_file(const std::string &path) {
     std::ifstream in(path);

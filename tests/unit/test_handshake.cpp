@@ -10,6 +10,7 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 
+#include <filesystem>
 #include <fstream>
 
 #include "common/fd_io.h"
@@ -134,4 +135,5 @@ TEST_CASE("secret files are checked", "[handshake]") {
     ::chmod(path.c_str(), 0644);
     CHECK_THAT(PeerSecret::load(path).error().message, Catch::Contains("readable by everyone"));
     CHECK_FALSE(PeerSecret::load(std::string(dir) + "/missing").ok());
+    std::filesystem::remove_all(dir);
 }
