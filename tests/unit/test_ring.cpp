@@ -244,6 +244,12 @@ TEST_CASE("ring allreduce is exact for every transport, host count, local ranks,
     }
 }
 
+#ifndef RINGD_HAVE_IBVERBS
+TEST_CASE("ring allreduce over ibverbs", "[ring]") {
+    RINGD_SKIP("built without ibverbs (libibverbs-dev, librdmacm-dev): the ring ran over loopback and TCP only");
+}
+#endif
+
 TEST_CASE("every dtype x op across 3 hosts, in every polling mode", "[ring]") {
     Ring ring(3, "tcp", 2);
     uint32_t op_tag = 1;
