@@ -1,5 +1,6 @@
 // Reduction kernels against a float64 reference: every dtype x op, sizes 0, 1, odd and large,
-// unaligned buffers, 1..4 sources, several destinations, in place.
+// unaligned buffers, 1..4 sources, several destinations, in place; f16/bf16 sum and avg exactly
+// the once-rounded result on inputs where rounding every partial sum would differ.
 #include <catch2/catch.hpp>
 
 #include <cmath>
@@ -138,6 +139,66 @@ TEST_CASE("every dtype x op matches the float64 reference", "[reduce]") {
                     for (size_t mis : {size_t{0}, dtype_size(dt), 3 * dtype_size(dt)}) run_case({dt, op, count, nsrc, mis}, rng);
         }
     }
+}
+
+namespace {
+
+// v rounded once, to nearest even, to `bits` significant bits (11: f16, 8: bf16); v normal.
+double round_bits(double v, int bits) {
+    if (v == 0) return 0;
+    int e;
+    const double m = std::frexp(v, &e);  // v = m * 2^e, 0.5 <= |m| < 1
+    return std::ldexp(std::nearbyint(std::ldexp(m, bits)), e - bits);
+}
+
+}  // namespace
+
+TEST_CASE("f16 and bf16 sum and avg are the exact result rounded once, not a sum rounded step by step", "[reduce]") {
+    const auto [t, bits] = GENERATE(std::pair<DType, int>{DType::F16, 11}, std::pair<DType, int>{DType::BF16, 8});
+    const size_t nsrc = GENERATE(3, 4, 5, 7);
+    const auto op = GENERATE(ReduceOp::Sum, ReduceOp::Avg);
+    INFO(dtype_name(t) << " " << reduce_op_name(op) << " of " << nsrc << " sources");
+    // Inputs with every significant bit of the dtype used, signs mixed, magnitudes 1/4 .. 64: their
+    // exact sum has up to 20 significant bits (exact in the kernel's f32 accumulator), and the
+    // partial sums mostly do not fit the dtype, so rounding each of them gives another result.
+    std::mt19937_64 rng(1234 + nsrc);
+    const size_t count = 4096 + 13;  // several kernel blocks and a tail that is no vector width
+    std::vector<std::vector<unsigned char>> in(nsrc, std::vector<unsigned char>(count * 2));
+    std::vector<double> want(count);
+    size_t kept = 0, differ = 0;
+    while (kept < count) {
+        double v[8], exact = 0;
+        for (size_t k = 0; k < nsrc; ++k) {
+            const double mant = 1 + std::ldexp(static_cast<double>(rng() % (1u << (bits - 1))), 1 - bits);  // [1, 2)
+            v[k] = std::ldexp(mant, static_cast<int>(rng() % 9) - 2) * (rng() & 1 ? -1 : 1);
+            exact += v[k];  // exact in double
+        }
+        const double div = op == ReduceOp::Avg ? static_cast<double>(nsrc) : 1;
+        const double mean = exact / div;
+        // The kernel scales by the f32 reciprocal of the divisor: skip the (rare) means that lie
+        // within f32 error of a tie between two values of the dtype, where that could decide.
+        if (std::fabs(mean) < 0x1p-12) continue;  // f16 normals only
+        const double once = round_bits(mean, bits);
+        const double half_ulp = std::ldexp(1.0, std::ilogb(mean) - bits);
+        if (std::fabs(std::fabs(mean - once) - half_ulp) < std::fabs(mean) * 0x1p-18) continue;
+        // What a kernel that rounded every partial sum to the dtype would give.
+        double acc = v[0];
+        for (size_t k = 1; k < nsrc; ++k) acc = round_bits(acc + v[k], bits);
+        const double stepwise = round_bits(acc / div, bits);
+        differ += stepwise != once;
+        for (size_t k = 0; k < nsrc; ++k) bench::store(in[k].data(), kept, t, v[k]);  // exact: v fits the dtype
+        want[kept++] = once;
+    }
+    INFO(differ << " of " << count << " results differ when every partial sum is rounded");
+    REQUIRE(differ > count / 8);
+    std::vector<const void *> srcs;
+    for (auto &b : in) srcs.push_back(b.data());
+    std::vector<unsigned char> out(count * 2);
+    void *dsts[1] = {out.data()};
+    reduce(ReduceArgs{t, op, srcs.data(), srcs.size(), dsts, 1, count, static_cast<uint32_t>(nsrc)});
+    size_t wrong = 0;
+    for (size_t i = 0; i < count; ++i) wrong += bench::load(out.data(), i, t) != want[i];
+    CHECK(wrong == 0);
 }
 
 TEST_CASE("integer sums wrap around", "[reduce]") {
