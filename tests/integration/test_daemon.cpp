@@ -88,6 +88,18 @@ uint64_t run_random_ops(std::vector<std::unique_ptr<Client>> &clients, int ops, 
     return bytes;
 }
 
+// Kills a forked trainer that still runs when the test case ends early (a failed REQUIRE):
+// nothing a test starts may outlive it, or hold its stdout open. A reaped child is left alone.
+struct Reaper {
+    pid_t pid;
+    ~Reaper() {
+        if (pid > 0 && ::waitpid(pid, nullptr, WNOHANG) == 0) {
+            ::kill(pid, SIGKILL);
+            ::waitpid(pid, nullptr, 0);
+        }
+    }
+};
+
 json group_status(const Daemon &d, const std::string &name) {
     const json all = status(d);
     for (const json &g : all["groups"])
@@ -219,6 +231,7 @@ TEST_CASE("a trainer killed mid-op fails the others, and the daemon keeps servin
         ::pause();
         return 0;
     });
+    const Reaper reaper{victim};
     Client c0(sock, "kill", 0, 2, 1 << 20);
     g0.prepare(c0.slot().data(), 0);
     c0.allreduce(g0.offset, 64, RINGD_F32, RINGD_SUM, 10000);
@@ -456,6 +469,7 @@ TEST_CASE("a trainer waiting on an op notices a SIGKILLed ringd at once; so does
         lines.put(outcome(rc, start, c0.get()));
         return 0;
     });
+    const Reaper reaper{trainer};
     lines.close_write();
     REQUIRE(lines.get(std::chrono::seconds(10)) == "waiting");
     REQUIRE(blocked_in_poll(trainer, std::chrono::seconds(5)));
@@ -510,6 +524,7 @@ TEST_CASE("timeout_ms < 0 waits for the daemon's timeouts.op plus 10 s, then giv
             lines.put(outcome(rc, start, c[0]->get()));
             return 0;
         });
+        const Reaper reaper{trainer};
         lines.close_write();
         const auto line = lines.get(std::chrono::seconds(16));
         ::kill(d.pid(), SIGCONT);
