@@ -143,12 +143,16 @@ ringd_client *ringd_connect(const char *socket_path, const char *group, int loca
             return report(std::string("cannot connect to ringd at ") + socket_path + ": " + errno_string(errno) +
                           " (is ringd running?)");
         proto::Hello hello{group, static_cast<uint32_t>(local_rank), static_cast<uint32_t>(local_size), slot_bytes};
-        if (auto s = send_all(c->sock.get(), proto::encode_hello(hello)); !s) return report(s.error().message);
+        // ringd refuses a connection (allow_uids/allow_gids, too many connections) with an error
+        // frame and closes at once, so the hello may meet a closed socket (EPIPE) while the
+        // reason waits unread: read the reply before reporting the failed send.
+        const Status sent = send_all(c->sock.get(), proto::encode_hello(hello));
 
         const auto deadline = Clock::now() + kConnectTimeout;
         std::vector<UniqueFd> fds;
         uint8_t hdr[proto::kFrameHeaderBytes];
-        if (auto s = recv_exact(c->sock.get(), hdr, sizeof hdr, deadline, fds); !s) return report(s.error().message);
+        if (auto s = recv_exact(c->sock.get(), hdr, sizeof hdr, deadline, fds); !s)
+            return report(sent ? s.error().message : sent.error().message);
         auto h = proto::decode_frame_header(std::span(hdr, sizeof hdr), proto::kMaxDaemonPayload);
         if (!h) return report("bad reply from ringd: " + h.error().message);
         std::vector<uint8_t> payload(h->length);

@@ -1,7 +1,11 @@
 // A real ringd and real trainers (libringd-client): allreduce results, error paths, shutdown.
 #include <catch2/catch.hpp>
 
+#include <grp.h>
+#include <sys/stat.h>
+
 #include <cstdio>
+#include <optional>
 #include <random>
 
 #include <nlohmann/json.hpp>
@@ -10,6 +14,8 @@
 #include "common/status_client.h"
 #include "ringd/ringd.hpp"
 #include "tests/support/harness.h"
+#include "tests/support/skip.h"
+#include "tests/support/unprivileged.h"
 
 using namespace ringd;
 using namespace ringd::test;
@@ -51,27 +57,55 @@ OpSpec random_op(std::mt19937_64 &rng, size_t max_bytes) {
 }
 
 // Runs `ops` random allreduces on n clients of one group, submitting all ranks before waiting,
-// with each rank's data at a different offset; checks every element on every rank.
-void run_random_ops(std::vector<std::unique_ptr<Client>> &clients, int ops, uint64_t seed) {
+// with each rank's data at its own non-zero offset between guard bytes; checks every element and
+// every guard byte on every rank. Returns the bytes the ops covered (for the status counters).
+uint64_t run_random_ops(std::vector<std::unique_ptr<Client>> &clients, int ops, uint64_t seed) {
     const size_t n = clients.size();
     std::mt19937_64 rng(seed);
+    uint64_t bytes = 0;
     for (int k = 0; k < ops; ++k) {
         const OpSpec s = random_op(rng, 256 << 10);
-        std::vector<size_t> offsets(n);
+        std::vector<bench::GuardedRange> g(n);
         for (size_t r = 0; r < n; ++r) {
-            offsets[r] = (rng() % 1024) * 8;  // aligned for every dtype
-            bench::fill(clients[r]->slot().data() + offsets[r], s.count, s.dtype, r);
+            // Past a full guard, aligned for every dtype, different for each rank.
+            g[r] = {bench::kGuardBytes + (rng() % 1024) * 8, s.count, clients[r]->slot().size(), s.dtype,
+                    seed * 4096 + static_cast<uint64_t>(k) * 8 + r};
+            g[r].prepare(clients[r]->slot().data(), r);
         }
         std::vector<uint64_t> tickets(n);
         for (size_t r = 0; r < n; ++r)
-            tickets[r] = clients[r]->submit(offsets[r], s.count, static_cast<ringd_dtype>(s.dtype), static_cast<ringd_op>(s.op));
+            tickets[r] = clients[r]->submit(g[r].offset, s.count, static_cast<ringd_dtype>(s.dtype), static_cast<ringd_op>(s.op));
         for (size_t r = 0; r < n; ++r) clients[r]->wait(tickets[r], 10000);
         for (size_t r = 0; r < n; ++r) {
             INFO("op " << k << " rank " << r << " " << dtype_name(s.dtype) << " " << reduce_op_name(s.op) << " count "
-                       << s.count);
-            CHECK(bench::count_wrong(clients[r]->slot().data() + offsets[r], s.count, s.dtype, s.op, n) == 0);
+                       << s.count << " offset " << g[r].offset);
+            const auto v = g[r].check(clients[r]->slot().data(), s.op, n);
+            CHECK(v.wrong == 0);
+            CHECK(v.guard == 0);
+        }
+        bytes += g[0].bytes();
+    }
+    return bytes;
+}
+
+// Kills a forked trainer that still runs when the test case ends early (a failed REQUIRE):
+// nothing a test starts may outlive it, or hold its stdout open. A reaped child is left alone.
+struct Reaper {
+    pid_t pid;
+    ~Reaper() {
+        if (pid > 0 && ::waitpid(pid, nullptr, WNOHANG) == 0) {
+            ::kill(pid, SIGKILL);
+            ::waitpid(pid, nullptr, 0);
         }
     }
+};
+
+json group_status(const Daemon &d, const std::string &name) {
+    const json all = status(d);
+    for (const json &g : all["groups"])
+        if (g["name"] == name) return g;
+    FAIL("group " << name << " is not in ringctl status");
+    return {};
 }
 
 }  // namespace
@@ -81,7 +115,16 @@ TEST_CASE("1 to 4 local ranks allreduce random sizes, dtypes and ops exactly", "
     REQUIRE(d.ready());
     for (int n = 1; n <= 4; ++n) {
         auto clients = connect_group(d, "g" + std::to_string(n), n);
-        run_random_ops(clients, 40, 1000 + static_cast<uint64_t>(n));
+        const uint64_t bytes = run_random_ops(clients, 40, 1000 + static_cast<uint64_t>(n));
+        // One rank's result is its input: the data cannot show that the op ran (and on one host
+        // the daemon rightly leaves it alone). Every wait returned the daemon's completion with
+        // status 0; the group's counters show that the daemon ran exactly these ops.
+        const json g = group_status(d, "g" + std::to_string(n));
+        CHECK(g["ops_completed"] == 40);
+        CHECK(g["ops_failed"] == 0);
+        CHECK(g["bytes_reduced"] == bytes);
+        CHECK(g["pending_ops"] == 0);
+        CHECK(g["running_ops"] == 0);
     }
     const json j = status(d);
     CHECK(j["ops"]["failed"] == 0);
@@ -93,17 +136,26 @@ TEST_CASE("several ops in flight per trainer complete in order", "[daemon]") {
     REQUIRE(d.ready());
     auto clients = connect_group(d, "pipe", 3);
     const size_t count = 4096;
+    const size_t stride = count * 4 + 2 * bench::kGuardBytes;  // each op's guards stay clear of the next op
+    std::vector<std::vector<bench::GuardedRange>> g(3);
     std::vector<std::vector<uint64_t>> tickets(3);
-    for (int k = 0; k < 16; ++k)
+    for (size_t k = 0; k < 16; ++k)
         for (size_t r = 0; r < 3; ++r) {
-            bench::fill(clients[r]->slot().data() + k * count * 4, count, DType::I32, r);
-            tickets[r].push_back(clients[r]->submit(k * count * 4, count, RINGD_I32, RINGD_SUM));
+            const bench::GuardedRange gr{bench::kGuardBytes + k * stride + r * 64, count, clients[r]->slot().size(),
+                                         DType::I32, 77 + k * 3 + r};
+            gr.prepare(clients[r]->slot().data(), r);
+            g[r].push_back(gr);
+            tickets[r].push_back(clients[r]->submit(gr.offset, count, RINGD_I32, RINGD_SUM));
         }
     for (size_t r = 0; r < 3; ++r)
         for (int k = 15; k >= 0; --k) clients[r]->wait(tickets[r][k], 10000);  // any order of waiting
     for (size_t r = 0; r < 3; ++r)
-        for (int k = 0; k < 16; ++k)
-            CHECK(bench::count_wrong(clients[r]->slot().data() + k * count * 4, count, DType::I32, ReduceOp::Sum, 3) == 0);
+        for (size_t k = 0; k < 16; ++k) {
+            INFO("rank " << r << " op " << k);
+            const auto v = g[r][k].check(clients[r]->slot().data(), ReduceOp::Sum, 3);
+            CHECK(v.wrong == 0);
+            CHECK(v.guard == 0);
+        }
 }
 
 TEST_CASE("memory is registered once per slot, never per op", "[daemon]") {
@@ -166,22 +218,32 @@ TEST_CASE("a trainer killed mid-op fails the others, and the daemon keeps servin
     REQUIRE(d.ready());
     int ready_pipe[2];
     REQUIRE(::pipe(ready_pipe) == 0);
+    UniqueFd ready_r(ready_pipe[0]), ready_w(ready_pipe[1]);
     const std::string sock = d.socket();
+    // Both ranks check op 1 themselves: values and the guard bytes around their own ranges.
+    const bench::GuardedRange g0{512, 64, 1 << 20, DType::F32, 5}, g1{1024 + 40, 64, 1 << 20, DType::F32, 6};
     const pid_t victim = spawn([&] {
         Client c(sock, "kill", 1, 2, 1 << 20);
         // Rank 1 takes part in op 1, then dies before submitting op 2.
-        bench::fill(c.slot().data(), 64, DType::F32, 1);
-        c.allreduce(0, 64, RINGD_F32, RINGD_SUM, 10000);
-        (void)!::write(ready_pipe[1], "x", 1);
+        g1.prepare(c.slot().data(), 1);
+        c.allreduce(g1.offset, 64, RINGD_F32, RINGD_SUM, 10000);
+        (void)!::write(ready_pipe[1], g1.check(c.slot().data(), ReduceOp::Sum, 2).ok() ? "x" : "w", 1);
         ::pause();
         return 0;
     });
+    const Reaper reaper{victim};
     Client c0(sock, "kill", 0, 2, 1 << 20);
-    bench::fill(c0.slot().data(), 64, DType::F32, 0);
-    c0.allreduce(0, 64, RINGD_F32, RINGD_SUM, 10000);
-    CHECK(bench::count_wrong(c0.slot().data(), 64, DType::F32, ReduceOp::Sum, 2) == 0);
-    char x;
-    REQUIRE(::read(ready_pipe[0], &x, 1) == 1);
+    g0.prepare(c0.slot().data(), 0);
+    c0.allreduce(g0.offset, 64, RINGD_F32, RINGD_SUM, 10000);
+    const auto v0 = g0.check(c0.slot().data(), ReduceOp::Sum, 2);
+    CHECK(v0.wrong == 0);
+    CHECK(v0.guard == 0);
+    ready_w.reset();  // a victim that fails before its verdict closes the pipe: read() returns 0
+    char x = 0;
+    pollfd p{ready_r.get(), POLLIN, 0};
+    REQUIRE(::poll(&p, 1, 10000) == 1);
+    REQUIRE(::read(ready_r.get(), &x, 1) == 1);
+    CHECK(x == 'x');  // rank 1's own verdict
     const auto t = c0.submit(0, 64, RINGD_F32, RINGD_SUM);
     ::kill(victim, SIGKILL);
     CHECK(join(victim) == -1);  // killed
@@ -306,4 +368,275 @@ TEST_CASE("ringd refuses to start with a clear error", "[daemon]") {
     CHECK(rc5 != 0);
     CHECK_THAT(out5, Catch::Contains("already listening"));
     CHECK(d.alive());
+}
+
+namespace {
+
+// Lines from a forked trainer to the test over a pipe, each read with a deadline (a trainer that
+// hangs shows up as a missing line, never as a hung test).
+class ChildLines {
+public:
+    ChildLines() {
+        int fds[2];
+        REQUIRE(::pipe(fds) == 0);
+        r_ = UniqueFd(fds[0]);
+        w_ = UniqueFd(fds[1]);
+    }
+    // In the child.
+    void put(const std::string &line) const { (void)!::write(w_.get(), (line + "\n").data(), line.size() + 1); }
+    // In the parent, once the child is forked: its exit then ends the stream.
+    void close_write() { w_.reset(); }
+    std::optional<std::string> get(std::chrono::milliseconds timeout) {
+        const auto deadline = Clock::now() + timeout;
+        for (;;) {
+            if (const size_t nl = buf_.find('\n'); nl != std::string::npos) {
+                std::string line = buf_.substr(0, nl);
+                buf_.erase(0, nl + 1);
+                return line;
+            }
+            pollfd p{r_.get(), POLLIN, 0};
+            if (::poll(&p, 1, ms_until(deadline)) <= 0) return std::nullopt;
+            char b[512];
+            const ssize_t n = ::read(r_.get(), b, sizeof b);
+            if (n <= 0) return std::nullopt;
+            buf_.append(b, static_cast<size_t>(n));
+        }
+    }
+
+private:
+    UniqueFd r_, w_;
+    std::string buf_;
+};
+
+// A call's outcome as one line: "rc ms last_error".
+std::string outcome(int rc, Clock::time_point start, ringd_client *c) {
+    const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start).count();
+    return std::to_string(rc) + " " + std::to_string(ms) + " " + ringd_last_error(c);
+}
+
+struct Outcome {
+    int rc = 1;
+    long ms = -1;
+    std::string error;
+};
+
+Outcome parse_outcome(const std::string &line) {
+    Outcome o;
+    std::istringstream in(line);
+    in >> o.rc >> o.ms;
+    std::getline(in >> std::ws, o.error);
+    return o;
+}
+
+// True once `pid` sits in poll/ppoll (the trainer blocked in ringd_wait), within the timeout.
+bool blocked_in_poll(pid_t pid, std::chrono::milliseconds timeout) {
+    const auto deadline = Clock::now() + timeout;
+    while (Clock::now() < deadline) {
+        const std::string sc = read_file("/proc/" + std::to_string(pid) + "/syscall");
+        const std::string nr = sc.substr(0, sc.find(' '));
+        if (nr == std::to_string(SYS_poll) || nr == std::to_string(SYS_ppoll)) return true;
+        pollfd none{-1, 0, 0};
+        ::poll(&none, 1, 5);  // the trainer is a few instructions away: look again shortly
+    }
+    return false;
+}
+
+}  // namespace
+
+TEST_CASE("a trainer waiting on an op notices a SIGKILLed ringd at once; so does one that submits after", "[daemon]") {
+    DaemonOptions o;
+    o.op_timeout = "60s";  // the daemon itself would never time the op out during this test
+    Daemon d(o);
+    REQUIRE(d.ready());
+    const std::string sock = d.socket();
+    ChildLines lines;
+    const pid_t trainer = spawn([&] {
+        Client c0(sock, "gone", 0, 2, 1 << 16), c1(sock, "gone", 1, 2, 1 << 16);
+        uint64_t t = 0;
+        if (ringd_submit(c0.get(), 256, 64, RINGD_F32, RINGD_SUM, &t) != 0) return 2;  // rank 1 never joins in
+        lines.put("waiting");
+        auto start = Clock::now();
+        int rc = ringd_wait(c0.get(), t, 60000);
+        lines.put(outcome(rc, start, c0.get()));
+        // Rank 1 never waited, so it has not seen the daemon go: it submits, then waits.
+        start = Clock::now();
+        rc = ringd_submit(c1.get(), 256, 64, RINGD_F32, RINGD_SUM, &t);
+        if (rc == 0) rc = ringd_wait(c1.get(), t, 60000);
+        lines.put(outcome(rc, start, c1.get()));
+        // And rank 0 again, through ringd_allreduce.
+        start = Clock::now();
+        rc = ringd_allreduce(c0.get(), 256, 64, RINGD_F32, RINGD_SUM, 60000);
+        lines.put(outcome(rc, start, c0.get()));
+        return 0;
+    });
+    const Reaper reaper{trainer};
+    lines.close_write();
+    REQUIRE(lines.get(std::chrono::seconds(10)) == "waiting");
+    REQUIRE(blocked_in_poll(trainer, std::chrono::seconds(5)));
+    ::kill(d.pid(), SIGKILL);
+    const auto killed = Clock::now();
+    const auto waited = lines.get(std::chrono::seconds(5));
+    const auto noticed = Clock::now() - killed;
+    REQUIRE(waited.has_value());  // not the 60 s of the wait: the socket's EOF woke it
+    CHECK(noticed < std::chrono::seconds(2));
+    const Outcome w = parse_outcome(*waited);
+    CHECK(w.rc == -ECONNRESET);
+    CHECK_THAT(w.error, Catch::Contains("ringd closed the connection"));
+    for (const char *who : {"rank 1 submitting after the daemon died", "rank 0 calling ringd_allreduce again"}) {
+        INFO(who);
+        const auto line = lines.get(std::chrono::seconds(5));
+        REQUIRE(line.has_value());
+        const Outcome a = parse_outcome(*line);
+        CHECK(a.rc == -ECONNRESET);
+        CHECK(a.ms < 2000);
+        CHECK_THAT(a.error, Catch::Contains("ringd closed the connection"));
+    }
+    CHECK(join(trainer, std::chrono::seconds(5)) == 0);
+}
+
+TEST_CASE("timeout_ms < 0 waits for the daemon's timeouts.op plus 10 s, then gives up", "[daemon]") {
+    DaemonOptions o;
+    o.op_timeout = "500ms";
+    Daemon d(o);
+    REQUIRE(d.ready());
+    auto c = connect_group(d, "neg", 2);
+    SECTION("a live daemon's op timeout comes first: the wait returns its error") {
+        const auto t = c[0]->submit(256, 16, RINGD_F32, RINGD_SUM);  // rank 1 never submits
+        const auto start = Clock::now();
+        CHECK(ringd_wait(c[0]->get(), t, -1) == -ETIMEDOUT);
+        const auto took = Clock::now() - start;
+        CHECK(took > std::chrono::milliseconds(400));
+        CHECK(took < std::chrono::seconds(3));
+        CHECK_THAT(ringd_last_error(c[0]->get()), Catch::Contains("local ranks 1 of host node0 did not submit"));
+    }
+    SECTION("a stopped daemon never answers: the wait ends at 500 ms + 10 s") {
+        // The waiter is a forked copy of this process (the client's mapping and fds are shared),
+        // so that a wait without a deadline fails the test instead of hanging it.
+        REQUIRE(::kill(d.pid(), SIGSTOP) == 0);
+        ChildLines lines;
+        const pid_t trainer = spawn([&] {
+            uint64_t t0 = 0, t1 = 0;
+            if (ringd_submit(c[0]->get(), 256, 16, RINGD_F32, RINGD_SUM, &t0) != 0 ||
+                ringd_submit(c[1]->get(), 512, 16, RINGD_F32, RINGD_SUM, &t1) != 0)
+                return 2;
+            const auto start = Clock::now();
+            const int rc = ringd_wait(c[0]->get(), t0, -1);
+            lines.put(outcome(rc, start, c[0]->get()));
+            return 0;
+        });
+        const Reaper reaper{trainer};
+        lines.close_write();
+        const auto line = lines.get(std::chrono::seconds(16));
+        ::kill(d.pid(), SIGCONT);
+        REQUIRE(line.has_value());
+        const Outcome w = parse_outcome(*line);
+        CHECK(w.rc == -ETIMEDOUT);
+        CHECK(w.ms >= 10450);
+        CHECK(w.ms < 13000);
+        CHECK_THAT(w.error, Catch::Contains("did not complete within 10500 ms"));
+        CHECK(join(trainer, std::chrono::seconds(5)) == 0);
+    }
+}
+
+namespace {
+
+// The gid of an existing group, or -1.
+long group_id(const char *name) {
+    const group *g = ::getgrnam(name);
+    return g ? static_cast<long>(g->gr_gid) : -1;
+}
+
+// Connects as two local ranks of a group (in this process) and allreduces once with guards;
+// "" when that worked, else what went wrong. Runs in a child that changed identity.
+std::string connect_and_allreduce(const std::string &sock) {
+    char err[256] = "";
+    ringd_client *a = ringd_connect(sock.c_str(), "who", 0, 2, 1 << 16, err, sizeof err);
+    if (!a) return err;
+    ringd_client *b = ringd_connect(sock.c_str(), "who", 1, 2, 1 << 16, err, sizeof err);
+    if (!b) {
+        ringd_close(a);
+        return std::string("rank 1: ") + err;
+    }
+    const bench::GuardedRange ga{512, 1000, 1 << 16, DType::F32, 31}, gb{1280, 1000, 1 << 16, DType::F32, 32};
+    ga.prepare(ringd_slot(a, nullptr), 0);
+    gb.prepare(ringd_slot(b, nullptr), 1);
+    uint64_t ta = 0, tb = 0;
+    std::string out;
+    if (ringd_submit(a, ga.offset, ga.count, RINGD_F32, RINGD_SUM, &ta) != 0 ||
+        ringd_submit(b, gb.offset, gb.count, RINGD_F32, RINGD_SUM, &tb) != 0 || ringd_wait(a, ta, 5000) != 0 ||
+        ringd_wait(b, tb, 5000) != 0)
+        out = std::string("allreduce: ") + ringd_last_error(a) + " / " + ringd_last_error(b);
+    else if (!ga.check(ringd_slot(a, nullptr), ReduceOp::Sum, 2).ok() || !gb.check(ringd_slot(b, nullptr), ReduceOp::Sum, 2).ok())
+        out = "allreduce: wrong values or guard bytes";
+    ringd_close(a);
+    ringd_close(b);
+    return out;
+}
+
+}  // namespace
+
+TEST_CASE("the socket is 0660 with socket_group; allow_uids/allow_gids refuse others with a reason", "[daemon]") {
+    const long nogroup = group_id("nogroup"), daemon_gid = group_id("daemon");
+    REQUIRE(nogroup == 65534);
+    REQUIRE(daemon_gid > 0);
+    const Identity nobody{65534, 65534, {}};
+    const Identity nobody_in_daemon{65534, 65534, {static_cast<gid_t>(daemon_gid)}};
+    // A daemon whose socket directory others may traverse (temp dirs are 0700).
+    auto start = [](const std::string &yaml) {
+        DaemonOptions o;
+        o.extra_yaml = yaml;
+        auto d = std::make_unique<Daemon>(o);
+        REQUIRE(d->ready());
+        REQUIRE(::chmod(d->dir().c_str(), 0711) == 0);
+        return d;
+    };
+    auto as = [](const Identity &who, const std::string &sock) {
+        auto r = run_as(who, [&] { return connect_and_allreduce(sock); });
+        return r;
+    };
+    if (!as(nobody, "/nonexistent").has_value()) RINGD_SKIP("needs root to run a trainer as another user");
+
+    SECTION("socket_group gets the socket, mode 0660: its members connect, others get EACCES") {
+        auto d = start("socket_group: daemon\n");
+        struct stat st{};
+        REQUIRE(::stat(d->socket().c_str(), &st) == 0);
+        CHECK((st.st_mode & 07777) == 0660);
+        CHECK(st.st_gid == static_cast<gid_t>(daemon_gid));
+        CHECK(st.st_uid == 0);
+        CHECK(as(nobody_in_daemon, d->socket()) == "");
+        CHECK_THAT(*as(nobody, d->socket()), Catch::Contains("cannot connect to ringd") &&
+                                                 Catch::Contains(std::strerror(EACCES)));
+        // Without socket_group the socket keeps the daemon's group (root): nobody is outside it.
+        auto plain = start("");
+        REQUIRE(::stat(plain->socket().c_str(), &st) == 0);
+        CHECK((st.st_mode & 07777) == 0660);
+        CHECK(st.st_gid == 0);
+        CHECK_THAT(*as(nobody_in_daemon, plain->socket()), Catch::Contains(std::strerror(EACCES)));
+    }
+    SECTION("allow_uids") {
+        auto only_root = start("socket_group: nogroup\nallow_uids: [0]\n");
+        CHECK_THAT(*as(nobody, only_root->socket()),
+                   Catch::Contains("ringd refused: uid 65534 gid 65534 is not in allow_uids/allow_gids"));
+        CHECK_THAT(only_root->log(), Catch::Contains("refused pid") && Catch::Contains("uid 65534 gid 65534"));
+        auto clients = connect_group(*only_root, "root", 2);  // root is listed
+        run_random_ops(clients, 2, 91);
+        CHECK(only_root->alive());
+
+        auto both = start("socket_group: nogroup\nallow_uids: [0, 65534]\n");
+        CHECK(as(nobody, both->socket()) == "");
+
+        // Root is not special: not listed, refused like anyone.
+        auto only_nobody = start("socket_group: nogroup\nallow_uids: [65534]\n");
+        CHECK(as(nobody, only_nobody->socket()) == "");
+        char err[256] = "";
+        CHECK(ringd_connect(only_nobody->socket().c_str(), "r", 0, 1, 4096, err, sizeof err) == nullptr);
+        CHECK_THAT(err, Catch::Contains("uid 0 gid 0 is not in allow_uids/allow_gids"));
+    }
+    SECTION("allow_gids: the primary gid") {
+        auto by_gid = start("socket_group: nogroup\nallow_uids: [0]\nallow_gids: [65534]\n");
+        CHECK(as(nobody, by_gid->socket()) == "");
+        auto other_gid = start("socket_group: nogroup\nallow_uids: [0]\nallow_gids: [" + std::to_string(daemon_gid) + "]\n");
+        CHECK_THAT(*as(nobody, other_gid->socket()), Catch::Contains("is not in allow_uids/allow_gids"));
+        CHECK(as(Identity{65534, static_cast<gid_t>(daemon_gid), {65534}}, other_gid->socket()) == "");
+    }
 }

@@ -22,22 +22,31 @@ namespace {
 
 constexpr auto kDeadline = std::chrono::seconds(5);
 
-// An honest 2-rank group that checks its results.
+// An honest 2-rank group that checks its results: every value, and the guard bytes around each
+// rank's range (the ranks' ranges sit at different offsets that move from op to op).
 struct HonestGroup {
     Client a, b;
     int ops = 0;
     HonestGroup(const std::string &sock, const std::string &name)
         : a(sock, name, 0, 2, 1 << 20), b(sock, name, 1, 2, 1 << 20) {}
     void step() {
-        const size_t count = 1000 + 17 * static_cast<size_t>(ops++);
-        bench::fill(a.slot().data(), count, DType::F32, 0);
-        bench::fill(b.slot().data(), count, DType::F32, 1);
-        const auto ta = a.submit(0, count, RINGD_F32, RINGD_SUM);
-        const auto tb = b.submit(0, count, RINGD_F32, RINGD_SUM);
+        const size_t k = static_cast<size_t>(ops++);
+        const size_t count = 1000 + 17 * k;
+        const bench::GuardedRange ga{bench::kGuardBytes + 8 * k, count, a.slot().size(), DType::F32, 2 * k + 1};
+        const bench::GuardedRange gb{3 * bench::kGuardBytes + 4 * count + 24 * k, count, b.slot().size(), DType::F32, 2 * k + 2};
+        ga.prepare(a.slot().data(), 0);
+        gb.prepare(b.slot().data(), 1);
+        const auto ta = a.submit(ga.offset, count, RINGD_F32, RINGD_SUM);
+        const auto tb = b.submit(gb.offset, count, RINGD_F32, RINGD_SUM);
         a.wait(ta, 5000);
         b.wait(tb, 5000);
-        CHECK(bench::count_wrong(a.slot().data(), count, DType::F32, ReduceOp::Sum, 2) == 0);
-        CHECK(bench::count_wrong(b.slot().data(), count, DType::F32, ReduceOp::Sum, 2) == 0);
+        const auto va = ga.check(a.slot().data(), ReduceOp::Sum, 2);
+        const auto vb = gb.check(b.slot().data(), ReduceOp::Sum, 2);
+        INFO("honest op " << k);
+        CHECK(va.wrong == 0);
+        CHECK(va.guard == 0);
+        CHECK(vb.wrong == 0);
+        CHECK(vb.guard == 0);
     }
 };
 
