@@ -1,6 +1,11 @@
 // ringd-bench: a trainer that measures allreduce through ringd, nccl-tests style.
 // Every local rank runs it; local rank 0 prints the table. Timing covers only the timed loop;
 // the correctness check runs afterwards on freshly filled data and is not timed.
+//
+// Every rank checks its own result (every value, and guard bytes before and after the op's
+// range in the slot) and prints its own verdict line; nothing of the check goes through ringd,
+// so a ringd that "succeeds" with garbage cannot grade itself. Whoever runs the ranks gathers
+// the verdict lines (bench/cluster prints every rank's output) and sums them.
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -8,6 +13,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "bench/baselines/baseline_table.h"
 #include "bench/bench_data.h"
 #include "common/fd_io.h"
 #include "common/status_client.h"
@@ -66,9 +72,12 @@ int main(int argc, char **argv) {
     // The ring's size (hosts) comes from the daemon; busbw needs the total rank count.
     auto st = fetch_status(o.socket);
     if (!st) return fail(o, st.error().message);
-    uint64_t hosts = 1, host_index = 0;
+    uint64_t hosts = 1, host_index = 0, slot_limit = UINT64_MAX;
     try {
-        const auto ring = nlohmann::json::parse(*st)["ring"];
+        const auto status = nlohmann::json::parse(*st);
+        if (status.contains("memory") && status["memory"].contains("slot_bytes_limit"))
+            slot_limit = status["memory"]["slot_bytes_limit"].get<uint64_t>();
+        const auto ring = status["ring"];
         hosts = ring["size"].get<uint64_t>();
         for (uint64_t i = 0; i < ring["members"].size(); ++i)
             if (ring["members"][i]["self"].get<bool>()) host_index = i;  // this host's place in the ring
@@ -79,15 +88,24 @@ int main(int argc, char **argv) {
     const uint64_t nranks = hosts * static_cast<uint64_t>(o.local_size);
     const uint64_t global_rank = host_index * static_cast<uint64_t>(o.local_size) + static_cast<uint64_t>(o.local_rank);
 
-    const size_t slot_bytes = std::max<size_t>(*max_b, 64);
+    // The op sits kGuardBytes into the slot, with guard bytes before and after its range (fewer
+    // when ringd's memory.slot_bytes leaves less room next to the largest size).
+    const size_t largest = std::max<size_t>(*max_b, 64);
+    const size_t room = slot_limit > largest ? std::min<uint64_t>(2 * bench::kGuardBytes, slot_limit - largest) : 0;
+    const size_t op_offset = room / 2 / 8 * 8;  // a multiple of every element size
+    const size_t slot_bytes = largest + room;
     char err[512] = "";
     ringd_client *c = ringd_connect(o.socket.c_str(), o.group.c_str(), o.local_rank, o.local_size, slot_bytes, err, sizeof err);
     if (!c) return fail(o, err);
     size_t have = 0;
     void *buf = ringd_slot(c, &have);
+    if (!buf || have < slot_bytes) {
+        ringd_close(c);
+        return fail(o, "the slot has " + std::to_string(have) + " bytes, " + std::to_string(slot_bytes) + " asked");
+    }
     const auto cdt = static_cast<ringd_dtype>(*dtype);
     const auto cop = static_cast<ringd_op>(*op);
-    auto run = [&](size_t count, ringd_dtype t, ringd_op p) { return ringd_allreduce(c, 0, count, t, p, o.timeout_ms); };
+    auto run = [&](size_t count) { return ringd_allreduce(c, op_offset, count, cdt, cop, o.timeout_ms); };
 
     const bool printer = o.local_rank == 0;
     if (printer) {
@@ -95,32 +113,36 @@ int main(int argc, char **argv) {
                     static_cast<unsigned long long>(hosts), o.local_size, static_cast<unsigned long long>(nranks),
                     o.group.c_str(), std::string(dtype_name(*dtype)).c_str(), std::string(reduce_op_name(*op)).c_str(),
                     o.iters, o.warmup);
+        std::printf("# #wrong: rank %llu's own wrong values; every rank checks its own result and prints its verdict\n",
+                    static_cast<unsigned long long>(global_rank));
         std::printf("#\n# %12s %12s %8s %6s %11s %12s %12s %8s\n", "size(B)", "count", "type", "redop", "time(us)",
                     "algbw(GB/s)", "busbw(GB/s)", "#wrong");
         std::fflush(stdout);
     }
     double busbw_sum = 0;
     int rows = 0;
-    uint64_t wrong_total = 0;
+    uint64_t wrong_total = 0, guard_total = 0;
     int rc = 0;
     for (uint64_t size = *min_b; size <= *max_b; size *= static_cast<uint64_t>(o.factor)) {
         const size_t count = size / esize;
-        bench::fill(buf, count, *dtype, global_rank);
-        for (int i = 0; i < o.warmup && rc == 0; ++i) rc = run(count, cdt, cop);
+        // Guards salted per rank and size: bytes copied from another rank's slot or an earlier size do not match.
+        const bench::GuardedRange range{op_offset, count, have, *dtype, bench::mix64(global_rank * 0x10001 + size)};
+        range.prepare(buf, global_rank);
+        for (int i = 0; i < o.warmup && rc == 0; ++i) rc = run(count);
         const auto t0 = Clock::now();
-        for (int i = 0; i < o.iters && rc == 0; ++i) rc = run(count, cdt, cop);
+        for (int i = 0; i < o.iters && rc == 0; ++i) rc = run(count);
         const double us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count() / o.iters;
         if (rc != 0) break;
+        // The timed ops' values are not checked (repeated sums grow), but their guards are.
+        guard_total += bench::guard_damage(buf, range.guard_begin(), op_offset, range.salt) +
+                       bench::guard_damage(buf, op_offset + range.bytes(), range.guard_end(), range.salt);
         uint64_t wrong = 0;
         if (o.check) {
-            bench::fill(buf, count, *dtype, global_rank);
-            if ((rc = run(count, cdt, cop)) != 0) break;
-            wrong = bench::count_wrong(buf, count, *dtype, *op, nranks);
-            // Sum every rank's count of wrong values through ringd itself.
-            auto *w = static_cast<int64_t *>(buf);
-            *w = static_cast<int64_t>(wrong);
-            if ((rc = run(1, RINGD_I64, RINGD_SUM)) != 0) break;
-            wrong = static_cast<uint64_t>(*w);
+            range.prepare(buf, global_rank);
+            if ((rc = run(count)) != 0) break;
+            const auto v = range.check(buf, *op, nranks);
+            wrong = v.wrong;
+            guard_total += v.guard;
         }
         wrong_total += wrong;
         const double algbw = static_cast<double>(count * esize) / (us * 1e3);
@@ -143,10 +165,18 @@ int main(int argc, char **argv) {
         return fail(o, msg.empty() ? "allreduce failed: " + errno_string(rc) : msg);
     }
     ringd_close(c);
-    if (printer) {
-        std::printf("# Avg bus bandwidth : %.3f\n", rows ? busbw_sum / rows : 0.0);
-        std::printf("# Wrong values : %llu\n", static_cast<unsigned long long>(wrong_total));
+    if (printer) std::printf("# Avg bus bandwidth : %.3f\n", rows ? busbw_sum / rows : 0.0);
+    // This rank's verdict, one line in a fixed format that harnesses gather from every rank.
+    if (o.check) {
+        bench::print_verdict(global_rank, nranks, wrong_total, guard_total);
+    } else {
+        std::printf("# rank %llu of %llu: values not checked (-c 0), guard bytes damaged %llu\n",
+                    static_cast<unsigned long long>(global_rank), static_cast<unsigned long long>(nranks),
+                    static_cast<unsigned long long>(guard_total));
+        std::fflush(stdout);
     }
-    if (wrong_total) return fail(o, std::to_string(wrong_total) + " wrong values");
+    if (wrong_total || guard_total)
+        return fail(o, std::to_string(wrong_total) + " wrong values, " + std::to_string(guard_total) +
+                           " guard bytes damaged (rank " + std::to_string(global_rank) + ")");
     return 0;
 }

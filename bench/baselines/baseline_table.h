@@ -33,9 +33,10 @@ inline bool parse_sweep_arg(const std::string &flag, const char *value, Sweep &s
 }
 
 inline void print_header(const char *system, int ranks, const Sweep &s) {
-    std::printf("# %s: %d ranks, float avg, %d iters (+%d warm-up)\n#\n# %12s %12s %8s %6s %11s %12s %12s %8s\n", system,
-                ranks, s.iters, s.warmup, "size(B)", "count", "type", "redop", "time(us)", "algbw(GB/s)", "busbw(GB/s)",
-                "#wrong");
+    std::printf("# %s: %d ranks, float avg, %d iters (+%d warm-up)\n", system, ranks, s.iters, s.warmup);
+    std::printf("# #wrong: rank 0's own wrong values; every rank checks its own result and prints its verdict\n");
+    std::printf("#\n# %12s %12s %8s %6s %11s %12s %12s %8s\n", "size(B)", "count", "type", "redop", "time(us)",
+                "algbw(GB/s)", "busbw(GB/s)", "#wrong");
 }
 
 inline double print_row(uint64_t bytes, int ranks, double us, uint64_t wrong, bool checked) {
@@ -49,38 +50,62 @@ inline double print_row(uint64_t bytes, int ranks, double us, uint64_t wrong, bo
     return busbw;
 }
 
-// The whole sweep: for each size, fill, warm up, barrier, time `iters` allreduces, then check
-// on fresh data (untimed), summing every rank's wrong count with `sum_wrong`. Rank 0 prints the
-// table. Returns the total of wrong values.
-template <typename Allreduce, typename Barrier, typename SumWrong>
-uint64_t run_sweep(const Sweep &s, const char *system, int rank, int size, float *buf, Allreduce allreduce,
-                   Barrier barrier, SumWrong sum_wrong) {
-    if (rank == 0) print_header(system, size, s);
+// A rank's verdict, the one line harnesses gather from every rank (bench/cluster prints them all;
+// tests/integration/cluster_bench.sh and bench/compare need one from each rank and sum them).
+// Each rank checks its own result; no count is ever summed through the system under test.
+inline void print_verdict(uint64_t rank, uint64_t nranks, uint64_t wrong, uint64_t guard) {
+    std::printf("# rank %llu of %llu: wrong values %llu, guard bytes damaged %llu\n", static_cast<unsigned long long>(rank),
+                static_cast<unsigned long long>(nranks), static_cast<unsigned long long>(wrong),
+                static_cast<unsigned long long>(guard));
+    std::fflush(stdout);
+}
+
+// Where a baseline's op lies in its buffer: kGuardBytes in, with guard bytes on both sides.
+constexpr size_t kOpOffset = kGuardBytes;
+inline size_t buffer_bytes(const Sweep &s) { return s.max_bytes + 2 * kGuardBytes; }
+
+// The whole sweep on the op at `base` + kOpOffset (a buffer of buffer_bytes(s)): for each size,
+// fill (and the guards), warm up, barrier, time `iters` allreduces, then check on fresh data
+// (untimed) — this rank's values and the guard bytes around the op, after the timed ops too.
+// Rank 0 prints the table (its own count in #wrong); every rank prints its verdict. Returns this
+// rank's wrong values plus damaged guard bytes.
+template <typename Allreduce, typename Barrier>
+uint64_t run_sweep(const Sweep &s, const char *system, int rank, int size, void *base, Allreduce allreduce,
+                   Barrier barrier) {
+    if (rank == 0) {
+        print_header(system, size, s);
+        std::fflush(stdout);
+    }
     double sum_busbw = 0;
     int rows = 0;
-    uint64_t wrong_total = 0;
+    uint64_t wrong_total = 0, guard_total = 0;
+    const auto r = static_cast<uint64_t>(rank);
     for (uint64_t bytes = s.min_bytes; bytes <= s.max_bytes; bytes *= s.factor) {
         const size_t count = bytes / 4;
-        fill(buf, count, DType::F32, static_cast<uint64_t>(rank));
+        const GuardedRange range{kOpOffset, count, buffer_bytes(s), DType::F32, mix64(r * 0x10001 + bytes)};
+        range.prepare(base, r);
         for (int i = 0; i < std::max(1, s.warmup); ++i) allreduce(count);
         barrier();
         const auto t0 = std::chrono::steady_clock::now();
         for (int i = 0; i < s.iters; ++i) allreduce(count);
         const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / s.iters;
+        guard_total += guard_damage(base, range.guard_begin(), kOpOffset, range.salt) +
+                       guard_damage(base, kOpOffset + range.bytes(), range.guard_end(), range.salt);
         uint64_t wrong = 0;
         if (s.check) {
-            fill(buf, count, DType::F32, static_cast<uint64_t>(rank));
+            range.prepare(base, r);
             allreduce(count);
-            wrong = sum_wrong(count_wrong(buf, count, DType::F32, ReduceOp::Avg, static_cast<uint64_t>(size)));
+            const auto v = range.check(base, ReduceOp::Avg, static_cast<uint64_t>(size));
+            wrong = v.wrong;
+            guard_total += v.guard;
         }
         wrong_total += wrong;
         if (rank == 0) sum_busbw += print_row(count * 4, size, us, wrong, s.check);
         ++rows;
     }
-    if (rank == 0)
-        std::printf("# Avg bus bandwidth : %.3f\n# Wrong values : %llu\n", rows ? sum_busbw / rows : 0.0,
-                    static_cast<unsigned long long>(wrong_total));
-    return wrong_total;
+    if (rank == 0) std::printf("# Avg bus bandwidth : %.3f\n", rows ? sum_busbw / rows : 0.0);
+    print_verdict(r, static_cast<uint64_t>(size), wrong_total, guard_total);
+    return wrong_total + guard_total;
 }
 
 }  // namespace ringd::bench
