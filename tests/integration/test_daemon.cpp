@@ -56,20 +56,20 @@ OpSpec random_op(std::mt19937_64 &rng, size_t max_bytes) {
     return {t, op, count};
 }
 
-// Runs `ops` random allreduces on n clients of one group, submitting all ranks before waiting,
+// Runs the allreduces `specs` on n clients of one group, submitting all ranks before waiting,
 // with each rank's data at its own non-zero offset between guard bytes; checks every element and
 // every guard byte on every rank. Returns the bytes the ops covered (for the status counters).
-uint64_t run_random_ops(std::vector<std::unique_ptr<Client>> &clients, int ops, uint64_t seed) {
+uint64_t run_ops(std::vector<std::unique_ptr<Client>> &clients, const std::vector<OpSpec> &specs, uint64_t seed) {
     const size_t n = clients.size();
     std::mt19937_64 rng(seed);
     uint64_t bytes = 0;
-    for (int k = 0; k < ops; ++k) {
-        const OpSpec s = random_op(rng, 256 << 10);
+    for (size_t k = 0; k < specs.size(); ++k) {
+        const OpSpec &s = specs[k];
         std::vector<bench::GuardedRange> g(n);
         for (size_t r = 0; r < n; ++r) {
             // Past a full guard, aligned for every dtype, different for each rank.
             g[r] = {bench::kGuardBytes + (rng() % 1024) * 8, s.count, clients[r]->slot().size(), s.dtype,
-                    seed * 4096 + static_cast<uint64_t>(k) * 8 + r};
+                    seed * 4096 + k * 8 + r};
             g[r].prepare(clients[r]->slot().data(), r);
         }
         std::vector<uint64_t> tickets(n);
@@ -86,6 +86,13 @@ uint64_t run_random_ops(std::vector<std::unique_ptr<Client>> &clients, int ops, 
         bytes += g[0].bytes();
     }
     return bytes;
+}
+
+uint64_t run_random_ops(std::vector<std::unique_ptr<Client>> &clients, int ops, uint64_t seed) {
+    std::mt19937_64 rng(seed);
+    std::vector<OpSpec> specs;
+    for (int k = 0; k < ops; ++k) specs.push_back(random_op(rng, 256 << 10));
+    return run_ops(clients, specs, seed);
 }
 
 // Kills a forked trainer that still runs when the test case ends early (a failed REQUIRE):
@@ -129,6 +136,27 @@ TEST_CASE("1 to 4 local ranks allreduce random sizes, dtypes and ops exactly", "
     const json j = status(d);
     CHECK(j["ops"]["failed"] == 0);
     CHECK(j["ops"]["completed"] == 160);
+}
+
+TEST_CASE("every dtype x op with 2 and 3 local ranks, small (inline) and large (progress thread): exact",
+          "[daemon]") {
+    Daemon d;
+    REQUIRE(d.ready());
+    for (int n : {2, 3}) {
+        std::vector<OpSpec> specs;
+        for (uint32_t t = 0; t < kDTypeCount; ++t)
+            for (uint32_t o = 0; o < kReduceOpCount; ++o) {
+                const auto dt = static_cast<DType>(t);
+                const auto op = static_cast<ReduceOp>(o);
+                if (op == ReduceOp::Avg && dtype_is_integer(dt)) continue;
+                // 1 and 13 elements stay on the control thread; 200 KiB goes to the progress thread.
+                for (size_t count : {size_t{1}, size_t{13}, (size_t{200} << 10) / dtype_size(dt) + 3})
+                    specs.push_back({dt, op, count});
+            }
+        auto clients = connect_group(d, "every" + std::to_string(n), n);
+        run_ops(clients, specs, 77 + static_cast<uint64_t>(n));
+        CHECK(group_status(d, "every" + std::to_string(n))["ops_completed"] == specs.size());
+    }
 }
 
 TEST_CASE("several ops in flight per trainer complete in order", "[daemon]") {
