@@ -135,7 +135,7 @@ TEST_CASE("a TCP congestion control the kernel lacks stops ringd at start naming
                    Catch::Contains("tcp.congestion: system"));
 }
 
-TEST_CASE("a count, dtype or op mismatch between hosts fails every rank naming both hosts", "[cluster]") {
+TEST_CASE("a count/dtype/op mismatch between hosts fails every rank naming both hosts", "[cluster]") {
     struct Case {
         const char *what;
         size_t count;  // node0's and node2's; node1 differs in one thing

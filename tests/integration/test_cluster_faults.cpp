@@ -11,6 +11,7 @@
 #include <signal.h>
 
 #include <algorithm>
+#include <cstring>
 #include <thread>
 
 #include "tests/support/cluster.h"
@@ -27,7 +28,10 @@ namespace {
 constexpr size_t kBigCount = size_t{32} << 20;
 constexpr size_t kBigSlot = (kBigCount * 4) + (64 << 10);
 const char *const kBigSlotLimit = "160MiB";
-constexpr uint64_t kReuseSalt = 0x5eed;
+// What a trainer writes over its whole slot right after its op failed: one byte value, so that
+// it takes a few milliseconds (a late write from the daemon lands after it, not under it), and
+// no sum of the ones the big op adds up.
+constexpr unsigned char kReuseByte = 0xa5;
 
 // Every rank submits kBigCount floats (all ones: partial and final sums differ from the input)
 // at offset 0; returns the tickets once the op runs and data reached rank `watch`.
@@ -49,21 +53,24 @@ struct Failure {
     double after_s = 0;  // since the fault
 };
 
-// Waits for rank g's ticket (bounded); on failure writes the reuse pattern over its whole slot
-// at once, as a trainer that reuses its buffer right after the error would.
+// Waits for rank g's ticket (bounded); on failure writes kReuseByte over its whole slot at once,
+// as a trainer that reuses its buffer right after the error would.
 Failure wait_failed(Client &cl, uint64_t ticket, Clock::time_point fault, int timeout_ms = 15000) {
     Failure f;
     f.rc = ringd_wait(cl.get(), ticket, timeout_ms);
     f.after_s = seconds_since(fault);
     if (f.rc != 0) {
         f.message = ringd_last_error(cl.get());
-        bench::guard_fill(cl.slot().data(), 0, cl.slot().size(), kReuseSalt);
+        std::memset(cl.slot().data(), kReuseByte, cl.slot().size());
     }
     return f;
 }
 
-// Bytes of the slot that changed since wait_failed wrote the pattern.
-uint64_t reuse_damage(const Client &cl) { return bench::guard_damage(cl.slot().data(), 0, cl.slot().size(), kReuseSalt); }
+// Bytes of the slot that changed since wait_failed wrote kReuseByte.
+uint64_t reuse_damage(const Client &cl) {
+    const auto s = cl.slot();
+    return static_cast<uint64_t>(std::count_if(s.begin(), s.end(), [](std::byte b) { return b != std::byte{kReuseByte}; }));
+}
 
 ClusterOptions options(const std::string &op_timeout, const std::string &heartbeat, const std::string &extra_yaml = "",
                        const std::string &slot_bytes = "64MiB") {
