@@ -103,6 +103,7 @@ TEST_CASE("a host SIGKILLed while a large ring op moves data: the others fail wi
         CHECK(log_has(c, g, "host node2: connection closed"));
         CHECK_FALSE(log_has(c, g, "no heartbeat"));
         CHECK_FALSE(log_has(c, g, "ring allreduce timed out"));
+        CHECK(c.group(g, "kill")["ops_failed"] == 1);  // the op this host ran, not one it never took
     }
     // node2 comes back; until the ring is up again nothing may touch the survivors' slots.
     c.d[2]->start();
