@@ -138,9 +138,10 @@ TEST_CASE("a host SIGSTOPped while a large ring op moves data is named after abo
         INFO("rank " << g << ": " << f.message << " after " << f.after_s << " s");
         CHECK(f.rc == -ECONNABORTED);
         CHECK_THAT(f.message, Catch::Contains("host node1: no heartbeat for 900 ms (hung or unreachable)"));
-        // Three heartbeats of silence: 0.9 s after the last one heard, which is at most one
-        // period before the stop. Between two and six periods, in all.
-        CHECK(f.after_s >= 0.6);
+        // Three periods of silence: 0.9 s after the last heartbeat heard, which left at most a
+        // period, a 100 ms tick and some scheduling before the stop; EOF would take
+        // milliseconds. At most six periods.
+        CHECK(f.after_s >= 0.4);
         CHECK(f.after_s <= 1.8);
         CHECK_FALSE(log_has(c, g, "connection closed"));
         CHECK_FALSE(log_has(c, g, "ring allreduce timed out"));
@@ -265,7 +266,7 @@ TEST_CASE("a host hung before its trainer submitted is named after about three h
         INFO(f.message << " after " << f.after_s << " s");
         CHECK(f.rc == -ECONNABORTED);
         CHECK_THAT(f.message, Catch::Contains("host node1: no heartbeat for 900 ms (hung or unreachable)"));
-        CHECK(f.after_s >= 0.6);
+        CHECK(f.after_s >= 0.4);  // as above
         CHECK(f.after_s <= 1.8);
     }
     ::kill(c.d[1]->pid(), SIGCONT);
