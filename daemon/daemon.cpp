@@ -435,12 +435,20 @@ void Daemon::on_engine_results() {
     for (auto &r : engine_->take_results()) {
         const bool ring_ending = r.link_failed && control_ && r.generation == local_generation_;
         if (ring_ending) link_failure = r.message;
-        if (r.op_id != 0 && !(ring_ending && control_->ring_up())) {
+        if (r.op_id == 0) continue;
+        if (auto e = ended_ring_.find(r.op_id); e != ended_ring_.end()) {
+            // Its generation ended while it ran: its trainers hear of it only now that the
+            // progress thread is done with their slots.
+            groups_.finished(r.op_id, -ECONNABORTED, e->second, completions);
+            ended_ring_.erase(e);
+        } else if (ring_ending && control_->ring_up()) {
+            // An op that ended with its link stays running until the generation's end fails it
+            // with the reason that names the host at fault.
+            held_ring_.insert(r.op_id);
+        } else {
             running_ring_.erase(r.op_id);
             groups_.finished(r.op_id, r.status, r.message, completions);
         }
-        // An op that ended with its link stays running until the generation's end fails it
-        // with the reason that names the host at fault.
     }
     // The results (and the slot references they carried back) are released here, on this thread.
     deliver(completions, ready);

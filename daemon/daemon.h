@@ -7,6 +7,7 @@
 #include <chrono>
 #include <deque>
 #include <map>
+#include <set>
 #include <memory>
 #include <optional>
 #include <span>
@@ -124,6 +125,10 @@ private:
     std::map<std::string, uint64_t> next_ordinal_;                       // per group, this generation
     std::map<std::pair<std::string, uint64_t>, std::pair<int32_t, std::string>> failed_ahead_;  // OpFails not reached yet
     std::map<uint64_t, uint64_t> running_ring_;                          // local op id -> generation
+    std::set<uint64_t> held_ring_;  // of running_ring_: back from the progress thread, failed with their link
+    // Ring ops still on the progress thread when their generation ended: they fail with this
+    // reason when it gives them back, not before (until then it may write into their slots).
+    std::map<uint64_t, std::string> ended_ring_;
     // One- and two-shot ops, by (coordinator generation, group, ordinal): every host's part
     // (its report, and data: a whole contribution, or its part of this host's segment), also
     // those of peers that are ahead of this host; two-shot: which segments' results are in.

@@ -104,8 +104,12 @@ void Daemon::on_ring_down(const std::string &why) {
         for (auto &op : q)
             if (op.status == 0) groups_.finished(op.run.op_id, -ECONNABORTED, ring_down_reason_, completions);
     unreported_.clear();
-    for (auto &[op_id, gen] : running_ring_) groups_.finished(op_id, -ECONNABORTED, ring_down_reason_, completions);
+    for (auto &[op_id, gen] : running_ring_) {
+        if (held_ring_.count(op_id)) groups_.finished(op_id, -ECONNABORTED, ring_down_reason_, completions);
+        else ended_ring_[op_id] = ring_down_reason_;  // fails when the progress thread gives it back
+    }
     running_ring_.clear();
+    held_ring_.clear();
     next_ordinal_.clear();
     failed_ahead_.clear();
     drop_direct_before(coord_generation_used_ + 1);

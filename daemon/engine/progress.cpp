@@ -216,7 +216,10 @@ EngineResult ProgressEngine::execute_ring(EngineWork &w) {
     bytes_to_next_ += next_->bytes_sent() - sent0;
     bytes_from_prev_ += prev_->bytes_received() - recv0;
     if (!s) {
-        const bool link = s.error().code != -ECONNABORTED;
+        // The ring returns -ECONNABORTED when the control thread aborted the generation; a link
+        // can fail with the same code (a socket aborted by the kernel), and that is a link failure.
+        const bool aborted = s.error().code == -ECONNABORTED && aborted_generation_.load() >= w.generation;
+        const bool link = !aborted;
         if (link) link_failure_reported_ = true;
         // A failed op ends the generation. Drop its links now, not when the control thread's
         // ring_down arrives: receives of this op may still be posted into the trainer's slot

@@ -1,0 +1,194 @@
+// Rings of real ringd processes on 127.0.0.1 (one port each) for the multi-host tests: the
+// cluster, its trainers, an allreduce checked locally (every value and the guard bytes around
+// every rank's range), and what the fault tests need to see an op under way.
+#pragma once
+
+#include <catch2/catch.hpp>
+
+#include <atomic>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "bench/bench_data.h"
+#include "common/status_client.h"
+#include "ringd/ringd.hpp"
+#include "tests/support/harness.h"
+
+namespace ringd::test {
+
+using nlohmann::json;
+using namespace std::chrono_literals;
+
+constexpr const char *kIbverbsYaml = "transport: ibverbs\nibverbs: {provider: emulated}\n";
+
+struct ClusterOptions {
+    std::string op_timeout = "5s";  // timeouts.op
+    std::string heartbeat;          // timeouts.heartbeat; empty: ringd's default (1 s)
+    std::string extra_yaml;         // appended to every host's config
+    std::string slot_bytes = "64MiB";
+};
+
+struct TestCluster {
+    uint32_t n;
+    int base_port;
+    std::vector<std::unique_ptr<Daemon>> d;
+
+    explicit TestCluster(uint32_t hosts, ClusterOptions o = {}) : n(hosts) {
+        base_port = 10000 + static_cast<int>((::getpid() * 17) % 20000);  // below the ephemeral range
+        std::string yaml = "hosts:\n";
+        for (uint32_t i = 0; i < n; ++i)
+            yaml += "  - {name: node" + std::to_string(i) + ", address: 127.0.0.1, port: " + std::to_string(port(i)) + "}\n";
+        for (uint32_t i = 0; i < n; ++i) {
+            DaemonOptions opt;
+            opt.host = "node" + std::to_string(i);
+            opt.hosts_yaml = yaml;
+            // The harness writes `timeouts: {op: <this>}`.
+            opt.op_timeout = o.op_timeout + (o.heartbeat.empty() ? "" : ", heartbeat: " + o.heartbeat);
+            opt.slot_bytes = o.slot_bytes;
+            opt.extra_yaml = "tcp: {streams: 2}\n" + o.extra_yaml;
+            d.push_back(std::make_unique<Daemon>(opt));
+            REQUIRE(d.back()->ready());
+        }
+    }
+    TestCluster(uint32_t hosts, const std::string &op_timeout, const std::string &extra_yaml = "")
+        : TestCluster(hosts, ClusterOptions{op_timeout, "", extra_yaml, "64MiB"}) {}
+
+    int port(uint32_t i) const { return base_port + static_cast<int>(i); }
+
+    json status(uint32_t i) {
+        auto s = fetch_status(d[i]->socket());
+        return s ? json::parse(*s) : json{};
+    }
+    // The summary of `group` in daemon i's status, or null.
+    json group(uint32_t i, const std::string &name) {
+        const json st = status(i);
+        for (const auto &g : st["groups"])
+            if (g["name"] == name) return g;
+        return {};
+    }
+    // Waits until daemon i took an op of `group` (all its local ranks submitted it): running, or
+    // already ended.
+    bool wait_taken(uint32_t i, const std::string &group, std::chrono::milliseconds limit = 10s) {
+        const auto deadline = Clock::now() + limit;
+        while (Clock::now() < deadline) {
+            const json g = this->group(i, group);
+            if (!g.is_null() &&
+                g["running_ops"].get<int>() + g["ops_failed"].get<int>() + g["ops_completed"].get<int>() > 0)
+                return true;
+            std::this_thread::sleep_for(5ms);
+        }
+        UNSCOPED_INFO("host " << i << " status: " << status(i).dump());
+        return false;
+    }
+    // Waits until daemon i reports (sd_notify STATUS, on the NOTIFY_SOCKET the harness owns) that
+    // its ring is up as generation min_generation or later.
+    bool wait_ring(uint32_t i, uint64_t min_generation, std::chrono::milliseconds limit = 15s) {
+        const auto deadline = Clock::now() + limit;
+        const std::string key = "STATUS=ring generation ";
+        while (Clock::now() < deadline) {
+            const std::string m = d[i]->notify().next(std::chrono::milliseconds(ms_until(deadline)));
+            const auto at = m.find(key);
+            if (at == std::string::npos || m.find(" up (", at) == std::string::npos) continue;
+            if (std::stoull(m.substr(at + key.size())) >= min_generation) return true;
+        }
+        return false;
+    }
+    // Every daemon's ring is up, as generation min_generation[i] (default 1) or later.
+    bool wait_up(std::vector<uint64_t> min_generation = {}) {
+        min_generation.resize(n, 1);
+        for (uint32_t i = 0; i < n; ++i)
+            if (!wait_ring(i, min_generation[i])) return false;
+        return true;
+    }
+};
+
+using Clients = std::vector<std::unique_ptr<Client>>;  // index = host * L + local rank
+
+inline Clients connect_all(TestCluster &c, const std::string &group, uint32_t local, size_t slot_bytes = 1 << 20) {
+    Clients v;
+    for (uint32_t h = 0; h < c.n; ++h)
+        for (uint32_t r = 0; r < local; ++r)
+            v.push_back(std::make_unique<Client>(c.d[h]->socket(), group, static_cast<int>(r), static_cast<int>(local), slot_bytes));
+    return v;
+}
+
+// Rank g's range of an op: a different offset on every rank, guard bytes before and after.
+inline bench::GuardedRange rank_range(const Client &cl, size_t g, DType t, size_t count, uint64_t seed) {
+    const size_t offset = bench::kGuardBytes + ((seed + g * 7) % 64) * 8;
+    return bench::GuardedRange{offset, count, cl.slot().size(), t, seed * 1000003 + g};
+}
+
+// One allreduce on every client (submitted on all, then waited on all); checks every value of
+// every rank and the guard bytes around each rank's range, here, not through ringd.
+inline void allreduce_checked(Clients &cl, DType t, ReduceOp op, size_t count, uint64_t seed) {
+    const size_t n = cl.size();
+    std::vector<bench::GuardedRange> range(n);
+    for (size_t g = 0; g < n; ++g) {
+        range[g] = rank_range(*cl[g], g, t, count, seed);
+        REQUIRE(range[g].offset + range[g].bytes() + bench::kGuardBytes <= cl[g]->slot().size());
+        range[g].prepare(cl[g]->slot().data(), g);
+    }
+    std::vector<uint64_t> tickets(n);
+    for (size_t g = 0; g < n; ++g)
+        tickets[g] = cl[g]->submit(range[g].offset, count, static_cast<ringd_dtype>(t), static_cast<ringd_op>(op));
+    for (size_t g = 0; g < n; ++g) {
+        const int rc = ringd_wait(cl[g]->get(), tickets[g], 20000);
+        INFO("rank " << g << " of " << n << " " << dtype_name(t) << " " << reduce_op_name(op) << " count " << count
+                     << ": " << (rc == 0 ? "" : ringd_last_error(cl[g]->get())));
+        REQUIRE(rc == 0);
+    }
+    for (size_t g = 0; g < n; ++g) {
+        INFO("rank " << g << " of " << n << " " << dtype_name(t) << " " << reduce_op_name(op) << " count " << count
+                     << " offset " << range[g].offset);
+        const auto v = range[g].check(cl[g]->slot().data(), op, n);
+        CHECK(v.wrong == 0);
+        CHECK(v.guard == 0);
+    }
+}
+
+// A large op's progress seen from one rank's slot: the input at sample positions, and how many
+// of them hold something else (the ring writes partial and final results into the slot as
+// chunks arrive). Reads race with the daemon on purpose; only whether a value changed counts.
+class SlotWatch {
+public:
+    SlotWatch(const Client &cl, size_t offset, size_t count, size_t every = 16384)
+        : base_(reinterpret_cast<const uint32_t *>(cl.slot().data() + offset)) {
+        for (size_t i = 0; i < count; i += every) {
+            at_.push_back(i);
+            was_.push_back(base_[i]);
+        }
+    }
+    size_t samples() const { return at_.size(); }
+    size_t changed() const {
+        size_t c = 0;
+        for (size_t k = 0; k < at_.size(); ++k)
+            c += __atomic_load_n(base_ + at_[k], __ATOMIC_RELAXED) != was_[k];
+        return c;
+    }
+
+private:
+    const uint32_t *base_;
+    std::vector<size_t> at_;
+    std::vector<uint32_t> was_;
+};
+
+// Waits (spinning: a large op on loopback takes a fraction of a second) until at least one
+// sample of `watch` changed: the op runs and data reached that rank. A ring op writes into a
+// slot only after the coordinator started it, which it does once every host reported it ready.
+// Returns the changed fraction then, or -1 when the deadline passed first.
+inline double wait_data_moving(const SlotWatch &watch, std::chrono::milliseconds limit = 20s) {
+    const auto deadline = Clock::now() + limit;
+    while (Clock::now() < deadline) {
+        const size_t k = watch.changed();
+        if (k > 0) return static_cast<double>(k) / static_cast<double>(watch.samples());
+        std::this_thread::yield();
+    }
+    return -1;
+}
+
+inline double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+}  // namespace ringd::test
