@@ -265,6 +265,10 @@ void ControlPlane::promote(Conn &c) {
         c.kind = h.kind;
         c.stream = h.stream;
     }
+    // A host that restarted counts its generations from 0 again; the ring it forms next must
+    // still be newer than any its peers saw, or they would take its ops for a finished
+    // generation's. So each ring's generation passes the highest one a peer announced.
+    peer_generation_max_ = std::max(peer_generation_max_, c.dialer ? c.hs->peer_generation() : h.generation);
     c.fd = c.hs->take_fd();
     c.hs.reset();
     c.state = ConnState::Up;
@@ -325,7 +329,7 @@ void ControlPlane::maybe_ring_up() {
         id = 0;
     }
     ring_up_ = true;
-    ++generation_;
+    generation_ = std::max(generation_, peer_generation_max_) + 1;
     spdlog::info("ring up: generation {}, {} hosts", generation_, n_);
     if (cb_.ring_up) cb_.ring_up(generation_, std::move(out), std::move(in));
 }

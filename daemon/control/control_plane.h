@@ -137,6 +137,7 @@ private:
     Clock::time_point next_data_dial_{};
     bool ring_up_ = false;
     uint64_t generation_ = 0;
+    uint64_t peer_generation_max_ = 0;  // the highest generation a peer's handshake announced
     Clock::time_point next_heartbeat_{};
     uint64_t heartbeat_generation_ = 0;
     std::optional<std::pair<Clock::time_point, std::string>> pending_link_failure_;
