@@ -78,6 +78,7 @@ void Daemon::on_ring_up(uint64_t generation, std::vector<UniqueFd> to_next, std:
         coordinator_->reset(generation);
         coord_generation_ = generation;
         coord_known_ = true;
+        control_->note_coordinator_generation(generation);  // a restarted coordinator's ring must pass it
         control_->heartbeat_now(generation);  // the hosts report in this generation from now on
     }
     spdlog::info("ring generation {} is up ({} hosts)", generation, n);
@@ -405,6 +406,7 @@ void Daemon::adopt_generation(uint32_t host, uint64_t generation) {
     if (host == kCoordinator && !coord_known_ && generation > coord_generation_used_) {
         coord_generation_ = generation;
         coord_known_ = true;
+        control_->note_coordinator_generation(generation);  // a restarted coordinator's ring must pass it
         failed_ahead_.clear();
         drop_direct_before(generation);
         flush_reports();

@@ -155,7 +155,7 @@ void ControlPlane::accept_all() {
         c->state = ConnState::Handshaking;
         c->remote = ip;
         c->deadline = Clock::now() + std::min<Clock::duration>(config_.timeouts.connect, std::chrono::seconds(10));
-        const PeerIdentity me{config_.cluster, peers_[self_].host.name, generation_, secret_};
+        const PeerIdentity me{config_.cluster, peers_[self_].host.name, announced_generation(), secret_};
         c->hs.emplace(PeerHandshake::listen(std::move(fd), me, [this, ip](const proto::PeerHello &h) -> Status {
             for (uint32_t i = 0; i < n_; ++i) {
                 if (peers_[i].host.name != h.from) continue;
@@ -217,7 +217,7 @@ void ControlPlane::on_conn(uint64_t id, uint32_t events) {
         ::getsockopt(c.fd.get(), SOL_SOCKET, SO_ERROR, &err, &len);
         if (err != 0) return conn_failed(id, "connect to " + c.remote + ": " + errno_string(err));
         if (!(events & EPOLLOUT)) return;
-        const PeerIdentity me{config_.cluster, peers_[self_].host.name, generation_, secret_};
+        const PeerIdentity me{config_.cluster, peers_[self_].host.name, announced_generation(), secret_};
         c.hs.emplace(PeerHandshake::dial(std::move(c.fd), me, peers_[c.peer].host.name, c.kind, c.stream));
         c.state = ConnState::Handshaking;
         if (c.kind == proto::ConnKind::Control) set_state(c.peer, "handshaking");
@@ -329,7 +329,10 @@ void ControlPlane::maybe_ring_up() {
         id = 0;
     }
     ring_up_ = true;
-    generation_ = std::max(generation_, peer_generation_max_) + 1;
+    // The first host coordinates: its generation is the one every host reports ops in, and must
+    // pass every generation its peers announce (a restarted coordinator counts from 0 again).
+    // The others count their own rings.
+    generation_ = (self_ == 0 ? std::max(generation_, peer_generation_max_) : generation_) + 1;
     spdlog::info("ring up: generation {}, {} hosts", generation_, n_);
     if (cb_.ring_up) cb_.ring_up(generation_, std::move(out), std::move(in));
 }

@@ -14,6 +14,7 @@
 // frames are closed and logged with the reason.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <deque>
 #include <functional>
@@ -75,6 +76,14 @@ public:
 
     bool ring_up() const { return ring_up_; }
     uint64_t generation() const { return generation_; }
+    // The coordinator's generation this host reported ops in. Handshakes announce the highest
+    // generation a host knows of (its own, its peers', the coordinator's), and the coordinator's
+    // next ring passes the highest one its peers announced, so that a coordinator that restarts
+    // (counting from 0 again) forms a ring newer than any generation the others have used.
+    void note_coordinator_generation(uint64_t generation) { coord_generation_seen_ = std::max(coord_generation_seen_, generation); }
+    uint64_t announced_generation() const {
+        return std::max({generation_, peer_generation_max_, coord_generation_seen_});
+    }
     uint32_t self_index() const { return self_; }
     std::vector<PeerStatus> status() const;
 
@@ -137,7 +146,8 @@ private:
     Clock::time_point next_data_dial_{};
     bool ring_up_ = false;
     uint64_t generation_ = 0;
-    uint64_t peer_generation_max_ = 0;  // the highest generation a peer's handshake announced
+    uint64_t peer_generation_max_ = 0;   // the highest generation a peer's handshake announced
+    uint64_t coord_generation_seen_ = 0;  // note_coordinator_generation
     Clock::time_point next_heartbeat_{};
     uint64_t heartbeat_generation_ = 0;
     std::optional<std::pair<Clock::time_point, std::string>> pending_link_failure_;

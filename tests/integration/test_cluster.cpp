@@ -222,8 +222,13 @@ TEST_CASE("a trainer that dies on one host fails the group's op on every host", 
         ::pause();
         return 0;
     });
+    Reaper reaper{victim};
+    ::close(ready_pipe[1]);  // a victim that dies before it is ready closes the pipe: EOF, not a hang
+    pollfd p{ready_pipe[0], POLLIN, 0};
+    REQUIRE(::poll(&p, 1, 10000) == 1);
     char x;
     REQUIRE(::read(ready_pipe[0], &x, 1) == 1);
+    ::close(ready_pipe[0]);
     Client a(c.d[0]->socket(), "t", 0, 1, 1 << 20), b(c.d[2]->socket(), "t", 0, 1, 1 << 20);
     const auto ta = a.submit(0, 100, RINGD_F32, RINGD_SUM);
     const auto tb = b.submit(0, 100, RINGD_F32, RINGD_SUM);

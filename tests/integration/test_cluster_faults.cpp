@@ -139,10 +139,10 @@ TEST_CASE("a host SIGSTOPped while a large ring op moves data is named after abo
         CHECK(f.rc == -ECONNABORTED);
         CHECK_THAT(f.message, Catch::Contains("host node1: no heartbeat for 900 ms (hung or unreachable)"));
         // Three periods of silence: 0.9 s after the last heartbeat heard, which left at most a
-        // period, a 100 ms tick and some scheduling before the stop; EOF would take
-        // milliseconds. At most six periods.
-        CHECK(f.after_s >= 0.4);
-        CHECK(f.after_s <= 1.8);
+        // period, a 100 ms tick and some scheduling before the stop (the message names the
+        // mechanism; the bounds leave room for a loaded machine). At most about eight periods.
+        CHECK(f.after_s >= 0.1);
+        CHECK(f.after_s <= 2.5);
         CHECK_FALSE(log_has(c, g, "connection closed"));
         CHECK_FALSE(log_has(c, g, "ring allreduce timed out"));
     }
@@ -179,7 +179,7 @@ void kill_and_restart_coordinator(TestCluster &c, Clients &cl) {
     }
     c.d[0]->start();
     REQUIRE(c.d[0]->ready());
-    REQUIRE(c.wait_up({1, 2, 2}));
+    REQUIRE(c.wait_up({2, 2, 2}));  // the restarted coordinator's ring is newer than generation 1
     std::this_thread::sleep_for(200ms);
     for (uint32_t g : {1u, 2u}) {
         INFO("rank " << g);
@@ -315,7 +315,7 @@ TEST_CASE("a data connection reset ends the generation everywhere, by RingAbort;
         for (uint32_t g = 0; g < 4; ++g) {
             const Failure f = wait_failed(*cl[g], t[g], fault);
             INFO("rank " << g << ": " << f.message << " after " << f.after_s << " s");
-            CHECK(f.rc != 0);
+            CHECK(f.rc == -ECONNABORTED);
             // The link error waits 300 ms (up to a 100 ms tick more) for a better reason, then
             // ends the generation. Which link the reason names depends on which host's tick
             // comes first: a failed op drops its links at once, so the neighbours of node0 and
@@ -403,7 +403,42 @@ TEST_CASE("other groups are not affected while one group's op waits and fails", 
     CHECK(c.status(0)["ring"]["generation"] == 1);
 }
 
-TEST_CASE("SIGTERM on one host ends its ring op at once; the others are told it is gone", "[cluster][faults]") {
+TEST_CASE("SIGTERM on one host while a large ring op moves data: its trainer is told it shuts down, the others "
+          "that it is gone, and nothing is written into a slot after",
+          "[cluster][faults]") {
+    TestCluster c(3, options("30s", "1s", "", kBigSlotLimit));
+    REQUIRE(c.wait_up());
+    auto cl = connect_all(c, "termbig", 1, kBigSlot);
+    const auto t = start_big_op(cl, 0);
+    const auto fault = Clock::now();
+    ::kill(c.d[1]->pid(), SIGTERM);
+    std::vector<Failure> f(3);
+    for (uint32_t g = 0; g < 3; ++g) f[g] = wait_failed(*cl[g], t[g], fault);
+    for (uint32_t g = 0; g < 3; ++g) {
+        INFO("rank " << g << ": " << f[g].message << " after " << f[g].after_s << " s");
+        CHECK(f[g].after_s < 3.0);
+        if (g == 1) {
+            CHECK(f[g].rc != 0);
+            CHECK_THAT(f[g].message, Catch::Contains("ringd is shutting down"));
+        } else {
+            CHECK(f[g].rc == -ECONNABORTED);
+            CHECK_THAT(f[g].message, Catch::Contains("aborted: host node1: connection closed"));
+        }
+    }
+    const int st = c.d[1]->stop(10s);  // it exits by itself; this reaps it
+    REQUIRE(st != -1);
+    CHECK(WIFEXITED(st));
+    CHECK(WEXITSTATUS(st) == 0);
+    std::this_thread::sleep_for(200ms);  // a late write would land by now
+    for (uint32_t g = 0; g < 3; ++g) {
+        INFO("rank " << g);
+        CHECK(reuse_damage(*cl[g]) == 0);
+    }
+}
+
+TEST_CASE("SIGTERM on one host while the others wait on a ring op it never joined: its daemon exits at once; "
+          "the others are told it is gone",
+          "[cluster][faults]") {
     TestCluster c(3, options("30s", "1s"));
     REQUIRE(c.wait_up());
     auto cl = connect_all(c, "term", 1);

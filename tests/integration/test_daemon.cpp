@@ -95,18 +95,6 @@ uint64_t run_random_ops(std::vector<std::unique_ptr<Client>> &clients, int ops, 
     return run_ops(clients, specs, seed);
 }
 
-// Kills a forked trainer that still runs when the test case ends early (a failed REQUIRE):
-// nothing a test starts may outlive it, or hold its stdout open. A reaped child is left alone.
-struct Reaper {
-    pid_t pid;
-    ~Reaper() {
-        if (pid > 0 && ::waitpid(pid, nullptr, WNOHANG) == 0) {
-            ::kill(pid, SIGKILL);
-            ::waitpid(pid, nullptr, 0);
-        }
-    }
-};
-
 json group_status(const Daemon &d, const std::string &name) {
     const json all = status(d);
     for (const json &g : all["groups"])

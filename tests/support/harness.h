@@ -6,6 +6,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
@@ -166,6 +167,9 @@ public:
         const std::string bin = env_or("RINGD_BIN", "build/daemon/ringd");
         pid_ = ::fork();
         if (pid_ == 0) {
+            // A test killed by its timeout takes its daemons along (daemons are started from the
+            // test's main thread: the signal comes when the forking thread ends).
+            ::prctl(PR_SET_PDEATHSIG, SIGKILL);
             const int log = ::open(log_.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
             ::dup2(log, 1);  // nothing of the test's stdout may outlive it (meson waits for EOF)
             ::dup2(log, 2);
@@ -248,6 +252,18 @@ inline int join(pid_t pid, std::chrono::milliseconds timeout = std::chrono::seco
     }
     return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
 }
+
+// Kills a forked trainer that still runs when the test case ends early (a failed REQUIRE):
+// nothing a test starts may outlive it, or hold its stdout open. A reaped child is left alone.
+struct Reaper {
+    pid_t pid;
+    ~Reaper() {
+        if (pid > 0 && ::waitpid(pid, nullptr, WNOHANG) == 0) {
+            ::kill(pid, SIGKILL);
+            ::waitpid(pid, nullptr, 0);
+        }
+    }
+};
 
 // A raw connection to the daemon's socket, for hostile-client tests.
 inline UniqueFd raw_connect(const std::string &path) {

@@ -148,7 +148,20 @@ TEST_CASE("a host that dies takes the ring down everywhere, naming it; it re-for
     REQUIRE(c.run_until([&] { return c.all_up() && c.hosts[0].generation == 2 && c.hosts[1].generation == 2; }, 10s));
     CHECK(c.hosts[0].generation == 2);
     CHECK(c.hosts[1].generation == 2);
-    CHECK(c.hosts[2].generation == 2);  // its first ring, newer than the generation 1 its peers had seen
+    CHECK(c.hosts[2].generation == 1);  // its own first ring (only the coordinator's counts for all)
+}
+
+TEST_CASE("a restarted coordinator's ring is newer than any generation the others used", "[control]") {
+    spdlog::set_level(spdlog::level::off);
+    Cluster c(3);
+    REQUIRE(c.run_until([&] { return c.all_up(); }, 10s));
+    c.hosts[0].cp.reset();  // the first host (the coordinator) killed
+    REQUIRE(c.run_until([&] { return c.hosts[1].downs == 1 && c.hosts[2].downs == 1; }, 5s));
+    c.hosts[1].cp->note_coordinator_generation(7);  // what it reported ops in before
+    c.start(0);
+    REQUIRE(c.run_until([&] { return c.all_up() && c.hosts[0].generation > 0 && c.hosts[1].generation == 2; }, 10s));
+    CHECK(c.hosts[0].generation == 8);  // past the 7 that host 1 announced in its handshake
+    CHECK(c.hosts[2].generation == 2);
 }
 
 TEST_CASE("a hung host is caught by missed heartbeats", "[control]") {
