@@ -94,6 +94,10 @@ int main(int argc, char **argv) {
     const size_t room = slot_limit > largest ? std::min<uint64_t>(2 * bench::kGuardBytes, slot_limit - largest) : 0;
     const size_t op_offset = room / 2 / 8 * 8;  // a multiple of every element size
     const size_t slot_bytes = largest + room;
+    if (room < 2 * bench::kGuardBytes && o.local_rank == 0)
+        std::fprintf(stderr, "ringd-bench: only %zu guard bytes around the largest op (memory.slot_bytes %llu, largest "
+                             "size %zu): set memory.slot_bytes to at least %zu for full guards\n",
+                     room, static_cast<unsigned long long>(slot_limit), largest, largest + 2 * bench::kGuardBytes);
     char err[512] = "";
     ringd_client *c = ringd_connect(o.socket.c_str(), o.group.c_str(), o.local_rank, o.local_size, slot_bytes, err, sizeof err);
     if (!c) return fail(o, err);

@@ -97,7 +97,7 @@ if [ "$mode" = netns-ibverbs ]; then
         if out=$("$src/bench/cluster" "${args[@]/provider: emulated/provider: hardware}" -- true 2>&1); then
             fail "ringd started with transport: ibverbs on a machine without RDMA devices"
         fi
-        echo "$out" | grep -m1 "no RDMA device found" || fail "no 'no RDMA device found' error"
+        grep -m1 "no RDMA device found" <<<"$out" || fail "no 'no RDMA device found' error"
     fi
 fi
 [ $failed = 0 ] || { echo "cluster_bench.sh $mode: FAILED" >&2; exit 1; }

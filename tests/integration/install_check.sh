@@ -59,7 +59,7 @@ cc -std=c11 -Wall -Wextra -Werror $CFLAGS "$SRC/tests/integration/install_traine
     fail "the trainer does not build against the installed header and ringd-client.pc"
 
 export LD_LIBRARY_PATH=$(dirname "$LIB")
-ldd "$TMP/trainer" | grep -q "libringd-client.so.* => $DEST/" || {
+grep -q "libringd-client.so.* => $DEST/" <<<"$(ldd "$TMP/trainer")" || {
     ldd "$TMP/trainer" >&2
     fail "the trainer does not load the installed libringd-client.so"
 }
