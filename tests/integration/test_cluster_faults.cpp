@@ -79,6 +79,35 @@ ClusterOptions options(const std::string &op_timeout, const std::string &heartbe
 
 bool log_has(TestCluster &c, uint32_t h, const std::string &what) { return c.d[h]->log().find(what) != std::string::npos; }
 
+// Starts the big op on every rank (data watched arriving at rank `watch`), sends `sig` to host
+// `victim`'s daemon and waits for every other rank's failure. Returns the failures by rank (the
+// victim's left empty) and the tickets.
+struct MidOpFault {
+    std::vector<uint64_t> tickets;
+    std::vector<Failure> failures;
+    Clock::time_point fault;
+};
+MidOpFault fault_mid_op(TestCluster &c, Clients &cl, uint32_t victim, int sig, size_t watch) {
+    MidOpFault m;
+    m.tickets = start_big_op(cl, watch);
+    m.fault = Clock::now();
+    ::kill(c.d[victim]->pid(), sig);
+    m.failures.resize(cl.size());
+    for (uint32_t g = 0; g < cl.size(); ++g)
+        if (g != victim) m.failures[g] = wait_failed(*cl[g], m.tickets[g], m.fault);
+    return m;
+}
+
+// Once a late write from the ended op would have landed: nothing changed these ranks' slots
+// since wait_failed overwrote them.
+void check_untouched(const Clients &cl, std::initializer_list<uint32_t> ranks) {
+    std::this_thread::sleep_for(200ms);
+    for (uint32_t g : ranks) {
+        INFO("rank " << g);
+        CHECK(reuse_damage(*cl[g]) == 0);
+    }
+}
+
 }  // namespace
 
 TEST_CASE("a host SIGKILLed while a large ring op moves data: the others fail within a second on its "
@@ -91,11 +120,9 @@ TEST_CASE("a host SIGKILLed while a large ring op moves data: the others fail wi
     REQUIRE(c.wait_up());
     auto cl = connect_all(c, "kill", 1, kBigSlot);
     allreduce_checked(cl, DType::F32, ReduceOp::Sum, 1000, 1);
-    const auto t = start_big_op(cl, 0);
-    const auto fault = Clock::now();
-    ::kill(c.d[2]->pid(), SIGKILL);
+    const MidOpFault m = fault_mid_op(c, cl, 2, SIGKILL, 0);
     for (uint32_t g : {0u, 1u}) {
-        const Failure f = wait_failed(*cl[g], t[g], fault);
+        const Failure &f = m.failures[g];
         INFO("rank " << g << ": " << f.message << " after " << f.after_s << " s");
         CHECK(f.rc == -ECONNABORTED);
         CHECK_THAT(f.message, Catch::Contains("ring generation 1 aborted: host node2: connection closed"));
@@ -109,11 +136,7 @@ TEST_CASE("a host SIGKILLed while a large ring op moves data: the others fail wi
     c.d[2]->start();
     REQUIRE(c.d[2]->ready());
     REQUIRE(c.wait_up({2, 2, 1}));  // the restarted daemon counts its own generations
-    std::this_thread::sleep_for(200ms);  // a late write from the old generation would land by now
-    for (uint32_t g : {0u, 1u}) {
-        INFO("rank " << g);
-        CHECK(reuse_damage(*cl[g]) == 0);
-    }
+    check_untouched(cl, {0, 1});
     CHECK(c.status(0)["ring"]["generation"] == 2);
     cl[2] = std::make_unique<Client>(c.d[2]->socket(), "kill", 0, 1, kBigSlot);
     allreduce_checked(cl, DType::F32, ReduceOp::Avg, 777777, 5);
@@ -130,11 +153,9 @@ TEST_CASE("a host SIGSTOPped while a large ring op moves data is named after abo
     REQUIRE(c.wait_up());
     auto cl = connect_all(c, "stop", 1, kBigSlot);
     allreduce_checked(cl, DType::F64, ReduceOp::Max, 333, 2);
-    const auto t = start_big_op(cl, 0);
-    const auto fault = Clock::now();
-    ::kill(c.d[1]->pid(), SIGSTOP);
+    const MidOpFault m = fault_mid_op(c, cl, 1, SIGSTOP, 0);
     for (uint32_t g : {0u, 2u}) {
-        const Failure f = wait_failed(*cl[g], t[g], fault);
+        const Failure &f = m.failures[g];
         INFO("rank " << g << ": " << f.message << " after " << f.after_s << " s");
         CHECK(f.rc == -ECONNABORTED);
         CHECK_THAT(f.message, Catch::Contains("host node1: no heartbeat for 900 ms (hung or unreachable)"));
@@ -148,13 +169,9 @@ TEST_CASE("a host SIGSTOPped while a large ring op moves data is named after abo
     }
     ::kill(c.d[1]->pid(), SIGCONT);
     // node1's own op fails when it continues (its peers are gone); then everyone goes on.
-    CHECK(ringd_wait(cl[1]->get(), t[1], 15000) != 0);
+    CHECK(ringd_wait(cl[1]->get(), m.tickets[1], 15000) != 0);
     REQUIRE(c.wait_up({2, 2, 2}));
-    std::this_thread::sleep_for(200ms);
-    for (uint32_t g : {0u, 2u}) {
-        INFO("rank " << g);
-        CHECK(reuse_damage(*cl[g]) == 0);
-    }
+    check_untouched(cl, {0, 2});
     allreduce_checked(cl, DType::F32, ReduceOp::Sum, 300001, 3);
     allreduce_checked(cl, DType::I32, ReduceOp::Min, 17, 4);
 }
@@ -166,11 +183,9 @@ namespace {
 // and the ring comes up again. Returns with node0 back and a new trainer there.
 void kill_and_restart_coordinator(TestCluster &c, Clients &cl) {
     allreduce_checked(cl, DType::F16, ReduceOp::Avg, 5000, 1);
-    const auto t = start_big_op(cl, 1);
-    const auto fault = Clock::now();
-    ::kill(c.d[0]->pid(), SIGKILL);
+    const MidOpFault m = fault_mid_op(c, cl, 0, SIGKILL, 1);
     for (uint32_t g : {1u, 2u}) {
-        const Failure f = wait_failed(*cl[g], t[g], fault);
+        const Failure &f = m.failures[g];
         INFO("rank " << g << ": " << f.message << " after " << f.after_s << " s");
         CHECK(f.rc == -ECONNABORTED);
         CHECK_THAT(f.message, Catch::Contains("ring generation 1 aborted: host node0: connection closed"));
@@ -180,11 +195,7 @@ void kill_and_restart_coordinator(TestCluster &c, Clients &cl) {
     c.d[0]->start();
     REQUIRE(c.d[0]->ready());
     REQUIRE(c.wait_up({2, 2, 2}));  // the restarted coordinator's ring is newer than generation 1
-    std::this_thread::sleep_for(200ms);
-    for (uint32_t g : {1u, 2u}) {
-        INFO("rank " << g);
-        CHECK(reuse_damage(*cl[g]) == 0);
-    }
+    check_untouched(cl, {1, 2});
     CHECK(c.status(1)["ring"]["generation"] == 2);
     cl[0] = std::make_unique<Client>(c.d[0]->socket(), "coord", 0, 1, kBigSlot);
 }
@@ -409,11 +420,9 @@ TEST_CASE("SIGTERM on one host while a large ring op moves data: its trainer is 
     TestCluster c(3, options("30s", "1s", "", kBigSlotLimit));
     REQUIRE(c.wait_up());
     auto cl = connect_all(c, "termbig", 1, kBigSlot);
-    const auto t = start_big_op(cl, 0);
-    const auto fault = Clock::now();
-    ::kill(c.d[1]->pid(), SIGTERM);
-    std::vector<Failure> f(3);
-    for (uint32_t g = 0; g < 3; ++g) f[g] = wait_failed(*cl[g], t[g], fault);
+    MidOpFault m = fault_mid_op(c, cl, 1, SIGTERM, 0);
+    std::vector<Failure> &f = m.failures;
+    f[1] = wait_failed(*cl[1], m.tickets[1], m.fault);  // its own trainer
     for (uint32_t g = 0; g < 3; ++g) {
         INFO("rank " << g << ": " << f[g].message << " after " << f[g].after_s << " s");
         CHECK(f[g].after_s < 3.0);
@@ -429,11 +438,7 @@ TEST_CASE("SIGTERM on one host while a large ring op moves data: its trainer is 
     REQUIRE(st != -1);
     CHECK(WIFEXITED(st));
     CHECK(WEXITSTATUS(st) == 0);
-    std::this_thread::sleep_for(200ms);  // a late write would land by now
-    for (uint32_t g = 0; g < 3; ++g) {
-        INFO("rank " << g);
-        CHECK(reuse_damage(*cl[g]) == 0);
-    }
+    check_untouched(cl, {0, 1, 2});
 }
 
 TEST_CASE("SIGTERM on one host while the others wait on a ring op it never joined: its daemon exits at once; "
