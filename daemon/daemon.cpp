@@ -196,6 +196,7 @@ int Daemon::run() {
             case kControl: control_->on_ready(); break;
             }
         }
+        take_held_submissions();
     }
     shutdown();
     return 0;
@@ -350,9 +351,25 @@ void Daemon::send_status(ClientConn &c) {
 void Daemon::on_doorbell(MemberId id) {
     auto it = clients_.find(id);
     if (it == clients_.end()) return;
-    ClientConn &c = *it->second;
     uint64_t rings;
-    (void)!::read(c.doorbell_fd(), &rings, sizeof rings);
+    (void)!::read(it->second->doorbell_fd(), &rings, sizeof rings);
+    take_submissions(id);
+}
+
+// Submissions that waited for credits, taken once completions freed them (after the event that
+// completed them, never from inside deliver).
+void Daemon::take_held_submissions() {
+    while (!credit_waiters_.empty()) {
+        const MemberId id = *credit_waiters_.begin();
+        credit_waiters_.erase(credit_waiters_.begin());
+        take_submissions(id);
+    }
+}
+
+void Daemon::take_submissions(MemberId id) {
+    auto it = clients_.find(id);
+    if (it == clients_.end() || it->second->state() != ClientConn::State::Joined) return;
+    ClientConn &c = *it->second;
     std::vector<proto::SubmitDesc> descs;
     if (auto s = c.take_submissions(descs); !s) {
         drop(id, s.error(), true);
@@ -391,6 +408,7 @@ void Daemon::deliver(std::vector<Completion> &completions, std::vector<OpRun> &r
         auto it = clients_.find(cm.member);
         if (it == clients_.end() || it->second->state() != ClientConn::State::Joined) continue;
         if (auto s = it->second->complete(cm.seq, cm.status, cm.message); !s) bad.emplace_back(cm.member, s.error());
+        else if (it->second->submissions_held()) credit_waiters_.insert(cm.member);
     }
     for (const auto &m : failures) {
         spdlog::warn("{}", m);

@@ -44,6 +44,8 @@ private:
     void on_accept();
     void on_client_readable(MemberId id);
     void on_doorbell(MemberId id);
+    void take_submissions(MemberId id);
+    void take_held_submissions();
     void on_engine_results();
     void on_timer();
     void handle_hello(ClientConn &c, const proto::Hello &h);
@@ -125,6 +127,7 @@ private:
     std::map<std::string, uint64_t> next_ordinal_;                       // per group, this generation
     std::map<std::pair<std::string, uint64_t>, std::pair<int32_t, std::string>> failed_ahead_;  // OpFails not reached yet
     std::map<uint64_t, uint64_t> running_ring_;                          // local op id -> generation
+    std::set<MemberId> credit_waiters_;  // clients whose submissions wait for credits freed by completions
     std::set<uint64_t> held_ring_;  // of running_ring_: back from the progress thread, failed with their link
     // Ring ops still on the progress thread when their generation ended: they fail with this
     // reason when it gives them back, not before (until then it may write into their slots).

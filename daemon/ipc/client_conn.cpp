@@ -36,11 +36,14 @@ Status ClientConn::take_submissions(std::vector<proto::SubmitDesc> &out) {
     if (tail - sq_head_ > depth)
         return make_error(-EPROTO, "submission queue tail " + std::to_string(tail) + " is invalid (head " +
                                        std::to_string(sq_head_) + ", depth " + std::to_string(depth) + ")");
-    for (; sq_head_ != tail; ++sq_head_) {
+    // Every descriptor taken gets exactly one completion: taken - completed are its ops in ringd.
+    const uint64_t credits = slot_->geometry().cq_depth;
+    for (; sq_head_ != tail && sq_head_ - cq_tail_ < credits; ++sq_head_) {
         proto::SubmitDesc d;
         std::memcpy(&d, &slot_->sq_entry(sq_head_), sizeof d);  // copied once; only the copy is used
         out.push_back(d);
     }
+    held_ = sq_head_ != tail;
     h.sq_head.value.store(sq_head_, std::memory_order_release);
     return Ok{};
 }

@@ -52,9 +52,14 @@ public:
     const std::string &group() const { return group_; }
     uint32_t local_rank() const { return local_rank_; }
 
-    // Copies out every descriptor the client published since the last call. An error means the
+    // Copies out the descriptors the client published since the last call, as far as its credits
+    // go: it may have at most its completion-queue depth of ops taken and not yet completed, so
+    // what a client makes ringd hold is bounded by its queues, not by how fast it writes. The rest
+    // stay in the queue (submissions_held()) until completions free credits. An error means the
     // queue indices are corrupt (the client must be dropped).
     Status take_submissions(std::vector<proto::SubmitDesc> &out);
+    // Descriptors are waiting in the submission queue for credits.
+    bool submissions_held() const { return held_; }
     // Sequence number the next submission must carry; advanced by accept_seq().
     uint64_t expected_seq() const { return next_seq_; }
     void accept_seq() { ++next_seq_; }
@@ -79,6 +84,7 @@ private:
     uint64_t sq_head_ = 0;  // authoritative copies; the ones in shared memory are advisory
     uint64_t cq_tail_ = 0;
     uint64_t next_seq_ = 1;
+    bool held_ = false;
 };
 
 }  // namespace ringd

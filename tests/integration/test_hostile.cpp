@@ -8,7 +8,10 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 
+#include <nlohmann/json.hpp>
+
 #include "bench/bench_data.h"
+#include "common/status_client.h"
 #include "common/shm_mapping.h"
 #include "proto/frame.h"
 #include "proto/slot.h"
@@ -300,6 +303,76 @@ TEST_CASE("bad descriptors get an error for that client only; it can go on", "[h
     CHECK(c->seq == 7);
     CHECK(c->status == 0);
     CHECK(d.alive());
+}
+
+namespace {
+uint64_t rss_kib(pid_t pid) {
+    const std::string s = read_file("/proc/" + std::to_string(pid) + "/status");
+    const auto at = s.find("VmRSS:");
+    return at == std::string::npos ? 0 : std::stoull(s.substr(at + 6));
+}
+}  // namespace
+
+TEST_CASE("a client that floods its submission queue is held to its completion-queue depth; an honest group "
+          "goes on",
+          "[hostile]") {
+    DaemonOptions o;
+    o.op_timeout = "20s";  // nothing of the flood completes while it runs
+    Daemon d(o);
+    REQUIRE(d.ready());
+    HonestGroup honest(d.socket(), "honest");
+    honest.step();
+    // Local rank 1 of its group never joins, so its ops wait; it writes valid descriptors as fast
+    // as its queue has room, for a second.
+    RawClient r(d.socket(), "flood", 0, 2);
+    const uint64_t rss_before = rss_kib(d.pid());
+    uint64_t seq = 1;
+    for (const auto until = Clock::now() + std::chrono::seconds(1); Clock::now() < until;) {
+        if (r.hdr->sq_tail.value.load() - r.hdr->sq_head.value.load() < r.w.sq_depth) r.submit(desc(seq++, 4));
+        else ::poll(nullptr, 0, 1);  // the queue is full: ringd stopped taking
+    }
+    INFO("descriptors written " << seq - 1);
+    // ringd took as many as the client has completion slots for, and holds no more.
+    CHECK(r.hdr->sq_head.value.load() == r.w.cq_depth);
+    CHECK(seq - 1 == r.w.cq_depth + r.w.sq_depth);
+    CHECK(rss_kib(d.pid()) < rss_before + 8 * 1024);
+    for (int k = 0; k < 3; ++k) honest.step();
+    // The flood's ops end at the op timeout like any other; the honest group never noticed.
+    const auto j = nlohmann::json::parse(*fetch_status(d.socket()));
+    for (const auto &g : j["groups"])
+        if (g["name"] == "flood") CHECK(g["pending_ops"].get<uint64_t>() <= r.w.cq_depth);
+}
+
+TEST_CASE("descriptors held back for credits are taken as soon as completions free them", "[hostile]") {
+    Daemon d;
+    REQUIRE(d.ready());
+    RawClient r(d.socket(), "credit", 0, 2);
+    Client b(d.socket(), "credit", 1, 2, 1 << 16);
+    const uint64_t n = r.w.cq_depth + r.w.sq_depth;  // a full completion queue's worth held back
+    const auto deadline = Clock::now() + kDeadline;
+    auto wait_until = [&](auto &&done) {
+        while (!done() && Clock::now() < deadline) ::poll(nullptr, 0, 1);  // ringd moves sq_head, no fd says so
+        return done();
+    };
+    for (uint64_t seq = 1; seq <= n; ++seq) {
+        REQUIRE(wait_until([&] { return r.hdr->sq_tail.value.load() - r.hdr->sq_head.value.load() < r.w.sq_depth; }));
+        r.submit(desc(seq, 4));
+    }
+    REQUIRE(wait_until([&] { return r.hdr->sq_head.value.load() >= r.w.cq_depth; }));
+    ::poll(nullptr, 0, 50);  // room for ringd to take more than its credits, if it would
+    REQUIRE(r.hdr->sq_head.value.load() == r.w.cq_depth);
+    for (uint64_t done = 0; done < n; done += r.w.cq_depth) {
+        std::vector<uint64_t> t;
+        for (uint64_t k = 0; k < r.w.cq_depth; ++k) t.push_back(b.submit(0, 4, RINGD_F32, RINGD_SUM));
+        for (uint64_t ticket : t) b.wait(ticket, 5000);
+        for (uint64_t k = 1; k <= r.w.cq_depth; ++k) {
+            const auto c = r.next_completion();
+            REQUIRE(c.has_value());
+            CHECK(c->seq == done + k);
+            CHECK(c->status == 0);
+        }
+    }
+    CHECK(r.hdr->sq_head.value.load() == n);
 }
 
 TEST_CASE("corrupt queue indices and an unconsumed completion queue drop only that client", "[hostile]") {
