@@ -99,10 +99,12 @@ RINGD_INLINE T from_acc(A v) {
     else return static_cast<T>(v);
 }
 
+// min/max propagate NaN whichever side it is on (as torch.minimum/maximum do): a NaN y wins by
+// `y != y`, a NaN x by losing every comparison. Integers never compare unequal to themselves.
 template <typename A, ReduceOp Op>
 RINGD_INLINE A combine(A x, A y) {
-    if constexpr (Op == ReduceOp::Min) return y < x ? y : x;
-    else if constexpr (Op == ReduceOp::Max) return y > x ? y : x;
+    if constexpr (Op == ReduceOp::Min) return (y < x || y != y) ? y : x;
+    else if constexpr (Op == ReduceOp::Max) return (y > x || y != y) ? y : x;
     else if constexpr (std::is_integral_v<A>)
         return static_cast<A>(static_cast<UnsignedOf<A>>(x) + static_cast<UnsignedOf<A>>(y));
     else return x + y;

@@ -229,3 +229,32 @@ TEST_CASE("half and bfloat16 round to nearest even", "[reduce]") {
     CHECK(std::isnan(bf16_to_float(float_to_bf16(std::nanf("")))));
     CHECK(std::isnan(half_to_float(float_to_half(std::nanf("")))));
 }
+
+TEST_CASE("min and max propagate a NaN from any source at any position, as torch.minimum/maximum do", "[reduce]") {
+    for (DType t : {DType::F32, DType::F64, DType::F16, DType::BF16})
+        for (ReduceOp op : {ReduceOp::Min, ReduceOp::Max})
+            for (size_t nsrc : {size_t{2}, size_t{3}})
+                for (size_t which = 0; which < nsrc; ++which) {
+                    INFO(dtype_name(t) << " " << reduce_op_name(op) << ", NaN in source " << which << " of " << nsrc);
+                    // 67 elements: vector blocks and a scalar tail; a NaN at every position in turn
+                    // (element i of source `which` is NaN in round i).
+                    constexpr size_t n = 67;
+                    const size_t es = dtype_size(t);
+                    std::vector<std::vector<unsigned char>> src(nsrc, std::vector<unsigned char>(n * es));
+                    std::vector<unsigned char> dst(n * es);
+                    uint64_t lost = 0;
+                    for (size_t pos = 0; pos < n; ++pos) {
+                        for (size_t k = 0; k < nsrc; ++k)
+                            for (size_t i = 0; i < n; ++i)
+                                bench::store(src[k].data(), i, t, k == which && i == pos ? std::nan("") : double(k + i % 5));
+                        const void *s[3] = {src[0].data(), src[1].data(), nsrc > 2 ? src[2].data() : nullptr};
+                        void *d[1] = {dst.data()};
+                        reduce(ReduceArgs{t, op, s, nsrc, d, 1, n, 1});
+                        for (size_t i = 0; i < n; ++i) {
+                            const double v = bench::load(dst.data(), i, t);
+                            if ((i == pos) != std::isnan(v)) ++lost;
+                        }
+                    }
+                    CHECK(lost == 0);
+                }
+}
