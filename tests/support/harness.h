@@ -79,14 +79,20 @@ inline int pidfd_open(pid_t pid) { return static_cast<int>(::syscall(SYS_pidfd_o
 
 // Waits for `pid` (a child) to exit within `timeout`; returns its wait status, or -1 on timeout.
 inline int wait_child(pid_t pid, std::chrono::milliseconds timeout) {
+    int status = 0;
     UniqueFd pfd(pidfd_open(pid));
     if (pfd) {
         pollfd p{pfd.get(), POLLIN, 0};
         if (::poll(&p, 1, static_cast<int>(timeout.count())) <= 0) return -1;
+        return ::waitpid(pid, &status, 0) == pid ? status : -1;
     }
-    int status = 0;
-    if (::waitpid(pid, &status, 0) != pid) return -1;
-    return status;
+    // No pidfd (an old kernel): ask every 10 ms until the deadline.
+    for (const auto deadline = std::chrono::steady_clock::now() + timeout;;) {
+        const pid_t r = ::waitpid(pid, &status, WNOHANG);
+        if (r == pid) return status;
+        if (r < 0 || std::chrono::steady_clock::now() >= deadline) return -1;
+        ::poll(nullptr, 0, 10);
+    }
 }
 
 // A datagram socket that receives sd_notify messages.

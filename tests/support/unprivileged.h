@@ -4,9 +4,12 @@
 #pragma once
 
 #include <grp.h>
+#include <poll.h>
+#include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <optional>
 #include <string>
 #include <utility>
@@ -38,11 +41,27 @@ std::optional<std::string> run_as(const Identity &who, F &&f) {
         ::_exit(0);
     }
     ::close(fds[1]);
+    // The child's answer within a minute (what it runs has deadlines of its own); a child that
+    // overstays is killed and said to have hung.
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
     std::string msg;
     char buf[512];
-    for (ssize_t k; (k = ::read(fds[0], buf, sizeof buf)) > 0;) msg.append(buf, static_cast<size_t>(k));
+    bool hung = false;
+    for (;;) {
+        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+        pollfd p{fds[0], POLLIN, 0};
+        if (left.count() <= 0 || ::poll(&p, 1, static_cast<int>(left.count())) <= 0) {
+            hung = true;
+            break;
+        }
+        const ssize_t k = ::read(fds[0], buf, sizeof buf);
+        if (k <= 0) break;
+        msg.append(buf, static_cast<size_t>(k));
+    }
     ::close(fds[0]);
+    if (hung) ::kill(pid, SIGKILL);
     ::waitpid(pid, nullptr, 0);
+    if (hung) return "the child running as uid " + std::to_string(who.uid) + " did not answer within 60 s";
     if (msg == "\x01skip") return std::nullopt;
     return msg;
 }
