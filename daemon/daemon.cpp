@@ -13,6 +13,7 @@
 #include <systemd/sd-daemon.h>
 
 #include <algorithm>
+#include <random>
 #include <set>
 
 #include <spdlog/spdlog.h>
@@ -52,7 +53,9 @@ Result<std::unique_ptr<Daemon>> Daemon::create(Config config, std::string host) 
     std::unique_ptr<Daemon> d(new Daemon());
     d->config_ = std::move(config);
     d->host_ = std::move(host);
-    d->groups_ = GroupTable(d->host_, d->config_.timeouts.op);
+    // Local incarnations of groups start at a random number: a restarted ringd never reuses one.
+    std::random_device rd;
+    d->groups_ = GroupTable(d->host_, d->config_.timeouts.op, (uint64_t{rd()} << 32 | rd()) >> 8);
     if (auto s = d->setup(); !s) return s.error();
     return d;
 }
@@ -342,6 +345,7 @@ void Daemon::handle_hello(ClientConn &c, const proto::Hello &h) {
     c.joined(std::move(*slot), std::move(doorbell), std::move(completion), h.group, h.local_rank);
     ++live_slots_;
     spdlog::info("{} joined (local_size {}, slot {} bytes)", c.describe(), h.local_size, h.slot_bytes);
+    if (multi_host()) flush_reports();  // a new group asks the hosts to agree on its incarnation
 }
 
 void Daemon::send_status(ClientConn &c) {

@@ -65,17 +65,21 @@ private:
     void adopt_generation(uint32_t host, uint64_t generation);
     struct HostOp;
     struct DirectState;
-    using DirectKey = std::tuple<uint64_t, std::string, uint64_t>;
+    using OpKey = std::tuple<std::string, uint64_t, uint64_t>;           // group, incarnation, seq
+    using DirectKey = std::tuple<uint64_t, std::string, uint64_t, uint64_t>;  // generation, OpKey
     void local_reduce_into(const HostOp &op, void *dst, uint64_t begin, uint64_t elems);
     void report_direct(HostOp op, proto::OpReport r, Algorithm algorithm);
     void add_contribution(uint32_t host, const proto::OpReport &r, proto::Bytes buf, size_t offset);
     void on_two_shot_result(uint32_t host, const proto::OpReport &r, std::span<const uint8_t> data);
-    void try_progress_direct(const std::string &group, uint64_t ordinal);
+    void try_progress_direct(const std::string &group, uint64_t incarnation, uint64_t seq);
     void drop_direct(std::map<DirectKey, DirectState>::iterator it);
     void drop_direct_before(uint64_t generation);
     void queue_host_ops(std::vector<OpRun> &ready);
     void flush_reports();
-    void flush_reports_now();
+    bool flush_reports_now();
+    bool join_groups();
+    void send_to_coordinator(const proto::Bytes &frame);
+    void on_group_incarnation(const proto::GroupIncarnation &g);
     void on_report(uint32_t host, const proto::OpReport &r);
     void broadcast(const Coordinator::Decisions &d);
     void on_start(const proto::OpStart &s);
@@ -123,16 +127,27 @@ private:
         Algorithm algorithm = Algorithm::Ring;  // one-/two-shot: completes here, by OpData
     };
     std::map<std::string, std::deque<HostOp>> unreported_;             // by group, in local order
-    std::map<std::pair<std::string, uint64_t>, HostOp> reported_;       // by (group, ordinal)
-    std::map<std::string, uint64_t> next_ordinal_;                       // per group, this generation
-    std::map<std::pair<std::string, uint64_t>, std::pair<int32_t, std::string>> failed_ahead_;  // OpFails not reached yet
+    std::map<OpKey, HostOp> reported_;
+    // This host's side of each group's incarnation (proto/peer.h): its local incarnation, and
+    // what the coordinator agreed it is in this generation.
+    struct GroupRun {
+        uint64_t local_id = 0;
+        uint64_t agreed = 0;    // 0 until GroupIncarnation came in this generation
+        uint64_t previous = 0;  // agreed in an earlier generation (sent with GroupJoin)
+        bool join_sent = false;
+        uint64_t last_seq = 0;  // the highest seq reported
+        int32_t refused_code = 0;  // the coordinator refused this local incarnation: its ops fail
+        std::string refused;
+    };
+    std::map<std::string, GroupRun> runs_;
+    std::map<OpKey, std::pair<int32_t, std::string>> failed_ahead_;  // OpFails for ops not reported yet
     std::map<uint64_t, uint64_t> running_ring_;                          // local op id -> generation
     std::set<MemberId> credit_waiters_;  // clients whose submissions wait for credits freed by completions
     std::set<uint64_t> held_ring_;  // of running_ring_: back from the progress thread, failed with their link
     // Ring ops still on the progress thread when their generation ended: they fail with this
     // reason when it gives them back, not before (until then it may write into their slots).
     std::map<uint64_t, std::string> ended_ring_;
-    // One- and two-shot ops, by (coordinator generation, group, ordinal): every host's part
+    // One- and two-shot ops, by (coordinator generation, group, incarnation, seq): every host's part
     // (its report, and data: a whole contribution, or its part of this host's segment), also
     // those of peers that are ahead of this host; two-shot: which segments' results are in.
     struct Contribution {

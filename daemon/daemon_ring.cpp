@@ -1,12 +1,15 @@
 // The Daemon's part in rings of several hosts (control thread): the control plane's callbacks,
 // the op reports to the coordinator and its decisions, and what a generation's end fails.
 //
-// An op of a group goes: ready on this host (all local ranks submitted it) -> reported to the
-// coordinator with the group's next ordinal of this generation -> OpStart (run it in the ring,
-// in the coordinator's order) or OpFail (every rank gets the coordinator's message). Ops that
-// fail on this host before they are ready are reported too, so that every host numbers the
-// group's ops alike. When a generation ends, every op that is ready here fails with the reason;
-// the ordinals start again at 0 in the next generation.
+// An op of a group goes: ready on this host (all local ranks submitted it) -> once the hosts
+// agreed on the group's incarnation in this generation (GroupJoin / GroupIncarnation, see
+// proto/peer.h), reported to the coordinator as (group, incarnation, seq) -> OpStart (run it in
+// the ring, in the coordinator's order) or OpFail (every rank gets the coordinator's message).
+// Ops that fail on this host before they are ready are reported too, and so is the end of a
+// local incarnation (its ranks left), so that the other hosts' ranks fail at once. When a
+// generation ends, every op that is ready here fails with the reason and the incarnations are
+// agreed again in the next one (a job that goes on keeps its incarnation; one that restarted
+// everywhere gets a new one; one that restarted on some hosts only is refused).
 //
 // Small ops (daemon/engine/tuner.h) go by direct exchange instead: the report travels to every
 // host with this host's contribution (OpData), and each host completes the op itself once every
@@ -72,8 +75,6 @@ void Daemon::on_ring_up(uint64_t generation, std::vector<UniqueFd> to_next, std:
     l.to_next = std::move(to_next);
     l.from_prev = std::move(from_prev);
     engine_->ring_up(std::move(l));
-    next_ordinal_.clear();
-    failed_ahead_.clear();
     if (coordinator_) {
         coordinator_->reset(generation);
         coord_generation_ = generation;
@@ -111,8 +112,12 @@ void Daemon::on_ring_down(const std::string &why) {
     }
     running_ring_.clear();
     held_ring_.clear();
-    next_ordinal_.clear();
     failed_ahead_.clear();
+    for (auto &[group, run] : runs_) {  // agreed again in the next generation
+        if (run.agreed) run.previous = run.agreed;
+        run.agreed = 0;
+        run.join_sent = false;
+    }
     drop_direct_before(coord_generation_used_ + 1);
     deliver(completions, none);
 }
@@ -132,6 +137,7 @@ void Daemon::queue_host_ops(std::vector<OpRun> &ready) {
     for (auto &f : groups_.take_failures()) {
         HostOp op;
         op.run.group = f.group;
+        op.run.local_id = f.local_id;
         op.run.seq = f.seq;
         op.status = f.code;
         op.message = "host " + host_ + ": " + f.message;
@@ -152,24 +158,89 @@ void Daemon::queue_host_ops(std::vector<OpRun> &ready) {
 void Daemon::flush_reports() {
     if (!control_ || !control_->ring_up() || !coord_known_ || flushing_) return;
     flushing_ = true;
-    // Reports can make more (a local failure delivered on the way): go on until none are left.
-    for (int round = 0; round < 16; ++round) {
-        flush_reports_now();
-        bool more = false;
-        for (const auto &[group, q] : unreported_) more = more || !q.empty();
-        if (!more || !control_->ring_up() || !coord_known_) break;
+    // Reports can make more (a local failure delivered on the way, an incarnation agreed by this
+    // host's own coordinator): go on while they do.
+    for (int round = 0; round < 16 && flush_reports_now() && control_->ring_up() && coord_known_; ++round) {
     }
     flushing_ = false;
 }
 
-void Daemon::flush_reports_now() {
-    for (auto &[group, q] : unreported_) {
+void Daemon::send_to_coordinator(const proto::Bytes &frame) {
+    if (self_index_ != kCoordinator) {
+        (void)control_->send(kCoordinator, frame);
+        return;
+    }
+    Frame f;
+    f.type = static_cast<proto::FrameType>(frame[6] | (frame[7] << 8));
+    f.payload.assign(frame.begin() + proto::kFrameHeaderBytes, frame.end());
+    on_peer_message(self_index_, f);
+}
+
+// Every group there is here asks the coordinator to agree on its incarnation as soon as it
+// exists (and again in each ring generation), before its first op. Returns whether it sent any.
+bool Daemon::join_groups() {
+    bool sent = false;
+    for (const auto &[group, local_id] : groups_.local_ids()) {
+        const auto &q = unreported_[group];
+        if (!q.empty() && q.front().run.local_id != local_id) continue;  // an earlier incarnation's reports first
+        GroupRun &run = runs_[group];
+        if (run.local_id != local_id) run = GroupRun{local_id, 0, 0, false, 0, 0, {}};
+        if (run.agreed || run.join_sent || run.refused_code != 0) continue;
+        run.join_sent = true;
+        sent = true;
+        send_to_coordinator(proto::encode_group_join({coord_generation_, group, run.local_id, run.previous}));
+        if (!control_->ring_up()) break;
+    }
+    return sent;
+}
+
+// Reports what is ready or failed here, in local order per group, once the group's incarnation
+// is agreed; asks for the agreement first. Returns whether anything moved.
+bool Daemon::flush_reports_now() {
+    bool moved = join_groups();
+    if (!control_->ring_up()) return moved;
+    for (auto qit = unreported_.begin(); qit != unreported_.end();) {
+        const std::string group = qit->first;
+        auto &q = qit->second;
         while (!q.empty()) {
+            GroupRun &run = runs_[group];
+            if (run.local_id != q.front().run.local_id) run = GroupRun{q.front().run.local_id, 0, 0, false, 0, 0, {}};  // a new local incarnation
+            // A newer local incarnation is there: this one's ranks all left.
+            const uint64_t now_local = groups_.local_id(group);
+            const bool superseded = now_local != 0 && now_local != run.local_id;
+            if (run.refused_code != 0 ||
+                (!run.agreed && (superseded || (!run.join_sent && q.front().run.seq == proto::kIncarnationEnds)))) {
+                // Refused by the coordinator: its ops fail here. Never agreed and superseded
+                // (or ended before this host asked for an agreement in this generation): nobody
+                // else ran any of it, and the newer one's GroupJoin ends it at the coordinator.
+                HostOp op = std::move(q.front());
+                q.pop_front();
+                moved = true;
+                if (op.status != 0) continue;
+                std::vector<Completion> completions;
+                std::vector<OpRun> none;
+                groups_.finished(op.run.op_id, run.refused_code != 0 ? run.refused_code : -ECONNABORTED,
+                                 "group " + group + " op " + std::to_string(op.run.seq) + ": " +
+                                     (run.refused_code != 0 ? run.refused : "its local ranks left"),
+                                 completions);
+                deliver(completions, none);
+                continue;
+            }
+            if (!run.agreed) {
+                if (!run.join_sent) {
+                    run.join_sent = true;
+                    moved = true;
+                    send_to_coordinator(proto::encode_group_join({coord_generation_, group, run.local_id, run.previous}));
+                    if (!control_->ring_up()) return moved;
+                }
+                break;  // until GroupIncarnation comes
+            }
             HostOp op = std::move(q.front());
             q.pop_front();
-            const uint64_t ordinal = next_ordinal_[group]++;
-            if (auto ahead = failed_ahead_.find({group, ordinal}); ahead != failed_ahead_.end()) {
-                // The coordinator failed this op already; no report is needed.
+            moved = true;
+            if (op.run.seq != proto::kIncarnationEnds) run.last_seq = std::max(run.last_seq, op.run.seq);
+            if (auto ahead = failed_ahead_.find(OpKey{group, run.agreed, op.run.seq}); ahead != failed_ahead_.end()) {
+                // The coordinator failed it already: no report is needed.
                 if (op.status == 0) {
                     std::vector<Completion> completions;
                     std::vector<OpRun> none;
@@ -182,7 +253,8 @@ void Daemon::flush_reports_now() {
             proto::OpReport r;
             r.generation = coord_generation_;
             r.group = group;
-            r.ordinal = ordinal;
+            r.incarnation = run.agreed;
+            r.seq = op.run.seq;
             r.count = op.run.count;
             r.dtype = static_cast<uint32_t>(op.run.dtype);
             r.op = static_cast<uint32_t>(op.run.op);
@@ -194,15 +266,39 @@ void Daemon::flush_reports_now() {
                 choose_algorithm(bytes, static_cast<uint32_t>(config_.hosts.size()), config_.tuning);
             if (op.status == 0 && algorithm != Algorithm::Ring) {
                 report_direct(std::move(op), std::move(r), algorithm);
-                if (!control_->ring_up()) return;
+                if (!control_->ring_up()) return moved;
                 continue;
             }
-            if (op.status == 0) reported_[{group, ordinal}] = std::move(op);
-            if (self_index_ == kCoordinator) on_report(self_index_, r);
-            else (void)control_->send(kCoordinator, proto::encode_op_report(r));
-            if (!control_->ring_up()) return;  // a send failure ended the generation
+            if (op.status == 0) reported_[OpKey{group, r.incarnation, r.seq}] = std::move(op);
+            send_to_coordinator(proto::encode_op_report(r));
+            if (!control_->ring_up()) return moved;  // a send failure ended the generation
+        }
+        // A group gone here with nothing left to report is forgotten.
+        auto run = runs_.find(group);
+        if (q.empty() && (run == runs_.end() || groups_.local_id(group) != run->second.local_id)) {
+            if (run != runs_.end()) runs_.erase(run);
+            qit = unreported_.erase(qit);
+        } else {
+            ++qit;
         }
     }
+    return moved;
+}
+
+void Daemon::on_group_incarnation(const proto::GroupIncarnation &g) {
+    if (!coord_known_ || g.generation != coord_generation_) return;
+    auto it = runs_.find(g.group);
+    if (it == runs_.end() || it->second.local_id != g.local_id) return;  // an incarnation that ended here
+    GroupRun &run = it->second;
+    if (g.code != 0) {
+        spdlog::warn("{}", g.message);
+        record_error(g.message);
+        run.refused_code = g.code;
+        run.refused = g.message;
+    } else {
+        run.agreed = g.incarnation;
+    }
+    flush_reports();
 }
 
 namespace {
@@ -241,9 +337,8 @@ void Daemon::report_direct(HostOp op, proto::OpReport r, Algorithm algorithm) {
         own = proto::encode_op_data(r, proto::OpDataKind::OneShot, count * es);
         local_reduce_into(op, own.data() + proto::op_data_offset(), 0, count);
     }
-    const std::string group = r.group;
-    const uint64_t ordinal = r.ordinal;
-    const HostOp &kept = reported_[{group, ordinal}] = std::move(op);
+    const OpKey key{r.group, r.incarnation, r.seq};
+    const HostOp &kept = reported_[key] = std::move(op);
     for (uint32_t h = 0; h < n; ++h) {
         if (h == self_index_) continue;
         if (algorithm == Algorithm::OneShot) {
@@ -260,11 +355,11 @@ void Daemon::report_direct(HostOp op, proto::OpReport r, Algorithm algorithm) {
     // the local slots (two-shot).
     add_contribution(self_index_, r, std::move(own), proto::op_data_offset());
     if (self_index_ == kCoordinator) on_report(self_index_, r);
-    try_progress_direct(group, ordinal);
+    try_progress_direct(std::get<0>(key), std::get<1>(key), std::get<2>(key));
 }
 
 void Daemon::add_contribution(uint32_t host, const proto::OpReport &r, proto::Bytes buf, size_t offset) {
-    DirectState &st = direct_[DirectKey{r.generation, r.group, r.ordinal}];
+    DirectState &st = direct_[DirectKey{r.generation, r.group, r.incarnation, r.seq}];
     st.parts.resize(config_.hosts.size());
     st.got_result.resize(config_.hosts.size(), 0);
     if (st.parts[host]) return;  // a duplicate
@@ -299,9 +394,10 @@ void Daemon::on_op_data(uint32_t host, Frame &frame) {
     if (keep && d->kind == proto::OpDataKind::TwoShotPart &&
         d->data.size() != (seg_begin(report.count, n, self_index_ + 1) - seg_begin(report.count, n, self_index_)) * es) {
         spdlog::warn("host {}: two-shot part of group {} op {} has {} bytes, not this host's segment",
-                     config_.hosts[host].name, report.group, report.ordinal, d->data.size());
+                     config_.hosts[host].name, report.group, report.seq, d->data.size());
         keep = false;
     }
+    if (keep && failed_ahead_.count(OpKey{report.group, report.incarnation, report.seq})) keep = false;  // decided
     if (keep && direct_bytes_[host] + frame.payload.size() > kMaxDirectBacklog) {
         record_error("host " + config_.hosts[host].name + " is more than " + std::to_string(kMaxDirectBacklog >> 20) +
                      " MiB of small ops ahead of this host; dropping its data for group " + report.group);
@@ -309,14 +405,15 @@ void Daemon::on_op_data(uint32_t host, Frame &frame) {
     }
     if (keep) add_contribution(host, report, std::move(frame.payload), proto::kOpDataHeaderBytes);
     if (coordinator_) on_report(host, report);  // checked like any report (an OpFail drops the data again)
-    if (keep && coord_known_ && report.generation == coord_generation_) try_progress_direct(report.group, report.ordinal);
+    if (keep && coord_known_ && report.generation == coord_generation_)
+        try_progress_direct(report.group, report.incarnation, report.seq);
 }
 
 // Host `host`'s reduced segment of a two-shot op: straight into every local slot.
 void Daemon::on_two_shot_result(uint32_t host, const proto::OpReport &r, std::span<const uint8_t> data) {
     if (!coord_known_ || r.generation != coord_generation_) return;
-    auto rep = reported_.find({r.group, r.ordinal});
-    auto it = direct_.find(DirectKey{r.generation, r.group, r.ordinal});
+    auto rep = reported_.find(OpKey{r.group, r.incarnation, r.seq});
+    auto it = direct_.find(DirectKey{r.generation, r.group, r.incarnation, r.seq});
     if (rep == reported_.end() || it == direct_.end() || rep->second.algorithm != Algorithm::TwoShot) return;  // ended here
     HostOp &op = rep->second;
     const uint32_t n = static_cast<uint32_t>(config_.hosts.size());
@@ -324,22 +421,22 @@ void Daemon::on_two_shot_result(uint32_t host, const proto::OpReport &r, std::sp
     const uint64_t b = seg_begin(op.run.count, n, host), e = seg_begin(op.run.count, n, host + 1);
     if (r.count != op.run.count || r.dtype != static_cast<uint32_t>(op.run.dtype) || data.size() != (e - b) * es ||
         it->second.got_result[host]) {
-        spdlog::warn("host {}: unexpected two-shot result for group {} op {}", config_.hosts[host].name, r.group, r.ordinal);
+        spdlog::warn("host {}: unexpected two-shot result for group {} op {}", config_.hosts[host].name, r.group, r.seq);
         return;
     }
     for (size_t i = 0; i < op.slots.size(); ++i)
         std::memcpy(op.slots[i]->data() + op.run.offsets[i] + b * es, data.data(), data.size());
     it->second.got_result[host] = 1;
     ++it->second.results;
-    try_progress_direct(r.group, r.ordinal);
+    try_progress_direct(r.group, r.incarnation, r.seq);
 }
 
 // Moves a one- or two-shot op on once this host reported it and the parts it needs are in. A
 // mismatch is left to the coordinator, which sees the same reports and answers with OpFail.
-void Daemon::try_progress_direct(const std::string &group, uint64_t ordinal) {
-    auto rep = reported_.find({group, ordinal});
+void Daemon::try_progress_direct(const std::string &group, uint64_t incarnation, uint64_t seq) {
+    auto rep = reported_.find(OpKey{group, incarnation, seq});
     if (rep == reported_.end() || rep->second.algorithm == Algorithm::Ring) return;
-    const DirectKey key{coord_generation_, group, ordinal};
+    const DirectKey key{coord_generation_, group, incarnation, seq};
     auto it = direct_.find(key);
     if (it == direct_.end()) return;
     HostOp &op = rep->second;
@@ -388,7 +485,7 @@ void Daemon::try_progress_direct(const std::string &group, uint64_t ordinal) {
                 (void)control_->send(h, result);
                 if (!control_->ring_up()) return;  // the generation ended (and failed the op)
             }
-            return try_progress_direct(group, ordinal);
+            return try_progress_direct(group, incarnation, seq);
         }
     }
     if (op.algorithm == Algorithm::TwoShot && st.results < n) return;
@@ -407,7 +504,6 @@ void Daemon::adopt_generation(uint32_t host, uint64_t generation) {
         coord_generation_ = generation;
         coord_known_ = true;
         control_->note_coordinator_generation(generation);  // a restarted coordinator's ring must pass it
-        failed_ahead_.clear();
         drop_direct_before(generation);
         flush_reports();
     }
@@ -428,6 +524,24 @@ void Daemon::on_peer_message(uint32_t host, Frame &frame) {
         on_report(host, *r);
         return;
     }
+    case proto::FrameType::GroupJoin: {
+        auto j = proto::decode_group_join(frame.payload);
+        if (!j || !coordinator_) {
+            spdlog::warn("host {}: bad group join: {}", config_.hosts[host].name, j ? "this host is not the coordinator" : j.error().message);
+            return;
+        }
+        Coordinator::Decisions d;
+        coordinator_->join(host, *j, d);
+        broadcast(d);
+        return;
+    }
+    case proto::FrameType::GroupIncarnation:
+        if (host != kCoordinator) break;
+        if (auto g = proto::decode_group_incarnation(frame.payload)) {
+            adopt(g->generation);
+            on_group_incarnation(*g);
+        }
+        return;
     case proto::FrameType::OpStart:
         if (host != kCoordinator) break;
         if (auto s = proto::decode_op_start(frame.payload)) {
@@ -457,29 +571,31 @@ void Daemon::on_report(uint32_t host, const proto::OpReport &r) {
 }
 
 void Daemon::broadcast(const Coordinator::Decisions &d) {
-    auto to_peers = [&](const proto::Bytes &frame) {
+    for (const auto &s : d.starts) {
+        const proto::Bytes frame = proto::encode_op_start(s);
         for (uint32_t h = 0; h < config_.hosts.size(); ++h)
             if (h != self_index_) (void)control_->send(h, frame);
-    };
-    for (const auto &s : d.starts) {
-        to_peers(proto::encode_op_start(s));
         on_start(s);
     }
-    for (const auto &f : d.fails) {
-        to_peers(proto::encode_op_fail(f));
-        on_fail(f);
+    for (const auto &[h, f] : d.fails) {
+        if (h == self_index_) on_fail(f);
+        else (void)control_->send(h, proto::encode_op_fail(f));
+    }
+    for (const auto &[h, g] : d.groups) {
+        if (h == self_index_) on_group_incarnation(g);
+        else (void)control_->send(h, proto::encode_group_incarnation(g));
     }
 }
 
 void Daemon::on_start(const proto::OpStart &s) {
     if (!coord_known_ || s.generation != coord_generation_) return;
-    auto it = reported_.find({s.group, s.ordinal});
+    auto it = reported_.find(OpKey{s.group, s.incarnation, s.seq});
     if (it == reported_.end()) {
-        spdlog::warn("op start for group {} op {} that this host did not report", s.group, s.ordinal);
+        spdlog::warn("op start for group {} op {} that this host did not report", s.group, s.seq);
         return;
     }
     if (it->second.algorithm != Algorithm::Ring) {
-        spdlog::warn("op start for group {} op {}, which goes by {}", s.group, s.ordinal, algorithm_name(it->second.algorithm));
+        spdlog::warn("op start for group {} op {}, which goes by {}", s.group, s.seq, algorithm_name(it->second.algorithm));
         return;
     }
     HostOp op = std::move(it->second);
@@ -502,14 +618,15 @@ void Daemon::on_start(const proto::OpStart &s) {
 
 void Daemon::on_fail(const proto::OpFail &f) {
     if (!coord_known_ || f.generation != coord_generation_) return;
-    if (auto d = direct_.find(DirectKey{f.generation, f.group, f.ordinal}); d != direct_.end()) drop_direct(d);
-    auto it = reported_.find({f.group, f.ordinal});
+    if (auto d = direct_.find(DirectKey{f.generation, f.group, f.incarnation, f.seq}); d != direct_.end()) drop_direct(d);
+    auto it = reported_.find(OpKey{f.group, f.incarnation, f.seq});
     if (it == reported_.end()) {
-        // Decided before this host got that far (a mismatch between two other hosts, say): kept
-        // for when its ranks get there. Lower ordinals this host failed itself; its ranks know.
-        if (f.ordinal >= next_ordinal_[f.group]) {
+        // Decided before this host got that far (a mismatch between two other hosts, say):
+        // kept for when its ranks get there. Ops it reported already ended here.
+        auto run = runs_.find(f.group);
+        if (run != runs_.end() && run->second.agreed == f.incarnation && f.seq > run->second.last_seq) {
             if (failed_ahead_.size() >= kMaxFailedAhead) failed_ahead_.erase(failed_ahead_.begin());
-            failed_ahead_[{f.group, f.ordinal}] = {f.code, f.message};
+            failed_ahead_[OpKey{f.group, f.incarnation, f.seq}] = {f.code, f.message};
         }
         return;
     }
@@ -529,12 +646,16 @@ void Daemon::expire_host_ops(Clock::time_point now) {
     // Ops waiting for a ring that does not come back in time.
     std::vector<Completion> completions;
     std::vector<OpRun> none;
+    const bool up = control_->ring_up() && coord_known_;
     for (auto &[group, q] : unreported_) {
         while (!q.empty() && q.front().deadline <= now) {
             if (q.front().status == 0)
                 groups_.finished(q.front().run.op_id, -ETIMEDOUT,
-                                 "group " + group + " op " + std::to_string(q.front().run.seq) +
-                                     ": the ring is not up (" + ring_down_reason_ + ")",
+                                 "group " + group + " op " + std::to_string(q.front().run.seq) + " timed out after " +
+                                     std::to_string(config_.timeouts.op.count()) + " ms: " +
+                                     (up ? "not every host joined this incarnation of the group (a job must start "
+                                           "or restart on every host)"
+                                         : "the ring is not up (" + ring_down_reason_ + ")"),
                                  completions);
             q.pop_front();
         }

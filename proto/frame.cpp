@@ -12,9 +12,11 @@ namespace {
 
 Error bad(std::string msg) { return make_error(-EPROTO, std::move(msg)); }
 
+bool peer_type(uint16_t t) { return t >= static_cast<uint16_t>(FrameType::PeerHello); }
+
 bool known_type(uint16_t t) {
     return (t >= static_cast<uint16_t>(FrameType::Hello) && t <= static_cast<uint16_t>(FrameType::StatusReply)) ||
-           (t >= static_cast<uint16_t>(FrameType::PeerHello) && t <= static_cast<uint16_t>(FrameType::RdmaLinkReady));
+           (t >= static_cast<uint16_t>(FrameType::PeerHello) && t <= static_cast<uint16_t>(FrameType::GroupIncarnation));
 }
 
 Result<Ok> expect_size(std::span<const uint8_t> payload, size_t want, const char *what) {
@@ -28,7 +30,7 @@ Result<Ok> expect_size(std::span<const uint8_t> payload, size_t want, const char
 
 void put_frame_header(uint8_t *at, FrameType type, uint32_t length) {
     le::put<uint32_t>(at, kFrameMagic);
-    le::put<uint16_t>(at + 4, kProtocolVersion);
+    le::put<uint16_t>(at + 4, peer_type(static_cast<uint16_t>(type)) ? kPeerProtocolVersion : kProtocolVersion);
     le::put<uint16_t>(at + 6, static_cast<uint16_t>(type));
     le::put<uint32_t>(at + 8, length);
     le::put<uint32_t>(at + 12, 0);
@@ -50,10 +52,15 @@ Result<FrameHeader> decode_frame_header(std::span<const uint8_t> h, uint32_t max
         return bad(buf);
     }
     const auto version = le::get<uint16_t>(&h[4]);
-    if (version != kProtocolVersion)
+    const auto type = le::get<uint16_t>(&h[6]);
+    if (peer_type(type) && version != kPeerProtocolVersion)
+        return make_error(-EPROTONOSUPPORT, "peer protocol version " + std::to_string(version) +
+                                                " is not supported (this ringd speaks " +
+                                                std::to_string(kPeerProtocolVersion) +
+                                                "): every ringd of a cluster must run the same release");
+    if (!peer_type(type) && version != kProtocolVersion)
         return make_error(-EPROTONOSUPPORT, "protocol version " + std::to_string(version) + " is not supported (ringd speaks " +
                                                 std::to_string(kProtocolVersion) + ")");
-    const auto type = le::get<uint16_t>(&h[6]);
     if (!known_type(type)) return bad("unknown frame type " + std::to_string(type));
     const auto length = le::get<uint32_t>(&h[8]);
     if (length > max_payload)

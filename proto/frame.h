@@ -19,7 +19,8 @@ namespace ringd::proto {
 using Bytes = std::vector<uint8_t>;
 
 inline constexpr uint32_t kFrameMagic = 0x44474E52;  // bytes 'R' 'N' 'G' 'D'
-inline constexpr uint16_t kProtocolVersion = 1;
+inline constexpr uint16_t kProtocolVersion = 1;      // frames between trainers/ringctl and ringd
+inline constexpr uint16_t kPeerProtocolVersion = 2;  // frames between daemons (PeerHello and above)
 inline constexpr size_t kFrameHeaderBytes = 16;
 
 // Largest payload the daemon accepts from a client (hello, status request, error).
@@ -51,6 +52,8 @@ enum class FrameType : uint16_t {
     OpData = 25,         // host -> every host: a small op's report with this host's contribution
     RdmaLinkInfo = 26,   // either way on a data connection: QPs and FIFO of an ibverbs link (proto/rdma.h)
     RdmaLinkReady = 27,  // either way: this end's QPs are ready to receive
+    GroupJoin = 28,         // host -> coordinator: this host's incarnation of a group (proto/peer.h)
+    GroupIncarnation = 29,  // coordinator -> host: the agreed incarnation, or why it cannot run
 };
 
 struct FrameHeader {

@@ -154,20 +154,23 @@ Result<std::string> get_group(const uint8_t *p) {
     return g;
 }
 
-constexpr size_t kOpReportFixed = 8 + kGroupNameBytes + 8 + 8 + 4 + 4 + 4 + 4;
-constexpr size_t kOpStartBytes = 8 + kGroupNameBytes + 8 + 8 + 4;
-constexpr size_t kOpFailFixed = 8 + kGroupNameBytes + 8 + 4;
+constexpr size_t kOpReportFixed = 8 + kGroupNameBytes + 8 + 8 + 4 + 4 + 4 + 4 + 8;
+constexpr size_t kOpStartBytes = 8 + kGroupNameBytes + 8 + 8 + 4 + 4 + 8;
+constexpr size_t kOpFailFixed = 8 + kGroupNameBytes + 8 + 4 + 4 + 8;
+constexpr size_t kGroupJoinBytes = 8 + kGroupNameBytes + 8 + 8;
+constexpr size_t kGroupIncarnationFixed = 8 + kGroupNameBytes + 8 + 8 + 4 + 4;
 
 // The fixed fields of a report (OpReport and OpData share them), and their checks.
 void put_report_fixed(uint8_t *p, const OpReport &r) {
     le::put<uint64_t>(&p[0], r.generation);
     put_name(&p[8], r.group);
-    le::put<uint64_t>(&p[72], r.ordinal);
+    le::put<uint64_t>(&p[72], r.seq);
     le::put<uint64_t>(&p[80], r.count);
     le::put<uint32_t>(&p[88], r.dtype);
     le::put<uint32_t>(&p[92], r.op);
     le::put<uint32_t>(&p[96], r.local_size);
     le::put<int32_t>(&p[100], r.status);
+    le::put<uint64_t>(&p[104], r.incarnation);
 }
 
 Result<OpReport> get_report_fixed(std::span<const uint8_t> p) {
@@ -177,12 +180,14 @@ Result<OpReport> get_report_fixed(std::span<const uint8_t> p) {
     auto g = get_group(&p[8]);
     if (!g) return g.error();
     r.group = *g;
-    r.ordinal = le::get<uint64_t>(&p[72]);
+    r.seq = le::get<uint64_t>(&p[72]);
     r.count = le::get<uint64_t>(&p[80]);
     r.dtype = le::get<uint32_t>(&p[88]);
     r.op = le::get<uint32_t>(&p[92]);
     r.local_size = le::get<uint32_t>(&p[96]);
     r.status = le::get<int32_t>(&p[100]);
+    r.incarnation = le::get<uint64_t>(&p[104]);
+    if (r.incarnation == 0) return bad("op report without an incarnation");
     if (r.status > 0) return bad("op report status must be 0 or a negative errno");
     if (r.status == 0) {
         if (r.dtype >= kDTypeCount || r.op >= kReduceOpCount) return bad("op report has an unknown dtype or op");
@@ -192,6 +197,57 @@ Result<OpReport> get_report_fixed(std::span<const uint8_t> p) {
 }
 
 }  // namespace
+
+Bytes encode_group_join(const GroupJoin &j) {
+    uint8_t p[kGroupJoinBytes] = {};
+    le::put<uint64_t>(&p[0], j.generation);
+    put_name(&p[8], j.group);
+    le::put<uint64_t>(&p[72], j.local_id);
+    le::put<uint64_t>(&p[80], j.previous);
+    return encode_frame(FrameType::GroupJoin, p);
+}
+
+Result<GroupJoin> decode_group_join(std::span<const uint8_t> p) {
+    if (auto s = expect_size(p, kGroupJoinBytes, "group join"); !s) return s.error();
+    GroupJoin j;
+    j.generation = le::get<uint64_t>(&p[0]);
+    auto g = get_group(&p[8]);
+    if (!g) return g.error();
+    j.group = *g;
+    j.local_id = le::get<uint64_t>(&p[72]);
+    j.previous = le::get<uint64_t>(&p[80]);
+    if (j.local_id == 0) return bad("group join without a local incarnation");
+    return j;
+}
+
+Bytes encode_group_incarnation(const GroupIncarnation &g) {
+    Bytes p(kGroupIncarnationFixed, 0);
+    le::put<uint64_t>(&p[0], g.generation);
+    put_name(&p[8], g.group);
+    le::put<uint64_t>(&p[72], g.local_id);
+    le::put<uint64_t>(&p[80], g.incarnation);
+    le::put<int32_t>(&p[88], g.code);
+    put_message(p, g.message);
+    return encode_frame(FrameType::GroupIncarnation, p);
+}
+
+Result<GroupIncarnation> decode_group_incarnation(std::span<const uint8_t> p) {
+    if (p.size() < kGroupIncarnationFixed) return bad("group incarnation is too short");
+    GroupIncarnation g;
+    g.generation = le::get<uint64_t>(&p[0]);
+    auto name = get_group(&p[8]);
+    if (!name) return name.error();
+    g.group = *name;
+    g.local_id = le::get<uint64_t>(&p[72]);
+    g.incarnation = le::get<uint64_t>(&p[80]);
+    g.code = le::get<int32_t>(&p[88]);
+    if (g.code > 0) return bad("group incarnation code must be 0 or a negative errno");
+    if ((g.code == 0) != (g.incarnation != 0)) return bad("group incarnation must carry an incarnation or an error");
+    auto m = get_message(p.subspan(kGroupIncarnationFixed));
+    if (!m) return m.error();
+    g.message = *m;
+    return g;
+}
 
 Bytes encode_op_report(const OpReport &r) {
     Bytes p(kOpReportFixed, 0);
@@ -259,9 +315,10 @@ Bytes encode_op_start(const OpStart &s) {
     uint8_t p[kOpStartBytes] = {};
     le::put<uint64_t>(&p[0], s.generation);
     put_name(&p[8], s.group);
-    le::put<uint64_t>(&p[72], s.ordinal);
+    le::put<uint64_t>(&p[72], s.seq);
     le::put<uint64_t>(&p[80], s.op_id);
     le::put<uint32_t>(&p[88], s.total_ranks);
+    le::put<uint64_t>(&p[96], s.incarnation);
     return encode_frame(FrameType::OpStart, p);
 }
 
@@ -272,10 +329,12 @@ Result<OpStart> decode_op_start(std::span<const uint8_t> p) {
     auto g = get_group(&p[8]);
     if (!g) return g.error();
     s.group = *g;
-    s.ordinal = le::get<uint64_t>(&p[72]);
+    s.seq = le::get<uint64_t>(&p[72]);
     s.op_id = le::get<uint64_t>(&p[80]);
     s.total_ranks = le::get<uint32_t>(&p[88]);
+    s.incarnation = le::get<uint64_t>(&p[96]);
     if (s.total_ranks == 0) return bad("op start with no ranks");
+    if (s.incarnation == 0) return bad("op start without an incarnation");
     return s;
 }
 
@@ -283,8 +342,9 @@ Bytes encode_op_fail(const OpFail &f) {
     Bytes p(kOpFailFixed, 0);
     le::put<uint64_t>(&p[0], f.generation);
     put_name(&p[8], f.group);
-    le::put<uint64_t>(&p[72], f.ordinal);
+    le::put<uint64_t>(&p[72], f.seq);
     le::put<int32_t>(&p[80], f.code);
+    le::put<uint64_t>(&p[88], f.incarnation);
     put_message(p, f.message);
     return encode_frame(FrameType::OpFail, p);
 }
@@ -296,9 +356,11 @@ Result<OpFail> decode_op_fail(std::span<const uint8_t> p) {
     auto g = get_group(&p[8]);
     if (!g) return g.error();
     f.group = *g;
-    f.ordinal = le::get<uint64_t>(&p[72]);
+    f.seq = le::get<uint64_t>(&p[72]);
     f.code = le::get<int32_t>(&p[80]);
+    f.incarnation = le::get<uint64_t>(&p[88]);
     if (f.code >= 0) return bad("op fail code must be a negative errno");
+    if (f.incarnation == 0) return bad("op fail without an incarnation");
     auto m = get_message(p.subspan(kOpFailFixed));
     if (!m) return m.error();
     f.message = *m;

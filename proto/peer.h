@@ -51,14 +51,38 @@ struct Heartbeat {
     uint64_t seq = 0;
 };
 
-// Op negotiation. Ops of a group are numbered per ring generation on every host in the order
-// they resolve locally (`ordinal`), so hosts whose trainers restarted still line up; the
-// coordinator (the first host in ring order) matches the reports of all hosts and answers
-// every host with OpStart or OpFail, in one order that every host follows.
+// Op negotiation. Ops are paired across hosts by (group, incarnation, seq): seq is the
+// trainers' own op number (every local rank of a group submits the same seq), and the
+// incarnation is what the hosts agreed a group's run is. A group whose local ranks all left and
+// joined again is a new local incarnation on its host (a fresh `local_id`); before its first op
+// in a ring generation a host sends GroupJoin to the coordinator (the first host in ring order),
+// which agrees on an incarnation once every host joined — fresh on every host (a restarted job),
+// or the same earlier incarnation on every host (a job that goes on after a ring generation
+// ended) — and answers each host with GroupIncarnation. A job restarted on some hosts only is
+// refused on the hosts that still run the earlier incarnation. The coordinator matches the hosts'
+// reports and answers every host that reported an op with OpStart or OpFail; OpStarts go out in
+// one order that every host's progress thread follows.
+struct GroupJoin {
+    uint64_t generation = 0;  // the coordinator's generation the host reports in
+    std::string group;
+    uint64_t local_id = 0;  // this host's incarnation of the group (unique on the host)
+    uint64_t previous = 0;  // the agreed incarnation it ran as in an earlier generation; 0: fresh
+};
+struct GroupIncarnation {
+    uint64_t generation = 0;
+    std::string group;
+    uint64_t local_id = 0;     // the recipient's, from its GroupJoin
+    uint64_t incarnation = 0;  // agreed, unique in the cluster; 0 when refused
+    int32_t code = 0;          // 0, or a negative errno: this local incarnation cannot run
+    std::string message;
+};
+// seq of an OpReport with a non-zero status that ends the incarnation here (its local ranks
+// left): every op of the incarnation that is pending or reported later fails with its message.
+inline constexpr uint64_t kIncarnationEnds = UINT64_MAX;
 struct OpReport {
     uint64_t generation = 0;  // the coordinator's generation the host reports in
     std::string group;
-    uint64_t ordinal = 0;
+    uint64_t seq = 0;
     uint64_t count = 0;
     uint32_t dtype = 0;
     uint32_t op = 0;
@@ -67,20 +91,23 @@ struct OpReport {
     std::string message;  // why, when status != 0 (at most kMaxErrorMessage bytes)
     // Not on the wire: how the op runs (0 = ring; else the OpData kind it came with, see below).
     uint32_t algorithm = 0;
+    uint64_t incarnation = 0;  // agreed (GroupIncarnation)
 };
 struct OpStart {
     uint64_t generation = 0;
     std::string group;
-    uint64_t ordinal = 0;
+    uint64_t seq = 0;
     uint64_t op_id = 0;        // unique within the generation: tags the op's messages
     uint32_t total_ranks = 0;  // avg divides by this
+    uint64_t incarnation = 0;
 };
 struct OpFail {
     uint64_t generation = 0;
     std::string group;
-    uint64_t ordinal = 0;
+    uint64_t seq = 0;
     int32_t code = 0;
     std::string message;
+    uint64_t incarnation = 0;
 };
 
 // Small ops skip the ring and travel on the control connections as OpData: the op's report, a
@@ -96,7 +123,7 @@ struct OpFail {
 // (mismatch, a host's local failure, a host that does not report in time) with OpFail, and
 // otherwise decides it without a message.
 enum class OpDataKind : uint32_t { OneShot = 1, TwoShotPart = 2, TwoShotResult = 3 };
-inline constexpr size_t kOpDataHeaderBytes = 104 + 8;  // the OpReport fields, kind, reserved
+inline constexpr size_t kOpDataHeaderBytes = 112 + 8;  // the OpReport fields, kind, reserved
 struct OpData {
     OpReport report;                // status 0, algorithm = 1 (one-shot) or 2 (two-shot)
     OpDataKind kind = OpDataKind::OneShot;
@@ -119,6 +146,10 @@ struct RingAbort {
 Bytes encode_ring_abort(const RingAbort &a);
 Result<RingAbort> decode_ring_abort(std::span<const uint8_t> payload);
 
+Bytes encode_group_join(const GroupJoin &j);
+Result<GroupJoin> decode_group_join(std::span<const uint8_t> payload);
+Bytes encode_group_incarnation(const GroupIncarnation &g);
+Result<GroupIncarnation> decode_group_incarnation(std::span<const uint8_t> payload);
 Bytes encode_op_report(const OpReport &r);
 Result<OpReport> decode_op_report(std::span<const uint8_t> payload);
 Bytes encode_op_start(const OpStart &s);

@@ -6,11 +6,14 @@ namespace ringd {
 namespace {
 
 constexpr size_t kDecidedMemory = 4096;
+constexpr size_t kIncarnationMemory = 4096;
 
 std::string describe(const proto::OpReport &r) {
     return std::to_string(r.count) + " x " + std::string(dtype_name(static_cast<DType>(r.dtype))) + " " +
            std::string(reduce_op_name(static_cast<ReduceOp>(r.op)));
 }
+
+std::string at(const std::string &group, uint64_t seq) { return "group " + group + " op " + std::to_string(seq) + ": "; }
 
 }  // namespace
 
@@ -20,11 +23,88 @@ void Coordinator::reset(uint64_t generation) {
     pending_.clear();
     decided_.clear();
     decided_order_.clear();
+    for (auto &[name, run] : groups_) run.joins.clear();
+    for (auto &[id, inc] : incarnations_) inc.max_seq.assign(hosts_.size(), 0);
 }
 
-void Coordinator::decide(const Key &k) {
+Coordinator::Incarnation *Coordinator::find(uint64_t incarnation) {
+    auto it = incarnations_.find(incarnation);
+    return it == incarnations_.end() ? nullptr : &it->second;
+}
+
+void Coordinator::refuse(uint32_t host, const std::string &group, uint64_t local_id, const std::string &why,
+                         Decisions &out) {
+    out.groups.push_back({host, {generation_, group, local_id, 0, -ECONNABORTED, why}});
+}
+
+void Coordinator::join(uint32_t host, const proto::GroupJoin &j, Decisions &out) {
+    if (j.generation != generation_ || host >= hosts_.size()) return;
+    const uint32_t n = static_cast<uint32_t>(hosts_.size());
+    GroupRun &run = groups_[j.group];
+    run.joins.resize(n);
+    if (Incarnation *cur = find(run.current); cur && cur->end_code == 0) {
+        if (cur->local_ids[host] == j.local_id) {
+            // Part of it already (a repeat, or a new ring generation of the same coordinator):
+            // the same incarnation goes on.
+            out.groups.push_back({host, {generation_, j.group, j.local_id, run.current, 0, {}}});
+            return;
+        }
+        if (cur->local_ids[host] != j.local_id)
+            end(run.current, -ECONNABORTED,
+                "group " + j.group + ": host " + hosts_[host] +
+                    " started it anew (its ranks restarted); every rank of the job must restart",
+                out);
+    }
+    if (j.previous != 0) {
+        if (const Incarnation *prev = find(j.previous); prev && prev->end_code != 0)
+            return refuse(host, j.group, j.local_id, prev->end_message, out);
+    }
+    run.joins[host] = Join{j.local_id, j.previous};
+    // All fresh, or all going on with the same incarnation; a host that goes on while another
+    // started afresh still runs what the others left.
+    std::optional<uint32_t> fresh;
+    for (uint32_t h = 0; h < n; ++h)
+        if (run.joins[h] && run.joins[h]->previous == 0) fresh = h;
+    for (uint32_t h = 0; h < n; ++h) {
+        if (!run.joins[h] || run.joins[h]->previous == 0) continue;
+        const bool differs = run.joins[host]->previous != 0 && run.joins[host]->previous != run.joins[h]->previous;
+        if (!fresh && !differs) continue;
+        refuse(h, j.group, run.joins[h]->local_id,
+               "group " + j.group + ": " +
+                   (fresh ? "host " + hosts_[*fresh] + " started a new incarnation of the group (its ranks restarted)"
+                          : std::string("the hosts ran different incarnations of the group")) +
+                   " while this host's ranks still run an earlier one; every rank of the job must restart",
+               out);
+        run.joins[h].reset();
+    }
+    for (const auto &jn : run.joins)
+        if (!jn) return;
+    // Every host joined alike: the agreed incarnation, unique in the cluster (generations only grow).
+    const uint64_t id = (generation_ << 24) | (next_incarnation_++ & 0xffffff);
+    Incarnation inc;
+    inc.group = j.group;
+    inc.max_seq.assign(n, 0);
+    for (uint32_t h = 0; h < n; ++h) {
+        inc.local_ids.push_back(run.joins[h]->local_id);
+        out.groups.push_back({h, {generation_, j.group, run.joins[h]->local_id, id, 0, {}}});
+    }
+    run.joins.assign(n, std::nullopt);
+    run.current = id;
+    incarnations_[id] = std::move(inc);
+    incarnation_order_.push_back(id);
+    while (incarnation_order_.size() > kIncarnationMemory) {
+        const uint64_t old = incarnation_order_.front();
+        incarnation_order_.pop_front();
+        auto it = incarnations_.find(old);
+        if (it == incarnations_.end()) continue;
+        if (auto g = groups_.find(it->second.group); g != groups_.end() && g->second.current == old) groups_.erase(g);
+        incarnations_.erase(it);
+    }
+}
+
+void Coordinator::decide(const Key &k, std::optional<std::pair<int32_t, std::string>> failure) {
     pending_.erase(k);
-    decided_.insert(k);
+    decided_[k] = std::move(failure);
     decided_order_.push_back(k);
     while (decided_order_.size() > kDecidedMemory) {
         decided_.erase(decided_order_.front());
@@ -32,14 +112,78 @@ void Coordinator::decide(const Key &k) {
     }
 }
 
+// Every host hears of the failure: those that did not report the op yet keep it for when
+// they get there (a one- or two-shot op must not complete there with the data that came in
+// meanwhile), and one that reports it later gets it again.
+void Coordinator::fail(const Key &k, int32_t code, const std::string &message, Decisions &out) {
+    const auto &[group, incarnation, seq] = k;
+    for (uint32_t h = 0; h < hosts_.size(); ++h) out.fails.push_back({h, {generation_, group, seq, code, message, incarnation}});
+    decide(k, std::pair{code, message});
+}
+
+void Coordinator::end(uint64_t incarnation, int32_t code, const std::string &message, Decisions &out) {
+    Incarnation *inc = find(incarnation);
+    if (!inc || inc->end_code != 0) return;
+    inc->end_code = code;
+    inc->end_message = message;
+    const std::string group = inc->group;
+    auto lo = pending_.lower_bound(Key{group, incarnation, 0});
+    std::vector<Key> doomed;
+    for (auto it = lo; it != pending_.end() && std::get<0>(it->first) == group && std::get<1>(it->first) == incarnation; ++it)
+        doomed.push_back(it->first);
+    for (const Key &k : doomed) fail(k, code, message, out);
+}
+
+// Ops of the incarnation that a host is past (it reported a later seq, so it failed them
+// before the coordinator heard of them: in an earlier generation) cannot complete.
+void Coordinator::fail_skipped(const Key &k, Decisions &out) {
+    const auto &[group, incarnation, seq] = k;
+    const Incarnation *inc = find(incarnation);
+    if (!inc) return;
+    std::vector<std::pair<Key, uint32_t>> doomed;
+    for (auto it = pending_.lower_bound(Key{group, incarnation, 0});
+         it != pending_.end() && std::get<0>(it->first) == group && std::get<1>(it->first) == incarnation; ++it) {
+        for (uint32_t h = 0; h < hosts_.size(); ++h) {
+            if (it->second.by_host[h] || inc->max_seq[h] <= std::get<2>(it->first)) continue;
+            doomed.emplace_back(it->first, h);
+            break;
+        }
+    }
+    for (const auto &[d, h] : doomed)
+        fail(d, -ECONNABORTED,
+             at(group, std::get<2>(d)) + "host " + hosts_[h] +
+                 " is past it (the op failed there before this ring generation)",
+             out);
+}
+
 void Coordinator::report(uint32_t host, const proto::OpReport &r, Clock::time_point now, Decisions &out) {
     if (r.generation != generation_ || host >= hosts_.size()) return;  // from a generation that is over
-    const Key k{r.group, r.ordinal};
-    if (decided_.count(k)) return;
-    const std::string at = "group " + r.group + " op " + std::to_string(r.ordinal) + ": ";
+    Incarnation *inc = find(r.incarnation);
+    if (!inc || inc->group != r.group || inc->local_ids.size() != hosts_.size()) return;  // never agreed: stale
+    const Key k{r.group, r.incarnation, r.seq};
+    if (r.seq == proto::kIncarnationEnds) {
+        if (r.status != 0) end(r.incarnation, r.status, r.message, out);
+        return;
+    }
+    auto fail_to_host = [&](int32_t code, const std::string &message) {
+        out.fails.push_back({host, {generation_, r.group, r.seq, code, message, r.incarnation}});
+    };
+    if (auto d = decided_.find(k); d != decided_.end()) {
+        if (d->second) fail_to_host(d->second->first, d->second->second);
+        return;
+    }
+    if (inc->end_code != 0) {
+        fail_to_host(inc->end_code, at(r.group, r.seq) + inc->end_message);
+        decide(k, std::pair{inc->end_code, at(r.group, r.seq) + inc->end_message});
+        return;
+    }
+    if (r.seq > inc->max_seq[host]) inc->max_seq[host] = r.seq;
     if (r.status != 0) {
-        out.fails.push_back({generation_, r.group, r.ordinal, r.status, r.message});
-        decide(k);
+        auto [it, fresh] = pending_.try_emplace(k);
+        if (fresh) it->second.by_host.resize(hosts_.size());
+        it->second.by_host[host] = r;
+        fail(k, r.status, r.message, out);
+        fail_skipped(k, out);
         return;
     }
     auto [it, fresh] = pending_.try_emplace(k);
@@ -52,31 +196,31 @@ void Coordinator::report(uint32_t host, const proto::OpReport &r, Clock::time_po
     for (size_t h = 0; h < hosts_.size(); ++h) {
         if (!p.by_host[h]) continue;
         const auto &o = *p.by_host[h];
-        if (o.count != r.count || o.dtype != r.dtype || o.op != r.op) {
-            out.fails.push_back({generation_, r.group, r.ordinal, -EINVAL,
-                                 at + "mismatch: host " + hosts_[h] + " submitted " + describe(o) + ", host " +
-                                     hosts_[host] + " submitted " + describe(r)});
-            decide(k);
-            return;
-        }
-        if (o.algorithm != r.algorithm) {  // same op, different tuning.* on the two hosts
-            out.fails.push_back({generation_, r.group, r.ordinal, -EINVAL,
-                                 at + "hosts " + hosts_[h] + " and " + hosts_[host] +
-                                     " chose different algorithms (their tuning settings differ)"});
-            decide(k);
-            return;
-        }
+        p.by_host[host] = r;
+        if (o.count != r.count || o.dtype != r.dtype || o.op != r.op)
+            return fail(k, -EINVAL,
+                        at(r.group, r.seq) + "mismatch: host " + hosts_[h] + " submitted " + describe(o) + ", host " +
+                            hosts_[host] + " submitted " + describe(r),
+                        out);
+        if (o.algorithm != r.algorithm)  // same op, different tuning.* on the two hosts
+            return fail(k, -EINVAL,
+                        at(r.group, r.seq) + "hosts " + hosts_[h] + " and " + hosts_[host] +
+                            " chose different algorithms (their tuning settings differ)",
+                        out);
         break;
     }
     p.by_host[host] = r;
+    fail_skipped(k, out);
+    auto again = pending_.find(k);
+    if (again == pending_.end()) return;  // a host is past it
     uint32_t total = 0;
-    for (const auto &b : p.by_host) {
+    for (const auto &b : again->second.by_host) {
         if (!b) return;
         total += b->local_size;
     }
     // A one- or two-shot op completes on every host by itself; a ring op starts now, in this order.
-    if (r.algorithm == 0) out.starts.push_back({generation_, r.group, r.ordinal, next_op_id_++, total});
-    decide(k);
+    if (r.algorithm == 0) out.starts.push_back({generation_, r.group, r.seq, next_op_id_++, total, r.incarnation});
+    decide(k, std::nullopt);
 }
 
 void Coordinator::expire(Clock::time_point now, Decisions &out) {
@@ -87,10 +231,10 @@ void Coordinator::expire(Clock::time_point now, Decisions &out) {
         std::string missing;
         for (size_t h = 0; h < hosts_.size(); ++h)
             if (!pending_[k].by_host[h]) missing += (missing.empty() ? "" : ", ") + hosts_[h];
-        out.fails.push_back({generation_, k.first, k.second, -ETIMEDOUT,
-                             "group " + k.first + " op " + std::to_string(k.second) + " timed out after " +
-                                 std::to_string(op_timeout_.count()) + " ms: host(s) " + missing + " did not submit it"});
-        decide(k);
+        fail(k, -ETIMEDOUT,
+             "group " + std::get<0>(k) + " op " + std::to_string(std::get<2>(k)) + " timed out after " +
+                 std::to_string(op_timeout_.count()) + " ms: host(s) " + missing + " did not submit it",
+             out);
     }
 }
 

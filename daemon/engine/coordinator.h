@@ -1,10 +1,22 @@
-// Coordinator: matches the op reports of every host of the ring (it runs on the first host in
-// ring order) and decides, for each group op, OpStart (all hosts ready, same count/dtype/op) or
-// OpFail (a host reported a local failure, a count/dtype/op mismatch naming both hosts, or
-// hosts that did not report within timeouts.op, named). Decisions go to every host in one
-// order, which is the order every host's progress thread runs ring ops in — so no two hosts
-// ever wait on each other's different ops. Ops that skip the ring (reports with an
-// `algorithm`: one-shot or two-shot) need no start: when all hosts reported them alike they are decided silently.
+// Coordinator: agrees on group incarnations and matches the op reports of every host of the ring
+// (it runs on the first host in ring order).
+//
+// Incarnations: each host joins a group's run with its local incarnation (GroupJoin: a fresh one,
+// or the agreed incarnation it ran as before this ring generation). Once every host joined — all
+// fresh (a job that started or restarted everywhere) or all with the same earlier incarnation (a
+// job that goes on after the ring re-formed) — the coordinator gives the run a cluster-unique
+// incarnation and tells every host. A host that still runs an earlier incarnation while another
+// started afresh (a job restarted on some hosts only) is refused; a host that starts a new
+// incarnation while one is agreed ends that one. Nothing of one incarnation pairs with another.
+//
+// Ops: reports are matched by (group, incarnation, seq) and decided OpStart (all hosts ready,
+// same count/dtype/op) or OpFail (a host's local failure, a mismatch naming both hosts, hosts
+// that did not report within timeouts.op, named, a host that is past the op, an incarnation that
+// ended). Starts go to every host in one order, which is the order every host's progress thread
+// runs ring ops in — so no two hosts ever wait on each other's different ops. Fails go to every
+// host, and again to one that reports the op later. Ops that skip the ring (reports
+// with an `algorithm`: one-shot or two-shot) need no start: when all hosts reported them alike
+// they are decided silently.
 //
 // Pure bookkeeping (no I/O, the caller passes `now`), called by the control thread.
 #pragma once
@@ -13,8 +25,9 @@
 #include <deque>
 #include <map>
 #include <optional>
-#include <set>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "common/fd_io.h"
@@ -28,32 +41,62 @@ public:
         : hosts_(std::move(hosts)), op_timeout_(op_timeout) {}
 
     struct Decisions {
-        std::vector<proto::OpStart> starts;
-        std::vector<proto::OpFail> fails;
+        std::vector<proto::OpStart> starts;                                  // to every host
+        std::vector<std::pair<uint32_t, proto::OpFail>> fails;               // to one host each
+        std::vector<std::pair<uint32_t, proto::GroupIncarnation>> groups;    // to one host each
     };
 
-    // A new ring generation: everything pending is forgotten (every host failed it already).
+    // A new ring generation: pending joins and ops are forgotten (every host failed its ops
+    // already and joins again); which incarnations ended is kept.
     void reset(uint64_t generation);
     uint64_t generation() const { return generation_; }
 
+    void join(uint32_t host, const proto::GroupJoin &j, Decisions &out);
     void report(uint32_t host, const proto::OpReport &r, Clock::time_point now, Decisions &out);
     void expire(Clock::time_point now, Decisions &out);
     size_t pending() const { return pending_.size(); }
 
 private:
-    using Key = std::pair<std::string, uint64_t>;  // group, ordinal
+    using Key = std::tuple<std::string, uint64_t, uint64_t>;  // group, incarnation, seq
     struct Pending {
         std::vector<std::optional<proto::OpReport>> by_host;
         Clock::time_point deadline;
     };
-    void decide(const Key &k);
+    struct Incarnation {
+        std::string group;
+        std::vector<uint64_t> local_ids;  // by host
+        std::vector<uint64_t> max_seq;    // by host: the highest seq it reported in this generation
+        int32_t end_code = 0;             // non-zero once it ended; later ops fail with end_message
+        std::string end_message;
+    };
+    struct Join {
+        uint64_t local_id = 0;
+        uint64_t previous = 0;
+    };
+    struct GroupRun {
+        uint64_t current = 0;  // the agreed incarnation, 0 before the first agreement
+        std::vector<std::optional<Join>> joins;  // by host, towards the next agreement
+    };
+
+    void refuse(uint32_t host, const std::string &group, uint64_t local_id, const std::string &why, Decisions &out);
+    void end(uint64_t incarnation, int32_t code, const std::string &message, Decisions &out);
+    void fail(const Key &k, int32_t code, const std::string &message, Decisions &out);
+    void fail_skipped(const Key &k, Decisions &out);
+    void decide(const Key &k, std::optional<std::pair<int32_t, std::string>> failure);
+    Incarnation *find(uint64_t incarnation);
 
     std::vector<std::string> hosts_;
     std::chrono::milliseconds op_timeout_;
     uint64_t generation_ = 0;
     uint64_t next_op_id_ = 1;
+    uint64_t next_incarnation_ = 1;
+    std::map<std::string, GroupRun> groups_;
+    std::map<uint64_t, Incarnation> incarnations_;
+    std::deque<uint64_t> incarnation_order_;
     std::map<Key, Pending> pending_;
-    std::set<Key> decided_;  // late reports of decided ops are dropped
+    // Decided ops, remembered for late reports: nullopt = started or completed silently (a late
+    // report is a duplicate), else the failure, which a late reporter gets too.
+    std::map<Key, std::optional<std::pair<int32_t, std::string>>> decided_;
     std::deque<Key> decided_order_;
 };
 

@@ -1,5 +1,7 @@
 #include "daemon/engine/group_table.h"
 
+#include "proto/peer.h"
+
 #include <algorithm>
 
 namespace ringd {
@@ -39,6 +41,8 @@ Status GroupTable::join(MemberId id, const std::string &name, uint32_t rank, uin
     if (it == groups_.end()) {
         Group g;
         g.name = name;
+        g.local_id = next_local_id_;
+        next_local_id_ += 2;  // odd, never 0
         g.local_size = size;
         g.members.resize(size);
         it = groups_.emplace(name, std::move(g)).first;
@@ -63,7 +67,7 @@ void GroupTable::fail_seq(Group &g, uint64_t seq, int32_t code, const std::strin
     }
     ++g.ops_failed;
     ++totals_.ops_failed;
-    failures_.push_back({g.name, seq, code, message});
+    failures_.push_back({g.name, g.local_id, seq, code, message});
     if (std::count(f.told.begin(), f.told.end(), true) == static_cast<long>(g.local_size)) return;
     g.failed[seq] = std::move(f);
     g.failed_order.push_back(seq);
@@ -89,7 +93,7 @@ void GroupTable::submit(MemberId id, const proto::Submission &s, Clock::time_poi
             g.last_refused_seq = s.seq;
             ++g.ops_failed;
             ++totals_.ops_failed;
-            failures_.push_back({g.name, s.seq, -ECONNABORTED, at + g.broken});
+            failures_.push_back({g.name, g.local_id, s.seq, -ECONNABORTED, at + g.broken});
         }
         return;
     }
@@ -128,6 +132,7 @@ void GroupTable::submit(MemberId id, const proto::Submission &s, Clock::time_poi
     OpRun run;
     run.op_id = next_op_id_++;
     run.group = g.name;
+    run.local_id = g.local_id;
     run.seq = s.seq;
     run.count = s.count;
     run.dtype = s.dtype;
@@ -168,17 +173,19 @@ void GroupTable::leave(MemberId id, std::vector<Completion> &out) {
     const std::string why = who(rank) + " left";
     const bool first_departure = g.broken.empty();
     if (first_departure) g.broken = why + "; every rank of the group must reconnect";
-    // With nothing pending here, the group's next op (which the other hosts' ranks may be
-    // waiting in) fails with the reason too.
-    if (first_departure && g.pending.empty())
-        failures_.push_back({g.name, UINT64_MAX, -ECONNABORTED, "group " + g.name + ": " + why});
     while (!g.pending.empty()) {
         const uint64_t seq = g.pending.begin()->first;
         fail_seq(g, seq, -ECONNABORTED, "group " + g.name + " op " + std::to_string(seq) + ": " + why, out);
     }
+    // Every later op of this incarnation (which the other hosts' ranks may be waiting in) fails
+    // with the reason too.
+    if (first_departure) failures_.push_back({g.name, g.local_id, proto::kIncarnationEnds, -ECONNABORTED, "group " + g.name + ": " + why});
     for (auto &[op_id, r] : g.running)
         if (r.failure.empty()) r.failure = "group " + g.name + " op " + std::to_string(r.seq) + ": " + why;
-    if (g.joined() == 0 && g.running.empty()) groups_.erase(git);
+    if (g.joined() == 0) {
+        draining_.merge(g.running);
+        groups_.erase(git);
+    }
 }
 
 void GroupTable::expire(Clock::time_point now, std::vector<Completion> &out) {
@@ -208,6 +215,11 @@ std::optional<Clock::time_point> GroupTable::next_deadline() const {
 }
 
 void GroupTable::finished(uint64_t op_id, int32_t status, const std::string &message, std::vector<Completion> &out) {
+    if (auto d = draining_.find(op_id); d != draining_.end()) {  // its ranks are gone: nobody to tell
+        ++totals_.ops_failed;
+        draining_.erase(d);
+        return;
+    }
     for (auto git = groups_.begin(); git != groups_.end(); ++git) {
         Group &g = git->second;
         auto rit = g.running.find(op_id);
@@ -243,6 +255,8 @@ void GroupTable::fail_everything(const std::string &message, std::vector<Complet
         g.running.clear();
         if (g.broken.empty()) g.broken = message;
     }
+    totals_.ops_failed += draining_.size();
+    draining_.clear();
 }
 
 std::vector<GroupSummary> GroupTable::summaries() const {
@@ -264,8 +278,19 @@ std::vector<GroupSummary> GroupTable::summaries() const {
     return v;
 }
 
+uint64_t GroupTable::local_id(const std::string &group) const {
+    auto it = groups_.find(group);
+    return it == groups_.end() ? 0 : it->second.local_id;
+}
+
+std::vector<std::pair<std::string, uint64_t>> GroupTable::local_ids() const {
+    std::vector<std::pair<std::string, uint64_t>> v;
+    for (const auto &[name, g] : groups_) v.emplace_back(name, g.local_id);
+    return v;
+}
+
 size_t GroupTable::running_ops() const {
-    size_t n = 0;
+    size_t n = draining_.size();
     for (const auto &[name, g] : groups_) n += g.running.size();
     return n;
 }

@@ -34,6 +34,7 @@ struct Completion {
 struct OpRun {
     uint64_t op_id = 0;
     std::string group;
+    uint64_t local_id = 0;  // the group's incarnation on this host (GroupTable::local_id)
     uint64_t seq = 0;
     uint64_t count = 0;
     DType dtype = DType::F32;
@@ -47,7 +48,8 @@ struct OpRun {
 // Across hosts every such op still takes its place in the group's sequence of ops.
 struct LocalFailure {
     std::string group;
-    uint64_t seq = 0;
+    uint64_t local_id = 0;
+    uint64_t seq = 0;  // proto::kIncarnationEnds: every later op of this incarnation fails too
     int32_t code = 0;
     std::string message;
 };
@@ -66,8 +68,10 @@ struct GroupSummary {
 
 class GroupTable {
 public:
-    explicit GroupTable(std::string host, std::chrono::milliseconds op_timeout)
-        : host_(std::move(host)), op_timeout_(op_timeout) {}
+    // Local incarnations are numbered from `first_local_id` (random per daemon start, so that a
+    // restarted daemon never reuses one).
+    explicit GroupTable(std::string host, std::chrono::milliseconds op_timeout, uint64_t first_local_id = 1)
+        : host_(std::move(host)), op_timeout_(op_timeout), next_local_id_(first_local_id | 1) {}
 
     Status join(MemberId id, const std::string &group, uint32_t local_rank, uint32_t local_size);
     void submit(MemberId id, const proto::Submission &s, Clock::time_point now, std::vector<Completion> &out,
@@ -77,6 +81,8 @@ public:
     void reject(MemberId id, uint64_t seq, int32_t code, const std::string &why, std::vector<Completion> &out);
     // The member disconnected: every pending or running op of its group fails with
     // "host H local rank R left", and the group refuses new ops until all its ranks are gone.
+    // Then the name is free at once: the next join starts a new incarnation, while the old one's
+    // running ops finish on their own.
     void leave(MemberId id, std::vector<Completion> &out);
     // Pending ops whose deadline passed fail on every rank that submitted them.
     void expire(Clock::time_point now, std::vector<Completion> &out);
@@ -95,6 +101,10 @@ public:
     // Whether join() would accept this member, without joining.
     Status check_join(const std::string &group, uint32_t local_rank, uint32_t local_size) const;
     size_t running_ops() const;
+    // The local incarnation of a group with this name now; 0 when there is none.
+    uint64_t local_id(const std::string &group) const;
+    // Every group there is now: (name, local incarnation).
+    std::vector<std::pair<std::string, uint64_t>> local_ids() const;
     // Ops that failed locally since the last call, in the order they failed.
     std::vector<LocalFailure> take_failures() { return std::exchange(failures_, {}); }
 
@@ -117,6 +127,7 @@ private:
     };
     struct Group {
         std::string name;
+        uint64_t local_id = 0;
         uint32_t local_size = 0;
         std::vector<std::optional<MemberId>> members;  // by rank
         std::string broken;
@@ -139,8 +150,12 @@ private:
     std::string host_;
     std::chrono::milliseconds op_timeout_;
     std::map<std::string, Group> groups_;
+    // Running ops of incarnations whose ranks all left (by op id): they end as the engine or
+    // the cluster finishes them, as failures.
+    std::map<uint64_t, Running> draining_;
     std::map<MemberId, MemberInfo> members_;
     uint64_t next_op_id_ = 1;
+    uint64_t next_local_id_ = 1;
     Totals totals_;
     std::vector<LocalFailure> failures_;
 };

@@ -111,7 +111,7 @@ void check_untouched(const Clients &cl, std::initializer_list<uint32_t> ranks) {
 }  // namespace
 
 TEST_CASE("a host SIGKILLed while a large ring op moves data: the others fail within a second on its "
-          "connection's EOF, write nothing into the slots after, and go on when it is back",
+          "connection's EOF, write nothing into the slots after, and the restarted job runs when it is back",
           "[cluster][faults]") {
     const std::string transport = GENERATE(std::string(), std::string(kIbverbsYaml));
     INFO(transport);
@@ -138,7 +138,9 @@ TEST_CASE("a host SIGKILLed while a large ring op moves data: the others fail wi
     REQUIRE(c.wait_up({2, 2, 1}));  // the restarted daemon counts its own generations
     check_untouched(cl, {0, 1});
     CHECK(c.status(0)["ring"]["generation"] == 2);
-    cl[2] = std::make_unique<Client>(c.d[2]->socket(), "kill", 0, 1, kBigSlot);
+    // Its trainer lost its ringd: the job restarts on every host and runs exact ops.
+    cl.clear();
+    cl = connect_all(c, "kill", 1, kBigSlot);
     allreduce_checked(cl, DType::F32, ReduceOp::Avg, 777777, 5);
     allreduce_checked(cl, DType::BF16, ReduceOp::Sum, 4099, 6);
 }
@@ -215,7 +217,10 @@ TEST_CASE("the coordinating host killed while a large ring op moves data: the ot
 
 // A restarted coordinator counts its generations from 0 again; the ring it forms must still be
 // newer than the generations the others used, or they would never report an op to it again.
-TEST_CASE("after the coordinating host was restarted, the same trainers go on with exact results",
+// Its trainer rejoined afresh: the trainers that go on with the old run are told to restart,
+// and once the job restarted everywhere it runs exact ops.
+TEST_CASE("after the coordinating host was restarted, trainers that go on alone fail clearly; the restarted "
+          "job runs exact results",
           "[cluster][faults]") {
     const std::string transport = GENERATE(std::string(), std::string(kIbverbsYaml));
     INFO(transport);
@@ -223,6 +228,18 @@ TEST_CASE("after the coordinating host was restarted, the same trainers go on wi
     REQUIRE(c.wait_up());
     auto cl = connect_all(c, "coord", 1, kBigSlot);
     kill_and_restart_coordinator(c, cl);
+    for (uint32_t g : {1u, 2u}) {
+        const auto start = Clock::now();
+        const auto t = cl[g]->submit(0, 1000, RINGD_F32, RINGD_SUM);
+        const Failure f = wait_failed(*cl[g], t, start);
+        INFO("rank " << g << ": " << f.message << " after " << f.after_s << " s");
+        CHECK(f.rc == -ECONNABORTED);
+        CHECK_THAT(f.message, Catch::Contains("host node0 started a new incarnation of the group") &&
+                                  Catch::Contains("every rank of the job must restart"));
+        CHECK(f.after_s < 1.0);
+    }
+    cl.clear();
+    cl = connect_all(c, "coord", 1, kBigSlot);
     allreduce_checked(cl, DType::F32, ReduceOp::Sum, 1 << 20, 2);  // the ring
     allreduce_checked(cl, DType::I64, ReduceOp::Max, 999, 3);       // direct exchange
 }
@@ -249,12 +266,13 @@ TEST_CASE("a host killed before its trainer submitted: the others fail within a 
             CHECK_THAT(f.message, Catch::Contains("aborted: host node2: connection closed"));
             CHECK(f.after_s < 1.0);
         }
-        // Restart node2: the same survivors' trainers go on with a new trainer there.
+        // Restart node2 and the job on every host.
         c.d[2]->start();
         REQUIRE(c.d[2]->ready());
         const uint64_t gen = c.status(0)["ring"]["generation"].get<uint64_t>();
         REQUIRE(c.wait_up({gen + 1, gen + 1, 1}));
-        cl[2] = std::make_unique<Client>(c.d[2]->socket(), "k", 0, 1, 1 << 20);
+        cl.clear();
+        cl = connect_all(c, "k", 1);
         allreduce_checked(cl, DType::F32, ReduceOp::Avg, 77777, 5);
     }
 }
@@ -280,8 +298,13 @@ TEST_CASE("a host hung before its trainer submitted is named after about three h
     }
     ::kill(c.d[1]->pid(), SIGCONT);
     REQUIRE(c.wait_up({2, 2, 2}));
-    // Every rank goes on; ops are matched by their place in the new generation.
+    // Every rank goes on; ops pair by the trainers' op numbers. node1's trainer never submitted
+    // the op the others failed: when it does, it fails as soon as the others are past it, and
+    // its next op pairs with theirs.
+    const auto missed = cl[1]->submit(0, 1000, RINGD_F32, RINGD_SUM);
     allreduce_checked(cl, DType::BF16, ReduceOp::Sum, 4099, 3);
+    CHECK(ringd_wait(cl[1]->get(), missed, 0) == -ECONNABORTED);
+    CHECK_THAT(ringd_last_error(cl[1]->get()), Catch::Contains("is past it"));
 }
 
 TEST_CASE("a data connection reset ends the generation everywhere, by RingAbort; control links stay up",

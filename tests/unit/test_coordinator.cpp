@@ -1,4 +1,4 @@
-// Coordinator: cross-host matching of group ops.
+// Coordinator: agreement on group incarnations and cross-host matching of group ops.
 #include <catch2/catch.hpp>
 
 #include "daemon/engine/coordinator.h"
@@ -9,9 +9,30 @@ using namespace std::chrono_literals;
 
 namespace {
 
-proto::OpReport ready(const std::string &g, uint64_t k, uint64_t count = 100, DType t = DType::F32,
-                      ReduceOp op = ReduceOp::Sum, uint32_t local = 2) {
-    return {7, g, k, count, static_cast<uint32_t>(t), static_cast<uint32_t>(op), local, 0, ""};
+// Every host joins group g with local incarnation (host + 1) * 100 + run; returns the agreed one.
+uint64_t agree(Coordinator &c, uint32_t hosts, const std::string &g = "g", uint64_t run = 0, uint64_t previous = 0) {
+    Coordinator::Decisions d;
+    for (uint32_t h = 0; h < hosts; ++h) c.join(h, {c.generation(), g, (h + 1) * 100 + run, previous}, d);
+    REQUIRE(d.groups.size() == hosts);
+    for (uint32_t h = 0; h < hosts; ++h) {
+        CHECK(d.groups[h].first == h);
+        CHECK(d.groups[h].second.code == 0);
+        CHECK(d.groups[h].second.local_id == (h + 1) * 100 + run);
+        CHECK(d.groups[h].second.incarnation == d.groups[0].second.incarnation);
+    }
+    return d.groups[0].second.incarnation;
+}
+
+proto::OpReport ready(uint64_t inc, uint64_t seq, uint64_t count = 100, DType t = DType::F32,
+                      ReduceOp op = ReduceOp::Sum, uint32_t local = 2, const std::string &g = "g") {
+    return {7, g, seq, count, static_cast<uint32_t>(t), static_cast<uint32_t>(op), local, 0, "", 0, inc};
+}
+
+proto::OpReport failed(uint64_t inc, uint64_t seq, const std::string &why) {
+    proto::OpReport r = ready(inc, seq);
+    r.status = -ECONNABORTED;
+    r.message = why;
+    return r;
 }
 
 }  // namespace
@@ -19,78 +40,106 @@ proto::OpReport ready(const std::string &g, uint64_t k, uint64_t count = 100, DT
 TEST_CASE("an op starts once every host reported it, with the total rank count", "[coordinator]") {
     Coordinator c({"a", "b", "c"}, 1000ms);
     c.reset(7);
+    const uint64_t inc = agree(c, 3);
     Coordinator::Decisions d;
     const auto t0 = Clock::now();
-    c.report(0, ready("g", 0, 100, DType::F32, ReduceOp::Sum, 2), t0, d);
-    c.report(2, ready("g", 0, 100, DType::F32, ReduceOp::Sum, 1), t0, d);
+    c.report(0, ready(inc, 1, 100, DType::F32, ReduceOp::Sum, 2), t0, d);
+    c.report(2, ready(inc, 1, 100, DType::F32, ReduceOp::Sum, 1), t0, d);
     CHECK(d.starts.empty());
-    c.report(1, ready("g", 0, 100, DType::F32, ReduceOp::Sum, 3), t0, d);
+    c.report(1, ready(inc, 1, 100, DType::F32, ReduceOp::Sum, 3), t0, d);
     REQUIRE(d.starts.size() == 1);
     CHECK(d.starts[0].total_ranks == 6);
     CHECK(d.starts[0].op_id == 1);
     CHECK(d.starts[0].generation == 7);
-    c.report(0, ready("g", 1), t0, d);
-    c.report(1, ready("g", 1), t0, d);
-    c.report(2, ready("g", 1), t0, d);
+    CHECK(d.starts[0].incarnation == inc);
+    CHECK(d.starts[0].seq == 1);
+    for (uint32_t h = 0; h < 3; ++h) c.report(h, ready(inc, 2), t0, d);
     REQUIRE(d.starts.size() == 2);
     CHECK(d.starts[1].op_id == 2);
     CHECK(d.fails.empty());
     CHECK(c.pending() == 0);
 }
 
-TEST_CASE("a mismatch between hosts fails the op naming both", "[coordinator]") {
+TEST_CASE("reports of an incarnation that was never agreed are dropped", "[coordinator]") {
     Coordinator c({"a", "b"}, 1000ms);
     c.reset(7);
     Coordinator::Decisions d;
-    c.report(0, ready("g", 0, 100), Clock::now(), d);
-    c.report(1, ready("g", 0, 101), Clock::now(), d);
-    REQUIRE(d.fails.size() == 1);
-    CHECK(d.fails[0].code == -EINVAL);
-    CHECK_THAT(d.fails[0].message, Catch::Contains("host a submitted 100 x float sum") &&
-                                       Catch::Contains("host b submitted 101 x float sum"));
-    c.report(1, ready("g", 0, 101), Clock::now(), d);  // late duplicate: nothing more
-    CHECK(d.fails.size() == 1);
+    c.join(0, {7, "g", 100, 0}, d);
+    CHECK(d.groups.empty());  // until every host joined
+    c.report(0, ready(12345, 1), Clock::now(), d);
+    CHECK(c.pending() == 0);
+}
+
+TEST_CASE("a mismatch between hosts fails the op naming both, for every host that reported it", "[coordinator]") {
+    Coordinator c({"a", "b"}, 1000ms);
+    c.reset(7);
+    const uint64_t inc = agree(c, 2);
+    Coordinator::Decisions d;
+    c.report(0, ready(inc, 1, 100), Clock::now(), d);
+    c.report(1, ready(inc, 1, 101), Clock::now(), d);
+    REQUIRE(d.fails.size() == 2);  // to both hosts
+    for (const auto &[h, f] : d.fails) {
+        CHECK(f.code == -EINVAL);
+        CHECK(f.incarnation == inc);
+        CHECK_THAT(f.message, Catch::Contains("host a submitted 100 x float sum") &&
+                                  Catch::Contains("host b submitted 101 x float sum"));
+    }
+    c.report(1, ready(inc, 1, 101), Clock::now(), d);  // a late duplicate gets the same answer
+    REQUIRE(d.fails.size() == 3);
+    CHECK(d.fails[2].first == 1);
     CHECK(d.starts.empty());
 }
 
-TEST_CASE("a host's local failure fails the op everywhere with its message", "[coordinator]") {
-    Coordinator c({"a", "b"}, 1000ms);
+TEST_CASE("a host's local failure fails the op with its message; a host that reports it later hears it too",
+          "[coordinator]") {
+    Coordinator c({"a", "b", "c"}, 1000ms);
     c.reset(7);
+    const uint64_t inc = agree(c, 3);
     Coordinator::Decisions d;
-    c.report(0, ready("g", 0), Clock::now(), d);
-    proto::OpReport f = ready("g", 0);
-    f.status = -ECONNABORTED;
-    f.message = "group g op 0: host b local rank 1 left";
-    c.report(1, f, Clock::now(), d);
-    REQUIRE(d.fails.size() == 1);
-    CHECK(d.fails[0].message == "group g op 0: host b local rank 1 left");
+    c.report(0, ready(inc, 1), Clock::now(), d);
+    c.report(1, failed(inc, 1, "group g op 1: host b local rank 1 timed out"), Clock::now(), d);
+    REQUIRE(d.fails.size() == 3);  // every host, also c, which has not reported it
+    for (uint32_t h = 0; h < 3; ++h) {
+        CHECK(d.fails[h].first == h);
+        CHECK(d.fails[h].second.message == "group g op 1: host b local rank 1 timed out");
+    }
+    c.report(2, ready(inc, 1), Clock::now(), d);
+    REQUIRE(d.fails.size() == 4);
+    CHECK(d.fails[3].first == 2);
+    CHECK(d.fails[3].second.message == "group g op 1: host b local rank 1 timed out");
 }
 
 TEST_CASE("hosts that do not report are named when the op times out", "[coordinator]") {
     Coordinator c({"a", "b", "c"}, 1000ms);
     c.reset(7);
+    const uint64_t inc = agree(c, 3);
     Coordinator::Decisions d;
     const auto t0 = Clock::now();
-    c.report(1, ready("g", 0), t0, d);
+    c.report(1, ready(inc, 1), t0, d);
     c.expire(t0 + 999ms, d);
     CHECK(d.fails.empty());
     c.expire(t0 + 1000ms, d);
-    REQUIRE(d.fails.size() == 1);
-    CHECK(d.fails[0].code == -ETIMEDOUT);
-    CHECK_THAT(d.fails[0].message, Catch::Contains("host(s) a, c did not submit it"));
+    REQUIRE(d.fails.size() == 3);
+    CHECK(d.fails[0].second.code == -ETIMEDOUT);
+    CHECK_THAT(d.fails[0].second.message, Catch::Contains("host(s) a, c did not submit it"));
 }
 
-TEST_CASE("reports from another generation are ignored; reset forgets pending ops", "[coordinator]") {
+TEST_CASE("reports from another generation are ignored; reset forgets pending ops; a job that goes on keeps "
+          "its incarnation",
+          "[coordinator]") {
     Coordinator c({"a", "b"}, 1000ms);
     c.reset(7);
+    const uint64_t inc = agree(c, 2);
     Coordinator::Decisions d;
-    c.report(0, ready("g", 0), Clock::now(), d);
+    c.report(0, ready(inc, 1), Clock::now(), d);
     CHECK(c.pending() == 1);
     c.reset(8);
     CHECK(c.pending() == 0);
-    c.report(1, ready("g", 0), Clock::now(), d);  // generation 7: stale
+    c.report(1, ready(inc, 1), Clock::now(), d);  // generation 7: stale
     CHECK(c.pending() == 0);
-    auto r = ready("g", 0);
+    // The same local incarnations join again: the same incarnation goes on.
+    CHECK(agree(c, 2, "g", 0, inc) == inc);
+    auto r = ready(inc, 2);
     r.generation = 8;
     c.report(0, r, Clock::now(), d);
     c.report(1, r, Clock::now(), d);
@@ -99,33 +148,107 @@ TEST_CASE("reports from another generation are ignored; reset forgets pending op
     CHECK(d.starts[0].op_id == 1);
 }
 
+TEST_CASE("a host that is past an op (it failed there in an earlier generation) fails it at once", "[coordinator]") {
+    Coordinator c({"a", "b"}, 1000ms);
+    c.reset(7);
+    const uint64_t inc = agree(c, 2);
+    Coordinator::Decisions d;
+    c.report(1, ready(inc, 5), Clock::now(), d);
+    c.report(0, ready(inc, 6), Clock::now(), d);  // a is past 5
+    REQUIRE(d.fails.size() == 2);
+    CHECK(d.fails[1].first == 1);
+    CHECK(d.fails[0].second.seq == 5);
+    CHECK_THAT(d.fails[0].second.message, Catch::Contains("host a is past it"));
+    c.report(1, ready(inc, 6), Clock::now(), d);
+    REQUIRE(d.starts.size() == 1);
+    CHECK(d.starts[0].seq == 6);
+}
+
+TEST_CASE("a restarted job gets a new incarnation; nothing of the old one pairs with it", "[coordinator]") {
+    Coordinator c({"a", "b", "c"}, 1000ms);
+    c.reset(7);
+    const uint64_t old = agree(c, 3, "g", 0);
+    Coordinator::Decisions d;
+    // b's ranks left: the incarnation ends; a's pending op fails with b's reason, c's later one too.
+    c.report(0, ready(old, 9), Clock::now(), d);
+    c.report(1, failed(old, proto::kIncarnationEnds, "group g: host b local rank 0 left"), Clock::now(), d);
+    REQUIRE(d.fails.size() == 3);
+    CHECK_THAT(d.fails[0].second.message, Catch::Contains("host b local rank 0 left"));
+    c.report(2, ready(old, 9), Clock::now(), d);
+    REQUIRE(d.fails.size() == 4);
+    CHECK(d.fails[3].first == 2);
+    c.report(0, ready(old, 10), Clock::now(), d);  // later ops of it fail on the host that reports them
+    REQUIRE(d.fails.size() == 5);
+    CHECK(d.fails[4].first == 0);
+    CHECK_THAT(d.fails[4].second.message, Catch::Contains("group g op 10: group g: host b local rank 0 left"));
+    CHECK(c.pending() == 0);
+    // The whole job restarts: a new incarnation, whose op 1 starts.
+    const uint64_t fresh = agree(c, 3, "g", 1);
+    CHECK(fresh != old);
+    for (uint32_t h = 0; h < 3; ++h) c.report(h, ready(fresh, 1), Clock::now(), d);
+    REQUIRE(d.starts.size() == 1);
+    CHECK(d.starts[0].incarnation == fresh);
+}
+
+TEST_CASE("a job restarted on one host only: the hosts that go on are refused, the restarted one waits",
+          "[coordinator]") {
+    Coordinator c({"a", "b", "c"}, 1000ms);
+    c.reset(7);
+    const uint64_t old = agree(c, 3, "g", 0);
+    c.reset(8);  // a new ring generation: every host joins again
+    Coordinator::Decisions d;
+    c.join(1, {8, "g", 201, 0}, d);   // b restarted its ranks
+    c.join(0, {8, "g", 100, old}, d);  // a goes on
+    REQUIRE(d.groups.size() == 1);
+    CHECK(d.groups[0].first == 0);
+    CHECK(d.groups[0].second.code == -ECONNABORTED);
+    CHECK(d.groups[0].second.incarnation == 0);
+    CHECK_THAT(d.groups[0].second.message, Catch::Contains("host b started it anew"));
+    // Once a and c restarted too, the job runs again.
+    c.join(0, {8, "g", 101, 0}, d);
+    c.join(2, {8, "g", 301, 0}, d);
+    REQUIRE(d.groups.size() == 4);
+    const uint64_t fresh = d.groups[1].second.incarnation;
+    CHECK(fresh != 0);
+    CHECK(fresh != old);
+
+    // A host that restarts while an incarnation is agreed ends it.
+    c.join(1, {8, "g", 202, 0}, d);
+    proto::OpReport r = ready(fresh, 1);
+    r.generation = 8;
+    c.report(0, r, Clock::now(), d);
+    REQUIRE_FALSE(d.fails.empty());
+    CHECK_THAT(d.fails.back().second.message, Catch::Contains("host b started it anew"));
+}
+
 TEST_CASE("one-/two-shot ops are decided without a start; hosts on different algorithms fail the op",
           "[coordinator]") {
     Coordinator c({"a", "b", "c"}, 1000ms);
     c.reset(7);
+    const uint64_t inc = agree(c, 3);
     Coordinator::Decisions d;
-    auto direct = [](uint64_t k) {
-        auto r = ready("g", k);
+    auto direct = [&](uint64_t k) {
+        auto r = ready(inc, k);
         r.algorithm = 1;
         return r;
     };
-    for (uint32_t h = 0; h < 3; ++h) c.report(h, direct(0), Clock::now(), d);
+    for (uint32_t h = 0; h < 3; ++h) c.report(h, direct(1), Clock::now(), d);
     CHECK(d.starts.empty());
     CHECK(d.fails.empty());
     CHECK(c.pending() == 0);
     // Ring ops keep their own op ids: the direct op took none.
-    for (uint32_t h = 0; h < 3; ++h) c.report(h, ready("g", 1), Clock::now(), d);
+    for (uint32_t h = 0; h < 3; ++h) c.report(h, ready(inc, 2), Clock::now(), d);
     REQUIRE(d.starts.size() == 1);
     CHECK(d.starts[0].op_id == 1);
     // Hosts whose tuning differs pick different algorithms for the same op: it fails, named.
-    c.report(0, direct(2), Clock::now(), d);
-    c.report(1, ready("g", 2), Clock::now(), d);
-    REQUIRE(d.fails.size() == 1);
-    CHECK_THAT(d.fails[0].message, Catch::Contains("hosts a and b chose different algorithms"));
-    // A host that does not send its data is named when the op times out.
     c.report(0, direct(3), Clock::now(), d);
-    c.report(2, direct(3), Clock::now(), d);
+    c.report(1, ready(inc, 3), Clock::now(), d);
+    REQUIRE(d.fails.size() == 3);
+    CHECK_THAT(d.fails[0].second.message, Catch::Contains("hosts a and b chose different algorithms"));
+    // A host that does not send its data is named when the op times out.
+    c.report(0, direct(4), Clock::now(), d);
+    c.report(2, direct(4), Clock::now(), d);
     c.expire(Clock::now() + 2s, d);
-    REQUIRE(d.fails.size() == 2);
-    CHECK_THAT(d.fails[1].message, Catch::Contains("host(s) b did not submit it"));
+    REQUIRE(d.fails.size() == 6);
+    CHECK_THAT(d.fails[5].second.message, Catch::Contains("host(s) b did not submit it"));
 }

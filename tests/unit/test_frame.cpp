@@ -14,8 +14,9 @@ using namespace ringd::proto;
 
 namespace {
 
+// Frames between daemons (type 16 and above) carry the peer protocol's version, 2.
 Bytes header_bytes(uint16_t type, uint32_t len) {
-    return {0x52, 0x4E, 0x47, 0x44, 0x01, 0x00, static_cast<uint8_t>(type), 0x00, static_cast<uint8_t>(len),
+    return {0x52, 0x4E, 0x47, 0x44, static_cast<uint8_t>(type >= 16 ? 0x02 : 0x01), 0x00, static_cast<uint8_t>(type), 0x00, static_cast<uint8_t>(len),
             static_cast<uint8_t>(len >> 8), static_cast<uint8_t>(len >> 16), static_cast<uint8_t>(len >> 24), 0, 0, 0, 0};
 }
 
@@ -261,11 +262,13 @@ TEST_CASE("decoders survive random mutations of valid frames", "[proto]") {
                                       encode_peer_hello({"c", "a", "b", ConnKind::Data, 1, 3, Nonce{}}),
                                       encode_peer_challenge({}), encode_peer_auth(Mac{}), encode_peer_accept(4),
                                       encode_heartbeat({1, 2}),
-                                      encode_op_report({1, "g", 2, 100, 0, 1, 2, 0, ""}),
-                                      encode_op_report({1, "g", 3, 0, 0, 0, 0, -5, "host a: local rank 1 left"}),
-                                      encode_op_start({1, "g", 2, 7, 8}), encode_op_fail({1, "g", 2, -22, "mismatch"}),
+                                      encode_op_report({1, "g", 2, 100, 0, 1, 2, 0, "", 0, 5}),
+                                      encode_op_report({1, "g", 3, 0, 0, 0, 0, -5, "host a: local rank 1 left", 0, 5}),
+                                      encode_op_start({1, "g", 2, 7, 8, 5}), encode_op_fail({1, "g", 2, -22, "mismatch", 5}),
+                                      encode_group_join({1, "g", 9, 0}), encode_group_incarnation({1, "g", 9, 5, 0, ""}),
+                                      encode_group_incarnation({1, "g", 9, 0, -103, "host b started it anew"}),
                                       encode_ring_abort({3, "host b: no heartbeat"}),
-                                      encode_op_data({1, "g", 2, 3, 0, 1, 2, 0, ""}, OpDataKind::OneShot, 12),
+                                      encode_op_data({1, "g", 2, 3, 0, 1, 2, 0, "", 0, 5}, OpDataKind::OneShot, 12),
                                       encode_op_data({1, "g", 2, 30, 0, 1, 2, 0, ""}, OpDataKind::TwoShotPart, 40)};
     size_t accepted = 0;
     for (int iter = 0; iter < 20000; ++iter) {
@@ -322,6 +325,13 @@ TEST_CASE("decoders survive random mutations of valid frames", "[proto]") {
         case FrameType::OpStart: accepted += decode_op_start(p).ok(); break;
         case FrameType::OpFail: accepted += decode_op_fail(p).ok(); break;
         case FrameType::RingAbort: accepted += decode_ring_abort(p).ok(); break;
+        case FrameType::GroupJoin: accepted += decode_group_join(p).ok(); break;
+        case FrameType::GroupIncarnation:
+            if (auto d = decode_group_incarnation(p)) {
+                ++accepted;
+                CHECK(decode_group_incarnation(payload_of(encode_group_incarnation(*d)))->message == d->message);
+            }
+            break;
         case FrameType::RdmaLinkInfo:
             if (auto d = decode_rdma_link_info(p)) {
                 ++accepted;
@@ -397,13 +407,14 @@ TEST_CASE("peer hellos are validated", "[proto]") {
 }
 
 TEST_CASE("op negotiation frames round-trip and are validated", "[proto]") {
-    const OpReport r{3, "grp", 9, 1000, 1, 3, 2, 0, ""};
+    const OpReport r{3, "grp", 9, 1000, 1, 3, 2, 0, "", 0, 0x1234};
     const Bytes f = encode_op_report(r);
-    CHECK(f.size() == kFrameHeaderBytes + 104 + 4);
+    CHECK(f.size() == kFrameHeaderBytes + 112 + 4);
     auto d = decode_op_report(payload_of(f));
     REQUIRE(d.ok());
     CHECK(d->generation == 3);
-    CHECK(d->ordinal == 9);
+    CHECK(d->seq == 9);
+    CHECK(d->incarnation == 0x1234);
     CHECK(d->count == 1000);
     CHECK(d->op == 3);
     Bytes p(f.begin() + kFrameHeaderBytes, f.end());
@@ -417,15 +428,35 @@ TEST_CASE("op negotiation frames round-trip and are validated", "[proto]") {
     q.push_back('x');  // message length mismatch
     CHECK_FALSE(decode_op_report(q).ok());
 
-    auto s = decode_op_start(payload_of(encode_op_start({3, "grp", 9, 44, 8})));
+    q = p;
+    std::fill(q.begin() + 104, q.begin() + 112, 0);  // no incarnation
+    CHECK_FALSE(decode_op_report(q).ok());
+
+    auto s = decode_op_start(payload_of(encode_op_start({3, "grp", 9, 44, 8, 77})));
     REQUIRE(s.ok());
     CHECK(s->op_id == 44);
     CHECK(s->total_ranks == 8);
-    CHECK_FALSE(decode_op_start(payload_of(encode_op_start({3, "grp", 9, 44, 0}))).ok());
-    auto fl = decode_op_fail(payload_of(encode_op_fail({3, "grp", 9, -5, "host b did not submit it"})));
+    CHECK(s->incarnation == 77);
+    CHECK_FALSE(decode_op_start(payload_of(encode_op_start({3, "grp", 9, 44, 0, 77}))).ok());
+    CHECK_FALSE(decode_op_start(payload_of(encode_op_start({3, "grp", 9, 44, 8, 0}))).ok());
+    auto fl = decode_op_fail(payload_of(encode_op_fail({3, "grp", 9, -5, "host b did not submit it", 77})));
     REQUIRE(fl.ok());
     CHECK(fl->message == "host b did not submit it");
-    CHECK_FALSE(decode_op_fail(payload_of(encode_op_fail({3, "grp", 9, 5, "x"}))).ok());
+    CHECK(fl->incarnation == 77);
+    CHECK_FALSE(decode_op_fail(payload_of(encode_op_fail({3, "grp", 9, 5, "x", 77}))).ok());
+    CHECK_FALSE(decode_op_fail(payload_of(encode_op_fail({3, "grp", 9, -5, "x", 0}))).ok());
+
+    auto j = decode_group_join(payload_of(encode_group_join({3, "grp", 0xabc, 77})));
+    REQUIRE(j.ok());
+    CHECK(j->local_id == 0xabc);
+    CHECK(j->previous == 77);
+    CHECK_FALSE(decode_group_join(payload_of(encode_group_join({3, "grp", 0, 77}))).ok());
+    auto gi = decode_group_incarnation(payload_of(encode_group_incarnation({3, "grp", 0xabc, 0, -103, "refused"})));
+    REQUIRE(gi.ok());
+    CHECK(gi->code == -103);
+    CHECK(gi->message == "refused");
+    CHECK_FALSE(decode_group_incarnation(payload_of(encode_group_incarnation({3, "grp", 0xabc, 0, 0, ""}))).ok());
+    CHECK_FALSE(decode_group_incarnation(payload_of(encode_group_incarnation({3, "grp", 0xabc, 5, -5, "x"}))).ok());
     auto a = decode_ring_abort(payload_of(encode_ring_abort({4, "host c: connection closed"})));
     REQUIRE(a.ok());
     CHECK(a->generation == 4);
@@ -433,14 +464,14 @@ TEST_CASE("op negotiation frames round-trip and are validated", "[proto]") {
 }
 
 TEST_CASE("op data frames carry the report and exactly count x dtype bytes", "[proto]") {
-    const OpReport r{5, "grp", 7, 3, static_cast<uint32_t>(DType::F32), static_cast<uint32_t>(ReduceOp::Avg), 2, 0, ""};
+    const OpReport r{5, "grp", 7, 3, static_cast<uint32_t>(DType::F32), static_cast<uint32_t>(ReduceOp::Avg), 2, 0, "", 0, 9};
     Bytes f = encode_op_data(r, OpDataKind::OneShot, 12);
     CHECK(f.size() == op_data_offset() + 12);
     const float v[3] = {1.5f, -2.0f, 4.25f};
     std::memcpy(&f[op_data_offset()], v, sizeof v);
     // The same fixed fields as an op report, then the data.
     const Bytes rep = encode_op_report(r);
-    CHECK(std::equal(rep.begin() + kFrameHeaderBytes, rep.begin() + kFrameHeaderBytes + 104,
+    CHECK(std::equal(rep.begin() + kFrameHeaderBytes, rep.begin() + kFrameHeaderBytes + 112,
                      f.begin() + kFrameHeaderBytes));
     auto h = decode_frame_header(std::span(f).first(kFrameHeaderBytes), 1 << 20);
     REQUIRE(h.ok());
@@ -451,7 +482,8 @@ TEST_CASE("op data frames carry the report and exactly count x dtype bytes", "[p
     CHECK(d->report.algorithm == 1);
     CHECK(d->kind == OpDataKind::OneShot);
     CHECK(d->report.local_size == 2);
-    CHECK(d->report.ordinal == 7);
+    CHECK(d->report.seq == 7);
+    CHECK(d->report.incarnation == 9);
     REQUIRE(d->data.size() == 12);
     float back[3];
     std::memcpy(back, d->data.data(), 12);
@@ -470,10 +502,10 @@ TEST_CASE("op data frames carry the report and exactly count x dtype bytes", "[p
     CHECK_FALSE(decode_op_data(q).ok());
     CHECK_FALSE(decode_op_data(Bytes(50, 0)).ok());
     q = p;
-    q[104] = 4;  // an unknown kind
+    q[112] = 4;  // an unknown kind
     CHECK_FALSE(decode_op_data(q).ok());
     q = p;
-    q[108] = 1;  // reserved
+    q[116] = 1;  // reserved
     CHECK_FALSE(decode_op_data(q).ok());
 
     // Two-shot frames carry a segment: at most count x dtype bytes, the receiver checks which.

@@ -114,8 +114,8 @@ TEST_CASE("a listener refuses wrong versions, garbage and oversize frames", "[ha
         return l.error().message;
     };
     auto hello = proto::encode_peer_hello({"demo", "node0", "node1", proto::ConnKind::Control, 0, 1, {}});
-    hello[4] = 2;  // protocol version 2
-    CHECK_THAT(attempt(hello), Catch::Contains("protocol version 2"));
+    hello[4] = 1;  // an older ringd's peer protocol
+    CHECK_THAT(attempt(hello), Catch::Contains("peer protocol version 1 is not supported"));
     CHECK_THAT(attempt(proto::Bytes(64, 0x5A)), Catch::Contains("magic"));
     auto big = proto::encode_frame(proto::FrameType::PeerHello, {});
     big[8] = big[9] = big[10] = 0xFF;

@@ -1,0 +1,101 @@
+// Jobs that restart with the same group name, as torchrun does: after a trainer died the whole
+// job starts again and every op of the new run must pair with the same op on every host — never
+// with a leftover of the old run (which, with the same shapes every step, would be a silent wrong
+// result). A job restarted on some hosts only fails clearly on both sides and works as soon as
+// the whole job restarts.
+#include <catch2/catch.hpp>
+
+#include <thread>
+
+#include "tests/support/cluster.h"
+
+using namespace ringd;
+using namespace ringd::test;
+using namespace std::chrono_literals;
+
+namespace {
+
+constexpr size_t kSlot = 4 << 20;
+
+struct Outcome {
+    int rc = 0;
+    std::string message;
+};
+
+Outcome wait_outcome(Client &cl, uint64_t ticket, int timeout_ms = 20000) {
+    Outcome o;
+    o.rc = ringd_wait(cl.get(), ticket, timeout_ms);
+    if (o.rc != 0) o.message = ringd_last_error(cl.get());
+    return o;
+}
+
+// A few ops of different shapes, every value checked; run by a job right after it (re)started.
+void run_steps(Clients &cl, uint64_t seed) {
+    allreduce_checked(cl, DType::F32, ReduceOp::Sum, 1000, seed);
+    allreduce_checked(cl, DType::BF16, ReduceOp::Min, 2, seed + 1);
+    allreduce_checked(cl, DType::F32, ReduceOp::Avg, 2, seed + 2);
+    allreduce_checked(cl, DType::I32, ReduceOp::Max, 600000, seed + 3);  // the ring
+    allreduce_checked(cl, DType::F16, ReduceOp::Sum, 5000, seed + 4);
+}
+
+}  // namespace
+
+TEST_CASE("a job restarted with the same group name after a trainer died starts clean on every host",
+          "[cluster][restart]") {
+    const std::string transport = GENERATE(std::string(), std::string(kIbverbsYaml));
+    INFO(transport);
+    TestCluster c(3, "5s", transport);
+    REQUIRE(c.wait_up());
+    for (int run = 0; run < 3; ++run) {
+        INFO("run " << run);
+        auto cl = connect_all(c, "job", 1, kSlot);
+        run_steps(cl, 100 * run + 1);
+        // The trainer of node1 dies while rank 0 is two ops ahead and rank 2 one: the hosts have
+        // taken different numbers of the old run's ops when the job restarts.
+        const uint64_t a = cl[0]->submit(bench::kGuardBytes, 1000, RINGD_F32, RINGD_SUM);
+        const uint64_t b = cl[0]->submit(bench::kGuardBytes, 1000, RINGD_F32, RINGD_SUM);
+        const uint64_t d = cl[2]->submit(bench::kGuardBytes, 1000, RINGD_F32, RINGD_SUM);
+        REQUIRE(c.wait_taken(0, "job"));
+        cl[1].reset();
+        for (auto [g, t] : {std::pair{0, a}, {0, b}, {2, d}}) {
+            const Outcome o = wait_outcome(*cl[g], t);
+            INFO("rank " << g << ": " << o.message);
+            CHECK(o.rc != 0);
+        }
+        cl.clear();  // the whole job exits ...
+    }
+    // ... and every restart ran clean (checked in run_steps).
+    auto cl = connect_all(c, "job", 1, kSlot);
+    run_steps(cl, 999);
+}
+
+TEST_CASE("a job restarted on one host only fails clearly on every host and works once the whole job restarted",
+          "[cluster][restart]") {
+    TestCluster c(3, "3s");
+    REQUIRE(c.wait_up());
+    auto cl = connect_all(c, "job", 1, kSlot);
+    run_steps(cl, 1);
+    // node1's trainer restarts alone; the others go on with the old run's next op.
+    cl[1].reset();
+    cl[1] = std::make_unique<Client>(c.d[1]->socket(), "job", 0, 1, kSlot);
+    std::vector<uint64_t> t;
+    for (auto &x : cl) t.push_back(x->submit(bench::kGuardBytes, 1000, RINGD_F32, RINGD_SUM));
+    const auto start = Clock::now();
+    for (int g : {0, 2}) {
+        const Outcome o = wait_outcome(*cl[g], t[g]);
+        INFO("rank " << g << ": " << o.message << " after " << seconds_since(start) << " s");
+        CHECK(o.rc == -ECONNABORTED);
+        CHECK_THAT(o.message, Catch::Contains("host node1 local rank 0 left"));
+        CHECK(seconds_since(start) < 1.0);  // at once, not at the op timeout
+    }
+    {
+        const Outcome o = wait_outcome(*cl[1], t[1]);
+        INFO("rank 1: " << o.message);
+        CHECK(o.rc != 0);
+        CHECK_THAT(o.message, Catch::Contains("incarnation"));
+    }
+    // The whole job restarts: clean again.
+    cl.clear();
+    cl = connect_all(c, "job", 1, kSlot);
+    run_steps(cl, 50);
+}
