@@ -62,7 +62,6 @@ private:
     void on_ring_down(const std::string &why);
     void on_peer_message(uint32_t host, Frame &frame);
     void on_op_data(uint32_t host, Frame &frame);
-    void adopt_generation(uint32_t host, uint64_t generation);
     struct HostOp;
     struct DirectState;
     using OpKey = std::tuple<std::string, uint64_t, uint64_t>;           // group, incarnation, seq

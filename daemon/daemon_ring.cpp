@@ -75,13 +75,11 @@ void Daemon::on_ring_up(uint64_t generation, std::vector<UniqueFd> to_next, std:
     l.to_next = std::move(to_next);
     l.from_prev = std::move(from_prev);
     engine_->ring_up(std::move(l));
-    if (coordinator_) {
-        coordinator_->reset(generation);
-        coord_generation_ = generation;
-        coord_known_ = true;
-        control_->note_coordinator_generation(generation);  // a restarted coordinator's ring must pass it
-        control_->heartbeat_now(generation);  // the hosts report in this generation from now on
-    }
+    // The generation is agreed: every host reports ops in it from now on.
+    coord_generation_ = generation;
+    coord_known_ = true;
+    if (coordinator_) coordinator_->reset(generation);
+    control_->heartbeat_now(generation);
     spdlog::info("ring generation {} is up ({} hosts)", generation, n);
     // For `systemctl status ringd` (and tests, which wait for it on their NOTIFY_SOCKET).
     ::sd_notifyf(0, "STATUS=ring generation %llu up (%u hosts)", static_cast<unsigned long long>(generation), n);
@@ -382,7 +380,6 @@ void Daemon::on_op_data(uint32_t host, Frame &frame) {
     const proto::OpReport report = d->report;
     const uint32_t n = static_cast<uint32_t>(config_.hosts.size());
     const uint64_t es = dtype_size(static_cast<DType>(report.dtype));
-    adopt_generation(host, report.generation);
     if (d->kind == proto::OpDataKind::TwoShotResult) {
         on_two_shot_result(host, report, d->data);
         return;
@@ -498,23 +495,9 @@ void Daemon::try_progress_direct(const std::string &group, uint64_t incarnation,
     deliver(completions, none);
 }
 
-// The coordinator's messages carry the generation the hosts report in.
-void Daemon::adopt_generation(uint32_t host, uint64_t generation) {
-    if (host == kCoordinator && !coord_known_ && generation > coord_generation_used_) {
-        coord_generation_ = generation;
-        coord_known_ = true;
-        control_->note_coordinator_generation(generation);  // a restarted coordinator's ring must pass it
-        drop_direct_before(generation);
-        flush_reports();
-    }
-}
-
 void Daemon::on_peer_message(uint32_t host, Frame &frame) {
-    auto adopt = [&](uint64_t generation) { adopt_generation(host, generation); };
     switch (frame.type) {
-    case proto::FrameType::Heartbeat:
-        if (auto h = proto::decode_heartbeat(frame.payload)) adopt(h->generation);
-        return;
+    case proto::FrameType::Heartbeat: return;
     case proto::FrameType::OpReport: {
         auto r = proto::decode_op_report(frame.payload);
         if (!r || !coordinator_) {
@@ -537,27 +520,18 @@ void Daemon::on_peer_message(uint32_t host, Frame &frame) {
     }
     case proto::FrameType::GroupIncarnation:
         if (host != kCoordinator) break;
-        if (auto g = proto::decode_group_incarnation(frame.payload)) {
-            adopt(g->generation);
-            on_group_incarnation(*g);
-        }
+        if (auto g = proto::decode_group_incarnation(frame.payload)) on_group_incarnation(*g);
         return;
     case proto::FrameType::OpStart:
         if (host != kCoordinator) break;
-        if (auto s = proto::decode_op_start(frame.payload)) {
-            adopt(s->generation);
-            on_start(*s);
-        }
+        if (auto s = proto::decode_op_start(frame.payload)) on_start(*s);
         return;
     case proto::FrameType::OpData:
         on_op_data(host, frame);
         return;
     case proto::FrameType::OpFail:
         if (host != kCoordinator) break;
-        if (auto f = proto::decode_op_fail(frame.payload)) {
-            adopt(f->generation);
-            on_fail(*f);
-        }
+        if (auto f = proto::decode_op_fail(frame.payload)) on_fail(*f);
         return;
     default: break;
     }

@@ -54,6 +54,8 @@ enum class FrameType : uint16_t {
     RdmaLinkReady = 27,  // either way: this end's QPs are ready to receive
     GroupJoin = 28,         // host -> coordinator: this host's incarnation of a group (proto/peer.h)
     GroupIncarnation = 29,  // coordinator -> host: the agreed incarnation, or why it cannot run
+    RingReady = 30,         // host -> coordinator: this host's links of the next ring are up (or not)
+    RingStart = 31,         // coordinator -> every host: the ring is up as this generation
 };
 
 struct FrameHeader {

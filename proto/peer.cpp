@@ -125,6 +125,33 @@ Result<Heartbeat> decode_heartbeat(std::span<const uint8_t> p) {
     return Heartbeat{le::get<uint64_t>(&p[0]), le::get<uint64_t>(&p[8])};
 }
 
+Bytes encode_ring_ready(const RingReady &r) {
+    uint8_t p[16] = {};
+    le::put<uint64_t>(&p[0], r.generation);
+    le::put<uint32_t>(&p[8], r.ready ? 1 : 0);
+    return encode_frame(FrameType::RingReady, p);
+}
+
+Result<RingReady> decode_ring_ready(std::span<const uint8_t> p) {
+    if (auto s = expect_size(p, 16, "ring ready"); !s) return s.error();
+    const uint32_t ready = le::get<uint32_t>(&p[8]);
+    if (ready > 1 || le::get<uint32_t>(&p[12]) != 0) return bad("ring ready has bad flags");
+    return RingReady{le::get<uint64_t>(&p[0]), ready == 1};
+}
+
+Bytes encode_ring_start(uint64_t generation) {
+    uint8_t p[8];
+    le::put<uint64_t>(&p[0], generation);
+    return encode_frame(FrameType::RingStart, p);
+}
+
+Result<uint64_t> decode_ring_start(std::span<const uint8_t> p) {
+    if (auto s = expect_size(p, 8, "ring start"); !s) return s.error();
+    const uint64_t g = le::get<uint64_t>(&p[0]);
+    if (g == 0) return bad("ring start with generation 0");
+    return g;
+}
+
 namespace {
 
 // Appends a u32 length and the bytes of `m` (capped at kMaxErrorMessage).

@@ -137,6 +137,23 @@ inline constexpr size_t op_data_offset() { return kFrameHeaderBytes + kOpDataHea
 // OneShot); the receiver checks a segment's exact length.
 Result<OpData> decode_op_data(std::span<const uint8_t> payload);
 
+// Ring generations are agreed: a host whose links of the next ring (control connections to
+// every peer, data connections to its next and from its previous host) are up says so to the
+// coordinator (RingReady, repeated while it waits, and again with ready = 0 when a link drops);
+// once every host is ready the coordinator starts the ring as a generation newer than any a
+// host has seen (RingStart, to every host), and every host hands its links to its progress
+// thread as that generation. A host whose links are no longer up when RingStart comes ends that
+// generation at once (RingAbort). So every host runs the same generation number, and a host
+// never waits in a ring the others are not in.
+struct RingReady {
+    uint64_t generation = 0;  // the newest generation this host has seen
+    bool ready = false;
+};
+Bytes encode_ring_ready(const RingReady &r);
+Result<RingReady> decode_ring_ready(std::span<const uint8_t> payload);
+Bytes encode_ring_start(uint64_t generation);
+Result<uint64_t> decode_ring_start(std::span<const uint8_t> payload);
+
 // Sent to every peer by a host that ends the ring generation, before its data links close, so
 // that every host fails its ops with the reason that names the culprit host.
 struct RingAbort {

@@ -234,7 +234,10 @@ void ControlPlane::on_conn(uint64_t id, uint32_t events) {
     if (c.kind == proto::ConnKind::Data) {
         // What arrives on an up data connection is the transport's (ibverbs starts its link
         // bring-up as soon as its own side is up): never read here, only watched for closing.
-        if (events & (EPOLLRDHUP | EPOLLHUP | EPOLLERR)) return peer_failed(c.peer, "data connection closed");
+        if (events & (EPOLLRDHUP | EPOLLHUP | EPOLLERR)) {
+            conn_failed(id, "data connection closed");
+            return maybe_ring_up();  // no longer ready
+        }
         return;
     }
     // An up control connection: heartbeats and engine messages (small ops' data included).
@@ -249,7 +252,22 @@ void ControlPlane::on_conn(uint64_t id, uint32_t events) {
         if ((*f)->type == proto::FrameType::RingAbort) {
             auto a = proto::decode_ring_abort((*f)->payload);
             if (!a) return peer_failed(c.peer, a.error().message);
-            abort_ring(a->reason, false);
+            on_ring_abort(*a);
+            if (conns_.find(id) == conns_.end()) return;
+            continue;
+        }
+        if ((*f)->type == proto::FrameType::RingReady) {
+            auto r = proto::decode_ring_ready((*f)->payload);
+            if (!r || self_ != 0) return peer_failed(c.peer, r ? "ring ready sent to a host that does not coordinate" : r.error().message);
+            on_ring_ready(c.peer, *r);
+            if (conns_.find(id) == conns_.end()) return;
+            continue;
+        }
+        if ((*f)->type == proto::FrameType::RingStart) {
+            auto g = proto::decode_ring_start((*f)->payload);
+            if (!g || c.peer != 0) return peer_failed(c.peer, g ? "ring start from a host that does not coordinate" : g.error().message);
+            on_ring_start(*g);
+            if (conns_.find(id) == conns_.end()) return;
             continue;
         }
         if (cb_.message) cb_.message(c.peer, **f);
@@ -291,6 +309,7 @@ void ControlPlane::promote(Conn &c) {
         }
         p.control = id;
         p.dialing = false;
+        if (peer < peer_ready_.size()) peer_ready_[peer] = 0;  // it says so again on this connection
         p.last_error.clear();
         p.last_heard = Clock::now();
         set_state(peer, "up");
@@ -307,14 +326,70 @@ void ControlPlane::promote(Conn &c) {
     maybe_ring_up();
 }
 
+bool ControlPlane::links_up() const {
+    for (uint32_t i = 0; i < n_; ++i)
+        if (i != self_ && !peers_[i].control) return false;
+    for (uint64_t id : data_out_)
+        if (!id || conns_.at(id)->state != ConnState::Up) return false;
+    for (uint64_t id : data_in_)
+        if (!id) return false;
+    return true;
+}
+
+// Tells the coordinator whether this host's links of the next ring are up, when that changes.
 void ControlPlane::maybe_ring_up() {
     if (ring_up_ || n_ == 1) return;
-    for (uint32_t i = 0; i < n_; ++i)
-        if (i != self_ && !peers_[i].control) return;
-    for (uint64_t id : data_out_)
-        if (!id || conns_.at(id)->state != ConnState::Up) return;
-    for (uint64_t id : data_in_)
-        if (!id) return;
+    const bool up = links_up();
+    if (up == links_ready_) return;
+    links_ready_ = up;
+    tell_ready();
+}
+
+void ControlPlane::tell_ready() {
+    next_ready_ = Clock::now() + std::chrono::milliseconds(200);
+    const proto::RingReady r{announced_generation(), links_ready_};
+    if (self_ == 0) return maybe_start();
+    if (peers_[0].control) (void)send(0, proto::encode_ring_ready(r));
+}
+
+void ControlPlane::on_ring_ready(uint32_t peer, const proto::RingReady &r) {
+    peer_ready_.resize(n_, 0);
+    peer_seen_.resize(n_, 0);
+    peer_ready_[peer] = r.ready;
+    peer_seen_[peer] = std::max(peer_seen_[peer], r.generation);
+    maybe_start();
+}
+
+// The coordinator starts the ring once every host's links are up, as a generation newer than
+// any a host has seen.
+void ControlPlane::maybe_start() {
+    if (self_ != 0 || ring_up_ || !links_ready_) return;
+    peer_ready_.resize(n_, 0);
+    peer_seen_.resize(n_, 0);
+    uint64_t newest = announced_generation();
+    for (uint32_t i = 1; i < n_; ++i) {
+        if (!peer_ready_[i]) return;
+        newest = std::max(newest, peer_seen_[i]);
+    }
+    const uint64_t g = newest + 1;
+    peer_ready_.assign(n_, 0);  // used up: a host says so again for the next generation
+    send_to_all(proto::encode_ring_start(g));
+    on_ring_start(g);
+}
+
+void ControlPlane::on_ring_start(uint64_t g) {
+    if (ring_up_ && g == generation_) return;
+    if (ring_up_) abort_ring("the coordinator started ring generation " + std::to_string(g));
+    if (g <= aborted_max_) return;  // a host ended it already (its RingAbort came first)
+    if (!links_up()) {
+        // This host's links broke after it said they were up: the generation ends everywhere.
+        aborted_max_ = g;
+        const std::string why = "host " + peers_[self_].host.name + ": its links to the ring were not up any more";
+        spdlog::warn("ring generation {} aborted: {}", g, why);
+        send_to_all(proto::encode_ring_abort({g, why}));
+        links_ready_ = false;
+        return;
+    }
     std::vector<UniqueFd> out, in;
     for (uint64_t &id : data_out_) {
         ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, conns_.at(id)->fd.get(), nullptr);
@@ -329,12 +404,21 @@ void ControlPlane::maybe_ring_up() {
         id = 0;
     }
     ring_up_ = true;
-    // The first host coordinates: its generation is the one every host reports ops in, and must
-    // pass every generation its peers announce (a restarted coordinator counts from 0 again).
-    // The others count their own rings.
-    generation_ = (self_ == 0 ? std::max(generation_, peer_generation_max_) : generation_) + 1;
+    links_ready_ = false;
+    generation_ = g;
     spdlog::info("ring up: generation {}, {} hosts", generation_, n_);
     if (cb_.ring_up) cb_.ring_up(generation_, std::move(out), std::move(in));
+}
+
+void ControlPlane::on_ring_abort(const proto::RingAbort &a) {
+    aborted_max_ = std::max(aborted_max_, a.generation);
+    if (self_ == 0) peer_ready_.assign(n_, 0);  // every host re-forms its links, and says so again
+    if (ring_up_ && a.generation >= generation_) abort_ring(a.reason, false);
+}
+
+void ControlPlane::send_to_all(const proto::Bytes &frame) {
+    for (uint32_t i = 0; i < n_; ++i)
+        if (i != self_ && peers_[i].control) (void)send(i, frame);
 }
 
 void ControlPlane::close_conn(uint64_t id) {
@@ -377,13 +461,17 @@ void ControlPlane::peer_failed(uint32_t peer, const std::string &why) {
     p.dialing = false;
     p.next_dial = Clock::now() + kRedial;
     set_state(peer, "failed");
+    if (peer < peer_ready_.size()) peer_ready_[peer] = 0;
     if (ring_up_) abort_ring("host " + p.host.name + ": " + why);
+    else maybe_ring_up();  // no longer ready
 }
 
 void ControlPlane::abort_ring(const std::string &why, bool tell_peers) {
     pending_link_failure_.reset();
     if (!ring_up_ || n_ == 1) return;
     ring_up_ = false;
+    aborted_max_ = std::max(aborted_max_, generation_);
+    if (self_ == 0) peer_ready_.assign(n_, 0);
     spdlog::warn("ring generation {} aborted: {}", generation_, why);
     if (tell_peers) {
         // Before the data links close: the others then fail their ops with this reason.
@@ -425,6 +513,10 @@ void ControlPlane::tick(Clock::time_point now) {
     if (!ring_up_ && now >= next_data_dial_)
         for (uint32_t s = 0; s < data_out_.size(); ++s)
             if (!data_out_[s]) dial(next(), proto::ConnKind::Data, s);
+    // While the ring forms, this host's readiness is repeated (a RingReady that crossed a
+    // RingAbort on its way was forgotten by the coordinator).
+    maybe_ring_up();
+    if (!ring_up_ && links_ready_ && now >= next_ready_) tell_ready();
     // Deadlines of connections that are still being set up.
     std::vector<std::pair<uint64_t, std::string>> late;
     for (const auto &[id, c] : conns_)

@@ -4,10 +4,13 @@
 // order dials), carrying heartbeats and the control messages of the engine; each host dials
 // `tcp.streams` data connections to its next host and accepts as many from its previous host.
 // When all of them are up the ring is up: the generation counter advances and the data sockets
-// are handed over (ring_up) to the progress thread's transport. Any failure — EOF, a link
-// error reported back by the engine, missed heartbeats (a hung host), a peer that reconnects —
-// takes the ring down (ring_down, with a reason naming the host) and everything re-forms by
-// itself as the next generation once the hosts are back.
+// are handed over (ring_up) to the progress thread's transport. Generations are agreed
+// cluster-wide (proto/peer.h, RingReady / RingStart): a host whose links are up tells the
+// coordinator (the first host), which starts the ring on every host as one generation once all
+// are ready. Any failure — EOF, a link error reported back by the engine, missed heartbeats (a
+// hung host), a peer that reconnects — takes the ring down (ring_down, with a reason naming the
+// host; RingAbort carries it to the others) and everything re-forms by itself as the next
+// generation once the hosts are back.
 //
 // Link states per peer, logged on change: connecting -> handshaking -> up -> failed.
 // Connections from addresses not in `hosts`, with the wrong cluster/secret/version or bad
@@ -76,14 +79,11 @@ public:
 
     bool ring_up() const { return ring_up_; }
     uint64_t generation() const { return generation_; }
-    // The coordinator's generation this host reported ops in. Handshakes announce the highest
-    // generation a host knows of (its own, its peers', the coordinator's), and the coordinator's
-    // next ring passes the highest one its peers announced, so that a coordinator that restarts
-    // (counting from 0 again) forms a ring newer than any generation the others have used.
-    void note_coordinator_generation(uint64_t generation) { coord_generation_seen_ = std::max(coord_generation_seen_, generation); }
-    uint64_t announced_generation() const {
-        return std::max({generation_, peer_generation_max_, coord_generation_seen_});
-    }
+    // Handshakes and RingReady announce the newest generation a host has seen (its own, a
+    // peer's, an aborted one), and the coordinator starts the next ring past every one announced,
+    // so that a coordinator that restarts (counting from 0 again) forms a ring newer than any
+    // generation the others have used.
+    uint64_t announced_generation() const { return std::max({generation_, peer_generation_max_, aborted_max_}); }
     uint32_t self_index() const { return self_; }
     std::vector<PeerStatus> status() const;
 
@@ -127,6 +127,13 @@ private:
     void peer_failed(uint32_t peer, const std::string &why);
     void abort_ring(const std::string &why, bool tell_peers = true);
     void maybe_ring_up();
+    bool links_up() const;
+    void tell_ready();
+    void on_ring_ready(uint32_t peer, const proto::RingReady &r);
+    void maybe_start();
+    void on_ring_start(uint64_t generation);
+    void on_ring_abort(const proto::RingAbort &a);
+    void send_to_all(const proto::Bytes &frame);
     void set_state(uint32_t peer, const std::string &state);
     Status watch(int fd, uint64_t id, uint32_t events);
     uint32_t next() const { return (self_ + 1) % n_; }
@@ -146,8 +153,12 @@ private:
     Clock::time_point next_data_dial_{};
     bool ring_up_ = false;
     uint64_t generation_ = 0;
-    uint64_t peer_generation_max_ = 0;   // the highest generation a peer's handshake announced
-    uint64_t coord_generation_seen_ = 0;  // note_coordinator_generation
+    uint64_t peer_generation_max_ = 0;  // the highest generation a peer's handshake announced
+    uint64_t aborted_max_ = 0;          // the newest generation known to be over
+    bool links_ready_ = false;          // the coordinator was told this host's links are up
+    Clock::time_point next_ready_{};    // RingReady is repeated while the ring forms
+    std::vector<uint8_t> peer_ready_;   // coordinator: which hosts' links are up
+    std::vector<uint64_t> peer_seen_;   // coordinator: the newest generation each host saw
     Clock::time_point next_heartbeat_{};
     uint64_t heartbeat_generation_ = 0;
     std::optional<std::pair<Clock::time_point, std::string>> pending_link_failure_;

@@ -20,6 +20,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <memory>
 #include <sys/stat.h>
 #include <functional>
@@ -166,6 +167,8 @@ public:
             ::kill(pid_, SIGKILL);
             wait_child(pid_, std::chrono::seconds(10));
         }
+        // RINGD_TEST_LOGS=1: every daemon's log on stderr when it goes away (for debugging).
+        if (env_or("RINGD_TEST_LOGS", "")[0] != '\0') std::cerr << "---- ringd " << host_ << " log:\n" << log() << std::flush;
     }
 
     void start() {

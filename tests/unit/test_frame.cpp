@@ -265,7 +265,7 @@ TEST_CASE("decoders survive random mutations of valid frames", "[proto]") {
                                       encode_op_report({1, "g", 2, 100, 0, 1, 2, 0, "", 0, 5}),
                                       encode_op_report({1, "g", 3, 0, 0, 0, 0, -5, "host a: local rank 1 left", 0, 5}),
                                       encode_op_start({1, "g", 2, 7, 8, 5}), encode_op_fail({1, "g", 2, -22, "mismatch", 5}),
-                                      encode_group_join({1, "g", 9, 0}), encode_group_incarnation({1, "g", 9, 5, 0, ""}),
+                                      encode_group_join({1, "g", 9, 0}), encode_ring_ready({4, true}), encode_ring_start(5), encode_group_incarnation({1, "g", 9, 5, 0, ""}),
                                       encode_group_incarnation({1, "g", 9, 0, -103, "host b started it anew"}),
                                       encode_ring_abort({3, "host b: no heartbeat"}),
                                       encode_op_data({1, "g", 2, 3, 0, 1, 2, 0, "", 0, 5}, OpDataKind::OneShot, 12),
@@ -326,6 +326,8 @@ TEST_CASE("decoders survive random mutations of valid frames", "[proto]") {
         case FrameType::OpFail: accepted += decode_op_fail(p).ok(); break;
         case FrameType::RingAbort: accepted += decode_ring_abort(p).ok(); break;
         case FrameType::GroupJoin: accepted += decode_group_join(p).ok(); break;
+        case FrameType::RingReady: accepted += decode_ring_ready(p).ok(); break;
+        case FrameType::RingStart: accepted += decode_ring_start(p).ok(); break;
         case FrameType::GroupIncarnation:
             if (auto d = decode_group_incarnation(p)) {
                 ++accepted;
