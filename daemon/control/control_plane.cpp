@@ -3,6 +3,7 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <poll.h>
 #include <sys/epoll.h>
 #include <sys/socket.h>
 
@@ -19,6 +20,10 @@ constexpr uint32_t kMaxControlPayload = proto::kOpDataHeaderBytes + (16u << 20);
 constexpr uint64_t kListenerId = 0;
 constexpr auto kRedial = std::chrono::milliseconds(500);
 constexpr int kMissedHeartbeats = 3;
+// How long an abort waits for its RingAbort frames (and what is queued before them) to leave,
+// blocking the control thread, before the data links close. Long enough for a few MiB on a slow
+// link; a peer that does not read gets the rest later, in order.
+constexpr auto kAbortFlush = std::chrono::milliseconds(100);
 
 // sockaddr for an IPv4 or IPv6 literal.
 bool make_addr(const std::string &ip, uint16_t port, sockaddr_storage &ss, socklen_t &len) {
@@ -474,13 +479,14 @@ void ControlPlane::abort_ring(const std::string &why, bool tell_peers) {
     if (self_ == 0) peer_ready_.assign(n_, 0);
     spdlog::warn("ring generation {} aborted: {}", generation_, why);
     if (tell_peers) {
-        // Before the data links close: the others then fail their ops with this reason.
+        // Through each connection's queue, behind the frames already in it: written past a
+        // partly sent frame it would tear that frame. Flushed before the data links close (the
+        // others then fail their ops with this reason rather than their link's); whatever the
+        // deadline leaves queued goes out later, in order.
         const auto frame = proto::encode_ring_abort({generation_, why});
         for (uint32_t i = 0; i < n_; ++i)
-            if (peers_[i].control) {
-                const int fd = conns_.at(peers_[i].control)->fd.get();
-                (void)!::send(fd, frame.data(), frame.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
-            }
+            if (peers_[i].control) (void)send(i, frame);
+        flush_all(Clock::now() + kAbortFlush);
     }
     // Data connections of the next generation are made afresh by everyone.
     for (uint64_t id : data_out_)
@@ -579,6 +585,31 @@ bool ControlPlane::flush(Conn &c) {
     }
     (void)watch(c.fd.get(), c.id, EPOLLIN);
     return true;
+}
+
+void ControlPlane::flush_all(Clock::time_point deadline) {
+    for (;;) {
+        std::vector<pollfd> fds;
+        std::vector<uint32_t> who;
+        for (uint32_t i = 0; i < n_; ++i) {
+            if (!peers_[i].control) continue;
+            const Conn &c = *conns_.at(peers_[i].control);
+            if (c.outq.empty()) continue;
+            fds.push_back({c.fd.get(), POLLOUT, 0});
+            who.push_back(i);
+        }
+        if (fds.empty()) return;
+        const int timeout = ms_until(deadline);
+        if (timeout <= 0) return;
+        const int n = ::poll(fds.data(), fds.size(), timeout);
+        if (n < 0 && errno != EINTR) return;
+        for (size_t k = 0; k < fds.size(); ++k) {
+            if (!fds[k].revents) continue;
+            // flush() fails a peer whose connection broke; that closes the connection (not ours
+            // to look at any more), and the ring is already down, so nothing re-enters here.
+            if (peers_[who[k]].control) (void)flush(*conns_.at(peers_[who[k]].control));
+        }
+    }
 }
 
 std::vector<ControlPlane::PeerStatus> ControlPlane::status() const {

@@ -123,6 +123,9 @@ private:
     void promote(Conn &c);
     void close_conn(uint64_t id);
     bool flush(Conn &c);  // false: the connection failed
+    // Writes the control connections' queues until they are empty or `deadline` passes, waiting
+    // on the sockets (the control thread blocks meanwhile: for an abort only).
+    void flush_all(Clock::time_point deadline);
     void conn_failed(uint64_t id, const std::string &why);
     void peer_failed(uint32_t peer, const std::string &why);
     void abort_ring(const std::string &why, bool tell_peers = true);

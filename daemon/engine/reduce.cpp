@@ -9,7 +9,8 @@
 #endif
 
 #define RINGD_INLINE inline __attribute__((always_inline))
-#if defined(__x86_64__)
+// RINGD_NO_CPU_CLONES: sanitizer builds (meson option cpu_clones), see meson.build.
+#if defined(__x86_64__) && !defined(RINGD_NO_CPU_CLONES)
 #define RINGD_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
 #else
 #define RINGD_CLONES

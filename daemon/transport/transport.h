@@ -13,8 +13,11 @@
 // Contract for tags: both sides post the messages of one direction of a link in the same order
 // (the ring schedule guarantees it); a transport may rely on that for flow control.
 //
-// Threading: registration from one thread at a time; a Link and poll() from one thread (the
-// progress thread) at a time.
+// Threading: registration from one thread at a time (the control thread: slots come and go with
+// trainers); a Link and poll() from one thread (the progress thread) at a time. A post reads
+// only its RegionHandle, never the transport's registrations, so registering and deregistering
+// other regions while links post is safe; deregistering a region that a pending post uses is
+// not (the owner keeps it registered until the op ends).
 #pragma once
 
 #include <chrono>
@@ -33,10 +36,14 @@ namespace ringd {
 
 struct Config;
 
+// Everything a post needs about a region, by value: the data path never looks a registration up
+// in a table that the registering thread changes (a trainer joins or leaves while ops run).
 struct RegionHandle {
     uint64_t id = 0;           // 0 = not registered
     std::byte *base = nullptr;
     uint64_t bytes = 0;
+    uint32_t lkey = 0;         // ibverbs: the memory region's local key (0 for other transports)
+    uint32_t rkey = 0;         // ibverbs: its remote key, announced to the peer by a receive
 };
 
 struct TransportStats {

@@ -9,6 +9,8 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <fstream>
+
 #include <spdlog/spdlog.h>
 
 #include "common/fd_io.h"
@@ -22,12 +24,12 @@ namespace {
 
 uint16_t base_port() { return static_cast<uint16_t>(10000 + (::getpid() * 7) % 20000); }  // below the ephemeral range
 
-Config ring_config(uint32_t n, uint16_t port0, int streams = 2) {
+Config ring_config(uint32_t n, uint16_t port0, int streams = 2, std::chrono::milliseconds heartbeat = 100ms) {
     Config c;
     c.cluster = "test";
     for (uint32_t i = 0; i < n; ++i) c.hosts.push_back({"node" + std::to_string(i), "127.0.0.1", static_cast<uint16_t>(port0 + i)});
     c.tcp.streams = static_cast<uint32_t>(streams);
-    c.timeouts.heartbeat = 100ms;
+    c.timeouts.heartbeat = heartbeat;
     c.timeouts.connect = 2s;
     return c;
 }
@@ -38,6 +40,8 @@ struct Host {
     std::string last_down;
     std::vector<UniqueFd> to_next, from_prev;
     bool frozen = false;  // a hung host: nobody drives it
+    std::vector<std::string> events;  // "frame <type>: <payload bytes>" and "down: <why>", in order
+    std::vector<proto::Bytes> frames;  // the payloads of the frames of type OpData it received
 };
 
 struct Cluster {
@@ -45,7 +49,8 @@ struct Cluster {
     std::vector<Host> hosts;
     PeerSecret secret;
 
-    Cluster(uint32_t n, PeerSecret s = {}) : config(ring_config(n, base_port())), hosts(n), secret(std::move(s)) {
+    Cluster(uint32_t n, PeerSecret s = {}, std::chrono::milliseconds heartbeat = 100ms)
+        : config(ring_config(n, base_port(), 2, heartbeat)), hosts(n), secret(std::move(s)) {
         for (uint32_t i = 0; i < n; ++i) start(i);
     }
     void start(uint32_t i, const PeerSecret *secret_override = nullptr) {
@@ -61,8 +66,14 @@ struct Cluster {
         cb.ring_down = [&h](const std::string &why) {
             ++h.downs;
             h.last_down = why;
+            h.events.push_back("down: " + why);
             h.to_next.clear();  // the engine drops its links
             h.from_prev.clear();
+        };
+        cb.message = [&h](uint32_t, Frame &f) {
+            if (f.type == proto::FrameType::Heartbeat) return;
+            h.events.push_back("frame " + std::to_string(static_cast<int>(f.type)) + ": " + std::to_string(f.payload.size()));
+            if (f.type == proto::FrameType::OpData) h.frames.push_back(std::move(f.payload));
         };
         auto cp = ControlPlane::create(config, i, secret_override ? secret_override : &secret, cb);
         REQUIRE(cp.ok());
@@ -208,4 +219,59 @@ TEST_CASE("unconfigured addresses and garbage on the peer port are refused; the 
     CHECK(closed(silent.get()));
     CHECK(c.hosts[0].cp->ring_up());
     CHECK(c.hosts[0].downs == 0);
+}
+
+TEST_CASE("RingAbort behind a queued frame: the peer decodes the queued frames intact, then the abort", "[control]") {
+    // Frames that the peer's socket cannot take at once are partly written and partly queued on
+    // the connection; then the ring aborts. The RingAbort must go behind what is queued: written
+    // in the middle of a partly sent frame, the peer would read a torn frame and drop the
+    // connection for bad bytes instead of learning why the ring ended.
+    spdlog::set_level(spdlog::level::off);
+    Cluster c(2, {}, 10s);  // no heartbeat is missed while a host is held still
+    REQUIRE(c.run_until([&] { return c.all_up(); }, 10s));
+    Host &h0 = c.hosts[0], &h1 = c.hosts[1];
+    // 1. The peer holds still; more than both ends' socket buffers can hold (the control plane
+    //    asks for 4 MiB each; the kernel doubles that, capped at net.core.[wr]mem_max) goes out
+    //    in the largest frames a control connection carries: the rest waits in the queue.
+    auto sysctl = [](const char *path) {
+        uint64_t v = 0;
+        std::ifstream(path) >> v;
+        return v;
+    };
+    const uint64_t in_flight = 2 * std::min<uint64_t>(4 << 20, sysctl("/proc/sys/net/core/wmem_max")) +
+                               2 * std::min<uint64_t>(4 << 20, sysctl("/proc/sys/net/core/rmem_max"));
+    const size_t frame_bytes = 16 << 20, frames = in_flight / frame_bytes + 2;
+    h1.frozen = true;
+    std::vector<proto::Bytes> sent;
+    for (size_t f = 0; f < frames; ++f) {
+        proto::Bytes payload(frame_bytes);
+        for (size_t i = 0; i < payload.size(); ++i) payload[i] = static_cast<uint8_t>((i * 131 + f * 7) >> 5);
+        REQUIRE(h0.cp->send(1, proto::encode_frame(proto::FrameType::OpData, payload)).ok());
+        sent.push_back(std::move(payload));
+    }
+    // 2. The peer reads what arrived (room in the socket again) while this host is held still:
+    //    nothing flushes its queue, whose first frame is partly sent.
+    h0.frozen = true;
+    h1.frozen = false;
+    c.run_until([] { return false; }, 200ms);
+    REQUIRE(h1.frames.size() < frames);
+    // 3. A data link fails here; past the 300 ms grace for a peer's RingAbort (but before the
+    //    host dials the next generation's data links), it aborts the ring and tells its peer why.
+    h0.cp->data_link_failed("test: data link broke");
+    h0.cp->tick(Clock::now() + 350ms);
+    REQUIRE(h0.downs == 1);
+    // 4. Both run again: the peer gets every frame, exact, and then the abort with its reason.
+    h0.frozen = false;
+    REQUIRE(c.run_until([&] { return h1.downs >= 1; }, 10s));
+    INFO("host 1 saw: " << Catch::Detail::stringify(h1.events));
+    REQUIRE(h1.events.size() == frames + 1);
+    for (size_t f = 0; f < frames; ++f)
+        CHECK(h1.events[f] == "frame " + std::to_string(static_cast<int>(proto::FrameType::OpData)) + ": " +
+                                  std::to_string(frame_bytes));
+    REQUIRE(h1.frames.size() == frames);
+    for (size_t f = 0; f < frames; ++f) CHECK(h1.frames[f] == sent[f]);
+    CHECK_THAT(h1.last_down, Catch::Contains("test: data link broke"));
+    // The control connection survived; the ring re-forms.
+    REQUIRE(c.run_until([&] { return c.all_up(2); }, 10s));
+    CHECK(h0.cp->status()[1].control == "up");
 }

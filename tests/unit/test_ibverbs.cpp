@@ -3,7 +3,8 @@
 // a sender held to the FIFO's credits by a receiver that does not take its messages,
 // registration once, and the faults — a receive whose memory went away (bad rkey), a peer that
 // dies, a peer with another QP count, no RDMA device (hardware provider here), a memory-lock
-// limit too low — each a clear error naming the peer, never a hang.
+// limit too low — each a clear error naming the peer, never a hang — and ring steps that run while
+// another thread registers and deregisters regions (trainers joining and leaving).
 #include <catch2/catch.hpp>
 
 #include <sys/resource.h>
@@ -11,7 +12,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
+#include <deque>
 #include <thread>
 
 #include "bench/bench_data.h"
@@ -314,4 +317,90 @@ TEST_CASE("a peer that sends garbage or nothing at bring-up is refused with a cl
     auto b = emulated();
     auto [la, lb] = link_pair(*a, *b);
     CHECK((la.ok() && lb.ok()));
+}
+
+TEST_CASE("registration churn: regions come and go on one thread while ring ops run over ibverbs on another",
+          "[ibverbs][churn]") {
+    // The daemon's threads in miniature: a "control thread" registers and deregisters regions
+    // (slots of trainers joining and leaving) on both transports while the "progress thread"
+    // (this one) runs ring steps — every message posted, polled and checked — over their link.
+    // Nothing but the registrations' own calls may be shared: under ThreadSanitizer (./dev tsan)
+    // a post that looks its region up in the transport's table races with the churn.
+    auto a = emulated(), b = emulated();
+    auto [la, lb] = link_pair(*a, *b);
+    REQUIRE((la.ok() && lb.ok()));
+    Link *ab = la->front(), *ba = lb->front();
+    constexpr uint64_t kMsgs = 16, kBytes = 4096 + 100;  // per direction and step; over the inline limit
+    std::vector<std::byte> src_a(kMsgs * kBytes), dst_a(src_a.size()), src_b(src_a.size()), dst_b(src_a.size());
+    RegisteredRegion rsa(a.get(), *a->register_region(src_a.data(), src_a.size()));
+    RegisteredRegion rda(a.get(), *a->register_region(dst_a.data(), dst_a.size()));
+    RegisteredRegion rsb(b.get(), *b->register_region(src_b.data(), src_b.size()));
+    RegisteredRegion rdb(b.get(), *b->register_region(dst_b.data(), dst_b.size()));
+
+    std::atomic<bool> stop{false};
+    std::atomic<uint64_t> churned{0};
+    std::string churn_error;  // read after join
+    std::thread control([&] {
+        // Up to 8 live "slots" per transport, the oldest dropped as each new one comes.
+        std::vector<std::vector<std::byte>> mem(16, std::vector<std::byte>(64 << 10));
+        std::deque<RegisteredRegion> live;
+        for (uint64_t k = 0; !stop.load(std::memory_order_relaxed); ++k) {
+            IbverbsTransport &t = k % 2 ? *b : *a;
+            auto r = t.register_region(mem[k % mem.size()].data(), mem[k % mem.size()].size());
+            if (!r) {
+                churn_error = r.error().message;
+                return;
+            }
+            live.emplace_back(&t, *r);
+            if (live.size() > 8) live.pop_front();
+            churned.fetch_add(1, std::memory_order_relaxed);
+        }
+    });
+    struct StopAndJoin {  // also when a REQUIRE below ends the test case early
+        std::atomic<bool> &stop;
+        std::thread &t;
+        ~StopAndJoin() {
+            stop = true;
+            if (t.joinable()) t.join();
+        }
+    } stop_and_join{stop, control};
+
+    uint64_t step = 0;
+    const auto deadline = std::chrono::steady_clock::now() + 20s;
+    for (; (step < 20 || churned.load() < 200) && std::chrono::steady_clock::now() < deadline; ++step) {
+        // Fresh data every step, so that a message that did not arrive shows.
+        for (size_t i = 0; i < src_a.size(); ++i) {
+            src_a[i] = static_cast<std::byte>(bench::mix64(step * 2 * src_a.size() + i) >> 40);
+            src_b[i] = static_cast<std::byte>(bench::mix64((step * 2 + 1) * src_a.size() + i) >> 40);
+        }
+        for (uint64_t k = 0; k < kMsgs; ++k) {
+            const uint64_t tag = step * kMsgs + k;
+            REQUIRE(ab->post_recv(rda.handle(), k * kBytes, kBytes, tag).ok());
+            REQUIRE(ba->post_recv(rdb.handle(), k * kBytes, kBytes, tag).ok());
+            REQUIRE(ab->post_send(rsa.handle(), k * kBytes, kBytes, tag).ok());
+            REQUIRE(ba->post_send(rsb.handle(), k * kBytes, kBytes, tag).ok());
+        }
+        uint64_t done = 0;  // 4 events per message: a send and a receive at each end
+        while (done < 4 * kMsgs && std::chrono::steady_clock::now() < deadline) {
+            for (IbverbsTransport *x : {a.get(), b.get()}) {
+                std::vector<LinkEvent> ev;
+                REQUIRE(x->poll(ev, 1).ok());
+                for (auto &e : ev) {
+                    INFO(e.error.message);
+                    REQUIRE(e.kind != LinkEvent::Kind::Failed);
+                    ++done;
+                }
+            }
+        }
+        INFO("ring step " << step);
+        REQUIRE(done == 4 * kMsgs);
+        REQUIRE(std::memcmp(src_a.data(), dst_b.data(), src_a.size()) == 0);
+        REQUIRE(std::memcmp(src_b.data(), dst_a.data(), src_b.size()) == 0);
+    }
+    stop = true;
+    control.join();
+    CHECK(churn_error.empty());
+    INFO(step << " ring steps, " << churned.load() << " registrations");
+    CHECK(step >= 20);
+    CHECK(churned.load() >= 200);  // the churn overlapped the steps
 }

@@ -17,8 +17,44 @@
 
 #include "daemon/transport/ibverbs/emulated_internal.h"
 
+#if defined(__SANITIZE_THREAD__)
+#define RINGD_TSAN 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define RINGD_TSAN 1
+#endif
+#endif
+#ifdef RINGD_TSAN
+#include <sanitizer/tsan_interface.h>
+#endif
+
 namespace ringd::verbs::emu {
 namespace {
+
+// What the wire orders, for ThreadSanitizer. Tests run both ends of a link in one process, and
+// TSan cannot see that bytes sent on one end of a TCP connection are received at the other end:
+// it would take everything ordered by the wire — a WRITE's data placed before the requester's
+// completion (the acknowledgement follows it), a source buffer reused after its send completed —
+// for a race. In sanitizer builds each connection is a sync object, released by every send and
+// acquired by every receive on either end (what TSan does by itself for a pipe); elsewhere these
+// do nothing.
+#ifdef RINGD_TSAN
+void *wire_sync(int fd) {
+    sockaddr_in a{}, b{};
+    socklen_t la = sizeof a, lb = sizeof b;
+    ::getsockname(fd, reinterpret_cast<sockaddr *>(&a), &la);
+    ::getpeername(fd, reinterpret_cast<sockaddr *>(&b), &lb);
+    auto end = [](const sockaddr_in &s) { return (uint64_t{s.sin_addr.s_addr} << 16) | s.sin_port; };
+    const uint64_t x = std::min(end(a), end(b)), y = std::max(end(a), end(b));
+    static char syncs[4096];  // connections that share one are ordered more than they need to be
+    return &syncs[(x * 0x9e3779b97f4a7c15ull ^ y) % sizeof syncs];
+}
+void wire_sent(int fd) { __tsan_release(wire_sync(fd)); }
+void wire_received(int fd) { __tsan_acquire(wire_sync(fd)); }
+#else
+void wire_sent(int) {}
+void wire_received(int) {}
+#endif
 
 // The IB RNR timer encoding (min_rnr_timer), in microseconds.
 constexpr uint32_t kRnrTimerUs[32] = {655360, 10,   20,   30,   40,    60,    80,    120,   160,   240,   320,
@@ -47,6 +83,7 @@ bool gid_to_ipv4(const ibv_gid &g, sockaddr_in &out) {
 // Writes all of [p, p+n) to a non-blocking socket, waiting at most `limit` for room.
 bool send_all(int fd, const void *p, size_t n, int limit_ms = 1000) {
     const auto *b = static_cast<const uint8_t *>(p);
+    wire_sent(fd);
     while (n > 0) {
         const ssize_t w = ::send(fd, b, n, MSG_NOSIGNAL | MSG_DONTWAIT);
         if (w > 0) {
@@ -123,6 +160,7 @@ bool transmit(EmuContext *c, int fd, const WireRequest &req, Gather &g, const Se
         msghdr m{};
         m.msg_iov = v;
         m.msg_iovlen = static_cast<size_t>(nv);
+        wire_sent(fd);
         const ssize_t r = ::sendmsg(fd, &m, MSG_NOSIGNAL | MSG_DONTWAIT);
         for (auto &l : locks)
             if (l.owns_lock()) l.unlock();
@@ -338,6 +376,7 @@ bool Rx::respond(RxConn &k, uint8_t syndrome) {
 bool Rx::read_responses(RxConn &k) {
     for (;;) {
         const ssize_t r = ::recv(k.fd.get(), k.buf + k.got, sizeof(WireResponse) - k.got, MSG_DONTWAIT);
+        if (r > 0) wire_received(k.fd.get());
         if (r == 0 || (r < 0 && errno != EAGAIN && errno != EINTR)) {
             std::lock_guard lock(c_->mu);
             EmuQp *qp = k.qp.get();
@@ -457,14 +496,17 @@ bool Rx::read_requests(RxConn &k) {
                 continue;
             }
             if (k.target) {
+                // `target` outlives the locks: k.target.reset() below may drop the last reference
+                // to a region deregistered meanwhile, whose mutex `dma` still holds.
+                const std::shared_ptr<EmuMr> target = k.target;
                 std::shared_lock qp_dma(k.qp->dma_mu);
-                std::shared_lock dma(k.target->mu);
+                std::shared_lock dma(target->mu);
                 if (k.qp->dma_off) {
                     k.target.reset();  // the QP failed or went away: the rest is dropped
                     k.pending_nak = 0xff;
                     continue;
                 }
-                if (k.target->dead) {
+                if (target->dead) {
                     k.target.reset();  // deregistered under the write
                     k.pending_nak = kNakAccess;
                     continue;
@@ -475,10 +517,12 @@ bool Rx::read_requests(RxConn &k) {
                 r = ::recv(k.fd.get(), scratch_.data(), std::min<uint64_t>(left, scratch_.size()), MSG_DONTWAIT);
             }
             if (r > 0) {
+                wire_received(k.fd.get());
                 k.payload_done += static_cast<uint64_t>(r);
                 continue;
             }
         }
+        if (r > 0) wire_received(k.fd.get());
         if (r == 0 || (r < 0 && errno != EAGAIN && errno != EINTR)) return false;
         if (r < 0) return true;
         if (k.in_payload) continue;

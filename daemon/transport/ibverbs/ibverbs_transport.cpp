@@ -49,6 +49,12 @@ std::string memlock_hint(size_t bytes) {
            cur + "). Set LimitMEMLOCK=infinity in ringd.service (or `ulimit -l unlimited` when run by hand)";
 }
 
+// [offset, +bytes) lies inside the registered region. Reads the handle only (see Threading in
+// the header): the control thread may be registering other regions meanwhile.
+bool inside(const RegionHandle &region, uint64_t offset, uint64_t bytes) {
+    return region.id != 0 && offset <= region.bytes && bytes <= region.bytes - offset;
+}
+
 }  // namespace
 
 // ---- transport ----
@@ -108,17 +114,12 @@ Result<RegionHandle> IbverbsTransport::do_register(std::byte *base, size_t bytes
         return verbs_error(err, "ibv_reg_mr of " + format_bytes(bytes));
     }
     const uint64_t id = next_region_++;
+    const RegionHandle h{id, base, bytes, mr->lkey, mr->rkey};
     regions_.emplace(id, verbs::MemoryRegion(api_, mr));
-    return RegionHandle{id, base, bytes};
+    return h;
 }
 
 void IbverbsTransport::do_deregister(RegionHandle h) { regions_.erase(h.id); }
-
-const ibv_mr *IbverbsTransport::region(const RegionHandle &region, uint64_t offset, uint64_t bytes) const {
-    auto it = regions_.find(region.id);
-    if (it == regions_.end() || offset > region.bytes || bytes > region.bytes - offset) return nullptr;
-    return it->second.get();
-}
 
 Result<std::vector<Link *>> IbverbsTransport::add_links(std::vector<LinkSetup> setups,
                                                        std::chrono::steady_clock::time_point deadline) {
@@ -399,10 +400,9 @@ Status IbverbsLink::post_write(uint32_t q, uint64_t wr_id, uint64_t addr, uint32
 
 Status IbverbsLink::post_send(const RegionHandle &region, uint64_t offset, uint64_t bytes, uint64_t tag) {
     if (error()) return *error();
-    const ibv_mr *mr = t_.region(region, offset, bytes);
-    if (!mr) return make_error(-EINVAL, "send outside a registered region");
+    if (!inside(region, offset, bytes)) return make_error(-EINVAL, "send outside a registered region");
     if (bytes > kMaxMessage) return make_error(-EMSGSIZE, "message of " + format_bytes(bytes) + " (at most 1GiB)");
-    sends_.push_back({send_seq_++, reinterpret_cast<uint64_t>(region.base + offset), mr->lkey, bytes, tag});
+    sends_.push_back({send_seq_++, reinterpret_cast<uint64_t>(region.base + offset), region.lkey, bytes, tag});
     try_send();
     if (error()) return *error();
     return Ok{};
@@ -410,9 +410,8 @@ Status IbverbsLink::post_send(const RegionHandle &region, uint64_t offset, uint6
 
 Status IbverbsLink::post_recv(const RegionHandle &region, uint64_t offset, uint64_t bytes, uint64_t tag) {
     if (error()) return *error();
-    const ibv_mr *mr = t_.region(region, offset, bytes);
-    if (!mr) return make_error(-EINVAL, "receive outside a registered region");
-    recvs_.push_back({tag, bytes, reinterpret_cast<uint64_t>(region.base + offset), mr->rkey, false});
+    if (!inside(region, offset, bytes)) return make_error(-EINVAL, "receive outside a registered region");
+    recvs_.push_back({tag, bytes, reinterpret_cast<uint64_t>(region.base + offset), region.rkey, false});
     flush_cts();
     if (error()) return *error();
     return Ok{};

@@ -24,8 +24,9 @@
 // - Any work-completion error fails its link for good with the peer's name and
 //   ibv_wc_status_str; the ring engine turns that into the same fault path as TCP's.
 //
-// Threading: like every transport — registration from one thread at a time; links and poll()
-// from the progress thread.
+// Threading: like every transport — registration from one thread at a time (regions_ belongs to
+// it); links and poll() from the progress thread. post_send/post_recv take the MR's keys from the
+// RegionHandle and never read regions_, which the control thread changes as trainers come and go.
 #pragma once
 
 #include <deque>
@@ -148,9 +149,6 @@ protected:
 private:
     friend class IbverbsLink;
     IbverbsTransport() = default;
-    // The registration behind [region.base + offset, + bytes), or null if that is not inside a
-    // region of this transport.
-    const ibv_mr *region(const RegionHandle &region, uint64_t offset, uint64_t bytes) const;
     void drain_cq(std::vector<LinkEvent> &out);
     void complete(LinkEvent e) { ready_.push_back(std::move(e)); }
 
@@ -167,6 +165,7 @@ private:
     bool armed_ = false;
     unsigned unacked_events_ = 0;
     UniqueFd epoll_;
+    // Registration thread only (do_register / do_deregister); the data path never reads it.
     uint64_t next_region_ = 1;
     std::unordered_map<uint64_t, verbs::MemoryRegion> regions_;
     std::vector<std::unique_ptr<IbverbsLink>> links_;
