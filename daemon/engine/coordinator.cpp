@@ -195,16 +195,18 @@ void Coordinator::report(uint32_t host, const proto::OpReport &r, Clock::time_po
     if (p.by_host[host]) return;  // duplicate
     for (size_t h = 0; h < hosts_.size(); ++h) {
         if (!p.by_host[h]) continue;
-        const auto &o = *p.by_host[h];
-        p.by_host[host] = r;
-        if (o.count != r.count || o.dtype != r.dtype || o.op != r.op)
+        // Named in ring order, whichever came first.
+        const bool first = h < host;
+        const proto::OpReport &a = first ? *p.by_host[h] : r, &b = first ? r : *p.by_host[h];
+        const std::string &an = hosts_[first ? h : host], &bn = hosts_[first ? host : h];
+        if (a.count != b.count || a.dtype != b.dtype || a.op != b.op)
             return fail(k, -EINVAL,
-                        at(r.group, r.seq) + "mismatch: host " + hosts_[h] + " submitted " + describe(o) + ", host " +
-                            hosts_[host] + " submitted " + describe(r),
+                        at(r.group, r.seq) + "mismatch: host " + an + " submitted " + describe(a) + ", host " + bn +
+                            " submitted " + describe(b),
                         out);
-        if (o.algorithm != r.algorithm)  // same op, different tuning.* on the two hosts
+        if (a.algorithm != b.algorithm)  // same op, different tuning.* on the two hosts
             return fail(k, -EINVAL,
-                        at(r.group, r.seq) + "hosts " + hosts_[h] + " and " + hosts_[host] +
+                        at(r.group, r.seq) + "hosts " + an + " and " + bn +
                             " chose different algorithms (their tuning settings differ)",
                         out);
         break;

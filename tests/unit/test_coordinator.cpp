@@ -90,6 +90,26 @@ TEST_CASE("a mismatch between hosts fails the op naming both, for every host tha
     CHECK(d.starts.empty());
 }
 
+TEST_CASE("a mismatch is caught whichever host reported first, and named in ring order", "[coordinator]") {
+    for (const uint32_t first : {0u, 1u, 2u}) {
+        INFO("first reporter: host " << first);
+        Coordinator c({"a", "b", "c"}, 1000ms);
+        c.reset(7);
+        const uint64_t inc = agree(c, 3);
+        Coordinator::Decisions d;
+        // a and c submit 100 elements, b 101; b's report comes first, second or last.
+        std::vector<uint32_t> order = {0, 2};
+        order.insert(order.begin() + first, 1);
+        for (uint32_t h : order) c.report(h, ready(inc, 1, h == 1 ? 101 : 100), Clock::now(), d);
+        CHECK(d.starts.empty());
+        REQUIRE(d.fails.size() >= 3);  // to every host; again to one that reports after the decision
+        CHECK_THAT(d.fails[0].second.message, Catch::Contains("submitted 101 x float sum") &&
+                                                  Catch::Contains("host b submitted 101"));
+        CHECK_THAT(d.fails[0].second.message, Catch::Contains("mismatch: host a submitted 100 x float sum, host b") ||
+                                                  Catch::Contains("mismatch: host b submitted 101 x float sum, host c"));
+    }
+}
+
 TEST_CASE("a host's local failure fails the op with its message; a host that reports it later hears it too",
           "[coordinator]") {
     Coordinator c({"a", "b", "c"}, 1000ms);
