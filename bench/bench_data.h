@@ -122,6 +122,41 @@ inline uint64_t count_wrong(const void *buf, size_t count, DType t, ReduceOp op,
     return wrong;
 }
 
+// avg of values near the largest finite value of a dtype, where any sum of two contributions is
+// out of its range: element i of rank g of n is v_i + (2g - (n-1)) * ulp, with v_i = 2^E (1 + m_i
+// 2^-P) a value of the dtype (f16 32768..65504, bf16 and f32 1.7e38..3.4e38, f64 9e307..1.8e308)
+// with room for the offsets, which cancel: the mean is exactly v_i.
+struct NearMax {
+    int exponent, mantissa_bits;
+};
+inline NearMax near_max(DType t) {
+    switch (t) {
+    case DType::F16: return {15, 10};
+    case DType::BF16: return {127, 7};
+    case DType::F32: return {127, 23};
+    default: return {1023, 52};
+    }
+}
+inline double near_max_ulp(DType t) { return std::ldexp(1.0, near_max(t).exponent - near_max(t).mantissa_bits); }
+inline double near_max_mean(DType t, uint64_t nranks, uint64_t i) {
+    const auto [e, p] = near_max(t);
+    const uint64_t room = (uint64_t{1} << p) - 2 * nranks - 1;
+    const uint64_t m = nranks + mix64(i + 77) % room;
+    return std::ldexp(1.0 + std::ldexp(static_cast<double>(m), -p), e);
+}
+inline double near_max_value(DType t, uint64_t nranks, uint64_t rank, uint64_t i) {
+    return near_max_mean(t, nranks, i) +
+           (2.0 * static_cast<double>(rank) - static_cast<double>(nranks - 1)) * near_max_ulp(t);
+}
+// The documented bound on |result - mean| of such an avg over n ranks (README, "Accuracy"): none in
+// f16/bf16 (their f32 error is far below half an ulp of the dtype, and the mean is a value of it),
+// (n+1) u mean(|x|) in f32 (u = 2^-24) and f64 (u = 2^-53).
+inline double near_max_bound(DType t, uint64_t nranks, double mean) {
+    if (t == DType::F32) return static_cast<double>(nranks + 1) * 0x1p-24 * mean;
+    if (t == DType::F64) return static_cast<double>(nranks + 1) * 0x1p-53 * mean;
+    return 0;
+}
+
 // Guard bytes: a pattern that depends on the absolute position in the buffer (and a salt, so that
 // a copy from another rank's buffer or an earlier run does not match), written around an op's
 // range before it is submitted and checked afterwards.

@@ -103,11 +103,13 @@ Status Daemon::setup() {
     ring_options.depth = config_.tuning.depth;
     ring_options.spin_us = config_.poll == PollMode::Busy ? -1 : config_.poll == PollMode::Event ? 0 : 50;
     if (multi_host()) {
-        // Receive staging for the ring, registered once for the daemon's lifetime.
+        // Receive staging for the ring and its f32 work area (f16/bf16 sums and averages),
+        // registered once for the daemon's lifetime.
         net = transport_.get();
-        staging_mem_.reset(new (std::nothrow) std::byte[ring_options.chunk_bytes * ring_options.depth]);
+        const uint64_t staging_bytes = RingAllreduce::staging_bytes(ring_options);
+        staging_mem_.reset(new (std::nothrow) std::byte[staging_bytes]);
         if (!staging_mem_) return make_error(-ENOMEM, "cannot set up the ring's staging memory");
-        auto reg = transport_->register_region(staging_mem_.get(), ring_options.chunk_bytes * ring_options.depth);
+        auto reg = transport_->register_region(staging_mem_.get(), staging_bytes);
         if (!reg) return reg.error();
         staging_ = RegisteredRegion(transport_.get(), *reg);
     }

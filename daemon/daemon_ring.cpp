@@ -305,21 +305,29 @@ uint64_t seg_begin(uint64_t count, uint32_t n, uint32_t k) {
     return static_cast<uint64_t>((static_cast<unsigned __int128>(count) * k) / n);
 }
 
+// avg by direct exchange: contributions go out before this host knows how many ranks the others
+// have, so they are scaled by 2^-K for the most there can be (every host with kMaxLocalSize
+// ranks); every host uses the same K. The result is divided by the real count (reduce.h).
+uint32_t direct_avg_shift(size_t hosts) { return avg_shift_for(uint64_t{hosts} * proto::kMaxLocalSize); }
+
 }  // namespace
 
-// This host's local ranks reduced over [begin, begin + elems) into dst (sums for avg: it is
-// scaled once, where the hosts' contributions meet).
+// This host's local ranks reduced over [begin, begin + elems) into dst, a partial result in
+// partial_dtype (f32 for f16/bf16 sum/avg; avg's contributions scaled by 2^-direct_avg_shift(),
+// divided once, where the hosts' contributions meet).
 void Daemon::local_reduce_into(const HostOp &op, void *dst, uint64_t begin, uint64_t elems) {
     if (elems == 0) return;
     const size_t es = dtype_size(op.run.dtype);
     direct_srcs_.clear();
     for (size_t i = 0; i < op.slots.size(); ++i) direct_srcs_.push_back(op.slots[i]->data() + op.run.offsets[i] + begin * es);
-    if (direct_srcs_.size() == 1) {
+    if (direct_srcs_.size() == 1 && op.run.op != ReduceOp::Avg && partial_dtype(op.run.dtype, op.run.op) == op.run.dtype) {
         std::memcpy(dst, direct_srcs_[0], elems * es);
         return;
     }
-    reduce(ReduceArgs{op.run.dtype, op.run.op == ReduceOp::Avg ? ReduceOp::Sum : op.run.op, direct_srcs_.data(),
-                      direct_srcs_.size(), &dst, 1, elems, 1});
+    ReduceArgs a{op.run.dtype, op.run.op, direct_srcs_.data(), direct_srcs_.size(), nullptr, 0, elems, 1};
+    a.partial_out = dst;
+    a.avg_shift = direct_avg_shift(config_.hosts.size());
+    reduce(a);
 }
 
 // One-shot: this host's contribution goes to every other host. Two-shot: segment j of it goes
@@ -327,12 +335,12 @@ void Daemon::local_reduce_into(const HostOp &op, void *dst, uint64_t begin, uint
 void Daemon::report_direct(HostOp op, proto::OpReport r, Algorithm algorithm) {
     r.algorithm = static_cast<uint32_t>(algorithm);
     const uint32_t n = static_cast<uint32_t>(config_.hosts.size());
-    const size_t es = dtype_size(op.run.dtype);
+    const size_t ps = dtype_size(partial_dtype(op.run.dtype, op.run.op));  // contributions are partial results
     const uint64_t count = op.run.count;
     op.algorithm = algorithm;
     proto::Bytes own;
     if (algorithm == Algorithm::OneShot) {
-        own = proto::encode_op_data(r, proto::OpDataKind::OneShot, count * es);
+        own = proto::encode_op_data(r, proto::OpDataKind::OneShot, count * ps);
         local_reduce_into(op, own.data() + proto::op_data_offset(), 0, count);
     }
     const OpKey key{r.group, r.incarnation, r.seq};
@@ -343,7 +351,7 @@ void Daemon::report_direct(HostOp op, proto::OpReport r, Algorithm algorithm) {
             (void)control_->send(h, own);
         } else {
             const uint64_t b = seg_begin(count, n, h), e = seg_begin(count, n, h + 1);
-            proto::Bytes part = proto::encode_op_data(r, proto::OpDataKind::TwoShotPart, (e - b) * es);
+            proto::Bytes part = proto::encode_op_data(r, proto::OpDataKind::TwoShotPart, (e - b) * ps);
             local_reduce_into(kept, part.data() + proto::op_data_offset(), b, e - b);
             (void)control_->send(h, part);
         }
@@ -379,7 +387,7 @@ void Daemon::on_op_data(uint32_t host, Frame &frame) {
     }
     const proto::OpReport report = d->report;
     const uint32_t n = static_cast<uint32_t>(config_.hosts.size());
-    const uint64_t es = dtype_size(static_cast<DType>(report.dtype));
+    const uint64_t ps = dtype_size(partial_dtype(static_cast<DType>(report.dtype), static_cast<ReduceOp>(report.op)));
     if (d->kind == proto::OpDataKind::TwoShotResult) {
         on_two_shot_result(host, report, d->data);
         return;
@@ -389,7 +397,7 @@ void Daemon::on_op_data(uint32_t host, Frame &frame) {
     bool keep = !((coord_known_ && report.generation < coord_generation_) ||
                   (!coord_known_ && report.generation <= coord_generation_used_));
     if (keep && d->kind == proto::OpDataKind::TwoShotPart &&
-        d->data.size() != (seg_begin(report.count, n, self_index_ + 1) - seg_begin(report.count, n, self_index_)) * es) {
+        d->data.size() != (seg_begin(report.count, n, self_index_ + 1) - seg_begin(report.count, n, self_index_)) * ps) {
         spdlog::warn("host {}: two-shot part of group {} op {} has {} bytes, not this host's segment",
                      config_.hosts[host].name, report.group, report.seq, d->data.size());
         keep = false;
@@ -449,22 +457,22 @@ void Daemon::try_progress_direct(const std::string &group, uint64_t incarnation,
                 return;
             total += c->report.local_size;
         }
-        // Every host's part is in: reduce them in ring order (the same bits on every host).
-        const uint64_t b = op.algorithm == Algorithm::OneShot ? 0 : seg_begin(op.run.count, n, self_index_);
-        const uint64_t e = op.algorithm == Algorithm::OneShot ? op.run.count : seg_begin(op.run.count, n, self_index_ + 1);
-        direct_srcs_.clear();
+        // Every host's part is in: reduce them in ring order (one-shot: the same bits on every
+        // host). Two-shot: this host's ranks in place, then the other hosts' parts.
+        const bool two_shot = op.algorithm == Algorithm::TwoShot;
+        const uint64_t b = two_shot ? seg_begin(op.run.count, n, self_index_) : 0;
+        const uint64_t e = two_shot ? seg_begin(op.run.count, n, self_index_ + 1) : op.run.count;
+        direct_srcs_.clear();  // the hosts' parts: partial results
         direct_dsts_.clear();
         for (size_t i = 0; i < op.slots.size(); ++i) direct_dsts_.push_back(op.slots[i]->data() + op.run.offsets[i] + b * es);
-        for (uint32_t h = 0; h < n; ++h) {
-            if (op.algorithm == Algorithm::TwoShot && h == self_index_) {
-                for (void *d : direct_dsts_) direct_srcs_.push_back(d);  // this host's ranks, in place
-            } else {
-                direct_srcs_.push_back(st.parts[h]->buf.data() + st.parts[h]->offset);
-            }
-        }
-        if (e > b)
-            reduce(ReduceArgs{op.run.dtype, op.run.op, direct_srcs_.data(), direct_srcs_.size(), direct_dsts_.data(),
-                              direct_dsts_.size(), e - b, total});
+        for (uint32_t h = 0; h < n; ++h)
+            if (!two_shot || h != self_index_) direct_srcs_.push_back(st.parts[h]->buf.data() + st.parts[h]->offset);
+        ReduceArgs a{op.run.dtype, op.run.op, two_shot ? direct_dsts_.data() : nullptr, two_shot ? direct_dsts_.size() : 0,
+                     direct_dsts_.data(), direct_dsts_.size(), e - b, total};
+        a.partials = direct_srcs_.data();
+        a.npartial = direct_srcs_.size();
+        a.avg_shift = direct_avg_shift(n);
+        if (e > b) reduce(a);
         st.reduced = true;
         for (size_t h = 0; h < n; ++h) {  // the parts are used up
             direct_bytes_[h] -= st.parts[h]->buf.size();

@@ -313,8 +313,12 @@ Result<OpData> decode_op_data(std::span<const uint8_t> p) {
     if (kind < 1 || kind > 3) return bad("op data has an unknown kind " + std::to_string(kind));
     if (le::get<uint32_t>(&p[kOpReportFixed + 4]) != 0) return bad("op data's reserved field is not zero");
     const uint64_t have = p.size() - kOpDataHeaderBytes;
-    const uint64_t whole = r->count * dtype_size(static_cast<DType>(r->dtype));
     const auto k = static_cast<OpDataKind>(kind);
+    // Contributions and parts are partial results (f32 for f16/bf16 sum/avg), results the dtype.
+    const auto dtype = static_cast<DType>(r->dtype);
+    const uint64_t es = k == OpDataKind::TwoShotResult ? dtype_size(dtype)
+                                                       : dtype_size(partial_dtype(dtype, static_cast<ReduceOp>(r->op)));
+    const uint64_t whole = r->count * es;
     if (r->count > (uint64_t{1} << 40) || have > whole || (k == OpDataKind::OneShot && have != whole))
         return bad("op data has " + std::to_string(have) + " data bytes for " + std::to_string(r->count) + " elements");
     r->algorithm = k == OpDataKind::OneShot ? 1 : 2;

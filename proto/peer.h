@@ -112,12 +112,13 @@ struct OpFail {
 
 // Small ops skip the ring and travel on the control connections as OpData: the op's report, a
 // kind, and data. Two algorithms (daemon/engine/tuner.h):
-//   one-shot  every host sends its contribution (its local ranks already reduced, count x dtype
-//             bytes) to every other host, and each reduces the n contributions in ring order
-//             itself: one hop.
+//   one-shot  every host sends its contribution (its local ranks already reduced, count elements
+//             of partial_dtype: f32 for f16/bf16 sum/avg, else the dtype) to every other host,
+//             and each reduces the n contributions in ring order itself: one hop.
 //   two-shot  every host sends segment j of its contribution to host j (kind TwoShotPart);
-//             host j reduces segment j and sends the result to every other host
-//             (TwoShotResult): two hops, and 2(n-1)/n S bytes on each link like the ring.
+//             host j reduces segment j and sends the result, in the dtype, to every other host
+//             (TwoShotResult): two hops, and 2(n-1)/n S bytes on each link like the ring (f16/bf16
+//             sum/avg: parts in f32, 1.5x).
 // Segments are the ring's: [count * j / n, count * (j + 1) / n). The coordinator gets every
 // host's OneShot or TwoShotPart frame as its report; it stays the one that fails an op
 // (mismatch, a host's local failure, a host that does not report in time) with OpFail, and
@@ -133,8 +134,9 @@ struct OpData {
 // in place (the local ranks are reduced straight into the frame).
 Bytes encode_op_data(const OpReport &r, OpDataKind kind, uint64_t data_bytes);
 inline constexpr size_t op_data_offset() { return kFrameHeaderBytes + kOpDataHeaderBytes; }
-// Checks the report and that the data is no longer than count x dtype (exactly that for
-// OneShot); the receiver checks a segment's exact length.
+// Checks the report and that the data is no longer than count elements (of partial_dtype for
+// OneShot and TwoShotPart, of the dtype for TwoShotResult; exactly count for OneShot); the
+// receiver checks a segment's exact length.
 Result<OpData> decode_op_data(std::span<const uint8_t> payload);
 
 // Ring generations are agreed: a host whose links of the next ring (control connections to

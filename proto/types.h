@@ -51,6 +51,15 @@ constexpr std::string_view reduce_op_name(ReduceOp o) {
     return "?";
 }
 
+// The element type of an op's partial results (the reduce-scatter messages of the ring, one-shot
+// contributions, two-shot parts) between hosts: f16 and bf16 sums and averages travel in f32, so
+// that they are rounded to their type once, at the end; every other op travels in its own type.
+// Final results (the ring's allgather, two-shot results) are always in the op's type.
+constexpr DType partial_dtype(DType t, ReduceOp op) {
+    const bool narrow = t == DType::F16 || t == DType::BF16;
+    return narrow && (op == ReduceOp::Sum || op == ReduceOp::Avg) ? DType::F32 : t;
+}
+
 // Accepts the names above and the short forms f32 f64 f16 bf16 i32 i64.
 std::optional<DType> parse_dtype(std::string_view s);
 std::optional<ReduceOp> parse_reduce_op(std::string_view s);

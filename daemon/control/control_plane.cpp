@@ -14,8 +14,9 @@
 namespace ringd {
 namespace {
 
-// Control frames are small but for OpData, which carries a small op's data.
-constexpr uint32_t kMaxControlPayload = proto::kOpDataHeaderBytes + (16u << 20);
+// Control frames are small but for OpData, which carries a small op's data: at most
+// tuning.direct_max_bytes (16 MiB) of it, twice that for f16/bf16 sum/avg (contributions in f32).
+constexpr uint32_t kMaxControlPayload = proto::kOpDataHeaderBytes + (32u << 20);
 
 constexpr uint64_t kListenerId = 0;
 constexpr auto kRedial = std::chrono::milliseconds(500);

@@ -17,9 +17,8 @@ uint64_t seg_begin(uint64_t count, uint32_t n, uint32_t k) {
 
 }  // namespace
 
-void RingAllreduce::plan(const RingPosition &pos, const RingOp &op) {
+void RingAllreduce::plan(const RingPosition &pos, uint64_t count, uint64_t chunk_elems) {
     const uint32_t n = pos.size, r = pos.rank;
-    const uint64_t chunk_elems = std::max<uint64_t>(1, opt_.chunk_bytes / dtype_size(op.dtype));
     steps_ = n - 1;
     sends_.clear();
     recvs_.clear();
@@ -27,7 +26,7 @@ void RingAllreduce::plan(const RingPosition &pos, const RingOp &op) {
     recv_base_.assign(2 * steps_, 0);
     auto add = [&](std::vector<Msg> &list, std::vector<size_t> &base, Phase p, uint32_t s, uint32_t seg) {
         base[p * steps_ + s] = list.size();
-        const uint64_t b = seg_begin(op.count, n, seg), e = seg_begin(op.count, n, seg + 1);
+        const uint64_t b = seg_begin(count, n, seg), e = seg_begin(count, n, seg + 1);
         uint32_t j = 0;
         for (uint64_t at = b; at < e; at += chunk_elems, ++j)
             list.push_back({p, s, j, at, std::min(chunk_elems, e - at), false, false, -1});
@@ -46,36 +45,86 @@ void RingAllreduce::plan(const RingPosition &pos, const RingOp &op) {
 
 Status RingAllreduce::run(const RingPosition &pos, const RingOp &op, std::chrono::steady_clock::time_point deadline) {
     const size_t es = dtype_size(op.dtype);
-    std::byte *data = op.data.base + op.data_offset;
+    const size_t ps = dtype_size(partial_dtype(op.dtype, op.op));
+    const bool widened = ps != es;
     if (op.data_offset > op.data.bytes || op.count > (op.data.bytes - op.data_offset) / es)
         return make_error(-ERANGE, "ring op outside its data region");
-    // The reductions, over the data region and the other local ranks' buffers.
-    const ReduceOp sum_op = op.op == ReduceOp::Avg ? ReduceOp::Sum : op.op;
-    auto fold = [&](uint64_t begin, uint64_t elems, const std::byte *received, bool final) {
-        std::byte *d = data + begin * es;
-        srcs_.assign(1, d);
-        for (std::byte *l : op.locals) srcs_.push_back(l + begin * es);
-        if (received) srcs_.push_back(received);
-        dsts_.assign(1, d);
-        if (final)
-            for (std::byte *l : op.locals) dsts_.push_back(l + begin * es);
-        const bool scale = final && op.op == ReduceOp::Avg;
-        if (srcs_.size() == 1 && dsts_.size() == 1 && !scale) return;
-        reduce(ReduceArgs{op.dtype, scale ? op.op : sum_op, srcs_.data(), srcs_.size(), dsts_.data(), dsts_.size(), elems,
-                          scale ? op.avg_divisor : 1});
-    };
-    auto copy_out = [&](uint64_t begin, uint64_t elems) {
-        for (std::byte *l : op.locals) std::memcpy(l + begin * es, data + begin * es, elems * es);
-    };
     if (pos.size <= 1) {
-        if (op.count > 0) fold(0, op.count, nullptr, true);
+        // One host: the local ranks' reduction, written to all of them.
+        std::byte *data = op.data.base + op.data_offset;
+        srcs_.assign(1, data);
+        dsts_.assign(1, data);
+        for (std::byte *l : op.locals) {
+            srcs_.push_back(l);
+            dsts_.push_back(l);
+        }
+        if (op.count > 0 && (srcs_.size() > 1 || op.op == ReduceOp::Avg))
+            reduce(ReduceArgs{op.dtype, op.op, srcs_.data(), srcs_.size(), dsts_.data(), dsts_.size(), op.count,
+                              op.avg_divisor});
         return Ok{};
     }
     if (pos.size > kMaxSteps) return make_error(-E2BIG, "ring of more than 2048 hosts");
-    if (op.staging.bytes < staging_bytes()) return make_error(-EINVAL, "ring staging area is too small");
-    if (op.count / pos.size / std::max<uint64_t>(1, opt_.chunk_bytes / es) + 1 >= kMaxChunks)
-        return make_error(-E2BIG, "ring op has too many chunks; raise the chunk size");
-    plan(pos, op);
+    const uint64_t work = widened ? work_bytes(opt_) : 0;
+    if (op.staging.bytes < opt_.chunk_bytes * opt_.depth + work) return make_error(-EINVAL, "ring staging area is too small");
+    if (widened && work < opt_.chunk_bytes) return make_error(-EINVAL, "ring work area is smaller than a chunk");
+    // Widened ops run in windows that fit the work area; the others in one.
+    const uint64_t chunk_elems = std::max<uint64_t>(1, opt_.chunk_bytes / ps);
+    const uint64_t window = widened ? work / ps : std::max<uint64_t>(op.count, 1);
+    chunk_base_ = 0;
+    for (uint64_t begin = 0; begin < op.count; begin += window) {
+        const uint64_t count = std::min(window, op.count - begin);
+        const uint64_t chunks = count / pos.size / chunk_elems + 1;  // at least the most of any segment
+        if (chunk_base_ + chunks >= kMaxChunks)
+            return make_error(-E2BIG, "ring op has too many chunks; raise the chunk size");
+        if (auto s = run_window(pos, op, begin, count, deadline); !s) return s;
+        chunk_base_ += static_cast<uint32_t>(chunks);
+    }
+    return Ok{};
+}
+
+Status RingAllreduce::run_window(const RingPosition &pos, const RingOp &op, uint64_t begin, uint64_t count,
+                                 std::chrono::steady_clock::time_point deadline) {
+    const size_t es = dtype_size(op.dtype);
+    const size_t ps = dtype_size(partial_dtype(op.dtype, op.op));
+    const bool widened = ps != es;
+    const bool avg = op.op == ReduceOp::Avg;
+    // The window's elements: in the data region and the local ranks' buffers (the dtype), and for
+    // widened ops their partial sums in the work area (f32, from the window's start).
+    std::byte *data = op.data.base + op.data_offset + begin * es;
+    const uint64_t data_offset = op.data_offset + begin * es;
+    const uint64_t work_offset = opt_.chunk_bytes * opt_.depth;
+    std::byte *work = op.staging.base + work_offset;
+    // Every host has one rank: step 0 carries raw values (no pass over the own segment to scale
+    // it), scaled by the receiver. Every host computes the same answer.
+    const bool raw_step0 = avg && !widened && op.avg_divisor == pos.size && op.locals.empty();
+    // The reductions, over the data region and the other local ranks' buffers (the contributions,
+    // scaled for avg where they first meet), and a received chunk (a partial result, or at step 0
+    // raw values). Not final: the partial result goes to the work area (widened) or in place;
+    // final: rounded to the dtype, out to every local rank.
+    auto fold = [&](uint64_t at, uint64_t elems, const std::byte *received, uint32_t step, bool final) {
+        std::byte *d = data + at * es;
+        srcs_.assign(1, d);
+        for (std::byte *l : op.locals) srcs_.push_back(l + (begin + at) * es);
+        partials_.clear();
+        if (received && raw_step0 && step == 0) srcs_.push_back(received);
+        else if (received) partials_.push_back(received);
+        ReduceArgs a{op.dtype, op.op, srcs_.data(), srcs_.size(), nullptr, 0, elems, op.avg_divisor};
+        a.partials = partials_.data();
+        a.npartial = partials_.size();
+        if (final) {
+            dsts_.assign(1, d);
+            for (std::byte *l : op.locals) dsts_.push_back(l + (begin + at) * es);
+            a.dsts = dsts_.data();
+            a.ndst = dsts_.size();
+        } else {
+            a.partial_out = widened ? static_cast<void *>(work + at * ps) : static_cast<void *>(d);
+        }
+        reduce(a);
+    };
+    auto copy_out = [&](uint64_t at, uint64_t elems) {
+        for (std::byte *l : op.locals) std::memcpy(l + (begin + at) * es, data + at * es, elems * es);
+    };
+    plan(pos, count, std::max<uint64_t>(1, opt_.chunk_bytes / ps));
 
     const uint32_t last = steps_ - 1;
     size_t next_send = 0, next_recv = 0, sends_done = 0, recvs_done = 0;
@@ -88,7 +137,7 @@ Status RingAllreduce::run(const RingPosition &pos, const RingOp &op, std::chrono
     };
     for (;;) {
         // Receives in canonical order: reduce-scatter ones need a staging slot, allgather ones
-        // land in memory that must not still be on its way out.
+        // land in memory that must not still be on its way out (or still to be read).
         while (next_recv < recvs_.size()) {
             Msg &m = recvs_[next_recv];
             Status s = Ok{};
@@ -96,11 +145,11 @@ Status RingAllreduce::run(const RingPosition &pos, const RingOp &op, std::chrono
                 if (free_slots_.empty()) break;
                 m.slot = free_slots_.back();
                 free_slots_.pop_back();
-                s = pos.prev->post_recv(op.staging, static_cast<uint64_t>(m.slot) * opt_.chunk_bytes, m.elems * es,
+                s = pos.prev->post_recv(op.staging, static_cast<uint64_t>(m.slot) * opt_.chunk_bytes, m.elems * ps,
                                         tag(op, m.phase, m.step, m.chunk));
             } else {
                 if (!sends_[index(send_base_, kReduceScatter, m.step, m.chunk)].done) break;
-                s = pos.prev->post_recv(op.data, op.data_offset + m.elem_begin * es, m.elems * es,
+                s = pos.prev->post_recv(op.data, data_offset + m.elem_begin * es, m.elems * es,
                                         tag(op, m.phase, m.step, m.chunk));
             }
             if (!s) return s;
@@ -110,12 +159,21 @@ Status RingAllreduce::run(const RingPosition &pos, const RingOp &op, std::chrono
         // Sends in canonical order, each once its data is final for this step.
         while (next_send < sends_.size() && ready_to_send(sends_[next_send])) {
             Msg &m = sends_[next_send];
-            // This host's own segment leaves at step 0: its local ranks are summed in first.
-            if (m.phase == kReduceScatter && m.step == 0 && !op.locals.empty()) fold(m.elem_begin, m.elems, nullptr, false);
-            if (auto s = pos.next->post_send(op.data, op.data_offset + m.elem_begin * es, m.elems * es,
-                                             tag(op, m.phase, m.step, m.chunk));
-                !s)
-                return s;
+            Status s = Ok{};
+            if (m.phase == kReduceScatter) {
+                // This host's own segment leaves at step 0: its local ranks are summed in first
+                // (and avg's contributions scaled, widened ones converted to f32).
+                if (m.step == 0 && (widened || !op.locals.empty() || (avg && !raw_step0)))
+                    fold(m.elem_begin, m.elems, nullptr, 0, false);
+                s = widened ? pos.next->post_send(op.staging, work_offset + m.elem_begin * ps, m.elems * ps,
+                                                  tag(op, m.phase, m.step, m.chunk))
+                            : pos.next->post_send(op.data, data_offset + m.elem_begin * es, m.elems * es,
+                                                  tag(op, m.phase, m.step, m.chunk));
+            } else {
+                s = pos.next->post_send(op.data, data_offset + m.elem_begin * es, m.elems * es,
+                                        tag(op, m.phase, m.step, m.chunk));
+            }
+            if (!s) return s;
             m.posted = true;
             ++next_send;
         }
@@ -144,7 +202,9 @@ Status RingAllreduce::run(const RingPosition &pos, const RingOp &op, std::chrono
             if ((e.tag >> 32) != op.op_tag) continue;  // not this op's (cannot happen on a fresh ring)
             const auto p = static_cast<Phase>((e.tag >> 31) & 1);
             const auto step = static_cast<uint32_t>((e.tag >> 20) & (kMaxSteps - 1));
-            const auto chunk = static_cast<uint32_t>(e.tag & (kMaxChunks - 1));
+            const auto number = static_cast<uint32_t>(e.tag & (kMaxChunks - 1));
+            if (number < chunk_base_) continue;  // an earlier window's (cannot happen: it ended first)
+            const uint32_t chunk = number - chunk_base_;
             if (e.kind == LinkEvent::Kind::SendDone && e.link == pos.next) {
                 Msg &m = sends_[index(send_base_, p, step, chunk)];
                 if (!m.done) ++sends_done;
@@ -155,8 +215,8 @@ Status RingAllreduce::run(const RingPosition &pos, const RingOp &op, std::chrono
                 if (p == kReduceScatter) {
                     // Reduce while the chunk is hot, the local ranks' contributions with it (this
                     // is the first time the ring touches the chunk); the last step's result is
-                    // final: avg's scaling, and out to every local rank.
-                    fold(m.elem_begin, m.elems, op.staging.base + static_cast<uint64_t>(m.slot) * opt_.chunk_bytes,
+                    // final: avg's scaling, rounding to the dtype, and out to every local rank.
+                    fold(m.elem_begin, m.elems, op.staging.base + static_cast<uint64_t>(m.slot) * opt_.chunk_bytes, step,
                          step == last);
                     free_slots_.push_back(m.slot);
                 } else {

@@ -6,8 +6,20 @@
 // host and each segment into chunks; chunks are pipelined: while chunk j of step s is on the
 // wire, chunk j-1 is being reduced and chunk j+1 is being sent. Reduce-scatter receives land in
 // a registered staging area (`depth` chunk slots, reused), are reduced into the data region and
-// forwarded; allgather receives land straight in the data region. avg scaling is fused into the
-// last reduce-scatter step.
+// forwarded; allgather receives land straight in the data region.
+//
+// avg (reduce.h): every contribution is scaled by 2^-K where the ring first touches it (2^K >=
+// 2 x avg_divisor), so that no partial sum overflows, and the result by 2^K/avg_divisor in the
+// last reduce-scatter step; both fused into reductions that run anyway, but for one case: with
+// one local rank on a host among hosts with more, its own segment is scaled in place before its
+// step-0 send (1/n of the data, in cache). When every host has one rank (avg_divisor == hosts),
+// step 0 carries raw values and the receiver scales them.
+//
+// f16/bf16 sums and averages travel in f32 in the reduce-scatter (partial_dtype, proto/types.h)
+// and are rounded once, in its last step; the allgather carries the rounded result in the dtype.
+// Their partial sums live in an f32 work area (registered, after the staging slots; see
+// work_bytes()); an op larger than it runs as several passes of the ring over windows of the
+// buffer that fit.
 //
 // Several local ranks: their buffers (`locals`, besides the data region, which is local rank
 // 0's) are folded in chunk by chunk where the ring first touches a chunk — before a step-0 send,
@@ -22,6 +34,7 @@
 // still be posted into the caller's memory (the daemon aborts the ring generation).
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -47,6 +60,9 @@ struct RingOptions {
     // (never block), 0 = event (block at once), > 0 = adaptive (spin this long after the last
     // progress, then block).
     int spin_us = 50;
+    // The f32 work area for f16/bf16 sum/avg (bytes; 0: 64 chunks, at most 256 MiB). An op of
+    // more than work_bytes/4 elements runs in windows of that many.
+    uint64_t work_bytes = 0;
 };
 
 struct RingOp {
@@ -56,7 +72,7 @@ struct RingOp {
     uint32_t avg_divisor = 1;  // contributions in total (all ranks of all hosts)
     RegionHandle data;         // in/out
     uint64_t data_offset = 0;
-    RegionHandle staging;      // at least depth * chunk_bytes
+    RegionHandle staging;      // staging_bytes(): depth chunk slots, then the f32 work area
     // The other local ranks' buffers (count elements each, not registered: only read and written
     // here). Their contributions are summed in; the result lands in them too.
     std::span<std::byte *const> locals;
@@ -70,8 +86,13 @@ class RingAllreduce {
 public:
     RingAllreduce(Transport &transport, RingOptions options) : t_(transport), opt_(options) {}
 
-    // Staging bytes run() needs.
-    uint64_t staging_bytes() const { return opt_.chunk_bytes * opt_.depth; }
+    // The f32 work area's bytes, and the staging bytes run() needs: the chunk slots and the work
+    // area (ops that do not widen need only the slots).
+    static uint64_t work_bytes(const RingOptions &o) {
+        return o.work_bytes ? o.work_bytes : std::min<uint64_t>(64 * o.chunk_bytes, uint64_t{256} << 20);
+    }
+    static uint64_t staging_bytes(const RingOptions &o) { return o.chunk_bytes * o.depth + work_bytes(o); }
+    uint64_t staging_bytes() const { return staging_bytes(opt_); }
 
     // Blocks until the result is in place, a link fails (error names the peer), or the deadline
     // passes (error names the peer we were waiting for).
@@ -89,17 +110,21 @@ private:
         int32_t slot;  // staging slot of a reduce-scatter receive
     };
 
-    void plan(const RingPosition &pos, const RingOp &op);
+    // One pass of the ring over elements [begin, begin + count) of the op (a window).
+    Status run_window(const RingPosition &pos, const RingOp &op, uint64_t begin, uint64_t count,
+                      std::chrono::steady_clock::time_point deadline);
+    void plan(const RingPosition &pos, uint64_t count, uint64_t chunk_elems);
     size_t index(const std::vector<size_t> &base, Phase p, uint32_t step, uint32_t chunk) const {
         return base[p * steps_ + step] + chunk;
     }
     uint64_t tag(const RingOp &op, Phase p, uint32_t step, uint32_t chunk) const {
-        return (uint64_t{op.op_tag} << 32) | (uint64_t{p} << 31) | (uint64_t{step} << 20) | chunk;
+        return (uint64_t{op.op_tag} << 32) | (uint64_t{p} << 31) | (uint64_t{step} << 20) | (chunk_base_ + chunk);
     }
 
     Transport &t_;
     RingOptions opt_;
     uint32_t steps_ = 0;
+    uint32_t chunk_base_ = 0;  // the window's first chunk number in tags (unique in the op)
     // Reused from op to op (capacity stays): the schedule of messages sent and received.
     std::vector<Msg> sends_, recvs_;
     std::vector<size_t> send_base_, recv_base_;  // first message of (phase, step)
@@ -107,6 +132,7 @@ private:
     std::vector<LinkEvent> events_;
     std::vector<const void *> srcs_;
     std::vector<void *> dsts_;
+    std::vector<const void *> partials_;
 };
 
 }  // namespace ringd

@@ -9,6 +9,7 @@
 #include <netinet/in.h>
 #include <sys/stat.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <thread>
@@ -98,6 +99,70 @@ TEST_CASE("every dtype x op on each algorithm and transport, 1 and 2 local ranks
         if (ibverbs)
             CHECK_THAT(j["transport_detail"].get<std::string>(), Catch::Contains("ringd_emu0") && Catch::Contains("RoCE v2"));
     }
+}
+
+TEST_CASE("avg of values near the largest finite one on each algorithm never overflows: f16 and bf16 exactly the mean, "
+          "f32 and f64 within the documented bound",
+          "[cluster][avg]") {
+    const Algo &algo = kAlgos[GENERATE(0, 1, 2)];
+    const bool ibverbs = GENERATE(false, true);
+    const bool ring = std::string(algo.name) == "ring";
+    if (ibverbs && !ring) return;  // direct exchange goes over the control connections: TCP either way
+    INFO((ibverbs ? "ibverbs" : "tcp") << ", " << algo.name);
+    TestCluster c(3, "20s", std::string(ibverbs ? kIbverbsYaml : "") + algo.tuning);
+    REQUIRE(c.wait_up());
+    uint64_t ops = 0, seed = 1;
+    for (uint32_t local : {1u, 2u}) {
+        auto cl = connect_all(c, "near-max" + std::to_string(local), local, 8 << 20);
+        const size_t n = cl.size();
+        for (DType t : {DType::F16, DType::BF16, DType::F32, DType::F64}) {
+            // The ring: a million f16 elements (several chunks per segment); direct: a prime.
+            const size_t count = ring ? (t == DType::F16 ? 1000003 : 300007) : 5003;
+            std::vector<bench::GuardedRange> range(n);
+            for (size_t g = 0; g < n; ++g) {
+                range[g] = rank_range(*cl[g], g, t, count, seed);
+                REQUIRE(range[g].offset + range[g].bytes() + bench::kGuardBytes <= cl[g]->slot().size());
+                range[g].prepare(cl[g]->slot().data(), g);  // the guards (and values overwritten below)
+                for (size_t i = 0; i < count; ++i)
+                    bench::store(cl[g]->slot().data() + range[g].offset, i, t, bench::near_max_value(t, n, g, i));
+            }
+            std::vector<uint64_t> tickets(n);
+            for (size_t g = 0; g < n; ++g)
+                tickets[g] = cl[g]->submit(range[g].offset, count, static_cast<ringd_dtype>(t), RINGD_AVG);
+            for (size_t g = 0; g < n; ++g) {
+                const int rc = ringd_wait(cl[g]->get(), tickets[g], 20000);
+                INFO("rank " << g << ": " << (rc == 0 ? "" : ringd_last_error(cl[g]->get())));
+                REQUIRE(rc == 0);
+            }
+            ++ops;
+            double worst = 0;
+            for (size_t g = 0; g < n; ++g) {
+                INFO("rank " << g << " of " << n << ", " << dtype_name(t) << " avg of " << count << " near the largest");
+                const std::byte *p = cl[g]->slot().data() + range[g].offset;
+                uint64_t wrong = 0, nonfinite = 0;
+                std::string first;
+                for (size_t i = 0; i < count; ++i) {
+                    const double want = bench::near_max_mean(t, n, i), got = bench::load(p, i, t);
+                    nonfinite += !std::isfinite(got);
+                    const double dev = std::fabs(got - want);
+                    if (!(dev <= bench::near_max_bound(t, n, want)) && !wrong++)
+                        first = "element " + std::to_string(i) + " is " + std::to_string(got) + ", not " + std::to_string(want);
+                    if (std::isfinite(dev)) worst = std::max(worst, dev / bench::near_max_ulp(t));
+                }
+                INFO(first);
+                CHECK(nonfinite == 0);
+                CHECK(wrong == 0);
+                CHECK(bench::guard_damage(cl[g]->slot().data(), range[g].guard_begin(), range[g].offset, range[g].salt) == 0);
+                CHECK(bench::guard_damage(cl[g]->slot().data(), range[g].offset + range[g].bytes(), range[g].guard_end(),
+                                          range[g].salt) == 0);
+            }
+            UNSCOPED_INFO(algo.name << " " << dtype_name(t) << " avg, " << local << " local: largest deviation " << worst << " ulp");
+            ++seed;
+        }
+    }
+    const auto j = c.status(0);
+    CHECK(j["ring"][algo.counter].get<uint64_t>() == ops);
+    CHECK(j["ops"]["failed"] == 0);
 }
 
 TEST_CASE("4 hosts, ring and one-shot ops interleaved in one group: every value and guard byte exact", "[cluster]") {

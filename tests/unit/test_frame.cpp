@@ -465,7 +465,7 @@ TEST_CASE("op negotiation frames round-trip and are validated", "[proto]") {
     CHECK(a->reason == "host c: connection closed");
 }
 
-TEST_CASE("op data frames carry the report and exactly count x dtype bytes", "[proto]") {
+TEST_CASE("op data frames carry the report and exactly count x dtype bytes (f32 here)", "[proto]") {
     const OpReport r{5, "grp", 7, 3, static_cast<uint32_t>(DType::F32), static_cast<uint32_t>(ReduceOp::Avg), 2, 0, "", 0, 9};
     Bytes f = encode_op_data(r, OpDataKind::OneShot, 12);
     CHECK(f.size() == op_data_offset() + 12);
@@ -519,6 +519,27 @@ TEST_CASE("op data frames carry the report and exactly count x dtype bytes", "[p
     CHECK(dp->data.size() == 4);
     CHECK(decode_op_data(payload_of(encode_op_data(r, OpDataKind::TwoShotResult, 0))).ok());
     CHECK_FALSE(decode_op_data(payload_of(encode_op_data(r, OpDataKind::TwoShotResult, 16))).ok());
+}
+
+TEST_CASE("f16/bf16 sum and avg op data carry f32 contributions and parts, results in the dtype; min/max the dtype",
+          "[proto]") {
+    CHECK(partial_dtype(DType::F16, ReduceOp::Avg) == DType::F32);
+    CHECK(partial_dtype(DType::BF16, ReduceOp::Sum) == DType::F32);
+    CHECK(partial_dtype(DType::F16, ReduceOp::Max) == DType::F16);
+    CHECK(partial_dtype(DType::F32, ReduceOp::Avg) == DType::F32);
+    CHECK(partial_dtype(DType::F64, ReduceOp::Avg) == DType::F64);
+    CHECK(partial_dtype(DType::I32, ReduceOp::Sum) == DType::I32);
+    for (DType t : {DType::F16, DType::BF16}) {
+        const OpReport avg{5, "grp", 7, 3, static_cast<uint32_t>(t), static_cast<uint32_t>(ReduceOp::Avg), 1, 0, "", 0, 9};
+        CHECK(decode_op_data(payload_of(encode_op_data(avg, OpDataKind::OneShot, 12))).ok());
+        CHECK_FALSE(decode_op_data(payload_of(encode_op_data(avg, OpDataKind::OneShot, 6))).ok());
+        CHECK(decode_op_data(payload_of(encode_op_data(avg, OpDataKind::TwoShotPart, 8))).ok());
+        CHECK(decode_op_data(payload_of(encode_op_data(avg, OpDataKind::TwoShotResult, 6))).ok());
+        CHECK_FALSE(decode_op_data(payload_of(encode_op_data(avg, OpDataKind::TwoShotResult, 8))).ok());
+        const OpReport max{5, "grp", 7, 3, static_cast<uint32_t>(t), static_cast<uint32_t>(ReduceOp::Max), 1, 0, "", 0, 9};
+        CHECK(decode_op_data(payload_of(encode_op_data(max, OpDataKind::OneShot, 6))).ok());
+        CHECK_FALSE(decode_op_data(payload_of(encode_op_data(max, OpDataKind::OneShot, 12))).ok());
+    }
 }
 
 TEST_CASE("RDMA link info bytes are pinned", "[proto]") {

@@ -258,3 +258,140 @@ TEST_CASE("min and max propagate a NaN from any source at any position, as torch
                     CHECK(lost == 0);
                 }
 }
+
+TEST_CASE("avg of values near the largest finite one never overflows: f16/bf16 exactly the mean, f32/f64 within the "
+          "documented bound",
+          "[reduce][avg]") {
+    for (DType t : {DType::F16, DType::BF16, DType::F32, DType::F64}) {
+        for (size_t nsrc : {size_t{2}, size_t{3}, size_t{5}, size_t{8}}) {
+            INFO(dtype_name(t) << " avg of " << nsrc << " sources near the largest value");
+            const size_t count = 3 * 1024 + 7, es = dtype_size(t);
+            std::vector<std::vector<unsigned char>> in(nsrc, std::vector<unsigned char>(count * es));
+            std::vector<const void *> srcs;
+            for (size_t k = 0; k < nsrc; ++k) {
+                for (size_t i = 0; i < count; ++i) bench::store(in[k].data(), i, t, bench::near_max_value(t, nsrc, k, i));
+                srcs.push_back(in[k].data());
+            }
+            std::vector<unsigned char> out(count * es);
+            void *dsts[1] = {out.data()};
+            reduce(ReduceArgs{t, ReduceOp::Avg, srcs.data(), nsrc, dsts, 1, count, static_cast<uint32_t>(nsrc)});
+            size_t wrong = 0;
+            for (size_t i = 0; i < count; ++i) {
+                const double want = bench::near_max_mean(t, nsrc, i), got = bench::load(out.data(), i, t);
+                wrong += !(std::fabs(got - want) <= bench::near_max_bound(t, nsrc, want));
+            }
+            CHECK(wrong == 0);
+        }
+    }
+}
+
+TEST_CASE("avg_shift_for: the smallest K with 2^K >= 2 x the contributions", "[reduce][avg]") {
+    CHECK(avg_shift_for(0) == 1);
+    CHECK(avg_shift_for(1) == 1);
+    CHECK(avg_shift_for(2) == 2);
+    CHECK(avg_shift_for(3) == 3);
+    CHECK(avg_shift_for(4) == 3);
+    CHECK(avg_shift_for(5) == 4);
+    CHECK(avg_shift_for(3 * 64) == 9);
+}
+
+TEST_CASE("avg has the bits of the sum times the rounded reciprocal wherever that sum does not overflow", "[reduce][avg]") {
+    // The contributions are scaled by 2^-K, which is exact: random values of every magnitude the
+    // sum allows give the same bits as sum x fl(1/n), computed here in the accumulator's type.
+    std::mt19937_64 rng(99);
+    std::uniform_real_distribution<double> u(-1, 1);
+    for (DType t : {DType::F32, DType::F64, DType::F16, DType::BF16})
+        for (size_t nsrc : {size_t{2}, size_t{3}, size_t{7}}) {
+            INFO(dtype_name(t) << ", " << nsrc << " sources");
+            const size_t count = 2048 + 5, es = dtype_size(t);
+            std::vector<std::vector<unsigned char>> in(nsrc, std::vector<unsigned char>(count * es));
+            std::vector<const void *> srcs;
+            for (auto &b : in) {
+                for (size_t i = 0; i < count; ++i) bench::store(b.data(), i, t, std::ldexp(u(rng), static_cast<int>(i % 40) - 20));
+                srcs.push_back(b.data());
+            }
+            std::vector<unsigned char> out(count * es), want(count * es);
+            void *dsts[1] = {out.data()};
+            reduce(ReduceArgs{t, ReduceOp::Avg, srcs.data(), nsrc, dsts, 1, count, static_cast<uint32_t>(nsrc)});
+            for (size_t i = 0; i < count; ++i) {
+                if (t == DType::F64) {
+                    double acc = 0;
+                    for (size_t k = 0; k < nsrc; ++k) acc += bench::load(in[k].data(), i, t);
+                    acc *= 1.0 / static_cast<double>(nsrc);
+                    std::memcpy(want.data() + 8 * i, &acc, 8);
+                } else {
+                    float acc = 0;
+                    for (size_t k = 0; k < nsrc; ++k) acc += static_cast<float>(bench::load(in[k].data(), i, t));
+                    acc *= 1.0f / static_cast<float>(nsrc);
+                    bench::store(want.data(), i, t, acc);
+                }
+            }
+            CHECK(std::memcmp(out.data(), want.data(), count * es) == 0);
+        }
+}
+
+TEST_CASE("a reduction cut into calls through partial results: f16/bf16 partials are f32 (rounded once, at the end), "
+          "avg scaled once; the same bits as one call",
+          "[reduce][avg]") {
+    // The ring's and the direct exchange's shape: call 1 reduces sources into a partial, each
+    // further call adds its sources to the partial of the one before, the last is final.
+    // Integer-valued inputs whose sums are exact in f32: any order gives the same bits, so the
+    // chain must match one call over every source exactly; for f16/bf16 sum and avg the inputs
+    // are those of the once-rounded test above, where rounding a partial to the dtype differs.
+    for (uint32_t d = 0; d < kDTypeCount; ++d)
+        for (uint32_t o = 0; o < kReduceOpCount; ++o) {
+            const auto t = static_cast<DType>(d);
+            const auto op = static_cast<ReduceOp>(o);
+            if (op == ReduceOp::Avg && dtype_is_integer(t)) continue;
+            INFO(dtype_name(t) << " " << reduce_op_name(op));
+            const size_t nsrc = 6, count = 1024 + 300, es = dtype_size(t), ps = dtype_size(partial_dtype(t, op));
+            std::mt19937_64 rng(7 + d * 4 + o);
+            std::vector<std::vector<unsigned char>> in(nsrc, std::vector<unsigned char>(count * es));
+            std::vector<const void *> srcs;
+            for (auto &b : in) {
+                for (size_t i = 0; i < count; ++i) {
+                    // 11 significant bits (f16 exact; bf16 keeps 8 of them: rounded on store).
+                    const double v = std::ldexp(static_cast<double>(static_cast<int64_t>(rng() % 2048) - 1024),
+                                                dtype_is_integer(t) ? 0 : static_cast<int>(rng() % 5) - 2);
+                    bench::store(b.data(), i, t, v);
+                }
+                srcs.push_back(b.data());
+            }
+            std::vector<unsigned char> once(count * es), chained(count * es);
+            void *d1[1] = {once.data()};
+            reduce(ReduceArgs{t, op, srcs.data(), nsrc, d1, 1, count, static_cast<uint32_t>(nsrc)});
+            // The ring's chain: {0, 1} -> P1; {2, 3} + P1 -> P2; {4} -> P3; {5} + P2 + P3 -> final.
+            std::vector<unsigned char> p1(count * ps), p2(count * ps), p3(count * ps);
+            ReduceArgs a{t, op, srcs.data(), 2, nullptr, 0, count, static_cast<uint32_t>(nsrc)};
+            a.partial_out = p1.data();
+            reduce(a);
+            const void *pp1[1] = {p1.data()};
+            ReduceArgs b{t, op, srcs.data() + 2, 2, nullptr, 0, count, static_cast<uint32_t>(nsrc)};
+            b.partials = pp1;
+            b.npartial = 1;
+            b.partial_out = p2.data();
+            reduce(b);
+            ReduceArgs c{t, op, srcs.data() + 4, 1, nullptr, 0, count, static_cast<uint32_t>(nsrc)};
+            c.partial_out = p3.data();
+            reduce(c);
+            const void *pp23[2] = {p2.data(), p3.data()};
+            void *d2[1] = {chained.data()};
+            ReduceArgs f{t, op, srcs.data() + 5, 1, d2, 1, count, static_cast<uint32_t>(nsrc)};
+            f.partials = pp23;
+            f.npartial = 2;
+            reduce(f);
+            CHECK(std::memcmp(once.data(), chained.data(), count * es) == 0);
+            // One-shot's shape: {0, 1} -> P1, {2..5} -> Q; P1 + Q -> final, no source of its own.
+            ReduceArgs g{t, op, nullptr, 0, d2, 1, count, static_cast<uint32_t>(nsrc)};
+            std::vector<unsigned char> q(count * ps);
+            ReduceArgs h{t, op, srcs.data() + 2, 4, nullptr, 0, count, static_cast<uint32_t>(nsrc)};
+            h.partial_out = q.data();
+            reduce(h);
+            const void *pq[2] = {p1.data(), q.data()};
+            g.partials = pq;
+            g.npartial = 2;
+            std::fill(chained.begin(), chained.end(), 0);
+            reduce(g);
+            CHECK(std::memcmp(once.data(), chained.data(), count * es) == 0);
+        }
+}

@@ -11,6 +11,8 @@
 #include <netinet/tcp.h>
 
 #include <algorithm>
+#include <functional>
+#include <cmath>
 #include <fstream>
 #include <thread>
 
@@ -120,35 +122,41 @@ struct HostBuffers {
 
 constexpr size_t kG = bench::kGuardBytes;
 
-// Runs one allreduce on every host (a thread each), with `local` ranks per host (rank 0's buffer
-// is the data region, the others go in as RingOp::locals), and checks every value of every rank
+// Runs one allreduce on every host (a thread each), with `local` ranks per host or per_host[r] on
+// host r (rank 0's buffer is the data region, the others go in as RingOp::locals), and checks every value of every rank
 // and the guard bytes on both sides of every rank's range: the data region's (each host's op at
 // its own offset), every local rank's buffer's and the staging area's.
 void allreduce_and_check(Ring &ring, DType t, ReduceOp op, uint64_t count, RingOptions opt, uint32_t op_tag,
-                         uint32_t local = 1) {
+                         uint32_t local = 1, std::vector<uint32_t> per_host = {}) {
     const size_t es = dtype_size(t);
     std::vector<HostBuffers> bufs(ring.n);
     std::vector<Status> results(ring.n, Ok{});
-    const uint64_t total = uint64_t{ring.n} * local;
+    // Host r's local ranks, and its first rank's number among all ranks.
+    per_host.resize(ring.n, local);
+    std::vector<uint64_t> first(ring.n, 0);
+    for (uint32_t r = 1; r < ring.n; ++r) first[r] = first[r - 1] + per_host[r - 1];
+    const uint64_t total = first[ring.n - 1] + per_host[ring.n - 1];
     for (uint32_t r = 0; r < ring.n; ++r) {
         auto &b = bufs[r];
         const uint64_t salt = (uint64_t{op_tag} << 24) | (uint64_t{r} << 8);
         const size_t offset = kG + 8 * (r % 3);  // each host's op at its own offset
         b.range = bench::GuardedRange{offset, count, offset + count * es + kG, t, salt};
         b.data.resize(b.range.buf_bytes);
-        b.range.prepare(b.data.data(), uint64_t{r} * local);
-        // The staging area with guards around it (outside its registration).
-        b.staging.resize(kG + opt.chunk_bytes * opt.depth + kG);
+        b.range.prepare(b.data.data(), first[r]);
+        // The staging area (the chunk slots and the f32 work area) with guards around it (outside
+        // its registration).
+        const uint64_t staging_bytes = RingAllreduce::staging_bytes(opt);
+        b.staging.resize(kG + staging_bytes + kG);
         bench::guard_fill(b.staging.data(), 0, kG, salt | 0xff);
         bench::guard_fill(b.staging.data(), b.staging.size() - kG, b.staging.size(), salt | 0xff);
         b.data_reg = RegisteredRegion(ring.transports[r].get(), *ring.transports[r]->register_region(b.data.data(), b.data.size()));
         b.staging_reg = RegisteredRegion(ring.transports[r].get(),
-                                         *ring.transports[r]->register_region(b.staging.data() + kG, opt.chunk_bytes * opt.depth));
-        b.locals.resize(local - 1);
-        for (uint32_t l = 1; l < local; ++l) {
+                                         *ring.transports[r]->register_region(b.staging.data() + kG, staging_bytes));
+        b.locals.resize(per_host[r] - 1);
+        for (uint32_t l = 1; l < per_host[r]; ++l) {
             const bench::GuardedRange lr{kG, count, kG + count * es + kG, t, salt | l};
             b.locals[l - 1].resize(lr.buf_bytes);
-            lr.prepare(b.locals[l - 1].data(), uint64_t{r} * local + l);
+            lr.prepare(b.locals[l - 1].data(), first[r] + l);
             b.local_ranges.push_back(lr);
             b.local_ptrs.push_back(b.locals[l - 1].data() + kG);
         }
@@ -173,7 +181,7 @@ void allreduce_and_check(Ring &ring, DType t, ReduceOp op, uint64_t count, RingO
     for (auto &th : threads) th.join();
     for (uint32_t r = 0; r < ring.n; ++r) {
         const auto &b = bufs[r];
-        INFO("host " << r << " of " << ring.n << ", " << local << " local rank(s), " << dtype_name(t) << " "
+        INFO("host " << r << " of " << ring.n << ", " << per_host[r] << " local rank(s) of " << total << ", " << dtype_name(t) << " "
                      << reduce_op_name(op) << " count " << count << ", chunk " << opt.chunk_bytes);
         REQUIRE(results[r].ok());
         const auto v = b.range.check(b.data.data(), op, total);
@@ -181,7 +189,7 @@ void allreduce_and_check(Ring &ring, DType t, ReduceOp op, uint64_t count, RingO
         CHECK(v.guard == 0);
         CHECK(bench::guard_damage(b.staging.data(), 0, kG, b.range.salt | 0xff) == 0);
         CHECK(bench::guard_damage(b.staging.data(), b.staging.size() - kG, b.staging.size(), b.range.salt | 0xff) == 0);
-        for (uint32_t l = 1; l < local; ++l) {
+        for (uint32_t l = 1; l < per_host[r]; ++l) {
             INFO("local rank " << l);
             const auto lv = b.local_ranges[l - 1].check(b.locals[l - 1].data(), op, total);
             CHECK(lv.wrong == 0);
@@ -201,6 +209,141 @@ std::vector<std::pair<DType, ReduceOp>> all_pairs() {
             v.push_back({dt, op});
         }
     return v;
+}
+
+// Inputs of one op and what its result must be: value(rank, i) of every rank (of `total`), and
+// want(i) = {the value, the largest deviation allowed}; a NaN value: element i is not checked.
+struct Values {
+    std::function<double(uint64_t total, uint64_t rank, uint64_t i)> value;
+    std::function<std::pair<double, double>(uint64_t total, uint64_t i)> want;
+};
+
+// One op of `values` on every host of `ring`, `local` ranks per host; every element of every rank
+// checked, and the guard bytes around every range. Returns the largest deviation seen, in units
+// of `ulp`.
+double values_allreduce_and_check(Ring &ring, DType t, ReduceOp op, uint64_t count, uint32_t local, RingOptions opt,
+                                  uint32_t op_tag, const Values &values, double ulp = 1) {
+    const size_t es = dtype_size(t);
+    const uint64_t total = uint64_t{ring.n} * local;
+    struct Bufs {
+        std::vector<std::byte> data, staging;
+        RegisteredRegion data_reg, staging_reg;
+        std::vector<std::vector<std::byte>> locals;
+        std::vector<std::byte *> local_ptrs;
+    };
+    std::vector<Bufs> bufs(ring.n);
+    std::vector<Status> results(ring.n, Ok{});
+    auto fill = [&](std::byte *buf, uint64_t g, uint64_t salt) {
+        bench::guard_fill(buf, 0, kG, salt);
+        for (uint64_t i = 0; i < count; ++i) bench::store(buf + kG, i, t, values.value(total, g, i));
+        bench::guard_fill(buf, kG + count * es, 2 * kG + count * es, salt);
+    };
+    for (uint32_t r = 0; r < ring.n; ++r) {
+        auto &b = bufs[r];
+        b.data.resize(2 * kG + count * es);
+        fill(b.data.data(), uint64_t{r} * local, op_tag * 64 + r);
+        b.staging.resize(RingAllreduce(*ring.transports[r], opt).staging_bytes());
+        b.data_reg = RegisteredRegion(ring.transports[r].get(), *ring.transports[r]->register_region(b.data.data(), b.data.size()));
+        b.staging_reg =
+            RegisteredRegion(ring.transports[r].get(), *ring.transports[r]->register_region(b.staging.data(), b.staging.size()));
+        b.locals.resize(local - 1);
+        for (uint32_t l = 1; l < local; ++l) {
+            b.locals[l - 1].resize(2 * kG + count * es);
+            fill(b.locals[l - 1].data(), uint64_t{r} * local + l, op_tag * 64 + r * 8 + l);
+            b.local_ptrs.push_back(b.locals[l - 1].data() + kG);
+        }
+    }
+    std::vector<std::thread> threads;
+    for (uint32_t r = 0; r < ring.n; ++r) {
+        threads.emplace_back([&, r] {
+            RingAllreduce ar(*ring.transports[r], opt);
+            RingOp o;
+            o.dtype = t;
+            o.op = op;
+            o.count = count;
+            o.avg_divisor = static_cast<uint32_t>(total);
+            o.data = bufs[r].data_reg.handle();
+            o.data_offset = kG;
+            o.staging = bufs[r].staging_reg.handle();
+            o.op_tag = op_tag;
+            o.locals = bufs[r].local_ptrs;
+            results[r] = ar.run(ring.pos[r], o, std::chrono::steady_clock::now() + 60s);
+        });
+    }
+    for (auto &th : threads) th.join();
+    double worst_ulps = 0;
+    for (uint32_t r = 0; r < ring.n; ++r) {
+        INFO("host " << r << " of " << ring.n << ", " << local << " local rank(s), " << dtype_name(t) << " "
+                     << reduce_op_name(op) << " of " << count);
+        REQUIRE(results[r].ok());
+        for (uint32_t l = 0; l < local; ++l) {
+            INFO("local rank " << l);
+            const std::byte *buf = l == 0 ? bufs[r].data.data() : bufs[r].locals[l - 1].data();
+            const uint64_t salt = l == 0 ? op_tag * 64 + r : op_tag * 64 + r * 8 + l;
+            uint64_t wrong = 0, nonfinite = 0;
+            std::string first;
+            for (uint64_t i = 0; i < count; ++i) {
+                const auto [want, tol] = values.want(total, i);
+                if (std::isnan(want)) continue;
+                const double got = bench::load(buf + kG, i, t);
+                if (!std::isfinite(got)) ++nonfinite;
+                const double dev = std::fabs(got - want);
+                if (!(dev <= tol)) {
+                    if (!wrong++) first = "element " + std::to_string(i) + ": " + std::to_string(got) + ", not " + std::to_string(want);
+                }
+                if (std::isfinite(dev)) worst_ulps = std::max(worst_ulps, dev / ulp);
+            }
+            INFO(first);
+            CHECK(nonfinite == 0);
+            CHECK(wrong == 0);
+            CHECK(bench::guard_damage(buf, 0, kG, salt) == 0);
+            CHECK(bench::guard_damage(buf, kG + count * es, 2 * kG + count * es, salt) == 0);
+        }
+    }
+    return worst_ulps;
+}
+
+// avg of bench::near_max_value()s: every element the mean, within the documented bound.
+double near_max_avg_and_check(Ring &ring, DType t, uint64_t count, uint32_t local, RingOptions opt, uint32_t op_tag) {
+    const Values v{[t](uint64_t total, uint64_t g, uint64_t i) { return bench::near_max_value(t, total, g, i); },
+                   [t](uint64_t total, uint64_t i) {
+                       const double mean = bench::near_max_mean(t, total, i);
+                       return std::pair{mean, bench::near_max_bound(t, total, mean)};
+                   }};
+    return values_allreduce_and_check(ring, t, ReduceOp::Avg, count, local, opt, op_tag, v, bench::near_max_ulp(t));
+}
+
+// v rounded once, to nearest even, to `bits` significant bits (11: f16, 8: bf16); v normal.
+double round_bits(double v, int bits) {
+    if (v == 0) return 0;
+    int e;
+    const double m = std::frexp(v, &e);  // v = m * 2^e, 0.5 <= |m| < 1
+    return std::ldexp(std::nearbyint(std::ldexp(m, bits)), e - bits);
+}
+
+// f16/bf16 sum or avg whose exact result is known and fits f32, but whose partial sums mostly do
+// not fit the dtype: rank g's element i uses every significant bit of the dtype, signs mixed,
+// magnitudes 1/4..64. The result must be the exact one rounded once; results within f32 error of
+// a tie of the dtype are not checked (the f32 reciprocal of avg could decide them).
+Values rounded_once_values(DType t, ReduceOp op) {
+    const int bits = t == DType::F16 ? 11 : 8;
+    auto value = [bits](uint64_t g, uint64_t i) {
+        const uint64_t h = bench::mix64(i * 0x9e3779b97f4a7c15ull + g * 0x632be59bd9b4e019ull + 5);
+        const double mant = 1 + std::ldexp(static_cast<double>(h % (1u << (bits - 1))), 1 - bits);  // [1, 2)
+        return std::ldexp(mant, static_cast<int>((h >> 20) % 9) - 2) * ((h >> 40) & 1 ? -1 : 1);
+    };
+    return {[value](uint64_t, uint64_t g, uint64_t i) { return value(g, i); },
+            [value, bits, op](uint64_t total, uint64_t i) {
+                double exact = 0;
+                for (uint64_t g = 0; g < total; ++g) exact += value(g, i);  // exact in double
+                const double mean = op == ReduceOp::Avg ? exact / static_cast<double>(total) : exact;
+                const double nan = std::nan("");
+                if (std::fabs(mean) < 0x1p-12) return std::pair{nan, 0.0};  // f16 normals only
+                const double once = round_bits(mean, bits);
+                const double half_ulp = std::ldexp(1.0, std::ilogb(mean) - bits);
+                if (std::fabs(std::fabs(mean - once) - half_ulp) < std::fabs(mean) * 0x1p-18) return std::pair{nan, 0.0};
+                return std::pair{once, 0.0};
+            }};
 }
 
 }  // namespace
@@ -373,4 +516,79 @@ TEST_CASE("a congestion control the daemon may not set: the default falls back t
     CHECK_THAT(*msg, Catch::StartsWith("congestion control: the system's"));
     CHECK_THAT(*msg, Catch::Contains("\ntcp.congestion: TCP congestion control '" + name + "' needs CAP_NET_ADMIN") &&
                          Catch::Contains("or set tcp.congestion: system"));
+}
+
+TEST_CASE("avg of values near the largest finite one never overflows: f16 and bf16 exactly the mean, f32 and f64 within "
+          "the documented bound, on every transport, 1 and 3 hosts, 1 and 2 local ranks",
+          "[ring][avg]") {
+    const auto [kind, streams] = GENERATE(std::pair<std::string, int>{"loopback", 1}, std::pair<std::string, int>{"tcp", 2}
+#ifdef RINGD_HAVE_IBVERBS
+                                          , std::pair<std::string, int>{"ibverbs", 1}
+#endif
+    );
+    const uint32_t n = GENERATE(1u, 3u);
+    INFO(kind << " x " << streams << ", " << n << " hosts");
+    Ring ring(n, kind, streams);
+    uint32_t op_tag = 1;
+    for (uint32_t local : {1u, 2u}) {
+        for (DType t : {DType::F16, DType::BF16, DType::F32, DType::F64}) {
+            // Several chunks per segment (the last one short); f16 on the ring: a million elements.
+            const uint64_t count = t == DType::F16 && n > 1 && kind != "ibverbs" ? 1000003 : 3 * 3 * 4096 + 11;
+            const double ulps = near_max_avg_and_check(ring, t, count, local, RingOptions{16384, 4}, op_tag++);
+            UNSCOPED_INFO(dtype_name(t) << ", " << local << " local: largest deviation " << ulps << " ulp");
+        }
+    }
+}
+
+TEST_CASE("f16/bf16 sums and averages larger than the work area run in windows; hosts with different numbers of local "
+          "ranks; every value and guard exact",
+          "[ring][avg]") {
+    const auto [kind, streams] = GENERATE(std::pair<std::string, int>{"loopback", 1}, std::pair<std::string, int>{"tcp", 2}
+#ifdef RINGD_HAVE_IBVERBS
+                                          , std::pair<std::string, int>{"ibverbs", 2}
+#endif
+    );
+    INFO(kind << " x " << streams);
+    // A 16 KiB work area: windows of 4096 elements, each a pass of the ring with 1..2 chunks of
+    // 4 KiB (1024 f32) per segment.
+    const RingOptions opt{4096, 3, 50, 16384};
+    for (uint32_t n : {2u, 3u, 4u}) {
+        Ring ring(n, kind, streams);
+        uint32_t op_tag = 1;
+        for (DType t : {DType::F16, DType::BF16})
+            for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max})
+                for (uint32_t local : {1u, 3u})
+                    for (uint64_t count : {uint64_t{4095}, uint64_t{4096}, uint64_t{4097}, uint64_t{5 * 4096 + 77}})
+                        allreduce_and_check(ring, t, op, count, opt, op_tag++, local);
+        // One rank here, more elsewhere: a host with one rank scales its own segment before its
+        // step-0 send; hosts with one rank each (avg over n) send it raw. Every dtype.
+        std::vector<uint32_t> mixed(n, 1);
+        mixed[1] = 2;
+        for (uint32_t d = 0; d < kDTypeCount; ++d) {
+            const auto t = static_cast<DType>(d);
+            const ReduceOp op = dtype_is_integer(t) ? ReduceOp::Sum : ReduceOp::Avg;
+            allreduce_and_check(ring, t, op, 3 * 4096 + 5, opt, op_tag++, 1, mixed);
+        }
+        INFO("near the largest value, in windows");
+        for (DType t : {DType::F16, DType::BF16}) near_max_avg_and_check(ring, t, 5 * 4096 + 77, 2, opt, op_tag++);
+    }
+}
+
+TEST_CASE("f16/bf16 sums and averages across hosts are the exact result rounded once (partial sums travel in f32)",
+          "[ring][avg]") {
+    const auto [kind, streams] = GENERATE(std::pair<std::string, int>{"tcp", 2}
+#ifdef RINGD_HAVE_IBVERBS
+                                          , std::pair<std::string, int>{"ibverbs", 1}
+#endif
+    );
+    INFO(kind << " x " << streams);
+    uint32_t op_tag = 1;
+    for (uint32_t n : {2u, 3u, 5u}) {
+        Ring ring(n, kind, streams);
+        for (DType t : {DType::F16, DType::BF16})
+            for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg})
+                for (uint32_t local : {1u, 2u})
+                    values_allreduce_and_check(ring, t, op, 4 * 4096 + 9, local, RingOptions{8192, 3}, op_tag++,
+                                               rounded_once_values(t, op));
+    }
 }
