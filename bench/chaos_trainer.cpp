@@ -1,0 +1,282 @@
+// ringd-chaos-trainer: one rank of the job that bench/chaos runs while it injects faults.
+//
+// One process is one attempt of one rank (as under torchrun): connect (retrying until a deadline
+// while this host's ringd is down), then run steps until an op fails or the stop file appears.
+// A step is a few ops of mixed size (direct and ring paths), dtype and op, drawn from (seed,
+// step) so that every rank of the job submits the same sequence; they are submitted together
+// (in flight at once, like gradient buckets) and waited for. After the first error the trainer
+// submits nothing more, waits for what is in flight and exits 1; the driver then restarts every
+// rank of the job with the same group name.
+//
+// Every result is checked here, against values computed here (bench/bench_data.h), with guard
+// bytes around every op's range; nothing of the check goes through ringd. Every op becomes one
+// line on stdout for the driver to aggregate (times are CLOCK_MONOTONIC seconds, the clock the
+// driver reads too):
+//   op step=S idx=I bytes=B count=C dtype=D op=O submit=T end=T rc=RC wrong=W guard=G msg=TEXT
+//   step n=S start=T end=T          (every op of step S succeeded and was exact)
+//   connected t=T tries=N | connect_failed t=T tries=N msg=TEXT | exit t=T code=C reason=TEXT
+#include <algorithm>
+#include <array>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <sys/stat.h>
+#include <time.h>
+
+#include <CLI/CLI.hpp>
+
+#include "bench/bench_data.h"
+#include "common/fd_io.h"
+#include "ringd/ringd.h"
+
+using namespace ringd;
+
+namespace {
+
+struct Options {
+    std::string socket, group = "chaos", stop_file;
+    int host = 0, hosts = 1, local_rank = 0, local_size = 1;
+    uint64_t seed = 1;
+    int op_timeout_ms = 10000;     // ringd's timeouts.op
+    double connect_deadline_s = 30;
+    int pause_ms = 20;             // "compute" between steps
+    int ops_per_step = 4;
+};
+
+double now_s() {
+    timespec ts{};
+    ::clock_gettime(CLOCK_MONOTONIC, &ts);
+    return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
+}
+
+// The ops a step draws from: small ones take the direct (one-/two-shot) path, large ones (above
+// tuning.direct_max_bytes, 256 KiB) the ring. Counts are odd or off a power of two on purpose.
+struct OpSpec {
+    size_t count;
+    DType dtype;
+    ReduceOp op;
+    bool large;
+};
+const std::array kSpecs{
+    OpSpec{63, DType::F32, ReduceOp::Sum, false},
+    OpSpec{1021, DType::I32, ReduceOp::Max, false},
+    OpSpec{12289, DType::F16, ReduceOp::Avg, false},
+    OpSpec{40000, DType::BF16, ReduceOp::Min, false},
+    OpSpec{25601, DType::F64, ReduceOp::Avg, false},
+    OpSpec{5, DType::I64, ReduceOp::Min, false},
+    OpSpec{196613, DType::F32, ReduceOp::Avg, true},
+    OpSpec{196608, DType::I64, ReduceOp::Sum, true},
+    OpSpec{524291, DType::F32, ReduceOp::Max, true},
+    OpSpec{786432, DType::F16, ReduceOp::Sum, true},
+    OpSpec{300007, DType::BF16, ReduceOp::Avg, true},
+    OpSpec{131101, DType::F64, ReduceOp::Min, true},
+};
+
+// Per spec: its range in the slot, its precomputed input for this rank and the exact result.
+struct Prepared {
+    OpSpec spec;
+    size_t offset = 0;
+    std::vector<unsigned char> input;
+    std::vector<double> want;
+    double tol = 0;
+};
+
+struct InFlight {
+    size_t spec = 0;
+    uint64_t ticket = 0;
+    bench::GuardedRange range;
+    double submit = 0;
+    bool done = false;
+};
+
+void print_op(int step, size_t idx, const Prepared &p, const InFlight &f, double end, int rc, uint64_t wrong,
+              uint64_t guard, const std::string &msg) {
+    std::string m = msg;
+    std::replace(m.begin(), m.end(), '\n', ' ');
+    std::printf("op step=%d idx=%zu bytes=%zu count=%zu dtype=%s op=%s submit=%.6f end=%.6f rc=%d wrong=%llu guard=%llu msg=%s\n",
+                step, idx, p.spec.count * dtype_size(p.spec.dtype), p.spec.count,
+                std::string(dtype_name(p.spec.dtype)).c_str(), std::string(reduce_op_name(p.spec.op)).c_str(), f.submit,
+                end, rc, static_cast<unsigned long long>(wrong), static_cast<unsigned long long>(guard), m.c_str());
+}
+
+bool exists(const std::string &path) {
+    struct stat st{};
+    return !path.empty() && ::stat(path.c_str(), &st) == 0;
+}
+
+int finish(int code, const std::string &reason) {
+    std::printf("exit t=%.6f code=%d reason=%s\n", now_s(), code, reason.c_str());
+    std::fflush(stdout);
+    return code;
+}
+
+}  // namespace
+
+int main(int argc, char **argv) {
+    Options o;
+    CLI::App app{"ringd-chaos-trainer: one rank of bench/chaos's job"};
+    app.add_option("--socket", o.socket, "ringd's Unix socket")->required();
+    app.add_option("--group", o.group, "group name")->capture_default_str();
+    app.add_option("--host", o.host, "this host's index in the ring")->required();
+    app.add_option("--hosts", o.hosts, "hosts in the ring")->required();
+    app.add_option("--local-rank", o.local_rank, "this trainer's rank on the host")->required();
+    app.add_option("--local-size", o.local_size, "trainers of the job on each host")->required();
+    app.add_option("--seed", o.seed, "the job's op sequence")->capture_default_str();
+    app.add_option("--op-timeout-ms", o.op_timeout_ms, "ringd's timeouts.op")->capture_default_str();
+    app.add_option("--connect-deadline", o.connect_deadline_s, "seconds to keep retrying ringd_connect")->capture_default_str();
+    app.add_option("--pause-ms", o.pause_ms, "pause between steps")->capture_default_str();
+    app.add_option("--ops-per-step", o.ops_per_step, "ops per step (half small, half large)")->capture_default_str()
+        ->check(CLI::Range(2, 12));
+    app.add_option("--stop-file", o.stop_file, "finish the current step and exit 0 once this exists");
+    CLI11_PARSE(app, argc, argv);
+    std::setvbuf(stdout, nullptr, _IOLBF, 0);
+
+    const uint64_t nranks = static_cast<uint64_t>(o.hosts) * static_cast<uint64_t>(o.local_size);
+    const uint64_t grank = static_cast<uint64_t>(o.host) * static_cast<uint64_t>(o.local_size) +
+                           static_cast<uint64_t>(o.local_rank);
+
+    // Ranges laid out one after the other with full guards between them; each rank's layout is
+    // shifted by 64 bytes per local rank (ranks' offsets may differ).
+    std::vector<Prepared> prep;
+    size_t pos = bench::kGuardBytes + 64 * static_cast<size_t>(o.local_rank);
+    for (const OpSpec &s : kSpecs) {
+        Prepared p;
+        p.spec = s;
+        p.offset = pos;
+        const size_t bytes = s.count * dtype_size(s.dtype);
+        p.input.resize(bytes);
+        bench::fill(p.input.data(), s.count, s.dtype, grank);
+        p.want.resize(s.count);
+        for (size_t i = 0; i < s.count; ++i) p.want[i] = bench::want(nranks, i, s.dtype, s.op);
+        p.tol = bench::tolerance(s.dtype, s.op);
+        prep.push_back(std::move(p));
+        pos = (pos + bytes + 2 * bench::kGuardBytes + 63) / 64 * 64;
+    }
+    const size_t slot_bytes = pos + bench::kGuardBytes;
+
+    // Connect, retrying while this host's ringd is down or restarting.
+    char err[512] = "";
+    ringd_client *c = nullptr;
+    const double t_start = now_s();
+    int tries = 0;
+    for (;;) {
+        ++tries;
+        c = ringd_connect(o.socket.c_str(), o.group.c_str(), o.local_rank, o.local_size, slot_bytes, err, sizeof err);
+        if (c) break;
+        if (now_s() - t_start > o.connect_deadline_s || exists(o.stop_file)) {
+            std::printf("connect_failed t=%.6f tries=%d msg=%s\n", now_s(), tries, err);
+            return finish(2, "connect");
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));  // ringd is not there yet: nothing to wait on
+    }
+    std::printf("connected t=%.6f tries=%d\n", now_s(), tries);
+    size_t have = 0;
+    auto *base = static_cast<unsigned char *>(ringd_slot(c, &have));
+    if (!base || have < slot_bytes) {
+        ringd_close(c);
+        return finish(2, "slot of " + std::to_string(have) + " bytes, " + std::to_string(slot_bytes) + " asked");
+    }
+
+    // A trainer's own deadline per op: ringd owes an end within timeouts.op; past op + 10 s the op
+    // is given up (reported as hung) and the trainer exits, as ringd_wait(-1) would.
+    const double hard_deadline = o.op_timeout_ms / 1000.0 + 10.0;
+    std::vector<size_t> small, large;
+    for (size_t i = 0; i < kSpecs.size(); ++i) (kSpecs[i].large ? large : small).push_back(i);
+    bool failed = false;
+    std::string first_error;
+    uint64_t steps = 0;
+    for (int step = 0; !failed && !exists(o.stop_file); ++step) {
+        // The same draw on every rank: a function of (seed, step) only.
+        std::mt19937_64 rng(bench::mix64(o.seed * 0x9e3779b97f4a7c15ull + static_cast<uint64_t>(step)));
+        std::shuffle(small.begin(), small.end(), rng);
+        std::shuffle(large.begin(), large.end(), rng);
+        std::vector<size_t> pick;
+        for (int k = 0; k < o.ops_per_step; ++k)
+            pick.push_back(k % 2 ? large[static_cast<size_t>(k / 2) % large.size()] : small[static_cast<size_t>(k / 2) % small.size()]);
+        std::shuffle(pick.begin(), pick.end(), rng);
+
+        std::vector<InFlight> fl;
+        const double step_start = now_s();
+        for (size_t k = 0; k < pick.size(); ++k) {
+            const Prepared &p = prep[pick[k]];
+            InFlight f;
+            f.spec = pick[k];
+            // Guards salted per rank, spec and step: stale bytes of another rank or step do not match.
+            f.range = bench::GuardedRange{p.offset, p.spec.count, have, p.spec.dtype,
+                                          bench::mix64(grank * 0x10001 + pick[k] * 0x101 + static_cast<uint64_t>(step) * 0x1000193)};
+            bench::guard_fill(base, f.range.guard_begin(), p.offset, f.range.salt);
+            bench::guard_fill(base, p.offset + f.range.bytes(), f.range.guard_end(), f.range.salt);
+            std::memcpy(base + p.offset, p.input.data(), p.input.size());
+            f.submit = now_s();
+            const int rc = ringd_submit(c, p.offset, p.spec.count, static_cast<ringd_dtype>(p.spec.dtype),
+                                        static_cast<ringd_op>(p.spec.op), &f.ticket);
+            if (rc != 0) {
+                const std::string msg = std::string("submit: ") + ringd_last_error(c);
+                print_op(step, k, p, f, now_s(), rc, 0, 0, msg);
+                failed = true;
+                if (first_error.empty()) first_error = msg;
+                break;
+            }
+            fl.push_back(f);
+        }
+        // Wait for all of them, noting each one's end as it comes (not in submission order).
+        size_t left = fl.size();
+        bool step_ok = !failed;
+        // One wait on fl[k]; returns whether the op ended (success or error) or was given up.
+        auto wait_one = [&](size_t k, int timeout_ms) {
+            InFlight &f = fl[k];
+            const int rc = ringd_wait(c, f.ticket, timeout_ms);
+            const double end = now_s();
+            const std::string last = ringd_last_error(c);
+            const bool wait_timed_out = rc == -ETIMEDOUT && last.find("did not complete within") != std::string::npos;
+            if (wait_timed_out && end - f.submit <= hard_deadline) return false;
+            std::string msg = rc == 0 ? "" : last;
+            if (wait_timed_out) msg = "trainer deadline: no end within timeouts.op + 10 s";
+            f.done = true;
+            --left;
+            const Prepared &p = prep[f.spec];
+            // Guards are checked after every op, failed or not; values only after a success.
+            uint64_t wrong = 0;
+            const uint64_t guard = bench::guard_damage(base, f.range.guard_begin(), p.offset, f.range.salt) +
+                                   bench::guard_damage(base, p.offset + f.range.bytes(), f.range.guard_end(), f.range.salt);
+            if (rc == 0) {
+                for (size_t i = 0; i < p.spec.count; ++i) {
+                    const double got = bench::load(base + p.offset, i, p.spec.dtype);
+                    if (!(std::fabs(got - p.want[i]) <= p.tol * std::fabs(p.want[i]))) ++wrong;
+                }
+            } else {
+                step_ok = false;
+                if (!failed) first_error = msg;
+                failed = true;
+            }
+            print_op(step, k, p, f, end, rc, wrong, guard, msg);
+            return true;
+        };
+        while (left > 0) {
+            bool progressed = false;
+            for (size_t k = 0; k < fl.size(); ++k)
+                if (!fl[k].done && wait_one(k, 0)) progressed = true;
+            if (left > 0 && !progressed) {
+                // Block briefly on the oldest unfinished op, then poll the others again.
+                for (size_t k = 0; k < fl.size(); ++k)
+                    if (!fl[k].done) {
+                        wait_one(k, 2);
+                        break;
+                    }
+            }
+        }
+        if (step_ok && !failed) {
+            std::printf("step n=%d start=%.6f end=%.6f\n", step, step_start, now_s());
+            ++steps;
+        }
+        if (!failed && o.pause_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(o.pause_ms));
+    }
+    ringd_close(c);
+    if (failed) return finish(1, first_error);
+    return finish(0, "stop file after " + std::to_string(steps) + " steps");
+}
