@@ -19,6 +19,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "daemon/daemon.h"
@@ -32,6 +33,9 @@ namespace {
 constexpr uint32_t kCoordinator = 0;  // the first host in ring order
 // Contributions of peers that are ahead of this host are buffered up to this much per peer.
 constexpr uint64_t kMaxDirectBacklog = 512ull << 20;
+// How long past an op's deadline a host waits for the coordinator's decision before it fails
+// the op itself.
+constexpr auto kDecisionGrace = std::chrono::seconds(1);
 // OpFails for ops this host has not reached yet, kept at most this many.
 constexpr size_t kMaxFailedAhead = 4096;
 
@@ -145,8 +149,8 @@ void Daemon::queue_host_ops(std::vector<OpRun> &ready) {
     for (auto &run : ready) {
         HostOp op;
         for (MemberId m : run.members) op.slots.push_back(clients_.at(m)->slot());
+        op.deadline = run.deadline;  // from the first local submission, whatever comes next
         op.run = std::move(run);
-        op.deadline = deadline;
         insert(std::move(op));
     }
     ready.clear();
@@ -259,6 +263,8 @@ bool Daemon::flush_reports_now() {
             r.local_size = static_cast<uint32_t>(op.run.members.size());
             r.status = op.status;
             r.message = op.message;
+            r.remaining_ms = static_cast<uint32_t>(std::clamp<int64_t>(
+                std::chrono::duration_cast<std::chrono::milliseconds>(op.deadline - Clock::now()).count(), 0, UINT32_MAX));
             const uint64_t bytes = op.run.count * dtype_size(op.run.dtype);
             const Algorithm algorithm =
                 choose_algorithm(bytes, static_cast<uint32_t>(config_.hosts.size()), config_.tuning);
@@ -594,6 +600,7 @@ void Daemon::on_start(const proto::OpStart &s) {
     w.ring = true;
     w.generation = local_generation_;
     w.op_tag = static_cast<uint32_t>(s.op_id);
+    w.deadline = op.deadline;
     running_ring_[w.op_id] = local_generation_;
     engine_->post(std::move(w));
 }
@@ -628,6 +635,23 @@ void Daemon::expire_host_ops(Clock::time_point now) {
     // Ops waiting for a ring that does not come back in time.
     std::vector<Completion> completions;
     std::vector<OpRun> none;
+    // Reported ops the coordinator did not decide by their deadline (it decides by the earliest
+    // of the hosts' deadlines; this is for a coordinator that is gone or cut off).
+    for (auto it = reported_.begin(); it != reported_.end();) {
+        if (it->second.deadline + kDecisionGrace > now) {
+            ++it;
+            continue;
+        }
+        groups_.finished(it->second.run.op_id, -ETIMEDOUT,
+                         "group " + std::get<0>(it->first) + " op " + std::to_string(std::get<2>(it->first)) +
+                             " timed out after " + std::to_string(config_.timeouts.op.count()) +
+                             " ms: no decision from the coordinating host " + config_.hosts[kCoordinator].name,
+                         completions);
+        if (auto d = direct_.find(DirectKey{coord_generation_, std::get<0>(it->first), std::get<1>(it->first), std::get<2>(it->first)});
+            d != direct_.end())
+            drop_direct(d);
+        it = reported_.erase(it);
+    }
     const bool up = control_->ring_up() && coord_known_;
     for (auto &[group, q] : unreported_) {
         while (!q.empty() && q.front().deadline <= now) {

@@ -181,7 +181,7 @@ Result<std::string> get_group(const uint8_t *p) {
     return g;
 }
 
-constexpr size_t kOpReportFixed = 8 + kGroupNameBytes + 8 + 8 + 4 + 4 + 4 + 4 + 8;
+constexpr size_t kOpReportFixed = 8 + kGroupNameBytes + 8 + 8 + 4 + 4 + 4 + 4 + 8 + 4 + 4;
 constexpr size_t kOpStartBytes = 8 + kGroupNameBytes + 8 + 8 + 4 + 4 + 8;
 constexpr size_t kOpFailFixed = 8 + kGroupNameBytes + 8 + 4 + 4 + 8;
 constexpr size_t kGroupJoinBytes = 8 + kGroupNameBytes + 8 + 8;
@@ -198,6 +198,7 @@ void put_report_fixed(uint8_t *p, const OpReport &r) {
     le::put<uint32_t>(&p[96], r.local_size);
     le::put<int32_t>(&p[100], r.status);
     le::put<uint64_t>(&p[104], r.incarnation);
+    le::put<uint32_t>(&p[112], r.remaining_ms);
 }
 
 Result<OpReport> get_report_fixed(std::span<const uint8_t> p) {
@@ -214,6 +215,8 @@ Result<OpReport> get_report_fixed(std::span<const uint8_t> p) {
     r.local_size = le::get<uint32_t>(&p[96]);
     r.status = le::get<int32_t>(&p[100]);
     r.incarnation = le::get<uint64_t>(&p[104]);
+    r.remaining_ms = le::get<uint32_t>(&p[112]);
+    if (le::get<uint32_t>(&p[116]) != 0) return bad("op report's reserved field is not zero");
     if (r.incarnation == 0) return bad("op report without an incarnation");
     if (r.status > 0) return bad("op report status must be 0 or a negative errno");
     if (r.status == 0) {

@@ -92,6 +92,9 @@ struct OpReport {
     // Not on the wire: how the op runs (0 = ring; else the OpData kind it came with, see below).
     uint32_t algorithm = 0;
     uint64_t incarnation = 0;  // agreed (GroupIncarnation)
+    // Milliseconds left until the op's deadline on this host (its first local submission +
+    // timeouts.op): the coordinator decides by the earliest deadline of the hosts that reported.
+    uint32_t remaining_ms = 0;
 };
 struct OpStart {
     uint64_t generation = 0;
@@ -124,7 +127,7 @@ struct OpFail {
 // (mismatch, a host's local failure, a host that does not report in time) with OpFail, and
 // otherwise decides it without a message.
 enum class OpDataKind : uint32_t { OneShot = 1, TwoShotPart = 2, TwoShotResult = 3 };
-inline constexpr size_t kOpDataHeaderBytes = 112 + 8;  // the OpReport fields, kind, reserved
+inline constexpr size_t kOpDataHeaderBytes = 120 + 8;  // the OpReport fields, kind, reserved
 struct OpData {
     OpReport report;                // status 0, algorithm = 1 (one-shot) or 2 (two-shot)
     OpDataKind kind = OpDataKind::OneShot;

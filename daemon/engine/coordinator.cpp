@@ -1,5 +1,7 @@
 #include "daemon/engine/coordinator.h"
 
+#include <algorithm>
+
 #include "proto/types.h"
 
 namespace ringd {
@@ -193,6 +195,8 @@ void Coordinator::report(uint32_t host, const proto::OpReport &r, Clock::time_po
         p.deadline = now + op_timeout_;
     }
     if (p.by_host[host]) return;  // duplicate
+    // Decided by the earliest deadline of the hosts that submitted it.
+    p.deadline = std::min(p.deadline, now + std::chrono::milliseconds(r.remaining_ms));
     for (size_t h = 0; h < hosts_.size(); ++h) {
         if (!p.by_host[h]) continue;
         // Named in ring order, whichever came first.

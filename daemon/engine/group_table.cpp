@@ -137,6 +137,7 @@ void GroupTable::submit(MemberId id, const proto::Submission &s, Clock::time_poi
     run.count = s.count;
     run.dtype = s.dtype;
     run.op = s.op;
+    run.deadline = p.deadline;
     for (uint32_t r = 0; r < g.local_size; ++r) {
         run.members.push_back(*g.members[r]);
         run.offsets.push_back(p.by_rank[r]->offset);

@@ -41,6 +41,7 @@ struct OpRun {
     ReduceOp op = ReduceOp::Sum;
     std::vector<MemberId> members;  // index = local rank
     std::vector<uint64_t> offsets;  // index = local rank
+    Clock::time_point deadline;     // the first local rank's submission + timeouts.op
 };
 
 // An op of a group that ended on this host before it could start (mismatch between local

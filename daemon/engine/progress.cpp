@@ -212,7 +212,7 @@ EngineResult ProgressEngine::execute_ring(EngineWork &w) {
     op.aborted_generation = &aborted_generation_;
     op.generation = w.generation;
     const uint64_t sent0 = next_->bytes_sent(), recv0 = prev_->bytes_received();
-    Status s = ring_->run(pos_, op, Clock::now() + op_timeout_);
+    Status s = ring_->run(pos_, op, w.deadline != std::chrono::steady_clock::time_point{} ? w.deadline : Clock::now() + op_timeout_);
     bytes_to_next_ += next_->bytes_sent() - sent0;
     bytes_from_prev_ += prev_->bytes_received() - recv0;
     if (!s) {

@@ -44,6 +44,8 @@ struct EngineWork {
     bool ring = false;
     uint64_t generation = 0;
     uint32_t op_tag = 0;
+    // When the op must be over (its submission + timeouts.op); unset: op_timeout from its start.
+    std::chrono::steady_clock::time_point deadline{};
 };
 
 struct EngineResult {

@@ -405,6 +405,38 @@ TEST_CASE("a host whose trainer never submits: the others fail at the op timeout
     CHECK(c.status(0)["ring"]["generation"] == 1);  // an op timeout does not end the ring
 }
 
+TEST_CASE("an op fails within timeouts.op of its first submission, however late its other local ranks "
+          "submit it",
+          "[cluster][faults]") {
+    TestCluster c(2, options("3s", ""));
+    REQUIRE(c.wait_up());
+    auto cl = connect_all(c, "late", 2);  // host 0: ranks 0 and 1; host 1: ranks 2 and 3
+    for (const size_t count : {size_t{1000}, size_t{200000}}) {  // direct exchange, then the ring
+        INFO("count " << count);
+        const auto start = Clock::now();
+        const auto a = cl[0]->submit(0, count, RINGD_F32, RINGD_SUM);
+        std::this_thread::sleep_for(1500ms);  // host 0's second rank is late; host 1's never submit
+        const auto b = cl[1]->submit(0, count, RINGD_F32, RINGD_SUM);
+        for (auto [cli, t] : {std::pair{cl[0].get(), a}, {cl[1].get(), b}}) {
+            const Failure f = wait_failed(*cli, t, start);
+            INFO(f.message << " after " << f.after_s << " s");
+            CHECK(f.rc == -ETIMEDOUT);
+            CHECK_THAT(f.message, Catch::Contains("host(s) node1 did not submit it"));
+            CHECK(f.after_s >= 2.9);
+            CHECK(f.after_s < 3.6);  // the deadline runs from rank 0's submission, not from rank 1's
+        }
+        // Host 1's ranks submit late: told at once, and the group goes on.
+        const auto late = Clock::now();
+        const auto t2 = cl[2]->submit(0, count, RINGD_F32, RINGD_SUM), t3 = cl[3]->submit(0, count, RINGD_F32, RINGD_SUM);
+        for (auto [cli, t] : {std::pair{cl[2].get(), t2}, {cl[3].get(), t3}}) {
+            CHECK(ringd_wait(cli->get(), t, 10000) == -ETIMEDOUT);
+            CHECK_THAT(ringd_last_error(cli->get()), Catch::Contains("host(s) node1 did not submit it"));
+        }
+        CHECK(seconds_since(late) < 1.0);
+        allreduce_checked(cl, DType::F32, ReduceOp::Sum, count, 11);
+    }
+}
+
 TEST_CASE("other groups are not affected while one group's op waits and fails", "[cluster][faults]") {
     TestCluster c(3, options("5s", ""));
     REQUIRE(c.wait_up());

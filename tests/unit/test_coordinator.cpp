@@ -25,7 +25,7 @@ uint64_t agree(Coordinator &c, uint32_t hosts, const std::string &g = "g", uint6
 
 proto::OpReport ready(uint64_t inc, uint64_t seq, uint64_t count = 100, DType t = DType::F32,
                       ReduceOp op = ReduceOp::Sum, uint32_t local = 2, const std::string &g = "g") {
-    return {7, g, seq, count, static_cast<uint32_t>(t), static_cast<uint32_t>(op), local, 0, "", 0, inc};
+    return {7, g, seq, count, static_cast<uint32_t>(t), static_cast<uint32_t>(op), local, 0, "", 0, inc, 1000};
 }
 
 proto::OpReport failed(uint64_t inc, uint64_t seq, const std::string &why) {
@@ -142,6 +142,23 @@ TEST_CASE("hosts that do not report are named when the op times out", "[coordina
     REQUIRE(d.fails.size() == 3);
     CHECK(d.fails[0].second.code == -ETIMEDOUT);
     CHECK_THAT(d.fails[0].second.message, Catch::Contains("host(s) a, c did not submit it"));
+}
+
+TEST_CASE("an op is decided by the earliest deadline of the hosts that reported it", "[coordinator]") {
+    Coordinator c({"a", "b", "c"}, 1000ms);
+    c.reset(7);
+    const uint64_t inc = agree(c, 3);
+    Coordinator::Decisions d;
+    const auto t0 = Clock::now();
+    auto r = ready(inc, 1);
+    c.report(0, r, t0, d);
+    r.remaining_ms = 300;  // b submitted it 700 ms before it reported it
+    c.report(1, r, t0, d);
+    c.expire(t0 + 299ms, d);
+    CHECK(d.fails.empty());
+    c.expire(t0 + 300ms, d);
+    REQUIRE(d.fails.size() == 3);
+    CHECK_THAT(d.fails[0].second.message, Catch::Contains("host(s) c did not submit it"));
 }
 
 TEST_CASE("reports from another generation are ignored; reset forgets pending ops; a job that goes on keeps "

@@ -411,7 +411,7 @@ TEST_CASE("peer hellos are validated", "[proto]") {
 TEST_CASE("op negotiation frames round-trip and are validated", "[proto]") {
     const OpReport r{3, "grp", 9, 1000, 1, 3, 2, 0, "", 0, 0x1234};
     const Bytes f = encode_op_report(r);
-    CHECK(f.size() == kFrameHeaderBytes + 112 + 4);
+    CHECK(f.size() == kFrameHeaderBytes + 120 + 4);
     auto d = decode_op_report(payload_of(f));
     REQUIRE(d.ok());
     CHECK(d->generation == 3);
@@ -433,6 +433,12 @@ TEST_CASE("op negotiation frames round-trip and are validated", "[proto]") {
     q = p;
     std::fill(q.begin() + 104, q.begin() + 112, 0);  // no incarnation
     CHECK_FALSE(decode_op_report(q).ok());
+    q = p;
+    q[116] = 1;  // reserved, after remaining_ms
+    CHECK_FALSE(decode_op_report(q).ok());
+    OpReport timed = r;
+    timed.remaining_ms = 12345;
+    CHECK(decode_op_report(payload_of(encode_op_report(timed)))->remaining_ms == 12345);
 
     auto s = decode_op_start(payload_of(encode_op_start({3, "grp", 9, 44, 8, 77})));
     REQUIRE(s.ok());
@@ -473,7 +479,7 @@ TEST_CASE("op data frames carry the report and exactly count x dtype bytes (f32 
     std::memcpy(&f[op_data_offset()], v, sizeof v);
     // The same fixed fields as an op report, then the data.
     const Bytes rep = encode_op_report(r);
-    CHECK(std::equal(rep.begin() + kFrameHeaderBytes, rep.begin() + kFrameHeaderBytes + 112,
+    CHECK(std::equal(rep.begin() + kFrameHeaderBytes, rep.begin() + kFrameHeaderBytes + 120,
                      f.begin() + kFrameHeaderBytes));
     auto h = decode_frame_header(std::span(f).first(kFrameHeaderBytes), 1 << 20);
     REQUIRE(h.ok());
@@ -504,10 +510,10 @@ TEST_CASE("op data frames carry the report and exactly count x dtype bytes (f32 
     CHECK_FALSE(decode_op_data(q).ok());
     CHECK_FALSE(decode_op_data(Bytes(50, 0)).ok());
     q = p;
-    q[112] = 4;  // an unknown kind
+    q[120] = 4;  // an unknown kind
     CHECK_FALSE(decode_op_data(q).ok());
     q = p;
-    q[116] = 1;  // reserved
+    q[124] = 1;  // reserved
     CHECK_FALSE(decode_op_data(q).ok());
 
     // Two-shot frames carry a segment: at most count x dtype bytes, the receiver checks which.
