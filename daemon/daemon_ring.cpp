@@ -137,6 +137,17 @@ void Daemon::queue_host_ops(std::vector<OpRun> &ready) {
         q.insert(at, std::move(op));
     };
     for (auto &f : groups_.take_failures()) {
+        if (f.seq == proto::kIncarnationEnds) {
+            // Its ranks left while the hosts were agreeing on it: withdrawn at once, so that the
+            // coordinator does not agree on it with the others' next run.
+            auto run = runs_.find(f.group);
+            if (run != runs_.end() && run->second.local_id == f.local_id && run->second.join_sent &&
+                !run->second.agreed && control_->ring_up() && coord_known_) {
+                run->second.join_sent = false;
+                send_to_coordinator(
+                    proto::encode_group_join({coord_generation_, f.group, f.local_id, proto::kIncarnationEnds}));
+            }
+        }
         HostOp op;
         op.run.group = f.group;
         op.run.local_id = f.local_id;

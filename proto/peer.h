@@ -67,6 +67,7 @@ struct GroupJoin {
     std::string group;
     uint64_t local_id = 0;  // this host's incarnation of the group (unique on the host)
     uint64_t previous = 0;  // the agreed incarnation it ran as in an earlier generation; 0: fresh
+                            // kIncarnationEnds: withdrawn, its ranks left before it was agreed
 };
 struct GroupIncarnation {
     uint64_t generation = 0;

@@ -44,6 +44,13 @@ void Coordinator::join(uint32_t host, const proto::GroupJoin &j, Decisions &out)
     const uint32_t n = static_cast<uint32_t>(hosts_.size());
     GroupRun &run = groups_[j.group];
     run.joins.resize(n);
+    if (j.previous == proto::kIncarnationEnds) {
+        // Its ranks left before it was agreed: forgotten, or, agreed meanwhile, ended.
+        if (run.joins[host] && run.joins[host]->local_id == j.local_id) run.joins[host].reset();
+        if (Incarnation *cur = find(run.current); cur && cur->end_code == 0 && cur->local_ids[host] == j.local_id)
+            end(run.current, -ECONNABORTED, "group " + j.group + ": the ranks of host " + hosts_[host] + " left", out);
+        return;
+    }
     if (Incarnation *cur = find(run.current); cur && cur->end_code == 0) {
         if (cur->local_ids[host] == j.local_id) {
             // Part of it already (a repeat, or a new ring generation of the same coordinator):

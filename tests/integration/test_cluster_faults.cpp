@@ -437,6 +437,37 @@ TEST_CASE("an op fails within timeouts.op of its first submission, however late 
     }
 }
 
+// The op was submitted by every rank, so the ring may finish it: the other hosts' ranks get its
+// result, or the departure if it came first; the departed trainer's local peer is told of the
+// departure only once the progress thread gave the op back.
+TEST_CASE("a trainer that leaves while a large ring op moves data: its local peer is told only when nothing "
+          "writes its slot any more; the restarted job runs exact",
+          "[cluster][faults]") {
+    const std::string transport = GENERATE(std::string(), std::string(kIbverbsYaml));
+    INFO(transport);
+    TestCluster c(3, options("30s", "1s", transport, kBigSlotLimit));
+    REQUIRE(c.wait_up());
+    auto cl = connect_all(c, "leave", 2, kBigSlot);  // host 0: ranks 0 and 1
+    allreduce_checked(cl, DType::F32, ReduceOp::Sum, 1000, 1);
+    const auto t = start_big_op(cl, 0);
+    const auto fault = Clock::now();
+    cl[1].reset();  // host 0's second trainer goes away mid-op
+    const Failure f0 = wait_failed(*cl[0], t[0], fault);
+    INFO("rank 0: " << f0.message << " after " << f0.after_s << " s");
+    CHECK(f0.rc == -ECONNABORTED);
+    CHECK_THAT(f0.message, Catch::Contains("host node0 local rank 1 left"));
+    for (uint32_t g = 2; g < cl.size(); ++g) {
+        const Failure f = wait_failed(*cl[g], t[g], fault);
+        INFO("rank " << g << ": " << f.message << " after " << f.after_s << " s");
+        CHECK((f.rc == 0 || f.message.find("host node0 local rank 1 left") != std::string::npos));
+        CHECK(f.after_s < 5.0);
+    }
+    check_untouched(cl, {0});
+    cl.clear();
+    cl = connect_all(c, "leave", 2, kBigSlot);
+    allreduce_checked(cl, DType::F32, ReduceOp::Avg, 777777, 2);
+}
+
 TEST_CASE("other groups are not affected while one group's op waits and fails", "[cluster][faults]") {
     TestCluster c(3, options("5s", ""));
     REQUIRE(c.wait_up());

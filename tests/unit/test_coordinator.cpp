@@ -258,6 +258,24 @@ TEST_CASE("a job restarted on one host only: the hosts that go on are refused, t
     CHECK_THAT(d.fails.back().second.message, Catch::Contains("host b started it anew"));
 }
 
+TEST_CASE("a join withdrawn before the agreement is forgotten; withdrawn after it, the incarnation ends",
+          "[coordinator]") {
+    Coordinator c({"a", "b"}, 1000ms);
+    c.reset(7);
+    Coordinator::Decisions d;
+    c.join(1, {7, "g", 201, 0}, d);
+    c.join(1, {7, "g", 201, proto::kIncarnationEnds}, d);  // its ranks left
+    c.join(0, {7, "g", 101, 0}, d);
+    CHECK(d.groups.empty());  // not agreed with the withdrawn one
+    c.join(1, {7, "g", 202, 0}, d);
+    REQUIRE(d.groups.size() == 2);
+    const uint64_t inc = d.groups[0].second.incarnation;
+    c.join(1, {7, "g", 202, proto::kIncarnationEnds}, d);  // agreed, then withdrawn: it ends
+    c.report(0, ready(inc, 1), Clock::now(), d);
+    REQUIRE_FALSE(d.fails.empty());
+    CHECK_THAT(d.fails.back().second.message, Catch::Contains("the ranks of host b left"));
+}
+
 TEST_CASE("one-/two-shot ops are decided without a start; hosts on different algorithms fail the op",
           "[coordinator]") {
     Coordinator c({"a", "b", "c"}, 1000ms);
