@@ -106,6 +106,11 @@ struct SendWqe {
     uint8_t inline_data[kMaxInline];
     uint32_t seq = 0;
     Clock::time_point sent_at{};
+    // A real NIC completes a send only after its DMA engine has read the source: the TX thread
+    // sets on_wire once transmit() returned; a response that arrives before that (the responder
+    // can answer before sendmsg returns) waits in `response` until it is.
+    bool on_wire = false;
+    int response = -1;  // the responder's syndrome, once in
 };
 
 struct EmuQp {

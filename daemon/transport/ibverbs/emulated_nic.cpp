@@ -131,6 +131,19 @@ struct Gather {
     std::shared_ptr<EmuMr> mrs[kMaxSge];
 };
 
+// Completes an acknowledged (or refused) send; ctx->mu held.
+void finish_send(EmuQp *qp, const SendWqe &w, uint8_t syndrome) {
+    if (syndrome == kAck) {
+        complete_send(qp, w, IBV_WC_SUCCESS);
+        return;
+    }
+    complete_send(qp, w,
+                  syndrome == kNakAccess ? IBV_WC_REM_ACCESS_ERR
+                  : syndrome == kNakRnr  ? IBV_WC_RNR_RETRY_EXC_ERR
+                                         : IBV_WC_REM_INV_REQ_ERR);
+    qp_to_error(qp);
+}
+
 // Sends one request (header + payload) while holding each source region's DMA lock only around
 // non-blocking socket calls.
 bool transmit(EmuContext *c, int fd, const WireRequest &req, Gather &g, const SendWqe &w) {
@@ -258,7 +271,20 @@ bool run_send_queue(EmuContext *c, const std::shared_ptr<EmuQp> &qp, int budget)
             req.remote_addr = w.remote_addr;
             req.length = w.length;
         }
-        if (!transmit(c, fd, req, g, w)) {
+        if (transmit(c, fd, req, g, w)) {
+            std::lock_guard lock(c->mu);
+            // Only this thread appends, so the request is the newest in flight unless the
+            // acknowledgement timeout or an error took it already.
+            if (!qp->inflight.empty() && qp->inflight.back().seq == w.seq) qp->inflight.back().on_wire = true;
+            if (!qp->dead && !qp->inflight.empty() && qp->inflight.front().seq == w.seq &&
+                qp->inflight.front().response >= 0) {
+                SendWqe done = qp->inflight.front();
+                qp->inflight.pop_front();
+                finish_send(qp.get(), done, static_cast<uint8_t>(done.response));
+            }
+            continue;
+        }
+        {
             std::lock_guard lock(c->mu);
             if (!qp->dead && qp->qp.state == IBV_QPS_RTS) {
                 // The wire broke (the peer is gone) or the source region went away under the send.
@@ -400,17 +426,13 @@ bool Rx::read_responses(RxConn &k) {
         std::lock_guard lock(c_->mu);
         EmuQp *qp = k.qp.get();
         if (qp->dead || qp->inflight.empty() || qp->inflight.front().seq != resp.seq) continue;
-        SendWqe w = qp->inflight.front();
-        qp->inflight.pop_front();
-        if (resp.syndrome == kAck) {
-            complete_send(qp, w, IBV_WC_SUCCESS);
+        if (!qp->inflight.front().on_wire) {
+            qp->inflight.front().response = resp.syndrome;  // the TX thread completes it
             continue;
         }
-        complete_send(qp, w,
-                      resp.syndrome == kNakAccess ? IBV_WC_REM_ACCESS_ERR
-                      : resp.syndrome == kNakRnr  ? IBV_WC_RNR_RETRY_EXC_ERR
-                                                  : IBV_WC_REM_INV_REQ_ERR);
-        qp_to_error(qp);
+        SendWqe w = qp->inflight.front();
+        qp->inflight.pop_front();
+        finish_send(qp, w, resp.syndrome);
     }
 }
 
