@@ -201,7 +201,7 @@ int Daemon::run() {
             case kControl: control_->on_ready(); break;
             }
         }
-        take_held_submissions();
+        settle();
     }
     shutdown();
     return 0;
@@ -347,7 +347,7 @@ void Daemon::handle_hello(ClientConn &c, const proto::Hello &h) {
     c.joined(std::move(*slot), std::move(doorbell), std::move(completion), h.group, h.local_rank);
     ++live_slots_;
     spdlog::info("{} joined (local_size {}, slot {} bytes)", c.describe(), h.local_size, h.slot_bytes);
-    if (multi_host()) flush_reports();  // a new group asks the hosts to agree on its incarnation
+    // A new group asks the hosts to agree on its incarnation (settle, flush_reports).
 }
 
 void Daemon::send_status(ClientConn &c) {
@@ -362,14 +362,16 @@ void Daemon::on_doorbell(MemberId id) {
     take_submissions(id);
 }
 
-// Submissions that waited for credits, taken once completions freed them (after the event that
-// completed them, never from inside deliver).
-void Daemon::take_held_submissions() {
+// Submissions that waited for credits, taken once completions freed them (a step of settle,
+// never from inside the completion).
+bool Daemon::take_held_submissions() {
+    if (credit_waiters_.empty()) return false;
     while (!credit_waiters_.empty()) {
         const MemberId id = *credit_waiters_.begin();
         credit_waiters_.erase(credit_waiters_.begin());
         take_submissions(id);
     }
+    return true;
 }
 
 void Daemon::take_submissions(MemberId id) {
@@ -381,8 +383,7 @@ void Daemon::take_submissions(MemberId id) {
         drop(id, s.error(), true);
         return;
     }
-    std::vector<Completion> completions;
-    std::vector<OpRun> ready;
+    std::vector<Completion> &completions = done_;
     const auto now = Clock::now();
     for (const auto &d : descs) {
         if (!running_) {  // submitted while shutting down
@@ -401,14 +402,36 @@ void Daemon::take_submissions(MemberId id) {
             groups_.reject(id, d.seq, s.error().code, s.error().message, completions);
             continue;
         }
-        groups_.submit(id, *s, now, completions, ready);
+        groups_.submit(id, *s, now, completions, ready_);
     }
-    deliver(completions, ready);
 }
 
-void Daemon::deliver(std::vector<Completion> &completions, std::vector<OpRun> &ready) {
+// Applies what the last events caused, one step after another until nothing moves: completions
+// to the clients, ops that became ready, reports, frames to this host's own coordinator, the
+// control plane's events (ring up and down, the peers' frames) in the order they happened. No step
+// calls back into the one that caused it: each leaves its results in done_, ready_, the inbox or
+// the control plane's queue for a later step.
+void Daemon::settle() {
+    constexpr int kRounds = 64;  // anything left goes on at the next tick
+    for (int round = 0; round < kRounds; ++round) {
+        // This host's own work first (as it came in), then what the peers sent meanwhile.
+        bool moved = take_held_submissions();
+        moved |= complete_and_start();
+        if (multi_host() && coord_known_) moved |= flush_reports_now();
+        moved |= deliver_self_frames();
+        if (control_) moved |= control_->dispatch();
+        if (!moved) return;
+    }
+}
+
+// Completions to the clients; ops every local rank submitted go on to the other hosts (several
+// hosts) or to the engine (one host). Returns whether anything moved.
+bool Daemon::complete_and_start() {
+    bool moved = false;
     std::vector<std::pair<MemberId, Error>> bad;
     std::set<std::string> failures;
+    const std::vector<Completion> completions = std::exchange(done_, {});
+    moved |= !completions.empty();
     for (const auto &cm : completions) {
         if (cm.status != 0) failures.insert(cm.message);
         auto it = clients_.find(cm.member);
@@ -420,15 +443,11 @@ void Daemon::deliver(std::vector<Completion> &completions, std::vector<OpRun> &r
         spdlog::warn("{}", m);
         record_error(m);
     }
-    if (multi_host()) {
-        completions.clear();
-        queue_host_ops(ready);  // also picks up this host's local failures
-        for (auto &[id, e] : bad) drop(id, e, true);
-        return;
-    }
+    for (auto &[id, e] : bad) drop(id, e, true);
+    if (multi_host()) return queue_host_ops() || moved;  // also takes this host's local failures
     (void)groups_.take_failures();  // one host: nobody else needs to hear of them
-    std::vector<Completion> inline_done;
-    for (auto &run : ready) {
+    if (ready_.empty()) return moved;
+    for (auto &run : std::exchange(ready_, {})) {
         EngineWork w;
         w.op_id = run.op_id;
         w.dtype = run.dtype;
@@ -436,25 +455,39 @@ void Daemon::deliver(std::vector<Completion> &completions, std::vector<OpRun> &r
         w.count = run.count;
         w.avg_divisor = static_cast<uint32_t>(run.members.size());
         w.offsets = std::move(run.offsets);
-        for (MemberId m : run.members) w.slots.push_back(clients_.at(m)->slot());  // members are live here
+        if (!slots_of(run, w.slots)) {
+            groups_.finished(run.op_id, -ECONNRESET, run_left(run), done_);
+            continue;
+        }
         const uint64_t total = run.count * dtype_size(run.dtype) * run.members.size();
         if (total <= kInlineOpBytes && engine_->in_flight() == 0) {
             // Nothing queued on the progress thread, so this cannot overtake an earlier op.
             EngineResult r = ProgressEngine::execute(w);
-            groups_.finished(r.op_id, r.status, r.message, inline_done);
+            groups_.finished(r.op_id, r.status, r.message, done_);
         } else {
             engine_->post(std::move(w));
         }
     }
-    completions.clear();
-    ready.clear();
-    for (auto &[id, e] : bad) drop(id, e, true);
-    if (!inline_done.empty()) deliver(inline_done, ready);
+    return true;
+}
+
+// The slots of an op's local ranks; false if one of them left after the op was matched (its
+// group fails the op then, GroupTable::leave, whatever status finished() is given).
+bool Daemon::slots_of(const OpRun &run, std::vector<std::shared_ptr<Slot>> &slots) const {
+    for (MemberId m : run.members) {
+        auto it = clients_.find(m);
+        if (it == clients_.end() || it->second->state() != ClientConn::State::Joined) return false;
+        slots.push_back(it->second->slot());
+    }
+    return true;
+}
+
+std::string Daemon::run_left(const OpRun &run) {
+    return "group " + run.group + " op " + std::to_string(run.seq) + ": a local rank left";
 }
 
 void Daemon::on_engine_results() {
-    std::vector<Completion> completions;
-    std::vector<OpRun> ready;
+    std::vector<Completion> &completions = done_;
     std::string link_failure;
     for (auto &r : engine_->take_results()) {
         const bool ring_ending = r.link_failed && control_ && r.generation == local_generation_;
@@ -465,7 +498,7 @@ void Daemon::on_engine_results() {
             // progress thread is done with their slots.
             groups_.finished(r.op_id, -ECONNABORTED, e->second, completions);
             ended_ring_.erase(e);
-        } else if (ring_ending && control_->ring_up()) {
+        } else if (ring_ending && coord_known_) {
             // An op that ended with its link stays running until the generation's end fails it
             // with the reason that names the host at fault.
             held_ring_.insert(r.op_id);
@@ -475,7 +508,6 @@ void Daemon::on_engine_results() {
         }
     }
     // The results (and the slot references they carried back) are released here, on this thread.
-    deliver(completions, ready);
     if (!link_failure.empty()) control_->data_link_failed(link_failure);
 }
 
@@ -487,10 +519,7 @@ void Daemon::on_timer() {
     for (const auto &[id, c] : clients_)
         if (c->state() == ClientConn::State::Handshake && c->hello_deadline() <= now) late.push_back(id);
     for (MemberId id : late) drop(id, make_error(-ETIMEDOUT, "no hello within 5 s"), true);
-    std::vector<Completion> completions;
-    std::vector<OpRun> ready;
-    groups_.expire(now, completions);
-    deliver(completions, ready);
+    groups_.expire(now, done_);
     if (control_) {
         control_->tick(now);
         expire_host_ops(now);
@@ -525,10 +554,7 @@ void Daemon::drop(MemberId id, const Error &why, bool tell_client) {
             spdlog::warn("{} dropped: {}", c->describe(), why.message);
             record_error(c->describe() + " dropped: " + why.message);
         }
-        std::vector<Completion> completions;
-        std::vector<OpRun> ready;
-        groups_.leave(id, completions);
-        deliver(completions, ready);
+        groups_.leave(id, done_);
     } else if (why.code != 0 && why.code != -ECONNRESET) {
         spdlog::warn("{} dropped: {}", c->describe(), why.message);
         record_error(c->describe() + " dropped: " + why.message);
@@ -551,10 +577,8 @@ void Daemon::shutdown() {
     for (const auto &[id, c] : clients_)
         if (c->state() == ClientConn::State::Joined) joined.push_back(id);
     for (MemberId id : joined) on_doorbell(id);
-    std::vector<Completion> completions;
-    std::vector<OpRun> ready;
-    groups_.fail_everything("ringd is shutting down", completions);
-    deliver(completions, ready);
+    groups_.fail_everything("ringd is shutting down", done_);
+    settle();
     if (control_) engine_->ring_down(local_generation_);  // a ring op in progress returns at once
     engine_->stop();
     (void)engine_->take_results();

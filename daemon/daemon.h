@@ -45,13 +45,16 @@ private:
     void on_client_readable(MemberId id);
     void on_doorbell(MemberId id);
     void take_submissions(MemberId id);
-    void take_held_submissions();
+    bool take_held_submissions();
     void on_engine_results();
     void on_timer();
     void handle_hello(ClientConn &c, const proto::Hello &h);
     void send_status(ClientConn &c);
     void drop(MemberId id, const Error &why, bool tell_client);
-    void deliver(std::vector<Completion> &completions, std::vector<OpRun> &ready);
+    void settle();
+    bool complete_and_start();
+    bool slots_of(const OpRun &run, std::vector<std::shared_ptr<Slot>> &slots) const;
+    static std::string run_left(const OpRun &run);
     void record_error(const std::string &message);
     void shutdown();
     std::string status_json() const;
@@ -73,9 +76,9 @@ private:
     void try_progress_direct(const std::string &group, uint64_t incarnation, uint64_t seq);
     void drop_direct(std::map<DirectKey, DirectState>::iterator it);
     void drop_direct_before(uint64_t generation);
-    void queue_host_ops(std::vector<OpRun> &ready);
-    void flush_reports();
+    bool queue_host_ops();
     bool flush_reports_now();
+    bool deliver_self_frames();
     bool join_groups();
     void send_to_coordinator(const proto::Bytes &frame);
     void on_group_incarnation(const proto::GroupIncarnation &g);
@@ -171,7 +174,12 @@ private:
     bool coord_known_ = false;
     std::string ring_down_reason_ = "the ring has not formed yet";
     std::string last_abort_;  // for status: empty until a generation has been aborted
-    bool flushing_ = false;
+    // What events caused, applied by settle(): completions for the clients, ops every local rank
+    // submitted, and frames this host (the coordinator) sent itself.
+    std::vector<Completion> done_;
+    std::vector<OpRun> ready_;
+    std::vector<Frame> self_inbox_;
+    std::vector<proto::OpReport> self_reports_;  // one-/two-shot reports (their OpData's, to others)
     // Per-link throughput, sampled every second by on_timer.
     Clock::time_point rate_at_{};
     uint64_t rate_bytes_next_ = 0, rate_bytes_prev_ = 0;

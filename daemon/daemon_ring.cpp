@@ -87,7 +87,6 @@ void Daemon::on_ring_up(uint64_t generation, std::vector<UniqueFd> to_next, std:
     spdlog::info("ring generation {} is up ({} hosts)", generation, n);
     // For `systemctl status ringd` (and tests, which wait for it on their NOTIFY_SOCKET).
     ::sd_notifyf(0, "STATUS=ring generation %llu up (%u hosts)", static_cast<unsigned long long>(generation), n);
-    flush_reports();
 }
 
 void Daemon::on_ring_down(const std::string &why) {
@@ -98,8 +97,9 @@ void Daemon::on_ring_down(const std::string &why) {
     ::sd_notifyf(0, "STATUS=%s", ring_down_reason_.c_str());
     coord_known_ = false;
     coord_generation_used_ = coord_generation_;
-    std::vector<Completion> completions;
-    std::vector<OpRun> none;
+    self_inbox_.clear();  // frames of the generation that ended
+    self_reports_.clear();
+    std::vector<Completion> &completions = done_;
     // Everything that is ready here fails, so that no host carries an op into the next
     // generation that the others failed.
     for (auto &[key, op] : reported_) groups_.finished(op.run.op_id, -ECONNABORTED, ring_down_reason_, completions);
@@ -121,14 +121,17 @@ void Daemon::on_ring_down(const std::string &why) {
         run.join_sent = false;
     }
     drop_direct_before(coord_generation_used_ + 1);
-    deliver(completions, none);
 }
 
 void Daemon::drop_direct_before(uint64_t generation) {
     while (!direct_.empty() && std::get<0>(direct_.begin()->first) < generation) drop_direct(direct_.begin());
 }
 
-void Daemon::queue_host_ops(std::vector<OpRun> &ready) {
+// This host's local failures and the ops every local rank submitted, queued for reporting in
+// local order. Returns whether there were any.
+bool Daemon::queue_host_ops() {
+    std::vector<LocalFailure> failures = groups_.take_failures();
+    if (failures.empty() && ready_.empty()) return false;
     const auto deadline = Clock::now() + config_.timeouts.op;
     auto insert = [&](HostOp op) {
         auto &q = unreported_[op.run.group];
@@ -136,13 +139,13 @@ void Daemon::queue_host_ops(std::vector<OpRun> &ready) {
         while (at != q.begin() && std::prev(at)->run.seq > op.run.seq) --at;  // local order = seq order
         q.insert(at, std::move(op));
     };
-    for (auto &f : groups_.take_failures()) {
+    for (auto &f : failures) {
         if (f.seq == proto::kIncarnationEnds) {
             // Its ranks left while the hosts were agreeing on it: withdrawn at once, so that the
             // coordinator does not agree on it with the others' next run.
             auto run = runs_.find(f.group);
             if (run != runs_.end() && run->second.local_id == f.local_id && run->second.join_sent &&
-                !run->second.agreed && control_->ring_up() && coord_known_) {
+                !run->second.agreed && coord_known_) {
                 run->second.join_sent = false;
                 send_to_coordinator(
                     proto::encode_group_join({coord_generation_, f.group, f.local_id, proto::kIncarnationEnds}));
@@ -157,27 +160,21 @@ void Daemon::queue_host_ops(std::vector<OpRun> &ready) {
         op.deadline = deadline;
         insert(std::move(op));
     }
-    for (auto &run : ready) {
+    for (auto &run : std::exchange(ready_, {})) {
         HostOp op;
-        for (MemberId m : run.members) op.slots.push_back(clients_.at(m)->slot());
+        if (!slots_of(run, op.slots)) {
+            groups_.finished(run.op_id, -ECONNRESET, run_left(run), done_);
+            continue;
+        }
         op.deadline = run.deadline;  // from the first local submission, whatever comes next
         op.run = std::move(run);
         insert(std::move(op));
     }
-    ready.clear();
-    flush_reports();
+    return true;
 }
 
-void Daemon::flush_reports() {
-    if (!control_ || !control_->ring_up() || !coord_known_ || flushing_) return;
-    flushing_ = true;
-    // Reports can make more (a local failure delivered on the way, an incarnation agreed by this
-    // host's own coordinator): go on while they do.
-    for (int round = 0; round < 16 && flush_reports_now() && control_->ring_up() && coord_known_; ++round) {
-    }
-    flushing_ = false;
-}
-
+// To the coordinator; on the coordinating host itself, through the inbox that settle() empties
+// (deliver_self_frames), like a frame from a peer.
 void Daemon::send_to_coordinator(const proto::Bytes &frame) {
     if (self_index_ != kCoordinator) {
         (void)control_->send(kCoordinator, frame);
@@ -186,7 +183,14 @@ void Daemon::send_to_coordinator(const proto::Bytes &frame) {
     Frame f;
     f.type = static_cast<proto::FrameType>(frame[6] | (frame[7] << 8));
     f.payload.assign(frame.begin() + proto::kFrameHeaderBytes, frame.end());
-    on_peer_message(self_index_, f);
+    self_inbox_.push_back(std::move(f));
+}
+
+bool Daemon::deliver_self_frames() {
+    if (self_inbox_.empty() && self_reports_.empty()) return false;
+    for (auto &f : std::exchange(self_inbox_, {})) on_peer_message(self_index_, f);
+    for (auto &r : std::exchange(self_reports_, {})) on_report(self_index_, r);
+    return true;
 }
 
 // Every group there is here asks the coordinator to agree on its incarnation as soon as it
@@ -202,7 +206,6 @@ bool Daemon::join_groups() {
         run.join_sent = true;
         sent = true;
         send_to_coordinator(proto::encode_group_join({coord_generation_, group, run.local_id, run.previous}));
-        if (!control_->ring_up()) break;
     }
     return sent;
 }
@@ -211,7 +214,6 @@ bool Daemon::join_groups() {
 // is agreed; asks for the agreement first. Returns whether anything moved.
 bool Daemon::flush_reports_now() {
     bool moved = join_groups();
-    if (!control_->ring_up()) return moved;
     for (auto qit = unreported_.begin(); qit != unreported_.end();) {
         const std::string group = qit->first;
         auto &q = qit->second;
@@ -230,13 +232,10 @@ bool Daemon::flush_reports_now() {
                 q.pop_front();
                 moved = true;
                 if (op.status != 0) continue;
-                std::vector<Completion> completions;
-                std::vector<OpRun> none;
                 groups_.finished(op.run.op_id, run.refused_code != 0 ? run.refused_code : -ECONNABORTED,
                                  "group " + group + " op " + std::to_string(op.run.seq) + ": " +
                                      (run.refused_code != 0 ? run.refused : "its local ranks left"),
-                                 completions);
-                deliver(completions, none);
+                                 done_);
                 continue;
             }
             if (!run.agreed) {
@@ -244,7 +243,6 @@ bool Daemon::flush_reports_now() {
                     run.join_sent = true;
                     moved = true;
                     send_to_coordinator(proto::encode_group_join({coord_generation_, group, run.local_id, run.previous}));
-                    if (!control_->ring_up()) return moved;
                 }
                 break;  // until GroupIncarnation comes
             }
@@ -254,12 +252,7 @@ bool Daemon::flush_reports_now() {
             if (op.run.seq != proto::kIncarnationEnds) run.last_seq = std::max(run.last_seq, op.run.seq);
             if (auto ahead = failed_ahead_.find(OpKey{group, run.agreed, op.run.seq}); ahead != failed_ahead_.end()) {
                 // The coordinator failed it already: no report is needed.
-                if (op.status == 0) {
-                    std::vector<Completion> completions;
-                    std::vector<OpRun> none;
-                    groups_.finished(op.run.op_id, ahead->second.first, ahead->second.second, completions);
-                    deliver(completions, none);
-                }
+                if (op.status == 0) groups_.finished(op.run.op_id, ahead->second.first, ahead->second.second, done_);
                 failed_ahead_.erase(ahead);
                 continue;
             }
@@ -281,12 +274,10 @@ bool Daemon::flush_reports_now() {
                 choose_algorithm(bytes, static_cast<uint32_t>(config_.hosts.size()), config_.tuning);
             if (op.status == 0 && algorithm != Algorithm::Ring) {
                 report_direct(std::move(op), std::move(r), algorithm);
-                if (!control_->ring_up()) return moved;
                 continue;
             }
             if (op.status == 0) reported_[OpKey{group, r.incarnation, r.seq}] = std::move(op);
             send_to_coordinator(proto::encode_op_report(r));
-            if (!control_->ring_up()) return moved;  // a send failure ended the generation
         }
         // A group gone here with nothing left to report is forgotten.
         auto run = runs_.find(group);
@@ -313,7 +304,6 @@ void Daemon::on_group_incarnation(const proto::GroupIncarnation &g) {
     } else {
         run.agreed = g.incarnation;
     }
-    flush_reports();
 }
 
 namespace {
@@ -372,12 +362,11 @@ void Daemon::report_direct(HostOp op, proto::OpReport r, Algorithm algorithm) {
             local_reduce_into(kept, part.data() + proto::op_data_offset(), b, e - b);
             (void)control_->send(h, part);
         }
-        if (!control_->ring_up()) return;  // a send failure ended the generation (and failed the op)
     }
     // This host's own part: the whole contribution (one-shot), or its segment, which stays in
     // the local slots (two-shot).
     add_contribution(self_index_, r, std::move(own), proto::op_data_offset());
-    if (self_index_ == kCoordinator) on_report(self_index_, r);
+    if (self_index_ == kCoordinator) self_reports_.push_back(r);  // with its algorithm, which OpData implies
     try_progress_direct(std::get<0>(key), std::get<1>(key), std::get<2>(key));
 }
 
@@ -505,19 +494,15 @@ void Daemon::try_progress_direct(const std::string &group, uint64_t incarnation,
             for (uint32_t h = 0; h < n; ++h) {
                 if (h == self_index_) continue;
                 (void)control_->send(h, result);
-                if (!control_->ring_up()) return;  // the generation ended (and failed the op)
             }
             return try_progress_direct(group, incarnation, seq);
         }
     }
     if (op.algorithm == Algorithm::TwoShot && st.results < n) return;
     ++(op.algorithm == Algorithm::OneShot ? ops_one_shot_ : ops_two_shot_);
-    std::vector<Completion> completions;
-    std::vector<OpRun> none;
-    groups_.finished(op.run.op_id, 0, {}, completions);
+    groups_.finished(op.run.op_id, 0, {}, done_);
     reported_.erase(rep);
     drop_direct(it);
-    deliver(completions, none);
 }
 
 void Daemon::on_peer_message(uint32_t host, Frame &frame) {
@@ -630,22 +615,18 @@ void Daemon::on_fail(const proto::OpFail &f) {
         }
         return;
     }
-    std::vector<Completion> completions;
-    std::vector<OpRun> none;
-    groups_.finished(it->second.run.op_id, f.code, f.message, completions);
+    groups_.finished(it->second.run.op_id, f.code, f.message, done_);
     reported_.erase(it);
-    deliver(completions, none);
 }
 
 void Daemon::expire_host_ops(Clock::time_point now) {
-    if (coordinator_ && control_->ring_up()) {
+    if (coordinator_ && coord_known_) {
         Coordinator::Decisions d;
         coordinator_->expire(now, d);
         broadcast(d);
     }
     // Ops waiting for a ring that does not come back in time.
-    std::vector<Completion> completions;
-    std::vector<OpRun> none;
+    std::vector<Completion> &completions = done_;
     // Reported ops the coordinator did not decide by their deadline (it decides by the earliest
     // of the hosts' deadlines; this is for a coordinator that is gone or cut off).
     for (auto it = reported_.begin(); it != reported_.end();) {
@@ -663,7 +644,7 @@ void Daemon::expire_host_ops(Clock::time_point now) {
             drop_direct(d);
         it = reported_.erase(it);
     }
-    const bool up = control_->ring_up() && coord_known_;
+    const bool up = coord_known_;
     for (auto &[group, q] : unreported_) {
         while (!q.empty() && q.front().deadline <= now) {
             if (q.front().status == 0)
@@ -677,7 +658,6 @@ void Daemon::expire_host_ops(Clock::time_point now) {
             q.pop_front();
         }
     }
-    deliver(completions, none);
 }
 
 }  // namespace ringd

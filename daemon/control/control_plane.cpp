@@ -141,6 +141,7 @@ void ControlPlane::on_ready() {
         if (events[i].data.u64 == kListenerId) accept_all();
         else on_conn(events[i].data.u64, events[i].events);
     }
+    dispatch();
 }
 
 void ControlPlane::accept_all() {
@@ -276,8 +277,11 @@ void ControlPlane::on_conn(uint64_t id, uint32_t events) {
             if (conns_.find(id) == conns_.end()) return;
             continue;
         }
-        if (cb_.message) cb_.message(c.peer, **f);
-        if (conns_.find(id) == conns_.end()) return;  // the callback may have closed it
+        Event e;
+        e.kind = Event::Kind::Message;
+        e.host = c.peer;
+        e.frame = std::move(**f);
+        events_.push_back(std::move(e));
     }
 }
 
@@ -413,7 +417,12 @@ void ControlPlane::on_ring_start(uint64_t g) {
     links_ready_ = false;
     generation_ = g;
     spdlog::info("ring up: generation {}, {} hosts", generation_, n_);
-    if (cb_.ring_up) cb_.ring_up(generation_, std::move(out), std::move(in));
+    Event e;
+    e.kind = Event::Kind::RingUp;
+    e.generation = generation_;
+    e.to_next = std::move(out);
+    e.from_prev = std::move(in);
+    events_.push_back(std::move(e));
 }
 
 void ControlPlane::on_ring_abort(const proto::RingAbort &a) {
@@ -495,7 +504,32 @@ void ControlPlane::abort_ring(const std::string &why, bool tell_peers) {
     for (uint64_t id : data_in_)
         if (id) close_conn(id);
     next_data_dial_ = Clock::now() + kRedial;
-    if (cb_.ring_down) cb_.ring_down(why);
+    Event e;
+    e.kind = Event::Kind::RingDown;
+    e.why = why;
+    events_.push_back(std::move(e));
+}
+
+bool ControlPlane::dispatch() {
+    if (dispatching_ || events_.empty()) return false;
+    dispatching_ = true;
+    while (!events_.empty()) {
+        Event e = std::move(events_.front());
+        events_.pop_front();
+        switch (e.kind) {
+        case Event::Kind::RingUp:
+            if (cb_.ring_up) cb_.ring_up(e.generation, std::move(e.to_next), std::move(e.from_prev));
+            break;
+        case Event::Kind::RingDown:
+            if (cb_.ring_down) cb_.ring_down(e.why);
+            break;
+        case Event::Kind::Message:
+            if (cb_.message) cb_.message(e.host, e.frame);
+            break;
+        }
+    }
+    dispatching_ = false;
+    return true;
 }
 
 void ControlPlane::data_link_failed(const std::string &why) {
@@ -540,6 +574,7 @@ void ControlPlane::tick(Clock::time_point now) {
     for (uint32_t i = 0; i < n_; ++i)
         if (peers_[i].control && now - peers_[i].last_heard > kMissedHeartbeats * hb)
             peer_failed(i, "no heartbeat for " + std::to_string(kMissedHeartbeats * hb.count()) + " ms (hung or unreachable)");
+    dispatch();
 }
 
 Status ControlPlane::send(uint32_t host_index, const proto::Bytes &frame) {

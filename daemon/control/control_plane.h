@@ -37,6 +37,10 @@ namespace ringd {
 
 class ControlPlane {
 public:
+    // The callbacks run only from dispatch() (which on_ready() and tick() end with), in the order
+    // their events happened — never from inside send() or data_link_failed(): a send that fails
+    // takes the ring down at once (ring_up() is false from then on), but the owner hears of it
+    // only between its own steps.
     struct Callbacks {
         // The ring is up as `generation`: sockets to the next host, and from the previous one.
         std::function<void(uint64_t generation, std::vector<UniqueFd> to_next, std::vector<UniqueFd> from_prev)> ring_up;
@@ -63,6 +67,9 @@ public:
 
     int fd() const { return epoll_.get(); }  // readable when on_ready() has work
     void on_ready();
+    // Runs the callbacks of the events queued since the last call, in order (including those of
+    // events the callbacks cause). Returns whether there were any.
+    bool dispatch();
     // Dials, retries, heartbeats and deadlines; call every ~100 ms.
     void tick(Clock::time_point now);
     // The engine found a data link broken: the generation is over. The abort waits a moment
@@ -147,6 +154,16 @@ private:
     const PeerSecret *secret_ = nullptr;
     PeerSecret no_secret_;
     Callbacks cb_;
+    struct Event {
+        enum class Kind { RingUp, RingDown, Message } kind = Kind::Message;
+        uint64_t generation = 0;
+        std::vector<UniqueFd> to_next, from_prev;
+        std::string why;
+        uint32_t host = 0;
+        Frame frame;
+    };
+    std::deque<Event> events_;
+    bool dispatching_ = false;
     UniqueFd epoll_;
     UniqueFd listener_;
     std::vector<Peer> peers_;
