@@ -71,10 +71,14 @@ private:
     using DirectKey = std::tuple<uint64_t, std::string, uint64_t, uint64_t>;  // generation, OpKey
     void local_reduce_into(const HostOp &op, void *dst, uint64_t begin, uint64_t elems);
     void report_direct(HostOp op, proto::OpReport r, Algorithm algorithm);
+    std::string direct_send_over_bound(const proto::OpReport &r, DType dtype, ReduceOp op, Algorithm algorithm) const;
     void add_contribution(uint32_t host, const proto::OpReport &r, proto::Bytes buf, size_t offset);
     void on_two_shot_result(uint32_t host, const proto::OpReport &r, std::span<const uint8_t> data);
     void try_progress_direct(const std::string &group, uint64_t incarnation, uint64_t seq);
     void drop_direct(std::map<DirectKey, DirectState>::iterator it);
+    struct Contribution;
+    void release_part(const std::string &group, uint32_t host, Contribution &c);
+    void fail_ahead(const proto::OpReport &data, int32_t code, const std::string &why);
     void drop_direct_before(uint64_t generation);
     bool queue_host_ops();
     bool flush_reports_now();
@@ -165,6 +169,7 @@ private:
     };
     std::map<DirectKey, DirectState> direct_;
     std::vector<uint64_t> direct_bytes_;  // buffered per host
+    std::map<std::string, uint64_t> direct_group_bytes_;  // buffered per group
     std::vector<const void *> direct_srcs_;
     std::vector<void *> direct_dsts_;
     uint64_t ops_one_shot_ = 0, ops_two_shot_ = 0, ops_ring_ = 0;

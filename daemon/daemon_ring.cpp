@@ -31,8 +31,14 @@ namespace ringd {
 namespace {
 
 constexpr uint32_t kCoordinator = 0;  // the first host in ring order
-// Contributions of peers that are ahead of this host are buffered up to this much per peer.
+// One- and two-shot data of peers that are ahead of this host is buffered up to this much per
+// peer and per group; beyond, the op fails everywhere with an error that names the bound. Honest
+// peers stay far below: a group is at most local_size x the completion-queue depth ops ahead.
 constexpr uint64_t kMaxDirectBacklog = 512ull << 20;
+constexpr uint64_t kMaxDirectGroupBacklog = 256ull << 20;
+// An op's one-/two-shot data goes out only while the queue to each host stays under this (half
+// of ControlPlane::kMaxBacklog, past which the link fails): beyond, the op fails by name here.
+constexpr uint64_t kMaxDirectSendBacklog = ControlPlane::kMaxBacklog / 2;
 // How long past an op's deadline a host waits for the coordinator's decision before it fails
 // the op itself.
 constexpr auto kDecisionGrace = std::chrono::seconds(1);
@@ -273,6 +279,14 @@ bool Daemon::flush_reports_now() {
             const Algorithm algorithm =
                 choose_algorithm(bytes, static_cast<uint32_t>(config_.hosts.size()), config_.tuning);
             if (op.status == 0 && algorithm != Algorithm::Ring) {
+                if (std::string why = direct_send_over_bound(r, op.run.dtype, op.run.op, algorithm); !why.empty()) {
+                    // Reported as this host's failure: it fails on every host, named.
+                    groups_.finished(op.run.op_id, -ENOBUFS, why, done_);
+                    r.status = -ENOBUFS;
+                    r.message = why;
+                    send_to_coordinator(proto::encode_op_report(r));
+                    continue;
+                }
                 report_direct(std::move(op), std::move(r), algorithm);
                 continue;
             }
@@ -337,6 +351,24 @@ void Daemon::local_reduce_into(const HostOp &op, void *dst, uint64_t begin, uint
     reduce(a);
 }
 
+// Why this host cannot send its data of a one-/two-shot op now (a peer's queue is over its
+// bound), or "" when it can.
+std::string Daemon::direct_send_over_bound(const proto::OpReport &r, DType dtype, ReduceOp op, Algorithm algorithm) const {
+    const uint32_t n = static_cast<uint32_t>(config_.hosts.size());
+    const uint64_t ps = dtype_size(partial_dtype(dtype, op));
+    for (uint32_t h = 0; h < n; ++h) {
+        if (h == self_index_) continue;
+        const uint64_t elems = algorithm == Algorithm::OneShot ? r.count : seg_begin(r.count, n, h + 1) - seg_begin(r.count, n, h);
+        const uint64_t queued = control_->queued_bytes(h);
+        if (queued + elems * ps > kMaxDirectSendBacklog)
+            return "group " + r.group + " op " + std::to_string(r.seq) + ": host " + host_ + "'s queue to host " +
+                   config_.hosts[h].name + " holds " + std::to_string(queued >> 20) + " MiB, over its bound of " +
+                   std::to_string(kMaxDirectSendBacklog >> 20) + " MiB (host " + config_.hosts[h].name +
+                   " is not taking one-/two-shot data as fast as it comes)";
+    }
+    return {};
+}
+
 // One-shot: this host's contribution goes to every other host. Two-shot: segment j of it goes
 // to host j. Either way the local ranks are reduced straight into the frames.
 void Daemon::report_direct(HostOp op, proto::OpReport r, Algorithm algorithm) {
@@ -376,13 +408,39 @@ void Daemon::add_contribution(uint32_t host, const proto::OpReport &r, proto::By
     st.got_result.resize(config_.hosts.size(), 0);
     if (st.parts[host]) return;  // a duplicate
     direct_bytes_[host] += buf.size();
+    direct_group_bytes_[r.group] += buf.size();
     st.parts[host] = Contribution{r, std::move(buf), offset};
 }
 
+// The data of a part is used up (reduced) or dropped.
+void Daemon::release_part(const std::string &group, uint32_t host, Contribution &c) {
+    direct_bytes_[host] -= c.buf.size();
+    auto g = direct_group_bytes_.find(group);
+    if (g != direct_group_bytes_.end() && (g->second -= c.buf.size()) == 0) direct_group_bytes_.erase(g);
+    c.buf = {};
+}
+
 void Daemon::drop_direct(std::map<DirectKey, DirectState>::iterator it) {
-    for (size_t h = 0; h < it->second.parts.size(); ++h)
-        if (it->second.parts[h]) direct_bytes_[h] -= it->second.parts[h]->buf.size();
+    for (uint32_t h = 0; h < it->second.parts.size(); ++h)
+        if (it->second.parts[h]) release_part(std::get<1>(it->first), h, *it->second.parts[h]);
     direct_.erase(it);
+}
+
+// This host cannot keep host `host`'s data of an op it has not reached: the op fails on every
+// host with `why`, through the coordinator, which takes the report as one for an op ahead (it
+// says nothing of how far this host got).
+void Daemon::fail_ahead(const proto::OpReport &data, int32_t code, const std::string &why) {
+    spdlog::warn("{}", why);
+    record_error(why);
+    proto::OpReport r;
+    r.generation = data.generation;
+    r.group = data.group;
+    r.incarnation = data.incarnation;
+    r.seq = data.seq;
+    r.status = code;
+    r.message = why;
+    r.flags = proto::kReportAhead;
+    send_to_coordinator(proto::encode_op_report(r));
 }
 
 void Daemon::on_op_data(uint32_t host, Frame &frame) {
@@ -409,10 +467,20 @@ void Daemon::on_op_data(uint32_t host, Frame &frame) {
         keep = false;
     }
     if (keep && failed_ahead_.count(OpKey{report.group, report.incarnation, report.seq})) keep = false;  // decided
-    if (keep && direct_bytes_[host] + frame.payload.size() > kMaxDirectBacklog) {
-        record_error("host " + config_.hosts[host].name + " is more than " + std::to_string(kMaxDirectBacklog >> 20) +
-                     " MiB of small ops ahead of this host; dropping its data for group " + report.group);
-        keep = false;  // the coordinator fails the op when it times out here
+    if (keep && !direct_.count(DirectKey{report.generation, report.group, report.incarnation, report.seq})) {
+        // Data of an op new here: within this host's bounds, or the op fails by name.
+        auto g = direct_group_bytes_.find(report.group);
+        const uint64_t size = frame.payload.size(), group_bytes = g == direct_group_bytes_.end() ? 0 : g->second;
+        const bool peer_over = direct_bytes_[host] + size > kMaxDirectBacklog;
+        if (peer_over || group_bytes + size > kMaxDirectGroupBacklog) {
+            fail_ahead(report, -ENOBUFS,
+                       "group " + report.group + " op " + std::to_string(report.seq) + ": host " + host_ +
+                           " holds more one-/two-shot data of ops it has not reached than its bound of " +
+                           std::to_string((peer_over ? kMaxDirectBacklog : kMaxDirectGroupBacklog) >> 20) + " MiB " +
+                           (peer_over ? "per peer" : "per group") + " (host " + config_.hosts[host].name +
+                           " is that far ahead)");
+            keep = false;
+        }
     }
     if (keep) add_contribution(host, report, std::move(frame.payload), proto::kOpDataHeaderBytes);
     if (coordinator_) on_report(host, report);  // checked like any report (an OpFail drops the data again)
@@ -480,10 +548,7 @@ void Daemon::try_progress_direct(const std::string &group, uint64_t incarnation,
         a.avg_shift = direct_avg_shift(n);
         if (e > b) reduce(a);
         st.reduced = true;
-        for (size_t h = 0; h < n; ++h) {  // the parts are used up
-            direct_bytes_[h] -= st.parts[h]->buf.size();
-            st.parts[h]->buf = {};
-        }
+        for (uint32_t h = 0; h < n; ++h) release_part(group, h, *st.parts[h]);  // used up
         if (op.algorithm == Algorithm::TwoShot) {
             // This host's segment is final: to every other host.
             proto::OpReport me = st.parts[self_index_]->report;

@@ -199,6 +199,7 @@ void put_report_fixed(uint8_t *p, const OpReport &r) {
     le::put<int32_t>(&p[100], r.status);
     le::put<uint64_t>(&p[104], r.incarnation);
     le::put<uint32_t>(&p[112], r.remaining_ms);
+    le::put<uint32_t>(&p[116], r.flags);
 }
 
 Result<OpReport> get_report_fixed(std::span<const uint8_t> p) {
@@ -216,7 +217,9 @@ Result<OpReport> get_report_fixed(std::span<const uint8_t> p) {
     r.status = le::get<int32_t>(&p[100]);
     r.incarnation = le::get<uint64_t>(&p[104]);
     r.remaining_ms = le::get<uint32_t>(&p[112]);
-    if (le::get<uint32_t>(&p[116]) != 0) return bad("op report's reserved field is not zero");
+    r.flags = le::get<uint32_t>(&p[116]);
+    if ((r.flags & ~kReportAhead) != 0) return bad("op report has unknown flags");
+    if ((r.flags & kReportAhead) && r.status == 0) return bad("an op report for an op ahead must be a failure");
     if (r.incarnation == 0) return bad("op report without an incarnation");
     if (r.status > 0) return bad("op report status must be 0 or a negative errno");
     if (r.status == 0) {

@@ -96,7 +96,12 @@ struct OpReport {
     // Milliseconds left until the op's deadline on this host (its first local submission +
     // timeouts.op): the coordinator decides by the earliest deadline of the hosts that reported.
     uint32_t remaining_ms = 0;
+    // kReportAhead: the reporting host has not reached this op; one of its bounds failed it (its
+    // backlog of the op's data from hosts that are ahead). The op fails everywhere, but the report
+    // says nothing of how far the host got.
+    uint32_t flags = 0;
 };
+inline constexpr uint32_t kReportAhead = 1;
 struct OpStart {
     uint64_t generation = 0;
     std::string group;

@@ -604,6 +604,12 @@ Status ControlPlane::send(uint32_t host_index, const proto::Bytes &frame) {
     return Ok{};
 }
 
+uint64_t ControlPlane::queued_bytes(uint32_t host_index) const {
+    if (host_index >= peers_.size() || !peers_[host_index].control) return 0;
+    auto it = conns_.find(peers_[host_index].control);
+    return it == conns_.end() ? 0 : it->second->out_bytes;
+}
+
 bool ControlPlane::flush(Conn &c) {
     while (!c.outq.empty()) {
         const proto::Bytes &f = c.outq.front();

@@ -186,6 +186,13 @@ void Coordinator::report(uint32_t host, const proto::OpReport &r, Clock::time_po
         decide(k, std::pair{inc->end_code, at(r.group, r.seq) + inc->end_message});
         return;
     }
+    if (r.flags & proto::kReportAhead) {
+        // A bound on the reporting host failed an op it has not reached: every host hears of it,
+        // but its progress (max_seq) is not this seq.
+        pending_.erase(k);
+        fail(k, r.status, r.message, out);
+        return;
+    }
     if (r.seq > inc->max_seq[host]) inc->max_seq[host] = r.seq;
     if (r.status != 0) {
         auto [it, fresh] = pending_.try_emplace(k);

@@ -258,6 +258,62 @@ TEST_CASE("a host that submits after the coordinator failed the op gets the fail
     allreduce_checked(cl, DType::F32, ReduceOp::Avg, 1000, 3);  // the group goes on
 }
 
+TEST_CASE("one-/two-shot data of a host far ahead is bounded: the op that would go over fails on every host, "
+          "named, at once",
+          "[cluster]") {
+    // 12 MiB ops go by direct exchange here (tuning.direct_max_bytes). node0's trainer submits 60
+    // of them at once (its credits allow 64) while node1's submits none yet. Two bounds can stop
+    // node0's data, whichever comes first: node0's queue to node1 (128 MiB; node1 reads slower
+    // than node0 reduces), or what node1 keeps of ops it has not reached (256 MiB per group).
+    TestCluster c(2, ClusterOptions{"6s", "", "tuning: {direct_max_bytes: 16MiB}\n", "32MiB"});
+    REQUIRE(c.wait_up());
+    auto cl = connect_all(c, "far", 1, 16 << 20);
+    constexpr size_t kCount = size_t{3} << 20;  // 12 MiB of float
+    constexpr int kOps = 60;
+    std::vector<uint64_t> t;
+    const auto start = Clock::now();
+    for (int k = 0; k < kOps; ++k) t.push_back(cl[0]->submit(0, kCount, RINGD_F32, RINGD_SUM));
+    // (Catch's || keeps references: the matchers it combines must outlive it.)
+    const auto send_bound = Catch::Contains("over its bound of 128 MiB (host node1 is not taking one-/two-shot data");
+    const auto keep_bound = Catch::Contains("host node1 holds more one-/two-shot data of ops it has not reached than "
+                                            "its bound of 256 MiB per group (host node0 is that far ahead)");
+    const auto bound = send_bound || keep_bound;
+    // The ops over a bound fail at once, long before the op timeout (the last one, say); the
+    // ones before the first of them wait for node1 (and time out); none succeeds.
+    CHECK(ringd_wait(cl[0]->get(), t.back(), 20000) == -ENOBUFS);
+    CHECK_THAT(std::string(ringd_last_error(cl[0]->get())),
+               Catch::StartsWith("group far op " + std::to_string(kOps) + ": ") && bound);
+    CHECK(Clock::now() - start < 4s);  // not the op timeout (6 s)
+    int over = -1;
+    for (int k = 0; k + 1 < kOps; ++k) {
+        const int rc = ringd_wait(cl[0]->get(), t[k], 20000);
+        const std::string msg = ringd_last_error(cl[0]->get());
+        INFO("op " << k + 1 << ": " << rc << " " << msg);
+        REQUIRE(rc != 0);
+        if (rc == -ENOBUFS && over < 0) {
+            over = k;
+            CHECK_THAT(msg, Catch::StartsWith("group far op " + std::to_string(k + 1) + ": ") && bound);
+        }
+    }
+    INFO("the first op over a bound: " << over + 1);
+    REQUIRE(over > 0);
+    // node1's trainer gets there: the ops fail there too, at once, the one over the bound with
+    // the same message; the group goes on once both are past the ops node0 ran alone.
+    for (int k = 0; k < kOps; ++k) {
+        const auto s = Clock::now();
+        const uint64_t u = cl[1]->submit(0, kCount, RINGD_F32, RINGD_SUM);
+        const int rc = ringd_wait(cl[1]->get(), u, 20000);
+        INFO("node1 op " << k + 1 << ": " << ringd_last_error(cl[1]->get()));
+        CHECK(rc != 0);
+        CHECK(Clock::now() - s < 2s);  // decided already
+        if (k == over) {
+            CHECK(rc == -ENOBUFS);
+            CHECK_THAT(std::string(ringd_last_error(cl[1]->get())), bound);
+        }
+    }
+    allreduce_checked(cl, DType::F32, ReduceOp::Sum, kCount, 7);
+}
+
 TEST_CASE("a host whose op is too large for direct exchange while the others' is small: mismatch, named",
           "[cluster]") {
     TestCluster c(3);

@@ -201,6 +201,33 @@ TEST_CASE("a host that is past an op (it failed there in an earlier generation) 
     CHECK(d.starts[0].seq == 6);
 }
 
+TEST_CASE("a failure reported for an op ahead fails it everywhere but does not make the host past earlier ops",
+          "[coordinator]") {
+    Coordinator c({"a", "b"}, 1000ms);
+    c.reset(7);
+    const uint64_t inc = agree(c, 2);
+    Coordinator::Decisions d;
+    c.report(0, ready(inc, 5), Clock::now(), d);
+    proto::OpReport r = failed(inc, 9, "group g op 9: host b holds more ... than its bound");
+    r.status = -ENOBUFS;
+    r.flags = proto::kReportAhead;
+    c.report(1, r, Clock::now(), d);  // b has not reached 5 yet; its bound failed 9
+    REQUIRE(d.fails.size() == 2);
+    for (uint32_t h = 0; h < 2; ++h) {
+        CHECK(d.fails[h].first == h);
+        CHECK(d.fails[h].second.seq == 9);
+        CHECK(d.fails[h].second.code == -ENOBUFS);
+    }
+    c.report(1, ready(inc, 5), Clock::now(), d);  // 5 still runs: b was not past it
+    REQUIRE(d.starts.size() == 1);
+    CHECK(d.starts[0].seq == 5);
+    CHECK(d.fails.size() == 2);
+    c.report(0, ready(inc, 9), Clock::now(), d);  // a gets there: told at once
+    REQUIRE(d.fails.size() == 3);
+    CHECK(d.fails[2].first == 0);
+    CHECK(d.fails[2].second.code == -ENOBUFS);
+}
+
 TEST_CASE("a restarted job gets a new incarnation; nothing of the old one pairs with it", "[coordinator]") {
     Coordinator c({"a", "b", "c"}, 1000ms);
     c.reset(7);

@@ -16,7 +16,7 @@ namespace {
 
 // Frames between daemons (type 16 and above) carry the peer protocol's version, 2.
 Bytes header_bytes(uint16_t type, uint32_t len) {
-    return {0x52, 0x4E, 0x47, 0x44, static_cast<uint8_t>(type >= 16 ? 0x02 : 0x01), 0x00, static_cast<uint8_t>(type), 0x00, static_cast<uint8_t>(len),
+    return {0x52, 0x4E, 0x47, 0x44, static_cast<uint8_t>(type >= 16 ? 0x03 : 0x01), 0x00, static_cast<uint8_t>(type), 0x00, static_cast<uint8_t>(len),
             static_cast<uint8_t>(len >> 8), static_cast<uint8_t>(len >> 16), static_cast<uint8_t>(len >> 24), 0, 0, 0, 0};
 }
 
@@ -434,8 +434,20 @@ TEST_CASE("op negotiation frames round-trip and are validated", "[proto]") {
     std::fill(q.begin() + 104, q.begin() + 112, 0);  // no incarnation
     CHECK_FALSE(decode_op_report(q).ok());
     q = p;
-    q[116] = 1;  // reserved, after remaining_ms
-    CHECK_FALSE(decode_op_report(q).ok());
+    q[116] = 1;  // flags: kReportAhead on a report that is not a failure
+    CHECK_THAT(decode_op_report(q).error().message, Catch::Contains("must be a failure"));
+    q[116] = 2;  // an unknown flag
+    CHECK_THAT(decode_op_report(q).error().message, Catch::Contains("unknown flags"));
+    OpReport ahead = r;
+    ahead.status = -ENOBUFS;
+    ahead.message = "over a bound";
+    ahead.flags = kReportAhead;
+    const Bytes af = encode_op_report(ahead);
+    CHECK(af[kFrameHeaderBytes + 116] == 1);
+    auto ad = decode_op_report(payload_of(af));
+    REQUIRE(ad.ok());
+    CHECK(ad->flags == kReportAhead);
+    CHECK(ad->status == -ENOBUFS);
     OpReport timed = r;
     timed.remaining_ms = 12345;
     CHECK(decode_op_report(payload_of(encode_op_report(timed)))->remaining_ms == 12345);
