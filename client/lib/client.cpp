@@ -76,6 +76,7 @@ struct ringd_client {
     }
     void drain_completions();
     int check_socket();
+    int wait(Ticket &t, int timeout_ms);
 };
 
 void ringd_client::drain_completions() {
@@ -118,6 +119,49 @@ int ringd_client::check_socket() {
     }
     dead = code;
     return fail(code, msg);
+}
+
+// Waits for `t` (InFlight or Done) until timeout_ms (< 0: the daemon's op timeout + kWaitMargin).
+int ringd_client::wait(Ticket &t, int timeout_ms) {
+    const auto wait_for = timeout_ms >= 0 ? std::chrono::milliseconds(timeout_ms)
+                                          : std::chrono::milliseconds(welcome.op_timeout_ms) + kWaitMargin;
+    const auto deadline = Clock::now() + wait_for;
+    const bool spin = spin_skip == 0;
+    if (!spin) --spin_skip;
+    const auto spin_until = spin ? Clock::now() + kSpin : Clock::time_point{};
+    bool blocked = false;
+    for (;;) {
+        drain_completions();
+        if (t.state == TicketState::Done) {
+            if (spin) spin_skip = blocked ? kSpinBackoff : 0;
+            t.state = TicketState::Free;
+            if (t.status != 0) return fail(t.status, t.message);
+            last_error.clear();
+            return 0;
+        }
+        if (dead) return fail(dead, last_error);
+        if (Clock::now() < spin_until) {
+            for (int i = 0; i < 64; ++i) cpu_relax();
+            continue;
+        }
+        pollfd p[2] = {{completion.get(), POLLIN, 0}, {sock.get(), POLLIN, 0}};
+        blocked = true;
+        const int r = ::poll(p, 2, ms_until(deadline));
+        if (r < 0 && errno != EINTR) return fail(-errno, "poll: " + errno_string(errno));
+        if (r == 0)
+            return fail(-ETIMEDOUT, "op " + std::to_string(t.seq) + " did not complete within " +
+                                        std::to_string(wait_for.count()) + " ms");
+        if (p[0].revents & POLLIN) {
+            uint64_t v;
+            (void)!::read(completion.get(), &v, sizeof v);
+        }
+        if (p[1].revents) {
+            drain_completions();  // results that arrived before an error still count
+            if (t.state != TicketState::Done) {
+                if (int rc = check_socket(); rc != 0) return rc;
+            }
+        }
+    }
 }
 
 extern "C" {
@@ -236,52 +280,22 @@ int ringd_submit(ringd_client *c, size_t offset, size_t count, ringd_dtype dtype
 
 int ringd_wait(ringd_client *c, uint64_t ticket, int timeout_ms) {
     if (!c) return -EINVAL;
+    Ticket &t = c->tickets[ticket % c->tickets.size()];
+    bool abandoned = false;
+    int rc;
     try {
-        Ticket &t = c->tickets[ticket % c->tickets.size()];
-        if (ticket == 0 || t.seq != ticket || (t.state != TicketState::InFlight && t.state != TicketState::Done))
+        if (ticket == 0 || t.seq != ticket || t.state == TicketState::Free)
             return c->fail(-EINVAL, "ticket " + std::to_string(ticket) + " is not in flight");
-        const auto wait_for = timeout_ms >= 0 ? std::chrono::milliseconds(timeout_ms)
-                                              : std::chrono::milliseconds(c->welcome.op_timeout_ms) + kWaitMargin;
-        const auto deadline = Clock::now() + wait_for;
-        const bool spin = c->spin_skip == 0;
-        if (!spin) --c->spin_skip;
-        const auto spin_until = spin ? Clock::now() + kSpin : Clock::time_point{};
-        bool blocked = false;
-        for (;;) {
-            c->drain_completions();
-            if (t.state == TicketState::Done) {
-                if (spin) c->spin_skip = blocked ? kSpinBackoff : 0;
-                t.state = TicketState::Free;
-                if (t.status != 0) return c->fail(t.status, t.message);
-                c->last_error.clear();
-                return 0;
-            }
-            if (c->dead) return c->fail(c->dead, c->last_error);
-            if (Clock::now() < spin_until) {
-                for (int i = 0; i < 64; ++i) cpu_relax();
-                continue;
-            }
-            pollfd p[2] = {{c->completion.get(), POLLIN, 0}, {c->sock.get(), POLLIN, 0}};
-            blocked = true;
-            const int r = ::poll(p, 2, ms_until(deadline));
-            if (r < 0 && errno != EINTR) return c->fail(-errno, "poll: " + errno_string(errno));
-            if (r == 0)
-                return c->fail(-ETIMEDOUT, "op " + std::to_string(ticket) + " did not complete within " +
-                                               std::to_string(wait_for.count()) + " ms");
-            if (p[0].revents & POLLIN) {
-                uint64_t v;
-                (void)!::read(c->completion.get(), &v, sizeof v);
-            }
-            if (p[1].revents) {
-                c->drain_completions();  // results that arrived before an error still count
-                if (t.state != TicketState::Done) {
-                    if (int rc = c->check_socket(); rc != 0) return rc;
-                }
-            }
-        }
+        // A ticket that ringd_allreduce gave up on is still the caller's: waiting for it again is
+        // fine. It stays given up (freed when its completion arrives) unless this wait consumes it.
+        abandoned = t.state == TicketState::Abandoned;
+        if (abandoned) t.state = TicketState::InFlight;
+        rc = c->wait(t, timeout_ms);
     } catch (const std::exception &e) {
-        return c->fail(-ENOMEM, e.what());
+        rc = c->fail(-ENOMEM, e.what());
     }
+    if (abandoned && t.state == TicketState::InFlight) t.state = TicketState::Abandoned;
+    return rc;
 }
 
 int ringd_allreduce(ringd_client *c, size_t offset, size_t count, ringd_dtype dtype, ringd_op op, int timeout_ms) {
@@ -289,7 +303,9 @@ int ringd_allreduce(ringd_client *c, size_t offset, size_t count, ringd_dtype dt
     if (int rc = ringd_submit(c, offset, count, dtype, op, &ticket); rc != 0) return rc;
     const int rc = ringd_wait(c, ticket, timeout_ms);
     if (rc == -ETIMEDOUT) {
-        // The caller will not wait for this ticket again; free its entry when the result arrives.
+        // The caller gets no ticket and may never wait for this op again: free its entry when the
+        // result arrives, so that it holds no slot. A caller that counts tickets may still wait
+        // for it (ringd_wait takes it back).
         Ticket &t = c->tickets[ticket % c->tickets.size()];
         if (t.seq == ticket && t.state == TicketState::InFlight) t.state = TicketState::Abandoned;
     }

@@ -229,6 +229,63 @@ TEST_CASE("a rank that never submits gets the others a timeout error naming it",
     CHECK_THAT(ringd_last_error(c[1]->get()), Catch::Contains("local ranks 0,2 of host node0 did not submit"));
 }
 
+TEST_CASE("a ticket ringd_allreduce gave up on holds its slot only until its result, and may be waited again",
+          "[daemon]") {
+    DaemonOptions o;
+    o.op_timeout = "1s";
+    Daemon d(o);
+    REQUIRE(d.ready());
+    auto c = connect_group(d, "gaveup", 2, 1 << 16);
+    ringd_client *r0 = c[0]->get(), *r1 = c[1]->get();
+    for (float &x : c[0]->slot_as<float>(0, 16)) x = 1.0f;
+    const auto start = Clock::now();
+    // Rank 1 does not submit op 1: ringd fails it after 1 s; rank 0 stops waiting after 50 ms.
+    CHECK(ringd_allreduce(r0, 0, 16, RINGD_F32, RINGD_SUM, 50) == -ETIMEDOUT);
+    CHECK(std::string(ringd_last_error(r0)) == "op 1 did not complete within 50 ms");
+    // Tickets 2..64 take the rest of the 64-entry table; ticket 65 would take op 1's entry, still
+    // held while ringd owes op 1's result.
+    uint64_t t = 0;
+    for (uint64_t k = 2; k <= 64; ++k) {
+        REQUIRE(ringd_submit(r0, 0, 16, RINGD_F32, RINGD_SUM, &t) == 0);
+        REQUIRE(t == k);
+    }
+    CHECK(ringd_submit(r0, 0, 16, RINGD_F32, RINGD_SUM, &t) == -EAGAIN);
+    CHECK(std::string(ringd_last_error(r0)) == "too many ops in flight: wait for ticket 1 first");
+    // The ticket the caller gave up on is still its own: waiting for it gets ringd's verdict.
+    CHECK(ringd_wait(r0, 1, -1) == -ETIMEDOUT);
+    const auto took = Clock::now() - start;
+    CHECK(std::string(ringd_last_error(r0)) ==
+          "group gaveup op 1 timed out after 1000 ms: local ranks 1 of host node0 did not submit it");
+    CHECK(took >= std::chrono::milliseconds(1000));  // ringd's verdict, not a client deadline
+    CHECK(took < std::chrono::milliseconds(2500));
+    // Consumed: its entry is free for ticket 65.
+    CHECK(ringd_wait(r0, 1, 0) == -EINVAL);
+    CHECK(std::string(ringd_last_error(r0)) == "ticket 1 is not in flight");
+    CHECK(ringd_submit(r0, 0, 16, RINGD_F32, RINGD_SUM, &t) == 0);
+    CHECK(t == 65);
+    for (uint64_t k = 2; k <= 64; ++k) {
+        INFO("op " << k);
+        CHECK(ringd_wait(r0, k, 5000) == -ETIMEDOUT);
+        CHECK(std::string(ringd_last_error(r0)) ==
+              "group gaveup op " + std::to_string(k) + " timed out after 1000 ms: local ranks 1 of host node0 did not submit it");
+    }
+    // Rank 1 catches up: ops 1..64 fail at once with their reason, op 65 runs with rank 0's.
+    for (uint64_t k = 1; k <= 64; ++k) {
+        INFO("rank 1 op " << k);
+        REQUIRE(ringd_submit(r1, 0, 16, RINGD_F32, RINGD_SUM, &t) == 0);
+        CHECK(t == k);
+        CHECK(ringd_wait(r1, k, 5000) == -EIO);
+        CHECK_THAT(ringd_last_error(r1), Catch::StartsWith("group gaveup op " + std::to_string(k) + " timed out"));
+    }
+    for (float &x : c[1]->slot_as<float>(0, 16)) x = 2.0f;
+    REQUIRE(ringd_submit(r1, 0, 16, RINGD_F32, RINGD_SUM, &t) == 0);
+    CHECK(t == 65);
+    CHECK(ringd_wait(r1, 65, 5000) == 0);
+    CHECK(ringd_wait(r0, 65, 5000) == 0);
+    for (int r = 0; r < 2; ++r)
+        for (float x : c[r]->slot_as<float>(0, 16)) CHECK(x == 3.0f);
+}
+
 TEST_CASE("a trainer killed mid-op fails the others, and the daemon keeps serving", "[daemon]") {
     Daemon d;
     REQUIRE(d.ready());

@@ -34,12 +34,15 @@ RINGD_API ringd_client *ringd_connect(const char *socket_path, const char *group
                             size_t slot_bytes, char *err, size_t err_len);
 /* The slot's data area; *bytes receives its size (if bytes is not NULL). */
 RINGD_API void *ringd_slot(ringd_client *c, size_t *bytes);
-/* In place, in the slot, at byte `offset`; 0 or -errno. */
+/* In place, in the slot, at byte `offset`; 0 or -errno. On -ETIMEDOUT (timeout_ms passed, the op
+ * still runs) the op's ticket is given up: its entry is freed when its result arrives, or it can
+ * be waited again with ringd_wait (tickets count from 1, one per submitted op). */
 RINGD_API int ringd_allreduce(ringd_client *c, size_t offset, size_t count, ringd_dtype dtype, ringd_op op, int timeout_ms);
-/* Queues an op; *ticket identifies it for ringd_wait. -EAGAIN when too many ops are unwaited. */
+/* Queues an op; *ticket identifies it for ringd_wait. -EAGAIN when too many ops are unwaited
+ * (wait for the ticket named in ringd_last_error()). */
 RINGD_API int ringd_submit(ringd_client *c, size_t offset, size_t count, ringd_dtype dtype, ringd_op op, uint64_t *ticket);
 /* 0 when the op succeeded, -ETIMEDOUT when the deadline passed (the ticket may be waited again),
- * another -errno when it failed. */
+ * another -errno when it failed. Waiting for a ticket that ringd_allreduce gave up on is fine. */
 RINGD_API int ringd_wait(ringd_client *c, uint64_t ticket, int timeout_ms);
 /* The last error on this client ("" if none). Valid until the next call on c. */
 RINGD_API const char *ringd_last_error(const ringd_client *c);
