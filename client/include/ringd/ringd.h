@@ -6,8 +6,15 @@
  * Every rank of a group must submit the same sequence of ops (same count, dtype and op).
  *
  * Errors: functions return 0 or a negative errno and never abort or throw; ringd_last_error()
- * says what happened. timeout_ms < 0 waits for the daemon's op timeout plus a margin; every
- * wait has a deadline. A ringd_client must not be used from two threads at once.
+ * says what happened. A ringd_client must not be used from two threads at once.
+ *
+ * Deadlines: ringd ends every op it accepted within its op timeout (timeouts.op) of the op's
+ * submission, plus about a second. The client allows each op its op timeout + a margin (10 s;
+ * the environment variable RINGD_WAIT_MARGIN_MS, read by ringd_connect, sets it in milliseconds,
+ * at least 2000) from its submission, however late the wait starts: timeout_ms < 0 waits until
+ * then, and no wait lasts past it. An op still without a result by then means ringd broke its
+ * contract (stopped, hung): the call that finds it fails with -EPROTO, and so does every later
+ * call on that client (reconnect). Every wait has a deadline.
  */
 #ifndef RINGD_RINGD_H
 #define RINGD_RINGD_H
@@ -41,8 +48,9 @@ RINGD_API int ringd_allreduce(ringd_client *c, size_t offset, size_t count, ring
 /* Queues an op; *ticket identifies it for ringd_wait. -EAGAIN when too many ops are unwaited
  * (wait for the ticket named in ringd_last_error()). */
 RINGD_API int ringd_submit(ringd_client *c, size_t offset, size_t count, ringd_dtype dtype, ringd_op op, uint64_t *ticket);
-/* 0 when the op succeeded, -ETIMEDOUT when the deadline passed (the ticket may be waited again),
- * another -errno when it failed. Waiting for a ticket that ringd_allreduce gave up on is fine. */
+/* 0 when the op succeeded, -ETIMEDOUT when timeout_ms passed (the ticket may be waited again),
+ * -EPROTO when ringd owed the result (see Deadlines), another -errno when it failed. Waiting for a
+ * ticket that ringd_allreduce gave up on is fine. */
 RINGD_API int ringd_wait(ringd_client *c, uint64_t ticket, int timeout_ms);
 /* The last error on this client ("" if none). Valid until the next call on c. */
 RINGD_API const char *ringd_last_error(const ringd_client *c);
