@@ -8,8 +8,10 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <charconv>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -33,7 +35,15 @@ constexpr auto kSpin = std::chrono::microseconds(20);    // spin this long befor
 // this many waits block at once, leaving the core to the daemon and other trainers; then
 // spinning is tried again, so the client follows the op latency both ways.
 constexpr int kSpinBackoff = 15;
-constexpr auto kWaitMargin = std::chrono::seconds(10);   // beyond the daemon's op timeout
+// ringd ends every accepted op within timeouts.op of its submission plus a little: its
+// end-to-end deadline, then up to 1 s of grace for the coordinator's decision and a 100 ms tick,
+// then the bounded release of a ring op by the progress thread (docs/design.md, Failure
+// contract). The client gives it timeouts.op + kWaitMargin from the op's submission, clearly
+// longer than that, so that this deadline never fires on a daemon that keeps its contract: past
+// it, the daemon broke the contract and the connection is declared dead (see breach()).
+// RINGD_WAIT_MARGIN_MS overrides the margin at connect, never below kMinWaitMargin.
+constexpr auto kWaitMargin = std::chrono::milliseconds(10000);
+constexpr auto kMinWaitMargin = std::chrono::milliseconds(2000);
 
 enum class TicketState : uint8_t { Free, InFlight, Done, Abandoned };
 
@@ -42,6 +52,7 @@ struct Ticket {
     TicketState state = TicketState::Free;
     int32_t status = 0;
     std::string message;
+    Clock::time_point submitted;  // the contract's deadline counts from here, not from a wait
 };
 
 inline void cpu_relax() {
@@ -68,14 +79,28 @@ struct ringd_client {
     std::vector<Ticket> tickets;  // index = seq % depth
     std::string last_error;
     int dead = 0;  // non-zero errno once the daemon connection is gone
+    std::string dead_error;  // why: every later call says it again
     int spin_skip = 0;  // waits left that block without spinning
+    std::chrono::milliseconds wait_margin = kWaitMargin;
 
     int fail(int code, std::string msg) {
         last_error = std::move(msg);
         return code;
     }
+    int die(int code, std::string msg) {
+        dead = code;
+        dead_error = msg;
+        return fail(code, std::move(msg));
+    }
+    int still_dead() { return fail(dead, dead_error); }
+    // When ringd owes the ticket's completion at the latest.
+    Clock::time_point contract_deadline(const Ticket &t) const {
+        return t.submitted + std::chrono::milliseconds(welcome.op_timeout_ms) + wait_margin;
+    }
     void drain_completions();
     int check_socket();
+    int breach(const Ticket &t);
+    int wait(Ticket &t, int timeout_ms);
 };
 
 void ringd_client::drain_completions() {
@@ -116,8 +141,67 @@ int ringd_client::check_socket() {
             }
         }
     }
-    dead = code;
-    return fail(code, msg);
+    return die(code, msg);
+}
+
+// `t` has no completion past contract_deadline(t). Its slot would stay taken and its wait would
+// time out again and again: a client wedged without a word. Unless the socket says what happened
+// (an error from ringd, or ringd gone), declare the connection dead with the reason.
+int ringd_client::breach(const Ticket &t) {
+    if (int rc = check_socket(); rc != 0) return rc;
+    return die(-EPROTO, "ringd did not complete op " + std::to_string(t.seq) + " within its op timeout + margin (" +
+                            std::to_string(welcome.op_timeout_ms) + " + " + std::to_string(wait_margin.count()) +
+                            " ms after its submission); this connection is unusable, reconnect");
+}
+
+// Waits for `t` (InFlight or Done) until timeout_ms (< 0: until the contract's deadline). Never
+// past contract_deadline(t): there, the connection is dead (breach()).
+int ringd_client::wait(Ticket &t, int timeout_ms) {
+    const auto start = Clock::now();
+    const auto contract = contract_deadline(t);
+    const bool until_contract = timeout_ms < 0 || start + std::chrono::milliseconds(timeout_ms) >= contract;
+    const auto deadline = until_contract ? contract : start + std::chrono::milliseconds(timeout_ms);
+    const bool spin = spin_skip == 0;
+    if (!spin) --spin_skip;
+    const auto spin_until = spin ? start + kSpin : Clock::time_point{};
+    bool blocked = false;
+    for (;;) {
+        // Once dead, only results that arrived before count (a late one is not trusted).
+        if (!dead) drain_completions();
+        if (t.state == TicketState::Done) {
+            if (spin) spin_skip = blocked ? kSpinBackoff : 0;
+            t.state = TicketState::Free;
+            if (t.status != 0) return fail(t.status, t.message);
+            last_error.clear();
+            return 0;
+        }
+        if (dead) return still_dead();
+        if (Clock::now() < spin_until) {
+            for (int i = 0; i < 64; ++i) cpu_relax();
+            continue;
+        }
+        pollfd p[2] = {{completion.get(), POLLIN, 0}, {sock.get(), POLLIN, 0}};
+        blocked = true;
+        const int r = ::poll(p, 2, ms_until(deadline));
+        if (r < 0 && errno != EINTR) return fail(-errno, "poll: " + errno_string(errno));
+        if (r == 0) {
+            drain_completions();  // one that came at the deadline still counts
+            if (t.state == TicketState::Done || Clock::now() < deadline) continue;  // poll rounds down to ms
+            if (until_contract) return breach(t);
+            return fail(-ETIMEDOUT, "op " + std::to_string(t.seq) + " did not complete within " +
+                                        std::to_string(timeout_ms) + " ms");
+        }
+        if (p[0].revents & POLLIN) {
+            uint64_t v;
+            (void)!::read(completion.get(), &v, sizeof v);
+        }
+        if (p[1].revents) {
+            drain_completions();  // results that arrived before an error still count
+            if (t.state != TicketState::Done) {
+                if (int rc = check_socket(); rc != 0) return rc;
+            }
+        }
+    }
 }
 
 extern "C" {
@@ -133,6 +217,15 @@ ringd_client *ringd_connect(const char *socket_path, const char *group, int loca
         if (std::strlen(socket_path) >= sizeof(sockaddr_un::sun_path)) return report("socket path is too long");
         if (local_rank < 0 || local_size <= 0) return report("local_rank and local_size must be non-negative/positive");
         if (auto why = proto::check_group_name(group); !why.empty()) return report(why);
+        auto margin = kWaitMargin;
+        if (const char *v = std::getenv("RINGD_WAIT_MARGIN_MS"); v && *v) {
+            uint32_t ms = 0;
+            const char *end = v + std::strlen(v);
+            const auto [p, ec] = std::from_chars(v, end, ms);
+            if (ec != std::errc{} || p != end)
+                return report(std::string("RINGD_WAIT_MARGIN_MS=") + v + " is not a number of milliseconds");
+            margin = std::max<std::chrono::milliseconds>(std::chrono::milliseconds(ms), kMinWaitMargin);
+        }
         auto c = std::make_unique<ringd_client>();
         c->sock = UniqueFd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
         if (!c->sock) return report("socket: " + errno_string(errno));
@@ -184,6 +277,7 @@ ringd_client *ringd_connect(const char *socket_path, const char *group, int loca
         c->cq = reinterpret_cast<const proto::CompletionDesc *>(c->map.data() + geo->cq_offset);
         c->data = c->map.data() + geo->data_offset;
         c->tickets.resize(std::min(w->sq_depth, w->cq_depth));
+        c->wait_margin = margin;
         return c.release();
     } catch (const std::exception &e) {
         return report(std::string("ringd_connect: ") + e.what());
@@ -202,7 +296,7 @@ void *ringd_slot(ringd_client *c, size_t *bytes) {
 int ringd_submit(ringd_client *c, size_t offset, size_t count, ringd_dtype dtype, ringd_op op, uint64_t *ticket) {
     if (!c) return -EINVAL;
     try {
-        if (c->dead) return c->fail(c->dead, c->last_error);
+        if (c->dead) return c->still_dead();
         proto::SubmitDesc d{};
         d.seq = c->next_seq;
         d.count = count;
@@ -214,14 +308,18 @@ int ringd_submit(ringd_client *c, size_t offset, size_t count, ringd_dtype dtype
         if (auto s = proto::validate_submit(d, c->welcome.data_bytes, false); !s) return c->fail(s.error().code, s.error().message);
         c->drain_completions();
         Ticket &t = c->tickets[d.seq % c->tickets.size()];
-        if (t.state != TicketState::Free)
+        if (t.state != TicketState::Free) {
+            // A Done ticket waits for its caller; one still without its completion past the
+            // contract would hold its slot for ever.
+            if (t.state != TicketState::Done && Clock::now() >= c->contract_deadline(t)) return c->breach(t);
             return c->fail(-EAGAIN, "too many ops in flight: wait for ticket " + std::to_string(t.seq) + " first");
+        }
         if (c->sq_tail - c->header->sq_head.value.load(std::memory_order_acquire) >= c->welcome.sq_depth)
             return c->fail(-EAGAIN, "submission queue is full");
         std::memcpy(&c->sq[c->sq_tail % c->welcome.sq_depth], &d, sizeof d);
         ++c->sq_tail;
         c->header->sq_tail.value.store(c->sq_tail, std::memory_order_release);
-        t = Ticket{d.seq, TicketState::InFlight, 0, {}};
+        t = Ticket{d.seq, TicketState::InFlight, 0, {}, Clock::now()};
         ++c->next_seq;
         const uint64_t one = 1;
         if (::write(c->doorbell.get(), &one, sizeof one) != sizeof one)
@@ -236,52 +334,23 @@ int ringd_submit(ringd_client *c, size_t offset, size_t count, ringd_dtype dtype
 
 int ringd_wait(ringd_client *c, uint64_t ticket, int timeout_ms) {
     if (!c) return -EINVAL;
+    Ticket &t = c->tickets[ticket % c->tickets.size()];
+    bool abandoned = false;
+    int rc;
     try {
-        Ticket &t = c->tickets[ticket % c->tickets.size()];
-        if (ticket == 0 || t.seq != ticket || (t.state != TicketState::InFlight && t.state != TicketState::Done))
-            return c->fail(-EINVAL, "ticket " + std::to_string(ticket) + " is not in flight");
-        const auto wait_for = timeout_ms >= 0 ? std::chrono::milliseconds(timeout_ms)
-                                              : std::chrono::milliseconds(c->welcome.op_timeout_ms) + kWaitMargin;
-        const auto deadline = Clock::now() + wait_for;
-        const bool spin = c->spin_skip == 0;
-        if (!spin) --c->spin_skip;
-        const auto spin_until = spin ? Clock::now() + kSpin : Clock::time_point{};
-        bool blocked = false;
-        for (;;) {
-            c->drain_completions();
-            if (t.state == TicketState::Done) {
-                if (spin) c->spin_skip = blocked ? kSpinBackoff : 0;
-                t.state = TicketState::Free;
-                if (t.status != 0) return c->fail(t.status, t.message);
-                c->last_error.clear();
-                return 0;
-            }
-            if (c->dead) return c->fail(c->dead, c->last_error);
-            if (Clock::now() < spin_until) {
-                for (int i = 0; i < 64; ++i) cpu_relax();
-                continue;
-            }
-            pollfd p[2] = {{c->completion.get(), POLLIN, 0}, {c->sock.get(), POLLIN, 0}};
-            blocked = true;
-            const int r = ::poll(p, 2, ms_until(deadline));
-            if (r < 0 && errno != EINTR) return c->fail(-errno, "poll: " + errno_string(errno));
-            if (r == 0)
-                return c->fail(-ETIMEDOUT, "op " + std::to_string(ticket) + " did not complete within " +
-                                               std::to_string(wait_for.count()) + " ms");
-            if (p[0].revents & POLLIN) {
-                uint64_t v;
-                (void)!::read(c->completion.get(), &v, sizeof v);
-            }
-            if (p[1].revents) {
-                c->drain_completions();  // results that arrived before an error still count
-                if (t.state != TicketState::Done) {
-                    if (int rc = c->check_socket(); rc != 0) return rc;
-                }
-            }
-        }
+        if (ticket == 0 || t.seq != ticket || t.state == TicketState::Free)
+            return c->dead ? c->still_dead()
+                           : c->fail(-EINVAL, "ticket " + std::to_string(ticket) + " is not in flight");
+        // A ticket that ringd_allreduce gave up on is still the caller's: waiting for it again is
+        // fine. It stays given up (freed when its completion arrives) unless this wait consumes it.
+        abandoned = t.state == TicketState::Abandoned;
+        if (abandoned) t.state = TicketState::InFlight;
+        rc = c->wait(t, timeout_ms);
     } catch (const std::exception &e) {
-        return c->fail(-ENOMEM, e.what());
+        rc = c->fail(-ENOMEM, e.what());
     }
+    if (abandoned && t.state == TicketState::InFlight) t.state = TicketState::Abandoned;
+    return rc;
 }
 
 int ringd_allreduce(ringd_client *c, size_t offset, size_t count, ringd_dtype dtype, ringd_op op, int timeout_ms) {
@@ -289,7 +358,9 @@ int ringd_allreduce(ringd_client *c, size_t offset, size_t count, ringd_dtype dt
     if (int rc = ringd_submit(c, offset, count, dtype, op, &ticket); rc != 0) return rc;
     const int rc = ringd_wait(c, ticket, timeout_ms);
     if (rc == -ETIMEDOUT) {
-        // The caller will not wait for this ticket again; free its entry when the result arrives.
+        // The caller gets no ticket and may never wait for this op again: free its entry when the
+        // result arrives, so that it holds no slot. A caller that counts tickets may still wait
+        // for it (ringd_wait takes it back); one that never comes is a breach (breach()).
         Ticket &t = c->tickets[ticket % c->tickets.size()];
         if (t.seq == ticket && t.state == TicketState::InFlight) t.state = TicketState::Abandoned;
     }

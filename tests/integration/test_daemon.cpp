@@ -229,6 +229,63 @@ TEST_CASE("a rank that never submits gets the others a timeout error naming it",
     CHECK_THAT(ringd_last_error(c[1]->get()), Catch::Contains("local ranks 0,2 of host node0 did not submit"));
 }
 
+TEST_CASE("a ticket ringd_allreduce gave up on holds its slot only until its result, and may be waited again",
+          "[daemon]") {
+    DaemonOptions o;
+    o.op_timeout = "1s";
+    Daemon d(o);
+    REQUIRE(d.ready());
+    auto c = connect_group(d, "gaveup", 2, 1 << 16);
+    ringd_client *r0 = c[0]->get(), *r1 = c[1]->get();
+    for (float &x : c[0]->slot_as<float>(0, 16)) x = 1.0f;
+    const auto start = Clock::now();
+    // Rank 1 does not submit op 1: ringd fails it after 1 s; rank 0 stops waiting after 50 ms.
+    CHECK(ringd_allreduce(r0, 0, 16, RINGD_F32, RINGD_SUM, 50) == -ETIMEDOUT);
+    CHECK(std::string(ringd_last_error(r0)) == "op 1 did not complete within 50 ms");
+    // Tickets 2..64 take the rest of the 64-entry table; ticket 65 would take op 1's entry, still
+    // held while ringd owes op 1's result.
+    uint64_t t = 0;
+    for (uint64_t k = 2; k <= 64; ++k) {
+        REQUIRE(ringd_submit(r0, 0, 16, RINGD_F32, RINGD_SUM, &t) == 0);
+        REQUIRE(t == k);
+    }
+    CHECK(ringd_submit(r0, 0, 16, RINGD_F32, RINGD_SUM, &t) == -EAGAIN);
+    CHECK(std::string(ringd_last_error(r0)) == "too many ops in flight: wait for ticket 1 first");
+    // The ticket the caller gave up on is still its own: waiting for it gets ringd's verdict.
+    CHECK(ringd_wait(r0, 1, -1) == -ETIMEDOUT);
+    const auto took = Clock::now() - start;
+    CHECK(std::string(ringd_last_error(r0)) ==
+          "group gaveup op 1 timed out after 1000 ms: local ranks 1 of host node0 did not submit it");
+    CHECK(took >= std::chrono::milliseconds(1000));  // ringd's verdict, not a client deadline
+    CHECK(took < std::chrono::milliseconds(2500));
+    // Consumed: its entry is free for ticket 65.
+    CHECK(ringd_wait(r0, 1, 0) == -EINVAL);
+    CHECK(std::string(ringd_last_error(r0)) == "ticket 1 is not in flight");
+    CHECK(ringd_submit(r0, 0, 16, RINGD_F32, RINGD_SUM, &t) == 0);
+    CHECK(t == 65);
+    for (uint64_t k = 2; k <= 64; ++k) {
+        INFO("op " << k);
+        CHECK(ringd_wait(r0, k, 5000) == -ETIMEDOUT);
+        CHECK(std::string(ringd_last_error(r0)) ==
+              "group gaveup op " + std::to_string(k) + " timed out after 1000 ms: local ranks 1 of host node0 did not submit it");
+    }
+    // Rank 1 catches up: ops 1..64 fail at once with their reason, op 65 runs with rank 0's.
+    for (uint64_t k = 1; k <= 64; ++k) {
+        INFO("rank 1 op " << k);
+        REQUIRE(ringd_submit(r1, 0, 16, RINGD_F32, RINGD_SUM, &t) == 0);
+        CHECK(t == k);
+        CHECK(ringd_wait(r1, k, 5000) == -EIO);
+        CHECK_THAT(ringd_last_error(r1), Catch::StartsWith("group gaveup op " + std::to_string(k) + " timed out"));
+    }
+    for (float &x : c[1]->slot_as<float>(0, 16)) x = 2.0f;
+    REQUIRE(ringd_submit(r1, 0, 16, RINGD_F32, RINGD_SUM, &t) == 0);
+    CHECK(t == 65);
+    CHECK(ringd_wait(r1, 65, 5000) == 0);
+    CHECK(ringd_wait(r0, 65, 5000) == 0);
+    for (int r = 0; r < 2; ++r)
+        for (float x : c[r]->slot_as<float>(0, 16)) CHECK(x == 3.0f);
+}
+
 TEST_CASE("a trainer killed mid-op fails the others, and the daemon keeps serving", "[daemon]") {
     Daemon d;
     REQUIRE(d.ready());
@@ -510,7 +567,8 @@ TEST_CASE("a trainer waiting on an op notices a SIGKILLed ringd at once; so does
     CHECK(join(trainer, std::chrono::seconds(5)) == 0);
 }
 
-TEST_CASE("timeout_ms < 0 waits for the daemon's timeouts.op plus 10 s, then gives up", "[daemon]") {
+TEST_CASE("timeout_ms < 0 waits for the daemon's timeouts.op plus 10 s, then declares the connection dead",
+          "[daemon]") {
     DaemonOptions o;
     o.op_timeout = "500ms";
     Daemon d(o);
@@ -525,7 +583,7 @@ TEST_CASE("timeout_ms < 0 waits for the daemon's timeouts.op plus 10 s, then giv
         CHECK(took < std::chrono::seconds(3));
         CHECK_THAT(ringd_last_error(c[0]->get()), Catch::Contains("local ranks 1 of host node0 did not submit"));
     }
-    SECTION("a stopped daemon never answers: the wait ends at 500 ms + 10 s") {
+    SECTION("a stopped daemon never answers: the wait ends at 500 ms + 10 s with the breach") {
         // The waiter is a forked copy of this process (the client's mapping and fds are shared),
         // so that a wait without a deadline fails the test instead of hanging it.
         REQUIRE(::kill(d.pid(), SIGSTOP) == 0);
@@ -546,12 +604,145 @@ TEST_CASE("timeout_ms < 0 waits for the daemon's timeouts.op plus 10 s, then giv
         ::kill(d.pid(), SIGCONT);
         REQUIRE(line.has_value());
         const Outcome w = parse_outcome(*line);
-        CHECK(w.rc == -ETIMEDOUT);
+        CHECK(w.rc == -EPROTO);
         CHECK(w.ms >= 10450);
         CHECK(w.ms < 13000);
-        CHECK_THAT(w.error, Catch::Contains("did not complete within 10500 ms"));
+        CHECK(w.error == "ringd did not complete op 1 within its op timeout + margin (500 + 10000 ms after its "
+                         "submission); this connection is unusable, reconnect");
         CHECK(join(trainer, std::chrono::seconds(5)) == 0);
     }
+}
+
+TEST_CASE("a ringd that owes a result past timeouts.op + the margin makes the client fail with EPROTO, not wedge",
+          "[daemon]") {
+    DaemonOptions o;
+    o.op_timeout = "1s";
+    Daemon d(o);
+    REQUIRE(d.ready());
+    const std::string sock = d.socket();
+    const pid_t ringd = d.pid();
+    // The trainer is a forked copy of this process, so that a hang fails the test instead of
+    // hanging it; it reports each call as "rc ms error".
+    ChildLines lines;
+    const pid_t trainer = spawn([&] {
+        char err[256] = "";
+        ::setenv("RINGD_WAIT_MARGIN_MS", "2s", 1);
+        ringd_client *bad = ringd_connect(sock.c_str(), "breach", 0, 2, 1 << 16, err, sizeof err);
+        lines.put(bad ? "connected" : err);
+        ringd_close(bad);
+        ::setenv("RINGD_WAIT_MARGIN_MS", "500", 1);  // below the floor: 2000
+        Client c0(sock, "breach", 0, 2, 1 << 16), c1(sock, "breach", 1, 2, 1 << 16), c2(sock, "solo", 0, 1, 1 << 16);
+        // Stopped before any op reaches it: ringd owes every op below a result it cannot give.
+        if (::kill(ringd, SIGSTOP) != 0) return 2;
+        // 1. c0: an explicit timeout before the contract's deadline is an ordinary -ETIMEDOUT; the
+        // ticket is given up. Tickets 2..64 fill the table; the next one would take op 1's entry.
+        auto start = Clock::now();
+        lines.put(outcome(ringd_allreduce(c0.get(), 0, 16, RINGD_F32, RINGD_SUM, 1000), start, c0.get()));
+        uint64_t t = 0;
+        for (uint64_t k = 2; k <= 64; ++k)
+            if (ringd_submit(c0.get(), 0, 16, RINGD_F32, RINGD_SUM, &t) != 0 || t != k) return 3;
+        start = Clock::now();
+        lines.put(outcome(ringd_submit(c0.get(), 0, 16, RINGD_F32, RINGD_SUM, &t), start, c0.get()));
+        // c1 and c2 submit 1 s after c0's op 1: their deadlines come 1000 + 2000 ms from now.
+        uint64_t t1 = 0, t2 = 0;
+        if (ringd_submit(c1.get(), 0, 16, RINGD_F32, RINGD_SUM, &t1) != 0 ||
+            ringd_submit(c2.get(), 0, 16, RINGD_F32, RINGD_SUM, &t2) != 0)
+            return 4;
+        const auto submitted = Clock::now();
+        // 2. A wait longer than the deadline is cut there.
+        lines.put(outcome(ringd_wait(c1.get(), t1, 60000), submitted, c1.get()));
+        // 3. timeout_ms < 0 counts from the submission: starting late does not extend it.
+        start = Clock::now();
+        lines.put(outcome(ringd_wait(c2.get(), t2, -1), start, c2.get()));
+        // 4. c0 never waits again: its submit finds op 1 (given up, 1 s past its deadline) in the way.
+        start = Clock::now();
+        lines.put(outcome(ringd_submit(c0.get(), 0, 16, RINGD_F32, RINGD_SUM, &t), start, c0.get()));
+        // 5. Every later call on a dead client says so at once.
+        start = Clock::now();
+        lines.put(outcome(ringd_wait(c0.get(), 1, 5000), start, c0.get()));
+        start = Clock::now();
+        lines.put(outcome(ringd_wait(c0.get(), 12345, 5000), start, c0.get()));
+        start = Clock::now();
+        lines.put(outcome(ringd_allreduce(c0.get(), 0, 16, RINGD_F32, RINGD_SUM, 5000), start, c0.get()));
+        // 6. ringd continues and completes op 1 of both groups: too late, not taken.
+        ::kill(ringd, SIGCONT);
+        int completed = 0;
+        for (const auto until = Clock::now() + std::chrono::seconds(5); completed < 2 && Clock::now() < until;) {
+            auto s = fetch_status(sock);
+            if (!s.ok()) continue;
+            const json j = json::parse(*s);
+            completed = 0;
+            for (const json &g : j["groups"])
+                if ((g["name"] == "breach" || g["name"] == "solo") && g["ops_completed"] == 1) ++completed;
+        }
+        lines.put(completed == 2 ? "completed" : "not completed");
+        start = Clock::now();
+        lines.put(outcome(ringd_wait(c1.get(), t1, 5000), start, c1.get()));
+        start = Clock::now();
+        lines.put(outcome(ringd_wait(c2.get(), t2, 5000), start, c2.get()));
+        return 0;
+    });
+    const Reaper reaper{trainer};
+    lines.close_write();
+    auto next = [&] {
+        auto line = lines.get(std::chrono::seconds(10));
+        REQUIRE(line.has_value());
+        return parse_outcome(*line);
+    };
+    const std::string breach = "ringd did not complete op 1 within its op timeout + margin (1000 + 2000 ms after its "
+                               "submission); this connection is unusable, reconnect";
+    CHECK(lines.get(std::chrono::seconds(10)) == "RINGD_WAIT_MARGIN_MS=2s is not a number of milliseconds");
+    {
+        INFO("1. c0's allreduce with timeout_ms 1000");
+        const Outcome w = next();
+        CHECK(w.rc == -ETIMEDOUT);
+        CHECK(w.error == "op 1 did not complete within 1000 ms");
+        CHECK(w.ms >= 1000);
+        CHECK(w.ms < 1500);
+    }
+    {
+        INFO("c0's submit of ticket 65, before op 1's deadline");
+        const Outcome w = next();
+        CHECK(w.rc == -EAGAIN);
+        CHECK(w.error == "too many ops in flight: wait for ticket 1 first");
+    }
+    {
+        INFO("2. c1's wait with timeout_ms 60000, from the submission");
+        const Outcome w = next();
+        CHECK(w.rc == -EPROTO);
+        CHECK(w.error == breach);
+        CHECK(w.ms >= 3000);
+        CHECK(w.ms < 3500);
+    }
+    {
+        INFO("3. c2's wait with timeout_ms -1, started at the deadline");
+        const Outcome w = next();
+        CHECK(w.rc == -EPROTO);
+        CHECK(w.error == breach);
+        CHECK(w.ms < 100);
+    }
+    for (const char *call :
+         {"4. c0's submit", "5. c0's wait for the given-up ticket", "c0's wait for an unknown ticket", "c0's allreduce"}) {
+        INFO(call);
+        const Outcome w = next();
+        CHECK(w.rc == -EPROTO);
+        CHECK(w.error == breach);
+        CHECK(w.ms < 100);
+    }
+    CHECK(lines.get(std::chrono::seconds(10)) == "completed");
+    for (const char *who : {"6. c1", "c2"}) {
+        INFO(who);
+        const Outcome w = next();
+        CHECK(w.rc == -EPROTO);
+        CHECK(w.error == breach);
+        CHECK(w.ms < 100);
+    }
+    ::kill(ringd, SIGCONT);  // whatever the trainer did
+    CHECK(join(trainer, std::chrono::seconds(10)) == 0);
+    // ringd itself goes on serving.
+    auto fresh = connect_group(d, "after", 2);
+    run_random_ops(fresh, 3, 21);
+    CHECK(d.alive());
 }
 
 namespace {

@@ -6,8 +6,15 @@
  * Every rank of a group must submit the same sequence of ops (same count, dtype and op).
  *
  * Errors: functions return 0 or a negative errno and never abort or throw; ringd_last_error()
- * says what happened. timeout_ms < 0 waits for the daemon's op timeout plus a margin; every
- * wait has a deadline. A ringd_client must not be used from two threads at once.
+ * says what happened. A ringd_client must not be used from two threads at once.
+ *
+ * Deadlines: ringd ends every op it accepted within its op timeout (timeouts.op) of the op's
+ * submission, plus about a second. The client allows each op its op timeout + a margin (10 s;
+ * the environment variable RINGD_WAIT_MARGIN_MS, read by ringd_connect, sets it in milliseconds,
+ * at least 2000) from its submission, however late the wait starts: timeout_ms < 0 waits until
+ * then, and no wait lasts past it. An op still without a result by then means ringd broke its
+ * contract (stopped, hung): the call that finds it fails with -EPROTO, and so does every later
+ * call on that client (reconnect). Every wait has a deadline.
  */
 #ifndef RINGD_RINGD_H
 #define RINGD_RINGD_H
@@ -34,12 +41,16 @@ RINGD_API ringd_client *ringd_connect(const char *socket_path, const char *group
                             size_t slot_bytes, char *err, size_t err_len);
 /* The slot's data area; *bytes receives its size (if bytes is not NULL). */
 RINGD_API void *ringd_slot(ringd_client *c, size_t *bytes);
-/* In place, in the slot, at byte `offset`; 0 or -errno. */
+/* In place, in the slot, at byte `offset`; 0 or -errno. On -ETIMEDOUT (timeout_ms passed, the op
+ * still runs) the op's ticket is given up: its entry is freed when its result arrives, or it can
+ * be waited again with ringd_wait (tickets count from 1, one per submitted op). */
 RINGD_API int ringd_allreduce(ringd_client *c, size_t offset, size_t count, ringd_dtype dtype, ringd_op op, int timeout_ms);
-/* Queues an op; *ticket identifies it for ringd_wait. -EAGAIN when too many ops are unwaited. */
+/* Queues an op; *ticket identifies it for ringd_wait. -EAGAIN when too many ops are unwaited
+ * (wait for the ticket named in ringd_last_error()). */
 RINGD_API int ringd_submit(ringd_client *c, size_t offset, size_t count, ringd_dtype dtype, ringd_op op, uint64_t *ticket);
-/* 0 when the op succeeded, -ETIMEDOUT when the deadline passed (the ticket may be waited again),
- * another -errno when it failed. */
+/* 0 when the op succeeded, -ETIMEDOUT when timeout_ms passed (the ticket may be waited again),
+ * -EPROTO when ringd owed the result (see Deadlines), another -errno when it failed. Waiting for a
+ * ticket that ringd_allreduce gave up on is fine. */
 RINGD_API int ringd_wait(ringd_client *c, uint64_t ticket, int timeout_ms);
 /* The last error on this client ("" if none). Valid until the next call on c. */
 RINGD_API const char *ringd_last_error(const ringd_client *c);
