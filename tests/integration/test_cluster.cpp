@@ -337,20 +337,27 @@ TEST_CASE("a trainer that dies on one host fails the group's op on every host", 
     const std::string sock1 = c.d[1]->socket();
     int ready_pipe[2];
     REQUIRE(::pipe(ready_pipe) == 0);
+    // The job runs one op on all three hosts (so the hosts have agreed on its incarnation: a
+    // trainer that dies before that withdraws its host from the agreement, and the others' ops
+    // time out instead); node1's trainer dies while the others wait in the second.
+    Client a(c.d[0]->socket(), "t", 0, 1, 1 << 20), b(c.d[2]->socket(), "t", 0, 1, 1 << 20);
     const pid_t victim = spawn([&] {
         Client me(sock1, "t", 0, 1, 1 << 20);
+        if (ringd_allreduce(me.get(), 0, 100, RINGD_F32, RINGD_SUM, 10000) != 0) return 1;
         (void)!::write(ready_pipe[1], "x", 1);
         ::pause();
         return 0;
     });
     Reaper reaper{victim};
     ::close(ready_pipe[1]);  // a victim that dies before it is ready closes the pipe: EOF, not a hang
+    const auto a1 = a.submit(0, 100, RINGD_F32, RINGD_SUM), b1 = b.submit(0, 100, RINGD_F32, RINGD_SUM);
+    REQUIRE(ringd_wait(a.get(), a1, 10000) == 0);
+    REQUIRE(ringd_wait(b.get(), b1, 10000) == 0);
     pollfd p{ready_pipe[0], POLLIN, 0};
     REQUIRE(::poll(&p, 1, 10000) == 1);
     char x;
     REQUIRE(::read(ready_pipe[0], &x, 1) == 1);
     ::close(ready_pipe[0]);
-    Client a(c.d[0]->socket(), "t", 0, 1, 1 << 20), b(c.d[2]->socket(), "t", 0, 1, 1 << 20);
     const auto ta = a.submit(0, 100, RINGD_F32, RINGD_SUM);
     const auto tb = b.submit(0, 100, RINGD_F32, RINGD_SUM);
     ::kill(victim, SIGKILL);
