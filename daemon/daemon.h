@@ -1,7 +1,14 @@
 // Daemon: the control thread. One epoll loop over the Unix socket listener, client sockets and
-// doorbells, a signalfd (SIGTERM/SIGINT), a timerfd (deadlines, watchdog) and the progress
-// engine's result eventfd. Everything a client or peer sends is validated here; a bad client is
-// answered with an error and dropped, never allowed to disturb the others.
+// doorbells (ClientGateway, daemon/gateway/), a signalfd (SIGTERM/SIGINT), a timerfd (deadlines,
+// watchdog), the progress engine's result eventfd and the control plane's connections to the
+// other hosts. An event handler only records what it caused (completions in done_, ops every
+// local rank submitted in ready_, frames to this host's own coordinator in its inbox, the control
+// plane's events in its queue); settle() then applies them step by step until nothing moves, so
+// no step re-enters the one that caused it.
+//
+// daemon.cpp: set-up, the loop, settle() and the local path (one host); daemon_ring.cpp: the op's
+// way across hosts (incarnations, reports, the coordinator's decisions, one-/two-shot data, what
+// a ring generation's end fails).
 #pragma once
 
 #include <chrono>
@@ -23,6 +30,7 @@
 #include "daemon/engine/group_table.h"
 #include "daemon/engine/progress.h"
 #include "daemon/engine/tuner.h"
+#include "daemon/gateway/client_gateway.h"
 #include "daemon/ipc/client_conn.h"
 #include "daemon/transport/transport.h"
 
@@ -40,20 +48,10 @@ private:
     Daemon() = default;
 
     Status setup();
-    Status listen_socket();
-    void on_accept();
-    void on_client_readable(MemberId id);
-    void on_doorbell(MemberId id);
-    void take_submissions(MemberId id);
-    bool take_held_submissions();
     void on_engine_results();
     void on_timer();
-    void handle_hello(ClientConn &c, const proto::Hello &h);
-    void send_status(ClientConn &c);
-    void drop(MemberId id, const Error &why, bool tell_client);
     void settle();
     bool complete_and_start();
-    bool slots_of(const OpRun &run, std::vector<std::shared_ptr<Slot>> &slots) const;
     static std::string run_left(const OpRun &run);
     void record_error(const std::string &message);
     void shutdown();
@@ -98,14 +96,9 @@ private:
     UniqueFd epoll_;
     UniqueFd signal_fd_;
     UniqueFd timer_fd_;
-    UniqueFd listener_;
-    UniqueFd spare_fd_;  // released to accept-and-close when the fd limit is hit
     CudaInfo cuda_;
     std::unique_ptr<NetworkTransport> transport_;
     GroupTable groups_{"", std::chrono::milliseconds(1)};
-    std::map<MemberId, std::unique_ptr<ClientConn>> clients_;
-    MemberId next_id_ = 1;
-    size_t live_slots_ = 0;
     uint64_t watchdog_usec_ = 0;
     Clock::time_point next_watchdog_{};
     struct RecentError {
@@ -113,7 +106,6 @@ private:
         std::string message;
     };
     std::deque<RecentError> recent_errors_;
-    uint64_t clients_dropped_ = 0;
     bool running_ = true;
 
     // Rings of several hosts.
@@ -148,7 +140,6 @@ private:
     std::map<std::string, GroupRun> runs_;
     std::map<OpKey, std::pair<int32_t, std::string>> failed_ahead_;  // OpFails for ops not reported yet
     std::map<uint64_t, uint64_t> running_ring_;                          // local op id -> generation
-    std::set<MemberId> credit_waiters_;  // clients whose submissions wait for credits freed by completions
     std::set<uint64_t> held_ring_;  // of running_ring_: back from the progress thread, failed with their link
     // Ring ops still on the progress thread when their generation ended: they fail with this
     // reason when it gives them back, not before (until then it may write into their slots).
@@ -189,6 +180,8 @@ private:
     Clock::time_point rate_at_{};
     uint64_t rate_bytes_next_ = 0, rate_bytes_prev_ = 0;
     double rate_next_ = 0, rate_prev_ = 0;
+    // The trainers' side (after groups_, done_ and ready_, which it uses).
+    std::unique_ptr<ClientGateway> gateway_;
     // Last: the progress thread stops (and drops its references to slots and links) before
     // anything above goes away.
     std::unique_ptr<ProgressEngine> engine_;

@@ -168,7 +168,7 @@ bool Daemon::queue_host_ops() {
     }
     for (auto &run : std::exchange(ready_, {})) {
         HostOp op;
-        if (!slots_of(run, op.slots)) {
+        if (!gateway_->slots_of(run, op.slots)) {
             groups_.finished(run.op_id, -ECONNRESET, run_left(run), done_);
             continue;
         }

@@ -65,10 +65,9 @@ std::string Daemon::status_json() const {
                           {"running_ops", g.running_ops}});
     }
     j["groups"] = groups;
-    size_t joined = 0;
-    for (const auto &[id, c] : clients_) joined += c->state() == ClientConn::State::Joined;
-    // The connection asking for this document is one of clients_; it is not counted.
-    j["clients"] = {{"connected", clients_.empty() ? 0 : clients_.size() - 1}, {"joined", joined}, {"max_slots", config_.memory.max_slots}};
+    const size_t joined = gateway_->joined(), connected = gateway_->connected();
+    // The connection asking for this document is one of them; it is not counted.
+    j["clients"] = {{"connected", connected == 0 ? 0 : connected - 1}, {"joined", joined}, {"max_slots", config_.memory.max_slots}};
     const auto &t = groups_.totals();
     j["ops"] = {{"completed", t.ops_completed}, {"failed", t.ops_failed}, {"bytes_reduced", t.bytes_reduced}};
     const auto &ts = transport_->stats();

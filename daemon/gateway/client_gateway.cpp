@@ -1,0 +1,318 @@
+#include "daemon/gateway/client_gateway.h"
+
+#include <grp.h>
+#include <sys/eventfd.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include <spdlog/spdlog.h>
+
+#include "common/fd_io.h"
+#include "daemon/ipc/slot.h"
+
+namespace ringd {
+namespace {
+
+constexpr auto kHelloTimeout = std::chrono::seconds(5);
+constexpr size_t kExtraConnections = 64;  // handshaking / ringctl connections beyond max_slots
+
+}  // namespace
+
+ClientGateway::ClientGateway(const Config &config, NetworkTransport &transport, GroupTable &groups, bool cuda_built,
+                             Hooks hooks, std::vector<Completion> &done, std::vector<OpRun> &ready)
+    : config_(config), transport_(transport), groups_(groups), cuda_built_(cuda_built), hooks_(std::move(hooks)),
+      done_(done), ready_(ready), spare_fd_(::open("/dev/null", O_RDONLY | O_CLOEXEC)) {}
+
+Status ClientGateway::listen() {
+    const std::string &path = config_.socket;
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+    struct stat st{};
+    if (::lstat(path.c_str(), &st) == 0) {
+        if (!S_ISSOCK(st.st_mode)) return make_error(-EEXIST, "socket: " + path + " exists and is not a socket");
+        UniqueFd probe(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+        if (::connect(probe.get(), reinterpret_cast<sockaddr *>(&addr), sizeof addr) == 0)
+            return make_error(-EADDRINUSE, "socket: another ringd is already listening on " + path);
+        ::unlink(path.c_str());  // stale socket of a daemon that died
+    }
+    listener_ = UniqueFd(::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+    if (!listener_) return make_error(-errno, "socket: " + errno_string(errno));
+    const mode_t old = ::umask(0117);  // the socket is created 0660: no window with wider access
+    const int rc = ::bind(listener_.get(), reinterpret_cast<sockaddr *>(&addr), sizeof addr);
+    const int bind_errno = errno;
+    ::umask(old);
+    if (rc != 0) return make_error(-bind_errno, "socket: cannot bind " + path + ": " + errno_string(bind_errno));
+    if (!config_.socket_group.empty()) {
+        group *g = ::getgrnam(config_.socket_group.c_str());
+        if (!g) return make_error(-ENOENT, "socket_group: group '" + config_.socket_group + "' does not exist");
+        if (::chown(path.c_str(), static_cast<uid_t>(-1), g->gr_gid) != 0)
+            return make_error(-errno, "socket_group: cannot give " + path + " to group " + config_.socket_group + ": " +
+                                          errno_string(errno));
+    }
+    if (::listen(listener_.get(), 128) != 0) return make_error(-errno, "listen on " + path + ": " + errno_string(errno));
+    return Ok{};
+}
+
+void ClientGateway::on_accept() {
+    for (;;) {
+        UniqueFd fd(::accept4(listener_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC));
+        if (!fd) {
+            if (errno == EAGAIN || errno == EINTR) return;
+            if ((errno == EMFILE || errno == ENFILE) && spare_fd_) {
+                // Out of fds: free the spare one to accept and close the connection, so that the
+                // listener does not stay readable forever.
+                spdlog::warn("out of file descriptors; refusing a connection");
+                hooks_.record_error("out of file descriptors; a connection was refused");
+                spare_fd_.reset();
+                UniqueFd victim(::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
+                victim.reset();
+                spare_fd_ = UniqueFd(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+                return;
+            }
+            spdlog::warn("accept: {}", errno_string(errno));
+            return;
+        }
+        ucred cred{};
+        socklen_t len = sizeof cred;
+        ::getsockopt(fd.get(), SOL_SOCKET, SO_PEERCRED, &cred, &len);
+        const auto &uids = config_.allow_uids;
+        const auto &gids = config_.allow_gids;
+        const bool allowed = (uids.empty() && gids.empty()) ||
+                             std::find(uids.begin(), uids.end(), cred.uid) != uids.end() ||
+                             std::find(gids.begin(), gids.end(), cred.gid) != gids.end();
+        if (!allowed) {
+            const std::string why = "uid " + std::to_string(cred.uid) + " gid " + std::to_string(cred.gid) +
+                                    " is not in allow_uids/allow_gids";
+            spdlog::warn("refused pid {}: {}", cred.pid, why);
+            hooks_.record_error("refused pid " + std::to_string(cred.pid) + ": " + why);
+            (void)send_all(fd.get(), proto::encode_error({-EACCES, why}));
+            continue;
+        }
+        if (clients_.size() >= config_.memory.max_slots + kExtraConnections) {
+            spdlog::warn("refused pid {}: too many connections ({})", cred.pid, clients_.size());
+            (void)send_all(fd.get(), proto::encode_error({-EBUSY, "ringd has too many connections"}));
+            continue;
+        }
+        const MemberId id = next_id_++;
+        spdlog::debug("client {} connected: pid {} uid {} gid {}", id, cred.pid, cred.uid, cred.gid);
+        if (auto s = hooks_.watch(fd.get(), id, false); !s) {
+            spdlog::warn("client {}: {}", id, s.error().message);
+            continue;
+        }
+        clients_.emplace(id, std::make_unique<ClientConn>(id, std::move(fd), cred, Clock::now() + kHelloTimeout));
+    }
+}
+
+void ClientGateway::on_readable(MemberId id) {
+    for (;;) {
+        auto it = clients_.find(id);
+        if (it == clients_.end()) return;
+        ClientConn &c = *it->second;
+        auto f = c.read_frame();
+        if (!f) {
+            drop(id, f.error(), f.error().code != -ECONNRESET);
+            return;
+        }
+        if (!*f) return;
+        const Frame &frame = **f;
+        if (c.state() == ClientConn::State::Handshake && frame.type == proto::FrameType::Hello) {
+            auto h = proto::decode_hello(frame.payload);
+            if (!h) {
+                drop(id, h.error(), true);
+                return;
+            }
+            handle_hello(c, *h);
+        } else if (c.state() == ClientConn::State::Handshake && frame.type == proto::FrameType::StatusRequest) {
+            if (auto r = proto::decode_status_request(frame.payload); !r) {
+                drop(id, r.error(), true);
+                return;
+            }
+            (void)send_all(c.sock(), proto::encode_status_reply(hooks_.status_json()));
+            drop(id, Error{0, "status sent"}, false);
+            return;
+        } else if (frame.type == proto::FrameType::Error) {
+            auto e = proto::decode_error(frame.payload);
+            drop(id, e ? Error{-ECONNRESET, "client reported: " + e->message} : e.error(), false);
+            return;
+        } else {
+            drop(id,
+                 make_error(-EPROTO, "unexpected frame type " + std::to_string(static_cast<int>(frame.type)) +
+                                         (c.state() == ClientConn::State::Joined ? " after joining" : " before hello")),
+                 true);
+            return;
+        }
+    }
+}
+
+void ClientGateway::handle_hello(ClientConn &c, const proto::Hello &h) {
+    const MemberId id = c.id();
+    if (h.slot_bytes > config_.memory.slot_bytes) {
+        drop(id, make_error(-E2BIG, "slot of " + std::to_string(h.slot_bytes) + " bytes exceeds memory.slot_bytes (" +
+                                        std::to_string(config_.memory.slot_bytes) + ")"), true);
+        return;
+    }
+    if (live_slots_ >= config_.memory.max_slots) {
+        drop(id, make_error(-EBUSY, "all " + std::to_string(config_.memory.max_slots) +
+                                        " slots are in use (memory.max_slots)"), true);
+        return;
+    }
+    if (auto ok = groups_.check_join(h.group, h.local_rank, h.local_size); !ok) {
+        drop(id, ok.error(), true);
+        return;
+    }
+    auto slot = Slot::create("ringd-" + h.group + "-" + std::to_string(h.local_rank), h.slot_bytes, transport_);
+    if (!slot) {
+        drop(id, slot.error(), true);
+        return;
+    }
+    UniqueFd doorbell(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
+    UniqueFd completion(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
+    if (!doorbell || !completion) {
+        drop(id, make_error(-errno, "eventfd: " + errno_string(errno)), true);
+        return;
+    }
+    const auto &geo = (*slot)->geometry();
+    proto::Welcome w;
+    w.client_id = id;
+    w.sq_depth = geo.sq_depth;
+    w.cq_depth = geo.cq_depth;
+    w.op_timeout_ms = static_cast<uint32_t>(std::min<int64_t>(config_.timeouts.op.count(), UINT32_MAX));
+    w.map_bytes = geo.map_bytes;
+    w.data_offset = geo.data_offset;
+    w.data_bytes = geo.data_bytes;
+    const int fds[proto::kWelcomeFds] = {(*slot)->memfd(), doorbell.get(), completion.get()};
+    if (auto s = send_all(c.sock(), proto::encode_welcome(w), fds); !s) {
+        drop(id, s.error(), false);
+        return;
+    }
+    if (auto s = hooks_.watch(doorbell.get(), id, true); !s) {
+        drop(id, s.error(), true);
+        return;
+    }
+    (void)groups_.join(id, h.group, h.local_rank, h.local_size);  // checked above, same thread
+    c.joined(std::move(*slot), std::move(doorbell), std::move(completion), h.group, h.local_rank);
+    ++live_slots_;
+    spdlog::info("{} joined (local_size {}, slot {} bytes)", c.describe(), h.local_size, h.slot_bytes);
+    // A new group asks the hosts to agree on its incarnation (settle, flush_reports).
+}
+
+void ClientGateway::on_doorbell(MemberId id) {
+    auto it = clients_.find(id);
+    if (it == clients_.end()) return;
+    uint64_t rings;
+    (void)!::read(it->second->doorbell_fd(), &rings, sizeof rings);
+    take_submissions(id);
+}
+
+bool ClientGateway::take_held_submissions() {
+    if (credit_waiters_.empty()) return false;
+    while (!credit_waiters_.empty()) {
+        const MemberId id = *credit_waiters_.begin();
+        credit_waiters_.erase(credit_waiters_.begin());
+        take_submissions(id);
+    }
+    return true;
+}
+
+void ClientGateway::take_submissions(MemberId id) {
+    auto it = clients_.find(id);
+    if (it == clients_.end() || it->second->state() != ClientConn::State::Joined) return;
+    ClientConn &c = *it->second;
+    std::vector<proto::SubmitDesc> descs;
+    if (auto s = c.take_submissions(descs); !s) {
+        drop(id, s.error(), true);
+        return;
+    }
+    std::vector<Completion> &completions = done_;
+    const auto now = Clock::now();
+    for (const auto &d : descs) {
+        if (shutting_down_) {  // submitted while shutting down
+            completions.push_back({id, d.seq, -ESHUTDOWN, "ringd is shutting down"});
+            continue;
+        }
+        if (d.seq != c.expected_seq()) {
+            completions.push_back({id, d.seq, -EINVAL,
+                                   "op " + std::to_string(d.seq) + " is out of sequence (expected " +
+                                       std::to_string(c.expected_seq()) + ")"});
+            continue;
+        }
+        c.accept_seq();
+        auto s = proto::validate_submit(d, c.slot()->data_bytes(), cuda_built_);
+        if (!s) {
+            groups_.reject(id, d.seq, s.error().code, s.error().message, completions);
+            continue;
+        }
+        groups_.submit(id, *s, now, completions, ready_);
+    }
+}
+
+bool ClientGateway::slots_of(const OpRun &run, std::vector<std::shared_ptr<Slot>> &slots) const {
+    for (MemberId m : run.members) {
+        auto it = clients_.find(m);
+        if (it == clients_.end() || it->second->state() != ClientConn::State::Joined) return false;
+        slots.push_back(it->second->slot());
+    }
+    return true;
+}
+
+void ClientGateway::drop(MemberId id, const Error &why, bool tell_client) {
+    auto node = clients_.extract(id);
+    if (node.empty()) return;
+    std::unique_ptr<ClientConn> c = std::move(node.mapped());
+    if (tell_client) (void)send_all(c->sock(), proto::encode_error({why.code < 0 ? why.code : -EIO, why.message}));
+    hooks_.unwatch(c->sock());
+    if (c->state() == ClientConn::State::Joined) {
+        hooks_.unwatch(c->doorbell_fd());  // the client holds the same eventfd: remove explicitly
+        --live_slots_;
+        if (why.code == -ECONNRESET) {
+            spdlog::info("{} left", c->describe());
+        } else {
+            spdlog::warn("{} dropped: {}", c->describe(), why.message);
+            hooks_.record_error(c->describe() + " dropped: " + why.message);
+        }
+        groups_.leave(id, done_);
+    } else if (why.code != 0 && why.code != -ECONNRESET) {
+        spdlog::warn("{} dropped: {}", c->describe(), why.message);
+        hooks_.record_error(c->describe() + " dropped: " + why.message);
+    }
+}
+
+void ClientGateway::expire(Clock::time_point now) {
+    std::vector<MemberId> late;
+    for (const auto &[id, c] : clients_)
+        if (c->state() == ClientConn::State::Handshake && c->hello_deadline() <= now) late.push_back(id);
+    for (MemberId id : late) drop(id, make_error(-ETIMEDOUT, "no hello within 5 s"), true);
+}
+
+bool ClientGateway::complete(const std::vector<Completion> &completions) {
+    if (completions.empty()) return false;
+    std::vector<std::pair<MemberId, Error>> bad;
+    for (const auto &cm : completions) {
+        auto it = clients_.find(cm.member);
+        if (it == clients_.end() || it->second->state() != ClientConn::State::Joined) continue;
+        if (auto s = it->second->complete(cm.seq, cm.status, cm.message); !s) bad.emplace_back(cm.member, s.error());
+        else if (it->second->submissions_held()) credit_waiters_.insert(cm.member);
+    }
+    for (auto &[id, e] : bad) drop(id, e, true);
+    return true;
+}
+
+void ClientGateway::begin_shutdown() {
+    shutting_down_ = true;
+    hooks_.unwatch(listener_.get());
+    listener_.reset();
+    ::unlink(config_.socket.c_str());
+    // Submissions whose doorbell was not handled yet are answered too.
+    std::vector<MemberId> joined;
+    for (const auto &[id, c] : clients_)
+        if (c->state() == ClientConn::State::Joined) joined.push_back(id);
+    for (MemberId id : joined) take_submissions(id);
+}
+
+}  // namespace ringd

@@ -1,0 +1,86 @@
+// ClientGateway: the daemon's face to the trainers on this host (control thread). It owns the
+// Unix socket and every client connection: it checks who connects (SO_PEERCRED against the
+// allowlists), joins a trainer to its group (hello -> a slot registered with the transport and two
+// eventfds), takes descriptors from a client's submission queue while the client has credits
+// (its ops in ringd stay below its completion-queue depth), validates them and hands them to the
+// group table, and writes completions back. Everything a client sends is checked here; one that
+// misbehaves is answered with an error and dropped, and nothing of the others is lost.
+//
+// Its results go to the owner's queues (done: completions, ready: ops every local rank
+// submitted), which the owner applies between events (Daemon::settle); it never calls back.
+#pragma once
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "common/unique_fd.h"
+#include "daemon/config.h"
+#include "daemon/engine/group_table.h"
+#include "daemon/ipc/client_conn.h"
+#include "daemon/transport/transport.h"
+
+namespace ringd {
+
+class Slot;
+
+class ClientGateway {
+public:
+    struct Hooks {
+        // Watch fd for input; `doorbell` tells a client's doorbell from its socket.
+        std::function<Status(int fd, MemberId id, bool doorbell)> watch;
+        std::function<void(int fd)> unwatch;
+        std::function<std::string()> status_json;  // the document ringctl asks for
+        std::function<void(const std::string &)> record_error;
+    };
+
+    ClientGateway(const Config &config, NetworkTransport &transport, GroupTable &groups, bool cuda_built, Hooks hooks,
+                  std::vector<Completion> &done, std::vector<OpRun> &ready);
+
+    Status listen();
+    int listener_fd() const { return listener_.get(); }
+    void on_accept();
+    void on_readable(MemberId id);
+    void on_doorbell(MemberId id);
+    // Hellos that did not come in time.
+    void expire(Clock::time_point now);
+    // Completions to their clients. Returns whether there were any.
+    bool complete(const std::vector<Completion> &completions);
+    // Submissions that waited for credits, taken now that completions freed them. Returns
+    // whether there were any.
+    bool take_held_submissions();
+    // The slots of an op's local ranks; false if one of them left after the op was matched (its
+    // group fails the op then, GroupTable::leave, whatever status finished() is given).
+    bool slots_of(const OpRun &run, std::vector<std::shared_ptr<Slot>> &slots) const;
+    // Shutdown: submissions not taken yet are answered (ESHUTDOWN), the socket goes away.
+    void begin_shutdown();
+    void close_all() { clients_.clear(); }
+
+    size_t connected() const { return clients_.size(); }
+    size_t joined() const { return live_slots_; }
+
+private:
+    void handle_hello(ClientConn &c, const proto::Hello &h);
+    void take_submissions(MemberId id);
+    void drop(MemberId id, const Error &why, bool tell_client);
+
+    const Config &config_;
+    NetworkTransport &transport_;
+    GroupTable &groups_;
+    const bool cuda_built_;
+    Hooks hooks_;
+    std::vector<Completion> &done_;
+    std::vector<OpRun> &ready_;
+    UniqueFd listener_;
+    UniqueFd spare_fd_;  // released to accept-and-close when the fd limit is hit
+    std::map<MemberId, std::unique_ptr<ClientConn>> clients_;
+    MemberId next_id_ = 1;
+    size_t live_slots_ = 0;
+    bool shutting_down_ = false;
+    std::set<MemberId> credit_waiters_;  // clients whose submissions wait for credits freed by completions
+};
+
+}  // namespace ringd
