@@ -257,19 +257,10 @@ void Daemon::on_engine_results() {
         const bool ring_ending = r.link_failed && control_ && r.generation == local_generation_;
         if (ring_ending) link_failure = r.message;
         if (r.op_id == 0) continue;
-        if (auto e = ended_ring_.find(r.op_id); e != ended_ring_.end()) {
-            // Its generation ended while it ran: its trainers hear of it only now that the
-            // progress thread is done with their slots.
-            groups_.finished(r.op_id, -ECONNABORTED, e->second, completions);
-            ended_ring_.erase(e);
-        } else if (ring_ending && coord_known_) {
-            // An op that ended with its link stays running until the generation's end fails it
-            // with the reason that names the host at fault.
-            held_ring_.insert(r.op_id);
-        } else {
-            running_ring_.erase(r.op_id);
-            groups_.finished(r.op_id, r.status, r.message, completions);
-        }
+        // Several hosts: a ring op that ended with its link stays until the generation's end
+        // fails it with the reason that names the host at fault (HostOps::returned).
+        if (multi_host()) ops_.returned(r.op_id, r.status, r.message, ring_ending && coord_known_);
+        else groups_.finished(r.op_id, r.status, r.message, completions);
     }
     // The results (and the slot references they carried back) are released here, on this thread.
     if (!link_failure.empty()) control_->data_link_failed(link_failure);

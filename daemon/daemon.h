@@ -32,6 +32,7 @@
 #include "daemon/engine/tuner.h"
 #include "daemon/gateway/client_gateway.h"
 #include "daemon/ipc/client_conn.h"
+#include "daemon/ops/host_ops.h"
 #include "daemon/transport/transport.h"
 
 namespace ringd {
@@ -63,9 +64,7 @@ private:
     void on_ring_down(const std::string &why);
     void on_peer_message(uint32_t host, Frame &frame);
     void on_op_data(uint32_t host, Frame &frame);
-    struct HostOp;
     struct DirectState;
-    using OpKey = std::tuple<std::string, uint64_t, uint64_t>;           // group, incarnation, seq
     using DirectKey = std::tuple<uint64_t, std::string, uint64_t, uint64_t>;  // generation, OpKey
     void local_reduce_into(const HostOp &op, void *dst, uint64_t begin, uint64_t elems);
     void report_direct(HostOp op, proto::OpReport r, Algorithm algorithm);
@@ -115,17 +114,6 @@ private:
     RegisteredRegion staging_;  // after staging_mem_: deregistered before it is freed
     std::unique_ptr<ControlPlane> control_;
     std::optional<Coordinator> coordinator_;  // on the first host in ring order
-    // An op of a group that is ready here (status 0) or failed here, on its way to the coordinator.
-    struct HostOp {
-        OpRun run;
-        std::vector<std::shared_ptr<Slot>> slots;
-        int32_t status = 0;
-        std::string message;
-        Clock::time_point deadline;
-        Algorithm algorithm = Algorithm::Ring;  // one-/two-shot: completes here, by OpData
-    };
-    std::map<std::string, std::deque<HostOp>> unreported_;             // by group, in local order
-    std::map<OpKey, HostOp> reported_;
     // This host's side of each group's incarnation (proto/peer.h): its local incarnation, and
     // what the coordinator agreed it is in this generation.
     struct GroupRun {
@@ -139,11 +127,6 @@ private:
     };
     std::map<std::string, GroupRun> runs_;
     std::map<OpKey, std::pair<int32_t, std::string>> failed_ahead_;  // OpFails for ops not reported yet
-    std::map<uint64_t, uint64_t> running_ring_;                          // local op id -> generation
-    std::set<uint64_t> held_ring_;  // of running_ring_: back from the progress thread, failed with their link
-    // Ring ops still on the progress thread when their generation ended: they fail with this
-    // reason when it gives them back, not before (until then it may write into their slots).
-    std::map<uint64_t, std::string> ended_ring_;
     // One- and two-shot ops, by (coordinator generation, group, incarnation, seq): every host's part
     // (its report, and data: a whole contribution, or its part of this host's segment), also
     // those of peers that are ahead of this host; two-shot: which segments' results are in.
@@ -176,6 +159,8 @@ private:
     std::vector<OpRun> ready_;
     std::vector<Frame> self_inbox_;
     std::vector<proto::OpReport> self_reports_;  // one-/two-shot reports (their OpData's, to others)
+    // Every op of a multi-host group past local matching, in its state (daemon/ops/host_ops.h).
+    HostOps ops_{groups_, done_};
     // Per-link throughput, sampled every second by on_timer.
     Clock::time_point rate_at_{};
     uint64_t rate_bytes_next_ = 0, rate_bytes_prev_ = 0;

@@ -39,9 +39,6 @@ constexpr uint64_t kMaxDirectGroupBacklog = 256ull << 20;
 // An op's one-/two-shot data goes out only while the queue to each host stays under this (half
 // of ControlPlane::kMaxBacklog, past which the link fails): beyond, the op fails by name here.
 constexpr uint64_t kMaxDirectSendBacklog = ControlPlane::kMaxBacklog / 2;
-// How long past an op's deadline a host waits for the coordinator's decision before it fails
-// the op itself.
-constexpr auto kDecisionGrace = std::chrono::seconds(1);
 // OpFails for ops this host has not reached yet, kept at most this many.
 constexpr size_t kMaxFailedAhead = 4096;
 
@@ -105,21 +102,7 @@ void Daemon::on_ring_down(const std::string &why) {
     coord_generation_used_ = coord_generation_;
     self_inbox_.clear();  // frames of the generation that ended
     self_reports_.clear();
-    std::vector<Completion> &completions = done_;
-    // Everything that is ready here fails, so that no host carries an op into the next
-    // generation that the others failed.
-    for (auto &[key, op] : reported_) groups_.finished(op.run.op_id, -ECONNABORTED, ring_down_reason_, completions);
-    reported_.clear();
-    for (auto &[group, q] : unreported_)
-        for (auto &op : q)
-            if (op.status == 0) groups_.finished(op.run.op_id, -ECONNABORTED, ring_down_reason_, completions);
-    unreported_.clear();
-    for (auto &[op_id, gen] : running_ring_) {
-        if (held_ring_.count(op_id)) groups_.finished(op_id, -ECONNABORTED, ring_down_reason_, completions);
-        else ended_ring_[op_id] = ring_down_reason_;  // fails when the progress thread gives it back
-    }
-    running_ring_.clear();
-    held_ring_.clear();
+    ops_.generation_ended(ring_down_reason_);
     failed_ahead_.clear();
     for (auto &[group, run] : runs_) {  // agreed again in the next generation
         if (run.agreed) run.previous = run.agreed;
@@ -139,12 +122,6 @@ bool Daemon::queue_host_ops() {
     std::vector<LocalFailure> failures = groups_.take_failures();
     if (failures.empty() && ready_.empty()) return false;
     const auto deadline = Clock::now() + config_.timeouts.op;
-    auto insert = [&](HostOp op) {
-        auto &q = unreported_[op.run.group];
-        auto at = q.end();
-        while (at != q.begin() && std::prev(at)->run.seq > op.run.seq) --at;  // local order = seq order
-        q.insert(at, std::move(op));
-    };
     for (auto &f : failures) {
         if (f.seq == proto::kIncarnationEnds) {
             // Its ranks left while the hosts were agreeing on it: withdrawn at once, so that the
@@ -164,7 +141,7 @@ bool Daemon::queue_host_ops() {
         op.status = f.code;
         op.message = "host " + host_ + ": " + f.message;
         op.deadline = deadline;
-        insert(std::move(op));
+        ops_.queue(std::move(op));
     }
     for (auto &run : std::exchange(ready_, {})) {
         HostOp op;
@@ -174,7 +151,7 @@ bool Daemon::queue_host_ops() {
         }
         op.deadline = run.deadline;  // from the first local submission, whatever comes next
         op.run = std::move(run);
-        insert(std::move(op));
+        ops_.queue(std::move(op));
     }
     return true;
 }
@@ -204,8 +181,8 @@ bool Daemon::deliver_self_frames() {
 bool Daemon::join_groups() {
     bool sent = false;
     for (const auto &[group, local_id] : groups_.local_ids()) {
-        const auto &q = unreported_[group];
-        if (!q.empty() && q.front().run.local_id != local_id) continue;  // an earlier incarnation's reports first
+        const HostOp *next = ops_.next_queued(group);
+        if (next && next->run.local_id != local_id) continue;  // an earlier incarnation's reports first
         GroupRun &run = runs_[group];
         if (run.local_id != local_id) run = GroupRun{local_id, 0, 0, false, 0, 0, {}};
         if (run.agreed || run.join_sent || run.refused_code != 0) continue;
@@ -220,22 +197,19 @@ bool Daemon::join_groups() {
 // is agreed; asks for the agreement first. Returns whether anything moved.
 bool Daemon::flush_reports_now() {
     bool moved = join_groups();
-    for (auto qit = unreported_.begin(); qit != unreported_.end();) {
-        const std::string group = qit->first;
-        auto &q = qit->second;
-        while (!q.empty()) {
+    for (const std::string &group : ops_.queued_groups()) {
+        while (const HostOp *next = ops_.next_queued(group)) {
             GroupRun &run = runs_[group];
-            if (run.local_id != q.front().run.local_id) run = GroupRun{q.front().run.local_id, 0, 0, false, 0, 0, {}};  // a new local incarnation
+            if (run.local_id != next->run.local_id) run = GroupRun{next->run.local_id, 0, 0, false, 0, 0, {}};  // a new local incarnation
             // A newer local incarnation is there: this one's ranks all left.
             const uint64_t now_local = groups_.local_id(group);
             const bool superseded = now_local != 0 && now_local != run.local_id;
             if (run.refused_code != 0 ||
-                (!run.agreed && (superseded || (!run.join_sent && q.front().run.seq == proto::kIncarnationEnds)))) {
+                (!run.agreed && (superseded || (!run.join_sent && next->run.seq == proto::kIncarnationEnds)))) {
                 // Refused by the coordinator: its ops fail here. Never agreed and superseded
                 // (or ended before this host asked for an agreement in this generation): nobody
                 // else ran any of it, and the newer one's GroupJoin ends it at the coordinator.
-                HostOp op = std::move(q.front());
-                q.pop_front();
+                HostOp op = ops_.take_queued(group);
                 moved = true;
                 if (op.status != 0) continue;
                 groups_.finished(op.run.op_id, run.refused_code != 0 ? run.refused_code : -ECONNABORTED,
@@ -252,8 +226,7 @@ bool Daemon::flush_reports_now() {
                 }
                 break;  // until GroupIncarnation comes
             }
-            HostOp op = std::move(q.front());
-            q.pop_front();
+            HostOp op = ops_.take_queued(group);
             moved = true;
             if (op.run.seq != proto::kIncarnationEnds) run.last_seq = std::max(run.last_seq, op.run.seq);
             if (auto ahead = failed_ahead_.find(OpKey{group, run.agreed, op.run.seq}); ahead != failed_ahead_.end()) {
@@ -290,17 +263,14 @@ bool Daemon::flush_reports_now() {
                 report_direct(std::move(op), std::move(r), algorithm);
                 continue;
             }
-            if (op.status == 0) reported_[OpKey{group, r.incarnation, r.seq}] = std::move(op);
+            if (op.status == 0) ops_.reported(OpKey{group, r.incarnation, r.seq}, std::move(op));
             send_to_coordinator(proto::encode_op_report(r));
         }
-        // A group gone here with nothing left to report is forgotten.
-        auto run = runs_.find(group);
-        if (q.empty() && (run == runs_.end() || groups_.local_id(group) != run->second.local_id)) {
-            if (run != runs_.end()) runs_.erase(run);
-            qit = unreported_.erase(qit);
-        } else {
-            ++qit;
-        }
+    }
+    // A group gone here with nothing left to report is forgotten.
+    for (auto run = runs_.begin(); run != runs_.end();) {
+        if (!ops_.has_queued(run->first) && groups_.local_id(run->first) != run->second.local_id) run = runs_.erase(run);
+        else ++run;
     }
     return moved;
 }
@@ -383,7 +353,7 @@ void Daemon::report_direct(HostOp op, proto::OpReport r, Algorithm algorithm) {
         local_reduce_into(op, own.data() + proto::op_data_offset(), 0, count);
     }
     const OpKey key{r.group, r.incarnation, r.seq};
-    const HostOp &kept = reported_[key] = std::move(op);
+    const HostOp &kept = ops_.reported(key, std::move(op));
     for (uint32_t h = 0; h < n; ++h) {
         if (h == self_index_) continue;
         if (algorithm == Algorithm::OneShot) {
@@ -491,10 +461,10 @@ void Daemon::on_op_data(uint32_t host, Frame &frame) {
 // Host `host`'s reduced segment of a two-shot op: straight into every local slot.
 void Daemon::on_two_shot_result(uint32_t host, const proto::OpReport &r, std::span<const uint8_t> data) {
     if (!coord_known_ || r.generation != coord_generation_) return;
-    auto rep = reported_.find(OpKey{r.group, r.incarnation, r.seq});
+    HostOp *rep = ops_.find_reported(OpKey{r.group, r.incarnation, r.seq});
     auto it = direct_.find(DirectKey{r.generation, r.group, r.incarnation, r.seq});
-    if (rep == reported_.end() || it == direct_.end() || rep->second.algorithm != Algorithm::TwoShot) return;  // ended here
-    HostOp &op = rep->second;
+    if (!rep || it == direct_.end() || rep->algorithm != Algorithm::TwoShot) return;  // ended here
+    HostOp &op = *rep;
     const uint32_t n = static_cast<uint32_t>(config_.hosts.size());
     const size_t es = dtype_size(op.run.dtype);
     const uint64_t b = seg_begin(op.run.count, n, host), e = seg_begin(op.run.count, n, host + 1);
@@ -513,12 +483,12 @@ void Daemon::on_two_shot_result(uint32_t host, const proto::OpReport &r, std::sp
 // Moves a one- or two-shot op on once this host reported it and the parts it needs are in. A
 // mismatch is left to the coordinator, which sees the same reports and answers with OpFail.
 void Daemon::try_progress_direct(const std::string &group, uint64_t incarnation, uint64_t seq) {
-    auto rep = reported_.find(OpKey{group, incarnation, seq});
-    if (rep == reported_.end() || rep->second.algorithm == Algorithm::Ring) return;
+    HostOp *rep = ops_.find_reported(OpKey{group, incarnation, seq});
+    if (!rep || rep->algorithm == Algorithm::Ring) return;
     const DirectKey key{coord_generation_, group, incarnation, seq};
     auto it = direct_.find(key);
     if (it == direct_.end()) return;
-    HostOp &op = rep->second;
+    HostOp &op = *rep;
     DirectState &st = it->second;
     const uint32_t n = static_cast<uint32_t>(config_.hosts.size());
     const size_t es = dtype_size(op.run.dtype);
@@ -566,7 +536,7 @@ void Daemon::try_progress_direct(const std::string &group, uint64_t incarnation,
     if (op.algorithm == Algorithm::TwoShot && st.results < n) return;
     ++(op.algorithm == Algorithm::OneShot ? ops_one_shot_ : ops_two_shot_);
     groups_.finished(op.run.op_id, 0, {}, done_);
-    reported_.erase(rep);
+    (void)ops_.take_reported(OpKey{group, incarnation, seq});
     drop_direct(it);
 }
 
@@ -638,17 +608,17 @@ void Daemon::broadcast(const Coordinator::Decisions &d) {
 
 void Daemon::on_start(const proto::OpStart &s) {
     if (!coord_known_ || s.generation != coord_generation_) return;
-    auto it = reported_.find(OpKey{s.group, s.incarnation, s.seq});
-    if (it == reported_.end()) {
+    const OpKey key{s.group, s.incarnation, s.seq};
+    const HostOp *rep = ops_.find_reported(key);
+    if (!rep) {
         spdlog::warn("op start for group {} op {} that this host did not report", s.group, s.seq);
         return;
     }
-    if (it->second.algorithm != Algorithm::Ring) {
-        spdlog::warn("op start for group {} op {}, which goes by {}", s.group, s.seq, algorithm_name(it->second.algorithm));
+    if (rep->algorithm != Algorithm::Ring) {
+        spdlog::warn("op start for group {} op {}, which goes by {}", s.group, s.seq, algorithm_name(rep->algorithm));
         return;
     }
-    HostOp op = std::move(it->second);
-    reported_.erase(it);
+    HostOp op = std::move(*ops_.take_reported(key));
     ++ops_ring_;
     EngineWork w;
     w.op_id = op.run.op_id;
@@ -662,15 +632,15 @@ void Daemon::on_start(const proto::OpStart &s) {
     w.generation = local_generation_;
     w.op_tag = static_cast<uint32_t>(s.op_id);
     w.deadline = op.deadline;
-    running_ring_[w.op_id] = local_generation_;
+    ops_.running(w.op_id, local_generation_, w.deadline);
     engine_->post(std::move(w));
 }
 
 void Daemon::on_fail(const proto::OpFail &f) {
     if (!coord_known_ || f.generation != coord_generation_) return;
     if (auto d = direct_.find(DirectKey{f.generation, f.group, f.incarnation, f.seq}); d != direct_.end()) drop_direct(d);
-    auto it = reported_.find(OpKey{f.group, f.incarnation, f.seq});
-    if (it == reported_.end()) {
+    auto op = ops_.take_reported(OpKey{f.group, f.incarnation, f.seq});
+    if (!op) {
         // Decided before this host got that far (a mismatch between two other hosts, say):
         // kept for when its ranks get there. Ops it reported already ended here.
         auto run = runs_.find(f.group);
@@ -680,8 +650,7 @@ void Daemon::on_fail(const proto::OpFail &f) {
         }
         return;
     }
-    groups_.finished(it->second.run.op_id, f.code, f.message, done_);
-    reported_.erase(it);
+    groups_.finished(op->run.op_id, f.code, f.message, done_);
 }
 
 void Daemon::expire_host_ops(Clock::time_point now) {
@@ -690,38 +659,25 @@ void Daemon::expire_host_ops(Clock::time_point now) {
         coordinator_->expire(now, d);
         broadcast(d);
     }
-    // Ops waiting for a ring that does not come back in time.
-    std::vector<Completion> &completions = done_;
-    // Reported ops the coordinator did not decide by their deadline (it decides by the earliest
-    // of the hosts' deadlines; this is for a coordinator that is gone or cut off).
-    for (auto it = reported_.begin(); it != reported_.end();) {
-        if (it->second.deadline + kDecisionGrace > now) {
-            ++it;
-            continue;
-        }
-        groups_.finished(it->second.run.op_id, -ETIMEDOUT,
-                         "group " + std::get<0>(it->first) + " op " + std::to_string(std::get<2>(it->first)) +
-                             " timed out after " + std::to_string(config_.timeouts.op.count()) +
-                             " ms: no decision from the coordinating host " + config_.hosts[kCoordinator].name,
-                         completions);
-        if (auto d = direct_.find(DirectKey{coord_generation_, std::get<0>(it->first), std::get<1>(it->first), std::get<2>(it->first)});
-            d != direct_.end())
+    // Every op of this host past its state's deadline (daemon/ops/host_ops.h).
+    const auto e = ops_.expire(now, [&](const HostOp &op) {
+        const std::string head = "group " + op.run.group + " op " + std::to_string(op.run.seq) + " timed out after " +
+                                 std::to_string(config_.timeouts.op.count()) + " ms: ";
+        if (op.state == OpState::Reported)
+            return head + "no decision from the coordinating host " + config_.hosts[kCoordinator].name;
+        return head + (coord_known_ ? "not every host joined this incarnation of the group (a job must start or "
+                                      "restart on every host)"
+                                    : "the ring is not up (" + ring_down_reason_ + ")");
+    });
+    for (const OpKey &k : e.reported)
+        if (auto d = direct_.find(DirectKey{coord_generation_, std::get<0>(k), std::get<1>(k), std::get<2>(k)}); d != direct_.end())
             drop_direct(d);
-        it = reported_.erase(it);
-    }
-    const bool up = coord_known_;
-    for (auto &[group, q] : unreported_) {
-        while (!q.empty() && q.front().deadline <= now) {
-            if (q.front().status == 0)
-                groups_.finished(q.front().run.op_id, -ETIMEDOUT,
-                                 "group " + group + " op " + std::to_string(q.front().run.seq) + " timed out after " +
-                                     std::to_string(config_.timeouts.op.count()) + " ms: " +
-                                     (up ? "not every host joined this incarnation of the group (a job must start "
-                                           "or restart on every host)"
-                                         : "the ring is not up (" + ring_down_reason_ + ")"),
-                                 completions);
-            q.pop_front();
-        }
+    if (!e.overdue_running.empty() && control_->ring_up()) {
+        // The progress thread did not give a ring op back by its deadline: the links it may
+        // still write through are torn down (the generation ends; the op fails once it is back).
+        control_->data_link_failed("ring op " + std::to_string(e.overdue_running.front()) + " of this host did not end within " +
+                                   std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(HostOps::kReleaseGrace).count()) +
+                                   " ms of its deadline");
     }
 }
 

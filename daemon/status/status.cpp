@@ -65,6 +65,9 @@ std::string Daemon::status_json() const {
                           {"running_ops", g.running_ops}});
     }
     j["groups"] = groups;
+    // Ops of multi-host groups past local matching, by state (daemon/ops/host_ops.h).
+    const HostOps::Counts oc = ops_.counts();
+    j["ops"] = {{"queued", oc.queued}, {"reported", oc.reported}, {"running", oc.running}, {"releasing", oc.releasing}};
     const size_t joined = gateway_->joined(), connected = gateway_->connected();
     // The connection asking for this document is one of them; it is not counted.
     j["clients"] = {{"connected", connected == 0 ? 0 : connected - 1}, {"joined", joined}, {"max_slots", config_.memory.max_slots}};

@@ -1,0 +1,123 @@
+#include "daemon/ops/host_ops.h"
+
+#include <cerrno>
+
+#include "daemon/ipc/slot.h"
+
+namespace ringd {
+
+const char *op_state_name(OpState s) {
+    switch (s) {
+    case OpState::Queued: return "queued";
+    case OpState::Reported: return "reported";
+    case OpState::Running: return "running";
+    case OpState::Releasing: return "releasing";
+    }
+    return "?";
+}
+
+void HostOps::queue(HostOp op) {
+    op.state = OpState::Queued;
+    auto &q = queued_[op.run.group];
+    auto at = q.end();
+    while (at != q.begin() && std::prev(at)->run.seq > op.run.seq) --at;  // local order = seq order
+    q.insert(at, std::move(op));
+}
+
+std::vector<std::string> HostOps::queued_groups() const {
+    std::vector<std::string> v;
+    for (const auto &[group, q] : queued_) v.push_back(group);
+    return v;
+}
+
+HostOp *HostOps::next_queued(const std::string &group) {
+    auto it = queued_.find(group);
+    return it == queued_.end() || it->second.empty() ? nullptr : &it->second.front();
+}
+
+HostOp HostOps::take_queued(const std::string &group) {
+    auto it = queued_.find(group);
+    HostOp op = std::move(it->second.front());
+    it->second.pop_front();
+    if (it->second.empty()) queued_.erase(it);
+    return op;
+}
+
+bool HostOps::has_queued(const std::string &group) const { return queued_size(group) != 0; }
+
+size_t HostOps::queued_size(const std::string &group) const {
+    auto it = queued_.find(group);
+    return it == queued_.end() ? 0 : it->second.size();
+}
+
+HostOp &HostOps::reported(const OpKey &key, HostOp op) {
+    op.state = OpState::Reported;
+    return reported_[key] = std::move(op);
+}
+
+HostOp *HostOps::find_reported(const OpKey &key) {
+    auto it = reported_.find(key);
+    return it == reported_.end() ? nullptr : &it->second;
+}
+
+std::optional<HostOp> HostOps::take_reported(const OpKey &key) {
+    auto node = reported_.extract(key);
+    if (node.empty()) return std::nullopt;
+    return std::move(node.mapped());
+}
+
+void HostOps::running(uint64_t op_id, uint64_t generation, Clock::time_point deadline) {
+    ring_[op_id] = Ring{generation, deadline, OpState::Running, false, {}};
+}
+
+void HostOps::returned(uint64_t op_id, int32_t status, const std::string &message, bool link_ended_ring) {
+    auto it = ring_.find(op_id);
+    if (it == ring_.end()) {
+        groups_.finished(op_id, status, message, done_);  // not a ring op of a generation (cannot happen)
+        return;
+    }
+    if (it->second.state == OpState::Releasing) {
+        // Its generation ended while it ran: its trainers hear of it only now that the progress
+        // thread is done with their slots.
+        groups_.finished(op_id, -ECONNABORTED, it->second.end_reason, done_);
+        ring_.erase(it);
+    } else if (link_ended_ring) {
+        it->second.held = true;
+    } else {
+        groups_.finished(op_id, status, message, done_);
+        ring_.erase(it);
+    }
+}
+
+void HostOps::generation_ended(const std::string &reason) {
+    // Everything that is ready here fails, so that no host carries an op into the next
+    // generation that the others failed.
+    for (auto &[key, op] : reported_) groups_.finished(op.run.op_id, -ECONNABORTED, reason, done_);
+    reported_.clear();
+    for (auto &[group, q] : queued_)
+        for (auto &op : q)
+            if (op.status == 0) groups_.finished(op.run.op_id, -ECONNABORTED, reason, done_);
+    queued_.clear();
+    for (auto it = ring_.begin(); it != ring_.end();) {
+        if (it->second.held) {
+            groups_.finished(it->first, -ECONNABORTED, reason, done_);
+            it = ring_.erase(it);
+            continue;
+        }
+        if (it->second.state == OpState::Running) {
+            it->second.state = OpState::Releasing;  // fails when the progress thread gives it back
+            it->second.end_reason = reason;
+        }
+        ++it;
+    }
+}
+
+HostOps::Counts HostOps::counts() const {
+    Counts c;
+    for (const auto &[group, q] : queued_) c.queued += q.size();
+    c.reported = reported_.size();
+    for (const auto &[id, r] : ring_) ++(r.state == OpState::Running ? c.running : c.releasing);
+    return c;
+}
+
+}  // namespace ringd
