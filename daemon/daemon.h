@@ -26,6 +26,7 @@
 #include "daemon/control/control_plane.h"
 #include "daemon/control/peer_auth.h"
 #include "daemon/engine/coordinator.h"
+#include "daemon/exchange/direct_exchange.h"
 #include "daemon/cuda/cuda_probe.h"
 #include "daemon/engine/group_table.h"
 #include "daemon/engine/progress.h"
@@ -64,19 +65,9 @@ private:
     void on_ring_down(const std::string &why);
     void on_peer_message(uint32_t host, Frame &frame);
     void on_op_data(uint32_t host, Frame &frame);
-    struct DirectState;
-    using DirectKey = std::tuple<uint64_t, std::string, uint64_t, uint64_t>;  // generation, OpKey
-    void local_reduce_into(const HostOp &op, void *dst, uint64_t begin, uint64_t elems);
     void report_direct(HostOp op, proto::OpReport r, Algorithm algorithm);
-    std::string direct_send_over_bound(const proto::OpReport &r, DType dtype, ReduceOp op, Algorithm algorithm) const;
-    void add_contribution(uint32_t host, const proto::OpReport &r, proto::Bytes buf, size_t offset);
-    void on_two_shot_result(uint32_t host, const proto::OpReport &r, std::span<const uint8_t> data);
-    void try_progress_direct(const std::string &group, uint64_t incarnation, uint64_t seq);
-    void drop_direct(std::map<DirectKey, DirectState>::iterator it);
-    struct Contribution;
-    void release_part(const std::string &group, uint32_t host, Contribution &c);
+    void try_progress_direct(const OpKey &key);
     void fail_ahead(const proto::OpReport &data, int32_t code, const std::string &why);
-    void drop_direct_before(uint64_t generation);
     bool queue_host_ops();
     bool flush_reports_now();
     bool deliver_self_frames();
@@ -127,25 +118,8 @@ private:
     };
     std::map<std::string, GroupRun> runs_;
     std::map<OpKey, std::pair<int32_t, std::string>> failed_ahead_;  // OpFails for ops not reported yet
-    // One- and two-shot ops, by (coordinator generation, group, incarnation, seq): every host's part
-    // (its report, and data: a whole contribution, or its part of this host's segment), also
-    // those of peers that are ahead of this host; two-shot: which segments' results are in.
-    struct Contribution {
-        proto::OpReport report;
-        proto::Bytes buf;
-        size_t offset = 0;  // of the data in buf
-    };
-    struct DirectState {
-        std::vector<std::optional<Contribution>> parts;  // by host
-        bool reduced = false;
-        std::vector<uint8_t> got_result;  // two-shot, by host
-        uint32_t results = 0;
-    };
-    std::map<DirectKey, DirectState> direct_;
-    std::vector<uint64_t> direct_bytes_;  // buffered per host
-    std::map<std::string, uint64_t> direct_group_bytes_;  // buffered per group
-    std::vector<const void *> direct_srcs_;
-    std::vector<void *> direct_dsts_;
+    // One- and two-shot ops' data (daemon/exchange/direct_exchange.h).
+    std::unique_ptr<DirectExchange> exchange_;
     uint64_t ops_one_shot_ = 0, ops_two_shot_ = 0, ops_ring_ = 0;
     uint64_t local_generation_ = 0;
     uint64_t coord_generation_ = 0;   // the coordinator's generation we report in

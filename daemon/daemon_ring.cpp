@@ -31,14 +31,6 @@ namespace ringd {
 namespace {
 
 constexpr uint32_t kCoordinator = 0;  // the first host in ring order
-// One- and two-shot data of peers that are ahead of this host is buffered up to this much per
-// peer and per group; beyond, the op fails everywhere with an error that names the bound. Honest
-// peers stay far below: a group is at most local_size x the completion-queue depth ops ahead.
-constexpr uint64_t kMaxDirectBacklog = 512ull << 20;
-constexpr uint64_t kMaxDirectGroupBacklog = 256ull << 20;
-// An op's one-/two-shot data goes out only while the queue to each host stays under this (half
-// of ControlPlane::kMaxBacklog, past which the link fails): beyond, the op fails by name here.
-constexpr uint64_t kMaxDirectSendBacklog = ControlPlane::kMaxBacklog / 2;
 // OpFails for ops this host has not reached yet, kept at most this many.
 constexpr size_t kMaxFailedAhead = 4096;
 
@@ -66,7 +58,11 @@ Status Daemon::setup_ring() {
         for (const auto &h : config_.hosts) names.push_back(h.name);
         coordinator_.emplace(std::move(names), config_.timeouts.op);
     }
-    direct_bytes_.assign(config_.hosts.size(), 0);
+    std::vector<std::string> names;
+    for (const auto &h : config_.hosts) names.push_back(h.name);
+    exchange_ = std::make_unique<DirectExchange>(
+        self_index_, std::move(names), [this](uint32_t h, const proto::Bytes &f) { (void)control_->send(h, f); },
+        [this](uint32_t h) { return control_->queued_bytes(h); });
     return Ok{};
 }
 
@@ -109,11 +105,7 @@ void Daemon::on_ring_down(const std::string &why) {
         run.agreed = 0;
         run.join_sent = false;
     }
-    drop_direct_before(coord_generation_used_ + 1);
-}
-
-void Daemon::drop_direct_before(uint64_t generation) {
-    while (!direct_.empty() && std::get<0>(direct_.begin()->first) < generation) drop_direct(direct_.begin());
+    exchange_->drop_before(coord_generation_used_ + 1);
 }
 
 // This host's local failures and the ops every local rank submitted, queued for reporting in
@@ -252,7 +244,7 @@ bool Daemon::flush_reports_now() {
             const Algorithm algorithm =
                 choose_algorithm(bytes, static_cast<uint32_t>(config_.hosts.size()), config_.tuning);
             if (op.status == 0 && algorithm != Algorithm::Ring) {
-                if (std::string why = direct_send_over_bound(r, op.run.dtype, op.run.op, algorithm); !why.empty()) {
+                if (std::string why = exchange_->send_over_bound(r, op.run.dtype, op.run.op, algorithm); !why.empty()) {
                     // Reported as this host's failure: it fails on every host, named.
                     groups_.finished(op.run.op_id, -ENOBUFS, why, done_);
                     r.status = -ENOBUFS;
@@ -290,115 +282,20 @@ void Daemon::on_group_incarnation(const proto::GroupIncarnation &g) {
     }
 }
 
-namespace {
-
-uint64_t seg_begin(uint64_t count, uint32_t n, uint32_t k) {
-    return static_cast<uint64_t>((static_cast<unsigned __int128>(count) * k) / n);
-}
-
-// avg by direct exchange: contributions go out before this host knows how many ranks the others
-// have, so they are scaled by 2^-K for the most there can be (every host with kMaxLocalSize
-// ranks); every host uses the same K. The result is divided by the real count (reduce.h).
-uint32_t direct_avg_shift(size_t hosts) { return avg_shift_for(uint64_t{hosts} * proto::kMaxLocalSize); }
-
-}  // namespace
-
-// This host's local ranks reduced over [begin, begin + elems) into dst, a partial result in
-// partial_dtype (f32 for f16/bf16 sum/avg; avg's contributions scaled by 2^-direct_avg_shift(),
-// divided once, where the hosts' contributions meet).
-void Daemon::local_reduce_into(const HostOp &op, void *dst, uint64_t begin, uint64_t elems) {
-    if (elems == 0) return;
-    const size_t es = dtype_size(op.run.dtype);
-    direct_srcs_.clear();
-    for (size_t i = 0; i < op.slots.size(); ++i) direct_srcs_.push_back(op.slots[i]->data() + op.run.offsets[i] + begin * es);
-    if (direct_srcs_.size() == 1 && op.run.op != ReduceOp::Avg && partial_dtype(op.run.dtype, op.run.op) == op.run.dtype) {
-        std::memcpy(dst, direct_srcs_[0], elems * es);
-        return;
-    }
-    ReduceArgs a{op.run.dtype, op.run.op, direct_srcs_.data(), direct_srcs_.size(), nullptr, 0, elems, 1};
-    a.partial_out = dst;
-    a.avg_shift = direct_avg_shift(config_.hosts.size());
-    reduce(a);
-}
-
-// Why this host cannot send its data of a one-/two-shot op now (a peer's queue is over its
-// bound), or "" when it can.
-std::string Daemon::direct_send_over_bound(const proto::OpReport &r, DType dtype, ReduceOp op, Algorithm algorithm) const {
-    const uint32_t n = static_cast<uint32_t>(config_.hosts.size());
-    const uint64_t ps = dtype_size(partial_dtype(dtype, op));
-    for (uint32_t h = 0; h < n; ++h) {
-        if (h == self_index_) continue;
-        const uint64_t elems = algorithm == Algorithm::OneShot ? r.count : seg_begin(r.count, n, h + 1) - seg_begin(r.count, n, h);
-        const uint64_t queued = control_->queued_bytes(h);
-        if (queued + elems * ps > kMaxDirectSendBacklog)
-            return "group " + r.group + " op " + std::to_string(r.seq) + ": host " + host_ + "'s queue to host " +
-                   config_.hosts[h].name + " holds " + std::to_string(queued >> 20) + " MiB, over its bound of " +
-                   std::to_string(kMaxDirectSendBacklog >> 20) + " MiB (host " + config_.hosts[h].name +
-                   " is not taking one-/two-shot data as fast as it comes)";
-    }
-    return {};
-}
-
-// One-shot: this host's contribution goes to every other host. Two-shot: segment j of it goes
-// to host j. Either way the local ranks are reduced straight into the frames.
+// One-/two-shot (DirectExchange): this host's data goes to the others with its report; the
+// coordinator gets the report (on its own host, through the inbox).
 void Daemon::report_direct(HostOp op, proto::OpReport r, Algorithm algorithm) {
     r.algorithm = static_cast<uint32_t>(algorithm);
-    const uint32_t n = static_cast<uint32_t>(config_.hosts.size());
-    const size_t ps = dtype_size(partial_dtype(op.run.dtype, op.run.op));  // contributions are partial results
-    const uint64_t count = op.run.count;
     op.algorithm = algorithm;
-    proto::Bytes own;
-    if (algorithm == Algorithm::OneShot) {
-        own = proto::encode_op_data(r, proto::OpDataKind::OneShot, count * ps);
-        local_reduce_into(op, own.data() + proto::op_data_offset(), 0, count);
-    }
     const OpKey key{r.group, r.incarnation, r.seq};
-    const HostOp &kept = ops_.reported(key, std::move(op));
-    for (uint32_t h = 0; h < n; ++h) {
-        if (h == self_index_) continue;
-        if (algorithm == Algorithm::OneShot) {
-            (void)control_->send(h, own);
-        } else {
-            const uint64_t b = seg_begin(count, n, h), e = seg_begin(count, n, h + 1);
-            proto::Bytes part = proto::encode_op_data(r, proto::OpDataKind::TwoShotPart, (e - b) * ps);
-            local_reduce_into(kept, part.data() + proto::op_data_offset(), b, e - b);
-            (void)control_->send(h, part);
-        }
-    }
-    // This host's own part: the whole contribution (one-shot), or its segment, which stays in
-    // the local slots (two-shot).
-    add_contribution(self_index_, r, std::move(own), proto::op_data_offset());
+    exchange_->contribute(ops_.reported(key, std::move(op)), r);
     if (self_index_ == kCoordinator) self_reports_.push_back(r);  // with its algorithm, which OpData implies
-    try_progress_direct(std::get<0>(key), std::get<1>(key), std::get<2>(key));
+    try_progress_direct(key);
 }
 
-void Daemon::add_contribution(uint32_t host, const proto::OpReport &r, proto::Bytes buf, size_t offset) {
-    DirectState &st = direct_[DirectKey{r.generation, r.group, r.incarnation, r.seq}];
-    st.parts.resize(config_.hosts.size());
-    st.got_result.resize(config_.hosts.size(), 0);
-    if (st.parts[host]) return;  // a duplicate
-    direct_bytes_[host] += buf.size();
-    direct_group_bytes_[r.group] += buf.size();
-    st.parts[host] = Contribution{r, std::move(buf), offset};
-}
-
-// The data of a part is used up (reduced) or dropped.
-void Daemon::release_part(const std::string &group, uint32_t host, Contribution &c) {
-    direct_bytes_[host] -= c.buf.size();
-    auto g = direct_group_bytes_.find(group);
-    if (g != direct_group_bytes_.end() && (g->second -= c.buf.size()) == 0) direct_group_bytes_.erase(g);
-    c.buf = {};
-}
-
-void Daemon::drop_direct(std::map<DirectKey, DirectState>::iterator it) {
-    for (uint32_t h = 0; h < it->second.parts.size(); ++h)
-        if (it->second.parts[h]) release_part(std::get<1>(it->first), h, *it->second.parts[h]);
-    direct_.erase(it);
-}
-
-// This host cannot keep host `host`'s data of an op it has not reached: the op fails on every
-// host with `why`, through the coordinator, which takes the report as one for an op ahead (it
-// says nothing of how far this host got).
+// This host cannot keep a peer's data of an op it has not reached: the op fails on every host
+// with `why`, through the coordinator, which takes the report as one for an op ahead (it says
+// nothing of how far this host got).
 void Daemon::fail_ahead(const proto::OpReport &data, int32_t code, const std::string &why) {
     spdlog::warn("{}", why);
     record_error(why);
@@ -420,124 +317,38 @@ void Daemon::on_op_data(uint32_t host, Frame &frame) {
         return;
     }
     const proto::OpReport report = d->report;
-    const uint32_t n = static_cast<uint32_t>(config_.hosts.size());
-    const uint64_t ps = dtype_size(partial_dtype(static_cast<DType>(report.dtype), static_cast<ReduceOp>(report.op)));
+    const OpKey key{report.group, report.incarnation, report.seq};
     if (d->kind == proto::OpDataKind::TwoShotResult) {
-        on_two_shot_result(host, report, d->data);
+        // Host `host`'s reduced segment of a two-shot op: straight into every local slot.
+        if (!coord_known_ || report.generation != coord_generation_) return;
+        const HostOp *op = ops_.find_reported(key);
+        if (!op || op->algorithm != Algorithm::TwoShot) return;  // ended here
+        exchange_->take_result(host, report.generation, key, *op, report, d->data);
+        try_progress_direct(key);
         return;
     }
-    // Kept unless stale (a generation that is over here), a peer too far ahead, or a two-shot
-    // part that is not this host's segment.
+    // Kept unless stale (a generation that is over here), decided already, not this host's part
+    // or over a bound (the op fails everywhere, named).
     bool keep = !((coord_known_ && report.generation < coord_generation_) ||
-                  (!coord_known_ && report.generation <= coord_generation_used_));
-    if (keep && d->kind == proto::OpDataKind::TwoShotPart &&
-        d->data.size() != (seg_begin(report.count, n, self_index_ + 1) - seg_begin(report.count, n, self_index_)) * ps) {
-        spdlog::warn("host {}: two-shot part of group {} op {} has {} bytes, not this host's segment",
-                     config_.hosts[host].name, report.group, report.seq, d->data.size());
-        keep = false;
+                  (!coord_known_ && report.generation <= coord_generation_used_)) &&
+                !failed_ahead_.count(key);
+    if (keep) {
+        std::string over_bound;
+        keep = exchange_->take_part(host, *d, std::move(frame.payload), over_bound);
+        if (!over_bound.empty()) fail_ahead(report, -ENOBUFS, over_bound);
     }
-    if (keep && failed_ahead_.count(OpKey{report.group, report.incarnation, report.seq})) keep = false;  // decided
-    if (keep && !direct_.count(DirectKey{report.generation, report.group, report.incarnation, report.seq})) {
-        // Data of an op new here: within this host's bounds, or the op fails by name.
-        auto g = direct_group_bytes_.find(report.group);
-        const uint64_t size = frame.payload.size(), group_bytes = g == direct_group_bytes_.end() ? 0 : g->second;
-        const bool peer_over = direct_bytes_[host] + size > kMaxDirectBacklog;
-        if (peer_over || group_bytes + size > kMaxDirectGroupBacklog) {
-            fail_ahead(report, -ENOBUFS,
-                       "group " + report.group + " op " + std::to_string(report.seq) + ": host " + host_ +
-                           " holds more one-/two-shot data of ops it has not reached than its bound of " +
-                           std::to_string((peer_over ? kMaxDirectBacklog : kMaxDirectGroupBacklog) >> 20) + " MiB " +
-                           (peer_over ? "per peer" : "per group") + " (host " + config_.hosts[host].name +
-                           " is that far ahead)");
-            keep = false;
-        }
-    }
-    if (keep) add_contribution(host, report, std::move(frame.payload), proto::kOpDataHeaderBytes);
     if (coordinator_) on_report(host, report);  // checked like any report (an OpFail drops the data again)
-    if (keep && coord_known_ && report.generation == coord_generation_)
-        try_progress_direct(report.group, report.incarnation, report.seq);
+    if (keep && coord_known_ && report.generation == coord_generation_) try_progress_direct(key);
 }
 
-// Host `host`'s reduced segment of a two-shot op: straight into every local slot.
-void Daemon::on_two_shot_result(uint32_t host, const proto::OpReport &r, std::span<const uint8_t> data) {
-    if (!coord_known_ || r.generation != coord_generation_) return;
-    HostOp *rep = ops_.find_reported(OpKey{r.group, r.incarnation, r.seq});
-    auto it = direct_.find(DirectKey{r.generation, r.group, r.incarnation, r.seq});
-    if (!rep || it == direct_.end() || rep->algorithm != Algorithm::TwoShot) return;  // ended here
-    HostOp &op = *rep;
-    const uint32_t n = static_cast<uint32_t>(config_.hosts.size());
-    const size_t es = dtype_size(op.run.dtype);
-    const uint64_t b = seg_begin(op.run.count, n, host), e = seg_begin(op.run.count, n, host + 1);
-    if (r.count != op.run.count || r.dtype != static_cast<uint32_t>(op.run.dtype) || data.size() != (e - b) * es ||
-        it->second.got_result[host]) {
-        spdlog::warn("host {}: unexpected two-shot result for group {} op {}", config_.hosts[host].name, r.group, r.seq);
-        return;
-    }
-    for (size_t i = 0; i < op.slots.size(); ++i)
-        std::memcpy(op.slots[i]->data() + op.run.offsets[i] + b * es, data.data(), data.size());
-    it->second.got_result[host] = 1;
-    ++it->second.results;
-    try_progress_direct(r.group, r.incarnation, r.seq);
-}
-
-// Moves a one- or two-shot op on once this host reported it and the parts it needs are in. A
-// mismatch is left to the coordinator, which sees the same reports and answers with OpFail.
-void Daemon::try_progress_direct(const std::string &group, uint64_t incarnation, uint64_t seq) {
-    HostOp *rep = ops_.find_reported(OpKey{group, incarnation, seq});
-    if (!rep || rep->algorithm == Algorithm::Ring) return;
-    const DirectKey key{coord_generation_, group, incarnation, seq};
-    auto it = direct_.find(key);
-    if (it == direct_.end()) return;
-    HostOp &op = *rep;
-    DirectState &st = it->second;
-    const uint32_t n = static_cast<uint32_t>(config_.hosts.size());
-    const size_t es = dtype_size(op.run.dtype);
-    if (!st.reduced) {
-        uint32_t total = 0;
-        for (const auto &c : st.parts) {
-            if (!c) return;
-            if (c->report.count != op.run.count || c->report.dtype != static_cast<uint32_t>(op.run.dtype) ||
-                c->report.op != static_cast<uint32_t>(op.run.op) || c->report.algorithm != static_cast<uint32_t>(op.algorithm))
-                return;
-            total += c->report.local_size;
-        }
-        // Every host's part is in: reduce them in ring order (one-shot: the same bits on every
-        // host). Two-shot: this host's ranks in place, then the other hosts' parts.
-        const bool two_shot = op.algorithm == Algorithm::TwoShot;
-        const uint64_t b = two_shot ? seg_begin(op.run.count, n, self_index_) : 0;
-        const uint64_t e = two_shot ? seg_begin(op.run.count, n, self_index_ + 1) : op.run.count;
-        direct_srcs_.clear();  // the hosts' parts: partial results
-        direct_dsts_.clear();
-        for (size_t i = 0; i < op.slots.size(); ++i) direct_dsts_.push_back(op.slots[i]->data() + op.run.offsets[i] + b * es);
-        for (uint32_t h = 0; h < n; ++h)
-            if (!two_shot || h != self_index_) direct_srcs_.push_back(st.parts[h]->buf.data() + st.parts[h]->offset);
-        ReduceArgs a{op.run.dtype, op.run.op, two_shot ? direct_dsts_.data() : nullptr, two_shot ? direct_dsts_.size() : 0,
-                     direct_dsts_.data(), direct_dsts_.size(), e - b, total};
-        a.partials = direct_srcs_.data();
-        a.npartial = direct_srcs_.size();
-        a.avg_shift = direct_avg_shift(n);
-        if (e > b) reduce(a);
-        st.reduced = true;
-        for (uint32_t h = 0; h < n; ++h) release_part(group, h, *st.parts[h]);  // used up
-        if (op.algorithm == Algorithm::TwoShot) {
-            // This host's segment is final: to every other host.
-            proto::OpReport me = st.parts[self_index_]->report;
-            proto::Bytes result = proto::encode_op_data(me, proto::OpDataKind::TwoShotResult, (e - b) * es);
-            if (e > b) std::memcpy(result.data() + proto::op_data_offset(), direct_dsts_[0], (e - b) * es);
-            st.got_result[self_index_] = 1;
-            ++st.results;
-            for (uint32_t h = 0; h < n; ++h) {
-                if (h == self_index_) continue;
-                (void)control_->send(h, result);
-            }
-            return try_progress_direct(group, incarnation, seq);
-        }
-    }
-    if (op.algorithm == Algorithm::TwoShot && st.results < n) return;
-    ++(op.algorithm == Algorithm::OneShot ? ops_one_shot_ : ops_two_shot_);
-    groups_.finished(op.run.op_id, 0, {}, done_);
-    (void)ops_.take_reported(OpKey{group, incarnation, seq});
-    drop_direct(it);
+// Completes a one- or two-shot op here once this host reported it and every part it needs is in.
+void Daemon::try_progress_direct(const OpKey &key) {
+    const HostOp *op = ops_.find_reported(key);
+    if (!op || op->algorithm == Algorithm::Ring || !exchange_->progress(coord_generation_, key, *op)) return;
+    ++(op->algorithm == Algorithm::OneShot ? ops_one_shot_ : ops_two_shot_);
+    groups_.finished(op->run.op_id, 0, {}, done_);
+    (void)ops_.take_reported(key);
+    exchange_->drop(coord_generation_, key);
 }
 
 void Daemon::on_peer_message(uint32_t host, Frame &frame) {
@@ -638,7 +449,7 @@ void Daemon::on_start(const proto::OpStart &s) {
 
 void Daemon::on_fail(const proto::OpFail &f) {
     if (!coord_known_ || f.generation != coord_generation_) return;
-    if (auto d = direct_.find(DirectKey{f.generation, f.group, f.incarnation, f.seq}); d != direct_.end()) drop_direct(d);
+    exchange_->drop(f.generation, OpKey{f.group, f.incarnation, f.seq});
     auto op = ops_.take_reported(OpKey{f.group, f.incarnation, f.seq});
     if (!op) {
         // Decided before this host got that far (a mismatch between two other hosts, say):
@@ -669,9 +480,7 @@ void Daemon::expire_host_ops(Clock::time_point now) {
                                       "restart on every host)"
                                     : "the ring is not up (" + ring_down_reason_ + ")");
     });
-    for (const OpKey &k : e.reported)
-        if (auto d = direct_.find(DirectKey{coord_generation_, std::get<0>(k), std::get<1>(k), std::get<2>(k)}); d != direct_.end())
-            drop_direct(d);
+    for (const OpKey &k : e.reported) exchange_->drop(coord_generation_, k);
     if (!e.overdue_running.empty() && control_->ring_up()) {
         // The progress thread did not give a ring op back by its deadline: the links it may
         // still write through are torn down (the generation ends; the op fails once it is back).

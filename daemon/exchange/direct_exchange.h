@@ -1,0 +1,91 @@
+// DirectExchange: the data of one- and two-shot ops (small ops, daemon/engine/tuner.h) between
+// the hosts of a ring, on the control thread. One-shot: every host sends its contribution (its
+// local ranks reduced) to every other host and reduces them all itself, in ring order, so every
+// host gets the same bits. Two-shot: host j gets segment j of every contribution, reduces it and
+// sends the result to every other host, straight into their slots.
+//
+// Contributions of peers that are ahead of this host are kept, within bounds per peer and per
+// group; this host's own data goes out only while its queue to each peer is under a bound. Over
+// a bound the caller fails the op on every host by name. Which ops exist and when they end is the
+// caller's (HostOps, the coordinator); this is the data, keyed by (coordinator generation, group,
+// incarnation, seq).
+#pragma once
+
+#include <functional>
+#include <map>
+#include <optional>
+#include <span>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "daemon/ops/host_ops.h"
+#include "proto/peer.h"
+
+namespace ringd {
+
+class DirectExchange {
+public:
+    // Beyond these the op fails everywhere with ENOBUFS and a message naming the bound. Honest
+    // peers stay far below: a group is at most local_size x the completion-queue depth ops ahead.
+    static constexpr uint64_t kMaxPeerBacklog = 512ull << 20;   // peers' data kept, per peer
+    static constexpr uint64_t kMaxGroupBacklog = 256ull << 20;  // peers' data kept, per group
+    static constexpr uint64_t kMaxSendBacklog = 128ull << 20;   // this host's queue to a peer
+
+    using Send = std::function<void(uint32_t host, const proto::Bytes &frame)>;
+    using Queued = std::function<uint64_t(uint32_t host)>;  // bytes waiting in the queue to host
+    DirectExchange(uint32_t self, std::vector<std::string> hosts, Send send, Queued queued);
+
+    // Why this host cannot send its data of op `r` now (a peer's queue is over its bound), or "".
+    std::string send_over_bound(const proto::OpReport &r, DType dtype, ReduceOp op, Algorithm algorithm) const;
+    // Sends this host's contribution of `op` (reported here as `r`, r.algorithm set) and keeps its
+    // own part; the local ranks are reduced straight into the frames.
+    void contribute(const HostOp &op, const proto::OpReport &r);
+    // A peer's one-shot contribution or two-shot part. Kept (true), dropped because it is not
+    // what this host can use (false, logged), or over a bound (false, `over_bound` says why).
+    bool take_part(uint32_t host, const proto::OpData &d, proto::Bytes payload, std::string &over_bound);
+    // A peer's reduced segment of two-shot op `op`: into every local slot.
+    void take_result(uint32_t host, uint64_t generation, const OpKey &key, const HostOp &op, const proto::OpReport &r,
+                     std::span<const uint8_t> data);
+    // Moves op `op` (reported here, one-/two-shot) on: reduces once every part is in (two-shot:
+    // and sends this host's segment to the others). True when the op is complete on this host.
+    bool progress(uint64_t generation, const OpKey &key, const HostOp &op);
+
+    bool has(uint64_t generation, const OpKey &key) const;
+    void drop(uint64_t generation, const OpKey &key);
+    void drop_before(uint64_t generation);  // everything of generations before this one
+    uint64_t backlog(uint32_t host) const { return peer_bytes_[host]; }
+
+private:
+    using Key = std::tuple<uint64_t, std::string, uint64_t, uint64_t>;  // generation, group, incarnation, seq
+    struct Part {
+        proto::OpReport report;
+        proto::Bytes buf;
+        size_t offset = 0;  // of the data in buf
+    };
+    struct State {
+        std::vector<std::optional<Part>> parts;  // by host
+        bool reduced = false;
+        std::vector<uint8_t> got_result;  // two-shot, by host
+        uint32_t results = 0;
+    };
+    static Key key_of(uint64_t generation, const OpKey &k) {
+        return {generation, std::get<0>(k), std::get<1>(k), std::get<2>(k)};
+    }
+    void add(uint32_t host, const proto::OpReport &r, proto::Bytes buf, size_t offset);
+    void release(const std::string &group, uint32_t host, Part &p);
+    void erase(std::map<Key, State>::iterator it);
+    void local_reduce_into(const HostOp &op, void *dst, uint64_t begin, uint64_t elems);
+
+    uint32_t self_, n_;
+    std::vector<std::string> hosts_;
+    Send send_;
+    Queued queued_;
+    std::map<Key, State> ops_;
+    std::vector<uint64_t> peer_bytes_;               // kept, by host
+    std::map<std::string, uint64_t> group_bytes_;    // kept, by group
+    std::vector<const void *> srcs_;
+    std::vector<void *> dsts_;
+};
+
+}  // namespace ringd
