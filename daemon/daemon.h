@@ -131,8 +131,13 @@ private:
     // submitted, and frames this host (the coordinator) sent itself.
     std::vector<Completion> done_;
     std::vector<OpRun> ready_;
-    std::vector<Frame> self_inbox_;
-    std::vector<proto::OpReport> self_reports_;  // one-/two-shot reports (their OpData's, to others)
+    // In the order sent; a one-/two-shot report travels as the report itself (its algorithm is
+    // implied by the OpData the other hosts get).
+    struct SelfMessage {
+        Frame frame;
+        std::optional<proto::OpReport> direct_report;
+    };
+    std::vector<SelfMessage> self_inbox_;
     // Every op of a multi-host group past local matching, in its state (daemon/ops/host_ops.h).
     HostOps ops_{groups_, done_};
     // Per-link throughput, sampled every second by on_timer.

@@ -97,7 +97,6 @@ void Daemon::on_ring_down(const std::string &why) {
     coord_known_ = false;
     coord_generation_used_ = coord_generation_;
     self_inbox_.clear();  // frames of the generation that ended
-    self_reports_.clear();
     ops_.generation_ended(ring_down_reason_);
     failed_ahead_.clear();
     for (auto &[group, run] : runs_) {  // agreed again in the next generation
@@ -158,13 +157,15 @@ void Daemon::send_to_coordinator(const proto::Bytes &frame) {
     Frame f;
     f.type = static_cast<proto::FrameType>(frame[6] | (frame[7] << 8));
     f.payload.assign(frame.begin() + proto::kFrameHeaderBytes, frame.end());
-    self_inbox_.push_back(std::move(f));
+    self_inbox_.push_back({std::move(f), std::nullopt});
 }
 
 bool Daemon::deliver_self_frames() {
-    if (self_inbox_.empty() && self_reports_.empty()) return false;
-    for (auto &f : std::exchange(self_inbox_, {})) on_peer_message(self_index_, f);
-    for (auto &r : std::exchange(self_reports_, {})) on_report(self_index_, r);
+    if (self_inbox_.empty()) return false;
+    for (auto &m : std::exchange(self_inbox_, {})) {
+        if (m.direct_report) on_report(self_index_, *m.direct_report);
+        else on_peer_message(self_index_, m.frame);
+    }
     return true;
 }
 
@@ -289,7 +290,7 @@ void Daemon::report_direct(HostOp op, proto::OpReport r, Algorithm algorithm) {
     op.algorithm = algorithm;
     const OpKey key{r.group, r.incarnation, r.seq};
     exchange_->contribute(ops_.reported(key, std::move(op)), r);
-    if (self_index_ == kCoordinator) self_reports_.push_back(r);  // with its algorithm, which OpData implies
+    if (self_index_ == kCoordinator) self_inbox_.push_back({Frame{}, r});  // in order with the other frames
     try_progress_direct(key);
 }
 
@@ -329,9 +330,12 @@ void Daemon::on_op_data(uint32_t host, Frame &frame) {
     }
     // Kept unless stale (a generation that is over here), decided already, not this host's part
     // or over a bound (the op fails everywhere, named).
+    auto run = runs_.find(report.group);
+    const bool ended_here = run != runs_.end() && run->second.agreed == report.incarnation &&
+                            report.seq <= run->second.last_seq && !ops_.find_reported(key);
     bool keep = !((coord_known_ && report.generation < coord_generation_) ||
                   (!coord_known_ && report.generation <= coord_generation_used_)) &&
-                !failed_ahead_.count(key);
+                !failed_ahead_.count(key) && !ended_here;
     if (keep) {
         std::string over_bound;
         keep = exchange_->take_part(host, *d, std::move(frame.payload), over_bound);

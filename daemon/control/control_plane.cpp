@@ -141,7 +141,6 @@ void ControlPlane::on_ready() {
         if (events[i].data.u64 == kListenerId) accept_all();
         else on_conn(events[i].data.u64, events[i].events);
     }
-    dispatch();
 }
 
 void ControlPlane::accept_all() {
@@ -574,7 +573,6 @@ void ControlPlane::tick(Clock::time_point now) {
     for (uint32_t i = 0; i < n_; ++i)
         if (peers_[i].control && now - peers_[i].last_heard > kMissedHeartbeats * hb)
             peer_failed(i, "no heartbeat for " + std::to_string(kMissedHeartbeats * hb.count()) + " ms (hung or unreachable)");
-    dispatch();
 }
 
 Status ControlPlane::send(uint32_t host_index, const proto::Bytes &frame) {

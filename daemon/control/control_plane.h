@@ -37,10 +37,10 @@ namespace ringd {
 
 class ControlPlane {
 public:
-    // The callbacks run only from dispatch() (which on_ready() and tick() end with), in the order
-    // their events happened — never from inside send() or data_link_failed(): a send that fails
-    // takes the ring down at once (ring_up() is false from then on), but the owner hears of it
-    // only between its own steps.
+    // The callbacks run only from dispatch(), which the owner calls between its own steps, in
+    // the order their events happened — never from inside on_ready(), tick(), send() or
+    // data_link_failed(): a send that fails takes the ring down at once (ring_up() is false from
+    // then on), but the owner hears of it only when it dispatches.
     struct Callbacks {
         // The ring is up as `generation`: sockets to the next host, and from the previous one.
         std::function<void(uint64_t generation, std::vector<UniqueFd> to_next, std::vector<UniqueFd> from_prev)> ring_up;

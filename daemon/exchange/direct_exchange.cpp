@@ -94,8 +94,9 @@ bool DirectExchange::take_part(uint32_t host, const proto::OpData &d, proto::Byt
                      r.group, r.seq, d.data.size());
         return false;
     }
-    if (!ops_.count(Key{r.generation, r.group, r.incarnation, r.seq})) {
-        // Data of an op new here: within this host's bounds, or the op fails by name.
+    auto it = ops_.find(Key{r.generation, r.group, r.incarnation, r.seq});
+    if (it == ops_.end() || !it->second.parts[self_]) {
+        // Data of an op this host has not reached: within its bounds, or the op fails by name.
         auto g = group_bytes_.find(r.group);
         const uint64_t size = payload.size(), group_bytes = g == group_bytes_.end() ? 0 : g->second;
         const bool peer_over = peer_bytes_[host] + size > kMaxPeerBacklog;
@@ -190,13 +191,19 @@ void DirectExchange::add(uint32_t host, const proto::OpReport &r, proto::Bytes b
     st.parts.resize(n_);
     st.got_result.resize(n_, 0);
     if (st.parts[host]) return;  // a duplicate
-    peer_bytes_[host] += buf.size();
-    group_bytes_[r.group] += buf.size();
+    if (host != self_) {  // the bounds count peers' data
+        peer_bytes_[host] += buf.size();
+        group_bytes_[r.group] += buf.size();
+    }
     st.parts[host] = Part{r, std::move(buf), offset};
 }
 
 // The data of a part is used up (reduced) or dropped.
 void DirectExchange::release(const std::string &group, uint32_t host, Part &p) {
+    if (host == self_) {
+        p.buf = {};
+        return;
+    }
     peer_bytes_[host] -= p.buf.size();
     auto g = group_bytes_.find(group);
     if (g != group_bytes_.end() && (g->second -= p.buf.size()) == 0) group_bytes_.erase(g);

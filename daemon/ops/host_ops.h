@@ -129,11 +129,14 @@ HostOps::Expired HostOps::expire(Clock::time_point now, Why why) {
         out.reported.push_back(it->first);
         it = reported_.erase(it);
     }
-    for (auto &[group, q] : queued_)
+    for (auto it = queued_.begin(); it != queued_.end();) {
+        auto &q = it->second;
         while (!q.empty() && q.front().deadline <= now) {
             if (q.front().status == 0) groups_.finished(q.front().run.op_id, -ETIMEDOUT, why(q.front()), done_);
             q.pop_front();
         }
+        it = q.empty() ? queued_.erase(it) : std::next(it);
+    }
     for (const auto &[op_id, r] : ring_)
         if (r.state == OpState::Running && !r.held && r.deadline + kReleaseGrace <= now) out.overdue_running.push_back(op_id);
     return out;

@@ -67,7 +67,7 @@ std::string Daemon::status_json() const {
     j["groups"] = groups;
     // Ops of multi-host groups past local matching, by state (daemon/ops/host_ops.h).
     const HostOps::Counts oc = ops_.counts();
-    j["ops"] = {{"queued", oc.queued}, {"reported", oc.reported}, {"running", oc.running}, {"releasing", oc.releasing}};
+    j["op_states"] = {{"queued", oc.queued}, {"reported", oc.reported}, {"running", oc.running}, {"releasing", oc.releasing}};
     const size_t joined = gateway_->joined(), connected = gateway_->connected();
     // The connection asking for this document is one of them; it is not counted.
     j["clients"] = {{"connected", connected == 0 ? 0 : connected - 1}, {"joined", joined}, {"max_slots", config_.memory.max_slots}};

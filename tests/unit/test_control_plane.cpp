@@ -96,6 +96,7 @@ struct Cluster {
             for (size_t k = 0; k < fds.size(); ++k) {
                 if (fds[k].revents) who[k]->cp->on_ready();
                 who[k]->cp->tick(Clock::now());
+                who[k]->cp->dispatch();
             }
         }
         return true;
@@ -259,6 +260,7 @@ TEST_CASE("RingAbort behind a queued frame: the peer decodes the queued frames i
     //    host dials the next generation's data links), it aborts the ring and tells its peer why.
     h0.cp->data_link_failed("test: data link broke");
     h0.cp->tick(Clock::now() + 350ms);
+    h0.cp->dispatch();
     REQUIRE(h0.downs == 1);
     // 4. Both run again: the peer gets every frame, exact, and then the abort with its reason.
     h0.frozen = false;

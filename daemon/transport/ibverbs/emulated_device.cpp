@@ -53,16 +53,21 @@ void complete_send(EmuQp *qp, const SendWqe &w, ibv_wc_status status) {
     push_cqe(qp->scq, make_wc(qp, w.wr_id, status, IBV_WC_RDMA_WRITE));
 }
 
+void complete_send_after_read(EmuQp *qp, const SendWqe &w, ibv_wc_status status) {
+    if (qp->in_transmit && qp->in_transmit_seq == w.seq) qp->after_transmit.emplace(w, status);
+    else complete_send(qp, w, status);
+}
+
 void qp_to_error(EmuQp *qp) {
     qp->qp.state = IBV_QPS_ERR;
     {
         std::unique_lock dma(qp->dma_mu);  // waits out a read into our memory under way
         qp->dma_off = true;
     }
-    for (auto *q : {&qp->inflight, &qp->sq}) {
-        for (const SendWqe &w : *q) push_cqe(qp->scq, make_wc(qp, w.wr_id, IBV_WC_WR_FLUSH_ERR, IBV_WC_RDMA_WRITE));
-        q->clear();
-    }
+    for (const SendWqe &w : qp->inflight) complete_send_after_read(qp, w, IBV_WC_WR_FLUSH_ERR);
+    qp->inflight.clear();
+    for (const SendWqe &w : qp->sq) push_cqe(qp->scq, make_wc(qp, w.wr_id, IBV_WC_WR_FLUSH_ERR, IBV_WC_RDMA_WRITE));
+    qp->sq.clear();
     for (uint64_t id : qp->rq) push_cqe(qp->rcq, make_wc(qp, id, IBV_WC_WR_FLUSH_ERR, IBV_WC_RECV));
     qp->rq.clear();
     qp->unsignaled_done = 0;

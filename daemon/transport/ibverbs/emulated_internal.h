@@ -15,6 +15,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <shared_mutex>
 #include <thread>
 #include <unordered_map>
@@ -128,6 +129,12 @@ struct EmuQp {
     uint8_t timeout = 14, retry_cnt = 7, rnr_retry = 7, min_rnr_timer = 12;
     std::deque<SendWqe> sq;        // posted, not yet on the wire
     std::deque<SendWqe> inflight;  // on the wire, not yet acknowledged
+    // The TX thread is reading the source of request `in_transmit_seq` (in_transmit): an error
+    // completion for it (a flush, an acknowledgement timeout, a responder that went away) waits in
+    // after_transmit until the read is over, as a real NIC completes nothing whose DMA is under way.
+    bool in_transmit = false;
+    uint32_t in_transmit_seq = 0;
+    std::optional<std::pair<SendWqe, ibv_wc_status>> after_transmit;
     std::deque<uint64_t> rq;       // posted receives (wr_id)
     uint32_t next_seq = 0;
     int out_fd = -1;  // requester connection (owned by the TX thread until closed)
@@ -203,6 +210,8 @@ void wake_rx(EmuContext *c);
 // Completions and state changes, with ctx->mu held.
 void push_cqe(EmuCq *cq, const ibv_wc &wc);
 void complete_send(EmuQp *qp, const SendWqe &w, ibv_wc_status status);
+// complete_send, or — while the TX thread still reads w's source — once it is done (EmuQp::after_transmit).
+void complete_send_after_read(EmuQp *qp, const SendWqe &w, ibv_wc_status status);
 void qp_to_error(EmuQp *qp);  // flushes every outstanding work request
 
 }  // namespace ringd::verbs::emu

@@ -264,6 +264,8 @@ bool run_send_queue(EmuContext *c, const std::shared_ptr<EmuQp> &qp, int budget)
             // The RX thread keeps the acknowledgement deadline of the oldest request in flight.
             if (qp->inflight.empty()) wake_rx(c);
             qp->inflight.push_back(w);
+            qp->in_transmit = true;
+            qp->in_transmit_seq = w.seq;
             req.opcode = w.opcode;
             req.imm = w.imm;
             req.seq = w.seq;
@@ -271,8 +273,16 @@ bool run_send_queue(EmuContext *c, const std::shared_ptr<EmuQp> &qp, int budget)
             req.remote_addr = w.remote_addr;
             req.length = w.length;
         }
-        if (transmit(c, fd, req, g, w)) {
-            std::lock_guard lock(c->mu);
+        const bool sent = transmit(c, fd, req, g, w);
+        std::lock_guard lock(c->mu);
+        // The source is read: an error completion that came meanwhile goes out now.
+        qp->in_transmit = false;
+        if (qp->after_transmit) {
+            auto [done, status] = *qp->after_transmit;
+            qp->after_transmit.reset();
+            complete_send(qp.get(), done, status);
+        }
+        if (sent) {
             // Only this thread appends, so the request is the newest in flight unless the
             // acknowledgement timeout or an error took it already.
             if (!qp->inflight.empty() && qp->inflight.back().seq == w.seq) qp->inflight.back().on_wire = true;
@@ -284,20 +294,17 @@ bool run_send_queue(EmuContext *c, const std::shared_ptr<EmuQp> &qp, int budget)
             }
             continue;
         }
-        {
-            std::lock_guard lock(c->mu);
-            if (!qp->dead && qp->qp.state == IBV_QPS_RTS) {
-                // The wire broke (the peer is gone) or the source region went away under the send.
-                const bool local = std::any_of(g.mrs, g.mrs + w.num_sge, [](auto &m) { return m && m->dead; });
-                if (!qp->inflight.empty()) {
-                    SendWqe first = qp->inflight.front();
-                    qp->inflight.pop_front();
-                    complete_send(qp.get(), first, local ? IBV_WC_LOC_PROT_ERR : IBV_WC_RETRY_EXC_ERR);
-                }
-                qp_to_error(qp.get());
+        if (!qp->dead && qp->qp.state == IBV_QPS_RTS) {
+            // The wire broke (the peer is gone) or the source region went away under the send.
+            const bool local = std::any_of(g.mrs, g.mrs + w.num_sge, [](auto &m) { return m && m->dead; });
+            if (!qp->inflight.empty()) {
+                SendWqe first = qp->inflight.front();
+                qp->inflight.pop_front();
+                complete_send(qp.get(), first, local ? IBV_WC_LOC_PROT_ERR : IBV_WC_RETRY_EXC_ERR);
             }
-            return false;
+            qp_to_error(qp.get());
         }
+        return false;
     }
     std::lock_guard lock(c->mu);
     return !qp->sq.empty();
@@ -411,7 +418,7 @@ bool Rx::read_responses(RxConn &k) {
                 if (!qp->inflight.empty()) {
                     SendWqe w = qp->inflight.front();
                     qp->inflight.pop_front();
-                    complete_send(qp, w, IBV_WC_RETRY_EXC_ERR);
+                    complete_send_after_read(qp, w, IBV_WC_RETRY_EXC_ERR);
                     qp_to_error(qp);
                 }
             }
@@ -633,7 +640,7 @@ int check_ack_timeouts(EmuContext *c) {
         if (now >= due) {
             SendWqe w = qp->inflight.front();
             qp->inflight.pop_front();
-            complete_send(qp.get(), w, IBV_WC_RETRY_EXC_ERR);
+            complete_send_after_read(qp.get(), w, IBV_WC_RETRY_EXC_ERR);
             qp_to_error(qp.get());
         } else {
             next = std::min(next, due - now);
