@@ -76,6 +76,12 @@ void print_human(const json &j) {
                 cl["max_slots"].get<int>());
     std::printf("ops: %llu completed, %llu failed, %s reduced\n", ops["completed"].get<unsigned long long>(),
                 ops["failed"].get<unsigned long long>(), format_bytes(ops["bytes_reduced"].get<uint64_t>()).c_str());
+    if (j.contains("op_states")) {
+        const auto &st = j["op_states"];
+        std::printf("  across hosts now: %llu queued, %llu reported, %llu running, %llu releasing\n",
+                    st["queued"].get<unsigned long long>(), st["reported"].get<unsigned long long>(),
+                    st["running"].get<unsigned long long>(), st["releasing"].get<unsigned long long>());
+    }
     std::printf("memory registered: %s in %llu region(s); %llu registration(s) since start\n",
                 format_bytes(mem["registered_bytes"].get<uint64_t>()).c_str(),
                 mem["live_regions"].get<unsigned long long>(), mem["registrations"].get<unsigned long long>());
