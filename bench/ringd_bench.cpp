@@ -6,6 +6,7 @@
 // range in the slot) and prints its own verdict line; nothing of the check goes through ringd,
 // so a ringd that "succeeds" with garbage cannot grade itself. Whoever runs the ranks gathers
 // the verdict lines (bench/cluster prints every rank's output) and sums them.
+#include <algorithm>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -34,6 +35,7 @@ struct Options {
     std::string dtype = "float", op = "avg";
     int iters = 20, warmup = 5, check = 1;
     int timeout_ms = -1;
+    bool latency = false;
 };
 
 int fail(const Options &o, const std::string &msg) {
@@ -59,6 +61,7 @@ int main(int argc, char **argv) {
     app.add_option("-w,--warmup_iters", o.warmup, "untimed iterations first")->capture_default_str()->check(CLI::Range(0, 1 << 20));
     app.add_option("-c,--check", o.check, "check results (0|1)")->capture_default_str()->check(CLI::Range(0, 1));
     app.add_option("--timeout-ms", o.timeout_ms, "per-op deadline (default: ringd's op timeout + 10 s)");
+    app.add_flag("--latency", o.latency, "also print each size's op latency percentiles (p50 p90 p99 max, us)");
     CLI11_PARSE(app, argc, argv);
 
     const auto dtype = parse_dtype(o.dtype);
@@ -133,10 +136,22 @@ int main(int argc, char **argv) {
         const bench::GuardedRange range{op_offset, count, have, *dtype, bench::mix64(global_rank * 0x10001 + size)};
         range.prepare(buf, global_rank);
         for (int i = 0; i < o.warmup && rc == 0; ++i) rc = run(count);
+        std::vector<double> lat;
+        if (o.latency) lat.reserve(static_cast<size_t>(o.iters));
         const auto t0 = Clock::now();
-        for (int i = 0; i < o.iters && rc == 0; ++i) rc = run(count);
+        for (int i = 0; i < o.iters && rc == 0; ++i) {
+            const auto t = o.latency ? Clock::now() : Clock::time_point{};
+            rc = run(count);
+            if (o.latency) lat.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t).count());
+        }
         const double us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count() / o.iters;
         if (rc != 0) break;
+        if (printer && o.latency) {
+            std::sort(lat.begin(), lat.end());
+            auto at = [&](double q) { return lat[std::min(lat.size() - 1, static_cast<size_t>(q * static_cast<double>(lat.size())))]; };
+            std::printf("# latency %llu B: p50 %.1f p90 %.1f p99 %.1f max %.1f us\n", static_cast<unsigned long long>(size),
+                        at(0.5), at(0.9), at(0.99), lat.back());
+        }
         // The timed ops' values are not checked (repeated sums grow), but their guards are.
         guard_total += bench::guard_damage(buf, range.guard_begin(), op_offset, range.salt) +
                        bench::guard_damage(buf, op_offset + range.bytes(), range.guard_end(), range.salt);
