@@ -70,6 +70,7 @@ private:
     void fail_ahead(const proto::OpReport &data, int32_t code, const std::string &why);
     bool queue_host_ops();
     bool flush_reports_now();
+    void forget_gone_runs();
     bool deliver_self_frames();
     bool join_groups();
     void send_to_coordinator(const proto::Bytes &frame);

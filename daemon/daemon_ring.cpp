@@ -173,16 +173,16 @@ bool Daemon::deliver_self_frames() {
 // exists (and again in each ring generation), before its first op. Returns whether it sent any.
 bool Daemon::join_groups() {
     bool sent = false;
-    for (const auto &[group, local_id] : groups_.local_ids()) {
+    groups_.for_each_local_id([&](const std::string &group, uint64_t local_id) {
         const HostOp *next = ops_.next_queued(group);
-        if (next && next->run.local_id != local_id) continue;  // an earlier incarnation's reports first
+        if (next && next->run.local_id != local_id) return;  // an earlier incarnation's reports first
         GroupRun &run = runs_[group];
         if (run.local_id != local_id) run = GroupRun{local_id, 0, 0, false, 0, 0, {}};
-        if (run.agreed || run.join_sent || run.refused_code != 0) continue;
+        if (run.agreed || run.join_sent || run.refused_code != 0) return;
         run.join_sent = true;
         sent = true;
         send_to_coordinator(proto::encode_group_join({coord_generation_, group, run.local_id, run.previous}));
-    }
+    });
     return sent;
 }
 
@@ -190,6 +190,10 @@ bool Daemon::join_groups() {
 // is agreed; asks for the agreement first. Returns whether anything moved.
 bool Daemon::flush_reports_now() {
     bool moved = join_groups();
+    if (!ops_.any_queued()) {  // the usual case between ops: nothing to report
+        forget_gone_runs();
+        return moved;
+    }
     for (const std::string &group : ops_.queued_groups()) {
         while (const HostOp *next = ops_.next_queued(group)) {
             GroupRun &run = runs_[group];
@@ -260,12 +264,16 @@ bool Daemon::flush_reports_now() {
             send_to_coordinator(proto::encode_op_report(r));
         }
     }
-    // A group gone here with nothing left to report is forgotten.
+    forget_gone_runs();
+    return moved;
+}
+
+// A group gone here with nothing left to report is forgotten.
+void Daemon::forget_gone_runs() {
     for (auto run = runs_.begin(); run != runs_.end();) {
         if (!ops_.has_queued(run->first) && groups_.local_id(run->first) != run->second.local_id) run = runs_.erase(run);
         else ++run;
     }
-    return moved;
 }
 
 void Daemon::on_group_incarnation(const proto::GroupIncarnation &g) {

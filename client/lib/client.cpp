@@ -3,6 +3,7 @@
 #include "ringd/ringd.h"
 
 #include <poll.h>
+#include <sys/epoll.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -67,6 +68,7 @@ struct ringd_client {
     UniqueFd sock;
     UniqueFd doorbell;
     UniqueFd completion;
+    UniqueFd pollable;  // ringd_fd(): epoll over the completion eventfd and the socket, made on first use
     SharedMapping map;
     proto::Welcome welcome;
     proto::SlotHeader *header = nullptr;
@@ -101,6 +103,13 @@ struct ringd_client {
     int check_socket();
     int breach(const Ticket &t);
     int wait(Ticket &t, int timeout_ms);
+    int test(Ticket &t);
+    int finish(Ticket &t) {
+        t.state = TicketState::Free;
+        if (t.status != 0) return fail(t.status, t.message);
+        last_error.clear();
+        return 0;
+    }
 };
 
 void ringd_client::drain_completions() {
@@ -170,10 +179,7 @@ int ringd_client::wait(Ticket &t, int timeout_ms) {
         if (!dead) drain_completions();
         if (t.state == TicketState::Done) {
             if (spin) spin_skip = blocked ? kSpinBackoff : 0;
-            t.state = TicketState::Free;
-            if (t.status != 0) return fail(t.status, t.message);
-            last_error.clear();
-            return 0;
+            return finish(t);
         }
         if (dead) return still_dead();
         if (Clock::now() < spin_until) {
@@ -202,6 +208,25 @@ int ringd_client::wait(Ticket &t, int timeout_ms) {
             }
         }
     }
+}
+
+// One look, no waiting: whoever polls ringd_fd() calls this when it turns readable (or on its
+// own deadline). The eventfd is reset before the queue is read, so a completion that lands after
+// the read signals again.
+int ringd_client::test(Ticket &t) {
+    uint64_t v;
+    (void)!::read(completion.get(), &v, sizeof v);
+    if (!dead) drain_completions();
+    if (t.state == TicketState::Done) return finish(t);
+    if (dead) return still_dead();
+    pollfd p{sock.get(), POLLIN, 0};
+    if (::poll(&p, 1, 0) > 0 && p.revents) {
+        drain_completions();  // results that arrived before an error still count
+        if (t.state == TicketState::Done) return finish(t);
+        if (int rc = check_socket(); rc != 0) return rc;
+    }
+    if (Clock::now() >= contract_deadline(t)) return breach(t);
+    return -EINPROGRESS;
 }
 
 extern "C" {
@@ -351,6 +376,38 @@ int ringd_wait(ringd_client *c, uint64_t ticket, int timeout_ms) {
     }
     if (abandoned && t.state == TicketState::InFlight) t.state = TicketState::Abandoned;
     return rc;
+}
+
+int ringd_test(ringd_client *c, uint64_t ticket) {
+    if (!c) return -EINVAL;
+    Ticket &t = c->tickets[ticket % c->tickets.size()];
+    try {
+        if (ticket == 0 || t.seq != ticket || t.state == TicketState::Free)
+            return c->dead ? c->still_dead()
+                           : c->fail(-EINVAL, "ticket " + std::to_string(ticket) + " is not in flight");
+        const bool abandoned = t.state == TicketState::Abandoned;
+        if (abandoned) t.state = TicketState::InFlight;
+        const int rc = c->test(t);
+        if (abandoned && t.state == TicketState::InFlight) t.state = TicketState::Abandoned;
+        return rc;
+    } catch (const std::exception &e) {
+        return c->fail(-ENOMEM, e.what());
+    }
+}
+
+int ringd_fd(ringd_client *c) {
+    if (!c) return -EINVAL;
+    if (c->pollable) return c->pollable.get();
+    UniqueFd ep(::epoll_create1(EPOLL_CLOEXEC));
+    if (!ep) return c->fail(-errno, "epoll_create1: " + errno_string(errno));
+    for (int fd : {c->completion.get(), c->sock.get()}) {
+        epoll_event ev{};
+        ev.events = EPOLLIN;
+        ev.data.fd = fd;
+        if (::epoll_ctl(ep.get(), EPOLL_CTL_ADD, fd, &ev) != 0) return c->fail(-errno, "epoll_ctl: " + errno_string(errno));
+    }
+    c->pollable = std::move(ep);
+    return c->pollable.get();
 }
 
 int ringd_allreduce(ringd_client *c, size_t offset, size_t count, ringd_dtype dtype, ringd_op op, int timeout_ms) {

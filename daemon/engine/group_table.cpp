@@ -284,12 +284,6 @@ uint64_t GroupTable::local_id(const std::string &group) const {
     return it == groups_.end() ? 0 : it->second.local_id;
 }
 
-std::vector<std::pair<std::string, uint64_t>> GroupTable::local_ids() const {
-    std::vector<std::pair<std::string, uint64_t>> v;
-    for (const auto &[name, g] : groups_) v.emplace_back(name, g.local_id);
-    return v;
-}
-
 size_t GroupTable::running_ops() const {
     size_t n = draining_.size();
     for (const auto &[name, g] : groups_) n += g.running.size();

@@ -104,8 +104,11 @@ public:
     size_t running_ops() const;
     // The local incarnation of a group with this name now; 0 when there is none.
     uint64_t local_id(const std::string &group) const;
-    // Every group there is now: (name, local incarnation).
-    std::vector<std::pair<std::string, uint64_t>> local_ids() const;
+    // Calls f(name, local incarnation) for every group there is now (f must not change the table).
+    template <class F>
+    void for_each_local_id(F &&f) const {
+        for (const auto &[name, g] : groups_) f(name, g.local_id);
+    }
     // Ops that failed locally since the last call, in the order they failed.
     std::vector<LocalFailure> take_failures() { return std::exchange(failures_, {}); }
 

@@ -62,6 +62,7 @@ public:
     void queue(HostOp op);
     // The groups with queued ops, and each one's next op to report (nullptr: none).
     std::vector<std::string> queued_groups() const;
+    bool any_queued() const { return !queued_.empty(); }
     HostOp *next_queued(const std::string &group);
     // Queued -> out of the table (the caller reports or fails it).
     HostOp take_queued(const std::string &group);

@@ -2,11 +2,15 @@
 #include <catch2/catch.hpp>
 
 #include <grp.h>
+#include <poll.h>
+#include <signal.h>
 #include <sys/stat.h>
 
+#include <atomic>
 #include <cstdio>
 #include <optional>
 #include <random>
+#include <thread>
 
 #include <nlohmann/json.hpp>
 
@@ -172,6 +176,97 @@ TEST_CASE("several ops in flight per trainer complete in order", "[daemon]") {
             CHECK(v.wrong == 0);
             CHECK(v.guard == 0);
         }
+}
+
+TEST_CASE("an event loop: ringd_fd polls readable when results may be in, ringd_test looks without waiting",
+          "[daemon]") {
+    Daemon d;
+    REQUIRE(d.ready());
+    auto clients = connect_group(d, "loop", 2);
+    ringd_client *c0 = clients[0]->get();
+    const int fd = ringd_fd(c0);
+    REQUIRE(fd >= 0);
+    CHECK(ringd_fd(c0) == fd);  // one fd per client
+    const size_t count = 2048;
+    const size_t stride = count * 4 + 2 * bench::kGuardBytes;
+    constexpr int kOps = 8;
+    std::vector<std::vector<bench::GuardedRange>> g(2);
+    std::vector<uint64_t> t0;
+    for (int k = 0; k < kOps; ++k) {
+        const bench::GuardedRange gr{bench::kGuardBytes + k * stride, count, clients[0]->slot().size(), DType::F32,
+                                     500 + static_cast<uint64_t>(k)};
+        gr.prepare(clients[0]->slot().data(), 0);
+        g[0].push_back(gr);
+        t0.push_back(clients[0]->submit(gr.offset, count, RINGD_F32, RINGD_AVG));
+    }
+    // Rank 1 has not submitted: nothing is ready, and looking does not wait or give a ticket up.
+    pollfd p{fd, POLLIN, 0};
+    CHECK(::poll(&p, 1, 50) == 0);
+    for (uint64_t t : t0) CHECK(ringd_test(c0, t) == -EINPROGRESS);
+    // A thread blocks on the fd while this one goes on calling into the client (rank 1's ops).
+    std::atomic<bool> woke{false};
+    std::vector<uint64_t> t1;
+    std::thread poller([&] {
+        pollfd q{fd, POLLIN, 0};
+        woke = ::poll(&q, 1, 10000) == 1 && (q.revents & POLLIN);
+    });
+    for (int k = 0; k < kOps; ++k) {
+        const bench::GuardedRange gr{bench::kGuardBytes + k * stride, count, clients[1]->slot().size(), DType::F32,
+                                     600 + static_cast<uint64_t>(k)};
+        gr.prepare(clients[1]->slot().data(), 1);
+        g[1].push_back(gr);
+        t1.push_back(clients[1]->submit(gr.offset, count, RINGD_F32, RINGD_AVG));
+    }
+    poller.join();
+    CHECK(woke);
+    // The loop: poll, then test what is in flight, in any order, until every ticket is done.
+    std::vector<uint64_t> pending(t0.rbegin(), t0.rend());
+    const auto deadline = Clock::now() + std::chrono::seconds(10);
+    while (!pending.empty() && Clock::now() < deadline) {
+        (void)::poll(&p, 1, 100);
+        for (auto it = pending.begin(); it != pending.end();) {
+            const int rc = ringd_test(c0, *it);
+            if (rc == -EINPROGRESS) {
+                ++it;
+                continue;
+            }
+            CHECK(rc == 0);
+            it = pending.erase(it);
+        }
+    }
+    REQUIRE(pending.empty());
+    CHECK(ringd_test(c0, t0[0]) == -EINVAL);  // done: no longer in flight
+    // Nothing left to look at: the fd is quiet again.
+    CHECK(::poll(&p, 1, 0) == 0);
+    for (uint64_t t : t1) clients[1]->wait(t, 10000);
+    for (size_t r = 0; r < 2; ++r)
+        for (int k = 0; k < kOps; ++k) {
+            INFO("rank " << r << " op " << k);
+            const auto v = g[r][k].check(clients[r]->slot().data(), ReduceOp::Avg, 2);
+            CHECK(v.wrong == 0);
+            CHECK(v.guard == 0);
+        }
+    SECTION("a failed op is done with its error; a dead ringd makes the fd readable and every test fail") {
+        uint64_t a = 0, b = 0;
+        REQUIRE(ringd_submit(c0, 0, 16, RINGD_F32, RINGD_SUM, &a) == 0);
+        REQUIRE(ringd_submit(clients[1]->get(), 0, 16, RINGD_I32, RINGD_SUM, &b) == 0);  // mismatch
+        int rc = -EINPROGRESS;
+        for (auto until = Clock::now() + std::chrono::seconds(10); rc == -EINPROGRESS && Clock::now() < until;) {
+            (void)::poll(&p, 1, 100);
+            rc = ringd_test(c0, a);
+        }
+        CHECK(rc == -EINVAL);
+        CHECK_THAT(std::string(ringd_last_error(c0)), Catch::Contains("mismatch"));
+        CHECK(ringd_wait(clients[1]->get(), b, 10000) == -EINVAL);
+    }
+    SECTION("ringd goes away") {
+        uint64_t a = 0;
+        REQUIRE(ringd_submit(c0, 0, 16, RINGD_F32, RINGD_SUM, &a) == 0);  // rank 1 never joins in
+        ::kill(d.pid(), SIGKILL);
+        CHECK(::poll(&p, 1, 5000) == 1);
+        CHECK(ringd_test(c0, a) == -ECONNRESET);
+        CHECK_THAT(std::string(ringd_last_error(c0)), Catch::Contains("ringd closed the connection"));
+    }
 }
 
 TEST_CASE("memory is registered once per slot, never per op", "[daemon]") {

@@ -6,7 +6,11 @@
  * Every rank of a group must submit the same sequence of ops (same count, dtype and op).
  *
  * Errors: functions return 0 or a negative errno and never abort or throw; ringd_last_error()
- * says what happened. A ringd_client must not be used from two threads at once.
+ * says what happened. A ringd_client must not be used from two threads at once; only the fd of
+ * ringd_fd() may be polled by one thread while another calls into the client.
+ *
+ * Several ops in flight, waited for by an event loop: submit them, poll ringd_fd() (readable when
+ * a result may have arrived or ringd went away), then ringd_test() each ticket.
  *
  * Deadlines: ringd ends every op it accepted within its op timeout (timeouts.op) of the op's
  * submission, plus about a second. The client allows each op its op timeout + a margin (10 s;
@@ -52,6 +56,13 @@ RINGD_API int ringd_submit(ringd_client *c, size_t offset, size_t count, ringd_d
  * -EPROTO when ringd owed the result (see Deadlines), another -errno when it failed. Waiting for a
  * ticket that ringd_allreduce gave up on is fine. */
 RINGD_API int ringd_wait(ringd_client *c, uint64_t ticket, int timeout_ms);
+/* Like ringd_wait with no waiting: 0 when the op succeeded, -EINPROGRESS while it runs (the
+ * ticket stays), else what ringd_wait returns (the ticket is done, -EPROTO past the contract). */
+RINGD_API int ringd_test(ringd_client *c, uint64_t ticket);
+/* A file descriptor that polls readable (POLLIN) when a result may have arrived or the connection
+ * broke: then ringd_test the tickets in flight. Owned by c (closed by ringd_close); level-
+ * triggered until ringd_test looks; a dead connection keeps it readable. -errno on failure. */
+RINGD_API int ringd_fd(ringd_client *c);
 /* The last error on this client ("" if none). Valid until the next call on c. */
 RINGD_API const char *ringd_last_error(const ringd_client *c);
 /* Disconnects and frees c (NULL is fine). */
