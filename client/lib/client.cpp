@@ -23,6 +23,7 @@
 
 #include "common/fd_io.h"
 #include "common/shm_mapping.h"
+#include "common/status_client.h"
 #include "proto/frame.h"
 #include "proto/slot.h"
 
@@ -422,6 +423,20 @@ int ringd_allreduce(ringd_client *c, size_t offset, size_t count, ringd_dtype dt
         if (t.seq == ticket && t.state == TicketState::InFlight) t.state = TicketState::Abandoned;
     }
     return rc;
+}
+
+long ringd_status(const char *socket_path, char *buf, size_t len, int timeout_ms) {
+    try {
+        const char *env = std::getenv("RINGD_SOCKET");
+        const std::string path = socket_path ? socket_path : env && *env ? env : "/run/ringd/ringd.sock";
+        auto s = fetch_status(path, timeout_ms < 0 ? 10000 : timeout_ms);
+        const std::string &text = s ? *s : s.error().message;
+        if (buf && len) std::snprintf(buf, len, "%s", text.c_str());
+        return s ? static_cast<long>(text.size()) : s.error().code;
+    } catch (const std::exception &e) {
+        if (buf && len) std::snprintf(buf, len, "ringd_status: %s", e.what());
+        return -ENOMEM;
+    }
 }
 
 const char *ringd_last_error(const ringd_client *c) { return c ? c->last_error.c_str() : "no client"; }

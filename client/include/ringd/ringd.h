@@ -65,6 +65,10 @@ RINGD_API int ringd_test(ringd_client *c, uint64_t ticket);
 RINGD_API int ringd_fd(ringd_client *c);
 /* The last error on this client ("" if none). Valid until the next call on c. */
 RINGD_API const char *ringd_last_error(const ringd_client *c);
+/* ringd's status document (JSON, what `ringctl status --json` prints) into buf, NUL-terminated
+ * when it fits; returns its length (call again with a bigger buf when that is >= len) or -errno
+ * with the reason in buf. socket_path NULL: $RINGD_SOCKET, else /run/ringd/ringd.sock. */
+RINGD_API long ringd_status(const char *socket_path, char *buf, size_t len, int timeout_ms);
 /* Disconnects and frees c (NULL is fine). */
 RINGD_API void ringd_close(ringd_client *c);
 

@@ -1,0 +1,225 @@
+"""ringd: hand buffers to the host's ringd and wait for their allreduce (Python client).
+
+A ctypes binding over libringd-client (client/include/ringd/ringd.h); every call maps to one of
+the C library's, with its errors raised as RingdError (a RuntimeError) carrying ringd's message.
+
+    import ringd
+    c = ringd.Client("job-42", local_rank=0, local_size=1, slot_bytes=1 << 20)
+    buf = c.slot                       # a writable memoryview of the shared-memory slot
+    c.allreduce(0, 256, "float32", "avg")
+
+The library is found through RINGD_CLIENT_LIBRARY (a path) if set, else the installed one
+(libringd-client.so.0), else the one in the build tree next to this package (build/client/).
+PyTorch: import ringd.torch (registers the process-group backend "ringd").
+"""
+import ctypes
+import ctypes.util
+import errno
+import os
+import threading
+
+__all__ = ["Client", "RingdError", "DTYPES", "OPS", "library_path", "status"]
+
+# ringd_dtype and ringd_op, in the C enum's order.
+DTYPES = {"float32": 0, "float64": 1, "float16": 2, "bfloat16": 3, "int32": 4, "int64": 5}
+DTYPE_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8}
+OPS = {"sum": 0, "avg": 1, "min": 2, "max": 3}
+_DTYPE_ALIASES = {"float": "float32", "f32": "float32", "double": "float64", "f64": "float64",
+                  "half": "float16", "f16": "float16", "bf16": "bfloat16", "int": "int32",
+                  "i32": "int32", "long": "int64", "i64": "int64"}
+
+DEFAULT_SOCKET = "/run/ringd/ringd.sock"
+
+
+class RingdError(RuntimeError):
+    """A failed ringd call: `code` is the negative errno, the text ringd's message."""
+
+    def __init__(self, code, message):
+        super().__init__(message or os.strerror(-code) if code else message)
+        self.code = code
+
+
+def _candidates():
+    env = os.environ.get("RINGD_CLIENT_LIBRARY")
+    if env:
+        return [env]
+    out = ["libringd-client.so.0"]
+    found = ctypes.util.find_library("ringd-client")
+    if found:
+        out.append(found)
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(here)))  # client/python/ringd -> the tree
+    build = os.environ.get("RINGD_BUILD_DIR") or os.path.join(root, "build")
+    out.append(os.path.join(build, "client", "libringd-client.so"))
+    return out
+
+
+_lib = None
+_lib_path = None
+_lib_lock = threading.Lock()
+
+
+def _load():
+    global _lib, _lib_path
+    with _lib_lock:
+        if _lib is not None:
+            return _lib
+        tried = []
+        for path in _candidates():
+            try:
+                lib = ctypes.CDLL(path)
+            except OSError as e:
+                tried.append(f"{path}: {e}")
+                continue
+            _declare(lib)
+            _lib, _lib_path = lib, path
+            return lib
+        raise RingdError(-errno.ENOENT, "cannot load libringd-client (set RINGD_CLIENT_LIBRARY): " +
+                         "; ".join(tried))
+
+
+def library_path():
+    """The path libringd-client was loaded from."""
+    _load()
+    return _lib_path
+
+
+def _declare(lib):
+    c_client = ctypes.c_void_p
+    lib.ringd_connect.restype = c_client
+    lib.ringd_connect.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_size_t,
+                                  ctypes.c_char_p, ctypes.c_size_t]
+    lib.ringd_slot.restype = ctypes.c_void_p
+    lib.ringd_slot.argtypes = [c_client, ctypes.POINTER(ctypes.c_size_t)]
+    lib.ringd_allreduce.restype = ctypes.c_int
+    lib.ringd_allreduce.argtypes = [c_client, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    lib.ringd_submit.restype = ctypes.c_int
+    lib.ringd_submit.argtypes = [c_client, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                                 ctypes.POINTER(ctypes.c_uint64)]
+    lib.ringd_wait.restype = ctypes.c_int
+    lib.ringd_wait.argtypes = [c_client, ctypes.c_uint64, ctypes.c_int]
+    lib.ringd_test.restype = ctypes.c_int
+    lib.ringd_test.argtypes = [c_client, ctypes.c_uint64]
+    lib.ringd_fd.restype = ctypes.c_int
+    lib.ringd_fd.argtypes = [c_client]
+    lib.ringd_last_error.restype = ctypes.c_char_p
+    lib.ringd_last_error.argtypes = [c_client]
+    lib.ringd_status.restype = ctypes.c_long
+    lib.ringd_status.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int]
+    lib.ringd_close.restype = None
+    lib.ringd_close.argtypes = [c_client]
+
+
+def status(socket=None, timeout_ms=10000):
+    """ringd's status document (what `ringctl status --json` prints), as a dict."""
+    import json
+    lib = _load()
+    path = (socket or os.environ.get("RINGD_SOCKET") or DEFAULT_SOCKET).encode()
+    size = 1 << 16
+    while True:
+        buf = ctypes.create_string_buffer(size)
+        n = lib.ringd_status(path, buf, size, int(timeout_ms))
+        if n < 0:
+            raise RingdError(n, buf.value.decode(errors="replace"))
+        if n < size:
+            return json.loads(buf.value.decode())
+        size = n + 1
+
+
+def dtype_name(dtype):
+    """'float32', 'bfloat16', ... from a name or alias."""
+    name = _DTYPE_ALIASES.get(str(dtype), str(dtype))
+    if name not in DTYPES:
+        raise ValueError(f"ringd has no dtype {dtype!r} (it reduces {', '.join(DTYPES)})")
+    return name
+
+
+def op_name(op):
+    name = str(op).lower()
+    if name not in OPS:
+        raise ValueError(f"ringd has no reduce op {op!r} (it has {', '.join(OPS)})")
+    return name
+
+
+class Client:
+    """One trainer's connection to ringd: `local_rank` of `local_size` trainers of `group` on this
+    host, with a shared-memory slot of `slot_bytes`. Not for two threads at once, except that
+    fileno() may be polled by one thread while another calls in (see ringd.h)."""
+
+    def __init__(self, group, local_rank=0, local_size=1, slot_bytes=1 << 20, socket=None):
+        lib = _load()
+        socket = socket or os.environ.get("RINGD_SOCKET") or DEFAULT_SOCKET
+        err = ctypes.create_string_buffer(512)
+        handle = lib.ringd_connect(socket.encode(), str(group).encode(), int(local_rank), int(local_size),
+                                   int(slot_bytes), err, len(err))
+        if not handle:
+            raise RingdError(-errno.ECONNREFUSED, err.value.decode(errors="replace"))
+        self._lib, self._c = lib, ctypes.c_void_p(handle)
+        self.group, self.local_rank, self.local_size = str(group), int(local_rank), int(local_size)
+        size = ctypes.c_size_t(0)
+        self.slot_address = lib.ringd_slot(self._c, ctypes.byref(size))
+        self.slot_bytes = size.value
+        self.slot = memoryview((ctypes.c_char * self.slot_bytes).from_address(self.slot_address)).cast("B")
+
+    def _check(self, rc):
+        if rc != 0:
+            raise RingdError(rc, self.last_error())
+        return rc
+
+    def _handle(self):
+        if self._c is None:
+            raise RingdError(-errno.EBADF, "the ringd client is closed")
+        return self._c
+
+    def last_error(self):
+        if self._c is None:
+            return "the ringd client is closed"
+        return (self._lib.ringd_last_error(self._c) or b"").decode(errors="replace")
+
+    def submit(self, offset, count, dtype, op):
+        """Queues an allreduce of `count` elements at byte `offset` of the slot; returns its ticket."""
+        t = ctypes.c_uint64(0)
+        self._check(self._lib.ringd_submit(self._handle(), int(offset), int(count), DTYPES[dtype_name(dtype)],
+                                           OPS[op_name(op)], ctypes.byref(t)))
+        return t.value
+
+    def wait(self, ticket, timeout_ms=-1):
+        """Until the op is done (raises RingdError if it failed or timeout_ms passed)."""
+        self._check(self._lib.ringd_wait(self._handle(), int(ticket), int(timeout_ms)))
+
+    def test(self, ticket):
+        """True when the op succeeded, False while it runs; raises RingdError if it failed."""
+        rc = self._lib.ringd_test(self._handle(), int(ticket))
+        if rc == -errno.EINPROGRESS:
+            return False
+        self._check(rc)
+        return True
+
+    def allreduce(self, offset, count, dtype, op, timeout_ms=-1):
+        self._check(self._lib.ringd_allreduce(self._handle(), int(offset), int(count), DTYPES[dtype_name(dtype)],
+                                              OPS[op_name(op)], int(timeout_ms)))
+
+    def fileno(self):
+        """An fd that polls readable when a result may have arrived (then test() the tickets)."""
+        fd = self._lib.ringd_fd(self._handle())
+        if fd < 0:
+            raise RingdError(fd, self.last_error())
+        return fd
+
+    def close(self):
+        if self._c is not None:
+            self.slot.release()
+            self._lib.ringd_close(self._c)
+            self._c = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,57 @@
+// ringd._torch_work: the Work object ringd's process group hands to torch (torch 1.13).
+//
+// A Python subclass of torch.distributed.Work cannot serve DDP in torch 1.13: its reducer calls
+// Work::getFuture() from C++, which 1.13's Python trampoline does not forward. torch's own
+// future-wrapping Work does forward it, but its wait() returns true when the op failed, so a
+// failed ringd op would look like a success to dist.all_reduce. This Work does both: getFuture()
+// is the op's future, and wait() blocks until the op is done (without the GIL) and throws the
+// op's error. Python completes the future (ringd/torch.py); nothing else lives here.
+#include <torch/csrc/distributed/c10d/Work.hpp>
+#include <torch/csrc/jit/python/pybind_utils.h>
+#include <torch/csrc/utils/pybind.h>
+
+namespace {
+
+class RingdWork : public c10d::Work {
+public:
+    RingdWork(c10::intrusive_ptr<c10::ivalue::Future> fut, std::vector<at::Tensor> result)
+        : Work(-1, c10d::OpType::ALLREDUCE), fut_(std::move(fut)), result_(std::move(result)) {}
+
+    bool isCompleted() override { return fut_->completed(); }
+    bool isSuccess() const override { return fut_->completed() && !fut_->hasError(); }
+    std::exception_ptr exception() const override { return fut_->completed() ? fut_->exception_ptr() : nullptr; }
+    std::vector<at::Tensor> result() override { return result_; }
+    // ringd bounds every op by its own timeouts.op: the wait always ends; `timeout` adds nothing.
+    bool wait(std::chrono::milliseconds) override {
+        fut_->wait();
+        if (fut_->hasError()) std::rethrow_exception(fut_->exception_ptr());
+        return true;
+    }
+    c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return fut_; }
+
+private:
+    c10::intrusive_ptr<c10::ivalue::Future> fut_;
+    std::vector<at::Tensor> result_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(_torch_work, m) {
+    m.doc() = "The Work object of ringd's torch process group (see ringd/torch.py)";
+    m.def(
+        "work",
+        [](const std::shared_ptr<torch::jit::PythonFutureWrapper> &fut, std::vector<at::Tensor> result) {
+            return c10::intrusive_ptr<c10d::Work>(c10::make_intrusive<RingdWork>(fut->fut, std::move(result)));
+        },
+        pybind11::arg("future"), pybind11::arg("result"),
+        "A torch.distributed.Work for `future` (a torch.futures.Future that completes with `result` or an error)");
+    // torch.futures.Future.set_exception (1.13) stores the exception as the future's value, which
+    // C++ (DDP's reducer, Work::wait) takes for a result: this marks the future failed instead.
+    m.def(
+        "set_error",
+        [](const std::shared_ptr<torch::jit::PythonFutureWrapper> &fut, const std::string &message) {
+            fut->fut->setError(std::make_exception_ptr(std::runtime_error(message)));
+        },
+        pybind11::arg("future"), pybind11::arg("message"),
+        "Completes `future` with a RuntimeError(message), seen alike by Python and C++ waiters");
+}

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The PyTorch backend end to end: tests/python/torch_ranks.py SCENARIO on 2 namespace hosts x 2
+# ranks (bench/cluster), for each scenario; every rank checks its own results and must print
+# "torch_ranks: rank R: SCENARIO ok". Skips (77) without root/namespaces, without torch for
+# /usr/bin/python3, or when ringd._torch_work was not built.
+#   torch_check.sh [SCENARIO...]   (default: ops async ddp die restart)
+set -euo pipefail
+src=${RINGD_SOURCE_DIR:?}
+build=$(dirname "$(dirname "${RINGD_BIN:?}")")
+[ "$(id -u)" = 0 ] || { echo "not root: skipped"; exit 77; }
+ip netns add "ringd-probe-$$" 2>/dev/null || { echo "network namespaces unavailable: skipped"; exit 77; }
+ip netns del "ringd-probe-$$"
+/usr/bin/python3 -c "import torch.distributed" 2>/dev/null || { echo "no torch for /usr/bin/python3: skipped"; exit 77; }
+ls "$build"/client/python/ringd/_torch_work*.so >/dev/null 2>&1 || { echo "ringd._torch_work not built: skipped"; exit 77; }
+
+# Each item runs its scenarios one after the other in every rank (new processes, the same
+# daemons): "die,restart" is a job that loses a rank and is restarted.
+scenarios=("$@")
+[ ${#scenarios[@]} -gt 0 ] || scenarios=(ops async ddp die,restart)
+op_timeout=5
+failed=0
+for s in "${scenarios[@]}"; do
+    start=$(date +%s)
+    # A fresh port per scenario: a store of the one before may still be closing.
+    port=$((29500 + RANDOM % 2000 * 2))
+    out=$("$src/bench/cluster" --hosts 2 --ranks-per-host 2 --build "$build" --op-timeout "${op_timeout}s" -- \
+        env RANK={grank} WORLD_SIZE={world} LOCAL_RANK={rank} LOCAL_WORLD_SIZE={size} MASTER_ADDR=10.250.0.1 \
+        MASTER_PORT_BASE=$port GLOO_SOCKET_IFNAME=eth0 RINGD_SLOT_BYTES=4194304 RINGD_OP_TIMEOUT_S=$op_timeout \
+        RINGD_BUILD_DIR="$build" TORCH_RANKS_DEADLINE_S=150 \
+        sh -c "for s in ${s//,/ }; do /usr/bin/python3 $src/tests/python/torch_ranks.py \$s || exit; done" 2>&1) || true
+    bad=""
+    for each in ${s//,/ }; do
+        oks=$(grep -c "^torch_ranks: rank [0-3]: $each ok" <<<"$out" || true)
+        [ "$oks" = 4 ] || bad+=" $each: $oks of 4 ranks ok;"
+    done
+    if [ -n "$bad" ]; then
+        printf '%s\n' "$out" | grep -v -i "warning" | tail -60
+        echo "FAIL:$bad" >&2
+        failed=1
+    else
+        grep "^torch_ranks: rank 0: \(losses\|after\)" <<<"$out" || true
+        echo "ok: $s ($(($(date +%s) - start)) s)"
+    fi
+done
+exit $failed

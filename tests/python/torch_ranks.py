@@ -1,0 +1,251 @@
+#!/usr/bin/python3
+"""One rank of the PyTorch checks, run on every host x local rank by bench/cluster (torch_check.sh).
+
+    torch_ranks.py SCENARIO   (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT set)
+
+Every rank checks its own results against values it computes itself from every rank's inputs
+(which are functions of the rank), never through ringd or torch.distributed. It prints
+"torch_ranks: rank R: SCENARIO ok" and exits 0, or fails with the reason.
+Scenarios:
+  ops      every dtype x op through ringd (SUM, AVG, MIN, MAX; ints without AVG), views and
+           non-contiguous tensors with the elements around them untouched, a tensor bigger than a
+           quarter of the slot (several ringd ops), empty tensors; what goes to Gloo (PRODUCT,
+           uint8) and what is refused (int AVG, non-CPU tensors), with ringd's message
+  async    16 allreduces in flight at once, waited for in reverse order, and through get_future()
+  ddp      DDP for 8 steps over ringd (default reducer and ringd.torch.allreduce_hook) and over
+           Gloo from the same start: the same losses (1e-4 relative), identical parameters on
+           every rank
+  die      the last rank exits after 3 ops; every other rank gets a RuntimeError naming it
+           within ringd's op timeout + 2 s (torch_check.sh then runs "restart" on the same daemons)
+  restart  a new job on the same daemons (after "die": the job restarted as torchrun would)
+"""
+import datetime
+import faulthandler
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "client", "python"))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import ringd.torch  # noqa: E402,F401
+
+RANK = int(os.environ["RANK"])
+WORLD = int(os.environ["WORLD_SIZE"])
+OP_TIMEOUT_S = float(os.environ.get("RINGD_OP_TIMEOUT_S", "20"))
+torch.set_num_threads(1)
+
+
+def fail(msg):
+    print(f"torch_ranks: rank {RANK}: FAIL: {msg}", flush=True)
+    sys.exit(1)
+
+
+def check(cond, msg):
+    if not cond:
+        fail(msg)
+
+
+def init(port_offset=0):
+    os.environ["MASTER_PORT"] = str(int(os.environ.get("MASTER_PORT_BASE", "29500")) + port_offset)
+    dist.init_process_group("ringd", rank=RANK, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
+    check(dist.get_backend() == "ringd", f"backend is {dist.get_backend()}")
+
+
+def data(rank, n, dtype, salt):
+    """Rank `rank`'s input: small integers (exact in every dtype), different per rank and element;
+    the sign alternates so that min and max are not the same rank everywhere."""
+    g = torch.Generator().manual_seed(1000 * salt + rank)
+    v = torch.randint(-50, 50, (n,), generator=g)
+    return v.to(dtype)
+
+
+def expected(n, dtype, op, salt):
+    xs = torch.stack([data(r, n, torch.float64, salt) for r in range(WORLD)])
+    if op == "sum":
+        e = xs.sum(0)
+    elif op == "avg":
+        e = xs.sum(0) / WORLD
+    elif op == "min":
+        e = xs.min(0).values
+    else:
+        e = xs.max(0).values
+    return e
+
+
+OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64]
+
+
+def close_to(got, want, dtype):
+    got = got.to(torch.float64)
+    if not dtype.is_floating_point:
+        return torch.equal(got, want)
+    tol = {torch.float16: 1e-3, torch.bfloat16: 8e-3}.get(dtype, 1e-12)
+    return bool(((got - want).abs() <= tol * want.abs().clamp(min=1)).all())
+
+
+def scenario_ops():
+    init()
+    salt = 1
+    for dtype in DTYPES:
+        for name, op in OPS.items():
+            if name == "avg" and not dtype.is_floating_point:
+                continue
+            for n in (1, 1000, 70001):
+                salt += 1
+                t = data(RANK, n, dtype, salt)
+                dist.all_reduce(t, op=op)
+                want = expected(n, dtype, name, salt)
+                if name == "avg":
+                    want = want.to(dtype).to(torch.float64)  # rounded once to the dtype
+                check(close_to(t, want, dtype), f"{dtype} {name} n={n}: got {t[:4].tolist()}, want {want[:4].tolist()}")
+    # A view inside a bigger tensor: its neighbours untouched.
+    big = torch.full((3000,), 7.0)
+    mid = big[1000:2000]
+    mid.copy_(data(RANK, 1000, torch.float32, 99))
+    dist.all_reduce(mid)
+    check(close_to(mid, expected(1000, torch.float32, "sum", 99), torch.float32), "a view's values")
+    check(bool((big[:1000] == 7).all() and (big[2000:] == 7).all()), "elements around a view changed")
+    # Non-contiguous (a transposed matrix).
+    m = data(RANK, 600, torch.float32, 98).view(20, 30).t()
+    dist.all_reduce(m, op=dist.ReduceOp.MAX)
+    want = expected(600, torch.float32, "max", 98).view(20, 30).t()
+    check(close_to(m.contiguous().view(-1), want.contiguous().view(-1), torch.float32), "a transposed tensor")
+    # Bigger than a quarter of the slot: several ringd ops.
+    slot = int(os.environ.get("RINGD_SLOT_BYTES", str(256 << 20)))
+    n = slot // 4 * 3 // 4 + 123
+    t = data(RANK, n, torch.float32, 97)
+    dist.all_reduce(t)
+    check(close_to(t, expected(n, torch.float32, "sum", 97), torch.float32), f"{n} floats in chunks")
+    dist.all_reduce(torch.empty(0))
+    # Gloo does what ringd does not: PRODUCT, uint8.
+    p = torch.full((5,), 2.0)
+    dist.all_reduce(p, op=dist.ReduceOp.PRODUCT)
+    check(bool((p == 2.0 ** WORLD).all()), f"PRODUCT through Gloo: {p.tolist()}")
+    u = torch.full((5,), RANK + 1, dtype=torch.uint8)
+    dist.all_reduce(u)
+    check(bool((u == WORLD * (WORLD + 1) // 2).all()), f"uint8 SUM through Gloo: {u.tolist()}")
+    # Refused with a message, on every rank alike (nothing was submitted).
+    for bad, words in ((lambda: dist.all_reduce(torch.ones(3, dtype=torch.int32), op=dist.ReduceOp.AVG),
+                        "AVG of torch.int32"),
+                       (lambda: dist.all_reduce(torch.ones(3, device="meta")), "meta tensors")):
+        try:
+            bad()
+            fail(f"no error for {words}")
+        except RuntimeError as e:
+            check(words in str(e), f"error for {words}: {e}")
+    # The group still works.
+    t = torch.full((10,), 1.0)
+    dist.all_reduce(t)
+    check(bool((t == WORLD).all()), "an allreduce after the refusals")
+
+
+def scenario_async():
+    init()
+    works, tensors, wants = [], [], []
+    for k in range(16):
+        n = 100 + 997 * k
+        t = data(RANK, n, torch.float32, 200 + k)
+        tensors.append(t)
+        wants.append(expected(n, torch.float32, "sum", 200 + k))
+        works.append(dist.all_reduce(t, async_op=True))
+    for k in reversed(range(16)):
+        check(works[k].wait(), f"wait {k}")
+        check(close_to(tensors[k], wants[k], torch.float32), f"async op {k}")
+    # Futures: the value is the list of tensors, and then() chains.
+    t = data(RANK, 4096, torch.float32, 300)
+    fut = dist.all_reduce(t, async_op=True).get_future().then(lambda f: f.value()[0] * 2)
+    check(close_to(fut.wait(), expected(4096, torch.float32, "sum", 300) * 2, torch.float32), "get_future().then()")
+
+
+def model():
+    torch.manual_seed(1234)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                               torch.nn.Linear(64, 4))
+
+
+def train(ddp, steps=8):
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    losses = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(10000 * step + RANK)
+        x, y = torch.randn(16, 32, generator=g), torch.randn(16, 4, generator=g)
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(ddp(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def scenario_ddp():
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    init()
+    gloo = dist.new_group(backend="gloo")
+    runs = {}
+    # Small buckets: several allreduces per step, in flight at once.
+    runs["gloo"] = (train(DDP(model(), process_group=gloo, bucket_cap_mb=0.01)), None)
+    m = DDP(model(), bucket_cap_mb=0.01)
+    runs["ringd"] = (train(m), m)
+    h = DDP(model(), bucket_cap_mb=0.01)
+    h.register_comm_hook(None, ringd.torch.allreduce_hook)
+    runs["ringd+hook"] = (train(h), h)
+    ref = runs["gloo"][0]
+    for name in ("ringd", "ringd+hook"):
+        losses, mod = runs[name]
+        for step, (a, b) in enumerate(zip(losses, ref)):
+            check(abs(a - b) <= 1e-4 * max(abs(b), 1e-6), f"{name} step {step}: loss {a} vs gloo's {b}")
+        # Identical parameters on every rank: gathered through Gloo and compared here.
+        flat = torch.cat([p.detach().view(-1) for p in mod.parameters()])
+        everyone = [torch.empty_like(flat) for _ in range(WORLD)]
+        dist.all_gather(everyone, flat, group=gloo)
+        for r, other in enumerate(everyone):
+            check(torch.equal(other, flat), f"{name}: rank {r}'s parameters differ from rank {RANK}'s")
+    print(f"torch_ranks: rank {RANK}: losses gloo {ref[0]:.6f}..{ref[-1]:.6f}, ringd {runs['ringd'][0][-1]:.6f}, "
+          f"hook {runs['ringd+hook'][0][-1]:.6f}", flush=True)
+
+
+def scenario_die():
+    init()
+    t = torch.ones(1000)
+    for _ in range(3):
+        dist.all_reduce(t)
+    if RANK == WORLD - 1:
+        print(f"torch_ranks: rank {RANK}: die ok (leaving without a word)", flush=True)
+        os._exit(0)  # gone mid-job, its process group never destroyed
+    start = time.monotonic()
+    try:
+        for _ in range(3):
+            dist.all_reduce(torch.ones(1000))
+        fail("no error after a rank died")
+    except RuntimeError as e:
+        took = time.monotonic() - start
+        check("ringd" in str(e), f"the error is not ringd's: {e}")
+        check(took <= OP_TIMEOUT_S + 2, f"the error came after {took:.1f} s (op timeout {OP_TIMEOUT_S} s)")
+        print(f"torch_ranks: rank {RANK}: after {took:.2f} s: {e}", flush=True)
+    dist.destroy_process_group()
+
+
+def scenario_restart():
+    # A new process group (a restarted job, same hosts, same daemons): a fresh ringd group.
+    init(port_offset=1)
+    t = torch.full((100,), float(RANK))
+    dist.all_reduce(t)
+    check(bool((t == sum(range(WORLD))).all()), f"after the restart: {t[:3].tolist()}")
+
+
+SCENARIOS = {"ops": scenario_ops, "async": scenario_async, "ddp": scenario_ddp, "die": scenario_die,
+             "restart": scenario_restart}
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2 or sys.argv[1] not in SCENARIOS:
+        sys.exit(f"usage: torch_ranks.py {'|'.join(SCENARIOS)}")
+    # Every wait has a deadline: a hung rank prints where it hangs and fails.
+    faulthandler.dump_traceback_later(float(os.environ.get("TORCH_RANKS_DEADLINE_S", "240")), exit=True)
+    SCENARIOS[sys.argv[1]]()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    print(f"torch_ranks: rank {RANK}: {sys.argv[1]} ok", flush=True)
