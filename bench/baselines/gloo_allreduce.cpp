@@ -1,10 +1,17 @@
-// Baseline: Gloo (libgloo-dev) ring and ring_chunked allreduce over its TCP transport, float32
-// sum then the avg division, the same sweep, data and check as ringd-bench. Every rank is a
-// process: --rank R --size N --store DIR (a directory all ranks share, for rendezvous)
-// --address IP (this rank's address) --algo ring|ring_chunked.
+// Baseline: Gloo (libgloo-dev) allreduce over its TCP transport, float32 sum then the avg
+// division, the same sweep, data and check as ringd-bench. Every rank is a process: --rank R
+// --size N --store DIR (a directory all ranks share, for rendezvous) --address IP (this rank's
+// address) --algo A:
+//   ring, ring_chunked  the legacy algorithm classes AllreduceRing / AllreduceRingChunked
+//   allreduce           gloo::allreduce() with its default (ring) algorithm: what torch's
+//                       ProcessGroupGloo runs for a CPU tensor (options, reduce function, a tag
+//                       per op), the segmented ring
+//   bcube               gloo::allreduce() with the BCube algorithm
+#include <gloo/allreduce.h>
 #include <gloo/allreduce_ring.h>
 #include <gloo/allreduce_ring_chunked.h>
 #include <gloo/barrier_all_to_one.h>
+#include <gloo/math.h>
 #include <gloo/rendezvous/context.h>
 #include <gloo/rendezvous/file_store.h>
 #include <gloo/rendezvous/prefix_store.h>
@@ -33,8 +40,8 @@ int main(int argc, char **argv) {
             return 2;
         }
     }
-    if (algo != "ring" && algo != "ring_chunked") {
-        std::fprintf(stderr, "gloo-allreduce: --algo ring|ring_chunked\n");
+    if (algo != "ring" && algo != "ring_chunked" && algo != "allreduce" && algo != "bcube") {
+        std::fprintf(stderr, "gloo-allreduce: --algo ring|ring_chunked|allreduce|bcube\n");
         return 2;
     }
     try {
@@ -53,7 +60,19 @@ int main(int argc, char **argv) {
         const float inv = 1.0f / static_cast<float>(size);
         std::unique_ptr<gloo::Algorithm> alg;
         size_t alg_count = 0;
+        uint32_t tag = 0;
         auto allreduce = [&](size_t count) {
+            if (algo == "allreduce" || algo == "bcube") {
+                gloo::AllreduceOptions opts(context);
+                opts.setOutput(buf, count);  // in place, as torch calls it
+                opts.setReduceFunction(
+                    static_cast<void (*)(void *, const void *, const void *, size_t)>(&gloo::sum<float>));
+                opts.setTag(tag++);
+                if (algo == "bcube") opts.setAlgorithm(gloo::AllreduceOptions::Algorithm::BCUBE);
+                gloo::allreduce(opts);
+                for (size_t i = 0; i < count; ++i) buf[i] *= inv;
+                return;
+            }
             if (count != alg_count) {  // Gloo algorithms are built per buffer size (not timed after warm-up)
                 std::vector<float *> ptrs{buf};
                 if (algo == "ring") alg = std::make_unique<gloo::AllreduceRing<float>>(context, ptrs, static_cast<int>(count));
