@@ -96,3 +96,30 @@ completed=$("$RINGCTL" --socket "$TMP/ringd.sock" status --json |
     python3 -c 'import json, sys; print(json.load(sys.stdin)["ops"]["completed"])')
 [ "$completed" = 2 ] || fail "ringd counted $completed completed ops, not 2"
 echo "PASS: a C trainer built against the install allreduced with 2 local ranks"
+
+# The Python package, installed into the system Python's tree under DEST: it loads the installed
+# library (found through RINGD_CLIENT_LIBRARY, as the README says) and allreduces with 2 ranks.
+PKG=$(find "$DEST" -path '*/ringd/__init__.py' | head -n 1)
+[ -n "$PKG" ] || fail "meson install did not install the Python package ringd"
+[ -f "$(dirname "$PKG")/torch.py" ] || fail "meson install did not install ringd/torch.py"
+if ls "$BUILD"/client/python/ringd/_torch_work*.so >/dev/null 2>&1; then  # built: then installed too
+    ls "$(dirname "$PKG")"/_torch_work*.so >/dev/null 2>&1 || fail "meson install did not install ringd._torch_work"
+fi
+SITE=$(dirname "$(dirname "$PKG")")
+py_rank() {
+    PYTHONPATH=$SITE RINGD_CLIENT_LIBRARY=$LIB /usr/bin/python3 -c "
+import ringd, struct, sys
+assert ringd.library_path() == '$LIB', ringd.library_path()
+c = ringd.Client('py', int(sys.argv[1]), 2, 1 << 16, socket='$TMP/ringd.sock')
+c.slot[64:64 + 16] = struct.pack('4f', *[float(int(sys.argv[1]) + k) for k in range(4)])
+c.allreduce(64, 4, 'float32', 'sum', 10000)
+got = struct.unpack('4f', bytes(c.slot[64:64 + 16]))
+assert got == (1.0, 3.0, 5.0, 7.0), got
+assert bytes(c.slot[:64]) == bytes(64) and bytes(c.slot[80:144]) == bytes(64), 'bytes around the op changed'
+print('python rank', sys.argv[1], 'ok', ringd.status('$TMP/ringd.sock')['ring']['size'], 'host')
+" "$1"
+}
+py_rank 0 & p0=$!
+py_rank 1 || fail "the installed Python package's allreduce (rank 1)"
+wait $p0 || fail "the installed Python package's allreduce (rank 0)"
+echo "PASS: the installed Python package allreduced with 2 local ranks"
