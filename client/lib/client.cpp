@@ -218,6 +218,14 @@ int ringd_client::test(Ticket &t) {
     uint64_t v;
     (void)!::read(completion.get(), &v, sizeof v);
     if (!dead) drain_completions();
+    // Other tickets' results that this look drained keep the fd readable until they are looked
+    // at too: a loop that tests ticket by ticket never sleeps on a result that is already in.
+    for (const Ticket &o : tickets)
+        if (&o != &t && o.state == TicketState::Done) {
+            const uint64_t one = 1;
+            (void)!::write(completion.get(), &one, sizeof one);
+            break;
+        }
     if (t.state == TicketState::Done) return finish(t);
     if (dead) return still_dead();
     pollfd p{sock.get(), POLLIN, 0};
@@ -382,18 +390,20 @@ int ringd_wait(ringd_client *c, uint64_t ticket, int timeout_ms) {
 int ringd_test(ringd_client *c, uint64_t ticket) {
     if (!c) return -EINVAL;
     Ticket &t = c->tickets[ticket % c->tickets.size()];
+    bool abandoned = false;
+    int rc;
     try {
         if (ticket == 0 || t.seq != ticket || t.state == TicketState::Free)
             return c->dead ? c->still_dead()
                            : c->fail(-EINVAL, "ticket " + std::to_string(ticket) + " is not in flight");
-        const bool abandoned = t.state == TicketState::Abandoned;
+        abandoned = t.state == TicketState::Abandoned;
         if (abandoned) t.state = TicketState::InFlight;
-        const int rc = c->test(t);
-        if (abandoned && t.state == TicketState::InFlight) t.state = TicketState::Abandoned;
-        return rc;
+        rc = c->test(t);
     } catch (const std::exception &e) {
-        return c->fail(-ENOMEM, e.what());
+        rc = c->fail(-ENOMEM, e.what());
     }
+    if (abandoned && t.state == TicketState::InFlight) t.state = TicketState::Abandoned;
+    return rc;
 }
 
 int ringd_fd(ringd_client *c) {

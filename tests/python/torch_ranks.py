@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "client"
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+import ringd  # noqa: E402
 import ringd.torch  # noqa: E402,F401
 
 RANK = int(os.environ["RANK"])
@@ -87,9 +88,16 @@ def close_to(got, want, dtype):
     return bool(((got - want).abs() <= tol * want.abs().clamp(min=1)).all())
 
 
+def ringd_ops_completed():
+    """This host's ringd's count of completed ops (each op once per host)."""
+    return ringd.status()["ops"]["completed"]
+
+
 def scenario_ops():
     init()
     salt = 1
+    before = ringd_ops_completed()
+    expected_ops = 0
     for dtype in DTYPES:
         for name, op in OPS.items():
             if name == "avg" and not dtype.is_floating_point:
@@ -102,6 +110,10 @@ def scenario_ops():
                 if name == "avg":
                     want = want.to(dtype).to(torch.float64)  # rounded once to the dtype
                 check(close_to(t, want, dtype), f"{dtype} {name} n={n}: got {t[:4].tolist()}, want {want[:4].tolist()}")
+                expected_ops += 1
+    # Every one of them went through ringd (none fell back to Gloo).
+    ran = ringd_ops_completed() - before
+    check(ran >= expected_ops, f"ringd completed {ran} ops, {expected_ops} allreduces were made")
     # A view inside a bigger tensor: its neighbours untouched.
     big = torch.full((3000,), 7.0)
     mid = big[1000:2000]
@@ -121,6 +133,13 @@ def scenario_ops():
     dist.all_reduce(t)
     check(close_to(t, expected(n, torch.float32, "sum", 97), torch.float32), f"{n} floats in chunks")
     dist.all_reduce(torch.empty(0))
+    # A leaf that requires grad (a parameter), as with Gloo: reduced in place, no graph recorded.
+    w = torch.full((8,), float(RANK + 1), requires_grad=True)
+    dist.all_reduce(w)
+    check(bool((w.detach() == WORLD * (WORLD + 1) / 2).all()) and w.grad_fn is None, f"a parameter: {w}")
+    loss = (w * 2).sum()
+    dist.all_reduce(loss)  # a non-leaf: its value changes, nothing keeps the graph alive in the slot
+    check(abs(loss.item() - 2 * 8 * WORLD * WORLD * (WORLD + 1) / 2) < 1e-3, f"a non-leaf: {loss.item()}")
     # Gloo does what ringd does not: PRODUCT, uint8.
     p = torch.full((5,), 2.0)
     dist.all_reduce(p, op=dist.ReduceOp.PRODUCT)

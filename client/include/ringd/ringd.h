@@ -60,8 +60,10 @@ RINGD_API int ringd_wait(ringd_client *c, uint64_t ticket, int timeout_ms);
  * ticket stays), else what ringd_wait returns (the ticket is done, -EPROTO past the contract). */
 RINGD_API int ringd_test(ringd_client *c, uint64_t ticket);
 /* A file descriptor that polls readable (POLLIN) when a result may have arrived or the connection
- * broke: then ringd_test the tickets in flight. Owned by c (closed by ringd_close); level-
- * triggered until ringd_test looks; a dead connection keeps it readable. -errno on failure. */
+ * broke: then ringd_test the tickets in flight. Owned by c (closed by ringd_close). It stays
+ * readable while a result that arrived is not yet claimed by ringd_test/ringd_wait (a look at
+ * one ticket may take in others' results), and for good once the connection is dead; a look
+ * that finds nothing new clears it. -errno on failure. */
 RINGD_API int ringd_fd(ringd_client *c);
 /* The last error on this client ("" if none). Valid until the next call on c. */
 RINGD_API const char *ringd_last_error(const ringd_client *c);

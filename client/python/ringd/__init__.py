@@ -207,6 +207,8 @@ class Client:
         return fd
 
     def close(self):
+        """Disconnects and unmaps the slot; BufferError (and nothing closed) while objects made
+        from `slot` (numpy arrays, tensors) still use it."""
         if self._c is not None:
             self.slot.release()
             self._lib.ringd_close(self._c)

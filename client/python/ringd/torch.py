@@ -17,6 +17,7 @@ timeouts.op, not by the process group's timeout.
 """
 import collections
 import datetime
+import errno
 import os
 import select
 import socket as _socket
@@ -134,11 +135,23 @@ class _Op:
         self.chunks_left = 0
         self.error = None
         self.submitted_all = False
+        self.resident = None  # the comm hook's range record, busy until the op ends
+
+
+class _Resident:
+    """A comm hook bucket's slot range, kept from one step to the next."""
+
+    def __init__(self, rng):
+        self.rng = rng
+        self.busy = False
+        self.last_use = 0
 
 
 class _Engine:
-    """The process's ringd client for one process group: submits from any thread, completes from
-    its own thread, which polls ringd_fd and tests the tickets in flight."""
+    """The process's ringd client for one process group: submits from any thread (one op at a
+    time: its chunks are consecutive ringd ops on every rank), completes from its own thread,
+    which polls ringd_fd and tests the tickets in flight; futures are completed (and their
+    callbacks run) on a third thread, so a callback may submit again."""
 
     def __init__(self, group, local_rank, local_size, slot_bytes, socket, timeout):
         self.client = _ringd.Client(group, local_rank, local_size, slot_bytes, socket)
@@ -146,16 +159,23 @@ class _Engine:
         self.timeout = timeout
         self.slot = torch.frombuffer(self.client.slot, dtype=torch.uint8)
         self.max_chunk = max(_ALIGN, self.client.slot_bytes // 4 // _ALIGN * _ALIGN)
-        self.lock = threading.Lock()
-        self.room = threading.Condition(self.lock)
+        self.lock = threading.Lock()  # the client, the slot's ranges, the ops in flight
+        self.room = threading.Condition(self.lock)  # a range or a ticket came free, an op was submitted
+        self.submitting = threading.Lock()  # one op's chunks go out together
         self.space = _SlotSpace(self.client.slot_bytes)
         self.inflight = collections.OrderedDict()  # ticket -> (op, flat slice, slot view, (off, n))
-        self.resident = {}  # comm hook bucket index -> (offset, length)
+        self.resident = {}  # comm hook: (bucket buffer's address, bytes, dtype) -> _Resident
+        self.resident_bytes = 0
+        self.hook_calls = 0
         self.closed = False
-        self.dead = None  # ringd's message once the connection is unusable
+        self.dead = None  # why this group cannot be used any more
         self.fd = self.client.fileno()
+        self.finished = collections.deque()
+        self.finish_ready = threading.Condition(threading.Lock())
         self.thread = threading.Thread(target=self._complete_loop, name=f"ringd-{group}", daemon=True)
+        self.finisher = threading.Thread(target=self._finish_loop, name=f"ringd-{group}-done", daemon=True)
         self.thread.start()
+        self.finisher.start()
 
     # -- submission (any thread) --
 
@@ -185,15 +205,20 @@ class _Engine:
             try:
                 return self.client.submit(offset, count, dtype, op)
             except _ringd.RingdError as e:
-                if e.code != -11:  # EAGAIN: too many ops in flight; wait for one to finish
+                if e.code != -errno.EAGAIN:  # EAGAIN: too many ops in flight; wait for one to finish
                     raise RuntimeError(f"ringd: {e}") from None
             if datetime.datetime.now() >= end:
                 raise RuntimeError(f"ringd: too many ops in flight for {self.timeout}")
             self.room.wait(0.05)
 
+    def _track(self, ticket, entry):
+        self.inflight[ticket] = entry
+        self.room.notify_all()  # the completion thread waits for work when nothing is in flight
+
     def allreduce(self, tensor, op):
         """Allreduce `tensor` in place; returns a torch Future of [tensor]."""
         dtype = _DTYPES[tensor.dtype]
+        tensor = tensor.detach()  # ringd's result is not part of any graph (as with every backend)
         contiguous = tensor.is_contiguous()
         flat = tensor.view(-1) if contiguous else tensor.contiguous().view(-1)
         fut = torch.futures.Future()
@@ -204,115 +229,208 @@ class _Engine:
         if total == 0:
             fut.set_result([tensor])
             return fut
-        start = 0
-        while start < total:
-            n = min(per_chunk, total - start)
-            part = flat[start:start + n]
-            with self.lock:
-                off, length = self._alloc(n * esize)
-            view = self.slot[off:off + n * esize].view(tensor.dtype)
-            view.copy_(part)
-            with self.lock:
+        with self.submitting, torch.no_grad():
+            start = 0
+            while start < total:
+                n = min(per_chunk, total - start)
+                part = flat[start:start + n]
+                rng = None
                 try:
-                    ticket = self._submit_locked(off, n, dtype, op)
+                    with self.lock:
+                        rng = self._alloc(n * esize)
+                    view = self.slot[rng[0]:rng[0] + n * esize].view(tensor.dtype)
+                    view.copy_(part)
+                    with self.lock:
+                        ticket = self._submit_locked(rng[0], n, dtype, op)
+                        rec.chunks_left += 1
+                        rec.submitted_all = start + n >= total
+                        self._track(ticket, (rec, part, view, rng))
                 except BaseException as e:
-                    self.space.release(off, length)
-                    self.room.notify_all()
-                    # The chunks already in flight finish the future (with this error).
-                    rec.submitted_all = True
-                    rec.error = rec.error or str(e)
-                    if rec.chunks_left == 0:
+                    with self.lock:
+                        if rng is not None:
+                            self.space.release(*rng)
+                        self.room.notify_all()
+                        rec.submitted_all = True
+                        rec.error = rec.error or str(e)
+                        if start > 0:
+                            # Part of the op went out: this rank's ops would pair with the
+                            # others' next chunks from now on. The group is unusable.
+                            self.dead = (f"ringd: an op of group {self.group} was only partly submitted ({e}); "
+                                         "this process group cannot be used any more: restart the job")
+                        done = rec.chunks_left == 0
+                    if done:
                         _tw.set_error(fut, rec.error)
                     raise
-                rec.chunks_left += 1
-                if start + n >= total:
-                    rec.submitted_all = True
-                self.inflight[ticket] = (rec, part, view, (off, length))
-            start += n
+                start += n
         return fut
 
-    def allreduce_resident(self, index, buffer, op):
-        """The comm hook's path: bucket `index` lives in its own slot range from one step to the
-        next, and the result is that range itself (no copy back: DDP copies out of it)."""
+    def allreduce_resident(self, buffer, op):
+        """The comm hook's path: the bucket (DDP's buffer, the same storage every step) has its
+        own slot range from one step to the next, and the result is that range itself (no copy
+        back: DDP copies out of it before the bucket's next step). None: the copying path (the
+        range is still busy, or the ranges kept would pass half the slot)."""
         nbytes = buffer.numel() * buffer.element_size()
-        with self.lock:
-            have = self.resident.get(index)
-            if have is None or have[1] < nbytes or have[1] > 2 * nbytes + _ALIGN:
-                if have is not None:
-                    self.space.release(*have)
-                    del self.resident[index]
-                got = self.space.alloc(nbytes) if nbytes <= self.client.slot_bytes // 2 else None
-                if got is None:
-                    return None  # does not fit beside the others: the copying path
-                self.resident[index] = have = got
-        off = have[0]
-        view = self.slot[off:off + nbytes].view(buffer.dtype).view(buffer.shape)
-        view.copy_(buffer)
-        fut = torch.futures.Future()
-        rec = _Op(view, None, False, fut, view)
-        with self.lock:
-            ticket = self._submit_locked(off, buffer.numel(), _DTYPES[buffer.dtype], op)
-            rec.chunks_left = 1
-            rec.submitted_all = True
-            self.inflight[ticket] = (rec, None, None, None)
+        key = (buffer.data_ptr(), nbytes, buffer.dtype)
+        with self.submitting, torch.no_grad():
+            with self.lock:
+                self.hook_calls += 1
+                res = self.resident.get(key)
+                if res is None:
+                    self._evict_stale()
+                    if self.resident_bytes + nbytes > self.client.slot_bytes // 2:
+                        return None
+                    rng = self.space.alloc(nbytes)
+                    if rng is None:
+                        return None
+                    res = self.resident[key] = _Resident(rng)
+                    self.resident_bytes += rng[1]
+                if res.busy:
+                    return None
+                res.busy = True
+                res.last_use = self.hook_calls
+            off = res.rng[0]
+            # A tensor of its own over the range (storage offset 0): DDP takes views of the result
+            # with as_strided at offsets from the start of its storage.
+            view = torch.frombuffer(self.client.slot[off:off + nbytes], dtype=buffer.dtype).view(buffer.shape)
+            try:
+                view.copy_(buffer)
+                fut = torch.futures.Future()
+                rec = _Op(view, None, False, fut, view)
+                rec.resident = res
+                with self.lock:
+                    ticket = self._submit_locked(off, buffer.numel(), _DTYPES[buffer.dtype], op)
+                    rec.chunks_left = 1
+                    rec.submitted_all = True
+                    self._track(ticket, (rec, None, None, None))
+            except BaseException:
+                with self.lock:
+                    res.busy = False
+                raise
         return fut
+
+    def _evict_stale(self):
+        """Ranges of buckets DDP no longer has (it rebuilds them after the first step): unused for
+        many hook calls and not busy. Their last result was consumed long ago."""
+        horizon = max(16, 4 * len(self.resident))
+        for key, res in list(self.resident.items()):
+            if not res.busy and self.hook_calls - res.last_use > horizon:
+                self.space.release(*res.rng)
+                self.resident_bytes -= res.rng[1]
+                del self.resident[key]
 
     # -- completion (its own thread) --
 
     def _complete_loop(self):
         poller = select.poll()
         poller.register(self.fd, select.POLLIN)
-        while not self.closed:
-            try:
-                poller.poll(_POLL_MS)
-            except InterruptedError:
-                continue
-            if self.closed:
-                return
-            done = []
+        while True:
             with self.lock:
-                for ticket in list(self.inflight):
+                # Nothing to wait for (or nothing more will come): sleep until an op is submitted,
+                # not on the fd (it stays readable after a late signal or once ringd is gone).
+                while not self.closed and (not self.inflight or self.dead):
+                    if self.dead and self.inflight:
+                        break
+                    self.room.wait(1.0)
+                if self.closed:
+                    return
+            if not self.dead:
+                try:
+                    poller.poll(_POLL_MS)
+                except InterruptedError:
+                    pass
+            while True:  # until a pass finds nothing done: a test drains every result that is in
+                done = []
+                with self.lock:
+                    for ticket in list(self.inflight):
+                        err = self.dead
+                        if not err:
+                            try:
+                                if not self.client.test(ticket):
+                                    continue
+                            except _ringd.RingdError as e:
+                                err = str(e)
+                                if e.code in (-errno.EPROTO, -errno.ECONNRESET, -errno.EPIPE, -errno.EBADF):
+                                    self.dead = f"ringd: {e}"
+                        done.append((self.inflight.pop(ticket), err))
+                if not done:
+                    break
+                for (rec, part, view, rng), err in done:
                     try:
-                        if not self.client.test(ticket):
-                            continue
-                        err = None
-                    except _ringd.RingdError as e:
-                        err = str(e)
-                        if e.code in (-71, -104, -32):  # EPROTO, ECONNRESET, EPIPE: the connection is gone
-                            self.dead = f"ringd: {e}"
-                    done.append((ticket, self.inflight.pop(ticket), err))
-            for ticket, (rec, part, view, rng), err in done:
-                if err is None and part is not None:
-                    part.copy_(view)
-                if err is not None and rec.error is None:
-                    rec.error = err
-                with self.lock:
-                    if rng is not None:
-                        self.space.release(*rng)
-                    rec.chunks_left -= 1
-                    finished = rec.chunks_left == 0 and rec.submitted_all
-                    self.room.notify_all()
-                if finished:
-                    self._finish(rec)
-            if self.dead:
-                with self.lock:
-                    self.room.notify_all()
+                        if err is None and part is not None:
+                            with torch.no_grad():
+                                part.copy_(view)
+                    except BaseException as e:  # never lose an op: its future fails instead
+                        err = f"copying the result out of the slot: {e}"
+                    if err is not None and rec.error is None:
+                        rec.error = err
+                    with self.lock:
+                        if rng is not None:
+                            self.space.release(*rng)
+                        if rec.resident is not None:
+                            rec.resident.busy = False  # its result stays until the bucket's next step
+                        rec.chunks_left -= 1
+                        finished = rec.chunks_left == 0 and rec.submitted_all
+                        self.room.notify_all()
+                    if finished:
+                        with self.finish_ready:
+                            self.finished.append(rec)
+                            self.finish_ready.notify()
 
-    def _finish(self, rec):
-        if rec.error is not None:
-            _tw.set_error(rec.future, f"ringd: {rec.error}")
-            return
-        if rec.copy_back:
-            rec.tensor.copy_(rec.flat.view(rec.tensor.shape))
-        rec.future.set_result(rec.result)
+    def _finish_loop(self):
+        while True:
+            with self.finish_ready:
+                while not self.finished:
+                    if self.closed:
+                        return
+                    self.finish_ready.wait(1.0)
+                rec = self.finished.popleft()
+            try:
+                if rec.error is not None:
+                    _tw.set_error(rec.future, rec.error if rec.error.startswith("ringd") else f"ringd: {rec.error}")
+                    continue
+                if rec.copy_back:
+                    with torch.no_grad():
+                        rec.tensor.copy_(rec.flat.view(rec.tensor.shape))
+                rec.future.set_result(rec.result)
+            except BaseException as e:  # a callback's error stays with its future; the thread goes on
+                if not rec.future.done():
+                    _tw.set_error(rec.future, f"ringd: completing the op: {e}")
 
     def close(self):
-        if self.closed:
-            return
-        self.closed = True
-        self.thread.join(timeout=2 * _POLL_MS / 1000)
+        """Fails what is in flight, stops the threads, then lets the client (and its slot) go."""
+        with self.lock:
+            if self.closed:
+                return
+            self.dead = self.dead or f"ringd: the process group of group {self.group} was destroyed"
+            self.room.notify_all()
+        # The completion thread fails every op in flight (dead), then sleeps; the finisher
+        # completes their futures.
+        end = datetime.datetime.now() + datetime.timedelta(seconds=5)
+        while datetime.datetime.now() < end:
+            with self.lock:
+                if not self.inflight:
+                    break
+            with self.finish_ready:
+                self.finish_ready.wait(0.05)
+        with self.finish_ready:
+            while self.finished and datetime.datetime.now() < end:
+                self.finish_ready.wait(0.05)
+        with self.lock:
+            self.closed = True
+            self.room.notify_all()
+        with self.finish_ready:
+            self.finish_ready.notify_all()
+        self.thread.join()
+        self.finisher.join()
         del self.slot
-        self.client.close()
+        self.resident.clear()
+        try:
+            self.client.close()
+        except BufferError:
+            # Tensors over the slot (the hook's last results) are still referenced: the slot
+            # stays mapped (and the connection open) until the process ends, never unmapped
+            # under them.
+            pass
 
 
 def _local_address_toward(host):
@@ -430,7 +548,7 @@ class ProcessGroupRingd(ProcessGroup):
         name = self._ringd_op([buffer], dist.ReduceOp.AVG)
         if name is None:
             return None
-        fut = self._engine.allreduce_resident(index, buffer, name)
+        fut = self._engine.allreduce_resident(buffer, name)
         if fut is None:
             fut = self._engine.allreduce(buffer, name)
             out = torch.futures.Future()
