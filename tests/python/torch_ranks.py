@@ -254,6 +254,13 @@ def scenario_restart():
     t = torch.full((100,), float(RANK))
     dist.all_reduce(t)
     check(bool((t == sum(range(WORLD))).all()), f"after the restart: {t[:3].tolist()}")
+    # destroy_process_group lets the ringd group go: once this host's ranks did, ringd forgets it.
+    name = dist.distributed_c10d._get_default_group().ringd_group
+    dist.destroy_process_group()
+    end = time.monotonic() + 10
+    while any(g.get("name") == name for g in ringd.status().get("groups", [])):
+        check(time.monotonic() < end, f"ringd still has group {name} 10 s after destroy_process_group")
+        time.sleep(0.05)
 
 
 SCENARIOS = {"ops": scenario_ops, "async": scenario_async, "ddp": scenario_ddp, "die": scenario_die,
