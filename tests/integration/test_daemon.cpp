@@ -210,6 +210,8 @@ TEST_CASE("an event loop: ringd_fd polls readable when results may be in, ringd_
         pollfd q{fd, POLLIN, 0};
         woke = ::poll(&q, 1, 10000) == 1 && (q.revents & POLLIN);
     });
+    // This thread calls into rank 0's client while the poller sleeps on its fd.
+    for (uint64_t t : t0) CHECK(ringd_test(c0, t) == -EINPROGRESS);
     for (int k = 0; k < kOps; ++k) {
         const bench::GuardedRange gr{bench::kGuardBytes + k * stride, count, clients[1]->slot().size(), DType::F32,
                                      600 + static_cast<uint64_t>(k)};
