@@ -366,7 +366,15 @@ int ringd_submit(ringd_client *c, size_t offset, size_t count, ringd_dtype dtype
     }
 }
 
-int ringd_wait(ringd_client *c, uint64_t ticket, int timeout_ms) {
+}  // extern "C"
+
+namespace {
+
+// ringd_wait and ringd_test: `look` waits for (or looks at) the ticket's op. A ticket that
+// ringd_allreduce gave up on is still the caller's: waiting for it again is fine. It stays given
+// up (freed when its completion arrives) unless this call consumes it.
+template <class Look>
+int on_ticket(ringd_client *c, uint64_t ticket, Look look) {
     if (!c) return -EINVAL;
     Ticket &t = c->tickets[ticket % c->tickets.size()];
     bool abandoned = false;
@@ -375,11 +383,9 @@ int ringd_wait(ringd_client *c, uint64_t ticket, int timeout_ms) {
         if (ticket == 0 || t.seq != ticket || t.state == TicketState::Free)
             return c->dead ? c->still_dead()
                            : c->fail(-EINVAL, "ticket " + std::to_string(ticket) + " is not in flight");
-        // A ticket that ringd_allreduce gave up on is still the caller's: waiting for it again is
-        // fine. It stays given up (freed when its completion arrives) unless this wait consumes it.
         abandoned = t.state == TicketState::Abandoned;
         if (abandoned) t.state = TicketState::InFlight;
-        rc = c->wait(t, timeout_ms);
+        rc = look(t);
     } catch (const std::exception &e) {
         rc = c->fail(-ENOMEM, e.what());
     }
@@ -387,23 +393,16 @@ int ringd_wait(ringd_client *c, uint64_t ticket, int timeout_ms) {
     return rc;
 }
 
+}  // namespace
+
+extern "C" {
+
+int ringd_wait(ringd_client *c, uint64_t ticket, int timeout_ms) {
+    return on_ticket(c, ticket, [&](Ticket &t) { return c->wait(t, timeout_ms); });
+}
+
 int ringd_test(ringd_client *c, uint64_t ticket) {
-    if (!c) return -EINVAL;
-    Ticket &t = c->tickets[ticket % c->tickets.size()];
-    bool abandoned = false;
-    int rc;
-    try {
-        if (ticket == 0 || t.seq != ticket || t.state == TicketState::Free)
-            return c->dead ? c->still_dead()
-                           : c->fail(-EINVAL, "ticket " + std::to_string(ticket) + " is not in flight");
-        abandoned = t.state == TicketState::Abandoned;
-        if (abandoned) t.state = TicketState::InFlight;
-        rc = c->test(t);
-    } catch (const std::exception &e) {
-        rc = c->fail(-ENOMEM, e.what());
-    }
-    if (abandoned && t.state == TicketState::InFlight) t.state = TicketState::Abandoned;
-    return rc;
+    return on_ticket(c, ticket, [&](Ticket &t) { return c->test(t); });
 }
 
 int ringd_fd(ringd_client *c) {

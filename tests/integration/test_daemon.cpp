@@ -191,14 +191,19 @@ TEST_CASE("an event loop: ringd_fd polls readable when results may be in, ringd_
     const size_t stride = count * 4 + 2 * bench::kGuardBytes;
     constexpr int kOps = 8;
     std::vector<std::vector<bench::GuardedRange>> g(2);
-    std::vector<uint64_t> t0;
-    for (int k = 0; k < kOps; ++k) {
-        const bench::GuardedRange gr{bench::kGuardBytes + k * stride, count, clients[0]->slot().size(), DType::F32,
-                                     500 + static_cast<uint64_t>(k)};
-        gr.prepare(clients[0]->slot().data(), 0);
-        g[0].push_back(gr);
-        t0.push_back(clients[0]->submit(gr.offset, count, RINGD_F32, RINGD_AVG));
-    }
+    // Rank r's kOps ops, each between its own guard bytes; their tickets.
+    auto submit_all = [&](size_t r) {
+        std::vector<uint64_t> tickets;
+        for (int k = 0; k < kOps; ++k) {
+            const bench::GuardedRange gr{bench::kGuardBytes + k * stride, count, clients[r]->slot().size(), DType::F32,
+                                         500 + 100 * r + static_cast<uint64_t>(k)};
+            gr.prepare(clients[r]->slot().data(), r);
+            g[r].push_back(gr);
+            tickets.push_back(clients[r]->submit(gr.offset, count, RINGD_F32, RINGD_AVG));
+        }
+        return tickets;
+    };
+    const std::vector<uint64_t> t0 = submit_all(0);
     // Rank 1 has not submitted: nothing is ready, and looking does not wait or give a ticket up.
     pollfd p{fd, POLLIN, 0};
     CHECK(::poll(&p, 1, 50) == 0);
@@ -212,13 +217,7 @@ TEST_CASE("an event loop: ringd_fd polls readable when results may be in, ringd_
     });
     // This thread calls into rank 0's client while the poller sleeps on its fd.
     for (uint64_t t : t0) CHECK(ringd_test(c0, t) == -EINPROGRESS);
-    for (int k = 0; k < kOps; ++k) {
-        const bench::GuardedRange gr{bench::kGuardBytes + k * stride, count, clients[1]->slot().size(), DType::F32,
-                                     600 + static_cast<uint64_t>(k)};
-        gr.prepare(clients[1]->slot().data(), 1);
-        g[1].push_back(gr);
-        t1.push_back(clients[1]->submit(gr.offset, count, RINGD_F32, RINGD_AVG));
-    }
+    t1 = submit_all(1);
     poller.join();
     CHECK(woke);
     // The loop: poll, then test what is in flight, in any order, until every ticket is done.
