@@ -69,6 +69,13 @@ std::chrono::milliseconds get_duration(const YAML::Node &n, const std::string &k
     return *v;
 }
 
+bool get_bool(const YAML::Node &n, const std::string &key) {
+    const std::string s = scalar(n, key);
+    if (s == "true") return true;
+    if (s == "false") return false;
+    fail(key, "'" + s + "' is not true or false");
+}
+
 std::string get_choice(const YAML::Node &n, const std::string &key, std::initializer_list<const char *> choices) {
     const std::string s = scalar(n, key);
     std::string list;
@@ -111,7 +118,7 @@ void parse_hosts(const YAML::Node &n, Config &c) {
 Config parse_root(const YAML::Node &root) {
     Config c;
     check_keys(root, "", {"cluster", "hosts", "transport", "tcp", "ibverbs", "socket", "socket_group", "allow_uids",
-                          "allow_gids", "memory", "timeouts", "poll", "tuning", "auth", "log"});
+                          "allow_gids", "memory", "limits", "timeouts", "poll", "tuning", "auth", "log"});
     if (!root["cluster"]) fail("cluster", "missing (a name shared by every host of the ring)");
     c.cluster = scalar(root["cluster"], "cluster");
     if (c.cluster.empty()) fail("cluster", "is empty");
@@ -171,6 +178,16 @@ Config parse_root(const YAML::Node &root) {
         if (n["max_slots"])
             c.memory.max_slots = static_cast<uint32_t>(get_uint(n["max_slots"], "memory.max_slots", 1, 4096));
     }
+    if (auto n = root["limits"]) {
+        check_keys(n, "limits", {"slots_per_uid", "connections_per_uid"});
+        if (n["slots_per_uid"])
+            c.limits.slots_per_uid = static_cast<uint32_t>(get_uint(n["slots_per_uid"], "limits.slots_per_uid", 1, 4096));
+        if (n["connections_per_uid"])
+            c.limits.connections_per_uid =
+                static_cast<uint32_t>(get_uint(n["connections_per_uid"], "limits.connections_per_uid", 1, 65536));
+    }
+    if (c.limits.slots_per_uid == 0) c.limits.slots_per_uid = c.memory.max_slots;
+    if (c.limits.connections_per_uid == 0) c.limits.connections_per_uid = c.memory.max_slots + 16;
     if (auto n = root["timeouts"]) {
         check_keys(n, "timeouts", {"op", "connect", "heartbeat"});
         if (n["op"]) c.timeouts.op = get_duration(n["op"], "timeouts.op");
@@ -201,9 +218,15 @@ Config parse_root(const YAML::Node &root) {
             fail("tuning.depth", "chunk_bytes x depth (the ring's staging memory) must be at most 1GiB");
     }
     if (auto n = root["auth"]) {
-        check_keys(n, "auth", {"secret_file"});
+        check_keys(n, "auth", {"secret_file", "insecure"});
         if (n["secret_file"]) c.secret_file = scalar(n["secret_file"], "auth.secret_file");
+        if (n["insecure"]) c.insecure = get_bool(n["insecure"], "auth.insecure");
     }
+    // Secure by default: daemons of a ring accept each other only with a shared secret.
+    if (c.hosts.size() > 1 && c.secret_file.empty() && !c.insecure)
+        fail("auth.secret_file", "missing: the daemons of a ring of several hosts authenticate each other with a "
+                                 "shared secret (e.g. openssl rand -hex 32 > /etc/ringd/secret; chmod 0640); "
+                                 "auth.insecure: true runs without one");
     if (auto n = root["log"]) {
         check_keys(n, "log", {"level"});
         if (n["level"]) c.log_level = get_choice(n["level"], "log.level", {"trace", "debug", "info", "warn", "error"});

@@ -47,6 +47,10 @@ struct Config {
         uint64_t slot_bytes = 256ull << 20;  // largest slot a client may ask for
         uint32_t max_slots = 16;             // concurrent clients with a slot
     } memory;
+    struct Limits {
+        uint32_t slots_per_uid = 0;        // slots one uid may hold (default: memory.max_slots)
+        uint32_t connections_per_uid = 0;  // client connections of one uid (default: max_slots + 16)
+    } limits;
     struct Timeouts {
         std::chrono::milliseconds op{30'000};
         std::chrono::milliseconds connect{60'000};
@@ -64,6 +68,7 @@ struct Config {
         uint32_t depth = 8;                   // and receives in flight (staging = chunk x depth)
     } tuning;
     std::string secret_file;  // auth.secret_file; empty: no authentication
+    bool insecure = false;    // auth.insecure: several hosts may run without a secret
     std::string log_level = "info";
 };
 

@@ -42,7 +42,8 @@ Status Daemon::setup_ring() {
         if (!s) return s.error();
         secret_ = std::move(*s);
     } else {
-        spdlog::warn("auth.secret_file is not set: daemons of this ring do not authenticate each other");
+        spdlog::warn("auth.insecure: daemons of this ring do not authenticate each other; anyone who reaches "
+                     "a ring port can join the ring and read or change gradients (set auth.secret_file)");
     }
     ControlPlane::Callbacks cb;
     cb.ring_up = [this](uint64_t g, std::vector<UniqueFd> to_next, std::vector<UniqueFd> from_prev) {

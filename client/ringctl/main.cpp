@@ -33,8 +33,9 @@ void print_human(const json &j) {
                 detail.empty() ? "" : (" (" + detail + ")").c_str(), j["poll"].get<std::string>().c_str(),
                 j["socket"].get<std::string>().c_str());
     const auto &ring = j["ring"];
-    std::printf("ring: %s, generation %llu, %zu host(s)\n", ring.value("state", "up").c_str(),
-                ring["generation"].get<unsigned long long>(), ring["members"].size());
+    std::printf("ring: %s, generation %llu, %zu host(s), peers authenticated: %s\n", ring.value("state", "up").c_str(),
+                ring["generation"].get<unsigned long long>(), ring["members"].size(),
+                ring.value("auth", "?").c_str());
     if (!ring.value("last_abort", "").empty()) std::printf("  last abort: %s\n", ring["last_abort"].get<std::string>().c_str());
     if (ring["members"].size() > 1)
         std::printf("  ops by algorithm: ring %llu, one-shot %llu, two-shot %llu\n",
@@ -58,15 +59,18 @@ void print_human(const json &j) {
     }
     std::printf("\ngroups: %zu\n", j["groups"].size());
     if (!j["groups"].empty())
-        std::printf("  %-16s %-6s %-14s %-7s %10s %8s %12s\n", "GROUP", "LOCAL", "JOINED", "STATE", "COMPLETED", "FAILED",
-                    "REDUCED");
+        std::printf("  %-16s %-6s %-6s %-14s %-7s %10s %8s %12s  %s\n", "GROUP", "OWNER", "LOCAL", "JOINED", "STATE",
+                    "COMPLETED", "FAILED", "REDUCED", "HOSTS");
     for (const auto &g : j["groups"]) {
         std::string ranks;
         for (const auto &r : g["joined_ranks"]) ranks += (ranks.empty() ? "" : ",") + std::to_string(r.get<int>());
-        std::printf("  %-16s %-6d %-14s %-7s %10llu %8llu %12s\n", g["name"].get<std::string>().c_str(),
+        std::string hosts;
+        for (const auto &h : g.value("hosts", json::array())) hosts += (hosts.empty() ? "" : ",") + h.get<std::string>();
+        std::printf("  %-16s %-6s %-6d %-14s %-7s %10llu %8llu %12s  %s\n", g["name"].get<std::string>().c_str(),
+                    g.contains("owner_uid") ? std::to_string(g["owner_uid"].get<uint32_t>()).c_str() : "-",
                     g["local_size"].get<int>(), ranks.empty() ? "-" : ranks.c_str(), g["state"].get<std::string>().c_str(),
                     g["ops_completed"].get<unsigned long long>(), g["ops_failed"].get<unsigned long long>(),
-                    format_bytes(g["bytes_reduced"].get<uint64_t>()).c_str());
+                    format_bytes(g["bytes_reduced"].get<uint64_t>()).c_str(), hosts.empty() ? "-" : hosts.c_str());
         if (!g["error"].get<std::string>().empty()) std::printf("    error: %s\n", g["error"].get<std::string>().c_str());
     }
     const auto &ops = j["ops"];

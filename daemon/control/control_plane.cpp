@@ -156,6 +156,28 @@ void ControlPlane::accept_all() {
             spdlog::warn("refused a connection from {}: not the address of any host in the config", ip);
             continue;
         }
+        // Connections still in their handshake are capped, per address (what the hosts there
+        // dial at most: a control connection and tcp.streams data connections each, twice over
+        // for reconnects) and in total, so that a flood of idle connections cannot use up the
+        // daemon; the rest are closed at once.
+        size_t from_ip = 0, total = 0, hosts_there = 0;
+        for (const auto &[cid, conn] : conns_) {
+            if (conn->dialer || conn->state != ConnState::Handshaking) continue;
+            ++total;
+            from_ip += conn->remote == ip;
+        }
+        for (uint32_t i = 0; i < n_; ++i) hosts_there += i != self_ && same_ip(peers_[i].host.address, ip);
+        const size_t per_host = 2 * (1 + config_.tcp.streams);
+        if (from_ip >= hosts_there * per_host || total >= std::max<size_t>(16, (n_ - 1) * per_host)) {
+            ++handshakes_refused_;
+            const auto now = Clock::now();
+            if (now - last_refusal_log_ >= std::chrono::seconds(1)) {
+                last_refusal_log_ = now;
+                spdlog::warn("refused a connection from {}: {} connections from there and {} in all are still in their "
+                             "handshake ({} refused so far)", ip, from_ip, total, handshakes_refused_);
+            }
+            continue;
+        }
         auto c = std::make_unique<Conn>();
         c->id = next_conn_id_++;
         c->state = ConnState::Handshaking;

@@ -95,6 +95,7 @@ public:
     uint64_t announced_generation() const { return std::max({generation_, peer_generation_max_, aborted_max_}); }
     uint32_t self_index() const { return self_; }
     std::vector<PeerStatus> status() const;
+    uint64_t handshakes_refused() const { return handshakes_refused_; }
 
 private:
     enum class ConnState { Connecting, Handshaking, Up };
@@ -172,6 +173,8 @@ private:
     std::map<uint64_t, std::unique_ptr<Conn>> conns_;
     uint64_t next_conn_id_ = 1;
     std::vector<uint64_t> data_out_, data_in_;  // conn ids by stream, 0 = none
+    uint64_t handshakes_refused_ = 0;            // connections over the handshake cap
+    Clock::time_point last_refusal_log_{};
     Clock::time_point next_data_dial_{};
     bool ring_up_ = false;
     uint64_t generation_ = 0;

@@ -19,10 +19,13 @@ size_t GroupTable::Group::joined() const {
     return static_cast<size_t>(std::count_if(members.begin(), members.end(), [](const auto &m) { return m.has_value(); }));
 }
 
-Status GroupTable::check_join(const std::string &name, uint32_t rank, uint32_t size) const {
+Status GroupTable::check_join(const std::string &name, uint32_t rank, uint32_t size, uint32_t uid) const {
     auto it = groups_.find(name);
     if (it == groups_.end()) return Ok{};
     const Group &g = it->second;
+    if (uid != 0 && uid != g.owner_uid)
+        return make_error(-EACCES, "group " + name + " belongs to uid " + std::to_string(g.owner_uid) +
+                                       " (its first trainer's); uid " + std::to_string(uid) + " may not join it");
     if (!g.broken.empty())
         return make_error(-EBUSY, "group " + name + " is closing after an error (" + g.broken +
                                       "); rejoin once its remaining ranks have disconnected");
@@ -34,9 +37,9 @@ Status GroupTable::check_join(const std::string &name, uint32_t rank, uint32_t s
     return Ok{};
 }
 
-Status GroupTable::join(MemberId id, const std::string &name, uint32_t rank, uint32_t size) {
+Status GroupTable::join(MemberId id, const std::string &name, uint32_t rank, uint32_t size, uint32_t uid) {
     if (members_.count(id)) return make_error(-EALREADY, "this connection already joined a group");
-    if (auto ok = check_join(name, rank, size); !ok) return ok;
+    if (auto ok = check_join(name, rank, size, uid); !ok) return ok;
     auto it = groups_.find(name);
     if (it == groups_.end()) {
         Group g;
@@ -44,6 +47,7 @@ Status GroupTable::join(MemberId id, const std::string &name, uint32_t rank, uin
         g.local_id = next_local_id_;
         next_local_id_ += 2;  // odd, never 0
         g.local_size = size;
+        g.owner_uid = uid;
         g.members.resize(size);
         it = groups_.emplace(name, std::move(g)).first;
     }
@@ -268,6 +272,7 @@ std::vector<GroupSummary> GroupTable::summaries() const {
         s.local_size = g.local_size;
         for (uint32_t r = 0; r < g.local_size; ++r)
             if (g.members[r]) s.joined_ranks.push_back(r);
+        s.owner_uid = g.owner_uid;
         s.broken = g.broken;
         s.ops_completed = g.ops_completed;
         s.ops_failed = g.ops_failed;

@@ -59,6 +59,7 @@ struct GroupSummary {
     std::string name;
     uint32_t local_size = 0;
     std::vector<uint32_t> joined_ranks;
+    uint32_t owner_uid = 0;  // the uid of its first member
     std::string broken;  // why the group refuses ops, empty when healthy
     uint64_t ops_completed = 0;
     uint64_t ops_failed = 0;
@@ -74,7 +75,9 @@ public:
     explicit GroupTable(std::string host, std::chrono::milliseconds op_timeout, uint64_t first_local_id = 1)
         : host_(std::move(host)), op_timeout_(op_timeout), next_local_id_(first_local_id | 1) {}
 
-    Status join(MemberId id, const std::string &group, uint32_t local_rank, uint32_t local_size);
+    // A group belongs to the uid of its first member while it has members: another uid's join
+    // is refused (EACCES, naming the owner); root (uid 0) may join any group.
+    Status join(MemberId id, const std::string &group, uint32_t local_rank, uint32_t local_size, uint32_t uid);
     void submit(MemberId id, const proto::Submission &s, Clock::time_point now, std::vector<Completion> &out,
                 std::vector<OpRun> &ready);
     // The member's submission of `seq` was invalid: it gets `why`; the group's other ranks get an
@@ -100,7 +103,7 @@ public:
     };
     const Totals &totals() const { return totals_; }
     // Whether join() would accept this member, without joining.
-    Status check_join(const std::string &group, uint32_t local_rank, uint32_t local_size) const;
+    Status check_join(const std::string &group, uint32_t local_rank, uint32_t local_size, uint32_t uid) const;
     size_t running_ops() const;
     // The local incarnation of a group with this name now; 0 when there is none.
     uint64_t local_id(const std::string &group) const;
@@ -133,6 +136,7 @@ private:
         std::string name;
         uint64_t local_id = 0;
         uint32_t local_size = 0;
+        uint32_t owner_uid = 0;
         std::vector<std::optional<MemberId>> members;  // by rank
         std::string broken;
         std::map<uint64_t, Pending> pending;  // by seq

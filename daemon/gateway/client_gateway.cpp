@@ -99,6 +99,14 @@ void ClientGateway::on_accept() {
             (void)send_all(fd.get(), proto::encode_error({-EBUSY, "ringd has too many connections"}));
             continue;
         }
+        if (const size_t mine = count_of(cred.uid, false); cred.uid != 0 && mine >= config_.limits.connections_per_uid) {
+            const std::string why = "uid " + std::to_string(cred.uid) + " has " + std::to_string(mine) +
+                                    " connections to ringd, its limit (limits.connections_per_uid)";
+            spdlog::warn("refused pid {}: {}", cred.pid, why);
+            hooks_.record_error("refused pid " + std::to_string(cred.pid) + ": " + why);
+            (void)send_all(fd.get(), proto::encode_error({-EBUSY, why}));
+            continue;
+        }
         const MemberId id = next_id_++;
         spdlog::debug("client {} connected: pid {} uid {} gid {}", id, cred.pid, cred.uid, cred.gid);
         if (auto s = hooks_.watch(fd.get(), id, false); !s) {
@@ -107,6 +115,14 @@ void ClientGateway::on_accept() {
         }
         clients_.emplace(id, std::make_unique<ClientConn>(id, std::move(fd), cred, Clock::now() + kHelloTimeout));
     }
+}
+
+// Root is not limited per uid (memory.max_slots and the connection cap still hold).
+size_t ClientGateway::count_of(uint32_t uid, bool joined_only) const {
+    size_t n = 0;
+    for (const auto &[id, c] : clients_)
+        n += c->cred().uid == uid && (!joined_only || c->state() == ClientConn::State::Joined);
+    return n;
 }
 
 void ClientGateway::on_readable(MemberId id) {
@@ -162,7 +178,12 @@ void ClientGateway::handle_hello(ClientConn &c, const proto::Hello &h) {
                                         " slots are in use (memory.max_slots)"), true);
         return;
     }
-    if (auto ok = groups_.check_join(h.group, h.local_rank, h.local_size); !ok) {
+    if (const size_t mine = count_of(c.cred().uid, true); c.cred().uid != 0 && mine >= config_.limits.slots_per_uid) {
+        drop(id, make_error(-EBUSY, "uid " + std::to_string(c.cred().uid) + " holds " + std::to_string(mine) +
+                                        " slots, its limit (limits.slots_per_uid)"), true);
+        return;
+    }
+    if (auto ok = groups_.check_join(h.group, h.local_rank, h.local_size, c.cred().uid); !ok) {
         drop(id, ok.error(), true);
         return;
     }
@@ -195,7 +216,7 @@ void ClientGateway::handle_hello(ClientConn &c, const proto::Hello &h) {
         drop(id, s.error(), true);
         return;
     }
-    (void)groups_.join(id, h.group, h.local_rank, h.local_size);  // checked above, same thread
+    (void)groups_.join(id, h.group, h.local_rank, h.local_size, c.cred().uid);  // checked above, same thread
     c.joined(std::move(*slot), std::move(doorbell), std::move(completion), h.group, h.local_rank);
     ++live_slots_;
     spdlog::info("{} joined (local_size {}, slot {} bytes)", c.describe(), h.local_size, h.slot_bytes);

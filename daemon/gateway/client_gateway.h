@@ -66,6 +66,8 @@ private:
     void handle_hello(ClientConn &c, const proto::Hello &h);
     void take_submissions(MemberId id);
     void drop(MemberId id, const Error &why, bool tell_client);
+    // Connections (joined_only: slots) of clients with this uid.
+    size_t count_of(uint32_t uid, bool joined_only) const;
 
     const Config &config_;
     NetworkTransport &transport_;

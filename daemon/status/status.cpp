@@ -49,13 +49,22 @@ std::string Daemon::status_json() const {
                  {"ops_one_shot", ops_one_shot_},
                  {"ops_two_shot", ops_two_shot_},
                  {"size", n},
-                 {"members", members}};
+                 {"members", members},
+                 // Whether the daemons of the ring prove themselves to each other.
+                 {"auth", n <= 1 ? "one host" : secret_.enabled() ? "hmac-sha256" : "none (auth.insecure)"},
+                 // Peer connections closed because too many were still in their handshake.
+                 {"handshakes_refused", control_ ? control_->handshakes_refused() : 0}};
 
+    json host_names = json::array();
+    for (const auto &h : config_.hosts) host_names.push_back(h.name);
     json groups = json::array();
     for (const auto &g : groups_.summaries()) {
         groups.push_back({{"name", g.name},
                           {"local_size", g.local_size},
                           {"joined_ranks", g.joined_ranks},
+                          {"owner_uid", g.owner_uid},
+                          // Every host of the ring takes part in a group (config hosts, ring order).
+                          {"hosts", host_names},
                           {"state", g.broken.empty() ? "ok" : "broken"},
                           {"error", g.broken},
                           {"ops_completed", g.ops_completed},

@@ -46,7 +46,8 @@ std::string ringd_start_failure(const std::string &extra) {
     const std::string dir = make_temp_dir();
     std::ofstream(dir + "/c.yaml") << "cluster: c\nhosts:\n  - {name: a, address: 127.0.0.1, port: 7400}\n"
                                       "  - {name: b, address: 127.0.0.1, port: 7401}\n"
-                                   << extra << "socket: " << dir << "/s.sock\n";
+                                   << (extra.find("auth:") == std::string::npos ? secret_yaml() : "") << extra
+                                   << "socket: " << dir << "/s.sock\n";
     const auto start = Clock::now();
     const auto r = run_command(env_or("RINGD_BIN", "build/daemon/ringd") + " --config " + dir + "/c.yaml --host a 2>&1");
     CHECK(r.exit_code != 0);
@@ -412,6 +413,19 @@ TEST_CASE("a host with the wrong secret is refused and the reason shows in statu
     CHECK_THAT(d1.log(), Catch::Contains("authentication failed"));
 }
 
+TEST_CASE("several hosts without a secret: ringd refuses to start unless auth.insecure is set", "[cluster]") {
+    CHECK_THAT(ringd_start_failure("auth: {}\n"),
+               Catch::Contains("auth.secret_file: missing") && Catch::Contains("auth.insecure: true"));
+    CHECK_THAT(ringd_start_failure("auth: {insecure: maybe}\n"), Catch::Contains("auth.insecure: 'maybe' is not true or false"));
+    // The opt-out: the ring forms without authentication, ringd says so at start and in status.
+    TestCluster c(2, "10s", "auth: {insecure: true}\n");
+    REQUIRE(c.wait_up());
+    CHECK(c.status(0)["ring"]["auth"] == "none (auth.insecure)");
+    CHECK_THAT(c.d[1]->log(), Catch::Contains("auth.insecure: daemons of this ring do not authenticate each other"));
+    auto cl = connect_all(c, "insecure", 1);
+    allreduce_checked(cl, DType::F32, ReduceOp::Sum, 1001, 1);
+}
+
 TEST_CASE("3 hosts with the same secret form the ring and run exact ops", "[cluster]") {
     const std::string transport = GENERATE(std::string(), std::string(kIbverbsYaml));
     INFO(transport);
@@ -428,6 +442,7 @@ TEST_CASE("3 hosts with the same secret form the ring and run exact ops", "[clus
         CHECK_FALSE(c.d[h]->log().find("do not authenticate") != std::string::npos);
         CHECK_FALSE(c.d[h]->log().find("authentication failed") != std::string::npos);
         CHECK(c.status(h)["ring"]["generation"] == 1);
+        CHECK(c.status(h)["ring"]["auth"] == "hmac-sha256");
     }
 }
 
@@ -447,10 +462,38 @@ TEST_CASE("garbage and strangers on the peer port are refused; the ring is unaff
     CHECK(c.status(0)["ring"]["generation"] == 1);
 }
 
+TEST_CASE("a flood of idle connections on the peer port is capped; the ring and its ops are unaffected", "[cluster]") {
+    TestCluster c(2);
+    REQUIRE(c.wait_up());
+    const int port = c.status(0)["ring"]["members"][0]["port"].get<int>();
+    // 2 hosts, 2 streams: at most 2 x (1 + 2) = 6 handshakes from the peer's address at once.
+    std::vector<UniqueFd> flood;
+    for (int i = 0; i < 40; ++i) flood.push_back(connect_from("127.0.0.1", static_cast<uint16_t>(port)));
+    std::this_thread::sleep_for(1s);
+    int closed = 0, open = 0;
+    for (const auto &fd : flood) {
+        char buf[4096];
+        ssize_t k;
+        while ((k = ::recv(fd.get(), buf, sizeof buf, MSG_DONTWAIT)) > 0) {
+        }
+        (k == 0 ? closed : open) += 1;
+    }
+    CHECK(open <= 6);
+    CHECK(closed >= 34);
+    CHECK(c.status(0)["ring"]["handshakes_refused"].get<int>() >= 34);
+    CHECK_THAT(c.d[0]->log(), Catch::Contains("are still in their handshake"));
+    // Established connections are not handshakes: the ring goes on.
+    auto cl = connect_all(c, "flooded", 1, 2 << 20);
+    allreduce_checked(cl, DType::F32, ReduceOp::Sum, 1000, 1);       // direct exchange
+    allreduce_checked(cl, DType::F32, ReduceOp::Sum, 1 << 18, 2);    // the ring
+    CHECK(c.status(0)["ring"]["generation"] == 1);
+}
+
 TEST_CASE("an address that cannot be bound stops ringd at start with a clear error", "[cluster]") {
     const std::string dir = make_temp_dir();
     std::ofstream(dir + "/c.yaml") << "cluster: c\nhosts:\n  - {name: a, address: 192.0.2.1, port: 7400}\n"
-                                      "  - {name: b, address: 127.0.0.1, port: 7401}\nsocket: " << dir << "/s.sock\n";
+                                      "  - {name: b, address: 127.0.0.1, port: 7401}\nsocket: " << dir << "/s.sock\n"
+                                   << secret_yaml();
     const auto r = run_command(env_or("RINGD_BIN", "build/daemon/ringd") + " --config " + dir + "/c.yaml --host a 2>&1");
     CHECK(r.exit_code != 0);
     CHECK_THAT(r.output, Catch::Contains("cannot listen on 192.0.2.1:7400") && Catch::Contains("configured on this machine"));

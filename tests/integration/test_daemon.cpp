@@ -943,3 +943,95 @@ TEST_CASE("the socket is 0660 with socket_group; allow_uids/allow_gids refuse ot
         CHECK(as(Identity{65534, static_cast<gid_t>(daemon_gid), {65534}}, other_gid->socket()) == "");
     }
 }
+
+TEST_CASE("a group belongs to its first trainer's uid; per-uid limits on slots and connections", "[daemon]") {
+    DaemonOptions o;
+    o.extra_yaml = "socket_group: nogroup\nlimits: {slots_per_uid: 1, connections_per_uid: 3}\n";
+    Daemon d(o);
+    REQUIRE(d.ready());
+    REQUIRE(::chmod(d.dir().c_str(), 0711) == 0);
+    const std::string sock = d.socket();
+    // One child, real uid root, switching its effective identity between connects (SO_PEERCRED
+    // reports the identity in effect at connect()). It lists what went wrong.
+    auto r = run_as(Identity{0, 0, {}}, [&]() -> std::string {
+        std::string out, e;
+        auto as = [&](uid_t uid, auto f) {
+            if (::setegid(65534) != 0 || ::seteuid(uid) != 0) out += "cannot become uid " + std::to_string(uid) + "\n";
+            auto v = f();
+            (void)!::seteuid(0);
+            (void)!::setegid(0);
+            return v;
+        };
+        auto join = [&](const char *group, int rank, int size) {
+            char err[256] = "";
+            ringd_client *c = ringd_connect(sock.c_str(), group, rank, size, 4096, err, sizeof err);
+            e = err;
+            return c;
+        };
+        auto expect_refused = [&](ringd_client *c, const std::string &what, const std::string &text) {
+            if (c) out += what + ": joined\n";
+            else if (e.find(text) == std::string::npos) out += what + ": '" + e + "' does not say '" + text + "'\n";
+        };
+        ringd_client *root0 = join("owned", 0, 2);  // root's group
+        if (!root0) return "root's join: " + e;
+        expect_refused(as(65534, [&] { return join("owned", 1, 2); }), "nobody into root's group",
+                       "group owned belongs to uid 0 (its first trainer's); uid 65534 may not join it");
+        ringd_client *mine0 = as(65534, [&] { return join("mine", 0, 2); });
+        if (!mine0) return out + "nobody's own group: " + e;
+        expect_refused(as(65533, [&] { return join("mine", 1, 2); }), "uid 65533 into nobody's group",
+                       "group mine belongs to uid 65534");
+        ringd_client *mine1 = join("mine", 1, 2);  // root may join any group
+        if (!mine1) return out + "root into nobody's group: " + e;
+        // An op of the group of two uids.
+        uint64_t t0 = 0, t1 = 0;
+        static_cast<float *>(ringd_slot(mine0, nullptr))[0] = 1.5f;
+        static_cast<float *>(ringd_slot(mine1, nullptr))[0] = 2.0f;
+        if (ringd_submit(mine0, 0, 1, RINGD_F32, RINGD_SUM, &t0) != 0 || ringd_submit(mine1, 0, 1, RINGD_F32, RINGD_SUM, &t1) != 0 ||
+            ringd_wait(mine0, t0, 5000) != 0 || ringd_wait(mine1, t1, 5000) != 0 ||
+            static_cast<float *>(ringd_slot(mine0, nullptr))[0] != 3.5f)
+            out += "the op of the two-uid group failed\n";
+        // Per uid: nobody holds one slot, its limit; two idle connections reach its connection limit.
+        expect_refused(as(65534, [&] { return join("other", 0, 1); }), "nobody's second slot",
+                       "uid 65534 holds 1 slots, its limit (limits.slots_per_uid)");
+        auto raw = [&] {
+            UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+            sockaddr_un a{};
+            a.sun_family = AF_UNIX;
+            std::snprintf(a.sun_path, sizeof a.sun_path, "%s", sock.c_str());
+            if (::connect(fd.get(), reinterpret_cast<sockaddr *>(&a), sizeof a) != 0) out += "raw connect failed\n";
+            return fd;
+        };
+        UniqueFd idle1 = as(65534, raw), idle2 = as(65534, raw);
+        expect_refused(as(65534, [&] { return join("other", 0, 1); }), "nobody's fourth connection",
+                       "uid 65534 has 3 connections to ringd, its limit (limits.connections_per_uid)");
+        // Root is not limited per uid.
+        ringd_client *root_more = join("more", 0, 1);
+        if (!root_more) out += "root's third slot: " + e + "\n";
+        // Status shows each group's owner.
+        auto st = fetch_status(sock);
+        if (!st) return out + "status: " + st.error().message;
+        const nlohmann::json status = nlohmann::json::parse(*st);
+        for (const auto &g : status["groups"]) {
+            const uint32_t want = g["name"] == "mine" ? 65534 : 0;
+            if (g["owner_uid"] != want) out += "owner of group " + g.dump() + "\n";
+        }
+        // Once its trainers are gone the name is free for anyone.
+        ringd_close(mine0);
+        ringd_close(mine1);
+        idle1.reset();
+        idle2.reset();
+        ringd_client *again = nullptr;
+        for (int i = 0; i < 200 && !again; ++i) {
+            again = as(65533, [&] { return join("mine", 0, 1); });
+            if (!again) ::usleep(10000);
+        }
+        if (!again) out += "uid 65533 after the group ended: " + e + "\n";
+        ringd_close(again);
+        ringd_close(root_more);
+        ringd_close(root0);
+        return out;
+    });
+    if (!r) RINGD_SKIP("needs root to run a trainer as another user");
+    CHECK(*r == "");
+    CHECK(d.alive());
+}

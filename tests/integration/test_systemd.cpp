@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <fstream>
 
+#include "tests/support/cluster.h"
 #include "tests/support/harness.h"
 #include "tests/support/skip.h"
 
@@ -59,4 +60,47 @@ TEST_CASE("systemd-analyze verify accepts the unit", "[systemd]") {
     }
     CHECK(code == 0);
     CHECK(out.find("ringd.service") == std::string::npos);  // no complaint about our unit
+}
+
+namespace {
+
+// A line of /proc/<pid>/status ("Uid", "CapEff", ...), without the key.
+std::string proc_status(pid_t pid, const std::string &key) {
+    std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+    for (std::string line; std::getline(in, line);)
+        if (line.rfind(key + ":", 0) == 0) return line.substr(key.size() + 1);
+    return "";
+}
+
+}  // namespace
+
+TEST_CASE("the unit runs ringd as its own user without capabilities; a 2-host ring does so here", "[systemd]") {
+    const std::string unit = read_file(env_or("RINGD_UNIT", ""));
+    REQUIRE_FALSE(unit.empty());
+    CHECK_THAT(unit, Catch::Contains("\nUser=ringd\n") && Catch::Contains("\nGroup=ringd\n") &&
+                         Catch::Contains("\nCapabilityBoundingSet=\n") && Catch::Contains("\nAmbientCapabilities=\n") &&
+                         Catch::Contains("LimitMEMLOCK=infinity") && Catch::Contains("DevicePolicy=closed"));
+    CHECK_THAT(read_file(std::string(RINGD_SOURCE_DIR) + "/systemd/ringd.sysusers"), Catch::Contains("u ringd "));
+    if (::geteuid() != 0) RINGD_SKIP("needs root to start ringd as another user");
+    // As the unit starts it: an unprivileged uid (nobody here), no supplementary groups, no
+    // capabilities; the ring forms (authenticated) and runs exact ops on both paths and transports.
+    const std::string transport = GENERATE(std::string(), std::string(kIbverbsYaml));
+    INFO(transport);
+    ClusterOptions o;
+    o.uid = 65534;
+    o.gid = 65534;
+    // Small enough for the 8 MiB memory-lock limit of a container that cannot raise it (the unit
+    // sets LimitMEMLOCK=infinity): 1 MiB slots, 64 KiB x 4 staging, a 4 MiB work area.
+    o.extra_yaml = transport + "tuning: {chunk_bytes: 64KiB, depth: 4}\n";
+    TestCluster c(2, o);
+    REQUIRE(c.wait_up());
+    for (uint32_t h = 0; h < 2; ++h) {
+        INFO("host " << h);
+        CHECK_THAT(proc_status(c.d[h]->pid(), "Uid"), Catch::StartsWith("\t65534\t65534"));
+        CHECK(proc_status(c.d[h]->pid(), "CapEff") == "\t0000000000000000");
+        CHECK(c.status(h)["ring"]["auth"] == "hmac-sha256");
+    }
+    auto cl = connect_all(c, "unprivileged", 2, 1 << 20);  // the test (root) connects to nobody's socket
+    allreduce_checked(cl, DType::F32, ReduceOp::Avg, 1001, 1);   // direct exchange
+    allreduce_checked(cl, DType::F32, ReduceOp::Sum, 200001, 2);  // the ring
 }

@@ -29,6 +29,8 @@ struct ClusterOptions {
     std::string heartbeat;          // timeouts.heartbeat; empty: ringd's default (1 s)
     std::string extra_yaml;         // appended to every host's config
     std::string slot_bytes = "64MiB";
+    uid_t uid = 0;  // run the daemons as this uid/gid; 0: as the test
+    gid_t gid = 0;
 };
 
 struct TestCluster {
@@ -38,6 +40,8 @@ struct TestCluster {
 
     explicit TestCluster(uint32_t hosts, ClusterOptions o = {}) : n(hosts) {
         base_port = 10000 + static_cast<int>((::getpid() * 17) % 20000);  // below the ephemeral range
+        // One secret for the cluster (multi-host daemons need one), unless the test sets auth itself.
+        const std::string auth = o.extra_yaml.find("auth:") == std::string::npos ? secret_yaml(o.uid, o.gid) : "";
         std::string yaml = "hosts:\n";
         for (uint32_t i = 0; i < n; ++i)
             yaml += "  - {name: node" + std::to_string(i) + ", address: 127.0.0.1, port: " + std::to_string(port(i)) + "}\n";
@@ -48,7 +52,9 @@ struct TestCluster {
             // The harness writes `timeouts: {op: <this>}`.
             opt.op_timeout = o.op_timeout + (o.heartbeat.empty() ? "" : ", heartbeat: " + o.heartbeat);
             opt.slot_bytes = o.slot_bytes;
-            opt.extra_yaml = "tcp: {streams: 2}\n" + o.extra_yaml;
+            opt.uid = o.uid;
+            opt.gid = o.gid;
+            opt.extra_yaml = "tcp: {streams: 2}\n" + auth + o.extra_yaml;
             d.push_back(std::make_unique<Daemon>(opt));
             REQUIRE(d.back()->ready());
         }

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <fcntl.h>
+#include <grp.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -22,6 +23,7 @@
 #include <fstream>
 #include <iostream>
 #include <memory>
+#include <random>
 #include <sys/stat.h>
 #include <functional>
 #include <sstream>
@@ -69,6 +71,19 @@ private:
 
 inline std::string make_temp_dir() { return TempDirs::get().make(); }
 
+// A fresh ring secret (mode 0600) and the config keys that use it: multi-host daemons refuse to
+// start without one.
+inline std::string secret_yaml(uid_t owner = 0, gid_t group = 0) {
+    const std::string dir = make_temp_dir(), path = dir + "/secret";
+    std::ofstream(path) << std::hex << std::random_device{}() << std::random_device{}() << "0123456789abcdef\n";
+    ::chmod(path.c_str(), 0600);
+    if (owner != 0) {  // for daemons running as that user
+        (void)!::chown(dir.c_str(), owner, group);
+        (void)!::chown(path.c_str(), owner, group);
+    }
+    return "auth: {secret_file: " + path + "}\n";
+}
+
 inline std::string read_file(const std::string &path) {
     std::ifstream in(path);
     std::stringstream ss;
@@ -108,6 +123,11 @@ public:
         (void)!::bind(fd_.get(), reinterpret_cast<sockaddr *>(&a), sizeof a);
     }
     const std::string &path() const { return path_; }
+    // Lets a daemon running as another user send to it.
+    void open_to_everyone() {
+        (void)!::chmod(path_.substr(0, path_.rfind('/')).c_str(), 0711);
+        (void)!::chmod(path_.c_str(), 0666);
+    }
     // Next message within the timeout, or "" on timeout.
     std::string next(std::chrono::milliseconds timeout) {
         pollfd p{fd_.get(), POLLIN, 0};
@@ -140,6 +160,8 @@ struct DaemonOptions {
     int max_slots = 16;
     std::vector<std::string> env;  // extra KEY=VALUE
     int nofile = 0;                 // RLIMIT_NOFILE for the daemon (soft = hard), 0: inherit
+    uid_t uid = 0;                  // run the daemon as this uid/gid (no supplementary groups); 0: as the test
+    gid_t gid = 0;
 };
 
 class Daemon {
@@ -160,6 +182,12 @@ public:
                                << o.extra_yaml;
         env_ = o.env;
         nofile_ = o.nofile;
+        uid_ = o.uid;
+        gid_ = o.gid;
+        if (uid_ != 0) {  // the daemon writes its socket into the directory
+            (void)!::chown(dir_.c_str(), uid_, gid_);
+            (void)!::chown(config_.c_str(), uid_, gid_);
+        }
         start();
     }
     ~Daemon() {
@@ -173,6 +201,7 @@ public:
 
     void start() {
         notify_ = std::make_unique<NotifySocket>();
+        if (uid_ != 0) notify_->open_to_everyone();
         const std::string bin = env_or("RINGD_BIN", "build/daemon/ringd");
         pid_ = ::fork();
         if (pid_ == 0) {
@@ -182,6 +211,12 @@ public:
             const int log = ::open(log_.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
             ::dup2(log, 1);  // nothing of the test's stdout may outlive it (meson waits for EOF)
             ::dup2(log, 2);
+            if (uid_ != 0) {  // as ringd.service starts it: LimitMEMLOCK=infinity, then its own user
+                const rlimit unlimited{RLIM_INFINITY, RLIM_INFINITY};
+                ::setrlimit(RLIMIT_MEMLOCK, &unlimited);
+                if (::setgroups(0, nullptr) != 0 || ::setgid(gid_) != 0 || ::setuid(uid_) != 0) ::_exit(126);
+            }
+            ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // again: a change of credentials clears it
             ::setenv("NOTIFY_SOCKET", notify_->path().c_str(), 1);
             for (const auto &kv : env_) ::putenv(const_cast<char *>(kv.c_str()));
             if (nofile_ > 0) {
@@ -213,6 +248,8 @@ private:
     std::string dir_, socket_, config_, log_, host_;
     std::vector<std::string> env_;
     int nofile_ = 0;
+    uid_t uid_ = 0;
+    gid_t gid_ = 0;
     std::unique_ptr<NotifySocket> notify_;
     pid_t pid_ = -1;
     bool ready_ = false;

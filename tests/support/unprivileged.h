@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <exception>
 #include <optional>
 #include <string>
 #include <utility>
@@ -33,8 +34,13 @@ std::optional<std::string> run_as(const Identity &who, F &&f) {
     if (pid == 0) {
         ::close(fds[0]);
         std::string msg = "\x01skip";
-        if (::setgroups(who.groups.size(), who.groups.data()) == 0 && ::setgid(who.gid) == 0 && ::setuid(who.uid) == 0)
-            msg = f();
+        if (::setgroups(who.groups.size(), who.groups.data()) == 0 && ::setgid(who.gid) == 0 && ::setuid(who.uid) == 0) {
+            try {  // nothing may unwind into the test's own code in this child
+                msg = f();
+            } catch (const std::exception &e) {
+                msg = std::string("exception in the child: ") + e.what();
+            }
+        }
         else if (::getuid() == 0)
             msg = "cannot drop to uid " + std::to_string(who.uid);
         (void)!::write(fds[1], msg.data(), msg.size());

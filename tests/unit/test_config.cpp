@@ -108,6 +108,14 @@ TEST_CASE("errors name the key", "[config]") {
                Catch::StartsWith("hosts[1].name: 'a' appears twice"));
     CHECK_THAT(error_of("cluster: c\nhosts:\n  - {name: a, address: x, colour: red}\n"),
                Catch::StartsWith("hosts[0].colour: unknown key"));
+    // Several hosts authenticate each other unless the config opts out.
+    const std::string two = "cluster: c\nhosts:\n  - {name: a, address: x}\n  - {name: b, address: y}\n";
+    CHECK_THAT(error_of(two), Catch::StartsWith("auth.secret_file: missing"));
+    CHECK_THAT(error_of(two + "auth: {insecure: yes}\n"), Catch::StartsWith("auth.insecure: 'yes' is not true or false"));
+    CHECK_THAT(error_of(two + "auth: {insecure: false}\n"), Catch::StartsWith("auth.secret_file: missing"));
+    CHECK(parse_config(two + "auth: {insecure: true}\n")->insecure);
+    CHECK(parse_config(two + "auth: {secret_file: /etc/ringd/secret}\n")->secret_file == "/etc/ringd/secret");
+    CHECK_FALSE(parse_config(kBase)->insecure);  // one host: nothing to authenticate
     CHECK_THAT(error_of("cluster: [\n"), Catch::StartsWith("YAML syntax"));
     CHECK_THAT(error_of(""), Catch::Contains("empty"));
     CHECK_THAT(error_of("- a\n- b\n"), Catch::Contains("expected a mapping"));

@@ -23,9 +23,9 @@ struct Fixture {
 }  // namespace
 
 TEST_CASE_METHOD(Fixture, "an op starts when every local rank submitted it", "[group]") {
-    REQUIRE(table.join(1, "g", 0, 3).ok());
-    REQUIRE(table.join(2, "g", 1, 3).ok());
-    REQUIRE(table.join(3, "g", 2, 3).ok());
+    REQUIRE(table.join(1, "g", 0, 3, 0).ok());
+    REQUIRE(table.join(2, "g", 1, 3, 0).ok());
+    REQUIRE(table.join(3, "g", 2, 3, 0).ok());
     table.submit(1, sub(1, 16, DType::F32, ReduceOp::Sum, 0), t0, out, ready);
     table.submit(3, sub(1, 16, DType::F32, ReduceOp::Sum, 128), t0, out, ready);
     CHECK(ready.empty());
@@ -42,17 +42,17 @@ TEST_CASE_METHOD(Fixture, "an op starts when every local rank submitted it", "[g
 }
 
 TEST_CASE_METHOD(Fixture, "joins are checked", "[group]") {
-    REQUIRE(table.join(1, "g", 0, 2).ok());
-    CHECK(table.join(2, "g", 0, 2).error().code == -EADDRINUSE);
-    CHECK_THAT(table.join(2, "g", 1, 3).error().message, Catch::Contains("local_size 2"));
-    CHECK(table.join(1, "h", 0, 1).error().code == -EALREADY);
-    CHECK(table.join(2, "g", 1, 2).ok());
+    REQUIRE(table.join(1, "g", 0, 2, 0).ok());
+    CHECK(table.join(2, "g", 0, 2, 0).error().code == -EADDRINUSE);
+    CHECK_THAT(table.join(2, "g", 1, 3, 0).error().message, Catch::Contains("local_size 2"));
+    CHECK(table.join(1, "h", 0, 1, 0).error().code == -EALREADY);
+    CHECK(table.join(2, "g", 1, 2, 0).ok());
 }
 
 TEST_CASE_METHOD(Fixture, "a mismatch fails every rank with a message naming it", "[group]") {
-    REQUIRE(table.join(1, "g", 0, 3).ok());
-    REQUIRE(table.join(2, "g", 1, 3).ok());
-    REQUIRE(table.join(3, "g", 2, 3).ok());
+    REQUIRE(table.join(1, "g", 0, 3, 0).ok());
+    REQUIRE(table.join(2, "g", 1, 3, 0).ok());
+    REQUIRE(table.join(3, "g", 2, 3, 0).ok());
     table.submit(1, sub(1, 16), t0, out, ready);
     table.submit(2, sub(1, 17), t0, out, ready);
     REQUIRE(out.size() == 2);
@@ -72,8 +72,8 @@ TEST_CASE_METHOD(Fixture, "a mismatch fails every rank with a message naming it"
 }
 
 TEST_CASE_METHOD(Fixture, "dtype and op mismatches are named too", "[group]") {
-    REQUIRE(table.join(1, "g", 0, 2).ok());
-    REQUIRE(table.join(2, "g", 1, 2).ok());
+    REQUIRE(table.join(1, "g", 0, 2, 0).ok());
+    REQUIRE(table.join(2, "g", 1, 2, 0).ok());
     table.submit(1, sub(1, 16, DType::F32, ReduceOp::Sum), t0, out, ready);
     table.submit(2, sub(1, 16, DType::F32, ReduceOp::Max), t0, out, ready);
     REQUIRE(out.size() == 2);
@@ -86,9 +86,9 @@ TEST_CASE_METHOD(Fixture, "dtype and op mismatches are named too", "[group]") {
 }
 
 TEST_CASE_METHOD(Fixture, "a pending op times out naming the missing ranks", "[group]") {
-    REQUIRE(table.join(1, "g", 0, 3).ok());
-    REQUIRE(table.join(2, "g", 1, 3).ok());
-    REQUIRE(table.join(3, "g", 2, 3).ok());
+    REQUIRE(table.join(1, "g", 0, 3, 0).ok());
+    REQUIRE(table.join(2, "g", 1, 3, 0).ok());
+    REQUIRE(table.join(3, "g", 2, 3, 0).ok());
     table.submit(2, sub(1), t0, out, ready);
     REQUIRE(table.next_deadline().has_value());
     table.expire(t0 + milliseconds(999), out);
@@ -102,8 +102,8 @@ TEST_CASE_METHOD(Fixture, "a pending op times out naming the missing ranks", "[g
 }
 
 TEST_CASE_METHOD(Fixture, "a rank that leaves fails pending and running ops and breaks the group", "[group]") {
-    REQUIRE(table.join(1, "g", 0, 2).ok());
-    REQUIRE(table.join(2, "g", 1, 2).ok());
+    REQUIRE(table.join(1, "g", 0, 2, 0).ok());
+    REQUIRE(table.join(2, "g", 1, 2, 0).ok());
     table.submit(1, sub(1), t0, out, ready);
     table.submit(2, sub(1), t0, out, ready);
     REQUIRE(ready.size() == 1);
@@ -122,15 +122,15 @@ TEST_CASE_METHOD(Fixture, "a rank that leaves fails pending and running ops and 
     table.submit(1, sub(3), t0, out, ready);
     REQUIRE(out.size() == 1);
     CHECK(out[0].status == -ECONNABORTED);
-    CHECK(table.join(3, "g", 1, 2).error().code == -EBUSY);
+    CHECK(table.join(3, "g", 1, 2, 0).error().code == -EBUSY);
     table.leave(1, out);
     CHECK(table.summaries().empty());  // all gone: the name is free again
-    CHECK(table.join(3, "g", 0, 1).ok());
+    CHECK(table.join(3, "g", 0, 1, 0).ok());
 }
 
 TEST_CASE_METHOD(Fixture, "an invalid submission fails the op for the whole group", "[group]") {
-    REQUIRE(table.join(1, "g", 0, 2).ok());
-    REQUIRE(table.join(2, "g", 1, 2).ok());
+    REQUIRE(table.join(1, "g", 0, 2, 0).ok());
+    REQUIRE(table.join(2, "g", 1, 2, 0).ok());
     table.submit(2, sub(1), t0, out, ready);
     table.reject(1, 1, -ERANGE, "outside the slot", out);
     REQUIRE(out.size() == 2);
@@ -141,8 +141,8 @@ TEST_CASE_METHOD(Fixture, "an invalid submission fails the op for the whole grou
 }
 
 TEST_CASE_METHOD(Fixture, "shutdown fails everything", "[group]") {
-    REQUIRE(table.join(1, "g", 0, 2).ok());
-    REQUIRE(table.join(2, "g", 1, 2).ok());
+    REQUIRE(table.join(1, "g", 0, 2, 0).ok());
+    REQUIRE(table.join(2, "g", 1, 2, 0).ok());
     table.submit(1, sub(1), t0, out, ready);
     table.submit(2, sub(1), t0, out, ready);
     table.submit(1, sub(2), t0, out, ready);

@@ -33,7 +33,7 @@ struct Fixture {
 }  // namespace
 
 TEST_CASE_METHOD(Fixture, "queued ops come out in seq order per group; reported ones are found by key", "[hostops]") {
-    REQUIRE(table.join(1, "g", 0, 1).ok());
+    REQUIRE(table.join(1, "g", 0, 1, 0).ok());
     HostOp a = matched(1), b = matched(2);
     ops.queue(std::move(b));
     ops.queue(std::move(a));
@@ -60,7 +60,7 @@ TEST_CASE_METHOD(Fixture, "queued ops come out in seq order per group; reported 
 TEST_CASE_METHOD(Fixture, "every state has a deadline: queued at the op's, reported a grace later, running ones are "
                           "reported overdue",
                  "[hostops]") {
-    REQUIRE(table.join(1, "g", 0, 1).ok());
+    REQUIRE(table.join(1, "g", 0, 1, 0).ok());
     HostOp q = matched(1), r = matched(2), run = matched(3);
     const uint64_t running_id = run.run.op_id;
     ops.queue(std::move(q));
@@ -92,7 +92,7 @@ TEST_CASE_METHOD(Fixture, "every state has a deadline: queued at the op's, repor
 TEST_CASE_METHOD(Fixture, "a generation's end fails what is ready here at once and a running ring op only when it "
                           "is back",
                  "[hostops]") {
-    REQUIRE(table.join(1, "g", 0, 1).ok());
+    REQUIRE(table.join(1, "g", 0, 1, 0).ok());
     HostOp q = matched(1), r = matched(2), run = matched(3), held = matched(4);
     const uint64_t run_id = run.run.op_id, held_id = held.run.op_id;
     ops.queue(std::move(q));
@@ -118,7 +118,7 @@ TEST_CASE_METHOD(Fixture, "a generation's end fails what is ready here at once a
 }
 
 TEST_CASE_METHOD(Fixture, "a ring op given back in its generation ends with its own result", "[hostops]") {
-    REQUIRE(table.join(1, "g", 0, 1).ok());
+    REQUIRE(table.join(1, "g", 0, 1, 0).ok());
     HostOp run = matched(1);
     ops.running(run.run.op_id, 1, t0 + 1000ms);
     ops.returned(run.run.op_id, 0, "", false);
