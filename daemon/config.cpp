@@ -276,4 +276,36 @@ const char *poll_mode_name(PollMode m) {
     return "?";
 }
 
+Result<std::vector<uint32_t>> group_hosts(const Config &c, const std::string &list) {
+    std::vector<uint32_t> all(c.hosts.size());
+    for (uint32_t i = 0; i < all.size(); ++i) all[i] = i;
+    if (list.find_first_not_of(' ') == std::string::npos) return all;
+    std::vector<bool> in(c.hosts.size(), false);
+    size_t at = 0;
+    for (;;) {
+        const size_t comma = list.find(',', at);
+        std::string name = list.substr(at, comma == std::string::npos ? std::string::npos : comma - at);
+        name.erase(0, name.find_first_not_of(' '));
+        name.erase(name.find_last_not_of(' ') + 1);
+        if (name.empty()) return make_error(-EINVAL, "the hosts list '" + list + "' has an empty name");
+        auto i = find_host(c, name);
+        if (!i) return make_error(-EINVAL, "the hosts list names '" + name + "', which is not a host of this ring (" +
+                                               host_names(c, all) + ")");
+        if (in[*i]) return make_error(-EINVAL, "the hosts list names '" + name + "' twice");
+        in[*i] = true;
+        if (comma == std::string::npos) break;
+        at = comma + 1;
+    }
+    std::vector<uint32_t> out;
+    for (uint32_t i = 0; i < in.size(); ++i)
+        if (in[i]) out.push_back(i);
+    return out;
+}
+
+std::string host_names(const Config &c, const std::vector<uint32_t> &hosts) {
+    std::string s;
+    for (uint32_t i : hosts) s += (s.empty() ? "" : ",") + c.hosts[i].name;
+    return s;
+}
+
 }  // namespace ringd

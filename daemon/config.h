@@ -78,6 +78,13 @@ Result<Config> load_config(const std::string &path);
 // Index of `host` in config.hosts, or an error listing the configured names.
 Result<size_t> find_host(const Config &c, const std::string &host);
 
+// A group's hosts from a trainer's comma-separated list of host names (any order, spaces
+// around names ignored; "" = every host): their indices in ring order. Unknown, empty or repeated
+// names are errors that say which.
+Result<std::vector<uint32_t>> group_hosts(const Config &c, const std::string &list);
+// "a,b,c" for indices into config.hosts.
+std::string host_names(const Config &c, const std::vector<uint32_t> &hosts);
+
 const char *poll_mode_name(PollMode m);
 
 }  // namespace ringd

@@ -122,7 +122,8 @@ Status Daemon::setup() {
     hooks.unwatch = [this](int fd) { epoll_del(epoll_.get(), fd); };
     hooks.status_json = [this] { return status_json(); };
     hooks.record_error = [this](const std::string &m) { record_error(m); };
-    gateway_ = std::make_unique<ClientGateway>(config_, *transport_, groups_, cuda_.built, std::move(hooks), done_, ready_);
+    gateway_ = std::make_unique<ClientGateway>(config_, self_index_, *transport_, groups_, cuda_.built, std::move(hooks),
+                                               done_, ready_);
     if (auto s = gateway_->listen(); !s) return s;
     for (auto [fd, k] : {std::pair{gateway_->listener_fd(), kListener}, {signal_fd_.get(), kSignal},
                          {timer_fd_.get(), kTimer}, {engine_->result_fd(), kEngine}})

@@ -1,6 +1,7 @@
 #include "proto/frame.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cstdio>
 #include <cstring>
 #include <string_view>
@@ -88,12 +89,22 @@ Bytes encode_hello(const Hello &h) {
     le::put<uint32_t>(&p[4], h.local_size);
     le::put<uint64_t>(&p[8], h.slot_bytes);
     std::memcpy(&p[16], h.group.data(), std::min(h.group.size(), kGroupNameBytes - 1));
-    return encode_frame(FrameType::Hello, p);
+    if (h.hosts.empty()) return encode_frame(FrameType::Hello, p);
+    std::vector<uint8_t> v(p, p + kHelloBytes);
+    v.insert(v.end(), h.hosts.begin(), h.hosts.begin() + static_cast<std::ptrdiff_t>(std::min(h.hosts.size(), kMaxHelloHostsBytes)));
+    return encode_frame(FrameType::Hello, v);
 }
 
 Result<Hello> decode_hello(std::span<const uint8_t> p) {
-    if (auto s = expect_size(p, kHelloBytes, "hello"); !s) return s.error();
+    if (p.size() < kHelloBytes || p.size() > kHelloBytes + kMaxHelloHostsBytes)
+        return bad("hello has " + std::to_string(p.size()) + " bytes, expected " + std::to_string(kHelloBytes) + " to " +
+                   std::to_string(kHelloBytes + kMaxHelloHostsBytes));
     Hello h;
+    h.hosts.assign(reinterpret_cast<const char *>(p.data()) + kHelloBytes, p.size() - kHelloBytes);
+    for (char ch : h.hosts)
+        if (!(std::isalnum(static_cast<unsigned char>(ch)) || ch == '.' || ch == '_' || ch == '-' || ch == ',' || ch == ' '))
+            return make_error(-EINVAL, "the hosts list may contain only host names (letters, digits, '.', '_', '-'), "
+                                       "commas and spaces");
     h.local_rank = le::get<uint32_t>(&p[0]);
     h.local_size = le::get<uint32_t>(&p[4]);
     h.slot_bytes = le::get<uint64_t>(&p[8]);

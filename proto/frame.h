@@ -68,8 +68,12 @@ struct Hello {
     uint32_t local_rank = 0;
     uint32_t local_size = 0;
     uint64_t slot_bytes = 0;  // data bytes the client wants in its slot
+    // The group's hosts, comma-separated config names in any order; "" = every host of the ring.
+    // On the wire after the fixed part (a hello of exactly kHelloBytes has none).
+    std::string hosts;
 };
 inline constexpr size_t kHelloBytes = 16 + kGroupNameBytes;
+inline constexpr size_t kMaxHelloHostsBytes = 3072;
 
 struct Welcome {
     uint32_t client_id = 0;

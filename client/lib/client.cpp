@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstddef>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -240,14 +241,18 @@ int ringd_client::test(Ticket &t) {
 
 extern "C" {
 
-ringd_client *ringd_connect(const char *socket_path, const char *group, int local_rank, int local_size,
-                            size_t slot_bytes, char *err, size_t err_len) {
+namespace {
+
+ringd_client *connect_client(const char *socket_path, const char *group, int local_rank, int local_size,
+                             size_t slot_bytes, const char *hosts, char *err, size_t err_len) {
     auto report = [&](const std::string &m) -> ringd_client * {
         if (err && err_len) std::snprintf(err, err_len, "%s", m.c_str());
         return nullptr;
     };
     try {
         if (!socket_path || !group) return report("socket_path and group must not be NULL");
+        if (hosts && std::strlen(hosts) > proto::kMaxHelloHostsBytes)
+            return report("the hosts list is longer than " + std::to_string(proto::kMaxHelloHostsBytes) + " bytes");
         if (std::strlen(socket_path) >= sizeof(sockaddr_un::sun_path)) return report("socket path is too long");
         if (local_rank < 0 || local_size <= 0) return report("local_rank and local_size must be non-negative/positive");
         if (auto why = proto::check_group_name(group); !why.empty()) return report(why);
@@ -269,7 +274,8 @@ ringd_client *ringd_connect(const char *socket_path, const char *group, int loca
         if (::connect(c->sock.get(), reinterpret_cast<sockaddr *>(&addr), sizeof addr) != 0)
             return report(std::string("cannot connect to ringd at ") + socket_path + ": " + errno_string(errno) +
                           " (is ringd running?)");
-        proto::Hello hello{group, static_cast<uint32_t>(local_rank), static_cast<uint32_t>(local_size), slot_bytes};
+        proto::Hello hello{group, static_cast<uint32_t>(local_rank), static_cast<uint32_t>(local_size), slot_bytes,
+                           hosts ? hosts : ""};
         // ringd refuses a connection (allow_uids/allow_gids, too many connections) with an error
         // frame and closes at once, so the hello may meet a closed socket (EPIPE) while the
         // reason waits unread: read the reply before reporting the failed send.
@@ -316,6 +322,34 @@ ringd_client *ringd_connect(const char *socket_path, const char *group, int loca
     } catch (const std::exception &e) {
         return report(std::string("ringd_connect: ") + e.what());
     }
+}
+
+}  // namespace
+
+ringd_client *ringd_connect(const char *socket_path, const char *group, int local_rank, int local_size,
+                            size_t slot_bytes, char *err, size_t err_len) {
+    return connect_client(socket_path, group, local_rank, local_size, slot_bytes, nullptr, err, err_len);
+}
+
+ringd_client *ringd_connect_opts(const ringd_options *opts, char *err, size_t err_len) {
+    auto report = [&](const std::string &m) -> ringd_client * {
+        if (err && err_len) std::snprintf(err, err_len, "%s", m.c_str());
+        return nullptr;
+    };
+    if (!opts) return report("ringd_connect_opts: opts must not be NULL");
+    // Fields past what the caller's struct holds are taken as unset.
+    constexpr size_t kFirstVersion = offsetof(ringd_options, hosts) + sizeof(const char *);
+    if (opts->struct_size < kFirstVersion)
+        return report("ringd_connect_opts: struct_size " + std::to_string(opts->struct_size) +
+                      " is smaller than the first ringd_options (" + std::to_string(kFirstVersion) +
+                      "); set it to sizeof(ringd_options)");
+    const char *socket_path = opts->socket_path;
+    if (!socket_path) {
+        const char *env = std::getenv("RINGD_SOCKET");
+        socket_path = env && *env ? env : "/run/ringd/ringd.sock";
+    }
+    return connect_client(socket_path, opts->group, opts->local_rank, opts->local_size, opts->slot_bytes,
+                          opts->hosts && *opts->hosts ? opts->hosts : nullptr, err, err_len);
 }
 
 void *ringd_slot(ringd_client *c, size_t *bytes) {

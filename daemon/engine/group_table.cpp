@@ -37,7 +37,13 @@ Status GroupTable::check_join(const std::string &name, uint32_t rank, uint32_t s
     return Ok{};
 }
 
-Status GroupTable::join(MemberId id, const std::string &name, uint32_t rank, uint32_t size, uint32_t uid) {
+const std::vector<uint32_t> *GroupTable::hosts_of(const std::string &group) const {
+    auto it = groups_.find(group);
+    return it == groups_.end() ? nullptr : &it->second.hosts;
+}
+
+Status GroupTable::join(MemberId id, const std::string &name, uint32_t rank, uint32_t size, uint32_t uid,
+                        std::vector<uint32_t> hosts) {
     if (members_.count(id)) return make_error(-EALREADY, "this connection already joined a group");
     if (auto ok = check_join(name, rank, size, uid); !ok) return ok;
     auto it = groups_.find(name);
@@ -48,6 +54,7 @@ Status GroupTable::join(MemberId id, const std::string &name, uint32_t rank, uin
         next_local_id_ += 2;  // odd, never 0
         g.local_size = size;
         g.owner_uid = uid;
+        g.hosts = std::move(hosts);
         g.members.resize(size);
         it = groups_.emplace(name, std::move(g)).first;
     }
@@ -273,6 +280,7 @@ std::vector<GroupSummary> GroupTable::summaries() const {
         for (uint32_t r = 0; r < g.local_size; ++r)
             if (g.members[r]) s.joined_ranks.push_back(r);
         s.owner_uid = g.owner_uid;
+        s.hosts = g.hosts;
         s.broken = g.broken;
         s.ops_completed = g.ops_completed;
         s.ops_failed = g.ops_failed;

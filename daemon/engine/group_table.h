@@ -60,6 +60,7 @@ struct GroupSummary {
     uint32_t local_size = 0;
     std::vector<uint32_t> joined_ranks;
     uint32_t owner_uid = 0;  // the uid of its first member
+    std::vector<uint32_t> hosts;  // config indices, ring order; empty: every host
     std::string broken;  // why the group refuses ops, empty when healthy
     uint64_t ops_completed = 0;
     uint64_t ops_failed = 0;
@@ -77,7 +78,12 @@ public:
 
     // A group belongs to the uid of its first member while it has members: another uid's join
     // is refused (EACCES, naming the owner); root (uid 0) may join any group.
-    Status join(MemberId id, const std::string &group, uint32_t local_rank, uint32_t local_size, uint32_t uid);
+    // `hosts`: the group's hosts (config indices in ring order) its first member declared; the
+    // caller checks later members against hosts_of(). Empty: every host.
+    Status join(MemberId id, const std::string &group, uint32_t local_rank, uint32_t local_size, uint32_t uid,
+                std::vector<uint32_t> hosts = {});
+    // The hosts the group's first member declared, or null when there is no such group here.
+    const std::vector<uint32_t> *hosts_of(const std::string &group) const;
     void submit(MemberId id, const proto::Submission &s, Clock::time_point now, std::vector<Completion> &out,
                 std::vector<OpRun> &ready);
     // The member's submission of `seq` was invalid: it gets `why`; the group's other ranks get an
@@ -137,6 +143,7 @@ private:
         uint64_t local_id = 0;
         uint32_t local_size = 0;
         uint32_t owner_uid = 0;
+        std::vector<uint32_t> hosts;
         std::vector<std::optional<MemberId>> members;  // by rank
         std::string broken;
         std::map<uint64_t, Pending> pending;  // by seq

@@ -23,9 +23,9 @@ constexpr size_t kExtraConnections = 64;  // handshaking / ringctl connections b
 
 }  // namespace
 
-ClientGateway::ClientGateway(const Config &config, NetworkTransport &transport, GroupTable &groups, bool cuda_built,
-                             Hooks hooks, std::vector<Completion> &done, std::vector<OpRun> &ready)
-    : config_(config), transport_(transport), groups_(groups), cuda_built_(cuda_built), hooks_(std::move(hooks)),
+ClientGateway::ClientGateway(const Config &config, uint32_t self_index, NetworkTransport &transport, GroupTable &groups,
+                             bool cuda_built, Hooks hooks, std::vector<Completion> &done, std::vector<OpRun> &ready)
+    : config_(config), self_(self_index), transport_(transport), groups_(groups), cuda_built_(cuda_built), hooks_(std::move(hooks)),
       done_(done), ready_(ready), spare_fd_(::open("/dev/null", O_RDONLY | O_CLOEXEC)) {}
 
 Status ClientGateway::listen() {
@@ -187,6 +187,31 @@ void ClientGateway::handle_hello(ClientConn &c, const proto::Hello &h) {
         drop(id, ok.error(), true);
         return;
     }
+    // The group's hosts: this host among them, the same list from every local rank.
+    auto hosts = group_hosts(config_, h.hosts);
+    if (!hosts) {
+        drop(id, make_error(hosts.error().code, "group " + h.group + ": " + hosts.error().message), true);
+        return;
+    }
+    const std::string names = host_names(config_, *hosts);
+    if (std::find(hosts->begin(), hosts->end(), self_) == hosts->end()) {
+        drop(id, make_error(-EINVAL, "group " + h.group + "'s hosts are " + names + ": host " + config_.hosts[self_].name +
+                                         " is not one of them (join on one of those hosts)"), true);
+        return;
+    }
+    if (const auto *declared = groups_.hosts_of(h.group); declared && *declared != *hosts) {
+        drop(id, make_error(-EINVAL, "group " + h.group + "'s trainers on host " + config_.hosts[self_].name +
+                                         " declare different hosts: " + host_names(config_, *declared) +
+                                         " (the first one), this one " + names), true);
+        return;
+    }
+    if (hosts->size() != config_.hosts.size()) {
+        // Not built yet: the ring and its generations span every configured host.
+        drop(id, make_error(-ENOTSUP, "group " + h.group + " over hosts " + names + ": groups over part of the ring (" +
+                                          host_names(config_, *group_hosts(config_, "")) +
+                                          ") are not supported by this ringd yet; list every host or none"), true);
+        return;
+    }
     auto slot = Slot::create("ringd-" + h.group + "-" + std::to_string(h.local_rank), h.slot_bytes, transport_);
     if (!slot) {
         drop(id, slot.error(), true);
@@ -216,7 +241,7 @@ void ClientGateway::handle_hello(ClientConn &c, const proto::Hello &h) {
         drop(id, s.error(), true);
         return;
     }
-    (void)groups_.join(id, h.group, h.local_rank, h.local_size, c.cred().uid);  // checked above, same thread
+    (void)groups_.join(id, h.group, h.local_rank, h.local_size, c.cred().uid, *hosts);  // checked above, same thread
     c.joined(std::move(*slot), std::move(doorbell), std::move(completion), h.group, h.local_rank);
     ++live_slots_;
     spdlog::info("{} joined (local_size {}, slot {} bytes)", c.describe(), h.local_size, h.slot_bytes);

@@ -37,8 +37,8 @@ public:
         std::function<void(const std::string &)> record_error;
     };
 
-    ClientGateway(const Config &config, NetworkTransport &transport, GroupTable &groups, bool cuda_built, Hooks hooks,
-                  std::vector<Completion> &done, std::vector<OpRun> &ready);
+    ClientGateway(const Config &config, uint32_t self_index, NetworkTransport &transport, GroupTable &groups,
+                  bool cuda_built, Hooks hooks, std::vector<Completion> &done, std::vector<OpRun> &ready);
 
     Status listen();
     int listener_fd() const { return listener_.get(); }
@@ -70,6 +70,7 @@ private:
     size_t count_of(uint32_t uid, bool joined_only) const;
 
     const Config &config_;
+    uint32_t self_;  // this host's index in config_.hosts
     NetworkTransport &transport_;
     GroupTable &groups_;
     const bool cuda_built_;

@@ -55,16 +55,21 @@ std::string Daemon::status_json() const {
                  // Peer connections closed because too many were still in their handshake.
                  {"handshakes_refused", control_ ? control_->handshakes_refused() : 0}};
 
-    json host_names = json::array();
-    for (const auto &h : config_.hosts) host_names.push_back(h.name);
+    auto names_of = [&](const std::vector<uint32_t> &hosts) {
+        json v = json::array();
+        if (hosts.empty())
+            for (const auto &h : config_.hosts) v.push_back(h.name);
+        for (uint32_t i : hosts) v.push_back(config_.hosts[i].name);
+        return v;
+    };
     json groups = json::array();
     for (const auto &g : groups_.summaries()) {
         groups.push_back({{"name", g.name},
                           {"local_size", g.local_size},
                           {"joined_ranks", g.joined_ranks},
                           {"owner_uid", g.owner_uid},
-                          // Every host of the ring takes part in a group (config hosts, ring order).
-                          {"hosts", host_names},
+                          // The group's hosts in ring order (the hosts its trainers declared).
+                          {"hosts", names_of(g.hosts)},
                           {"state", g.broken.empty() ? "ok" : "broken"},
                           {"error", g.broken},
                           {"ops_completed", g.ops_completed},

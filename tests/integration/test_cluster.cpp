@@ -10,6 +10,7 @@
 #include <sys/stat.h>
 
 #include <cmath>
+#include <cstddef>
 #include <filesystem>
 #include <fstream>
 #include <thread>
@@ -487,6 +488,69 @@ TEST_CASE("a flood of idle connections on the peer port is capped; the ring and 
     allreduce_checked(cl, DType::F32, ReduceOp::Sum, 1000, 1);       // direct exchange
     allreduce_checked(cl, DType::F32, ReduceOp::Sum, 1 << 18, 2);    // the ring
     CHECK(c.status(0)["ring"]["generation"] == 1);
+}
+
+TEST_CASE("ringd_connect_opts: the group's hosts, checked on join; every host's trainers declaring them all run exact",
+          "[cluster]") {
+    TestCluster c(2);
+    REQUIRE(c.wait_up());
+    auto join = [&](uint32_t host, const char *group, int rank, int size, const char *hosts, std::string &err) {
+        ringd_options o{};
+        o.struct_size = sizeof o;
+        o.socket_path = c.d[host]->socket().c_str();
+        o.group = group;
+        o.local_rank = rank;
+        o.local_size = size;
+        o.slot_bytes = 1 << 20;
+        o.hosts = hosts;
+        char e[512] = "";
+        ringd_client *cl = ringd_connect_opts(&o, e, sizeof e);
+        err = e;
+        return std::unique_ptr<ringd_client, void (*)(ringd_client *)>(cl, ringd_close);
+    };
+    std::string err;
+    CHECK_FALSE(join(0, "g", 0, 1, "node1", err));
+    CHECK_THAT(err, Catch::Contains("group g's hosts are node1: host node0 is not one of them"));
+    CHECK_FALSE(join(0, "g", 0, 1, "node0,nodeX", err));
+    CHECK_THAT(err, Catch::Contains("'nodeX', which is not a host of this ring (node0,node1)"));
+    CHECK_FALSE(join(0, "g", 0, 1, "node0,node0", err));
+    CHECK_THAT(err, Catch::Contains("names 'node0' twice"));
+    CHECK_FALSE(join(0, "g", 0, 1, "node0,,node1", err));
+    CHECK_THAT(err, Catch::Contains("has an empty name"));
+    CHECK_FALSE(join(0, "g", 0, 1, "node0;node1", err));
+    CHECK_THAT(err, Catch::Contains("may contain only host names"));
+    // Part of the ring: refused with what to do, until groups over part of the ring exist.
+    CHECK_FALSE(join(0, "g", 0, 1, "node0", err));
+    CHECK_THAT(err, Catch::Contains("groups over part of the ring (node0,node1) are not supported"));
+    // A struct from a caller that knows less than the first version.
+    ringd_options old{};
+    old.struct_size = offsetof(ringd_options, hosts);
+    char e[256] = "";
+    CHECK(ringd_connect_opts(&old, e, sizeof e) == nullptr);
+    CHECK_THAT(e, Catch::Contains("struct_size") && Catch::Contains("sizeof(ringd_options)"));
+    // Any order, spaces ignored; local ranks that disagree are refused, naming both lists.
+    auto a0 = join(0, "both", 0, 2, "node1, node0", err);
+    REQUIRE(a0);
+    CHECK_FALSE(join(0, "both", 1, 2, "node0", err));
+    CHECK_THAT(err, Catch::Contains("group both's trainers on host node0 declare different hosts: node0,node1 (the first "
+                                    "one), this one node0"));
+    CHECK(c.group(0, "both")["hosts"] == json::array({"node0", "node1"}));
+    a0.reset();
+    // Declared on every trainer, NULL socket_path from RINGD_SOCKET: exact ops on both paths.
+    auto cl = connect_all(c, "declared", 2, 2 << 20, "node0,node1");
+    allreduce_checked(cl, DType::F32, ReduceOp::Avg, 1001, 1);
+    allreduce_checked(cl, DType::I64, ReduceOp::Sum, 100001, 2);
+    ::setenv("RINGD_SOCKET", c.d[1]->socket().c_str(), 1);
+    ringd_options env{};
+    env.struct_size = sizeof env;
+    env.group = "viaenv";
+    env.local_size = 1;
+    env.slot_bytes = 4096;
+    ringd_client *via = ringd_connect_opts(&env, e, sizeof e);
+    ::unsetenv("RINGD_SOCKET");
+    CHECK(via != nullptr);
+    CHECK_FALSE(c.group(1, "viaenv").is_null());
+    ringd_close(via);
 }
 
 TEST_CASE("an address that cannot be bound stops ringd at start with a clear error", "[cluster]") {

@@ -58,6 +58,26 @@ TEST_CASE("hello frame bytes are pinned", "[proto]") {
     CHECK(h->slot_bytes == 4096);
 }
 
+TEST_CASE("a hello may carry the group's hosts after its fixed part", "[proto]") {
+    const Bytes f = encode_hello({"g1", 0, 1, 4096, "node1, node0"});
+    Bytes payload = {0, 0, 0, 0, 1, 0, 0, 0, 0x00, 0x10, 0, 0, 0, 0, 0, 0, 'g', '1'};
+    payload.resize(kHelloBytes, 0);
+    for (char ch : std::string("node1, node0")) payload.push_back(static_cast<uint8_t>(ch));
+    CHECK(f == cat(header_bytes(1, static_cast<uint32_t>(kHelloBytes + 12)), payload));
+    auto h = decode_hello(payload_of(f));
+    REQUIRE(h.ok());
+    CHECK(h->hosts == "node1, node0");
+    CHECK(decode_hello(payload_of(encode_hello({"g1", 0, 1, 4096}))).value().hosts.empty());
+    Bytes bad = payload;
+    bad.back() = ';';
+    CHECK_THAT(decode_hello(bad).error().message, Catch::Contains("may contain only host names"));
+    bad.back() = '\0';
+    CHECK_FALSE(decode_hello(bad).ok());
+    Bytes big = payload;
+    big.resize(kHelloBytes + kMaxHelloHostsBytes + 1, 'a');
+    CHECK_THAT(decode_hello(big).error().message, Catch::Contains("hello has"));
+}
+
 TEST_CASE("welcome frame bytes are pinned", "[proto]") {
     Welcome w{7, 64, 64, 30000, 0x12000, 0x9000, 0x9000};
     const Bytes f = encode_welcome(w);

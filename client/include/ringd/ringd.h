@@ -43,6 +43,18 @@ typedef enum { RINGD_SUM, RINGD_AVG, RINGD_MIN, RINGD_MAX } ringd_op;
 /* Returns NULL on failure with the reason in err (if err_len > 0). */
 RINGD_API ringd_client *ringd_connect(const char *socket_path, const char *group, int local_rank, int local_size,
                             size_t slot_bytes, char *err, size_t err_len);
+/* ringd_connect with options; the struct may grow (struct_size says how much the caller knows). */
+typedef struct ringd_options {
+    size_t struct_size;       /* sizeof(ringd_options), so the struct can grow */
+    const char *socket_path;  /* NULL: $RINGD_SOCKET, else /run/ringd/ringd.sock */
+    const char *group;
+    int local_rank;
+    int local_size;
+    size_t slot_bytes;
+    const char *hosts;        /* comma-separated host names of the group (names as in hosts:), any
+                                 order; NULL or "" = every host of the ring */
+} ringd_options;
+RINGD_API ringd_client *ringd_connect_opts(const ringd_options *opts, char *err, size_t err_len);
 /* The slot's data area; *bytes receives its size (if bytes is not NULL). */
 RINGD_API void *ringd_slot(ringd_client *c, size_t *bytes);
 /* In place, in the slot, at byte `offset`; 0 or -errno. On -ETIMEDOUT (timeout_ms passed, the op

@@ -25,9 +25,19 @@ private:
 
 class Client {
 public:
-    Client(const std::string &socket, const std::string &group, int local_rank, int local_size, size_t slot_bytes) {
+    // hosts: the group's hosts, comma-separated; "" = every host of the ring.
+    Client(const std::string &socket, const std::string &group, int local_rank, int local_size, size_t slot_bytes,
+           const std::string &hosts = "") {
         char err[512] = "";
-        c_ = ringd_connect(socket.c_str(), group.c_str(), local_rank, local_size, slot_bytes, err, sizeof err);
+        ringd_options o{};
+        o.struct_size = sizeof o;
+        o.socket_path = socket.c_str();
+        o.group = group.c_str();
+        o.local_rank = local_rank;
+        o.local_size = local_size;
+        o.slot_bytes = slot_bytes;
+        o.hosts = hosts.c_str();
+        c_ = ringd_connect_opts(&o, err, sizeof err);
         if (!c_) throw ClientError(-ECONNREFUSED, err);
     }
     Client(Client &&o) noexcept : c_(std::exchange(o.c_, nullptr)) {}

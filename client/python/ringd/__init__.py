@@ -84,11 +84,17 @@ def library_path():
     return _lib_path
 
 
+class _Options(ctypes.Structure):
+    """ringd_options (ringd.h)."""
+    _fields_ = [("struct_size", ctypes.c_size_t), ("socket_path", ctypes.c_char_p), ("group", ctypes.c_char_p),
+                ("local_rank", ctypes.c_int), ("local_size", ctypes.c_int), ("slot_bytes", ctypes.c_size_t),
+                ("hosts", ctypes.c_char_p)]
+
+
 def _declare(lib):
     c_client = ctypes.c_void_p
-    lib.ringd_connect.restype = c_client
-    lib.ringd_connect.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_size_t,
-                                  ctypes.c_char_p, ctypes.c_size_t]
+    lib.ringd_connect_opts.restype = c_client
+    lib.ringd_connect_opts.argtypes = [ctypes.POINTER(_Options), ctypes.c_char_p, ctypes.c_size_t]
     lib.ringd_slot.restype = ctypes.c_void_p
     lib.ringd_slot.argtypes = [c_client, ctypes.POINTER(ctypes.c_size_t)]
     lib.ringd_allreduce.restype = ctypes.c_int
@@ -143,15 +149,19 @@ def op_name(op):
 
 class Client:
     """One trainer's connection to ringd: `local_rank` of `local_size` trainers of `group` on this
-    host, with a shared-memory slot of `slot_bytes`. Not for two threads at once, except that
-    fileno() may be polled by one thread while another calls in (see ringd.h)."""
+    host, with a shared-memory slot of `slot_bytes`. `hosts`: the group's hosts (names as in ringd's
+    config, a list or a comma-separated string); None = every host of the ring. Not for two threads
+    at once, except that fileno() may be polled by one thread while another calls in (see ringd.h)."""
 
-    def __init__(self, group, local_rank=0, local_size=1, slot_bytes=1 << 20, socket=None):
+    def __init__(self, group, local_rank=0, local_size=1, slot_bytes=1 << 20, socket=None, hosts=None):
         lib = _load()
         socket = socket or os.environ.get("RINGD_SOCKET") or DEFAULT_SOCKET
+        if hosts is not None and not isinstance(hosts, str):
+            hosts = ",".join(str(h) for h in hosts)
         err = ctypes.create_string_buffer(512)
-        handle = lib.ringd_connect(socket.encode(), str(group).encode(), int(local_rank), int(local_size),
-                                   int(slot_bytes), err, len(err))
+        opts = _Options(ctypes.sizeof(_Options), socket.encode(), str(group).encode(), int(local_rank),
+                        int(local_size), int(slot_bytes), hosts.encode() if hosts else None)
+        handle = lib.ringd_connect_opts(ctypes.byref(opts), err, len(err))
         if not handle:
             raise RingdError(-errno.ECONNREFUSED, err.value.decode(errors="replace"))
         self._lib, self._c = lib, ctypes.c_void_p(handle)
