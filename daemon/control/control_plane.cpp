@@ -21,6 +21,15 @@ constexpr uint32_t kMaxControlPayload = proto::kOpDataHeaderBytes + (32u << 20);
 constexpr uint64_t kListenerId = 0;
 constexpr auto kRedial = std::chrono::milliseconds(500);
 constexpr int kMissedHeartbeats = 3;
+
+// SO_PRIORITY 6 (TC_PRIO_INTERACTIVE, the highest without CAP_NET_ADMIN: prio's first band) and
+// DSCP EF (46) for IPv4 and IPv6 (one of the two does not apply and fails harmlessly).
+void mark_latency_sensitive(int fd) {
+    const int prio = 6, tos = 46 << 2;
+    ::setsockopt(fd, SOL_SOCKET, SO_PRIORITY, &prio, sizeof prio);
+    ::setsockopt(fd, IPPROTO_IP, IP_TOS, &tos, sizeof tos);
+    ::setsockopt(fd, IPPROTO_IPV6, IPV6_TCLASS, &tos, sizeof tos);
+}
 // How long an abort waits for its RingAbort frames (and what is queued before them) to leave,
 // blocking the control thread, before the data links close. Long enough for a few MiB on a slow
 // link; a peer that does not read gets the rest later, in order.
@@ -331,6 +340,10 @@ void ControlPlane::promote(Conn &c) {
         ::setsockopt(c.fd.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
         ::setsockopt(c.fd.get(), SOL_SOCKET, SO_SNDBUF, &buffer, sizeof buffer);
         ::setsockopt(c.fd.get(), SOL_SOCKET, SO_RCVBUF, &buffer, sizeof buffer);
+        // Ahead of the data streams where the host's queues and the network have priorities (a
+        // prio/mq qdisc takes SO_PRIORITY, switches the DSCP): a small op next to a bulk one
+        // does not wait behind its data. Best effort: unprivileged values, failures ignored.
+        mark_latency_sensitive(c.fd.get());
         if (p.control && p.control != id) {
             // The peer came back (restart) while we still had its old connection.
             const uint64_t old = p.control;

@@ -90,7 +90,22 @@ if [ "$mode" = netns ]; then
     grep -Eq "tbf .* rate 500Mbit burst ((12[5-9]|1[3-9][0-9]|[2-9][0-9][0-9])Kb|(12[5-9][0-9]{3}|1[3-9][0-9]{4}|[2-9][0-9]{5}|[0-9]{7,})b)" <<<"$out" ||
         fail "no tbf qdisc"  # tc prints the bucket in Kb or, when not a whole Kb, in bytes
     grep -q '"transport_detail": *"congestion control reno"' <<<"$out" || fail "congestion control not reported"
+    grep -q "pfifo_fast 10: parent 1:1" <<<"$out" || fail "no pfifo_fast under tbf (the NIC's traffic classes)"
     check_verdicts "$out" 2 "rate-limited"
+
+    # Two jobs at once on the same hosts (bench/cluster --job): their groups' ops interleave on the
+    # same ringds and links, one with 2 ranks per host, one with 1; each job's ranks check theirs.
+    rc=0
+    job() {  # GROUP RANKS
+        echo "all:$2:${bench[*]} --socket {socket} --group $1 --local-rank {rank} --local-size {size} -b 8 -e 2M -f 8 -d float -o avg -n 3 -w 1"
+    }
+    out=$("$src/bench/cluster" --hosts 3 --build "$build" --op-timeout 20s --job "$(job a 2)" --job "$(job b 1)" 2>&1) || rc=$?
+    echo "$out"
+    [ $rc = 0 ] || fail "two jobs: bench/cluster exited with $rc"
+    for k in 0 1; do
+        part=$(awk -v k="$k" '/^# bench\/cluster: output of job/ {keep = ($5 == "job" k)} keep' <<<"$out")
+        check_verdicts "$part" $((k == 0 ? 6 : 3)) "job $k of two at once"
+    done
 fi
 if [ "$mode" = netns-ibverbs ]; then
     # The same config with the hardware provider fails fast here (no RDMA device), saying why.
