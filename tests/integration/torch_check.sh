@@ -16,7 +16,7 @@ ls "$build"/client/python/ringd/_torch_work*.so >/dev/null 2>&1 || { echo "ringd
 # Each item runs its scenarios one after the other in every rank (new processes, the same
 # daemons): "die,restart" is a job that loses a rank and is restarted.
 scenarios=("$@")
-[ ${#scenarios[@]} -gt 0 ] || scenarios=(ops async ddp die,restart)
+[ ${#scenarios[@]} -gt 0 ] || scenarios=(ops async ddp groups die,restart)
 op_timeout=5
 failed=0
 for s in "${scenarios[@]}"; do

@@ -18,6 +18,10 @@ Scenarios:
   die      the last rank exits after 3 ops; every other rank gets a RuntimeError naming it
            within ringd's op timeout + 2 s (torch_check.sh then runs "restart" on the same daemons)
   restart  a new job on the same daemons (after "die": the job restarted as torchrun would)
+  groups   new_group over ranks on both hosts (one per host, and 1 + 2 ranks: avg over 3) through
+           ringd, with each group's ringd group and local sizes checked in ringd's status; groups
+           on one host only through Gloo with a warning (ringd has no groups over part of the ring
+           yet); the default group after them
 """
 import datetime
 import faulthandler
@@ -263,8 +267,51 @@ def scenario_restart():
         time.sleep(0.05)
 
 
+def scenario_groups():
+    """new_group: every process group is a ringd group over the hosts of its ranks (2 hosts x 2
+    ranks: ranks 0, 1 on the first host, 2, 3 on the second)."""
+    import warnings
+    init()
+    check(WORLD == 4, f"the groups scenario needs 2 hosts x 2 ranks, not {WORLD} ranks")
+    layouts = {"cross-a": [0, 2], "cross-b": [1, 3], "uneven": [0, 2, 3], "host0": [0, 1], "host1": [2, 3]}
+    groups = {}
+    for name, ranks in layouts.items():  # every rank creates every group, in the same order
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            groups[name] = dist.new_group(ranks)
+        if RANK in ranks:
+            partial = name.startswith("host")
+            said = any("does not run groups over part of the ring" in str(w.message) for w in caught)
+            check(said == partial, f"group {name}: warned {said}, over part of the ring {partial}")
+    for k, (name, ranks) in enumerate(layouts.items()):
+        if RANK not in ranks:
+            continue
+        pg, salt = groups[name], 40 + k  # the same sizes on every rank of the group
+        for op in ("sum", "avg", "max"):
+            n = 5000 + 17 * salt
+            t = data(RANK, n, torch.float32, salt)
+            dist.all_reduce(t, op=OPS[op], group=pg)
+            xs = torch.stack([data(r, n, torch.float64, salt) for r in ranks])
+            want = {"sum": xs.sum(0), "avg": xs.sum(0) / len(ranks), "max": xs.max(0).values}[op]
+            # A mean over 3 ranks is not exact in float32: within one rounding of the true mean.
+            err = ((t.to(torch.float64) - want).abs() / want.abs().clamp(min=1)).max().item()
+            check(err <= 2 ** -23, f"group {name} ({ranks}) {op}: got {t[:4].tolist()}, want {want[:4].tolist()}")
+        mine = [g for g in ringd.status()["groups"] if g["name"] == pg.ringd_group]
+        if name.startswith("host"):
+            check(pg._engine is None and not mine, f"group {name} went through ringd")
+        else:
+            local = sum(1 for r in ranks if r // 2 == RANK // 2)
+            check(len(mine) == 1 and mine[0]["ops_completed"] >= 3 and mine[0]["local_size"] == local,
+                  f"group {name} on ringd: {mine}")
+            check(mine[0]["hosts"] == sorted(pg.ringd_hosts), f"group {name}'s hosts: {mine[0]['hosts']}")
+    # The default group still works next to them.
+    t = torch.full((10,), 1.0)
+    dist.all_reduce(t)
+    check(bool((t == WORLD).all()), "the default group after the others")
+
+
 SCENARIOS = {"ops": scenario_ops, "async": scenario_async, "ddp": scenario_ddp, "die": scenario_die,
-             "restart": scenario_restart}
+             "restart": scenario_restart, "groups": scenario_groups}
 
 if __name__ == "__main__":
     if len(sys.argv) != 2 or sys.argv[1] not in SCENARIOS:

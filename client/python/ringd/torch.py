@@ -23,6 +23,7 @@ import select
 import socket as _socket
 import threading
 import uuid
+import warnings
 import weakref
 
 import torch
@@ -153,8 +154,8 @@ class _Engine:
     which polls ringd_fd and tests the tickets in flight; futures are completed (and their
     callbacks run) on a third thread, so a callback may submit again."""
 
-    def __init__(self, group, local_rank, local_size, slot_bytes, socket, timeout):
-        self.client = _ringd.Client(group, local_rank, local_size, slot_bytes, socket)
+    def __init__(self, group, local_rank, local_size, slot_bytes, socket, timeout, hosts=None):
+        self.client = _ringd.Client(group, local_rank, local_size, slot_bytes, socket, hosts=hosts)
         self.group = group
         self.timeout = timeout
         self.slot = torch.frombuffer(self.client.slot, dtype=torch.uint8)
@@ -461,34 +462,50 @@ class ProcessGroupRingd(ProcessGroup):
 
     def __init__(self, store, rank, size, timeout=datetime.timedelta(minutes=30)):
         super().__init__(rank, size)
-        local_rank = _env_int("LOCAL_RANK", 0)
-        local_size = _env_int("LOCAL_WORLD_SIZE", 1)
         socket = os.environ.get("RINGD_SOCKET") or _ringd.DEFAULT_SOCKET
         slot_bytes = _env_bytes("RINGD_SLOT_BYTES", 256 << 20)
         try:
             st = _ringd.status(socket)
         except _ringd.RingdError as e:
             raise RuntimeError(f"ringd: {e}") from None
-        hosts = int(st.get("ring", {}).get("size", 1))
-        if size != hosts * local_size:
-            raise RuntimeError(f"ringd: WORLD_SIZE {size} is not the ring's {hosts} host(s) x LOCAL_WORLD_SIZE "
-                               f"{local_size} = {hosts * local_size}: every host of the ring runs LOCAL_WORLD_SIZE "
-                               f"ranks of the job")
         limit = st.get("memory", {}).get("slot_bytes_limit")
         if limit and "RINGD_SLOT_BYTES" not in os.environ:
             slot_bytes = min(slot_bytes, int(limit))
+        # The ringd group of this process group spans the hosts of its ranks: each rank says
+        # which ringd host it is on (through the group's own store, so new_group's ranks only),
+        # and its trainers on a host are that group's local ranks there, in LOCAL_RANK order.
+        me = (st.get("host", ""), _env_int("LOCAL_RANK", 0))
+        store.set(f"ringd/member/{rank}", f"{me[0]}:{me[1]}")
+        members = []
+        for r in range(size):
+            host, local = store.get(f"ringd/member/{r}").decode().rsplit(":", 1)
+            members.append((host, int(local), r))
+        on_my_host = sorted(m for m in members if m[0] == me[0])
+        local_rank = [m[2] for m in on_my_host].index(rank)
+        local_size = len(on_my_host)
+        hosts = sorted({m[0] for m in members})
+        ring_hosts = [m.get("name") for m in st.get("ring", {}).get("members", [])]
         # A fresh ringd group per process group: every job, and every restart, starts clean.
         key = "ringd/group"
         if rank == 0:
             store.set(key, f"torch-{uuid.uuid4().hex[:20]}")
         group = store.get(key).decode()
+        self._engine = None
+        self._gloo = _gloo_group(store, rank, size, timeout)
+        self.ringd_group = group
+        self.ringd_hosts = hosts
+        if set(hosts) != set(ring_hosts):
+            # ringd does not run groups over part of its ring yet: Gloo does this group's work
+            # (identical results), and every rank of it says so once.
+            warnings.warn(f"ringd: this process group's ranks are on {','.join(hosts)}, part of the ring "
+                          f"({','.join(ring_hosts)}); ringd does not run groups over part of the ring yet, "
+                          f"so its allreduces go through Gloo", RuntimeWarning, stacklevel=2)
+            return
         try:
-            self._engine = _Engine(group, local_rank, local_size, slot_bytes, socket, timeout)
+            self._engine = _Engine(group, local_rank, local_size, slot_bytes, socket, timeout, hosts=hosts)
         except _ringd.RingdError as e:
             raise RuntimeError(f"ringd: {e}") from None
         weakref.finalize(self, _Engine.close, self._engine)
-        self._gloo = _gloo_group(store, rank, size, timeout)
-        self.ringd_group = group
 
     def getBackendName(self):
         return BACKEND
@@ -514,6 +531,15 @@ class ProcessGroupRingd(ProcessGroup):
             opts = dist.AllreduceOptions()
             opts.reduceOp = op
         name = self._ringd_op(tensors, opts.reduceOp)
+        if self._engine is None:  # a group over part of the ring (see __init__): Gloo
+            if _op_name(opts.reduceOp) != "avg":
+                return self._gloo.allreduce(tensors, opts)
+            o = dist.AllreduceOptions()
+            o.reduceOp = dist.ReduceOp.SUM  # Gloo has no AVG: the sum, divided here
+
+            def divide(f, n=self.size()):
+                return [t.div_(n) for t in f.value()]
+            return _tw.work(self._gloo.allreduce(tensors, o).get_future().then(divide), tensors)
         if name is None:
             if _op_name(opts.reduceOp) == "avg":
                 raise RuntimeError("ringd: AVG needs one float32/float64/float16/bfloat16/int tensor")
@@ -544,9 +570,10 @@ class ProcessGroupRingd(ProcessGroup):
         return o
 
     def hook_allreduce(self, index, buffer):
-        """The comm hook: averages bucket `index` in its own slot range; a Future of the result."""
+        """The comm hook: averages bucket `index` in its own slot range; a Future of the result
+        (None: not through ringd, the hook then averages through Gloo)."""
         name = self._ringd_op([buffer], dist.ReduceOp.AVG)
-        if name is None:
+        if name is None or self._engine is None:
             return None
         fut = self._engine.allreduce_resident(buffer, name)
         if fut is None:
