@@ -1,6 +1,7 @@
 #include "daemon/config.h"
 
 #include <algorithm>
+#include <cctype>
 
 #include <yaml-cpp/yaml.h>
 
@@ -106,6 +107,10 @@ void parse_hosts(const YAML::Node &n, Config &c) {
         h.name = scalar(n[i]["name"], at + ".name");
         h.address = scalar(n[i]["address"], at + ".address");
         if (h.name.empty()) fail(at + ".name", "is empty");
+        // Trainers list a group's hosts by these names (ringd_connect_opts), comma-separated.
+        for (char ch : h.name)
+            if (!std::isalnum(static_cast<unsigned char>(ch)) && ch != '.' && ch != '_' && ch != '-')
+                fail(at + ".name", "'" + h.name + "' may contain only letters, digits, '.', '_' and '-'");
         if (h.address.empty()) fail(at + ".address", "is empty");
         if (n[i]["port"]) h.port = static_cast<uint16_t>(get_uint(n[i]["port"], at + ".port", 1, 65535));
         if (!names.insert(h.name).second) fail(at + ".name", "'" + h.name + "' appears twice");
@@ -225,7 +230,7 @@ Config parse_root(const YAML::Node &root) {
     // Secure by default: daemons of a ring accept each other only with a shared secret.
     if (c.hosts.size() > 1 && c.secret_file.empty() && !c.insecure)
         fail("auth.secret_file", "missing: the daemons of a ring of several hosts authenticate each other with a "
-                                 "shared secret (e.g. openssl rand -hex 32 > /etc/ringd/secret; chmod 0640); "
+                                 "shared secret (e.g. openssl rand -hex 32 > /etc/ringd/secret, mode 0640, group ringd); "
                                  "auth.insecure: true runs without one");
     if (auto n = root["log"]) {
         check_keys(n, "log", {"level"});

@@ -120,7 +120,7 @@ Status Daemon::setup() {
                          doorbell ? EPOLLIN | EPOLLET : EPOLLIN);
     };
     hooks.unwatch = [this](int fd) { epoll_del(epoll_.get(), fd); };
-    hooks.status_json = [this] { return status_json(); };
+    hooks.status_json = [this](uint32_t viewer) { return status_json(viewer); };
     hooks.record_error = [this](const std::string &m) { record_error(m); };
     gateway_ = std::make_unique<ClientGateway>(config_, self_index_, *transport_, groups_, cuda_.built, std::move(hooks),
                                                done_, ready_);

@@ -57,7 +57,9 @@ private:
     static std::string run_left(const OpRun &run);
     void record_error(const std::string &message);
     void shutdown();
-    std::string status_json() const;
+    // The status document as `viewer` (a uid) may see it: other uids' groups are left out for
+    // anyone but root (their names would let a uid join them on a host where they are not yet).
+    std::string status_json(uint32_t viewer = 0) const;
 
     // Rings of several hosts (daemon_ring.cpp).
     Status setup_ring();

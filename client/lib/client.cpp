@@ -332,17 +332,19 @@ ringd_client *ringd_connect(const char *socket_path, const char *group, int loca
 }
 
 ringd_client *ringd_connect_opts(const ringd_options *opts, char *err, size_t err_len) {
-    auto report = [&](const std::string &m) -> ringd_client * {
-        if (err && err_len) std::snprintf(err, err_len, "%s", m.c_str());
+    auto report = [&](const char *m) -> ringd_client * {  // allocates nothing: nothing to throw
+        if (err && err_len) std::snprintf(err, err_len, "%s", m);
         return nullptr;
     };
     if (!opts) return report("ringd_connect_opts: opts must not be NULL");
     // Fields past what the caller's struct holds are taken as unset.
     constexpr size_t kFirstVersion = offsetof(ringd_options, hosts) + sizeof(const char *);
-    if (opts->struct_size < kFirstVersion)
-        return report("ringd_connect_opts: struct_size " + std::to_string(opts->struct_size) +
-                      " is smaller than the first ringd_options (" + std::to_string(kFirstVersion) +
-                      "); set it to sizeof(ringd_options)");
+    if (opts->struct_size < kFirstVersion) {
+        char m[160];
+        std::snprintf(m, sizeof m, "ringd_connect_opts: struct_size %zu is smaller than the first ringd_options (%zu); "
+                                   "set it to sizeof(ringd_options)", opts->struct_size, kFirstVersion);
+        return report(m);
+    }
     const char *socket_path = opts->socket_path;
     if (!socket_path) {
         const char *env = std::getenv("RINGD_SOCKET");

@@ -24,11 +24,12 @@ constexpr int kMissedHeartbeats = 3;
 
 // SO_PRIORITY 6 (TC_PRIO_INTERACTIVE, the highest without CAP_NET_ADMIN: prio's first band) and
 // DSCP EF (46) for IPv4 and IPv6 (one of the two does not apply and fails harmlessly).
+// The TOS first: setting IP_TOS also sets the socket's priority from it (EF -> 4).
 void mark_latency_sensitive(int fd) {
     const int prio = 6, tos = 46 << 2;
-    ::setsockopt(fd, SOL_SOCKET, SO_PRIORITY, &prio, sizeof prio);
     ::setsockopt(fd, IPPROTO_IP, IP_TOS, &tos, sizeof tos);
     ::setsockopt(fd, IPPROTO_IPV6, IPV6_TCLASS, &tos, sizeof tos);
+    ::setsockopt(fd, SOL_SOCKET, SO_PRIORITY, &prio, sizeof prio);
 }
 // How long an abort waits for its RingAbort frames (and what is queued before them) to leave,
 // blocking the control thread, before the data links close. Long enough for a few MiB on a slow
@@ -168,30 +169,39 @@ void ControlPlane::accept_all() {
         // Connections still in their handshake are capped, per address (what the hosts there
         // dial at most: a control connection and tcp.streams data connections each, twice over
         // for reconnects) and in total, so that a flood of idle connections cannot use up the
-        // daemon; the rest are closed at once.
+        // daemon. Over a cap the oldest such connection (from that address, or of all) is closed
+        // for the new one: an honest handshake takes milliseconds, so a flood that holds idle
+        // connections cannot keep a host's ringd out.
         size_t from_ip = 0, total = 0, hosts_there = 0;
-        for (const auto &[cid, conn] : conns_) {
+        uint64_t oldest_from_ip = 0, oldest = 0;
+        for (const auto &[cid, conn] : conns_) {  // ordered by id: oldest first
             if (conn->dialer || conn->state != ConnState::Handshaking) continue;
             ++total;
-            from_ip += conn->remote == ip;
+            if (!oldest) oldest = cid;
+            if (conn->remote == ip && !from_ip++) oldest_from_ip = cid;
         }
         for (uint32_t i = 0; i < n_; ++i) hosts_there += i != self_ && same_ip(peers_[i].host.address, ip);
         const size_t per_host = 2 * (1 + config_.tcp.streams);
-        if (from_ip >= hosts_there * per_host || total >= std::max<size_t>(16, (n_ - 1) * per_host)) {
+        const uint64_t victim = from_ip >= hosts_there * per_host                              ? oldest_from_ip
+                                : total >= std::max<size_t>(16, (n_ - 1) * per_host) ? oldest
+                                                                                       : 0;
+        if (victim) {
             ++handshakes_refused_;
             const auto now = Clock::now();
             if (now - last_refusal_log_ >= std::chrono::seconds(1)) {
                 last_refusal_log_ = now;
-                spdlog::warn("refused a connection from {}: {} connections from there and {} in all are still in their "
-                             "handshake ({} refused so far)", ip, from_ip, total, handshakes_refused_);
+                spdlog::warn("a connection from {}: {} connections from there and {} in all are still in their "
+                             "handshake; closed the oldest of them from {} ({} closed so far)",
+                             ip, from_ip, total, conns_[victim]->remote, handshakes_refused_);
             }
-            continue;
+            close_conn(victim);
         }
         auto c = std::make_unique<Conn>();
         c->id = next_conn_id_++;
         c->state = ConnState::Handshaking;
         c->remote = ip;
-        c->deadline = Clock::now() + std::min<Clock::duration>(config_.timeouts.connect, std::chrono::seconds(10));
+        // An honest peer's hello follows at once: an idle connection is not kept long.
+        c->deadline = Clock::now() + std::min<Clock::duration>(config_.timeouts.connect, std::chrono::seconds(5));
         const PeerIdentity me{config_.cluster, peers_[self_].host.name, announced_generation(), secret_};
         c->hs.emplace(PeerHandshake::listen(std::move(fd), me, [this, ip](const proto::PeerHello &h) -> Status {
             for (uint32_t i = 0; i < n_; ++i) {

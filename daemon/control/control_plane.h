@@ -173,7 +173,7 @@ private:
     std::map<uint64_t, std::unique_ptr<Conn>> conns_;
     uint64_t next_conn_id_ = 1;
     std::vector<uint64_t> data_out_, data_in_;  // conn ids by stream, 0 = none
-    uint64_t handshakes_refused_ = 0;            // connections over the handshake cap
+    uint64_t handshakes_refused_ = 0;            // handshaking connections closed by the cap
     Clock::time_point last_refusal_log_{};
     Clock::time_point next_data_dial_{};
     bool ring_up_ = false;

@@ -102,8 +102,12 @@ void ClientGateway::on_accept() {
         if (const size_t mine = count_of(cred.uid, false); cred.uid != 0 && mine >= config_.limits.connections_per_uid) {
             const std::string why = "uid " + std::to_string(cred.uid) + " has " + std::to_string(mine) +
                                     " connections to ringd, its limit (limits.connections_per_uid)";
-            spdlog::warn("refused pid {}: {}", cred.pid, why);
-            hooks_.record_error("refused pid " + std::to_string(cred.pid) + ": " + why);
+            // Said once a second at most: a uid at its limit must not flood the log.
+            if (const auto now = Clock::now(); now - last_limit_log_ >= std::chrono::seconds(1)) {
+                last_limit_log_ = now;
+                spdlog::warn("refused pid {}: {}", cred.pid, why);
+                hooks_.record_error("refused pid " + std::to_string(cred.pid) + ": " + why);
+            }
             (void)send_all(fd.get(), proto::encode_error({-EBUSY, why}));
             continue;
         }
@@ -149,7 +153,7 @@ void ClientGateway::on_readable(MemberId id) {
                 drop(id, r.error(), true);
                 return;
             }
-            (void)send_all(c.sock(), proto::encode_status_reply(hooks_.status_json()));
+            (void)send_all(c.sock(), proto::encode_status_reply(hooks_.status_json(c.cred().uid)));
             drop(id, Error{0, "status sent"}, false);
             return;
         } else if (frame.type == proto::FrameType::Error) {

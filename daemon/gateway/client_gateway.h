@@ -33,7 +33,7 @@ public:
         // Watch fd for input; `doorbell` tells a client's doorbell from its socket.
         std::function<Status(int fd, MemberId id, bool doorbell)> watch;
         std::function<void(int fd)> unwatch;
-        std::function<std::string()> status_json;  // the document ringctl asks for
+        std::function<std::string(uint32_t viewer_uid)> status_json;  // the document ringctl asks for
         std::function<void(const std::string &)> record_error;
     };
 
@@ -71,6 +71,7 @@ private:
 
     const Config &config_;
     uint32_t self_;  // this host's index in config_.hosts
+    Clock::time_point last_limit_log_{};
     NetworkTransport &transport_;
     GroupTable &groups_;
     const bool cuda_built_;

@@ -8,7 +8,7 @@
 
 namespace ringd {
 
-std::string Daemon::status_json() const {
+std::string Daemon::status_json(uint32_t viewer) const {
     using nlohmann::json;
     const auto now = Clock::now();
     json j;
@@ -52,7 +52,8 @@ std::string Daemon::status_json() const {
                  {"members", members},
                  // Whether the daemons of the ring prove themselves to each other.
                  {"auth", n <= 1 ? "one host" : secret_.enabled() ? "hmac-sha256" : "none (auth.insecure)"},
-                 // Peer connections closed because too many were still in their handshake.
+                 // Peer connections closed because too many were still in their handshake (the
+                 // oldest go first).
                  {"handshakes_refused", control_ ? control_->handshakes_refused() : 0}};
 
     auto names_of = [&](const std::vector<uint32_t> &hosts) {
@@ -63,7 +64,12 @@ std::string Daemon::status_json() const {
         return v;
     };
     json groups = json::array();
+    size_t hidden = 0;
     for (const auto &g : groups_.summaries()) {
+        if (viewer != 0 && g.owner_uid != viewer) {
+            ++hidden;
+            continue;
+        }
         groups.push_back({{"name", g.name},
                           {"local_size", g.local_size},
                           {"joined_ranks", g.joined_ranks},
@@ -79,6 +85,7 @@ std::string Daemon::status_json() const {
                           {"running_ops", g.running_ops}});
     }
     j["groups"] = groups;
+    j["groups_of_other_uids"] = hidden;  // left out above (only root sees every group)
     // Ops of multi-host groups past local matching, by state (daemon/ops/host_ops.h).
     const HostOps::Counts oc = ops_.counts();
     j["op_states"] = {{"queued", oc.queued}, {"reported", oc.reported}, {"running", oc.running}, {"releasing", oc.releasing}};

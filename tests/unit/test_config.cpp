@@ -106,6 +106,8 @@ TEST_CASE("errors name the key", "[config]") {
     CHECK_THAT(error_of("cluster: c\nhosts:\n  - {name: a, address: x, port: 70000}\n"), Catch::StartsWith("hosts[0].port:"));
     CHECK_THAT(error_of("cluster: c\nhosts:\n  - {name: a, address: x}\n  - {name: a, address: y}\n"),
                Catch::StartsWith("hosts[1].name: 'a' appears twice"));
+    CHECK_THAT(error_of("cluster: c\nhosts:\n  - {name: 'a:b', address: x}\n"),
+               Catch::StartsWith("hosts[0].name: 'a:b' may contain only letters"));
     CHECK_THAT(error_of("cluster: c\nhosts:\n  - {name: a, address: x, colour: red}\n"),
                Catch::StartsWith("hosts[0].colour: unknown key"));
     // Several hosts authenticate each other unless the config opts out.

@@ -9,9 +9,11 @@ allreduce of float32/float64/float16/bfloat16/int32/int64 tensors with SUM, AVG,
 through ringd: the tensor is copied into this process's shared-memory slot, reduced there with
 every rank's (the local ranks on the host, then across hosts), and copied back. Everything else
 (broadcast, allgather, barrier, reduce_scatter, other dtypes and ops) goes through a Gloo group
-built from the same store, which gives the same result. Identity comes from the environment
-torchrun sets: LOCAL_RANK and LOCAL_WORLD_SIZE (default 0 and 1), RINGD_SOCKET (default
-/run/ringd/ringd.sock) and RINGD_SLOT_BYTES (default 256 MiB, at most ringd's memory.slot_bytes).
+built from the same store, which gives the same result. Every process group (the default one and
+each new_group) is a ringd group over the hosts of its ranks, its ranks on a host ordered by
+LOCAL_RANK (torchrun sets it; default 0); a group over part of the ring goes through Gloo for now.
+RINGD_SOCKET (default /run/ringd/ringd.sock) and RINGD_SLOT_BYTES (default 256 MiB, at most
+ringd's memory.slot_bytes) configure the client.
 Any ringd error is a RuntimeError with ringd's message; ringd bounds every op by its own
 timeouts.op, not by the process group's timeout.
 """
@@ -502,7 +504,8 @@ class ProcessGroupRingd(ProcessGroup):
                           f"so its allreduces go through Gloo", RuntimeWarning, stacklevel=2)
             return
         try:
-            self._engine = _Engine(group, local_rank, local_size, slot_bytes, socket, timeout, hosts=hosts)
+            # Every host of the ring: no list (what older ringds understand, and the same group).
+            self._engine = _Engine(group, local_rank, local_size, slot_bytes, socket, timeout)
         except _ringd.RingdError as e:
             raise RuntimeError(f"ringd: {e}") from None
         weakref.finalize(self, _Engine.close, self._engine)
@@ -534,12 +537,21 @@ class ProcessGroupRingd(ProcessGroup):
         if self._engine is None:  # a group over part of the ring (see __init__): Gloo
             if _op_name(opts.reduceOp) != "avg":
                 return self._gloo.allreduce(tensors, opts)
+            # Gloo has no AVG: the sum, divided here; f16/bf16 summed in f32 and rounded once,
+            # as ringd does.
             o = dist.AllreduceOptions()
-            o.reduceOp = dist.ReduceOp.SUM  # Gloo has no AVG: the sum, divided here
+            o.reduceOp = dist.ReduceOp.SUM
+            half = (torch.float16, torch.bfloat16)
+            wide = [t.float() if t.dtype in half else t for t in tensors]
 
             def divide(f, n=self.size()):
-                return [t.div_(n) for t in f.value()]
-            return _tw.work(self._gloo.allreduce(tensors, o).get_future().then(divide), tensors)
+                for t, w in zip(tensors, f.value()):
+                    if w is t:
+                        t.div_(n)
+                    else:
+                        t.copy_(w.div_(n))
+                return tensors
+            return _tw.work(self._gloo.allreduce(wide, o).get_future().then(divide), tensors)
         if name is None:
             if _op_name(opts.reduceOp) == "avg":
                 raise RuntimeError("ringd: AVG needs one float32/float64/float16/bfloat16/int tensor")
