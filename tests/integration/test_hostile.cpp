@@ -66,7 +66,7 @@ struct RawClient {
     RawClient(const std::string &path, const std::string &group, uint32_t rank, uint32_t size) {
         sock = raw_connect(path);
         REQUIRE(sock.valid());
-        REQUIRE(send_all(sock.get(), proto::encode_hello({group, rank, size, 1 << 16})).ok());
+        REQUIRE(send_all(sock.get(), proto::encode_hello({group, rank, size, 1 << 16, ""})).ok());
         uint8_t h[proto::kFrameHeaderBytes];
         REQUIRE(recv_exact(sock.get(), h, sizeof h, Clock::now() + kDeadline, fds).ok());
         auto fh = proto::decode_frame_header(std::span(h, sizeof h), proto::kMaxDaemonPayload);
@@ -170,7 +170,7 @@ TEST_CASE("garbage, oversize and truncated frames drop only that client", "[host
     SECTION("half a header, then close; a hello, then close before the welcome") {
         for (int i = 0; i < 20; ++i) {
             UniqueFd s = raw_connect(d.socket());
-            auto f = proto::encode_hello({"early", 0, 1, 4096});
+            auto f = proto::encode_hello({"early", 0, 1, 4096, ""});
             (void)send_all(s.get(), std::span(f).first(i % 2 ? 7 : f.size()));
         }
         UniqueFd idle = raw_connect(d.socket());  // says nothing: dropped after the hello timeout
@@ -180,7 +180,7 @@ TEST_CASE("garbage, oversize and truncated frames drop only that client", "[host
         UniqueFd s = raw_connect(d.socket());
         UniqueFd e1(::eventfd(0, 0)), e2(::eventfd(0, 0));
         const int fds[2] = {e1.get(), e2.get()};
-        (void)send_all(s.get(), proto::encode_hello({"fds", 0, 1, 4096}), fds);
+        (void)send_all(s.get(), proto::encode_hello({"fds", 0, 1, 4096, ""}), fds);
         CHECK(closed_by_peer(s.get(), kDeadline));
     }
     honest.step();

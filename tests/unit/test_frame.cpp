@@ -46,7 +46,7 @@ RdmaLinkInfo sample_link_info() {
 }  // namespace
 
 TEST_CASE("hello frame bytes are pinned", "[proto]") {
-    const Bytes f = encode_hello({"g1", 1, 2, 4096});
+    const Bytes f = encode_hello({"g1", 1, 2, 4096, ""});
     Bytes payload = {1, 0, 0, 0, 2, 0, 0, 0, 0x00, 0x10, 0, 0, 0, 0, 0, 0, 'g', '1'};
     payload.resize(kHelloBytes, 0);
     CHECK(f == cat(header_bytes(1, 80), payload));
@@ -67,7 +67,7 @@ TEST_CASE("a hello may carry the group's hosts after its fixed part", "[proto]")
     auto h = decode_hello(payload_of(f));
     REQUIRE(h.ok());
     CHECK(h->hosts == "node1, node0");
-    CHECK(decode_hello(payload_of(encode_hello({"g1", 0, 1, 4096}))).value().hosts.empty());
+    CHECK(decode_hello(payload_of(encode_hello({"g1", 0, 1, 4096, ""}))).value().hosts.empty());
     Bytes bad = payload;
     bad.back() = ';';
     CHECK_THAT(decode_hello(bad).error().message, Catch::Contains("may contain only host names"));
@@ -142,7 +142,7 @@ TEST_CASE("frame headers are validated", "[proto]") {
 }
 
 TEST_CASE("hello payloads are validated", "[proto]") {
-    Bytes f = encode_hello({"grp", 0, 4, 1 << 20});
+    Bytes f = encode_hello({"grp", 0, 4, 1 << 20, ""});
     Bytes p(f.begin() + kFrameHeaderBytes, f.end());
     REQUIRE(decode_hello(p).ok());
 
@@ -277,7 +277,7 @@ TEST_CASE("decoders survive random mutations of valid frames", "[proto]") {
     // Every decoder is fed mutated copies of valid frames and random lengths; whatever it
     // accepts must re-encode to a frame that decodes to the same thing.
     std::mt19937_64 rng(7);
-    const std::vector<Bytes> seeds = {encode_rdma_link_info(sample_link_info()), encode_hello({"grp", 1, 4, 1 << 20}), encode_welcome({1, 64, 64, 1000, 0x20000, 0x9000, 0x100}),
+    const std::vector<Bytes> seeds = {encode_rdma_link_info(sample_link_info()), encode_hello({"grp", 1, 4, 1 << 20, ""}), encode_welcome({1, 64, 64, 1000, 0x20000, 0x9000, 0x100}),
                                       encode_error({-5, "message"}), encode_status_request({}), encode_status_reply("{}"),
                                       encode_peer_hello({"c", "a", "b", ConnKind::Data, 1, 3, Nonce{}}),
                                       encode_peer_challenge({}), encode_peer_auth(Mac{}), encode_peer_accept(4),
