@@ -57,7 +57,9 @@ void print_human(const json &j) {
                     m["link"].get<std::string>().c_str(), data.empty() ? "-" : data.c_str(),
                     m.value("last_error", "").c_str());
     }
-    std::printf("\ngroups: %zu\n", j["groups"].size());
+    const auto others = j.value("groups_of_other_uids", 0ull);
+    std::printf("\ngroups: %zu%s\n", j["groups"].size(),
+                others ? (" (and " + std::to_string(others) + " of other users, shown to root only)").c_str() : "");
     if (!j["groups"].empty())
         std::printf("  %-16s %-6s %-6s %-14s %-7s %10s %8s %12s  %s\n", "GROUP", "OWNER", "LOCAL", "JOINED", "STATE",
                     "COMPLETED", "FAILED", "REDUCED", "HOSTS");
