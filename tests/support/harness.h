@@ -201,8 +201,19 @@ public:
 
     void start() {
         notify_ = std::make_unique<NotifySocket>();
-        if (uid_ != 0) notify_->open_to_everyone();
-        const std::string bin = env_or("RINGD_BIN", "build/daemon/ringd");
+        std::string bin = env_or("RINGD_BIN", "build/daemon/ringd");
+        if (uid_ != 0) {
+            notify_->open_to_everyone();
+            // The build tree may sit where that user cannot reach it (a home directory, a 0700
+            // temp dir): the daemon runs from a copy in its own directory.
+            const std::string copy = dir_ + "/ringd";
+            std::error_code ec;
+            std::filesystem::copy_file(bin, copy, std::filesystem::copy_options::overwrite_existing, ec);
+            if (!ec) {
+                ::chmod(copy.c_str(), 0755);
+                bin = copy;
+            }
+        }
         pid_ = ::fork();
         if (pid_ == 0) {
             // A test killed by its timeout takes its daemons along (daemons are started from the
