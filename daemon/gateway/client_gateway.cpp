@@ -25,8 +25,8 @@ constexpr size_t kExtraConnections = 64;  // handshaking / ringctl connections b
 
 ClientGateway::ClientGateway(const Config &config, uint32_t self_index, NetworkTransport &transport, GroupTable &groups,
                              bool cuda_built, Hooks hooks, std::vector<Completion> &done, std::vector<OpRun> &ready)
-    : config_(config), self_(self_index), transport_(transport), groups_(groups), cuda_built_(cuda_built), hooks_(std::move(hooks)),
-      done_(done), ready_(ready), spare_fd_(::open("/dev/null", O_RDONLY | O_CLOEXEC)) {}
+    : config_(config), self_(self_index), transport_(transport), groups_(groups), cuda_built_(cuda_built),
+      hooks_(std::move(hooks)), done_(done), ready_(ready), spare_fd_(::open("/dev/null", O_RDONLY | O_CLOEXEC)) {}
 
 Status ClientGateway::listen() {
     const std::string &path = config_.socket;
@@ -211,9 +211,10 @@ void ClientGateway::handle_hello(ClientConn &c, const proto::Hello &h) {
     }
     if (hosts->size() != config_.hosts.size()) {
         // Not built yet: the ring and its generations span every configured host.
+        std::string ring;
+        for (const auto &e : config_.hosts) ring += (ring.empty() ? "" : ",") + e.name;
         drop(id, make_error(-ENOTSUP, "group " + h.group + " over hosts " + names + ": groups over part of the ring (" +
-                                          host_names(config_, *group_hosts(config_, "")) +
-                                          ") are not supported by this ringd yet; list every host or none"), true);
+                                          ring + ") are not supported by this ringd yet; list every host or none"), true);
         return;
     }
     auto slot = Slot::create("ringd-" + h.group + "-" + std::to_string(h.local_rank), h.slot_bytes, transport_);
