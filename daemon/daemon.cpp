@@ -19,7 +19,7 @@
 namespace ringd {
 namespace {
 
-enum Kind : uint32_t { kListener = 1, kSignal, kTimer, kEngine, kClientSock, kClientDoorbell, kControl };
+enum Kind : uint32_t { kListener = 1, kSignal, kTimer, kEngine, kClientSock, kClientDoorbell, kControl, kRingEngine };
 
 constexpr uint64_t tag(Kind k, MemberId id = 0) { return (uint64_t{k} << 32) | id; }
 constexpr auto kTick = std::chrono::milliseconds(100);
@@ -89,23 +89,8 @@ Status Daemon::setup() {
     auto t = make_transport(config_);
     if (!t) return t.error();
     transport_ = std::move(*t);
-    NetworkTransport *net = nullptr;
-    RingOptions ring_options;
-    ring_options.chunk_bytes = config_.tuning.chunk_bytes;
-    ring_options.depth = config_.tuning.depth;
-    ring_options.spin_us = config_.poll == PollMode::Busy ? -1 : config_.poll == PollMode::Event ? 0 : 50;
-    if (multi_host()) {
-        // Receive staging for the ring and its f32 work area (f16/bf16 sums and averages),
-        // registered once for the daemon's lifetime.
-        net = transport_.get();
-        const uint64_t staging_bytes = RingAllreduce::staging_bytes(ring_options);
-        staging_mem_.reset(new (std::nothrow) std::byte[staging_bytes]);
-        if (!staging_mem_) return make_error(-ENOMEM, "cannot set up the ring's staging memory");
-        auto reg = transport_->register_region(staging_mem_.get(), staging_bytes);
-        if (!reg) return reg.error();
-        staging_ = RegisteredRegion(transport_.get(), *reg);
-    }
-    auto e = ProgressEngine::start(net, staging_.handle(), ring_options, config_.timeouts.op);
+    // The local path's progress thread (groups on this host alone); ring domains have their own.
+    auto e = ProgressEngine::start();
     if (!e) return e.error();
     engine_ = std::move(*e);
     if (multi_host()) {
@@ -122,14 +107,19 @@ Status Daemon::setup() {
     hooks.unwatch = [this](int fd) { epoll_del(epoll_.get(), fd); };
     hooks.status_json = [this](uint32_t viewer) { return status_json(viewer); };
     hooks.record_error = [this](const std::string &m) { record_error(m); };
+    hooks.open_domain = [this](const std::vector<uint32_t> &hosts) -> Status {
+        if (hosts.size() <= 1) return Ok{};  // this host alone: the local path
+        auto d = domain_for(hosts);
+        if (!d) return d.error();
+        return Ok{};
+    };
     gateway_ = std::make_unique<ClientGateway>(config_, self_index_, *transport_, groups_, cuda_.built, std::move(hooks),
                                                done_, ready_);
+    shared_.gateway = gateway_.get();
     if (auto s = gateway_->listen(); !s) return s;
     for (auto [fd, k] : {std::pair{gateway_->listener_fd(), kListener}, {signal_fd_.get(), kSignal},
                          {timer_fd_.get(), kTimer}, {engine_->result_fd(), kEngine}})
         if (auto s = epoll_add(epoll_.get(), fd, tag(k)); !s) return s;
-    if (control_)
-        if (auto s = epoll_add(epoll_.get(), control_->fd(), tag(kControl)); !s) return s;
 
     if (::sd_watchdog_enabled(0, &watchdog_usec_) <= 0) watchdog_usec_ = 0;
     return Ok{};
@@ -170,9 +160,10 @@ int Daemon::run() {
             }
             case kTimer: on_timer(); break;
             case kEngine: on_engine_results(); break;
+            case kRingEngine: domains_.at(id)->on_engine_results(); break;
             case kClientSock: gateway_->on_readable(id); break;
             case kClientDoorbell: gateway_->on_doorbell(id); break;
-            case kControl: control_->on_ready(); break;
+            case kControl: domains_.at(id)->on_control_ready(); break;
             }
         }
         settle();
@@ -201,9 +192,8 @@ void Daemon::settle() {
         // This host's own work first (as it came in), then what the peers sent meanwhile.
         bool moved = gateway_->take_held_submissions();
         moved |= complete_and_start();
-        if (multi_host() && coord_known_) moved |= flush_reports_now();
-        moved |= deliver_self_frames();
-        if (control_) moved |= control_->dispatch();
+        // Index, not iterator: a domain's step may make another (a peer dialed in for it).
+        for (size_t i = 0; i < domains_.size(); ++i) moved |= domains_[i]->settle_step();
         if (!moved) return;
     }
 }
@@ -219,11 +209,23 @@ bool Daemon::complete_and_start() {
         spdlog::warn("{}", m);
         record_error(m);
     }
-    const bool moved = gateway_->complete(completions);
-    if (multi_host()) return queue_host_ops() || moved;  // also takes this host's local failures
-    (void)groups_.take_failures();  // one host: nobody else needs to hear of them
+    bool moved = gateway_->complete(completions);
+    // This host's local failures go to the other hosts of their groups (groups on this host
+    // alone: nobody else needs to hear of them).
+    for (const LocalFailure &f : groups_.take_failures()) {
+        moved = true;
+        if (RingDomain *d = domain_of(f.group)) d->take_failure(f);
+    }
     if (ready_.empty()) return moved;
     for (auto &run : std::exchange(ready_, {})) {
+        if (RingDomain *d = domain_of(run.group)) {
+            d->take_ready(std::move(run));
+            continue;
+        }
+        if (multi_host() && !local_group(run.group)) {  // cannot happen: the domain is made at join
+            groups_.finished(run.op_id, -EIO, "group " + run.group + ": no ring domain for its hosts", done_);
+            continue;
+        }
         EngineWork w;
         w.op_id = run.op_id;
         w.dtype = run.dtype;
@@ -250,24 +252,20 @@ bool Daemon::complete_and_start() {
 // The slots of an op's local ranks; false if one of them left after the op was matched (its
 // group fails the op then, GroupTable::leave, whatever status finished() is given).
 
+// The domain's control plane and progress thread, in this loop (as domains_[index]).
+Status Daemon::watch_domain(const RingDomain &d, uint32_t index) {
+    if (auto s = epoll_add(epoll_.get(), d.control_fd(), tag(kControl, index)); !s) return s;
+    return epoll_add(epoll_.get(), d.engine_fd(), tag(kRingEngine, index));
+}
+
 std::string Daemon::run_left(const OpRun &run) {
     return "group " + run.group + " op " + std::to_string(run.seq) + ": a local rank left";
 }
 
 void Daemon::on_engine_results() {
-    std::vector<Completion> &completions = done_;
-    std::string link_failure;
-    for (auto &r : engine_->take_results()) {
-        const bool ring_ending = r.link_failed && control_ && r.generation == local_generation_;
-        if (ring_ending) link_failure = r.message;
-        if (r.op_id == 0) continue;
-        // Several hosts: a ring op that ended with its link stays until the generation's end
-        // fails it with the reason that names the host at fault (HostOps::returned).
-        if (multi_host()) ops_.returned(r.op_id, r.status, r.message, ring_ending && coord_known_);
-        else groups_.finished(r.op_id, r.status, r.message, completions);
-    }
     // The results (and the slot references they carried back) are released here, on this thread.
-    if (!link_failure.empty()) control_->data_link_failed(link_failure);
+    for (auto &r : engine_->take_results())
+        if (r.op_id != 0) groups_.finished(r.op_id, r.status, r.message, done_);
 }
 
 void Daemon::on_timer() {
@@ -276,19 +274,8 @@ void Daemon::on_timer() {
     const auto now = Clock::now();
     gateway_->expire(now);
     groups_.expire(now, done_);
-    if (control_) {
-        control_->tick(now);
-        expire_host_ops(now);
-        const double dt = std::chrono::duration<double>(now - rate_at_).count();
-        if (dt >= 1.0) {
-            const uint64_t out = engine_->bytes_to_next(), in = engine_->bytes_from_prev();
-            rate_next_ = static_cast<double>(out - rate_bytes_next_) / dt;
-            rate_prev_ = static_cast<double>(in - rate_bytes_prev_) / dt;
-            rate_bytes_next_ = out;
-            rate_bytes_prev_ = in;
-            rate_at_ = now;
-        }
-    }
+    for (size_t i = 0; i < domains_.size(); ++i) domains_[i]->tick(now);
+    forget_groups();
     if (watchdog_usec_ && now >= next_watchdog_) {
         ::sd_notify(0, "WATCHDOG=1");
         next_watchdog_ = now + std::chrono::microseconds(watchdog_usec_ / 2);
@@ -307,7 +294,7 @@ void Daemon::shutdown() {
     gateway_->begin_shutdown();
     groups_.fail_everything("ringd is shutting down", done_);
     settle();
-    if (control_) engine_->ring_down(local_generation_);  // a ring op in progress returns at once
+    for (auto &d : domains_) d->shutdown();
     engine_->stop();
     (void)engine_->take_results();
     gateway_->close_all();

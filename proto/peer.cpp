@@ -53,11 +53,15 @@ Bytes encode_peer_hello(const PeerHello &h) {
     le::put<uint32_t>(&p[3 * kNameBytes + 4], h.stream);
     le::put<uint64_t>(&p[3 * kNameBytes + 8], h.generation);
     std::memcpy(&p[3 * kNameBytes + 16], h.nonce.data(), kNonceBytes);
-    return encode_frame(FrameType::PeerHello, p);
+    std::vector<uint8_t> v(p, p + kPeerHelloBytes);
+    v.insert(v.end(), h.domain.begin(), h.domain.begin() + static_cast<std::ptrdiff_t>(std::min(h.domain.size(), kMaxDomainBytes)));
+    return encode_frame(FrameType::PeerHello, v);
 }
 
 Result<PeerHello> decode_peer_hello(std::span<const uint8_t> p) {
-    if (auto s = expect_size(p, kPeerHelloBytes, "peer hello"); !s) return s.error();
+    if (p.size() < kPeerHelloBytes || p.size() > kPeerHelloBytes + kMaxDomainBytes)
+        return bad("peer hello payload is " + std::to_string(p.size()) + " bytes, expected " +
+                   std::to_string(kPeerHelloBytes) + ".." + std::to_string(kPeerHelloBytes + kMaxDomainBytes));
     PeerHello h;
     auto cluster = get_name(&p[0], "cluster");
     if (!cluster) return cluster.error();
@@ -75,6 +79,16 @@ Result<PeerHello> decode_peer_hello(std::span<const uint8_t> p) {
     if (h.kind == ConnKind::Control && h.stream != 0) return bad("control connection with a stream index");
     h.generation = le::get<uint64_t>(&p[3 * kNameBytes + 8]);
     std::memcpy(h.nonce.data(), &p[3 * kNameBytes + 16], kNonceBytes);
+    h.domain.assign(reinterpret_cast<const char *>(p.data()) + kPeerHelloBytes, p.size() - kPeerHelloBytes);
+    // Host names (each checked by whoever maps them to hosts), comma-separated.
+    size_t at = 0;
+    while (at < h.domain.size()) {
+        const size_t end = std::min(h.domain.find(',', at), h.domain.size());
+        if (auto why = check_name("domain host name", std::string_view(h.domain).substr(at, end - at)); !why.empty())
+            return bad(why);
+        at = end + 1;
+        if (end < h.domain.size() && at == h.domain.size()) return bad("domain host list ends with ','");
+    }
     return h;
 }
 

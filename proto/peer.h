@@ -2,7 +2,7 @@
 //
 // Every connection between daemons — control or data stream — starts with this handshake,
 // before any buffer address, key or data is exchanged:
-//   dialer   -> PeerHello     {cluster, from, to, kind, stream, generation, nonce_d}
+//   dialer   -> PeerHello     {cluster, from, to, kind, stream, generation, nonce_d, domain}
 //   listener -> PeerChallenge {nonce_l, mac_l = HMAC(secret, "ringd listener" | hello | nonce_l)}
 //   dialer   -> PeerAuth      {mac_d = HMAC(secret, "ringd dialer" | hello | nonce_l)}
 //   listener -> PeerAccept    {generation}
@@ -38,8 +38,13 @@ struct PeerHello {
     uint32_t stream = 0;  // data stream index (< tcp.streams); 0 for control
     uint64_t generation = 0;
     Nonce nonce{};
+    // The ring domain the connection belongs to (after the fixed part, protocol v4): the names
+    // of its hosts in ring order, comma-separated; empty = every configured host. A group over
+    // part of the ring runs in the domain of its hosts, with connections of its own.
+    std::string domain;
 };
-inline constexpr size_t kPeerHelloBytes = 3 * kNameBytes + 16 + kNonceBytes;
+inline constexpr size_t kPeerHelloBytes = 3 * kNameBytes + 16 + kNonceBytes;  // the fixed part
+inline constexpr size_t kMaxDomainBytes = 3072;
 
 struct PeerChallenge {
     Nonce nonce{};

@@ -74,9 +74,11 @@ const char *kind_name(proto::ConnKind k) { return k == proto::ConnKind::Control 
 }  // namespace
 
 Result<std::unique_ptr<ControlPlane>> ControlPlane::create(const Config &config, size_t self_index,
-                                                           const PeerSecret *secret, Callbacks callbacks) {
+                                                           const PeerSecret *secret, Callbacks callbacks,
+                                                           std::string domain, bool listen) {
     std::unique_ptr<ControlPlane> cp(new ControlPlane());
     cp->config_ = config;
+    cp->domain_ = std::move(domain);
     cp->self_ = static_cast<uint32_t>(self_index);
     cp->n_ = static_cast<uint32_t>(config.hosts.size());
     cp->secret_ = secret ? secret : &cp->no_secret_;
@@ -100,7 +102,8 @@ Result<std::unique_ptr<ControlPlane>> ControlPlane::create(const Config &config,
     cp->data_in_.assign(streams, 0);
     cp->epoll_ = UniqueFd(::epoll_create1(EPOLL_CLOEXEC));
     if (!cp->epoll_) return make_error(-errno, "epoll_create1: " + errno_string(errno));
-    if (auto s = cp->listen(); !s) return s.error();
+    if (listen)
+        if (auto s = cp->listen(); !s) return s.error();
     if (cp->n_ == 1) {
         // A ring of one host is up from the start; nothing crosses a network.
         cp->ring_up_ = true;
@@ -181,7 +184,7 @@ void ControlPlane::accept_all() {
             if (conn->remote == ip && !from_ip++) oldest_from_ip = cid;
         }
         for (uint32_t i = 0; i < n_; ++i) hosts_there += i != self_ && same_ip(peers_[i].host.address, ip);
-        const size_t per_host = 2 * (1 + config_.tcp.streams);
+        const size_t per_host = 2 * (1 + config_.tcp.streams) * domains_;
         const uint64_t victim = from_ip >= hosts_there * per_host                              ? oldest_from_ip
                                 : total >= std::max<size_t>(16, (n_ - 1) * per_host) ? oldest
                                                                                        : 0;
@@ -202,21 +205,18 @@ void ControlPlane::accept_all() {
         c->remote = ip;
         // An honest peer's hello follows at once: an idle connection is not kept long.
         c->deadline = Clock::now() + std::min<Clock::duration>(config_.timeouts.connect, std::chrono::seconds(5));
-        const PeerIdentity me{config_.cluster, peers_[self_].host.name, announced_generation(), secret_};
+        const PeerIdentity me{config_.cluster, peers_[self_].host.name, announced_generation(), secret_, domain_};
         c->hs.emplace(PeerHandshake::listen(std::move(fd), me, [this, ip](const proto::PeerHello &h) -> Status {
+            if (h.domain == domain_) return check_hello(h, ip);
+            // Another ring domain's: a configured host at its address, then the domain's own
+            // checks once its plane has the connection.
             for (uint32_t i = 0; i < n_; ++i) {
-                if (peers_[i].host.name != h.from) continue;
-                if (i == self_) break;
+                if (peers_[i].host.name != h.from || i == self_) continue;
                 if (!same_ip(peers_[i].host.address, ip))
                     return make_error(-EACCES, "host " + h.from + " connected from " + ip + ", its configured address is " +
                                                    peers_[i].host.address);
-                if (h.kind == proto::ConnKind::Control && i > self_)
-                    return make_error(-EPROTO, "host " + h.from + " dialed a control connection it should accept");
-                if (h.kind == proto::ConnKind::Data && (i != prev() || h.stream >= data_in_.size()))
-                    return make_error(-EPROTO, "host " + h.from + " offered data stream " + std::to_string(h.stream) +
-                                                   "; only the previous host sends data, on " +
-                                                   std::to_string(data_in_.size()) + " stream(s)");
-                return Ok{};
+                if (!cb_.foreign_check) return make_error(-EPROTO, "host " + h.from + " dialed for ring domain " + h.domain);
+                return cb_.foreign_check(h);
             }
             return make_error(-EACCES, "host '" + h.from + "' is not in this ring's config");
         }));
@@ -224,6 +224,41 @@ void ControlPlane::accept_all() {
         if (auto s = watch(c->hs->fd(), id, EPOLLIN); !s) continue;
         conns_.emplace(id, std::move(c));
     }
+}
+
+// What a connection of this domain must be: from a host of it, at its configured address, a
+// control connection from a host earlier in ring order, data streams from the previous host.
+Status ControlPlane::check_hello(const proto::PeerHello &h, const std::string &ip) const {
+    for (uint32_t i = 0; i < n_; ++i) {
+        if (peers_[i].host.name != h.from) continue;
+        if (i == self_) break;
+        if (!same_ip(peers_[i].host.address, ip))
+            return make_error(-EACCES, "host " + h.from + " connected from " + ip + ", its configured address is " +
+                                           peers_[i].host.address);
+        if (h.kind == proto::ConnKind::Control && i > self_)
+            return make_error(-EPROTO, "host " + h.from + " dialed a control connection it should accept");
+        if (h.kind == proto::ConnKind::Data && (i != prev() || h.stream >= data_in_.size()))
+            return make_error(-EPROTO, "host " + h.from + " offered data stream " + std::to_string(h.stream) +
+                                           "; only the previous host sends data, on " + std::to_string(data_in_.size()) +
+                                           " stream(s)");
+        return Ok{};
+    }
+    return make_error(-EACCES, "host '" + h.from + "' is not in " + (domain_.empty() ? "this ring's config" : "ring domain " + domain_));
+}
+
+void ControlPlane::adopt(UniqueFd fd, const proto::PeerHello &h, const std::string &ip) {
+    if (auto ok = check_hello(h, ip); !ok) {
+        spdlog::warn("ring domain {}: refused a connection from {}: {}", domain_, ip, ok.error().message);
+        return;
+    }
+    auto c = std::make_unique<Conn>();
+    c->id = next_conn_id_++;
+    c->state = ConnState::Handshaking;
+    c->remote = ip;
+    c->fd = std::move(fd);
+    Conn &ref = *c;
+    conns_.emplace(c->id, std::move(c));
+    promote_up(ref, h, h.generation);
 }
 
 void ControlPlane::dial(uint32_t peer, proto::ConnKind kind, uint32_t stream) {
@@ -264,7 +299,7 @@ void ControlPlane::on_conn(uint64_t id, uint32_t events) {
         ::getsockopt(c.fd.get(), SOL_SOCKET, SO_ERROR, &err, &len);
         if (err != 0) return conn_failed(id, "connect to " + c.remote + ": " + errno_string(err));
         if (!(events & EPOLLOUT)) return;
-        const PeerIdentity me{config_.cluster, peers_[self_].host.name, announced_generation(), secret_};
+        const PeerIdentity me{config_.cluster, peers_[self_].host.name, announced_generation(), secret_, domain_};
         c.hs.emplace(PeerHandshake::dial(std::move(c.fd), me, peers_[c.peer].host.name, c.kind, c.stream));
         c.state = ConnState::Handshaking;
         if (c.kind == proto::ConnKind::Control) set_state(c.peer, "handshaking");
@@ -326,7 +361,26 @@ void ControlPlane::on_conn(uint64_t id, uint32_t events) {
 }
 
 void ControlPlane::promote(Conn &c) {
-    const proto::PeerHello &h = c.hs->hello();
+    const proto::PeerHello h = c.hs->hello();
+    const uint64_t peer_generation = c.dialer ? c.hs->peer_generation() : h.generation;
+    c.fd = c.hs->take_fd();
+    c.hs.reset();
+    if (!c.dialer && h.domain != domain_) {
+        // Another domain's connection: to its plane, through the owner (dispatch()).
+        ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, c.fd.get(), nullptr);
+        Event e;
+        e.kind = Event::Kind::Adopt;
+        e.fd = std::move(c.fd);
+        e.hello = h;
+        e.why = c.remote;
+        conns_.erase(c.id);
+        events_.push_back(std::move(e));
+        return;
+    }
+    promote_up(c, h, peer_generation);
+}
+
+void ControlPlane::promote_up(Conn &c, const proto::PeerHello &h, uint64_t peer_generation) {
     if (!c.dialer) {
         for (uint32_t i = 0; i < n_; ++i)
             if (peers_[i].host.name == h.from) c.peer = i;
@@ -336,9 +390,8 @@ void ControlPlane::promote(Conn &c) {
     // A host that restarted counts its generations from 0 again; the ring it forms next must
     // still be newer than any its peers saw, or they would take its ops for a finished
     // generation's. So each ring's generation passes the highest one a peer announced.
-    peer_generation_max_ = std::max(peer_generation_max_, c.dialer ? c.hs->peer_generation() : h.generation);
-    c.fd = c.hs->take_fd();
-    c.hs.reset();
+    peer_generation_max_ = std::max(peer_generation_max_, peer_generation);
+    if (!c.dialer) (void)watch(c.fd.get(), c.id, EPOLLIN);
     c.state = ConnState::Up;
     const uint64_t id = c.id;
     const uint32_t peer = c.peer;
@@ -569,6 +622,9 @@ bool ControlPlane::dispatch() {
             break;
         case Event::Kind::Message:
             if (cb_.message) cb_.message(e.host, e.frame);
+            break;
+        case Event::Kind::Adopt:
+            if (cb_.adopt) cb_.adopt(std::move(e.fd), e.hello, e.why);
             break;
         }
     }

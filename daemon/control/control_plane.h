@@ -50,6 +50,11 @@ public:
         // idea of the generation, see heartbeat_now).
         // The callee may take the payload.
         std::function<void(uint32_t host_index, Frame &frame)> message;
+        // The listening plane only (the whole ring's): whether a hello for another ring domain
+        // may go on (the domain exists here or may be made: this host is among its hosts), and
+        // the connection once its handshake is up, for that domain's plane (adopt()).
+        std::function<Status(const proto::PeerHello &hello)> foreign_check;
+        std::function<void(UniqueFd fd, const proto::PeerHello &hello, const std::string &ip)> adopt;
     };
 
     struct PeerStatus {
@@ -61,8 +66,18 @@ public:
         double last_heard_s = -1;  // seconds ago, -1: never
     };
 
+    // `config.hosts` are the hosts of this plane's ring domain (every configured host, or those
+    // of a group over part of the ring) and `domain` their names as PeerHello carries them (""
+    // for every host). Only the whole ring's plane listens (`listen`): a connection for another
+    // domain is handed over, authenticated, through Callbacks::adopt.
     static Result<std::unique_ptr<ControlPlane>> create(const Config &config, size_t self_index, const PeerSecret *secret,
-                                                        Callbacks callbacks);
+                                                        Callbacks callbacks, std::string domain = {}, bool listen = true);
+    // A connection for this domain that the listening plane accepted and authenticated; refused
+    // (closed, logged) unless it is one this plane wants.
+    void adopt(UniqueFd fd, const proto::PeerHello &hello, const std::string &ip);
+    const std::string &domain() const { return domain_; }
+    // Ring domains on this host: the cap on handshakes per source address scales with them.
+    void set_domains(size_t n) { domains_ = std::max<size_t>(1, n); }
     ~ControlPlane();
 
     int fd() const { return epoll_.get(); }  // readable when on_ready() has work
@@ -131,6 +146,8 @@ private:
     void dial(uint32_t peer, proto::ConnKind kind, uint32_t stream);
     void on_conn(uint64_t id, uint32_t events);
     void promote(Conn &c);
+    void promote_up(Conn &c, const proto::PeerHello &h, uint64_t peer_generation);
+    Status check_hello(const proto::PeerHello &h, const std::string &ip) const;
     void close_conn(uint64_t id);
     bool flush(Conn &c);  // false: the connection failed
     // Writes the control connections' queues until they are empty or `deadline` passes, waiting
@@ -153,17 +170,21 @@ private:
     uint32_t prev() const { return (self_ + n_ - 1) % n_; }
 
     Config config_;
+    std::string domain_;
+    size_t domains_ = 1;
     uint32_t self_ = 0, n_ = 1;
     const PeerSecret *secret_ = nullptr;
     PeerSecret no_secret_;
     Callbacks cb_;
     struct Event {
-        enum class Kind { RingUp, RingDown, Message } kind = Kind::Message;
+        enum class Kind { RingUp, RingDown, Message, Adopt } kind = Kind::Message;
         uint64_t generation = 0;
         std::vector<UniqueFd> to_next, from_prev;
         std::string why;
         uint32_t host = 0;
         Frame frame;
+        UniqueFd fd;  // Adopt
+        proto::PeerHello hello;
     };
     std::deque<Event> events_;
     bool dispatching_ = false;

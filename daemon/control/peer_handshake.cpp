@@ -13,7 +13,7 @@ constexpr std::string_view kListenerRole = "ringd listener";
 PeerHandshake PeerHandshake::dial(UniqueFd fd, const PeerIdentity &me, const std::string &peer, proto::ConnKind kind,
                                   uint32_t stream) {
     PeerHandshake h(std::move(fd), me);
-    h.hello_ = proto::PeerHello{me.cluster, me.self, peer, kind, stream, me.generation, random_nonce()};
+    h.hello_ = proto::PeerHello{me.cluster, me.self, peer, kind, stream, me.generation, random_nonce(), me.domain};
     const proto::Bytes frame = proto::encode_peer_hello(h.hello_);
     h.hello_payload_.assign(frame.begin() + proto::kFrameHeaderBytes, frame.end());
     h.state_ = State::WaitChallenge;

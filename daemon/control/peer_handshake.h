@@ -23,6 +23,7 @@ struct PeerIdentity {
     std::string self;  // this host's name
     uint64_t generation = 0;
     const PeerSecret *secret = nullptr;
+    std::string domain;  // the ring domain a dialer connects for (proto::PeerHello::domain)
 };
 
 class PeerHandshake {

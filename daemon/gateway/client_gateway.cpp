@@ -209,14 +209,11 @@ void ClientGateway::handle_hello(ClientConn &c, const proto::Hello &h) {
                                          " (the first one), this one " + names), true);
         return;
     }
-    if (hosts->size() != config_.hosts.size()) {
-        // Not built yet: the ring and its generations span every configured host.
-        std::string ring;
-        for (const auto &e : config_.hosts) ring += (ring.empty() ? "" : ",") + e.name;
-        drop(id, make_error(-ENOTSUP, "group " + h.group + " over hosts " + names + ": groups over part of the ring (" +
-                                          ring + ") are not supported by this ringd yet; list every host or none"), true);
-        return;
-    }
+    if (hooks_.open_domain)
+        if (auto ok = hooks_.open_domain(*hosts); !ok) {
+            drop(id, make_error(ok.error().code, "group " + h.group + " over hosts " + names + ": " + ok.error().message), true);
+            return;
+        }
     auto slot = Slot::create("ringd-" + h.group + "-" + std::to_string(h.local_rank), h.slot_bytes, transport_);
     if (!slot) {
         drop(id, slot.error(), true);

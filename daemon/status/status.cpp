@@ -23,38 +23,22 @@ std::string Daemon::status_json(uint32_t viewer) const {
     j["poll"] = poll_mode_name(config_.poll);
     j["socket"] = config_.socket;
 
-    json members = json::array();
     const uint32_t n = static_cast<uint32_t>(config_.hosts.size());
-    const uint32_t next = (self_index_ + 1) % n, prev = (self_index_ + n - 1) % n;
-    if (control_) {
-        const auto peers = control_->status();
-        for (uint32_t i = 0; i < n; ++i) {
-            const auto &p = peers[i];
-            json m = {{"name", p.name}, {"address", p.address}, {"port", p.port}, {"self", p.self},
-                      {"link", p.self ? "self" : p.control}, {"last_error", p.last_error},
-                      {"last_heard_s", p.last_heard_s}, {"next", i == next}, {"prev", i == prev}};
-            if (i == next) m["data_out"] = {{"bytes", engine_->bytes_to_next()}, {"rate_Bps", rate_next_}};
-            if (i == prev) m["data_in"] = {{"bytes", engine_->bytes_from_prev()}, {"rate_Bps", rate_prev_}};
-            members.push_back(std::move(m));
-        }
+    if (!domains_.empty()) {
+        j["ring"] = domains_.front()->status();
     } else {
+        json members = json::array();
         for (const auto &h : config_.hosts)
             members.push_back({{"name", h.name}, {"address", h.address}, {"port", h.port}, {"self", true},
                                {"link", "self"}, {"last_error", ""}, {"last_heard_s", -1}, {"next", true}, {"prev", true}});
+        j["ring"] = {{"generation", 1}, {"state", "up"}, {"last_abort", ""}, {"ops_ring", 0}, {"ops_one_shot", 0},
+                     {"ops_two_shot", 0}, {"size", n}, {"members", members}, {"auth", "one host"}, {"handshakes_refused", 0}};
     }
-    j["ring"] = {{"generation", control_ ? control_->generation() : 1},
-                 {"state", !control_ || control_->ring_up() ? "up" : "forming"},
-                 {"last_abort", last_abort_},
-                 {"ops_ring", ops_ring_},
-                 {"ops_one_shot", ops_one_shot_},
-                 {"ops_two_shot", ops_two_shot_},
-                 {"size", n},
-                 {"members", members},
-                 // Whether the daemons of the ring prove themselves to each other.
-                 {"auth", n <= 1 ? "one host" : secret_.enabled() ? "hmac-sha256" : "none (auth.insecure)"},
-                 // Peer connections closed because too many were still in their handshake (the
-                 // oldest go first).
-                 {"handshakes_refused", control_ ? control_->handshakes_refused() : 0}};
+    // The other ring domains: the host sets of groups over part of the ring, each a ring of its
+    // own (same fields as "ring", plus "hosts").
+    json domains = json::array();
+    for (size_t i = 1; i < domains_.size(); ++i) domains.push_back(domains_[i]->status());
+    j["domains"] = domains;
 
     auto names_of = [&](const std::vector<uint32_t> &hosts) {
         json v = json::array();
@@ -87,7 +71,14 @@ std::string Daemon::status_json(uint32_t viewer) const {
     j["groups"] = groups;
     j["groups_of_other_uids"] = hidden;  // left out above (only root sees every group)
     // Ops of multi-host groups past local matching, by state (daemon/ops/host_ops.h).
-    const HostOps::Counts oc = ops_.counts();
+    HostOps::Counts oc;
+    for (const auto &d : domains_) {
+        const HostOps::Counts c = d->op_counts();
+        oc.queued += c.queued;
+        oc.reported += c.reported;
+        oc.running += c.running;
+        oc.releasing += c.releasing;
+    }
     j["op_states"] = {{"queued", oc.queued}, {"reported", oc.reported}, {"running", oc.running}, {"releasing", oc.releasing}};
     const size_t joined = gateway_->joined(), connected = gateway_->connected();
     // The connection asking for this document is one of them; it is not counted.

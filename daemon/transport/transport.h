@@ -133,6 +133,10 @@ public:
     virtual int fd() const = 0;
     // What the transport runs on, for logs and status ("" when there is nothing to add).
     virtual std::string detail() const { return {}; }
+    // A transport for another progress thread (another ring domain's): links and poll() of its
+    // own, on the same device, taking this one's RegionHandles (a region registered once serves
+    // every domain). This transport must outlive it.
+    virtual Result<std::unique_ptr<NetworkTransport>> sibling() = 0;
 };
 
 // A registration that undoes itself. Move-only.

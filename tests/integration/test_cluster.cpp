@@ -525,8 +525,6 @@ TEST_CASE("ringd_connect_opts: the group's hosts, checked on join; every host's 
         {"node0,node0", "names 'node0' twice"},
         {"node0,,node1", "has an empty name"},
         {"node0;node1", "may contain only host names"},
-        // Part of the ring: refused with what to do, until groups over part of the ring exist.
-        {"node0", "groups over part of the ring (node0,node1) are not supported"},
     };
     for (const auto &[hosts, why] : refused) {
         INFO("hosts " << hosts);

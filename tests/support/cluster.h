@@ -124,38 +124,70 @@ inline Clients connect_all(TestCluster &c, const std::string &group, uint32_t lo
     return v;
 }
 
+// A group on some hosts: `ranks[k]` local ranks on host `on[k]` (local sizes may differ), each
+// trainer declaring `hosts` as the group's hosts. Index = the hosts in the order given, then
+// local rank.
+inline Clients connect_on(TestCluster &c, const std::string &group, const std::vector<uint32_t> &on,
+                          const std::vector<uint32_t> &ranks, const std::string &hosts, size_t slot_bytes = 4 << 20) {
+    Clients v;
+    for (size_t k = 0; k < on.size(); ++k)
+        for (uint32_t r = 0; r < ranks[k]; ++r)
+            v.push_back(std::make_unique<Client>(c.d[on[k]]->socket(), group, static_cast<int>(r), static_cast<int>(ranks[k]),
+                                                 slot_bytes, hosts));
+    return v;
+}
+
 // Rank g's range of an op: a different offset on every rank, guard bytes before and after.
 inline bench::GuardedRange rank_range(const Client &cl, size_t g, DType t, size_t count, uint64_t seed) {
     const size_t offset = bench::kGuardBytes + ((seed + g * 7) % 64) * 8;
     return bench::GuardedRange{offset, count, cl.slot().size(), t, seed * 1000003 + g};
 }
 
-// One allreduce on every client (submitted on all, then waited on all); checks every value of
-// every rank and the guard bytes around each rank's range, here, not through ringd.
-inline void allreduce_checked(Clients &cl, DType t, ReduceOp op, size_t count, uint64_t seed) {
+// An allreduce submitted on every client of a group, to be checked by wait_checked (several
+// groups' ops can be in flight at once this way, from one thread).
+struct CheckedOp {
+    DType t = DType::F32;
+    ReduceOp op = ReduceOp::Sum;
+    size_t count = 0;
+    std::vector<bench::GuardedRange> range;
+    std::vector<uint64_t> tickets;
+};
+
+inline CheckedOp submit_checked(Clients &cl, DType t, ReduceOp op, size_t count, uint64_t seed) {
     const size_t n = cl.size();
-    std::vector<bench::GuardedRange> range(n);
+    CheckedOp o{t, op, count, std::vector<bench::GuardedRange>(n), std::vector<uint64_t>(n)};
     for (size_t g = 0; g < n; ++g) {
-        range[g] = rank_range(*cl[g], g, t, count, seed);
-        REQUIRE(range[g].offset + range[g].bytes() + bench::kGuardBytes <= cl[g]->slot().size());
-        range[g].prepare(cl[g]->slot().data(), g);
+        o.range[g] = rank_range(*cl[g], g, t, count, seed);
+        REQUIRE(o.range[g].offset + o.range[g].bytes() + bench::kGuardBytes <= cl[g]->slot().size());
+        o.range[g].prepare(cl[g]->slot().data(), g);
     }
-    std::vector<uint64_t> tickets(n);
     for (size_t g = 0; g < n; ++g)
-        tickets[g] = cl[g]->submit(range[g].offset, count, static_cast<ringd_dtype>(t), static_cast<ringd_op>(op));
+        o.tickets[g] = cl[g]->submit(o.range[g].offset, count, static_cast<ringd_dtype>(t), static_cast<ringd_op>(op));
+    return o;
+}
+
+// Waits for the op on every client; checks every value of every rank and the guard bytes around
+// each rank's range, here, not through ringd.
+inline void wait_checked(Clients &cl, const CheckedOp &o) {
+    const size_t n = cl.size();
     for (size_t g = 0; g < n; ++g) {
-        const int rc = ringd_wait(cl[g]->get(), tickets[g], 20000);
-        INFO("rank " << g << " of " << n << " " << dtype_name(t) << " " << reduce_op_name(op) << " count " << count
+        const int rc = ringd_wait(cl[g]->get(), o.tickets[g], 20000);
+        INFO("rank " << g << " of " << n << " " << dtype_name(o.t) << " " << reduce_op_name(o.op) << " count " << o.count
                      << ": " << (rc == 0 ? "" : ringd_last_error(cl[g]->get())));
         REQUIRE(rc == 0);
     }
     for (size_t g = 0; g < n; ++g) {
-        INFO("rank " << g << " of " << n << " " << dtype_name(t) << " " << reduce_op_name(op) << " count " << count
-                     << " offset " << range[g].offset);
-        const auto v = range[g].check(cl[g]->slot().data(), op, n);
+        INFO("rank " << g << " of " << n << " " << dtype_name(o.t) << " " << reduce_op_name(o.op) << " count " << o.count
+                     << " offset " << o.range[g].offset);
+        const auto v = o.range[g].check(cl[g]->slot().data(), o.op, n);
         CHECK(v.wrong == 0);
         CHECK(v.guard == 0);
     }
+}
+
+// One allreduce on every client (submitted on all, then waited on all), checked.
+inline void allreduce_checked(Clients &cl, DType t, ReduceOp op, size_t count, uint64_t seed) {
+    wait_checked(cl, submit_checked(cl, t, op, count, seed));
 }
 
 // A large op's progress seen from one rank's slot: the input at sample positions, and how many

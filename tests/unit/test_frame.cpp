@@ -14,9 +14,9 @@ using namespace ringd::proto;
 
 namespace {
 
-// Frames between daemons (type 16 and above) carry the peer protocol's version, 2.
+// Frames between daemons (type 16 and above) carry the peer protocol's version, 4.
 Bytes header_bytes(uint16_t type, uint32_t len) {
-    return {0x52, 0x4E, 0x47, 0x44, static_cast<uint8_t>(type >= 16 ? 0x03 : 0x01), 0x00, static_cast<uint8_t>(type), 0x00, static_cast<uint8_t>(len),
+    return {0x52, 0x4E, 0x47, 0x44, static_cast<uint8_t>(type >= 16 ? 0x04 : 0x01), 0x00, static_cast<uint8_t>(type), 0x00, static_cast<uint8_t>(len),
             static_cast<uint8_t>(len >> 8), static_cast<uint8_t>(len >> 16), static_cast<uint8_t>(len >> 24), 0, 0, 0, 0};
 }
 
@@ -279,7 +279,7 @@ TEST_CASE("decoders survive random mutations of valid frames", "[proto]") {
     std::mt19937_64 rng(7);
     const std::vector<Bytes> seeds = {encode_rdma_link_info(sample_link_info()), encode_hello({"grp", 1, 4, 1 << 20, ""}), encode_welcome({1, 64, 64, 1000, 0x20000, 0x9000, 0x100}),
                                       encode_error({-5, "message"}), encode_status_request({}), encode_status_reply("{}"),
-                                      encode_peer_hello({"c", "a", "b", ConnKind::Data, 1, 3, Nonce{}}),
+                                      encode_peer_hello({"c", "a", "b", ConnKind::Data, 1, 3, Nonce{}, "a,b"}),
                                       encode_peer_challenge({}), encode_peer_auth(Mac{}), encode_peer_accept(4),
                                       encode_heartbeat({1, 2}),
                                       encode_op_report({1, "g", 2, 100, 0, 1, 2, 0, "", 0, 5}),
@@ -375,7 +375,7 @@ TEST_CASE("decoders survive random mutations of valid frames", "[proto]") {
 TEST_CASE("peer frame bytes are pinned", "[proto]") {
     Nonce n;
     for (size_t i = 0; i < n.size(); ++i) n[i] = static_cast<uint8_t>(i);
-    const Bytes f = encode_peer_hello({"demo", "node0", "node1", ConnKind::Data, 2, 0x0102, n});
+    const Bytes f = encode_peer_hello({"demo", "node0", "node1", ConnKind::Data, 2, 0x0102, n, {}});
     Bytes p(kPeerHelloBytes, 0);
     std::memcpy(&p[0], "demo", 4);
     std::memcpy(&p[64], "node0", 5);
@@ -406,7 +406,7 @@ TEST_CASE("peer frame bytes are pinned", "[proto]") {
 }
 
 TEST_CASE("peer hellos are validated", "[proto]") {
-    const Bytes f = encode_peer_hello({"demo", "node0", "node1", ConnKind::Control, 0, 1, Nonce{}});
+    const Bytes f = encode_peer_hello({"demo", "node0", "node1", ConnKind::Control, 0, 1, Nonce{}, {}});
     Bytes p(f.begin() + kFrameHeaderBytes, f.end());
     REQUIRE(decode_peer_hello(p).ok());
     Bytes q = p;
@@ -426,6 +426,22 @@ TEST_CASE("peer hellos are validated", "[proto]") {
     CHECK_THAT(decode_peer_hello(q).error().message, Catch::Contains("after the cluster's NUL"));
     q.pop_back();
     CHECK_FALSE(decode_peer_hello(q).ok());
+
+    // v4: the ring domain follows the fixed part.
+    const Bytes d = encode_peer_hello({"demo", "node0", "node1", ConnKind::Control, 0, 1, Nonce{}, "node0,node1"});
+    REQUIRE(d.size() == kFrameHeaderBytes + kPeerHelloBytes + 11);
+    auto h = decode_peer_hello(payload_of(d));
+    REQUIRE(h.ok());
+    CHECK(h->domain == "node0,node1");
+    for (const char *bad : {"node0,", ",node0", "node0,,node1", "node0,no de1", "node0;node1"}) {
+        Bytes b(d.begin() + kFrameHeaderBytes, d.begin() + kFrameHeaderBytes + kPeerHelloBytes);
+        b.insert(b.end(), bad, bad + std::strlen(bad));
+        CAPTURE(bad);
+        CHECK_FALSE(decode_peer_hello(b).ok());
+    }
+    Bytes big(d.begin() + kFrameHeaderBytes, d.begin() + kFrameHeaderBytes + kPeerHelloBytes);
+    big.resize(kPeerHelloBytes + kMaxDomainBytes + 1, 'a');
+    CHECK_THAT(decode_peer_hello(big).error().message, Catch::Contains("bytes, expected"));
 }
 
 TEST_CASE("op negotiation frames round-trip and are validated", "[proto]") {

@@ -51,7 +51,7 @@ TEST_CASE("handshake succeeds with a shared secret and without one", "[handshake
     const PeerSecret none;
     for (const PeerSecret *secret : {&with, &none}) {
         auto [c, s] = test::tcp_pair(true);
-        PeerIdentity a{"demo", "node0", 3, secret}, b{"demo", "node1", 5, secret};
+        PeerIdentity a{"demo", "node0", 3, secret, "node0,node1"}, b{"demo", "node1", 5, secret, {}};
         auto d = PeerHandshake::dial(std::move(c), a, "node1", proto::ConnKind::Data, 1);
         auto l = PeerHandshake::listen(std::move(s), b, accept_node0);
         drive(d, l);
@@ -61,6 +61,7 @@ TEST_CASE("handshake succeeds with a shared secret and without one", "[handshake
         CHECK(l.hello().kind == proto::ConnKind::Data);
         CHECK(l.hello().stream == 1);
         CHECK(l.hello().generation == 3);
+        CHECK(l.hello().domain == "node0,node1");  // covered by both MACs with the rest of the hello
         CHECK(d.peer_generation() == 5);
     }
 }
@@ -87,7 +88,7 @@ TEST_CASE("handshake refusals say why, on both ends", "[handshake]") {
     for (const Case &k : cases) {
         INFO(k.name);
         auto [c, s] = test::tcp_pair(true);
-        PeerIdentity a{k.dcluster, k.dself, 1, k.ds}, b{"demo", "node1", 1, k.ls};
+        PeerIdentity a{k.dcluster, k.dself, 1, k.ds, {}}, b{"demo", "node1", 1, k.ls, {}};
         auto d = PeerHandshake::dial(std::move(c), a, k.target, proto::ConnKind::Control, 0);
         auto l = PeerHandshake::listen(std::move(s), b, [](const proto::PeerHello &h) {
             return h.from == "intruder" ? Status(make_error(-EACCES, "host 'intruder' is not configured")) : Status(Ok{});
@@ -102,7 +103,7 @@ TEST_CASE("handshake refusals say why, on both ends", "[handshake]") {
 
 TEST_CASE("a listener refuses wrong versions, garbage and oversize frames", "[handshake]") {
     const PeerSecret none;
-    PeerIdentity me{"demo", "node1", 1, &none};
+    PeerIdentity me{"demo", "node1", 1, &none, {}};
     auto attempt = [&](const proto::Bytes &bytes) {
         auto [c, s] = test::tcp_pair(true);
         auto l = PeerHandshake::listen(std::move(s), me, accept_node0);
@@ -113,7 +114,7 @@ TEST_CASE("a listener refuses wrong versions, garbage and oversize frames", "[ha
         CHECK(l.state() == State::Failed);
         return l.error().message;
     };
-    auto hello = proto::encode_peer_hello({"demo", "node0", "node1", proto::ConnKind::Control, 0, 1, {}});
+    auto hello = proto::encode_peer_hello({"demo", "node0", "node1", proto::ConnKind::Control, 0, 1, {}, {}});
     hello[4] = 1;  // an older ringd's peer protocol
     CHECK_THAT(attempt(hello), Catch::Contains("peer protocol version 1 is not supported"));
     CHECK_THAT(attempt(proto::Bytes(64, 0x5A)), Catch::Contains("magic"));

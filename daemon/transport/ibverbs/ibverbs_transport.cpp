@@ -76,27 +76,44 @@ Result<std::unique_ptr<IbverbsTransport>> IbverbsTransport::create(const verbs::
     ibv_pd *pd = api.alloc_pd(t->ctx_.get());
     if (!pd) return verbs_error(errno, "ibv_alloc_pd on " + dev_name);
     t->pd_ = verbs::ProtectionDomain(&api, pd);
-    ibv_comp_channel *ch = api.create_comp_channel(t->ctx_.get());
-    if (!ch) return verbs_error(errno, "ibv_create_comp_channel on " + dev_name);
-    t->channel_ = verbs::CompletionChannel(&api, ch);
-    ::fcntl(ch->fd, F_SETFL, ::fcntl(ch->fd, F_GETFL) | O_NONBLOCK);
-    // As many entries as the device allows, up to kCqEntries (every link's QPs share it).
-    ibv_cq *cq = nullptr;
-    for (int entries = kCqEntries; !cq && entries >= 4096; entries /= 4)
-        cq = api.create_cq(t->ctx_.get(), entries, t.get(), ch, 0);
-    if (!cq) return verbs_error(errno, "ibv_create_cq on " + dev_name);
-    t->cq_ = verbs::CompletionQueue(&api, cq);
-    t->epoll_ = UniqueFd(::epoll_create1(EPOLL_CLOEXEC));
-    if (!t->epoll_) return verbs_error(errno, "epoll_create1");
-    epoll_event ev{};
-    ev.events = EPOLLIN;
-    ev.data.ptr = nullptr;  // the completion channel
-    if (::epoll_ctl(t->epoll_.get(), EPOLL_CTL_ADD, ch->fd, &ev) != 0) return verbs_error(errno, "epoll_ctl");
+    if (auto s = t->create_cq(dev_name); !s) return s.error();
     t->description_ = dev_name + " port " + std::to_string(options.port) + ", GID " +
                       std::to_string(t->port_.gid_index) + " " + t->port_.gid_text + ", MTU " +
                       std::to_string(mtu_bytes(t->mtu_)) + ", " + std::to_string(options.qps_per_link) +
                       " QP(s) per link (" + api.provider + " provider)";
     return t;
+}
+
+// The completion channel, the CQ (every link's QPs share it) and the epoll set poll() waits on.
+Status IbverbsTransport::create_cq(const std::string &dev_name) {
+    ibv_comp_channel *ch = api_->create_comp_channel(ctx());
+    if (!ch) return verbs_error(errno, "ibv_create_comp_channel on " + dev_name);
+    channel_ = verbs::CompletionChannel(api_, ch);
+    ::fcntl(ch->fd, F_SETFL, ::fcntl(ch->fd, F_GETFL) | O_NONBLOCK);
+    // As many entries as the device allows, up to kCqEntries.
+    ibv_cq *cq = nullptr;
+    for (int entries = kCqEntries; !cq && entries >= 4096; entries /= 4) cq = api_->create_cq(ctx(), entries, this, ch, 0);
+    if (!cq) return verbs_error(errno, "ibv_create_cq on " + dev_name);
+    cq_ = verbs::CompletionQueue(api_, cq);
+    epoll_ = UniqueFd(::epoll_create1(EPOLL_CLOEXEC));
+    if (!epoll_) return verbs_error(errno, "epoll_create1");
+    epoll_event ev{};
+    ev.events = EPOLLIN;
+    ev.data.ptr = nullptr;  // the completion channel
+    if (::epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, ch->fd, &ev) != 0) return verbs_error(errno, "epoll_ctl");
+    return Ok{};
+}
+
+Result<std::unique_ptr<NetworkTransport>> IbverbsTransport::sibling() {
+    std::unique_ptr<IbverbsTransport> t(new IbverbsTransport());
+    t->api_ = api_;
+    t->opt_ = opt_;
+    t->parent_ = parent_ ? parent_ : this;
+    t->port_ = port_;
+    t->mtu_ = mtu_;
+    t->description_ = description_;
+    if (auto s = t->create_cq(description_); !s) return s.error();
+    return std::unique_ptr<NetworkTransport>(std::move(t));
 }
 
 IbverbsTransport::~IbverbsTransport() {
@@ -107,7 +124,7 @@ IbverbsTransport::~IbverbsTransport() {
 
 Result<RegionHandle> IbverbsTransport::do_register(std::byte *base, size_t bytes) {
     if (!base || bytes == 0) return make_error(-EINVAL, "cannot register an empty region");
-    ibv_mr *mr = api_->reg_mr(pd_.get(), base, bytes, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+    ibv_mr *mr = api_->reg_mr(pd(), base, bytes, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
     if (!mr) {
         const int err = errno;
         if (err == ENOMEM || err == EPERM) return make_error(-err, memlock_hint(bytes));
@@ -273,11 +290,11 @@ Status IbverbsLink::create_qps() {
     cts_out_.reset(new (std::nothrow) proto::ClearToSend[entries_]());
     if (!fifo_ || !cts_out_) return make_error(-ENOMEM, "cannot allocate the link's FIFO");
     const size_t fifo_bytes = sizeof(proto::ClearToSend) * entries_;
-    ibv_mr *mr = api.reg_mr(t_.pd_.get(), fifo_.get(), fifo_bytes, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+    ibv_mr *mr = api.reg_mr(t_.pd(), fifo_.get(), fifo_bytes, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
     if (!mr) return errno == ENOMEM || errno == EPERM ? make_error(-errno, memlock_hint(fifo_bytes))
                                                       : verbs_error(errno, "ibv_reg_mr (FIFO)");
     fifo_mr_ = verbs::MemoryRegion(&api, mr);
-    mr = api.reg_mr(t_.pd_.get(), cts_out_.get(), fifo_bytes, IBV_ACCESS_LOCAL_WRITE);
+    mr = api.reg_mr(t_.pd(), cts_out_.get(), fifo_bytes, IBV_ACCESS_LOCAL_WRITE);
     if (!mr) return verbs_error(errno, "ibv_reg_mr (FIFO source)");
     cts_out_mr_ = verbs::MemoryRegion(&api, mr);
     std::mt19937 rng(std::random_device{}());
@@ -292,10 +309,10 @@ Status IbverbsLink::create_qps() {
         a.cap.max_send_sge = 1;
         a.cap.max_recv_sge = 1;
         a.cap.max_inline_data = 64;
-        ibv_qp *qp = api.create_qp(t_.pd_.get(), &a);
+        ibv_qp *qp = api.create_qp(t_.pd(), &a);
         if (!qp) {  // some devices have no inline data at all
             a.cap.max_inline_data = 0;
-            qp = api.create_qp(t_.pd_.get(), &a);
+            qp = api.create_qp(t_.pd(), &a);
         }
         if (!qp) return verbs_error(errno, "ibv_create_qp (RC, " + std::to_string(a.cap.max_send_wr) + " send WRs)");
         qps_.emplace_back(&api, qp);

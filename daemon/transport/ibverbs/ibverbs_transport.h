@@ -141,6 +141,9 @@ public:
     void remove_link(Link *link) override;
     Status poll(std::vector<LinkEvent> &out, int timeout_ms) override;
     int fd() const override { return epoll_.get(); }
+    // Shares this transport's device context and protection domain (so its memory regions'
+    // keys hold), with a completion channel, CQ and links of its own.
+    Result<std::unique_ptr<NetworkTransport>> sibling() override;
 
 protected:
     Result<RegionHandle> do_register(std::byte *base, size_t bytes) override;
@@ -150,11 +153,15 @@ private:
     friend class IbverbsLink;
     IbverbsTransport() = default;
     void drain_cq(std::vector<LinkEvent> &out);
+    Status create_cq(const std::string &dev_name);
+    ibv_context *ctx() const { return parent_ ? parent_->ctx_.get() : ctx_.get(); }
+    ibv_pd *pd() const { return parent_ ? parent_->pd_.get() : pd_.get(); }
     void complete(LinkEvent e) { ready_.push_back(std::move(e)); }
 
     // Declared in creation order.
     const verbs::VerbsApi *api_ = nullptr;
     IbverbsOptions opt_;
+    IbverbsTransport *parent_ = nullptr;  // a sibling's: the owner of the context and PD
     verbs::DeviceContext ctx_;
     verbs::PortInfo port_;
     ibv_mtu mtu_ = IBV_MTU_1024;

@@ -81,6 +81,10 @@ public:
     // Whether this process may give a TCP socket the congestion control `name` (it exists in the
     // kernel, and is allowed or the process has CAP_NET_ADMIN); the error says which and how to fix it.
     static Status check_congestion(const std::string &name);
+    // TCP posts read only the RegionHandle's address: any TcpTransport takes any other's handles.
+    Result<std::unique_ptr<NetworkTransport>> sibling() override {
+        return std::unique_ptr<NetworkTransport>(std::make_unique<TcpTransport>(congestion_));
+    }
 
     // Takes over connected sockets to `peer` as one link (>= 1 stream). They are made
     // non-blocking, TCP_NODELAY and get socket buffers sized for bandwidth x delay.

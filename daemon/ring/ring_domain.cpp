@@ -1,20 +1,4 @@
-// The Daemon's part in rings of several hosts (control thread): the control plane's callbacks,
-// the op reports to the coordinator and its decisions, and what a generation's end fails.
-//
-// An op of a group goes: ready on this host (all local ranks submitted it) -> once the hosts
-// agreed on the group's incarnation in this generation (GroupJoin / GroupIncarnation, see
-// proto/peer.h), reported to the coordinator as (group, incarnation, seq) -> OpStart (run it in
-// the ring, in the coordinator's order) or OpFail (every rank gets the coordinator's message).
-// Ops that fail on this host before they are ready are reported too, and so is the end of a
-// local incarnation (its ranks left), so that the other hosts' ranks fail at once. When a
-// generation ends, every op that is ready here fails with the reason and the incarnations are
-// agreed again in the next one (a job that goes on keeps its incarnation; one that restarted
-// everywhere gets a new one; one that restarted on some hosts only is refused).
-//
-// Small ops (daemon/engine/tuner.h) go by direct exchange instead: the report travels to every
-// host with this host's contribution (OpData), and each host completes the op itself once every
-// host's contribution is in, reducing them in ring order (so every host gets the same bits). The
-// coordinator sees the same reports and fails the op with OpFail when something is wrong.
+// RingDomain (ring_domain.h): the op's way across the hosts of a domain.
 #include <systemd/sd-daemon.h>
 
 #include <spdlog/spdlog.h>
@@ -22,7 +6,11 @@
 #include <algorithm>
 #include <cstring>
 
-#include "daemon/daemon.h"
+#include "daemon/ring/ring_domain.h"
+
+#include <nlohmann/json.hpp>
+
+#include "daemon/gateway/client_gateway.h"
 #include "daemon/engine/reduce.h"
 #include "daemon/engine/tuner.h"
 #include "daemon/ipc/slot.h"
@@ -36,38 +24,75 @@ constexpr size_t kMaxFailedAhead = 4096;
 
 }  // namespace
 
-Status Daemon::setup_ring() {
-    if (!config_.secret_file.empty()) {
-        auto s = PeerSecret::load(config_.secret_file);
-        if (!s) return s.error();
-        secret_ = std::move(*s);
-    } else {
-        spdlog::warn("auth.insecure: daemons of this ring do not authenticate each other; anyone who reaches "
-                     "a ring port can join the ring and read or change gradients (set auth.secret_file)");
+Result<std::unique_ptr<RingDomain>> RingDomain::create(Shared &shared, std::vector<uint32_t> members) {
+    std::unique_ptr<RingDomain> d(new RingDomain(shared));
+    d->members_ = std::move(members);
+    d->config_ = *shared.config;
+    d->config_.hosts.clear();
+    const bool whole = d->members_.size() == shared.config->hosts.size();
+    for (uint32_t m : d->members_) {
+        const HostEntry &h = shared.config->hosts.at(m);
+        if (h.name == shared.host) d->self_index_ = static_cast<uint32_t>(d->config_.hosts.size());
+        d->config_.hosts.push_back(h);
+        if (!whole) d->key_ += (d->key_.empty() ? "" : ",") + h.name;
     }
+    if (auto s = d->setup(); !s) return s.error();
+    return d;
+}
+
+RingDomain::~RingDomain() {
+    if (engine_) engine_->stop();
+}
+
+Status RingDomain::setup() {
+    if (whole_ring()) {
+        transport_ = sh_.transport;
+    } else {
+        auto t = sh_.transport->sibling();
+        if (!t) return t.error();
+        own_transport_ = std::move(*t);
+        transport_ = own_transport_.get();
+    }
+    RingOptions ring_options;
+    ring_options.chunk_bytes = config_.tuning.chunk_bytes;
+    ring_options.depth = config_.tuning.depth;
+    ring_options.spin_us = config_.poll == PollMode::Busy ? -1 : config_.poll == PollMode::Event ? 0 : 50;
+    // Receive staging for the ring and its f32 work area (f16/bf16 sums and averages),
+    // registered once for the domain's lifetime.
+    const uint64_t staging_bytes = RingAllreduce::staging_bytes(ring_options);
+    staging_mem_.reset(new (std::nothrow) std::byte[staging_bytes]);
+    if (!staging_mem_) return make_error(-ENOMEM, "cannot set up the ring's staging memory");
+    auto reg = transport_->register_region(staging_mem_.get(), staging_bytes);
+    if (!reg) return reg.error();
+    staging_ = RegisteredRegion(transport_, *reg);
+    auto e = ProgressEngine::start(transport_, staging_.handle(), ring_options, config_.timeouts.op);
+    if (!e) return e.error();
+    engine_ = std::move(*e);
+
     ControlPlane::Callbacks cb;
     cb.ring_up = [this](uint64_t g, std::vector<UniqueFd> to_next, std::vector<UniqueFd> from_prev) {
         on_ring_up(g, std::move(to_next), std::move(from_prev));
     };
     cb.ring_down = [this](const std::string &why) { on_ring_down(why); };
     cb.message = [this](uint32_t host, Frame &f) { on_peer_message(host, f); };
-    auto cp = ControlPlane::create(config_, self_index_, &secret_, std::move(cb));
+    if (whole_ring()) {
+        cb.foreign_check = sh_.foreign_check;
+        cb.adopt = sh_.adopt;
+    }
+    auto cp = ControlPlane::create(config_, self_index_, sh_.secret, std::move(cb), key_, whole_ring());
     if (!cp) return cp.error();
     control_ = std::move(*cp);
-    if (self_index_ == kCoordinator) {
-        std::vector<std::string> names;
-        for (const auto &h : config_.hosts) names.push_back(h.name);
-        coordinator_.emplace(std::move(names), config_.timeouts.op);
-    }
     std::vector<std::string> names;
     for (const auto &h : config_.hosts) names.push_back(h.name);
+    if (self_index_ == kCoordinator) coordinator_.emplace(names, config_.timeouts.op);
     exchange_ = std::make_unique<DirectExchange>(
         self_index_, std::move(names), [this](uint32_t h, const proto::Bytes &f) { (void)control_->send(h, f); },
         [this](uint32_t h) { return control_->queued_bytes(h); });
+    if (!whole_ring()) spdlog::info("ring domain {}: made (this host is {} of {})", key_, self_index_, members_.size());
     return Ok{};
 }
 
-void Daemon::on_ring_up(uint64_t generation, std::vector<UniqueFd> to_next, std::vector<UniqueFd> from_prev) {
+void RingDomain::on_ring_up(uint64_t generation, std::vector<UniqueFd> to_next, std::vector<UniqueFd> from_prev) {
     local_generation_ = generation;
     const uint32_t n = static_cast<uint32_t>(config_.hosts.size());
     RingLinks l;
@@ -84,17 +109,22 @@ void Daemon::on_ring_up(uint64_t generation, std::vector<UniqueFd> to_next, std:
     coord_known_ = true;
     if (coordinator_) coordinator_->reset(generation);
     control_->heartbeat_now(generation);
+    if (!whole_ring()) {
+        spdlog::info("ring domain {}: generation {} is up ({} hosts)", key_, generation, n);
+        return;
+    }
     spdlog::info("ring generation {} is up ({} hosts)", generation, n);
     // For `systemctl status ringd` (and tests, which wait for it on their NOTIFY_SOCKET).
     ::sd_notifyf(0, "STATUS=ring generation %llu up (%u hosts)", static_cast<unsigned long long>(generation), n);
 }
 
-void Daemon::on_ring_down(const std::string &why) {
+void RingDomain::on_ring_down(const std::string &why) {
     engine_->ring_down(local_generation_);
-    ring_down_reason_ = "ring generation " + std::to_string(local_generation_) + " aborted: " + why;
+    ring_down_reason_ = (whole_ring() ? "" : "ring domain " + key_ + ": ") + "ring generation " +
+                        std::to_string(local_generation_) + " aborted: " + why;
     record_error(ring_down_reason_);
     last_abort_ = ring_down_reason_;
-    ::sd_notifyf(0, "STATUS=%s", ring_down_reason_.c_str());
+    if (whole_ring()) ::sd_notifyf(0, "STATUS=%s", ring_down_reason_.c_str());
     coord_known_ = false;
     coord_generation_used_ = coord_generation_;
     self_inbox_.clear();  // frames of the generation that ended
@@ -109,48 +139,50 @@ void Daemon::on_ring_down(const std::string &why) {
 }
 
 // This host's local failures and the ops every local rank submitted, queued for reporting in
-// local order. Returns whether there were any.
-bool Daemon::queue_host_ops() {
-    std::vector<LocalFailure> failures = groups_.take_failures();
-    if (failures.empty() && ready_.empty()) return false;
-    const auto deadline = Clock::now() + config_.timeouts.op;
-    for (auto &f : failures) {
-        if (f.seq == proto::kIncarnationEnds) {
-            // Its ranks left while the hosts were agreeing on it: withdrawn at once, so that the
-            // coordinator does not agree on it with the others' next run.
-            auto run = runs_.find(f.group);
-            if (run != runs_.end() && run->second.local_id == f.local_id && run->second.join_sent &&
-                !run->second.agreed && coord_known_) {
-                run->second.join_sent = false;
-                send_to_coordinator(
-                    proto::encode_group_join({coord_generation_, f.group, f.local_id, proto::kIncarnationEnds}));
-            }
+// local order.
+void RingDomain::take_failure(const LocalFailure &f) {
+    if (f.seq == proto::kIncarnationEnds) {
+        // Its ranks left while the hosts were agreeing on it: withdrawn at once, so that the
+        // coordinator does not agree on it with the others' next run.
+        auto run = runs_.find(f.group);
+        if (run != runs_.end() && run->second.local_id == f.local_id && run->second.join_sent && !run->second.agreed &&
+            coord_known_) {
+            run->second.join_sent = false;
+            send_to_coordinator(proto::encode_group_join({coord_generation_, f.group, f.local_id, proto::kIncarnationEnds}));
         }
-        HostOp op;
-        op.run.group = f.group;
-        op.run.local_id = f.local_id;
-        op.run.seq = f.seq;
-        op.status = f.code;
-        op.message = "host " + host_ + ": " + f.message;
-        op.deadline = deadline;
-        ops_.queue(std::move(op));
     }
-    for (auto &run : std::exchange(ready_, {})) {
-        HostOp op;
-        if (!gateway_->slots_of(run, op.slots)) {
-            groups_.finished(run.op_id, -ECONNRESET, run_left(run), done_);
-            continue;
-        }
-        op.deadline = run.deadline;  // from the first local submission, whatever comes next
-        op.run = std::move(run);
-        ops_.queue(std::move(op));
+    HostOp op;
+    op.run.group = f.group;
+    op.run.local_id = f.local_id;
+    op.run.seq = f.seq;
+    op.status = f.code;
+    op.message = "host " + sh_.host + ": " + f.message;
+    op.deadline = Clock::now() + config_.timeouts.op;
+    ops_.queue(std::move(op));
+}
+
+void RingDomain::take_ready(OpRun run) {
+    HostOp op;
+    if (!sh_.gateway->slots_of(run, op.slots)) {
+        sh_.groups->finished(run.op_id, -ECONNRESET, run_left(run), *sh_.done);
+        return;
     }
-    return true;
+    op.deadline = run.deadline;  // from the first local submission, whatever comes next
+    op.run = std::move(run);
+    ops_.queue(std::move(op));
+}
+
+std::string RingDomain::run_left(const OpRun &run) const {
+    return "group " + run.group + " op " + std::to_string(run.seq) + ": a local rank left";
+}
+
+bool RingDomain::has_group_state(const std::string &group) const {
+    return runs_.count(group) != 0 || ops_.has_queued(group);
 }
 
 // To the coordinator; on the coordinating host itself, through the inbox that settle() empties
 // (deliver_self_frames), like a frame from a peer.
-void Daemon::send_to_coordinator(const proto::Bytes &frame) {
+void RingDomain::send_to_coordinator(const proto::Bytes &frame) {
     if (self_index_ != kCoordinator) {
         (void)control_->send(kCoordinator, frame);
         return;
@@ -161,7 +193,7 @@ void Daemon::send_to_coordinator(const proto::Bytes &frame) {
     self_inbox_.push_back({std::move(f), std::nullopt});
 }
 
-bool Daemon::deliver_self_frames() {
+bool RingDomain::deliver_self_frames() {
     if (self_inbox_.empty()) return false;
     for (auto &m : std::exchange(self_inbox_, {})) {
         if (m.direct_report) on_report(self_index_, *m.direct_report);
@@ -172,9 +204,10 @@ bool Daemon::deliver_self_frames() {
 
 // Every group there is here asks the coordinator to agree on its incarnation as soon as it
 // exists (and again in each ring generation), before its first op. Returns whether it sent any.
-bool Daemon::join_groups() {
+bool RingDomain::join_groups() {
     bool sent = false;
-    groups_.for_each_local_id([&](const std::string &group, uint64_t local_id) {
+    sh_.groups->for_each_local_id([&](const std::string &group, uint64_t local_id) {
+        if (sh_.domain_of(group) != this) return;  // another domain's group
         const HostOp *next = ops_.next_queued(group);
         if (next && next->run.local_id != local_id) return;  // an earlier incarnation's reports first
         GroupRun &run = runs_[group];
@@ -189,7 +222,7 @@ bool Daemon::join_groups() {
 
 // Reports what is ready or failed here, in local order per group, once the group's incarnation
 // is agreed; asks for the agreement first. Returns whether anything moved.
-bool Daemon::flush_reports_now() {
+bool RingDomain::flush_reports_now() {
     bool moved = join_groups();
     if (!ops_.any_queued()) {  // the usual case between ops: nothing to report
         forget_gone_runs();
@@ -200,7 +233,7 @@ bool Daemon::flush_reports_now() {
             GroupRun &run = runs_[group];
             if (run.local_id != next->run.local_id) run = GroupRun{next->run.local_id, 0, 0, false, 0, 0, {}};  // a new local incarnation
             // A newer local incarnation is there: this one's ranks all left.
-            const uint64_t now_local = groups_.local_id(group);
+            const uint64_t now_local = sh_.groups->local_id(group);
             const bool superseded = now_local != 0 && now_local != run.local_id;
             if (run.refused_code != 0 ||
                 (!run.agreed && (superseded || (!run.join_sent && next->run.seq == proto::kIncarnationEnds)))) {
@@ -210,10 +243,10 @@ bool Daemon::flush_reports_now() {
                 HostOp op = ops_.take_queued(group);
                 moved = true;
                 if (op.status != 0) continue;
-                groups_.finished(op.run.op_id, run.refused_code != 0 ? run.refused_code : -ECONNABORTED,
+                sh_.groups->finished(op.run.op_id, run.refused_code != 0 ? run.refused_code : -ECONNABORTED,
                                  "group " + group + " op " + std::to_string(op.run.seq) + ": " +
                                      (run.refused_code != 0 ? run.refused : "its local ranks left"),
-                                 done_);
+                                 *sh_.done);
                 continue;
             }
             if (!run.agreed) {
@@ -229,7 +262,7 @@ bool Daemon::flush_reports_now() {
             if (op.run.seq != proto::kIncarnationEnds) run.last_seq = std::max(run.last_seq, op.run.seq);
             if (auto ahead = failed_ahead_.find(OpKey{group, run.agreed, op.run.seq}); ahead != failed_ahead_.end()) {
                 // The coordinator failed it already: no report is needed.
-                if (op.status == 0) groups_.finished(op.run.op_id, ahead->second.first, ahead->second.second, done_);
+                if (op.status == 0) sh_.groups->finished(op.run.op_id, ahead->second.first, ahead->second.second, *sh_.done);
                 failed_ahead_.erase(ahead);
                 continue;
             }
@@ -252,7 +285,7 @@ bool Daemon::flush_reports_now() {
             if (op.status == 0 && algorithm != Algorithm::Ring) {
                 if (std::string why = exchange_->send_over_bound(r, op.run.dtype, op.run.op, algorithm); !why.empty()) {
                     // Reported as this host's failure: it fails on every host, named.
-                    groups_.finished(op.run.op_id, -ENOBUFS, why, done_);
+                    sh_.groups->finished(op.run.op_id, -ENOBUFS, why, *sh_.done);
                     r.status = -ENOBUFS;
                     r.message = why;
                     send_to_coordinator(proto::encode_op_report(r));
@@ -270,14 +303,14 @@ bool Daemon::flush_reports_now() {
 }
 
 // A group gone here with nothing left to report is forgotten.
-void Daemon::forget_gone_runs() {
+void RingDomain::forget_gone_runs() {
     for (auto run = runs_.begin(); run != runs_.end();) {
-        if (!ops_.has_queued(run->first) && groups_.local_id(run->first) != run->second.local_id) run = runs_.erase(run);
+        if (!ops_.has_queued(run->first) && sh_.groups->local_id(run->first) != run->second.local_id) run = runs_.erase(run);
         else ++run;
     }
 }
 
-void Daemon::on_group_incarnation(const proto::GroupIncarnation &g) {
+void RingDomain::on_group_incarnation(const proto::GroupIncarnation &g) {
     if (!coord_known_ || g.generation != coord_generation_) return;
     auto it = runs_.find(g.group);
     if (it == runs_.end() || it->second.local_id != g.local_id) return;  // an incarnation that ended here
@@ -294,7 +327,7 @@ void Daemon::on_group_incarnation(const proto::GroupIncarnation &g) {
 
 // One-/two-shot (DirectExchange): this host's data goes to the others with its report; the
 // coordinator gets the report (on its own host, through the inbox).
-void Daemon::report_direct(HostOp op, proto::OpReport r, Algorithm algorithm) {
+void RingDomain::report_direct(HostOp op, proto::OpReport r, Algorithm algorithm) {
     r.algorithm = static_cast<uint32_t>(algorithm);
     op.algorithm = algorithm;
     const OpKey key{r.group, r.incarnation, r.seq};
@@ -306,7 +339,7 @@ void Daemon::report_direct(HostOp op, proto::OpReport r, Algorithm algorithm) {
 // This host cannot keep a peer's data of an op it has not reached: the op fails on every host
 // with `why`, through the coordinator, which takes the report as one for an op ahead (it says
 // nothing of how far this host got).
-void Daemon::fail_ahead(const proto::OpReport &data, int32_t code, const std::string &why) {
+void RingDomain::fail_ahead(const proto::OpReport &data, int32_t code, const std::string &why) {
     spdlog::warn("{}", why);
     record_error(why);
     proto::OpReport r;
@@ -320,7 +353,7 @@ void Daemon::fail_ahead(const proto::OpReport &data, int32_t code, const std::st
     send_to_coordinator(proto::encode_op_report(r));
 }
 
-void Daemon::on_op_data(uint32_t host, Frame &frame) {
+void RingDomain::on_op_data(uint32_t host, Frame &frame) {
     auto d = proto::decode_op_data(frame.payload);
     if (!d) {
         spdlog::warn("host {}: bad op data: {}", config_.hosts[host].name, d.error().message);
@@ -355,16 +388,16 @@ void Daemon::on_op_data(uint32_t host, Frame &frame) {
 }
 
 // Completes a one- or two-shot op here once this host reported it and every part it needs is in.
-void Daemon::try_progress_direct(const OpKey &key) {
+void RingDomain::try_progress_direct(const OpKey &key) {
     const HostOp *op = ops_.find_reported(key);
     if (!op || op->algorithm == Algorithm::Ring || !exchange_->progress(coord_generation_, key, *op)) return;
     ++(op->algorithm == Algorithm::OneShot ? ops_one_shot_ : ops_two_shot_);
-    groups_.finished(op->run.op_id, 0, {}, done_);
+    sh_.groups->finished(op->run.op_id, 0, {}, *sh_.done);
     (void)ops_.take_reported(key);
     exchange_->drop(coord_generation_, key);
 }
 
-void Daemon::on_peer_message(uint32_t host, Frame &frame) {
+void RingDomain::on_peer_message(uint32_t host, Frame &frame) {
     switch (frame.type) {
     case proto::FrameType::Heartbeat: return;
     case proto::FrameType::OpReport: {
@@ -407,13 +440,13 @@ void Daemon::on_peer_message(uint32_t host, Frame &frame) {
     spdlog::warn("host {}: unexpected control frame type {}", config_.hosts[host].name, static_cast<int>(frame.type));
 }
 
-void Daemon::on_report(uint32_t host, const proto::OpReport &r) {
+void RingDomain::on_report(uint32_t host, const proto::OpReport &r) {
     Coordinator::Decisions d;
     coordinator_->report(host, r, Clock::now(), d);
     broadcast(d);
 }
 
-void Daemon::broadcast(const Coordinator::Decisions &d) {
+void RingDomain::broadcast(const Coordinator::Decisions &d) {
     for (const auto &s : d.starts) {
         const proto::Bytes frame = proto::encode_op_start(s);
         for (uint32_t h = 0; h < config_.hosts.size(); ++h)
@@ -430,7 +463,7 @@ void Daemon::broadcast(const Coordinator::Decisions &d) {
     }
 }
 
-void Daemon::on_start(const proto::OpStart &s) {
+void RingDomain::on_start(const proto::OpStart &s) {
     if (!coord_known_ || s.generation != coord_generation_) return;
     const OpKey key{s.group, s.incarnation, s.seq};
     const HostOp *rep = ops_.find_reported(key);
@@ -460,7 +493,7 @@ void Daemon::on_start(const proto::OpStart &s) {
     engine_->post(std::move(w));
 }
 
-void Daemon::on_fail(const proto::OpFail &f) {
+void RingDomain::on_fail(const proto::OpFail &f) {
     if (!coord_known_ || f.generation != coord_generation_) return;
     exchange_->drop(f.generation, OpKey{f.group, f.incarnation, f.seq});
     auto op = ops_.take_reported(OpKey{f.group, f.incarnation, f.seq});
@@ -474,10 +507,10 @@ void Daemon::on_fail(const proto::OpFail &f) {
         }
         return;
     }
-    groups_.finished(op->run.op_id, f.code, f.message, done_);
+    sh_.groups->finished(op->run.op_id, f.code, f.message, *sh_.done);
 }
 
-void Daemon::expire_host_ops(Clock::time_point now) {
+void RingDomain::expire_host_ops(Clock::time_point now) {
     if (coordinator_ && coord_known_) {
         Coordinator::Decisions d;
         coordinator_->expire(now, d);
@@ -490,7 +523,7 @@ void Daemon::expire_host_ops(Clock::time_point now) {
         if (op.state == OpState::Reported)
             return head + "no decision from the coordinating host " + config_.hosts[kCoordinator].name;
         return head + (coord_known_ ? "not every host joined this incarnation of the group (a job must start or "
-                                      "restart on every host)"
+                                      "restart on every host of the group)"
                                     : "the ring is not up (" + ring_down_reason_ + ")");
     });
     for (const OpKey &k : e.reported) exchange_->drop(coord_generation_, k);
@@ -501,6 +534,84 @@ void Daemon::expire_host_ops(Clock::time_point now) {
                                    std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(HostOps::kReleaseGrace).count()) +
                                    " ms of its deadline");
     }
+}
+
+// A step of the daemon's settle(): this host's reports, the frames it sent itself, then what
+// the peers sent meanwhile.
+bool RingDomain::settle_step() {
+    bool moved = coord_known_ && flush_reports_now();
+    moved |= deliver_self_frames();
+    moved |= control_->dispatch();
+    return moved;
+}
+
+void RingDomain::on_engine_results() {
+    std::string link_failure;
+    for (auto &r : engine_->take_results()) {
+        const bool ring_ending = r.link_failed && r.generation == local_generation_;
+        if (ring_ending) link_failure = r.message;
+        if (r.op_id == 0) continue;
+        // A ring op that ended with its link stays until the generation's end fails it with the
+        // reason that names the host at fault (HostOps::returned).
+        ops_.returned(r.op_id, r.status, r.message, ring_ending && coord_known_);
+    }
+    // The results (and the slot references they carried back) are released here, on this thread.
+    if (!link_failure.empty()) control_->data_link_failed(link_failure);
+}
+
+void RingDomain::tick(Clock::time_point now) {
+    control_->tick(now);
+    expire_host_ops(now);
+    const double dt = std::chrono::duration<double>(now - rate_at_).count();
+    if (dt >= 1.0) {
+        const uint64_t out = engine_->bytes_to_next(), in = engine_->bytes_from_prev();
+        rate_next_ = static_cast<double>(out - rate_bytes_next_) / dt;
+        rate_prev_ = static_cast<double>(in - rate_bytes_prev_) / dt;
+        rate_bytes_next_ = out;
+        rate_bytes_prev_ = in;
+        rate_at_ = now;
+    }
+}
+
+void RingDomain::shutdown() {
+    engine_->ring_down(local_generation_);  // a ring op in progress returns at once
+    engine_->stop();
+    (void)engine_->take_results();
+}
+
+nlohmann::json RingDomain::status() const {
+    using nlohmann::json;
+    json members = json::array();
+    const uint32_t n = static_cast<uint32_t>(config_.hosts.size());
+    const uint32_t next = (self_index_ + 1) % n, prev = (self_index_ + n - 1) % n;
+    const auto peers = control_->status();
+    for (uint32_t i = 0; i < n; ++i) {
+        const auto &p = peers[i];
+        json m = {{"name", p.name}, {"address", p.address}, {"port", p.port}, {"self", p.self},
+                  {"link", p.self ? "self" : p.control}, {"last_error", p.last_error},
+                  {"last_heard_s", p.last_heard_s}, {"next", i == next}, {"prev", i == prev}};
+        if (i == next) m["data_out"] = {{"bytes", engine_->bytes_to_next()}, {"rate_Bps", rate_next_}};
+        if (i == prev) m["data_in"] = {{"bytes", engine_->bytes_from_prev()}, {"rate_Bps", rate_prev_}};
+        members.push_back(std::move(m));
+    }
+    json hosts = json::array();
+    for (const auto &h : config_.hosts) hosts.push_back(h.name);
+    const HostOps::Counts oc = ops_.counts();
+    return {{"generation", control_->generation()},
+            {"state", control_->ring_up() ? "up" : "forming"},
+            {"last_abort", last_abort_},
+            {"ops_ring", ops_ring_},
+            {"ops_one_shot", ops_one_shot_},
+            {"ops_two_shot", ops_two_shot_},
+            {"size", n},
+            {"hosts", hosts},
+            {"members", members},
+            {"op_states", {{"queued", oc.queued}, {"reported", oc.reported}, {"running", oc.running}, {"releasing", oc.releasing}}},
+            // Whether the daemons of the ring prove themselves to each other.
+            {"auth", sh_.secret->enabled() ? "hmac-sha256" : "none (auth.insecure)"},
+            // Peer connections closed because too many were still in their handshake (the
+            // oldest go first; the whole ring's plane accepts for every domain).
+            {"handshakes_refused", control_->handshakes_refused()}};
 }
 
 }  // namespace ringd

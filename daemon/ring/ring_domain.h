@@ -1,0 +1,176 @@
+// RingDomain: the hosts of one host set working as a ring, on the control thread — every
+// configured host (the whole ring, always there), or the hosts of a group over part of it
+// (made when a group over that set first joins here, or a host of it dials in for it).
+//
+// A domain has everything a ring needs, for its hosts only: its control plane (connections,
+// heartbeats, generations; only the whole ring's plane listens and hands the other domains'
+// connections over), its coordinator (its first host in ring order), its ops (HostOps) and their
+// reports, incarnations and direct exchange, its own data links and progress thread (a sibling of
+// the daemon's transport: one registration of a slot serves every domain). So a host outside a
+// domain never sees its frames, a member's failure ends that domain's generation only, and the
+// ring ops of different domains run at the same time, each on its own links, sharing the network
+// as their TCP flows (or QPs) do. Within a domain ring ops run one at a time in the coordinator's
+// order; groups of the same hosts share that order.
+//
+// An op of a group goes: ready on this host (all local ranks submitted it) -> once the hosts
+// agreed on the group's incarnation in this generation (GroupJoin / GroupIncarnation, see
+// proto/peer.h), reported to the coordinator as (group, incarnation, seq) -> OpStart (run it in
+// the ring, in the coordinator's order) or OpFail (every rank gets the coordinator's message).
+// Ops that fail on this host before they are ready are reported too, and so is the end of a
+// local incarnation (its ranks left), so that the other hosts' ranks fail at once. When a
+// generation ends, every op that is ready here fails with the reason and the incarnations are
+// agreed again in the next one (a job that goes on keeps its incarnation; one that restarted
+// everywhere gets a new one; one that restarted on some hosts only is refused).
+//
+// Small ops (daemon/engine/tuner.h) go by direct exchange instead: the report travels to every
+// host with this host's contribution (OpData), and each host completes the op itself once every
+// host's contribution is in, reducing them in ring order (so every host gets the same bits). The
+// coordinator sees the same reports and fails the op with OpFail when something is wrong.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+#include "daemon/config.h"
+#include "daemon/control/control_plane.h"
+#include "daemon/control/peer_auth.h"
+#include "daemon/engine/coordinator.h"
+#include "daemon/engine/group_table.h"
+#include "daemon/engine/progress.h"
+#include "daemon/exchange/direct_exchange.h"
+#include "daemon/ops/host_ops.h"
+#include "daemon/transport/transport.h"
+
+namespace ringd {
+
+class ClientGateway;
+
+class RingDomain {
+public:
+    // The daemon's, shared by every domain (control thread).
+    struct Shared {
+        const Config *config = nullptr;  // every configured host
+        std::string host;
+        GroupTable *groups = nullptr;
+        std::vector<Completion> *done = nullptr;
+        ClientGateway *gateway = nullptr;  // set once it exists, before any op
+        const PeerSecret *secret = nullptr;
+        NetworkTransport *transport = nullptr;  // the daemon's: the whole ring's links, and slots' registrations
+        std::function<void(const std::string &)> record_error;
+        // The domain a group's ops go to (nullptr: none, one host).
+        std::function<const RingDomain *(const std::string &group)> domain_of;
+        // The whole ring's plane hands other domains' connections over (ControlPlane::Callbacks).
+        std::function<Status(const proto::PeerHello &)> foreign_check;
+        std::function<void(UniqueFd, const proto::PeerHello &, const std::string &)> adopt;
+    };
+
+    // `members`: config indices in ring order, this host among them (every host: the whole ring).
+    static Result<std::unique_ptr<RingDomain>> create(Shared &shared, std::vector<uint32_t> members);
+    ~RingDomain();
+
+    const std::string &key() const { return key_; }  // PeerHello::domain: "" for the whole ring
+    const std::vector<uint32_t> &members() const { return members_; }
+    bool whole_ring() const { return key_.empty(); }
+    int control_fd() const { return control_->fd(); }
+    int engine_fd() const { return engine_->result_fd(); }
+    ControlPlane &control() { return *control_; }
+
+    // This host's failures and ready ops of the domain's groups, in local order.
+    void take_failure(const LocalFailure &f);
+    void take_ready(OpRun run);
+    // One step of the daemon's settle(): reports, frames to this host's own coordinator, the
+    // control plane's events. Returns whether anything moved.
+    bool settle_step();
+    void on_control_ready() { control_->on_ready(); }
+    void on_engine_results();
+    void tick(Clock::time_point now);
+    void shutdown();
+    // Whether the domain still has anything of `group` (ops, an incarnation being agreed).
+    bool has_group_state(const std::string &group) const;
+    HostOps::Counts op_counts() const { return ops_.counts(); }
+    // The "ring" object of `ringctl status --json` for this domain.
+    nlohmann::json status() const;
+
+private:
+    RingDomain(Shared &shared) : sh_(shared), ops_(*shared.groups, *shared.done) {}
+    Status setup();
+    void on_ring_up(uint64_t generation, std::vector<UniqueFd> to_next, std::vector<UniqueFd> from_prev);
+    void on_ring_down(const std::string &why);
+    void on_peer_message(uint32_t host, Frame &frame);
+    void on_op_data(uint32_t host, Frame &frame);
+    void report_direct(HostOp op, proto::OpReport r, Algorithm algorithm);
+    void try_progress_direct(const OpKey &key);
+    void fail_ahead(const proto::OpReport &data, int32_t code, const std::string &why);
+    bool flush_reports_now();
+    void forget_gone_runs();
+    bool deliver_self_frames();
+    bool join_groups();
+    void send_to_coordinator(const proto::Bytes &frame);
+    void on_group_incarnation(const proto::GroupIncarnation &g);
+    void on_report(uint32_t host, const proto::OpReport &r);
+    void broadcast(const Coordinator::Decisions &d);
+    void on_start(const proto::OpStart &s);
+    void on_fail(const proto::OpFail &f);
+    void expire_host_ops(Clock::time_point now);
+    void record_error(const std::string &m) { sh_.record_error(m); }
+    std::string run_left(const OpRun &run) const;
+
+    Shared &sh_;
+    Config config_;  // the daemon's, with hosts = this domain's hosts in ring order
+    std::string key_;
+    std::vector<uint32_t> members_;
+    uint32_t self_index_ = 0;  // in members_
+    std::unique_ptr<NetworkTransport> own_transport_;  // a sibling of the daemon's (not the whole ring)
+    NetworkTransport *transport_ = nullptr;
+    std::unique_ptr<std::byte[]> staging_mem_;
+    RegisteredRegion staging_;  // after staging_mem_: deregistered before it is freed
+    std::unique_ptr<ControlPlane> control_;
+    std::optional<Coordinator> coordinator_;  // on the first host in ring order
+    // This host's side of each group's incarnation (proto/peer.h): its local incarnation, and
+    // what the coordinator agreed it is in this generation.
+    struct GroupRun {
+        uint64_t local_id = 0;
+        uint64_t agreed = 0;    // 0 until GroupIncarnation came in this generation
+        uint64_t previous = 0;  // agreed in an earlier generation (sent with GroupJoin)
+        bool join_sent = false;
+        uint64_t last_seq = 0;  // the highest seq reported
+        int32_t refused_code = 0;  // the coordinator refused this local incarnation: its ops fail
+        std::string refused;
+    };
+    std::map<std::string, GroupRun> runs_;
+    std::map<OpKey, std::pair<int32_t, std::string>> failed_ahead_;  // OpFails for ops not reported yet
+    // One- and two-shot ops' data (daemon/exchange/direct_exchange.h).
+    std::unique_ptr<DirectExchange> exchange_;
+    uint64_t ops_one_shot_ = 0, ops_two_shot_ = 0, ops_ring_ = 0;
+    uint64_t local_generation_ = 0;
+    uint64_t coord_generation_ = 0;   // the coordinator's generation we report in
+    uint64_t coord_generation_used_ = 0;
+    bool coord_known_ = false;
+    std::string ring_down_reason_ = "the ring has not formed yet";
+    std::string last_abort_;  // for status: empty until a generation has been aborted
+    // Frames this host (the coordinator) sent itself, in the order sent; a one-/two-shot report
+    // travels as the report itself (its algorithm is implied by the OpData the other hosts get).
+    struct SelfMessage {
+        Frame frame;
+        std::optional<proto::OpReport> direct_report;
+    };
+    std::vector<SelfMessage> self_inbox_;
+    // Every op of the domain's groups past local matching, in its state (daemon/ops/host_ops.h).
+    HostOps ops_;
+    // Per-link throughput, sampled every second by tick().
+    Clock::time_point rate_at_{};
+    uint64_t rate_bytes_next_ = 0, rate_bytes_prev_ = 0;
+    double rate_next_ = 0, rate_prev_ = 0;
+    // Last: the progress thread stops (and drops its references to slots and links) before
+    // anything above goes away.
+    std::unique_ptr<ProgressEngine> engine_;
+};
+
+}  // namespace ringd
