@@ -3,7 +3,8 @@
 # ranks (bench/cluster), for each scenario; every rank checks its own results and must print
 # "torch_ranks: rank R: SCENARIO ok". Skips (77) without root/namespaces, without torch for
 # /usr/bin/python3, or when ringd._torch_work was not built.
-#   torch_check.sh [SCENARIO...]   (default: ops async ddp die restart)
+#   torch_check.sh [SCENARIO...]   (default: ops async ddp groups part die,restart; "part" runs two
+#   jobs at once on 4 hosts, each on 2 of them)
 set -euo pipefail
 src=${RINGD_SOURCE_DIR:?}
 build=$(dirname "$(dirname "${RINGD_BIN:?}")")
@@ -16,22 +17,32 @@ ls "$build"/client/python/ringd/_torch_work*.so >/dev/null 2>&1 || { echo "ringd
 # Each item runs its scenarios one after the other in every rank (new processes, the same
 # daemons): "die,restart" is a job that loses a rank and is restarted.
 scenarios=("$@")
-[ ${#scenarios[@]} -gt 0 ] || scenarios=(ops async ddp groups die,restart)
+[ ${#scenarios[@]} -gt 0 ] || scenarios=(ops async ddp groups part die,restart)
 op_timeout=5
 failed=0
 for s in "${scenarios[@]}"; do
     start=$(date +%s)
     # A fresh port per scenario: a store of the one before may still be closing.
     port=$((29500 + RANDOM % 2000 * 2))
-    out=$("$src/bench/cluster" --hosts 2 --ranks-per-host 2 --build "$build" --op-timeout "${op_timeout}s" -- \
-        env RANK={grank} WORLD_SIZE={world} LOCAL_RANK={rank} LOCAL_WORLD_SIZE={size} MASTER_ADDR=10.250.0.1 \
-        MASTER_PORT_BASE=$port GLOO_SOCKET_IFNAME=eth0 RINGD_SLOT_BYTES=4194304 RINGD_OP_TIMEOUT_S=$op_timeout \
-        RINGD_BUILD_DIR="$build" TORCH_RANKS_DEADLINE_S=150 \
-        sh -c "for s in ${s//,/ }; do /usr/bin/python3 $src/tests/python/torch_ranks.py \$s || exit; done" 2>&1) || true
+    env="RANK={grank} WORLD_SIZE={world} LOCAL_RANK={rank} LOCAL_WORLD_SIZE={size} GLOO_SOCKET_IFNAME=eth0"
+    env+=" RINGD_SLOT_BYTES=4194304 RINGD_OP_TIMEOUT_S=$op_timeout RINGD_BUILD_DIR=$build TORCH_RANKS_DEADLINE_S=150"
+    if [ "$s" = part ]; then
+        # Two jobs at once on 4 hosts, each on 2 of them (2 ranks per host): 8 ranks say ok.
+        want=8
+        out=$("$src/bench/cluster" --hosts 4 --build "$build" --op-timeout "${op_timeout}s" \
+            --job "1,3:2:env $env MASTER_ADDR=10.250.0.2 MASTER_PORT_BASE=$port /usr/bin/python3 $src/tests/python/torch_ranks.py part" \
+            --job "0,2:2:env $env MASTER_ADDR=10.250.0.1 MASTER_PORT_BASE=$((port + 1000)) /usr/bin/python3 $src/tests/python/torch_ranks.py part" \
+            2>&1) || true
+    else
+        want=4
+        out=$("$src/bench/cluster" --hosts 2 --ranks-per-host 2 --build "$build" --op-timeout "${op_timeout}s" -- \
+            env $env MASTER_ADDR=10.250.0.1 MASTER_PORT_BASE=$port \
+            sh -c "for s in ${s//,/ }; do /usr/bin/python3 $src/tests/python/torch_ranks.py \$s || exit; done" 2>&1) || true
+    fi
     bad=""
     for each in ${s//,/ }; do
-        oks=$(grep -c "^torch_ranks: rank [0-3]: $each ok" <<<"$out" || true)
-        [ "$oks" = 4 ] || bad+=" $each: $oks of 4 ranks ok;"
+        oks=$(grep -c "^torch_ranks: rank [0-9]: $each ok" <<<"$out" || true)
+        [ "$oks" = "$want" ] || bad+=" $each: $oks of $want ranks ok;"
     done
     if [ -n "$bad" ]; then
         printf '%s\n' "$out" | grep -v -i "warning" | tail -60

@@ -18,10 +18,11 @@ Scenarios:
   die      the last rank exits after 3 ops; every other rank gets a RuntimeError naming it
            within ringd's op timeout + 2 s (torch_check.sh then runs "restart" on the same daemons)
   restart  a new job on the same daemons (after "die": the job restarted as torchrun would)
-  groups   new_group over ranks on both hosts (one per host, and 1 + 2 ranks: avg over 3) through
-           ringd, with each group's ringd group and local sizes checked in ringd's status; groups
-           on one host only through Gloo with a warning (ringd has no groups over part of the ring
-           yet); the default group after them
+  groups   new_group over ranks on both hosts (one per host, and 1 + 2 ranks: avg over 3) and on
+           one host, all through ringd, with each group's ringd group, hosts and local sizes
+           checked in ringd's status; the default group after them
+  part     a job on 2 hosts of 4 (torch_check.sh runs two such jobs at once): exact ops of its
+           default group, which ringd runs in the ring domain of its hosts, and a short DDP run
 """
 import datetime
 import faulthandler
@@ -270,19 +271,12 @@ def scenario_restart():
 def scenario_groups():
     """new_group: every process group is a ringd group over the hosts of its ranks (2 hosts x 2
     ranks: ranks 0, 1 on the first host, 2, 3 on the second)."""
-    import warnings
     init()
     check(WORLD == 4, f"the groups scenario needs 2 hosts x 2 ranks, not {WORLD} ranks")
     layouts = {"cross-a": [0, 2], "cross-b": [1, 3], "uneven": [0, 2, 3], "host0": [0, 1], "host1": [2, 3]}
     groups = {}
     for name, ranks in layouts.items():  # every rank creates every group, in the same order
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            groups[name] = dist.new_group(ranks)
-        if RANK in ranks:
-            partial = name.startswith("host")
-            said = any("does not run groups over part of the ring" in str(w.message) for w in caught)
-            check(said == partial, f"group {name}: warned {said}, over part of the ring {partial}")
+        groups[name] = dist.new_group(ranks)
     for k, (name, ranks) in enumerate(layouts.items()):
         if RANK not in ranks:
             continue
@@ -296,28 +290,68 @@ def scenario_groups():
             # A mean over 3 ranks is not exact in float32: within one rounding of the true mean.
             err = ((t.to(torch.float64) - want).abs() / want.abs().clamp(min=1)).max().item()
             check(err <= 2 ** -23, f"group {name} ({ranks}) {op}: got {t[:4].tolist()}, want {want[:4].tolist()}")
-        if name.startswith("host"):
-            # Gloo's AVG here: bfloat16 summed in f32 and rounded once (the mean of 2 integers).
-            t = data(RANK, 999, torch.bfloat16, salt)
-            dist.all_reduce(t, op=dist.ReduceOp.AVG, group=pg)
-            want = (sum(data(r, 999, torch.float64, salt) for r in ranks) / len(ranks)).to(torch.bfloat16)
-            check(torch.equal(t, want), f"group {name} bfloat16 avg through Gloo")
+        # bfloat16 avg: summed in f32 and rounded once (the mean of integers).
+        t = data(RANK, 999, torch.bfloat16, salt)
+        dist.all_reduce(t, op=dist.ReduceOp.AVG, group=pg)
+        want = (sum(data(r, 999, torch.float64, salt) for r in ranks) / len(ranks)).to(torch.bfloat16)
+        check(torch.equal(t, want), f"group {name} bfloat16 avg")
+        # Every group through ringd, over the hosts of its ranks (one host: ringd's local path).
         mine = [g for g in ringd.status()["groups"] if g["name"] == pg.ringd_group]
-        if name.startswith("host"):
-            check(pg._engine is None and not mine, f"group {name} went through ringd")
-        else:
-            local = sum(1 for r in ranks if r // 2 == RANK // 2)
-            check(len(mine) == 1 and mine[0]["ops_completed"] >= 3 and mine[0]["local_size"] == local,
-                  f"group {name} on ringd: {mine}")
-            check(set(mine[0]["hosts"]) == set(pg.ringd_hosts), f"group {name}'s hosts: {mine[0]['hosts']}")
+        local = sum(1 for r in ranks if r // 2 == RANK // 2)
+        check(len(mine) == 1 and mine[0]["ops_completed"] >= 4 and mine[0]["local_size"] == local,
+              f"group {name} on ringd: {mine}")
+        check(set(mine[0]["hosts"]) == set(pg.ringd_hosts), f"group {name}'s hosts: {mine[0]['hosts']}")
+        check(len(pg.ringd_hosts) == (1 if name.startswith("host") else 2), f"group {name}: hosts {pg.ringd_hosts}")
     # The default group still works next to them.
     t = torch.full((10,), 1.0)
     dist.all_reduce(t)
     check(bool((t == WORLD).all()), "the default group after the others")
 
 
+def scenario_part():
+    """A job on part of the ring (torch_check.sh runs two at once on 4 hosts, each on 2): its
+    default group is a ringd group over its own hosts; exact ops of every dtype, small (direct
+    exchange) and large (the ring of its hosts); a short DDP run next to the other job."""
+    init()
+    st = ringd.status()
+    pg = dist.distributed_c10d._get_default_group()
+    check(len(st["ring"]["members"]) > len(pg.ringd_hosts) >= 2,
+          f"the job's hosts {pg.ringd_hosts}, the ring's {[m['name'] for m in st['ring']['members']]}")
+    salt = 300
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        for name in ("sum", "avg", "max"):
+            if name == "avg" and not dtype.is_floating_point:
+                continue
+            for n in (1000, 300001):
+                salt += 1
+                t = data(RANK, n, dtype, salt)
+                dist.all_reduce(t, op=OPS[name])
+                want = expected(n, dtype, name, salt)
+                if name == "avg":
+                    want = want.to(dtype).to(torch.float64)
+                check(close_to(t, want, dtype), f"{dtype} {name} n={n}: got {t[:4].tolist()}, want {want[:4].tolist()}")
+    mine = [g for g in ringd.status()["groups"] if g["name"] == pg.ringd_group]
+    check(len(mine) == 1 and set(mine[0]["hosts"]) == set(pg.ringd_hosts), f"the job's ringd group: {mine}")
+    domains = [d for d in ringd.status()["domains"] if set(d["hosts"]) == set(pg.ringd_hosts)]
+    check(len(domains) == 1 and domains[0]["ops_ring"] >= 5, f"the ring domain of the job's hosts: {domains}")
+    # DDP over it: identical parameters on every rank after a few steps.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(RANK)
+    for _ in range(5):
+        opt.zero_grad()
+        ddp(torch.randn(32, 64, generator=g)).square().mean().backward()
+        opt.step()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(WORLD)]
+    dist.all_gather(gathered, flat)
+    check(all(torch.equal(x, flat) for x in gathered), "DDP parameters differ between ranks")
+
+
 SCENARIOS = {"ops": scenario_ops, "async": scenario_async, "ddp": scenario_ddp, "die": scenario_die,
-             "restart": scenario_restart, "groups": scenario_groups}
+             "restart": scenario_restart, "groups": scenario_groups, "part": scenario_part}
 
 if __name__ == "__main__":
     if len(sys.argv) != 2 or sys.argv[1] not in SCENARIOS:

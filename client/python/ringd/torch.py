@@ -10,8 +10,8 @@ through ringd: the tensor is copied into this process's shared-memory slot, redu
 every rank's (the local ranks on the host, then across hosts), and copied back. Everything else
 (broadcast, allgather, barrier, reduce_scatter, other dtypes and ops) goes through a Gloo group
 built from the same store, which gives the same result. Every process group (the default one and
-each new_group) is a ringd group over the hosts of its ranks, its ranks on a host ordered by
-LOCAL_RANK (torchrun sets it; default 0); a group over part of the ring goes through Gloo for now.
+each new_group) is a ringd group over the hosts of its ranks (all of the ring's, or part of them),
+its ranks on a host ordered by LOCAL_RANK (torchrun sets it; default 0).
 RINGD_SOCKET (default /run/ringd/ringd.sock) and RINGD_SLOT_BYTES (default 256 MiB, at most
 ringd's memory.slot_bytes) configure the client.
 Any ringd error is a RuntimeError with ringd's message; ringd bounds every op by its own
@@ -496,16 +496,11 @@ class ProcessGroupRingd(ProcessGroup):
         self._gloo = _gloo_group(store, rank, size, timeout)
         self.ringd_group = group
         self.ringd_hosts = hosts
-        if set(hosts) != set(ring_hosts):
-            # ringd does not run groups over part of its ring yet: Gloo does this group's work
-            # (identical results), and every rank of it says so once.
-            warnings.warn(f"ringd: this process group's ranks are on {','.join(hosts)}, part of the ring "
-                          f"({','.join(ring_hosts)}); ringd does not run groups over part of the ring yet, "
-                          f"so its allreduces go through Gloo", RuntimeWarning, stacklevel=2)
-            return
         try:
-            # Every host of the ring: no list (what older ringds understand, and the same group).
-            self._engine = _Engine(group, local_rank, local_size, slot_bytes, socket, timeout)
+            # Every host of the ring: no list (the same group, and what older ringds understand);
+            # part of it: those hosts, a group of ringd's over part of the ring.
+            self._engine = _Engine(group, local_rank, local_size, slot_bytes, socket, timeout,
+                                   hosts=None if set(hosts) == set(ring_hosts) else ",".join(hosts))
         except _ringd.RingdError as e:
             raise RuntimeError(f"ringd: {e}") from None
         weakref.finalize(self, _Engine.close, self._engine)
@@ -534,24 +529,6 @@ class ProcessGroupRingd(ProcessGroup):
             opts = dist.AllreduceOptions()
             opts.reduceOp = op
         name = self._ringd_op(tensors, opts.reduceOp)
-        if self._engine is None:  # a group over part of the ring (see __init__): Gloo
-            if _op_name(opts.reduceOp) != "avg":
-                return self._gloo.allreduce(tensors, opts)
-            # Gloo has no AVG: the sum, divided here; f16/bf16 summed in f32 and rounded once,
-            # as ringd does.
-            o = dist.AllreduceOptions()
-            o.reduceOp = dist.ReduceOp.SUM
-            half = (torch.float16, torch.bfloat16)
-            wide = [t.float() if t.dtype in half else t for t in tensors]
-
-            def divide(f, n=self.size()):
-                for t, w in zip(tensors, f.value()):
-                    if w is t:
-                        t.div_(n)
-                    else:
-                        t.copy_(w.div_(n))
-                return tensors
-            return _tw.work(self._gloo.allreduce(wide, o).get_future().then(divide), tensors)
         if name is None:
             if _op_name(opts.reduceOp) == "avg":
                 raise RuntimeError("ringd: AVG needs one float32/float64/float16/bfloat16/int tensor")
