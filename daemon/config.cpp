@@ -184,7 +184,9 @@ Config parse_root(const YAML::Node &root) {
             c.memory.max_slots = static_cast<uint32_t>(get_uint(n["max_slots"], "memory.max_slots", 1, 4096));
     }
     if (auto n = root["limits"]) {
-        check_keys(n, "limits", {"slots_per_uid", "connections_per_uid"});
+        check_keys(n, "limits", {"slots_per_uid", "connections_per_uid", "ring_domains"});
+        if (n["ring_domains"])
+            c.limits.ring_domains = static_cast<uint32_t>(get_uint(n["ring_domains"], "limits.ring_domains", 1, 256));
         if (n["slots_per_uid"])
             c.limits.slots_per_uid = static_cast<uint32_t>(get_uint(n["slots_per_uid"], "limits.slots_per_uid", 1, 4096));
         if (n["connections_per_uid"])

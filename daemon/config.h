@@ -49,6 +49,9 @@ struct Config {
     } memory;
     struct Limits {
         uint32_t slots_per_uid = 0;        // slots one uid may hold (default: memory.max_slots)
+        // Ring domains (host sets of groups) this host keeps at once, the whole ring's included;
+        // over it, an idle one (no group here) is let go for a new one.
+        uint32_t ring_domains = 16;
         uint32_t connections_per_uid = 0;  // client connections of one uid (default: max_slots + 16)
     } limits;
     struct Timeouts {

@@ -160,10 +160,14 @@ int Daemon::run() {
             }
             case kTimer: on_timer(); break;
             case kEngine: on_engine_results(); break;
-            case kRingEngine: domains_.at(id)->on_engine_results(); break;
+            case kRingEngine:
+                if (domains_.at(id)) domains_[id]->on_engine_results();
+                break;
             case kClientSock: gateway_->on_readable(id); break;
             case kClientDoorbell: gateway_->on_doorbell(id); break;
-            case kControl: domains_.at(id)->on_control_ready(); break;
+            case kControl:
+                if (domains_.at(id)) domains_[id]->on_control_ready();
+                break;
             }
         }
         settle();
@@ -193,7 +197,8 @@ void Daemon::settle() {
         bool moved = gateway_->take_held_submissions();
         moved |= complete_and_start();
         // Index, not iterator: a domain's step may make another (a peer dialed in for it).
-        for (size_t i = 0; i < domains_.size(); ++i) moved |= domains_[i]->settle_step();
+        for (size_t i = 0; i < domains_.size(); ++i)
+            if (domains_[i]) moved |= domains_[i]->settle_step();
         if (!moved) return;
     }
 }
@@ -258,6 +263,11 @@ Status Daemon::watch_domain(const RingDomain &d, uint32_t index) {
     return epoll_add(epoll_.get(), d.engine_fd(), tag(kRingEngine, index));
 }
 
+void Daemon::unwatch_domain(const RingDomain &d) {
+    epoll_del(epoll_.get(), d.control_fd());
+    epoll_del(epoll_.get(), d.engine_fd());
+}
+
 std::string Daemon::run_left(const OpRun &run) {
     return "group " + run.group + " op " + std::to_string(run.seq) + ": a local rank left";
 }
@@ -274,8 +284,10 @@ void Daemon::on_timer() {
     const auto now = Clock::now();
     gateway_->expire(now);
     groups_.expire(now, done_);
-    for (size_t i = 0; i < domains_.size(); ++i) domains_[i]->tick(now);
+    for (size_t i = 0; i < domains_.size(); ++i)
+        if (domains_[i]) domains_[i]->tick(now);
     forget_groups();
+    forget_idle_domains();
     if (watchdog_usec_ && now >= next_watchdog_) {
         ::sd_notify(0, "WATCHDOG=1");
         next_watchdog_ = now + std::chrono::microseconds(watchdog_usec_ / 2);
@@ -294,7 +306,8 @@ void Daemon::shutdown() {
     gateway_->begin_shutdown();
     groups_.fail_everything("ringd is shutting down", done_);
     settle();
-    for (auto &d : domains_) d->shutdown();
+    for (auto &d : domains_)
+        if (d) d->shutdown();
     engine_->stop();
     (void)engine_->take_results();
     gateway_->close_all();

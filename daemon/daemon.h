@@ -74,6 +74,10 @@ private:
     Result<std::vector<uint32_t>> domain_hosts(const std::string &key) const;
     bool local_group(const std::string &group) const;
     Status watch_domain(const RingDomain &d, uint32_t index);
+    void unwatch_domain(const RingDomain &d);
+    // Lets go of the domain (all: every one) without groups here for idle_for; whether it did.
+    bool let_go_idle_domain(Clock::duration idle_for, bool all);
+    void forget_idle_domains();
     void forget_groups();
     bool multi_host() const { return config_.hosts.size() > 1; }
     Config config_;
@@ -104,9 +108,8 @@ private:
     std::map<std::string, RingDomain *> group_domain_;  // groups seen, to their domain
     // The trainers' side (after groups_, done_ and ready_, which it uses).
     std::unique_ptr<ClientGateway> gateway_;
-    // Several hosts: [0] is the whole ring; the others are made as groups over part of it come.
-    // Never dropped (a domain's peers would see its generation end); at most kMaxDomains.
-    static constexpr size_t kMaxDomains = 32;
+    // Several hosts: [0] is the whole ring; the others are made as groups over part of it come,
+    // at most limits.ring_domains in all (null: one let go, its place free again).
     std::vector<std::unique_ptr<RingDomain>> domains_;
     // Last: the progress thread stops (and drops its references to slots and links) before
     // anything above goes away.

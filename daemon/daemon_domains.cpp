@@ -3,9 +3,19 @@
 // of it dials in for it.
 #include <spdlog/spdlog.h>
 
+#include <set>
+
 #include "daemon/daemon.h"
 
 namespace ringd {
+namespace {
+
+// A domain without groups here is let go after kForgetIdle, or after kLetGoIdle when a new one
+// needs its place (limits.ring_domains).
+constexpr auto kLetGoIdle = std::chrono::seconds(10);
+constexpr auto kForgetIdle = std::chrono::seconds(60);
+
+}  // namespace
 
 Status Daemon::setup_ring() {
     if (!config_.secret_file.empty()) {
@@ -34,17 +44,64 @@ Status Daemon::setup_ring() {
 }
 
 Result<RingDomain *> Daemon::domain_for(const std::vector<uint32_t> &hosts) {
-    for (auto &d : domains_)
+    size_t live = 0;
+    for (auto &d : domains_) {
+        if (!d) continue;
+        ++live;
         if (d->members() == hosts) return d.get();
-    if (domains_.size() >= kMaxDomains)
-        return make_error(-EBUSY, "this host is in " + std::to_string(domains_.size()) +
-                                      " ring domains (host sets of groups), the most it keeps");
+    }
+    if (live >= config_.limits.ring_domains && !let_go_idle_domain(kLetGoIdle, false))
+        return make_error(-EBUSY, "this host runs rings for " + std::to_string(live) +
+                                      " host sets (limits.ring_domains), each with groups here");
     auto d = RingDomain::create(shared_, hosts);
     if (!d) return d.error();
-    if (auto s = watch_domain(**d, static_cast<uint32_t>(domains_.size())); !s) return s.error();
-    domains_.push_back(std::move(*d));
-    domains_.front()->control().set_domains(domains_.size());
-    return domains_.back().get();
+    // The first free place (one let go), else a new one; [0] is the whole ring's.
+    size_t at = 1;
+    while (at < domains_.size() && domains_[at]) ++at;
+    if (domains_.empty()) at = 0;
+    if (auto s = watch_domain(**d, static_cast<uint32_t>(at)); !s) return s.error();
+    if (at == domains_.size()) domains_.emplace_back();
+    domains_[at] = std::move(*d);
+    domains_.front()->control().set_domains(live + 1);
+    return domains_[at].get();
+}
+
+// Over limits.ring_domains: the domain (not the whole ring's) whose last op is the oldest, among
+// those without a group here for kLetGoIdle, is let go. Its peers see its connections close and end its
+// generation; they keep dialing while they have groups in it, and it is made again if it is
+// needed here again.
+bool Daemon::let_go_idle_domain(Clock::duration idle_for, bool all) {
+    std::set<const RingDomain *> used;
+    for (const auto &[group, d] : group_domain_) used.insert(d);
+    groups_.for_each_local_id([&](const std::string &group, uint64_t) {  // joined, no op yet
+        for (size_t i = 1; i < domains_.size(); ++i) {
+            const auto *h = groups_.hosts_of(group);
+            if (domains_[i] && h && *h == domains_[i]->members()) used.insert(domains_[i].get());
+        }
+    });
+    bool any = false;
+    for (;;) {
+        size_t victim = 0;
+        for (size_t i = 1; i < domains_.size(); ++i) {
+            const RingDomain *d = domains_[i].get();
+            // Idle a while: peers that still dial for domains this host has no groups in cannot
+            // make it swap them back and forth.
+            if (!d || used.count(d) || !d->idle() || Clock::now() - d->last_op() < idle_for) continue;
+            if (!victim || d->last_op() < domains_[victim]->last_op()) victim = i;
+        }
+        if (!victim) return any;
+        spdlog::info("ring domain {}: let go (no groups here for {} s)", domains_[victim]->key(),
+                     std::chrono::duration_cast<std::chrono::seconds>(Clock::now() - domains_[victim]->last_op()).count());
+        unwatch_domain(*domains_[victim]);
+        domains_[victim]->shutdown();
+        domains_[victim].reset();
+        any = true;
+        if (!all) return true;
+    }
+}
+
+void Daemon::forget_idle_domains() {
+    if (domains_.size() > 1) (void)let_go_idle_domain(kForgetIdle, true);
 }
 
 bool Daemon::local_group(const std::string &group) const {
@@ -104,10 +161,21 @@ Status Daemon::foreign_check(const proto::PeerHello &hello) {
     auto from = find_host(config_, hello.from);
     if (!from || std::find(hosts->begin(), hosts->end(), static_cast<uint32_t>(*from)) == hosts->end())
         return make_error(-EACCES, "host " + hello.from + " is not in ring domain " + hello.domain);
-    for (auto &d : domains_)
+    size_t live = 0;
+    for (auto &d : domains_) {
+        if (!d) continue;
+        ++live;
         if (d->members() == *hosts) return Ok{};
-    if (domains_.size() >= kMaxDomains)
-        return make_error(-EBUSY, "ring domain " + hello.domain + ": this host keeps at most " + std::to_string(kMaxDomains));
+    }
+    // Made when the connection is handed over (letting an idle one go if there is one to spare).
+    if (live >= config_.limits.ring_domains) {
+        bool spare = false;
+        for (size_t i = 1; i < domains_.size(); ++i)
+            spare = spare || (domains_[i] && domains_[i]->idle() && Clock::now() - domains_[i]->last_op() >= kLetGoIdle);
+        if (!spare)
+            return make_error(-EBUSY, "ring domain " + hello.domain + ": this host runs rings for " + std::to_string(live) +
+                                          " host sets (limits.ring_domains)");
+    }
     return Ok{};
 }
 

@@ -162,6 +162,7 @@ void RingDomain::take_failure(const LocalFailure &f) {
 }
 
 void RingDomain::take_ready(OpRun run) {
+    last_op_ = Clock::now();
     HostOp op;
     if (!sh_.gateway->slots_of(run, op.slots)) {
         sh_.groups->finished(run.op_id, -ECONNRESET, run_left(run), *sh_.done);
@@ -562,6 +563,7 @@ void RingDomain::on_engine_results() {
 void RingDomain::tick(Clock::time_point now) {
     control_->tick(now);
     expire_host_ops(now);
+    forget_gone_runs();  // also while the ring is down (settle_step reports only while it is up)
     const double dt = std::chrono::duration<double>(now - rate_at_).count();
     if (dt >= 1.0) {
         const uint64_t out = engine_->bytes_to_next(), in = engine_->bytes_from_prev();

@@ -95,6 +95,12 @@ public:
     // Whether the domain still has anything of `group` (ops, an incarnation being agreed).
     bool has_group_state(const std::string &group) const;
     HostOps::Counts op_counts() const { return ops_.counts(); }
+    // Nothing of any group here (ops, incarnations), so the domain may be let go.
+    bool idle() const {
+        const HostOps::Counts c = ops_.counts();
+        return runs_.empty() && c.queued + c.reported + c.running + c.releasing == 0;
+    }
+    Clock::time_point last_op() const { return last_op_; }
     // The "ring" object of `ringctl status --json` for this domain.
     nlohmann::json status() const;
 
@@ -164,6 +170,7 @@ private:
     std::vector<SelfMessage> self_inbox_;
     // Every op of the domain's groups past local matching, in its state (daemon/ops/host_ops.h).
     HostOps ops_;
+    Clock::time_point last_op_ = Clock::now();  // when an op of one of its groups last came
     // Per-link throughput, sampled every second by tick().
     Clock::time_point rate_at_{};
     uint64_t rate_bytes_next_ = 0, rate_bytes_prev_ = 0;

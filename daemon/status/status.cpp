@@ -37,7 +37,8 @@ std::string Daemon::status_json(uint32_t viewer) const {
     // The other ring domains: the host sets of groups over part of the ring, each a ring of its
     // own (same fields as "ring", plus "hosts").
     json domains = json::array();
-    for (size_t i = 1; i < domains_.size(); ++i) domains.push_back(domains_[i]->status());
+    for (size_t i = 1; i < domains_.size(); ++i)
+        if (domains_[i]) domains.push_back(domains_[i]->status());
     j["domains"] = domains;
 
     auto names_of = [&](const std::vector<uint32_t> &hosts) {
@@ -73,6 +74,7 @@ std::string Daemon::status_json(uint32_t viewer) const {
     // Ops of multi-host groups past local matching, by state (daemon/ops/host_ops.h).
     HostOps::Counts oc;
     for (const auto &d : domains_) {
+        if (!d) continue;
         const HostOps::Counts c = d->op_counts();
         oc.queued += c.queued;
         oc.reported += c.reported;

@@ -164,3 +164,32 @@ TEST_CASE("a connection for a ring domain is refused unless both hosts are in it
     CHECK_THAT(e, Catch::Contains("host node1 is not one of them"));
     if (cl) ringd_close(cl);
 }
+
+TEST_CASE("limits.ring_domains: a join that needs one more is refused while every domain has groups; an idle "
+          "one is let go for it",
+          "[cluster][domains]") {
+    TestCluster c(3, ClusterOptions{"5s", "", "limits: {ring_domains: 2}\n", "64MiB"});
+    REQUIRE(c.wait_up());
+    Group a = make_group(c, "g01", {0, 1}, {1, 1});
+    round_checked({&a}, DType::F32, ReduceOp::Sum, 600001, 1);
+    // node0 has the whole ring and {node0,node1}: a group over {node0,node2} needs a third.
+    ringd_options o{};
+    o.struct_size = sizeof o;
+    o.socket_path = c.d[0]->socket().c_str();
+    o.group = "g02";
+    o.local_size = 1;
+    o.slot_bytes = 4096;
+    o.hosts = "node0,node2";
+    char e[512] = "";
+    ringd_client *cl = ringd_connect_opts(&o, e, sizeof e);
+    CHECK(cl == nullptr);
+    CHECK_THAT(e, Catch::Contains("limits.ring_domains"));
+    if (cl) ringd_close(cl);
+    // The job on {node0,node1} ends; after a while without groups its domain makes room.
+    a.cl.clear();
+    std::this_thread::sleep_for(11s);
+    Group b = make_group(c, "g02", {0, 2}, {1, 1});
+    round_checked({&b}, DType::F32, ReduceOp::Avg, 600001, 2);
+    CHECK(domain_status(c, 0, {"node0", "node1"}).is_null());
+    CHECK_FALSE(domain_status(c, 0, {"node0", "node2"}).is_null());
+}
