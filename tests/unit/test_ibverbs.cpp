@@ -122,6 +122,34 @@ TEST_CASE("ibverbs links carry messages of every size into the posted receives, 
     CHECK(static_cast<IbverbsLink *>(ab)->qp_count() == qps);
 }
 
+TEST_CASE("a sibling transport (another ring domain's) moves data between regions its parent registered, on "
+          "a completion queue of its own",
+          "[ibverbs]") {
+    auto a = emulated(2), b = emulated(2);
+    auto sa = a->sibling(), sb = b->sibling();
+    REQUIRE((sa.ok() && sb.ok()));
+    auto *as = static_cast<IbverbsTransport *>(sa->get()), *bs = static_cast<IbverbsTransport *>(sb->get());
+    std::vector<std::byte> src(4 << 20), dst(4 << 20);
+    for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<std::byte>((i * 7) >> 2);
+    auto rs = a->register_region(src.data(), src.size());  // registered once, by the parents
+    auto rd = b->register_region(dst.data(), dst.size());
+    REQUIRE((rs.ok() && rd.ok()));
+    auto [la, lb] = link_pair(*as, *bs);
+    REQUIRE((la.ok() && lb.ok()));
+    for (uint64_t k = 0; k < 8; ++k) {
+        REQUIRE(lb->front()->post_recv(*rd, k << 19, 1 << 19, k).ok());
+        REQUIRE(la->front()->post_send(*rs, k << 19, 1 << 19, k).ok());
+    }
+    auto got = pump({as, bs, a.get(), b.get()}, bs, 8, LinkEvent::Kind::RecvDone);
+    REQUIRE(got.size() == 8);
+    CHECK(got.front().kind == LinkEvent::Kind::RecvDone);
+    CHECK(std::memcmp(src.data(), dst.data(), src.size()) == 0);
+    CHECK(as->stats().registrations == 0);  // nothing registered twice
+    std::vector<LinkEvent> parent;
+    REQUIRE(a->poll(parent, 0).ok());
+    CHECK(parent.empty());  // the sibling's completions are its own
+}
+
 TEST_CASE("a sender has at most the FIFO's credits of messages written toward a receiver that has not taken them",
           "[ibverbs]") {
     // 4 credits; 3 x 4 + 1 messages of different sizes, each to its own place in the receiver's
