@@ -28,6 +28,7 @@ namespace {
 struct Options {
     std::string socket = "/run/ringd/ringd.sock";
     std::string group = "bench";
+    std::string group_hosts;  // the group's hosts (names, comma-separated); empty: every host
     int local_rank = 0;
     int local_size = 1;
     std::string min_bytes = "4K", max_bytes = "64M";
@@ -50,6 +51,7 @@ int main(int argc, char **argv) {
     CLI::App app{"ringd-bench: allreduce bandwidth through ringd (nccl-tests columns)"};
     app.add_option("--socket", o.socket, "ringd's Unix socket")->capture_default_str();
     app.add_option("--group", o.group, "group name")->capture_default_str();
+    app.add_option("--group-hosts", o.group_hosts, "the group's hosts, comma-separated (default: every host of the ring)");
     app.add_option("--local-rank", o.local_rank, "this trainer's rank on the host")->capture_default_str();
     app.add_option("--local-size", o.local_size, "trainers of the group on this host")->capture_default_str();
     app.add_option("-b,--minbytes", o.min_bytes, "smallest size")->capture_default_str();
@@ -84,6 +86,19 @@ int main(int argc, char **argv) {
         hosts = ring["size"].get<uint64_t>();
         for (uint64_t i = 0; i < ring["members"].size(); ++i)
             if (ring["members"][i]["self"].get<bool>()) host_index = i;  // this host's place in the ring
+        if (!o.group_hosts.empty()) {
+            // A group over part of the ring: its hosts, and this host's place among them, in ring order.
+            const std::string list = "," + o.group_hosts + ",";
+            uint64_t in = 0, self = UINT64_MAX;
+            for (const auto &m : ring["members"]) {
+                if (list.find("," + m["name"].get<std::string>() + ",") == std::string::npos) continue;
+                if (m["self"].get<bool>()) self = in;
+                ++in;
+            }
+            if (self == UINT64_MAX) return fail(o, "this host is not in --group-hosts " + o.group_hosts);
+            hosts = in;
+            host_index = self;
+        }
     } catch (const std::exception &e) {
         return fail(o, std::string("bad status from ringd: ") + e.what());
     }
@@ -102,7 +117,15 @@ int main(int argc, char **argv) {
                              "size %zu): set memory.slot_bytes to at least %zu for full guards\n",
                      room, static_cast<unsigned long long>(slot_limit), largest, largest + 2 * bench::kGuardBytes);
     char err[512] = "";
-    ringd_client *c = ringd_connect(o.socket.c_str(), o.group.c_str(), o.local_rank, o.local_size, slot_bytes, err, sizeof err);
+    ringd_options opts{};
+    opts.struct_size = sizeof opts;
+    opts.socket_path = o.socket.c_str();
+    opts.group = o.group.c_str();
+    opts.local_rank = o.local_rank;
+    opts.local_size = o.local_size;
+    opts.slot_bytes = slot_bytes;
+    opts.hosts = o.group_hosts.c_str();
+    ringd_client *c = ringd_connect_opts(&opts, err, sizeof err);
     if (!c) return fail(o, err);
     size_t have = 0;
     void *buf = ringd_slot(c, &have);

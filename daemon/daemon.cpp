@@ -219,7 +219,8 @@ bool Daemon::complete_and_start() {
     // alone: nobody else needs to hear of them).
     for (const LocalFailure &f : groups_.take_failures()) {
         moved = true;
-        if (RingDomain *d = domain_of(f.group)) d->take_failure(f);
+        // The incarnation's own hosts: a group of the same name may have joined since over others.
+        if (RingDomain *d = find_domain(f.hosts)) d->take_failure(f);
     }
     if (ready_.empty()) return moved;
     for (auto &run : std::exchange(ready_, {})) {
@@ -227,7 +228,8 @@ bool Daemon::complete_and_start() {
             d->take_ready(std::move(run));
             continue;
         }
-        if (multi_host() && !local_group(run.group)) {  // cannot happen: the domain is made at join
+        if (const auto *h = groups_.hosts_of(run.group); multi_host() && !(h && h->size() == 1)) {
+            // Cannot happen: the domain is made when the group joins and kept while it is here.
             groups_.finished(run.op_id, -EIO, "group " + run.group + ": no ring domain for its hosts", done_);
             continue;
         }

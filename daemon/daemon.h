@@ -65,18 +65,19 @@ private:
 
     // Ring domains (daemon/ring/ring_domain.h).
     Status setup_ring();
-    // The domain of `hosts` (config indices, ring order), made if there is none yet.
+    // The domain of `hosts` (config indices, ring order), made if there is none yet (a group joins).
     Result<RingDomain *> domain_for(const std::vector<uint32_t> &hosts);
-    // The domain a group's ops go to; nullptr for a group on this host alone (the local path).
+    // The domain a group's ops go to (made when it joined); nullptr for a group on this host alone
+    // (the local path). Never makes or lets go a domain.
     RingDomain *domain_of(const std::string &group);
     Status foreign_check(const proto::PeerHello &hello);
     void adopt(UniqueFd fd, const proto::PeerHello &hello, const std::string &ip);
     Result<std::vector<uint32_t>> domain_hosts(const std::string &key) const;
-    bool local_group(const std::string &group) const;
     Status watch_domain(const RingDomain &d, uint32_t index);
     void unwatch_domain(const RingDomain &d);
-    // Lets go of the domain (all: every one) without groups here for idle_for; whether it did.
-    bool let_go_idle_domain(Clock::duration idle_for, bool all);
+    RingDomain *find_domain(const std::vector<uint32_t> &hosts);  // a live one; empty: every host
+    size_t idle_domain(Clock::duration idle_for);
+    void let_go(size_t at);
     void forget_idle_domains();
     void forget_groups();
     bool multi_host() const { return config_.hosts.size() > 1; }

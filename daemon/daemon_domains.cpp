@@ -1,9 +1,8 @@
 // The Daemon's ring domains (daemon/ring/ring_domain.h): the whole ring's, made at start, and one
-// per host set of the groups over part of it, made when such a group first joins here or a host
-// of it dials in for it.
+// per host set of the groups over part of it, made when such a group first joins here (its
+// peers' connections for it are refused until then: a host never keeps a domain for its peers'
+// sake alone) and let go once it has had no group here for a while.
 #include <spdlog/spdlog.h>
-
-#include <set>
 
 #include "daemon/daemon.h"
 
@@ -44,15 +43,17 @@ Status Daemon::setup_ring() {
 }
 
 Result<RingDomain *> Daemon::domain_for(const std::vector<uint32_t> &hosts) {
+    if (RingDomain *d = find_domain(hosts)) return d;
     size_t live = 0;
-    for (auto &d : domains_) {
-        if (!d) continue;
-        ++live;
-        if (d->members() == hosts) return d.get();
+    for (auto &d : domains_) live += d != nullptr;
+    if (live >= config_.limits.ring_domains) {
+        const size_t victim = idle_domain(kLetGoIdle);
+        if (!victim)
+            return make_error(-EBUSY, "this host runs rings for " + std::to_string(live) +
+                                          " host sets (limits.ring_domains), each with groups here");
+        let_go(victim);
+        --live;
     }
-    if (live >= config_.limits.ring_domains && !let_go_idle_domain(kLetGoIdle, false))
-        return make_error(-EBUSY, "this host runs rings for " + std::to_string(live) +
-                                      " host sets (limits.ring_domains), each with groups here");
     auto d = RingDomain::create(shared_, hosts);
     if (!d) return d.error();
     // The first free place (one let go), else a new one; [0] is the whole ring's.
@@ -66,64 +67,62 @@ Result<RingDomain *> Daemon::domain_for(const std::vector<uint32_t> &hosts) {
     return domains_[at].get();
 }
 
-// Over limits.ring_domains: the domain (not the whole ring's) whose last op is the oldest, among
-// those without a group here for kLetGoIdle, is let go. Its peers see its connections close and end its
-// generation; they keep dialing while they have groups in it, and it is made again if it is
-// needed here again.
-bool Daemon::let_go_idle_domain(Clock::duration idle_for, bool all) {
-    std::set<const RingDomain *> used;
-    for (const auto &[group, d] : group_domain_) used.insert(d);
-    groups_.for_each_local_id([&](const std::string &group, uint64_t) {  // joined, no op yet
-        for (size_t i = 1; i < domains_.size(); ++i) {
-            const auto *h = groups_.hosts_of(group);
-            if (domains_[i] && h && *h == domains_[i]->members()) used.insert(domains_[i].get());
-        }
-    });
-    bool any = false;
-    for (;;) {
-        size_t victim = 0;
-        for (size_t i = 1; i < domains_.size(); ++i) {
-            const RingDomain *d = domains_[i].get();
-            // Idle a while: peers that still dial for domains this host has no groups in cannot
-            // make it swap them back and forth.
-            if (!d || used.count(d) || !d->idle() || Clock::now() - d->last_op() < idle_for) continue;
-            if (!victim || d->last_op() < domains_[victim]->last_op()) victim = i;
-        }
-        if (!victim) return any;
-        spdlog::info("ring domain {}: let go (no groups here for {} s)", domains_[victim]->key(),
-                     std::chrono::duration_cast<std::chrono::seconds>(Clock::now() - domains_[victim]->last_op()).count());
-        unwatch_domain(*domains_[victim]);
-        domains_[victim]->shutdown();
-        domains_[victim].reset();
-        any = true;
-        if (!all) return true;
+RingDomain *Daemon::find_domain(const std::vector<uint32_t> &hosts) {
+    if (!multi_host() || hosts.size() == 1) return nullptr;  // this host alone: the local path
+    const size_t n = hosts.empty() ? config_.hosts.size() : hosts.size();
+    for (auto &d : domains_) {
+        if (!d || d->members().size() != n) continue;
+        if (hosts.empty() || d->members() == hosts) return d.get();
     }
+    return nullptr;
+}
+
+// Marks the domains that have a group here (joined, or with something of it left) as used now,
+// and returns the place of the one (not the whole ring's) unused for the longest, at least
+// `idle_for`; 0: none.
+size_t Daemon::idle_domain(Clock::duration idle_for) {
+    const auto now = Clock::now();
+    for (const auto &[group, d] : group_domain_) d->touch(now);
+    groups_.for_each_local_id([&](const std::string &group, uint64_t) {
+        if (const auto *h = groups_.hosts_of(group))
+            if (RingDomain *d = find_domain(*h)) d->touch(now);
+    });
+    size_t victim = 0;
+    for (size_t i = 1; i < domains_.size(); ++i) {
+        const RingDomain *d = domains_[i].get();
+        if (!d || !d->idle() || now - d->last_used() < idle_for) continue;
+        if (!victim || d->last_used() < domains_[victim]->last_used()) victim = i;
+    }
+    return victim;
+}
+
+// Its peers see its connections close and end its generation; it is made again when a group over
+// its hosts joins here again.
+void Daemon::let_go(size_t at) {
+    RingDomain &d = *domains_.at(at);
+    spdlog::info("ring domain {}: let go (no groups here for {} s)", d.key(),
+                 std::chrono::duration_cast<std::chrono::seconds>(Clock::now() - d.last_used()).count());
+    unwatch_domain(d);
+    d.shutdown();
+    domains_[at].reset();
+    size_t live = 0;
+    for (auto &x : domains_) live += x != nullptr;
+    domains_.front()->control().set_domains(live);
 }
 
 void Daemon::forget_idle_domains() {
-    if (domains_.size() > 1) (void)let_go_idle_domain(kForgetIdle, true);
-}
-
-bool Daemon::local_group(const std::string &group) const {
-    const auto *hosts = groups_.hosts_of(group);
-    return hosts && hosts->size() == 1;
+    while (domains_.size() > 1)
+        if (const size_t victim = idle_domain(kForgetIdle)) let_go(victim);
+        else return;
 }
 
 RingDomain *Daemon::domain_of(const std::string &group) {
-    if (!multi_host()) return nullptr;
     if (const auto *hosts = groups_.hosts_of(group)) {
-        if (hosts->size() == 1) return nullptr;  // this host alone
-        std::vector<uint32_t> members = *hosts;
-        if (members.empty()) {
-            members.resize(config_.hosts.size());
-            for (uint32_t i = 0; i < members.size(); ++i) members[i] = i;
-        }
-        auto d = domain_for(members);
-        if (!d) return nullptr;
-        group_domain_[group] = *d;
-        return *d;
+        RingDomain *d = find_domain(*hosts);  // made when the group joined
+        if (d) group_domain_[group] = d;
+        return d;
     }
-    auto it = group_domain_.find(group);  // gone here; its last failures still go to its domain
+    auto it = group_domain_.find(group);  // gone here; what is left of it is its domain's
     return it == group_domain_.end() ? nullptr : it->second;
 }
 
@@ -155,38 +154,27 @@ Result<std::vector<uint32_t>> Daemon::domain_hosts(const std::string &key) const
     return out;
 }
 
+// A hello for another ring domain: from one of its hosts, for a domain this host has (a group
+// over those hosts joined here). Until then the dialer is refused and dials again.
 Status Daemon::foreign_check(const proto::PeerHello &hello) {
     auto hosts = domain_hosts(hello.domain);
     if (!hosts) return hosts.error();
     auto from = find_host(config_, hello.from);
     if (!from || std::find(hosts->begin(), hosts->end(), static_cast<uint32_t>(*from)) == hosts->end())
         return make_error(-EACCES, "host " + hello.from + " is not in ring domain " + hello.domain);
-    size_t live = 0;
-    for (auto &d : domains_) {
-        if (!d) continue;
-        ++live;
-        if (d->members() == *hosts) return Ok{};
-    }
-    // Made when the connection is handed over (letting an idle one go if there is one to spare).
-    if (live >= config_.limits.ring_domains) {
-        bool spare = false;
-        for (size_t i = 1; i < domains_.size(); ++i)
-            spare = spare || (domains_[i] && domains_[i]->idle() && Clock::now() - domains_[i]->last_op() >= kLetGoIdle);
-        if (!spare)
-            return make_error(-EBUSY, "ring domain " + hello.domain + ": this host runs rings for " + std::to_string(live) +
-                                          " host sets (limits.ring_domains)");
-    }
+    if (!find_domain(*hosts))
+        return make_error(-EAGAIN, "ring domain " + hello.domain + ": no group over these hosts has joined on " + host_ + " yet");
     return Ok{};
 }
 
 void Daemon::adopt(UniqueFd fd, const proto::PeerHello &hello, const std::string &ip) {
     auto hosts = domain_hosts(hello.domain);
-    Result<RingDomain *> d = hosts ? domain_for(*hosts) : Result<RingDomain *>(hosts.error());
-    if (!d) {
-        spdlog::warn("a connection from {} for ring domain {}: {}", hello.from, hello.domain, d.error().message);
+    RingDomain *d = hosts ? find_domain(*hosts) : nullptr;
+    if (!d) {  // let go between its handshake and now
+        spdlog::debug("a connection from {} for ring domain {}: no such domain here now", hello.from, hello.domain);
         return;
     }
-    (*d)->control().adopt(std::move(fd), hello, ip);
+    d->control().adopt(std::move(fd), hello, ip);
 }
 
 }  // namespace ringd

@@ -20,6 +20,7 @@ constexpr uint32_t kMaxControlPayload = proto::kOpDataHeaderBytes + (32u << 20);
 
 constexpr uint64_t kListenerId = 0;
 constexpr auto kRedial = std::chrono::milliseconds(500);
+constexpr auto kQuietRepeats = std::chrono::seconds(30);
 constexpr int kMissedHeartbeats = 3;
 
 // SO_PRIORITY 6 (TC_PRIO_INTERACTIVE, the highest without CAP_NET_ADMIN: prio's first band) and
@@ -492,7 +493,7 @@ void ControlPlane::on_ring_start(uint64_t g) {
         // This host's links broke after it said they were up: the generation ends everywhere.
         aborted_max_ = g;
         const std::string why = "host " + peers_[self_].host.name + ": its links to the ring were not up any more";
-        spdlog::warn("ring generation {} aborted: {}", g, why);
+        spdlog::warn("{}ring generation {} aborted: {}", label(), g, why);
         send_to_all(proto::encode_ring_abort({g, why}));
         links_ready_ = false;
         return;
@@ -513,7 +514,7 @@ void ControlPlane::on_ring_start(uint64_t g) {
     ring_up_ = true;
     links_ready_ = false;
     generation_ = g;
-    spdlog::info("ring up: generation {}, {} hosts", generation_, n_);
+    spdlog::info("{}ring up: generation {}, {} hosts", label(), generation_, n_);
     Event e;
     e.kind = Event::Kind::RingUp;
     e.generation = generation_;
@@ -552,7 +553,17 @@ void ControlPlane::conn_failed(uint64_t id, const std::string &why) {
     if (it == conns_.end()) return;
     Conn &c = *it->second;
     const std::string who = c.dialer ? peers_[c.peer].host.name : c.remote;
-    spdlog::warn("{} connection {} {}: {}", kind_name(c.kind), c.dialer ? "to" : "from", who, why);
+    // The same failure again and again (a peer that is down, a domain a peer has not made yet) is
+    // logged once per kQuietRepeats; the repeats go to the debug level.
+    const auto now = Clock::now();
+    const std::string what = who + ": " + why;
+    auto &last = recent_failures_[what];
+    const bool repeat = last != Clock::time_point{} && now - last < kQuietRepeats;
+    if (!repeat) last = now;
+    if (recent_failures_.size() > 256) recent_failures_.clear();
+    // (An accepted connection's kind is known once its hello came.)
+    spdlog::log(repeat ? spdlog::level::debug : spdlog::level::warn, "{}{} connection {} {}: {}", label(),
+                c.dialer || c.state == ConnState::Up ? kind_name(c.kind) : "peer", c.dialer ? "to" : "from", who, why);
     if (c.dialer && c.kind == proto::ConnKind::Control) {
         peers_[c.peer].last_error = why;
         peers_[c.peer].next_dial = Clock::now() + kRedial;
@@ -584,7 +595,7 @@ void ControlPlane::abort_ring(const std::string &why, bool tell_peers) {
     ring_up_ = false;
     aborted_max_ = std::max(aborted_max_, generation_);
     if (self_ == 0) peer_ready_.assign(n_, 0);
-    spdlog::warn("ring generation {} aborted: {}", generation_, why);
+    spdlog::warn("{}ring generation {} aborted: {}", label(), generation_, why);
     if (tell_peers) {
         // Through each connection's queue, behind the frames already in it: written past a
         // partly sent frame it would tear that frame. Flushed before the data links close (the

@@ -166,6 +166,7 @@ private:
     void send_to_all(const proto::Bytes &frame);
     void set_state(uint32_t peer, const std::string &state);
     Status watch(int fd, uint64_t id, uint32_t events);
+    std::string label() const { return domain_.empty() ? std::string() : "ring domain " + domain_ + ": "; }
     uint32_t next() const { return (self_ + 1) % n_; }
     uint32_t prev() const { return (self_ + n_ - 1) % n_; }
 
@@ -208,6 +209,7 @@ private:
     Clock::time_point next_heartbeat_{};
     uint64_t heartbeat_generation_ = 0;
     std::optional<std::pair<Clock::time_point, std::string>> pending_link_failure_;
+    std::map<std::string, Clock::time_point> recent_failures_;  // connection failures last logged
 };
 
 }  // namespace ringd

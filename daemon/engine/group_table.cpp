@@ -78,7 +78,7 @@ void GroupTable::fail_seq(Group &g, uint64_t seq, int32_t code, const std::strin
     }
     ++g.ops_failed;
     ++totals_.ops_failed;
-    failures_.push_back({g.name, g.local_id, seq, code, message});
+    failures_.push_back({g.name, g.local_id, seq, code, message, g.hosts});
     if (std::count(f.told.begin(), f.told.end(), true) == static_cast<long>(g.local_size)) return;
     g.failed[seq] = std::move(f);
     g.failed_order.push_back(seq);
@@ -104,7 +104,7 @@ void GroupTable::submit(MemberId id, const proto::Submission &s, Clock::time_poi
             g.last_refused_seq = s.seq;
             ++g.ops_failed;
             ++totals_.ops_failed;
-            failures_.push_back({g.name, g.local_id, s.seq, -ECONNABORTED, at + g.broken});
+            failures_.push_back({g.name, g.local_id, s.seq, -ECONNABORTED, at + g.broken, g.hosts});
         }
         return;
     }
@@ -191,7 +191,7 @@ void GroupTable::leave(MemberId id, std::vector<Completion> &out) {
     }
     // Every later op of this incarnation (which the other hosts' ranks may be waiting in) fails
     // with the reason too.
-    if (first_departure) failures_.push_back({g.name, g.local_id, proto::kIncarnationEnds, -ECONNABORTED, "group " + g.name + ": " + why});
+    if (first_departure) failures_.push_back({g.name, g.local_id, proto::kIncarnationEnds, -ECONNABORTED, "group " + g.name + ": " + why, g.hosts});
     for (auto &[op_id, r] : g.running)
         if (r.failure.empty()) r.failure = "group " + g.name + " op " + std::to_string(r.seq) + ": " + why;
     if (g.joined() == 0) {

@@ -53,6 +53,7 @@ struct LocalFailure {
     uint64_t seq = 0;  // proto::kIncarnationEnds: every later op of this incarnation fails too
     int32_t code = 0;
     std::string message;
+    std::vector<uint32_t> hosts;  // the incarnation's hosts (its ring domain), as hosts_of() gave them
 };
 
 struct GroupSummary {

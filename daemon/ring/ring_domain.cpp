@@ -36,6 +36,9 @@ Result<std::unique_ptr<RingDomain>> RingDomain::create(Shared &shared, std::vect
         d->config_.hosts.push_back(h);
         if (!whole) d->key_ += (d->key_.empty() ? "" : ",") + h.name;
     }
+    if (d->key_.size() > proto::kMaxDomainBytes)
+        return make_error(-E2BIG, "the names of these hosts take " + std::to_string(d->key_.size()) +
+                                      " bytes, more than a ring domain's " + std::to_string(proto::kMaxDomainBytes));
     if (auto s = d->setup(); !s) return s.error();
     return d;
 }
@@ -162,7 +165,6 @@ void RingDomain::take_failure(const LocalFailure &f) {
 }
 
 void RingDomain::take_ready(OpRun run) {
-    last_op_ = Clock::now();
     HostOp op;
     if (!sh_.gateway->slots_of(run, op.slots)) {
         sh_.groups->finished(run.op_id, -ECONNRESET, run_left(run), *sh_.done);

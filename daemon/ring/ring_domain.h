@@ -100,7 +100,9 @@ public:
         const HostOps::Counts c = ops_.counts();
         return runs_.empty() && c.queued + c.reported + c.running + c.releasing == 0;
     }
-    Clock::time_point last_op() const { return last_op_; }
+    // When it last had a group here (made, an op, or the daemon's look at its groups).
+    Clock::time_point last_used() const { return last_used_; }
+    void touch(Clock::time_point now) { last_used_ = now; }
     // The "ring" object of `ringctl status --json` for this domain.
     nlohmann::json status() const;
 
@@ -170,7 +172,7 @@ private:
     std::vector<SelfMessage> self_inbox_;
     // Every op of the domain's groups past local matching, in its state (daemon/ops/host_ops.h).
     HostOps ops_;
-    Clock::time_point last_op_ = Clock::now();  // when an op of one of its groups last came
+    Clock::time_point last_used_ = Clock::now();
     // Per-link throughput, sampled every second by tick().
     Clock::time_point rate_at_{};
     uint64_t rate_bytes_next_ = 0, rate_bytes_prev_ = 0;

@@ -192,4 +192,15 @@ TEST_CASE("limits.ring_domains: a join that needs one more is refused while ever
     round_checked({&b}, DType::F32, ReduceOp::Avg, 600001, 2);
     CHECK(domain_status(c, 0, {"node0", "node1"}).is_null());
     CHECK_FALSE(domain_status(c, 0, {"node0", "node2"}).is_null());
+    // node1 still has {node0,node1} (no limit pressure there) and dials node0 for it: refused, not
+    // made again for node1's sake, and said once, not at every redial.
+    std::this_thread::sleep_for(2s);
+    CHECK(domain_status(c, 0, {"node0", "node1"}).is_null());
+    const std::string log = c.d[0]->log();
+    size_t said = 0;
+    for (size_t at = 0; (at = log.find("[warning] peer connection from 127.0.0.1: ring domain node0,node1: no group over "
+                                       "these hosts has joined", at)) != std::string::npos; ++at)
+        ++said;
+    CHECK(said >= 1);
+    CHECK(said == 1);  // not at every redial
 }

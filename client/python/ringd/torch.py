@@ -25,7 +25,6 @@ import select
 import socket as _socket
 import threading
 import uuid
-import warnings
 import weakref
 
 import torch
