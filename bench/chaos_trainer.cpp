@@ -41,6 +41,7 @@ namespace {
 struct Options {
     std::string socket, group = "chaos", stop_file;
     int host = 0, hosts = 1, local_rank = 0, local_size = 1;
+    std::string group_hosts;
     uint64_t seed = 1;
     int op_timeout_ms = 10000;     // ringd's timeouts.op
     double connect_deadline_s = 30;
@@ -122,8 +123,9 @@ int main(int argc, char **argv) {
     CLI::App app{"ringd-chaos-trainer: one rank of bench/chaos's job"};
     app.add_option("--socket", o.socket, "ringd's Unix socket")->required();
     app.add_option("--group", o.group, "group name")->capture_default_str();
-    app.add_option("--host", o.host, "this host's index in the ring")->required();
-    app.add_option("--hosts", o.hosts, "hosts in the ring")->required();
+    app.add_option("--host", o.host, "this host's index among the job's hosts (ring order)")->required();
+    app.add_option("--hosts", o.hosts, "the job's hosts")->required();
+    app.add_option("--group-hosts", o.group_hosts, "the group's hosts (names, comma-separated; default: every host)");
     app.add_option("--local-rank", o.local_rank, "this trainer's rank on the host")->required();
     app.add_option("--local-size", o.local_size, "trainers of the job on each host")->required();
     app.add_option("--seed", o.seed, "the job's op sequence")->capture_default_str();
@@ -166,7 +168,15 @@ int main(int argc, char **argv) {
     int tries = 0;
     for (;;) {
         ++tries;
-        c = ringd_connect(o.socket.c_str(), o.group.c_str(), o.local_rank, o.local_size, slot_bytes, err, sizeof err);
+        ringd_options opts{};
+        opts.struct_size = sizeof opts;
+        opts.socket_path = o.socket.c_str();
+        opts.group = o.group.c_str();
+        opts.local_rank = o.local_rank;
+        opts.local_size = o.local_size;
+        opts.slot_bytes = slot_bytes;
+        opts.hosts = o.group_hosts.c_str();
+        c = ringd_connect_opts(&opts, err, sizeof err);
         if (c) break;
         if (now_s() - t_start > o.connect_deadline_s || exists(o.stop_file)) {
             std::printf("connect_failed t=%.6f tries=%d msg=%s\n", now_s(), tries, err);

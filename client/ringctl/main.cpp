@@ -32,30 +32,40 @@ void print_human(const json &j) {
     std::printf("transport %s%s, poll %s, socket %s\n\n", j["transport"].get<std::string>().c_str(),
                 detail.empty() ? "" : (" (" + detail + ")").c_str(), j["poll"].get<std::string>().c_str(),
                 j["socket"].get<std::string>().c_str());
-    const auto &ring = j["ring"];
-    std::printf("ring: %s, generation %llu, %zu host(s), peers authenticated: %s\n", ring.value("state", "up").c_str(),
-                ring["generation"].get<unsigned long long>(), ring["members"].size(),
-                ring.value("auth", "?").c_str());
-    if (!ring.value("last_abort", "").empty()) std::printf("  last abort: %s\n", ring["last_abort"].get<std::string>().c_str());
-    if (ring["members"].size() > 1)
-        std::printf("  ops by algorithm: ring %llu, one-shot %llu, two-shot %llu\n",
-                    ring.value("ops_ring", 0ull), ring.value("ops_one_shot", 0ull), ring.value("ops_two_shot", 0ull));
-    std::printf("  %-16s %-22s %-12s %-34s %s\n", "HOST", "ADDRESS", "CONTROL", "DATA", "LAST ERROR");
-    for (const auto &m : ring["members"]) {
-        const std::string addr = m["address"].get<std::string>() + ":" + std::to_string(m["port"].get<int>());
-        std::string data;
-        auto link = [&](const char *key, const char *arrow) {
-            if (!m.contains(key)) return;
-            char b[96];
-            std::snprintf(b, sizeof b, "%s%s %s %.1f MB/s", data.empty() ? "" : ", ", arrow,
-                          format_bytes(m[key]["bytes"].get<uint64_t>()).c_str(), m[key]["rate_Bps"].get<double>() / 1e6);
-            data += b;
-        };
-        link("data_out", "->");
-        link("data_in", "<-");
-        std::printf("  %-16s %-22s %-12s %-34s %s\n", m["name"].get<std::string>().c_str(), addr.c_str(),
-                    m["link"].get<std::string>().c_str(), data.empty() ? "-" : data.c_str(),
-                    m.value("last_error", "").c_str());
+    // The whole ring, then each ring domain (the host set of groups over part of the ring).
+    auto print_ring = [](const std::string &title, const json &ring) {
+        std::printf("%s: %s, generation %llu, %zu host(s), peers authenticated: %s\n", title.c_str(),
+                    ring.value("state", "up").c_str(), ring["generation"].get<unsigned long long>(), ring["members"].size(),
+                    ring.value("auth", "?").c_str());
+        if (!ring.value("last_abort", "").empty()) std::printf("  last abort: %s\n", ring["last_abort"].get<std::string>().c_str());
+        if (ring["members"].size() > 1)
+            std::printf("  ops by algorithm: ring %llu, one-shot %llu, two-shot %llu\n", ring.value("ops_ring", 0ull),
+                        ring.value("ops_one_shot", 0ull), ring.value("ops_two_shot", 0ull));
+        std::printf("  %-16s %-22s %-12s %-34s %s\n", "HOST", "ADDRESS", "CONTROL", "DATA", "LAST ERROR");
+        for (const auto &m : ring["members"]) {
+            const std::string addr = m["address"].get<std::string>() + ":" + std::to_string(m["port"].get<int>());
+            std::string data;
+            auto link = [&](const char *key, const char *arrow) {
+                if (!m.contains(key)) return;
+                char b[96];
+                std::snprintf(b, sizeof b, "%s%s %s %.1f MB/s", data.empty() ? "" : ", ", arrow,
+                              format_bytes(m[key]["bytes"].get<uint64_t>()).c_str(), m[key]["rate_Bps"].get<double>() / 1e6);
+                data += b;
+            };
+            link("data_out", "->");
+            link("data_in", "<-");
+            std::printf("  %-16s %-22s %-12s %-34s %s\n", m["name"].get<std::string>().c_str(), addr.c_str(),
+                        m["link"].get<std::string>().c_str(), data.empty() ? "-" : data.c_str(),
+                        m.value("last_error", "").c_str());
+        }
+    };
+    print_ring("ring", j["ring"]);
+    const json domains = j.value("domains", json::array());
+    for (const auto &d : domains) {
+        std::string hosts;
+        for (const auto &h : d.value("hosts", json::array())) hosts += (hosts.empty() ? "" : ",") + h.get<std::string>();
+        std::printf("\n");
+        print_ring("ring domain " + hosts, d);
     }
     const auto others = j.value("groups_of_other_uids", 0ull);
     std::printf("\ngroups: %zu%s\n", j["groups"].size(),
