@@ -373,6 +373,7 @@ TEST_CASE("writes cross process boundaries: a forked responder sees the data and
                 p.dgid = theirs.gid;
                 p.dlid = theirs.lid;
                 p.dest_qpn = theirs.qpn;
+                p.timeout = 18;  // 1.07 s x 8 transmissions: a process under a sanitizer, on a busy machine
                 if (qp_to_init(api, b.qp.get(), 1).ok() && (b.post_recvs(1), true) && qp_to_rtr(api, b.qp.get(), p).ok() &&
                     qp_to_rts(api, b.qp.get(), p).ok()) {
                     char go = 1;
@@ -397,6 +398,9 @@ TEST_CASE("writes cross process boundaries: a forked responder sees the data and
     p.dgid = theirs.gid;
     p.dlid = theirs.lid;
     p.dest_qpn = theirs.qpn;
+    // The responder is another process, scheduled when the machine gets to it (under ThreadSanitizer
+    // next to another suite it once took longer than the 2 s the default allows): 1.07 s x 8.
+    p.timeout = 18;
     REQUIRE(qp_to_init(api, a.qp.get(), 1).ok());
     REQUIRE(qp_to_rtr(api, a.qp.get(), p).ok());
     REQUIRE(qp_to_rts(api, a.qp.get(), p).ok());
