@@ -103,6 +103,12 @@ TEST_CASE("five groups at once on 4 hosts, each over its own hosts with its own 
     CHECK(domain_status(c, 3, {"node0", "node2", "node3"})["ops_ring"].get<int>() >= 3);
     CHECK(c.status(2)["ring"]["ops_ring"].get<int>() >= 3);  // the whole ring's group
     CHECK(c.group(3, "d302")["hosts"] == json::array({"node0", "node2", "node3"}));
+    // ringctl shows each domain like the ring.
+    const auto out = run_command(env_or("RINGCTL_BIN", "build/client/ringctl") + " --socket " + c.d[1]->socket() + " status");
+    REQUIRE(out.exit_code == 0);
+    CHECK_THAT(out.output, Catch::Contains("ring domain node0,node1: up, generation") &&
+                               Catch::Contains("ring domain node1,node3: up, generation") &&
+                               !Catch::Contains("ring domain node2,node3"));
 }
 
 TEST_CASE("a host outside a group SIGKILLed does not disturb it; a host inside fails only its groups, which run "
