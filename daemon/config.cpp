@@ -207,7 +207,8 @@ Config parse_root(const YAML::Node &root) {
         c.poll = p == "event" ? PollMode::Event : p == "busy" ? PollMode::Busy : PollMode::Adaptive;
     }
     if (auto n = root["tuning"]) {
-        check_keys(n, "tuning", {"direct_max_bytes", "hop_latency_us", "link_mbit", "chunk_bytes", "depth"});
+        check_keys(n, "tuning", {"direct_max_bytes", "hop_latency_us", "link_mbit", "chunk_bytes", "depth", "lanes"});
+        if (n["lanes"]) c.tuning.lanes = static_cast<uint32_t>(get_uint(n["lanes"], "tuning.lanes", 1, 8));
         if (n["direct_max_bytes"]) {
             c.tuning.direct_max_bytes = get_size(n["direct_max_bytes"], "tuning.direct_max_bytes");
             if (c.tuning.direct_max_bytes > (16u << 20)) fail("tuning.direct_max_bytes", "must be at most 16MiB");

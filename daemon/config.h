@@ -69,6 +69,9 @@ struct Config {
         uint64_t link_mbit = 10'000;          // what one host can send per second
         uint64_t chunk_bytes = 512 << 10;     // the ring's pipeline: chunk size
         uint32_t depth = 8;                   // and receives in flight (staging = chunk x depth)
+        // Ring lanes per ring domain: each its own data links, staging and progress thread, so
+        // that the ring ops of groups over the same hosts run side by side (a group runs in one).
+        uint32_t lanes = 2;
     } tuning;
     std::string secret_file;  // auth.secret_file; empty: no authentication
     bool insecure = false;    // auth.insecure: several hosts may run without a secret

@@ -160,8 +160,8 @@ int Daemon::run() {
             }
             case kTimer: on_timer(); break;
             case kEngine: on_engine_results(); break;
-            case kRingEngine:
-                if (domains_.at(id)) domains_[id]->on_engine_results();
+            case kRingEngine:  // id: domain << 8 | lane
+                if (domains_.at(id >> 8)) domains_[id >> 8]->on_engine_results(id & 0xff);
                 break;
             case kClientSock: gateway_->on_readable(id); break;
             case kClientDoorbell: gateway_->on_doorbell(id); break;
@@ -262,12 +262,14 @@ bool Daemon::complete_and_start() {
 // The domain's control plane and progress thread, in this loop (as domains_[index]).
 Status Daemon::watch_domain(const RingDomain &d, uint32_t index) {
     if (auto s = epoll_add(epoll_.get(), d.control_fd(), tag(kControl, index)); !s) return s;
-    return epoll_add(epoll_.get(), d.engine_fd(), tag(kRingEngine, index));
+    for (uint32_t k = 0; k < d.lanes(); ++k)
+        if (auto s = epoll_add(epoll_.get(), d.engine_fd(k), tag(kRingEngine, index << 8 | k)); !s) return s;
+    return Ok{};
 }
 
 void Daemon::unwatch_domain(const RingDomain &d) {
     epoll_del(epoll_.get(), d.control_fd());
-    epoll_del(epoll_.get(), d.engine_fd());
+    for (uint32_t k = 0; k < d.lanes(); ++k) epoll_del(epoll_.get(), d.engine_fd(k));
 }
 
 std::string Daemon::run_left(const OpRun &run) {

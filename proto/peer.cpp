@@ -369,6 +369,7 @@ Bytes encode_op_start(const OpStart &s) {
     le::put<uint64_t>(&p[72], s.seq);
     le::put<uint64_t>(&p[80], s.op_id);
     le::put<uint32_t>(&p[88], s.total_ranks);
+    le::put<uint32_t>(&p[92], s.lane);
     le::put<uint64_t>(&p[96], s.incarnation);
     return encode_frame(FrameType::OpStart, p);
 }
@@ -383,6 +384,7 @@ Result<OpStart> decode_op_start(std::span<const uint8_t> p) {
     s.seq = le::get<uint64_t>(&p[72]);
     s.op_id = le::get<uint64_t>(&p[80]);
     s.total_ranks = le::get<uint32_t>(&p[88]);
+    s.lane = le::get<uint32_t>(&p[92]);
     s.incarnation = le::get<uint64_t>(&p[96]);
     if (s.total_ranks == 0) return bad("op start with no ranks");
     if (s.incarnation == 0) return bad("op start without an incarnation");

@@ -114,6 +114,9 @@ struct OpStart {
     uint64_t op_id = 0;        // unique within the generation: tags the op's messages
     uint32_t total_ranks = 0;  // avg divides by this
     uint64_t incarnation = 0;
+    // The lane it runs in (tuning.lanes): each lane of a ring domain has its own data links and
+    // progress thread, and runs its ops in this order; the coordinator gives each incarnation one.
+    uint32_t lane = 0;
 };
 struct OpFail {
     uint64_t generation = 0;

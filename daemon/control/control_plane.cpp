@@ -97,8 +97,9 @@ Result<std::unique_ptr<ControlPlane>> ControlPlane::create(const Config &config,
     }
     if (auto why = proto::check_name("cluster", config.cluster); !why.empty()) return make_error(-EINVAL, "cluster: " + why);
     // TCP stripes a link over tcp.streams connections; an ibverbs link needs one (bring-up, then
-    // liveness).
-    const uint32_t streams = config.transport == "tcp" ? config.tcp.streams : 1;
+    // liveness); each of the domain's lanes has a link of its own (ring_up hands them over lane by
+    // lane, in stream order).
+    const uint32_t streams = (config.transport == "tcp" ? config.tcp.streams : 1) * std::max<uint32_t>(1, config.tuning.lanes);
     cp->data_out_.assign(streams, 0);
     cp->data_in_.assign(streams, 0);
     cp->epoll_ = UniqueFd(::epoll_create1(EPOLL_CLOEXEC));

@@ -93,6 +93,13 @@ void Coordinator::join(uint32_t host, const proto::GroupJoin &j, Decisions &out)
     Incarnation inc;
     inc.group = j.group;
     inc.max_seq.assign(n, 0);
+    // The lane the fewest of the other groups' running incarnations use (the lowest of those).
+    std::vector<uint32_t> use(lanes_, 0);
+    for (const auto &[name, g] : groups_) {
+        if (name == j.group || !g.current) continue;
+        if (const Incarnation *other = find(g.current); other && other->end_code == 0) ++use[other->lane % lanes_];
+    }
+    inc.lane = static_cast<uint32_t>(std::min_element(use.begin(), use.end()) - use.begin());
     for (uint32_t h = 0; h < n; ++h) {
         inc.local_ids.push_back(run.joins[h]->local_id);
         out.groups.push_back({h, {generation_, j.group, run.joins[h]->local_id, id, 0, {}}});
@@ -239,7 +246,10 @@ void Coordinator::report(uint32_t host, const proto::OpReport &r, Clock::time_po
         total += b->local_size;
     }
     // A one- or two-shot op completes on every host by itself; a ring op starts now, in this order.
-    if (r.algorithm == 0) out.starts.push_back({generation_, r.group, r.seq, next_op_id_++, total, r.incarnation});
+    if (r.algorithm == 0) {
+        const Incarnation *inc = find(r.incarnation);
+        out.starts.push_back({generation_, r.group, r.seq, next_op_id_++, total, r.incarnation, inc ? inc->lane : 0});
+    }
     decide(k, std::nullopt);
 }
 

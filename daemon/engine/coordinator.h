@@ -14,7 +14,9 @@
 // that did not report within timeouts.op, named, a host that is past the op, an incarnation that
 // ended). Starts go to every host in one order, which is the order every host's progress thread
 // runs ring ops in — so no two hosts ever wait on each other's different ops. Fails go to every
-// host, and again to one that reports the op later. Ops that skip the ring (reports
+// host, and again to one that reports the op later. Each agreed incarnation gets a lane
+// (OpStart::lane), the least used by the groups' current incarnations: lanes run side by side on
+// every host, each in this order. Ops that skip the ring (reports
 // with an `algorithm`: one-shot or two-shot) need no start: when all hosts reported them alike
 // they are decided silently.
 //
@@ -37,8 +39,10 @@ namespace ringd {
 
 class Coordinator {
 public:
-    Coordinator(std::vector<std::string> hosts, std::chrono::milliseconds op_timeout)
-        : hosts_(std::move(hosts)), op_timeout_(op_timeout) {}
+    // `lanes` (tuning.lanes): each agreed incarnation runs its ring ops in one of them, the one
+    // fewest running incarnations use, so that groups of the same hosts run side by side.
+    Coordinator(std::vector<std::string> hosts, std::chrono::milliseconds op_timeout, uint32_t lanes = 1)
+        : hosts_(std::move(hosts)), op_timeout_(op_timeout), lanes_(std::max<uint32_t>(1, lanes)) {}
 
     struct Decisions {
         std::vector<proto::OpStart> starts;                                  // to every host
@@ -68,6 +72,7 @@ private:
         std::vector<uint64_t> max_seq;    // by host: the highest seq it reported in this generation
         int32_t end_code = 0;             // non-zero once it ended; later ops fail with end_message
         std::string end_message;
+        uint32_t lane = 0;
     };
     struct Join {
         uint64_t local_id = 0;
@@ -87,6 +92,7 @@ private:
 
     std::vector<std::string> hosts_;
     std::chrono::milliseconds op_timeout_;
+    uint32_t lanes_ = 1;
     uint64_t generation_ = 0;
     uint64_t next_op_id_ = 1;
     uint64_t next_incarnation_ = 1;

@@ -44,33 +44,37 @@ Result<std::unique_ptr<RingDomain>> RingDomain::create(Shared &shared, std::vect
 }
 
 RingDomain::~RingDomain() {
-    if (engine_) engine_->stop();
+    for (auto &l : lanes_) l->engine->stop();
 }
 
 Status RingDomain::setup() {
-    if (whole_ring()) {
-        transport_ = sh_.transport;
-    } else {
-        auto t = sh_.transport->sibling();
-        if (!t) return t.error();
-        own_transport_ = std::move(*t);
-        transport_ = own_transport_.get();
-    }
     RingOptions ring_options;
     ring_options.chunk_bytes = config_.tuning.chunk_bytes;
     ring_options.depth = config_.tuning.depth;
     ring_options.spin_us = config_.poll == PollMode::Busy ? -1 : config_.poll == PollMode::Event ? 0 : 50;
-    // Receive staging for the ring and its f32 work area (f16/bf16 sums and averages),
-    // registered once for the domain's lifetime.
     const uint64_t staging_bytes = RingAllreduce::staging_bytes(ring_options);
-    staging_mem_.reset(new (std::nothrow) std::byte[staging_bytes]);
-    if (!staging_mem_) return make_error(-ENOMEM, "cannot set up the ring's staging memory");
-    auto reg = transport_->register_region(staging_mem_.get(), staging_bytes);
-    if (!reg) return reg.error();
-    staging_ = RegisteredRegion(transport_, *reg);
-    auto e = ProgressEngine::start(transport_, staging_.handle(), ring_options, config_.timeouts.op);
-    if (!e) return e.error();
-    engine_ = std::move(*e);
+    for (uint32_t k = 0; k < std::max<uint32_t>(1, config_.tuning.lanes); ++k) {
+        auto l = std::make_unique<Lane>();
+        if (whole_ring() && k == 0) {
+            l->transport = sh_.transport;
+        } else {
+            auto t = sh_.transport->sibling();
+            if (!t) return t.error();
+            l->own_transport = std::move(*t);
+            l->transport = l->own_transport.get();
+        }
+        // Receive staging for the ring and its f32 work area (f16/bf16 sums and averages),
+        // registered once for the domain's lifetime.
+        l->staging_mem.reset(new (std::nothrow) std::byte[staging_bytes]);
+        if (!l->staging_mem) return make_error(-ENOMEM, "cannot set up the ring's staging memory");
+        auto reg = l->transport->register_region(l->staging_mem.get(), staging_bytes);
+        if (!reg) return reg.error();
+        l->staging = RegisteredRegion(l->transport, *reg);
+        auto e = ProgressEngine::start(l->transport, l->staging.handle(), ring_options, config_.timeouts.op);
+        if (!e) return e.error();
+        l->engine = std::move(*e);
+        lanes_.push_back(std::move(l));
+    }
 
     ControlPlane::Callbacks cb;
     cb.ring_up = [this](uint64_t g, std::vector<UniqueFd> to_next, std::vector<UniqueFd> from_prev) {
@@ -87,7 +91,7 @@ Status RingDomain::setup() {
     control_ = std::move(*cp);
     std::vector<std::string> names;
     for (const auto &h : config_.hosts) names.push_back(h.name);
-    if (self_index_ == kCoordinator) coordinator_.emplace(names, config_.timeouts.op);
+    if (self_index_ == kCoordinator) coordinator_.emplace(names, config_.timeouts.op, lanes());
     exchange_ = std::make_unique<DirectExchange>(
         self_index_, std::move(names), [this](uint32_t h, const proto::Bytes &f) { (void)control_->send(h, f); },
         [this](uint32_t h) { return control_->queued_bytes(h); });
@@ -98,15 +102,19 @@ Status RingDomain::setup() {
 void RingDomain::on_ring_up(uint64_t generation, std::vector<UniqueFd> to_next, std::vector<UniqueFd> from_prev) {
     local_generation_ = generation;
     const uint32_t n = static_cast<uint32_t>(config_.hosts.size());
-    RingLinks l;
-    l.generation = generation;
-    l.rank = self_index_;
-    l.size = n;
-    l.next_name = config_.hosts[(self_index_ + 1) % n].name;
-    l.prev_name = config_.hosts[(self_index_ + n - 1) % n].name;
-    l.to_next = std::move(to_next);
-    l.from_prev = std::move(from_prev);
-    engine_->ring_up(std::move(l));
+    // The data connections lane by lane (ControlPlane: streams x lanes, in stream order).
+    const size_t per = to_next.size() / lanes_.size();
+    for (size_t k = 0; k < lanes_.size(); ++k) {
+        RingLinks l;
+        l.generation = generation;
+        l.rank = self_index_;
+        l.size = n;
+        l.next_name = config_.hosts[(self_index_ + 1) % n].name;
+        l.prev_name = config_.hosts[(self_index_ + n - 1) % n].name;
+        for (size_t i = k * per; i < (k + 1) * per && i < to_next.size(); ++i) l.to_next.push_back(std::move(to_next[i]));
+        for (size_t i = k * per; i < (k + 1) * per && i < from_prev.size(); ++i) l.from_prev.push_back(std::move(from_prev[i]));
+        lanes_[k]->engine->ring_up(std::move(l));
+    }
     // The generation is agreed: every host reports ops in it from now on.
     coord_generation_ = generation;
     coord_known_ = true;
@@ -122,7 +130,7 @@ void RingDomain::on_ring_up(uint64_t generation, std::vector<UniqueFd> to_next, 
 }
 
 void RingDomain::on_ring_down(const std::string &why) {
-    engine_->ring_down(local_generation_);
+    for (auto &l : lanes_) l->engine->ring_down(local_generation_);
     ring_down_reason_ = (whole_ring() ? "" : "ring domain " + key_ + ": ") + "ring generation " +
                         std::to_string(local_generation_) + " aborted: " + why;
     record_error(ring_down_reason_);
@@ -493,7 +501,7 @@ void RingDomain::on_start(const proto::OpStart &s) {
     w.op_tag = static_cast<uint32_t>(s.op_id);
     w.deadline = op.deadline;
     ops_.running(w.op_id, local_generation_, w.deadline);
-    engine_->post(std::move(w));
+    lanes_[s.lane % lanes_.size()]->engine->post(std::move(w));
 }
 
 void RingDomain::on_fail(const proto::OpFail &f) {
@@ -548,9 +556,9 @@ bool RingDomain::settle_step() {
     return moved;
 }
 
-void RingDomain::on_engine_results() {
+void RingDomain::on_engine_results(uint32_t lane) {
     std::string link_failure;
-    for (auto &r : engine_->take_results()) {
+    for (auto &r : lanes_.at(lane)->engine->take_results()) {
         const bool ring_ending = r.link_failed && r.generation == local_generation_;
         if (ring_ending) link_failure = r.message;
         if (r.op_id == 0) continue;
@@ -568,7 +576,7 @@ void RingDomain::tick(Clock::time_point now) {
     forget_gone_runs();  // also while the ring is down (settle_step reports only while it is up)
     const double dt = std::chrono::duration<double>(now - rate_at_).count();
     if (dt >= 1.0) {
-        const uint64_t out = engine_->bytes_to_next(), in = engine_->bytes_from_prev();
+        const uint64_t out = bytes_to_next(), in = bytes_from_prev();
         rate_next_ = static_cast<double>(out - rate_bytes_next_) / dt;
         rate_prev_ = static_cast<double>(in - rate_bytes_prev_) / dt;
         rate_bytes_next_ = out;
@@ -578,9 +586,23 @@ void RingDomain::tick(Clock::time_point now) {
 }
 
 void RingDomain::shutdown() {
-    engine_->ring_down(local_generation_);  // a ring op in progress returns at once
-    engine_->stop();
-    (void)engine_->take_results();
+    for (auto &l : lanes_) {
+        l->engine->ring_down(local_generation_);  // a ring op in progress returns at once
+        l->engine->stop();
+        (void)l->engine->take_results();
+    }
+}
+
+uint64_t RingDomain::bytes_to_next() const {
+    uint64_t b = 0;
+    for (const auto &l : lanes_) b += l->engine->bytes_to_next();
+    return b;
+}
+
+uint64_t RingDomain::bytes_from_prev() const {
+    uint64_t b = 0;
+    for (const auto &l : lanes_) b += l->engine->bytes_from_prev();
+    return b;
 }
 
 nlohmann::json RingDomain::status() const {
@@ -594,8 +616,8 @@ nlohmann::json RingDomain::status() const {
         json m = {{"name", p.name}, {"address", p.address}, {"port", p.port}, {"self", p.self},
                   {"link", p.self ? "self" : p.control}, {"last_error", p.last_error},
                   {"last_heard_s", p.last_heard_s}, {"next", i == next}, {"prev", i == prev}};
-        if (i == next) m["data_out"] = {{"bytes", engine_->bytes_to_next()}, {"rate_Bps", rate_next_}};
-        if (i == prev) m["data_in"] = {{"bytes", engine_->bytes_from_prev()}, {"rate_Bps", rate_prev_}};
+        if (i == next) m["data_out"] = {{"bytes", bytes_to_next()}, {"rate_Bps", rate_next_}};
+        if (i == prev) m["data_in"] = {{"bytes", bytes_from_prev()}, {"rate_Bps", rate_prev_}};
         members.push_back(std::move(m));
     }
     json hosts = json::array();
@@ -608,6 +630,7 @@ nlohmann::json RingDomain::status() const {
             {"ops_one_shot", ops_one_shot_},
             {"ops_two_shot", ops_two_shot_},
             {"size", n},
+            {"lanes", lanes_.size()},
             {"hosts", hosts},
             {"members", members},
             {"op_states", {{"queued", oc.queued}, {"reported", oc.reported}, {"running", oc.running}, {"releasing", oc.releasing}}},

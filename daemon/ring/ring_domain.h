@@ -5,12 +5,14 @@
 // A domain has everything a ring needs, for its hosts only: its control plane (connections,
 // heartbeats, generations; only the whole ring's plane listens and hands the other domains'
 // connections over), its coordinator (its first host in ring order), its ops (HostOps) and their
-// reports, incarnations and direct exchange, its own data links and progress thread (a sibling of
-// the daemon's transport: one registration of a slot serves every domain). So a host outside a
+// reports, incarnations and direct exchange, its own data links and progress threads, one per
+// lane (tuning.lanes; each on a sibling of the daemon's transport: one registration of a slot
+// serves every domain). So a host outside a
 // domain never sees its frames, a member's failure ends that domain's generation only, and the
 // ring ops of different domains run at the same time, each on its own links, sharing the network
-// as their TCP flows (or QPs) do. Within a domain ring ops run one at a time in the coordinator's
-// order; groups of the same hosts share that order.
+// as their TCP flows (or QPs) do. Within a domain each group runs in a lane the coordinator gives
+// it (the least used), so groups of the same hosts run side by side too; within a lane ring ops
+// run one at a time in the coordinator's order.
 //
 // An op of a group goes: ready on this host (all local ranks submitted it) -> once the hosts
 // agreed on the group's incarnation in this generation (GroupJoin / GroupIncarnation, see
@@ -79,7 +81,8 @@ public:
     const std::vector<uint32_t> &members() const { return members_; }
     bool whole_ring() const { return key_.empty(); }
     int control_fd() const { return control_->fd(); }
-    int engine_fd() const { return engine_->result_fd(); }
+    uint32_t lanes() const { return static_cast<uint32_t>(lanes_.size()); }
+    int engine_fd(uint32_t lane) const { return lanes_.at(lane)->engine->result_fd(); }
     ControlPlane &control() { return *control_; }
 
     // This host's failures and ready ops of the domain's groups, in local order.
@@ -89,7 +92,7 @@ public:
     // control plane's events. Returns whether anything moved.
     bool settle_step();
     void on_control_ready() { control_->on_ready(); }
-    void on_engine_results();
+    void on_engine_results(uint32_t lane);
     void tick(Clock::time_point now);
     void shutdown();
     // Whether the domain still has anything of `group` (ops, an incarnation being agreed).
@@ -135,10 +138,6 @@ private:
     std::string key_;
     std::vector<uint32_t> members_;
     uint32_t self_index_ = 0;  // in members_
-    std::unique_ptr<NetworkTransport> own_transport_;  // a sibling of the daemon's (not the whole ring)
-    NetworkTransport *transport_ = nullptr;
-    std::unique_ptr<std::byte[]> staging_mem_;
-    RegisteredRegion staging_;  // after staging_mem_: deregistered before it is freed
     std::unique_ptr<ControlPlane> control_;
     std::optional<Coordinator> coordinator_;  // on the first host in ring order
     // This host's side of each group's incarnation (proto/peer.h): its local incarnation, and
@@ -177,9 +176,22 @@ private:
     Clock::time_point rate_at_{};
     uint64_t rate_bytes_next_ = 0, rate_bytes_prev_ = 0;
     double rate_next_ = 0, rate_prev_ = 0;
-    // Last: the progress thread stops (and drops its references to slots and links) before
-    // anything above goes away.
-    std::unique_ptr<ProgressEngine> engine_;
+    // A lane (tuning.lanes): its data links, staging and progress thread; the coordinator puts
+    // each group's incarnation in one (OpStart::lane). Lane 0 of the whole ring runs on the
+    // daemon's transport, every other lane on a sibling of it.
+    struct Lane {
+        std::unique_ptr<NetworkTransport> own_transport;
+        NetworkTransport *transport = nullptr;
+        std::unique_ptr<std::byte[]> staging_mem;
+        RegisteredRegion staging;  // after staging_mem: deregistered before it is freed
+        // Last: the progress thread stops (and drops its references to slots and links) before
+        // anything above goes away.
+        std::unique_ptr<ProgressEngine> engine;
+    };
+    uint64_t bytes_to_next() const;
+    uint64_t bytes_from_prev() const;
+    // Last: every lane's progress thread stops before anything above goes away.
+    std::vector<std::unique_ptr<Lane>> lanes_;
 };
 
 }  // namespace ringd

@@ -210,3 +210,34 @@ TEST_CASE("limits.ring_domains: a join that needs one more is refused while ever
     CHECK(said >= 1);
     CHECK(said == 1);  // not at every redial
 }
+
+TEST_CASE("groups over the same hosts run side by side in lanes: a ring op of one is not held behind a large "
+          "one of another (with one lane it is)",
+          "[cluster][domains][lanes]") {
+    const int lanes = GENERATE(2, 1);
+    INFO("tuning.lanes " << lanes);
+    // Every op on the ring (no direct exchange, which would not wait for ring ops anyway).
+    TestCluster c(3, ClusterOptions{"20s", "", "tuning: {direct_max_bytes: 0, lanes: " + std::to_string(lanes) + "}\n",
+                                    "64MiB"});
+    REQUIRE(c.wait_up());
+    Clients big = connect_all(c, "big", 1, 56 << 20), small = connect_all(c, "small", 1, 4 << 20);
+    allreduce_checked(big, DType::F32, ReduceOp::Sum, 1000, 1);  // both incarnations agreed: their lanes given
+    allreduce_checked(small, DType::F32, ReduceOp::Sum, 1000, 2);
+    const size_t big_count = 12 << 20;  // 48 MiB: a few hundred ms on this ring
+    CheckedOp b = submit_checked(big, DType::F32, ReduceOp::Sum, big_count, 3);
+    SlotWatch big_moves(*big[0], b.range[0].offset, big_count);
+    REQUIRE(wait_data_moving(big_moves) >= 0);  // the large op runs
+    const size_t small_count = 600001;
+    const CheckedOp s = submit_checked(small, DType::F32, ReduceOp::Avg, small_count, 4);  // a ring op
+    SlotWatch small_moves(*small[0], s.range[0].offset, small_count, 1024);
+    REQUIRE(wait_data_moving(small_moves) >= 0);
+    // The small op moves data: is the large one still running? (This host's ringd gave neither
+    // back yet, or only the small one.)
+    const json g = c.group(0, "big");
+    wait_checked(small, s);
+    wait_checked(big, b);
+    INFO("the large group when the small op's data moved: " << g.dump());
+    if (lanes == 2) CHECK(g["running_ops"] == 1);  // side by side
+    else CHECK(g["running_ops"] == 0);             // one lane: the small op waited for the large one
+    CHECK(c.status(0)["ring"]["lanes"] == lanes);
+}

@@ -90,8 +90,8 @@ TEST_CASE("the unit runs ringd as its own user without capabilities; a 2-host ri
     o.uid = 65534;
     o.gid = 65534;
     // Small enough for the 8 MiB memory-lock limit of a container that cannot raise it (the unit
-    // sets LimitMEMLOCK=infinity): 1 MiB slots, 64 KiB x 4 staging, a 4 MiB work area.
-    o.extra_yaml = transport + "tuning: {chunk_bytes: 64KiB, depth: 4}\n";
+    // sets LimitMEMLOCK=infinity): 1 MiB slots, one lane of 64 KiB x 4 staging and a 4 MiB work area.
+    o.extra_yaml = transport + "tuning: {chunk_bytes: 64KiB, depth: 4, lanes: 1}\n";
     TestCluster c(2, o);
     REQUIRE(c.wait_up());
     for (uint32_t h = 0; h < 2; ++h) {

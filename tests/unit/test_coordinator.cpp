@@ -28,8 +28,8 @@ proto::OpReport ready(uint64_t inc, uint64_t seq, uint64_t count = 100, DType t 
     return {7, g, seq, count, static_cast<uint32_t>(t), static_cast<uint32_t>(op), local, 0, "", 0, inc, 1000};
 }
 
-proto::OpReport failed(uint64_t inc, uint64_t seq, const std::string &why) {
-    proto::OpReport r = ready(inc, seq);
+proto::OpReport failed(uint64_t inc, uint64_t seq, const std::string &why, const std::string &g = "g") {
+    proto::OpReport r = ready(inc, seq, 100, DType::F32, ReduceOp::Sum, 2, g);
     r.status = -ECONNABORTED;
     r.message = why;
     return r;
@@ -333,4 +333,28 @@ TEST_CASE("one-/two-shot ops are decided without a start; hosts on different alg
     c.expire(Clock::now() + 2s, d);
     REQUIRE(d.fails.size() == 6);
     CHECK_THAT(d.fails[5].second.message, Catch::Contains("host(s) b did not submit it"));
+}
+
+TEST_CASE("each agreed incarnation runs in the lane its groups use least; a lane freed by a job's end is "
+          "used again",
+          "[coordinator]") {
+    Coordinator c({"a", "b"}, 1000ms, 2);
+    c.reset(7);
+    const auto t0 = Clock::now();
+    auto lane_of = [&](uint64_t inc, const std::string &g, uint64_t seq) {
+        Coordinator::Decisions d;
+        for (uint32_t h = 0; h < 2; ++h) c.report(h, ready(inc, seq, 100, DType::F32, ReduceOp::Sum, 1, g), t0, d);
+        REQUIRE(d.starts.size() == 1);
+        return d.starts[0].lane;
+    };
+    const uint64_t a = agree(c, 2, "a"), b = agree(c, 2, "b"), x = agree(c, 2, "x");
+    CHECK(lane_of(a, "a", 1) == 0);
+    CHECK(lane_of(b, "b", 1) == 1);  // beside a
+    CHECK(lane_of(x, "x", 1) == 0);  // both used once: the lowest
+    CHECK(lane_of(a, "a", 2) == 0);  // a group stays in its lane
+    // b's job ends (its ranks left on a host): the next group gets its lane.
+    Coordinator::Decisions d;
+    c.report(0, failed(b, proto::kIncarnationEnds, "host a local rank 0 left", "b"), t0, d);
+    const uint64_t y = agree(c, 2, "y");
+    CHECK(lane_of(y, "y", 1) == 1);
 }

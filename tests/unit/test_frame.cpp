@@ -284,7 +284,7 @@ TEST_CASE("decoders survive random mutations of valid frames", "[proto]") {
                                       encode_heartbeat({1, 2}),
                                       encode_op_report({1, "g", 2, 100, 0, 1, 2, 0, "", 0, 5}),
                                       encode_op_report({1, "g", 3, 0, 0, 0, 0, -5, "host a: local rank 1 left", 0, 5}),
-                                      encode_op_start({1, "g", 2, 7, 8, 5}), encode_op_fail({1, "g", 2, -22, "mismatch", 5}),
+                                      encode_op_start({1, "g", 2, 7, 8, 5, 1}), encode_op_fail({1, "g", 2, -22, "mismatch", 5}),
                                       encode_group_join({1, "g", 9, 0}), encode_ring_ready({4, true}), encode_ring_start(5), encode_group_incarnation({1, "g", 9, 5, 0, ""}),
                                       encode_group_incarnation({1, "g", 9, 0, -103, "host b started it anew"}),
                                       encode_ring_abort({3, "host b: no heartbeat"}),
@@ -488,13 +488,14 @@ TEST_CASE("op negotiation frames round-trip and are validated", "[proto]") {
     timed.remaining_ms = 12345;
     CHECK(decode_op_report(payload_of(encode_op_report(timed)))->remaining_ms == 12345);
 
-    auto s = decode_op_start(payload_of(encode_op_start({3, "grp", 9, 44, 8, 77})));
+    auto s = decode_op_start(payload_of(encode_op_start({3, "grp", 9, 44, 8, 77, 3})));
     REQUIRE(s.ok());
     CHECK(s->op_id == 44);
     CHECK(s->total_ranks == 8);
     CHECK(s->incarnation == 77);
-    CHECK_FALSE(decode_op_start(payload_of(encode_op_start({3, "grp", 9, 44, 0, 77}))).ok());
-    CHECK_FALSE(decode_op_start(payload_of(encode_op_start({3, "grp", 9, 44, 8, 0}))).ok());
+    CHECK(s->lane == 3);
+    CHECK_FALSE(decode_op_start(payload_of(encode_op_start({3, "grp", 9, 44, 0, 77, 0}))).ok());
+    CHECK_FALSE(decode_op_start(payload_of(encode_op_start({3, "grp", 9, 44, 8, 0, 0}))).ok());
     auto fl = decode_op_fail(payload_of(encode_op_fail({3, "grp", 9, -5, "host b did not submit it", 77})));
     REQUIRE(fl.ok());
     CHECK(fl->message == "host b did not submit it");
