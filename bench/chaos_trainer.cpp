@@ -31,6 +31,7 @@
 #include <CLI/CLI.hpp>
 
 #include "bench/bench_data.h"
+#include "bench/connect.h"
 #include "common/fd_io.h"
 #include "ringd/ringd.h"
 
@@ -168,15 +169,7 @@ int main(int argc, char **argv) {
     int tries = 0;
     for (;;) {
         ++tries;
-        ringd_options opts{};
-        opts.struct_size = sizeof opts;
-        opts.socket_path = o.socket.c_str();
-        opts.group = o.group.c_str();
-        opts.local_rank = o.local_rank;
-        opts.local_size = o.local_size;
-        opts.slot_bytes = slot_bytes;
-        opts.hosts = o.group_hosts.c_str();
-        c = ringd_connect_opts(&opts, err, sizeof err);
+        c = bench::connect_group(o.socket, o.group, o.local_rank, o.local_size, slot_bytes, o.group_hosts, err, sizeof err);
         if (c) break;
         if (now_s() - t_start > o.connect_deadline_s || exists(o.stop_file)) {
             std::printf("connect_failed t=%.6f tries=%d msg=%s\n", now_s(), tries, err);

@@ -16,6 +16,7 @@
 
 #include "bench/baselines/baseline_table.h"
 #include "bench/bench_data.h"
+#include "bench/connect.h"
 #include "common/fd_io.h"
 #include "common/status_client.h"
 #include "common/units.h"
@@ -117,15 +118,8 @@ int main(int argc, char **argv) {
                              "size %zu): set memory.slot_bytes to at least %zu for full guards\n",
                      room, static_cast<unsigned long long>(slot_limit), largest, largest + 2 * bench::kGuardBytes);
     char err[512] = "";
-    ringd_options opts{};
-    opts.struct_size = sizeof opts;
-    opts.socket_path = o.socket.c_str();
-    opts.group = o.group.c_str();
-    opts.local_rank = o.local_rank;
-    opts.local_size = o.local_size;
-    opts.slot_bytes = slot_bytes;
-    opts.hosts = o.group_hosts.c_str();
-    ringd_client *c = ringd_connect_opts(&opts, err, sizeof err);
+    ringd_client *c = bench::connect_group(o.socket, o.group, o.local_rank, o.local_size, slot_bytes, o.group_hosts, err,
+                                           sizeof err);
     if (!c) return fail(o, err);
     size_t have = 0;
     void *buf = ringd_slot(c, &have);

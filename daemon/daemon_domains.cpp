@@ -119,7 +119,7 @@ void Daemon::forget_idle_domains() {
 RingDomain *Daemon::domain_of(const std::string &group) {
     if (const auto *hosts = groups_.hosts_of(group)) {
         RingDomain *d = find_domain(*hosts);  // made when the group joined
-        if (d) group_domain_[group] = d;
+        if (d) group_domain_.insert_or_assign(group, d);
         return d;
     }
     auto it = group_domain_.find(group);  // gone here; what is left of it is its domain's

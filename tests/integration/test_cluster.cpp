@@ -505,18 +505,7 @@ TEST_CASE("ringd_connect_opts: the group's hosts, checked on join; every host's 
     TestCluster c(2);
     REQUIRE(c.wait_up());
     auto join = [&](uint32_t host, const char *group, int rank, int size, const char *hosts, std::string &err) {
-        ringd_options o{};
-        o.struct_size = sizeof o;
-        o.socket_path = c.d[host]->socket().c_str();
-        o.group = group;
-        o.local_rank = rank;
-        o.local_size = size;
-        o.slot_bytes = 1 << 20;
-        o.hosts = hosts;
-        char e[512] = "";
-        ringd_client *cl = ringd_connect_opts(&o, e, sizeof e);
-        err = e;
-        return std::unique_ptr<ringd_client, void (*)(ringd_client *)>(cl, ringd_close);
+        return join_opts(c, host, group, rank, size, hosts, err, 1 << 20);
     };
     std::string err;
     const std::pair<const char *, const char *> refused[] = {

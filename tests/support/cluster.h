@@ -137,6 +137,26 @@ inline Clients connect_on(TestCluster &c, const std::string &group, const std::v
     return v;
 }
 
+using ClientPtr = std::unique_ptr<ringd_client, void (*)(ringd_client *)>;
+
+// One trainer joining `group` on daemon `host` through ringd_connect_opts with the group's hosts;
+// null (and ringd's message in `err`) when ringd refuses the join.
+inline ClientPtr join_opts(TestCluster &c, uint32_t host, const char *group, int rank, int size, const char *hosts,
+                           std::string &err, size_t slot_bytes = 4096) {
+    ringd_options o{};
+    o.struct_size = sizeof o;
+    o.socket_path = c.d[host]->socket().c_str();
+    o.group = group;
+    o.local_rank = rank;
+    o.local_size = size;
+    o.slot_bytes = slot_bytes;
+    o.hosts = hosts;
+    char e[512] = "";
+    ringd_client *cl = ringd_connect_opts(&o, e, sizeof e);
+    err = e;
+    return ClientPtr(cl, ringd_close);
+}
+
 // Rank g's range of an op: a different offset on every rank, guard bytes before and after.
 inline bench::GuardedRange rank_range(const Client &cl, size_t g, DType t, size_t count, uint64_t seed) {
     const size_t offset = bench::kGuardBytes + ((seed + g * 7) % 64) * 8;
