@@ -382,6 +382,11 @@ TEST_CASE("writes cross process boundaries: a forked responder sees the data and
                     bool ok = wc.size() == 1 && wc[0].status == IBV_WC_SUCCESS && ntohl(wc[0].imm_data) == 42;
                     for (size_t i = 0; ok && i < 65536; ++i) ok = b.buf[i] == static_cast<uint8_t>(i % 251);
                     rc = ok ? 0 : 2;
+                    // Stay until the requester has its acknowledgement: a responder that goes away
+                    // right after its receive completed may take the ACK with it (a real HCA's QP
+                    // does too when its process exits), and the requester then sees a retry error.
+                    pollfd done{to_child[0], POLLIN, 0};
+                    (void)::poll(&done, 1, 10000);
                 }
             }
         }
@@ -419,6 +424,8 @@ TEST_CASE("writes cross process boundaries: a forked responder sees the data and
     ibv_send_wr *bad;
     REQUIRE(api.post_send(a.qp.get(), &wr, &bad) == 0);
     auto wc = a.wait(1, 10s);
+    const char done = 1;
+    (void)!::write(to_child[1], &done, 1);  // the responder may go now
     REQUIRE(wc.size() == 1);
     CHECK(wc[0].status == IBV_WC_SUCCESS);
     int status = 0;
