@@ -2,12 +2,13 @@
 
 #include <algorithm>
 #include <cstring>
+#include <utility>
 
 #include "common/fd_io.h"
 
 namespace ringd {
 
-Result<std::optional<Frame>> FrameReader::read(int fd, uint32_t max_payload) {
+Result<std::optional<Frame>> FrameReader::read(int fd, uint32_t max_payload, size_t max_fds) {
     for (;;) {
         // Frames out of what is buffered: the header (checked against the cap before the payload
         // is sized), then the payload.
@@ -27,7 +28,7 @@ Result<std::optional<Frame>> FrameReader::read(int fd, uint32_t max_payload) {
             head_ += take;
             got_ += take;
             if (got_ == payload_.size()) {
-                Frame f{header_->type, std::move(payload_)};
+                Frame f{header_->type, std::move(payload_), std::exchange(fds_, {})};
                 header_.reset();
                 payload_ = {};
                 return std::optional<Frame>(std::move(f));
@@ -60,7 +61,12 @@ Result<std::optional<Frame>> FrameReader::read(int fd, uint32_t max_payload) {
         const ssize_t n = recv_some(fd, at, want, fds);
         if (n == -EAGAIN || n == -EWOULDBLOCK) return std::optional<Frame>();
         if (n < 0) return make_error(static_cast<int>(n), "receive: " + errno_string(static_cast<int>(n)));
-        if (!fds.empty()) return make_error(-EPROTO, "file descriptors were sent; ringd accepts none");
+        if (!fds.empty()) {
+            if (max_fds == 0) return make_error(-EPROTO, "file descriptors were sent; ringd accepts none here");
+            if (fds_.size() + fds.size() > max_fds)
+                return make_error(-EPROTO, "more than " + std::to_string(max_fds) + " file descriptor(s) sent with a frame");
+            for (auto &f : fds) fds_.push_back(std::move(f));
+        }
         if (n == 0) {
             if (idle()) return make_error(-ECONNRESET, "disconnected");
             return make_error(-ECONNRESET, "disconnected in the middle of a frame");

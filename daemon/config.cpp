@@ -123,7 +123,7 @@ void parse_hosts(const YAML::Node &n, Config &c) {
 Config parse_root(const YAML::Node &root) {
     Config c;
     check_keys(root, "", {"cluster", "hosts", "transport", "tcp", "ibverbs", "socket", "socket_group", "allow_uids",
-                          "allow_gids", "memory", "limits", "timeouts", "poll", "tuning", "auth", "log"});
+                          "allow_gids", "memory", "limits", "timeouts", "poll", "tuning", "auth", "cuda", "log"});
     if (!root["cluster"]) fail("cluster", "missing (a name shared by every host of the ring)");
     c.cluster = scalar(root["cluster"], "cluster");
     if (c.cluster.empty()) fail("cluster", "is empty");
@@ -182,6 +182,14 @@ Config parse_root(const YAML::Node &root) {
         }
         if (n["max_slots"])
             c.memory.max_slots = static_cast<uint32_t>(get_uint(n["max_slots"], "memory.max_slots", 1, 4096));
+    }
+    if (auto n = root["cuda"]) {
+        check_keys(n, "cuda", {"provider", "max_mapped_bytes"});
+        if (n["provider"]) c.cuda.provider = get_choice(n["provider"], "cuda.provider", {"hardware", "emulated"});
+        if (n["max_mapped_bytes"]) {
+            c.cuda.max_mapped_bytes = get_size(n["max_mapped_bytes"], "cuda.max_mapped_bytes");
+            if (c.cuda.max_mapped_bytes < (2ull << 20)) fail("cuda.max_mapped_bytes", "must be at least 2MiB");
+        }
     }
     if (auto n = root["limits"]) {
         check_keys(n, "limits", {"slots_per_uid", "connections_per_uid", "ring_domains"});

@@ -47,6 +47,10 @@ struct Config {
         uint64_t slot_bytes = 256ull << 20;  // largest slot a client may ask for
         uint32_t max_slots = 16;             // concurrent clients with a slot
     } memory;
+    struct Cuda {
+        std::string provider = "hardware";  // hardware (the NVIDIA driver) | emulated (software device)
+        uint64_t max_mapped_bytes = 64ull << 30;  // trainers' device memory mapped at once (LRU beyond)
+    } cuda;
     struct Limits {
         uint32_t slots_per_uid = 0;        // slots one uid may hold (default: memory.max_slots)
         // Ring domains (host sets of groups) this host keeps at once, the whole ring's included;

@@ -19,7 +19,7 @@
 namespace ringd {
 namespace {
 
-enum Kind : uint32_t { kListener = 1, kSignal, kTimer, kEngine, kClientSock, kClientDoorbell, kControl, kRingEngine };
+enum Kind : uint32_t { kListener = 1, kSignal, kTimer, kEngine, kClientSock, kClientDoorbell, kControl, kRingEngine, kCuda };
 
 constexpr uint64_t tag(Kind k, MemberId id = 0) { return (uint64_t{k} << 32) | id; }
 constexpr auto kTick = std::chrono::milliseconds(100);
@@ -85,10 +85,12 @@ Status Daemon::setup() {
     itimerspec its{{0, tick_ns}, {0, tick_ns}};
     ::timerfd_settime(timer_fd_.get(), 0, &its, nullptr);
 
-    cuda_ = probe_cuda();
     auto t = make_transport(config_);
     if (!t) return t.error();
     transport_ = std::move(*t);
+    // No driver or no GPU is a normal state: trainers asking for CUDA are told why.
+    if (auto c = CudaService::start(config_.cuda); c) cuda_ = std::move(*c);
+    else no_cuda_ = "no CUDA on host " + host_ + ": " + c.error().message;
     // The local path's progress thread (groups on this host alone); ring domains have their own.
     auto e = ProgressEngine::start();
     if (!e) return e.error();
@@ -113,13 +115,15 @@ Status Daemon::setup() {
         if (!d) return d.error();
         return Ok{};
     };
-    gateway_ = std::make_unique<ClientGateway>(config_, self_index_, *transport_, groups_, cuda_.built, std::move(hooks),
-                                               done_, ready_);
+    gateway_ = std::make_unique<ClientGateway>(config_, self_index_, *transport_, groups_, cuda_.get(), no_cuda_,
+                                               std::move(hooks), done_, ready_);
     shared_.gateway = gateway_.get();
     if (auto s = gateway_->listen(); !s) return s;
     for (auto [fd, k] : {std::pair{gateway_->listener_fd(), kListener}, {signal_fd_.get(), kSignal},
                          {timer_fd_.get(), kTimer}, {engine_->result_fd(), kEngine}})
         if (auto s = epoll_add(epoll_.get(), fd, tag(k)); !s) return s;
+    if (cuda_)
+        if (auto s = epoll_add(epoll_.get(), cuda_->event_fd(), tag(kCuda)); !s) return s;
 
     if (::sd_watchdog_enabled(0, &watchdog_usec_) <= 0) watchdog_usec_ = 0;
     return Ok{};
@@ -131,8 +135,12 @@ int Daemon::run() {
                  host_, config_.socket, transport_->name(), config_.memory.max_slots, config_.memory.slot_bytes);
     if (const std::string d = transport_->detail(); !d.empty()) spdlog::info("transport {}: {}", transport_->name(), d);
     ::sd_notify(0, "READY=1\nSTATUS=listening");
-    if (cuda_.built)
-        spdlog::info("CUDA: {} device(s){}", cuda_.devices, cuda_.error.empty() ? "" : " (" + cuda_.error + ")");
+    if (cuda_) {
+        const auto st = cuda_->status();
+        spdlog::info("CUDA ({} provider): {} GPU(s)", st["provider"].get<std::string>(), st["devices"].size());
+    } else {
+        spdlog::info("{}", no_cuda_);
+    }
     if (watchdog_usec_) {
         spdlog::info("systemd watchdog on: every {} ms", watchdog_usec_ / 2000);
         ::sd_notify(0, "WATCHDOG=1");
@@ -165,6 +173,7 @@ int Daemon::run() {
                 break;
             case kClientSock: gateway_->on_readable(id); break;
             case kClientDoorbell: gateway_->on_doorbell(id); break;
+            case kCuda: gateway_->on_cuda_events(); break;
             case kControl:
                 if (domains_.at(id)) domains_[id]->on_control_ready();
                 break;

@@ -28,7 +28,7 @@
 #include "daemon/control/peer_auth.h"
 #include "daemon/engine/coordinator.h"
 #include "daemon/exchange/direct_exchange.h"
-#include "daemon/cuda/cuda_probe.h"
+#include "daemon/cuda/cuda_service.h"
 #include "daemon/engine/group_table.h"
 #include "daemon/engine/progress.h"
 #include "daemon/engine/tuner.h"
@@ -87,8 +87,11 @@ private:
     UniqueFd epoll_;
     UniqueFd signal_fd_;
     UniqueFd timer_fd_;
-    CudaInfo cuda_;
     std::unique_ptr<NetworkTransport> transport_;
+    // The trainers' device memory (null: no CUDA here, no_cuda_ says why). Before the gateway,
+    // which uses it, and after the transport, which its slots' registrations need.
+    std::unique_ptr<CudaService> cuda_;
+    std::string no_cuda_;
     GroupTable groups_{"", std::chrono::milliseconds(1)};
     uint64_t watchdog_usec_ = 0;
     Clock::time_point next_watchdog_{};

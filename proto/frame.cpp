@@ -16,7 +16,7 @@ Error bad(std::string msg) { return make_error(-EPROTO, std::move(msg)); }
 bool peer_type(uint16_t t) { return t >= static_cast<uint16_t>(FrameType::PeerHello); }
 
 bool known_type(uint16_t t) {
-    return (t >= static_cast<uint16_t>(FrameType::Hello) && t <= static_cast<uint16_t>(FrameType::StatusReply)) ||
+    return (t >= static_cast<uint16_t>(FrameType::Hello) && t <= static_cast<uint16_t>(FrameType::CudaReply)) ||
            (t >= static_cast<uint16_t>(FrameType::PeerHello) && t <= static_cast<uint16_t>(FrameType::RingStart));
 }
 
@@ -154,6 +154,75 @@ Result<Welcome> decode_welcome(std::span<const uint8_t> p) {
     if (w.data_offset > w.map_bytes || w.map_bytes - w.data_offset < w.data_bytes)
         return bad("welcome data area lies outside the slot");
     return w;
+}
+
+Bytes encode_cuda_register(const CudaRegister &r) {
+    uint8_t p[kCudaRegisterBytes] = {};
+    le::put<uint32_t>(&p[0], static_cast<uint32_t>(r.kind));
+    le::put<uint32_t>(&p[4], 0);
+    std::memcpy(&p[8], r.device_uuid, 16);
+    le::put<uint64_t>(&p[24], r.alloc_bytes);
+    le::put<uint64_t>(&p[32], r.offset);
+    le::put<uint64_t>(&p[40], r.bytes);
+    le::put<uint64_t>(&p[48], r.client_ptr);
+    std::memcpy(&p[56], r.ipc_handle, kCudaIpcHandleBytes);
+    // [120, 128) reserved, zero
+    return encode_frame(FrameType::CudaRegister, p);
+}
+
+Result<CudaRegister> decode_cuda_register(std::span<const uint8_t> p) {
+    if (auto s = expect_size(p, kCudaRegisterBytes, "CUDA register"); !s) return s.error();
+    CudaRegister r;
+    const auto kind = le::get<uint32_t>(&p[0]);
+    if (kind != static_cast<uint32_t>(CudaMemoryKind::Vmm) && kind != static_cast<uint32_t>(CudaMemoryKind::LegacyIpc))
+        return bad("CUDA register: unknown memory kind " + std::to_string(kind));
+    r.kind = static_cast<CudaMemoryKind>(kind);
+    if (le::get<uint32_t>(&p[4]) != 0 || le::get<uint64_t>(&p[120]) != 0) return bad("CUDA register: reserved bytes are not zero");
+    std::memcpy(r.device_uuid, &p[8], 16);
+    r.alloc_bytes = le::get<uint64_t>(&p[24]);
+    r.offset = le::get<uint64_t>(&p[32]);
+    r.bytes = le::get<uint64_t>(&p[40]);
+    r.client_ptr = le::get<uint64_t>(&p[48]);
+    std::memcpy(r.ipc_handle, &p[56], kCudaIpcHandleBytes);
+    uint64_t end = 0;
+    if (r.bytes == 0) return bad("CUDA register: an empty range");
+    if (__builtin_add_overflow(r.offset, r.bytes, &end) || end > r.alloc_bytes)
+        return bad("CUDA register: range [" + std::to_string(r.offset) + ", +" + std::to_string(r.bytes) +
+                   ") lies outside its " + std::to_string(r.alloc_bytes) + "-byte allocation");
+    return r;
+}
+
+Bytes encode_cuda_unregister(uint64_t reg) {
+    uint8_t p[kCudaUnregisterBytes];
+    le::put<uint64_t>(&p[0], reg);
+    return encode_frame(FrameType::CudaUnregister, p);
+}
+
+Result<uint64_t> decode_cuda_unregister(std::span<const uint8_t> p) {
+    if (auto s = expect_size(p, kCudaUnregisterBytes, "CUDA unregister"); !s) return s.error();
+    return le::get<uint64_t>(&p[0]);
+}
+
+Bytes encode_cuda_reply(const CudaReply &r) {
+    const size_t len = std::min<size_t>(r.message.size(), kMaxErrorMessage);
+    Bytes p(16 + len);
+    le::put<int32_t>(&p[0], r.status);
+    le::put<uint32_t>(&p[4], static_cast<uint32_t>(len));
+    le::put<uint64_t>(&p[8], r.reg);
+    std::memcpy(p.data() + 16, r.message.data(), len);
+    return encode_frame(FrameType::CudaReply, p);
+}
+
+Result<CudaReply> decode_cuda_reply(std::span<const uint8_t> p) {
+    if (p.size() < 16) return bad("CUDA reply payload is " + std::to_string(p.size()) + " bytes, expected at least 16");
+    CudaReply r;
+    r.status = le::get<int32_t>(&p[0]);
+    const auto len = le::get<uint32_t>(&p[4]);
+    r.reg = le::get<uint64_t>(&p[8]);
+    if (r.status > 0) return bad("CUDA reply status " + std::to_string(r.status) + " is positive");
+    if (len > kMaxErrorMessage || p.size() != 16 + len) return bad("CUDA reply message length does not match");
+    r.message.assign(reinterpret_cast<const char *>(p.data()) + 16, len);
+    return r;
 }
 
 Bytes encode_error(const ErrorFrame &e) {

@@ -39,6 +39,9 @@ enum class FrameType : uint16_t {
     Error = 3,          // either way: code and message; the sender closes afterwards
     StatusRequest = 4,  // ringctl -> daemon
     StatusReply = 5,    // daemon -> ringctl: JSON document
+    CudaRegister = 6,   // client -> daemon, joined: map this device memory (+ 1 fd for a VMM allocation)
+    CudaUnregister = 7, // client -> daemon, joined: a registration is no longer needed
+    CudaReply = 8,      // daemon -> client: the answer to either (status, registration id)
     // Between daemons (proto/peer.h).
     PeerHello = 16,      // dialer -> listener: who, for which cluster, which connection, nonce
     PeerChallenge = 17,  // listener -> dialer: its nonce and its proof of the secret
@@ -96,6 +99,29 @@ struct StatusRequest {
 };
 inline constexpr size_t kStatusRequestBytes = 4;
 
+// Device memory handed to ringd once (ringd_cuda_alloc, ringd_register_cuda). A VMM allocation
+// travels as a POSIX fd (SCM_RIGHTS, one, with this frame); a cudaMalloc-family buffer as the
+// legacy IPC handle of its allocation plus where the registered range starts in it. The GPU is
+// named by UUID: ordinals differ between processes (CUDA_VISIBLE_DEVICES).
+enum class CudaMemoryKind : uint32_t { Vmm = 1, LegacyIpc = 2 };
+inline constexpr size_t kCudaIpcHandleBytes = 64;  // CUipcMemHandle
+struct CudaRegister {
+    CudaMemoryKind kind = CudaMemoryKind::Vmm;
+    uint8_t device_uuid[16] = {};
+    uint64_t alloc_bytes = 0;  // the whole allocation (what is mapped)
+    uint64_t offset = 0;       // where the registered range starts in it
+    uint64_t bytes = 0;        // the registered range
+    uint64_t client_ptr = 0;   // its address in the client (for messages only)
+    uint8_t ipc_handle[kCudaIpcHandleBytes] = {};  // LegacyIpc only
+};
+inline constexpr size_t kCudaRegisterBytes = 128;
+inline constexpr size_t kCudaUnregisterBytes = 8;
+struct CudaReply {
+    int32_t status = 0;  // 0 or negative errno
+    uint64_t reg = 0;    // the registration (CudaRegister), or the one released (CudaUnregister)
+    std::string message;
+};
+
 // Header.
 Bytes encode_frame(FrameType type, std::span<const uint8_t> payload);
 // Writes a frame header for `length` payload bytes at `at` (kFrameHeaderBytes long), for frames
@@ -116,6 +142,13 @@ Bytes encode_status_request(const StatusRequest &r);
 Result<StatusRequest> decode_status_request(std::span<const uint8_t> payload);
 Bytes encode_status_reply(std::string_view json);
 Result<std::string> decode_status_reply(std::span<const uint8_t> payload);
+
+Bytes encode_cuda_register(const CudaRegister &r);
+Result<CudaRegister> decode_cuda_register(std::span<const uint8_t> payload);
+Bytes encode_cuda_unregister(uint64_t reg);
+Result<uint64_t> decode_cuda_unregister(std::span<const uint8_t> payload);
+Bytes encode_cuda_reply(const CudaReply &r);
+Result<CudaReply> decode_cuda_reply(std::span<const uint8_t> payload);
 
 // Group names: 1..63 bytes of [A-Za-z0-9._-]. Returns an empty string when valid, else why not.
 std::string check_group_name(std::string_view name);

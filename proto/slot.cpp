@@ -43,12 +43,16 @@ Result<Submission> validate_submit(const SubmitDesc &d, uint64_t data_bytes, boo
     s.offset = d.offset;
     if (s.op == ReduceOp::Avg && dtype_is_integer(s.dtype))
         return make_error(-EINVAL, at + "avg is not defined for integer dtype " + std::string(dtype_name(s.dtype)));
-    if (d.buffer_kind == static_cast<uint32_t>(BufferKind::CudaIpc)) {
-        if (!cuda_supported) return make_error(-ENOTSUP, at + "ringd was built without CUDA");
-        return make_error(-ENOTSUP, at + "CUDA IPC buffers are not supported by this ringd yet");
-    }
-    if (d.buffer_kind != static_cast<uint32_t>(BufferKind::Slot))
+    if (d.buffer_kind == static_cast<uint32_t>(BufferKind::Cuda)) {
+        if (!cuda_supported) return make_error(-ENOTSUP, at + "this ringd has no CUDA (built without it)");
+        s.cuda = true;
+        s.cuda_reg = d.cuda_reg;
+        s.cuda_offset = d.cuda_offset;
+    } else if (d.buffer_kind != static_cast<uint32_t>(BufferKind::Slot)) {
         return make_error(-EINVAL, at + "unknown buffer kind " + std::to_string(d.buffer_kind));
+    } else if (d.cuda_reg != 0 || d.cuda_offset != 0) {
+        return make_error(-EINVAL, at + "a slot buffer with CUDA fields set");
+    }
     const uint64_t esize = dtype_size(s.dtype);
     if (mul_overflows(d.count, esize, &s.bytes))
         return make_error(-EOVERFLOW, at + "count " + std::to_string(d.count) + " overflows");

@@ -1,6 +1,7 @@
 // Shared-memory layout of a client slot (one sealed memfd per client).
 //
-//   [0, 4096)                      SlotHeader: geometry + queue indices (one cache line each)
+//   [0, 4096)                      SlotHeader: geometry + queue indices (one cache line each) +
+//                                  the CUDA sync words (ready/done per queue entry)
 //   [4096, +sq_depth*256)          submission queue: SubmitDesc[sq_depth]   client -> daemon
 //   [.., +cq_depth*256)            completion queue: CompletionDesc[cq_depth] daemon -> client
 //   [data_offset, +data_bytes)     data area (tensors), data_offset page aligned
@@ -21,7 +22,7 @@
 namespace ringd::proto {
 
 inline constexpr uint32_t kSlotMagic = 0x4C534752;  // bytes 'R' 'G' 'S' 'L'
-inline constexpr uint16_t kSlotVersion = 1;
+inline constexpr uint16_t kSlotVersion = 2;  // 2: CUDA sync words
 inline constexpr size_t kSlotHeaderBytes = 4096;
 inline constexpr size_t kSlotDataAlign = 4096;
 inline constexpr uint32_t kQueueDepth = 64;
@@ -49,18 +50,30 @@ struct SlotHeader {
     CacheLineIndex sq_head;  // written by the daemon (informational for the client)
     CacheLineIndex cq_tail;  // written by the daemon
     CacheLineIndex cq_head;  // written by the client
-    uint8_t pad1[kSlotHeaderBytes - 5 * 64];
+    uint8_t pad1[512 - 5 * 64];
+    // Stream order of device-buffer ops (ringd_submit_cuda), one word each per queue entry
+    // (seq % kQueueDepth), holding the low 32 bits of an op's seq. The trainer's stream writes
+    // cuda_ready = seq once the buffer is produced, and ringd's stream waits for it (>=, wrapping)
+    // before copying; ringd's stream writes cuda_done = seq once the result is back in the buffer,
+    // and ringd_stream_wait makes the trainer's stream wait for that. Whoever finds an op failed or
+    // the other side gone writes the word from the host instead, so no stream waits for ever.
+    // Written by both sides; read by the daemon only as a wait condition, never trusted otherwise.
+    std::atomic<uint32_t> cuda_ready[kQueueDepth];
+    std::atomic<uint32_t> cuda_done[kQueueDepth];
+    uint8_t pad2[kSlotHeaderBytes - 1024];
 };
 static_assert(sizeof(SlotHeader) == kSlotHeaderBytes);
 static_assert(offsetof(SlotHeader, sq_tail) == 64);
 static_assert(offsetof(SlotHeader, cq_head) == 256);
+static_assert(offsetof(SlotHeader, cuda_ready) == 512 && offsetof(SlotHeader, cuda_done) == 768);
+static_assert(std::atomic<uint32_t>::is_always_lock_free && sizeof(std::atomic<uint32_t>) == 4);
 
 enum class BufferKind : uint32_t {
     Slot = 0,     // `offset` is a byte offset into this client's slot data area
-    CudaIpc = 1,  // cuda_mem_handle + cuda_event_handle, `offset` into that allocation
+    // Device memory: the tensor is at `cuda_offset` in CUDA registration `cuda_reg` (a CudaReply's
+    // reg), and ringd stages it at `offset` in the slot data area, which the op holds until it ends.
+    Cuda = 1,
 };
-
-inline constexpr size_t kCudaIpcHandleBytes = 64;  // cudaIpcMemHandle_t / cudaIpcEventHandle_t
 
 struct SubmitDesc {
     uint64_t seq;        // 1, 2, 3, ... per client; ranks of a group submit the same sequence
@@ -69,14 +82,14 @@ struct SubmitDesc {
     uint32_t op;         // ReduceOp
     uint32_t buffer_kind;  // BufferKind
     uint32_t flags;      // reserved, 0
-    uint64_t offset;     // bytes
-    uint8_t cuda_mem_handle[kCudaIpcHandleBytes];
-    uint8_t cuda_event_handle[kCudaIpcHandleBytes];
-    uint8_t reserved[256 - 40 - 2 * kCudaIpcHandleBytes];
+    uint64_t offset;     // bytes into the slot data area
+    uint64_t cuda_reg;     // Cuda: the registration
+    uint64_t cuda_offset;  // Cuda: bytes into the registration
+    uint8_t reserved[256 - 56];
 };
 static_assert(sizeof(SubmitDesc) == 256);
 static_assert(offsetof(SubmitDesc, offset) == 32);
-static_assert(offsetof(SubmitDesc, cuda_mem_handle) == 40);
+static_assert(offsetof(SubmitDesc, cuda_reg) == 40);
 
 struct CompletionDesc {
     uint64_t seq;
@@ -107,13 +120,17 @@ struct Submission {
     uint64_t count = 0;
     DType dtype = DType::F32;
     ReduceOp op = ReduceOp::Sum;
-    uint64_t offset = 0;  // into the data area
+    uint64_t offset = 0;  // into the data area (device buffers: where they are staged)
     uint64_t bytes = 0;   // count * dtype_size
+    bool cuda = false;    // a device buffer (BufferKind::Cuda), checked against its registration later
+    uint64_t cuda_reg = 0;
+    uint64_t cuda_offset = 0;
 };
 
 // Validates a copied descriptor against the slot's data area: dtype/op/kind known, avg only for
 // floating types, count*size and offset+bytes without overflow and inside `data_bytes`, offset
-// aligned to the element size. `cuda_supported` says whether this ringd handles CudaIpc buffers.
+// aligned to the element size (for device buffers: the staging range; the device range is the
+// CUDA registry's to check). `cuda_supported` says whether this ringd handles device buffers.
 Result<Submission> validate_submit(const SubmitDesc &d, uint64_t data_bytes, bool cuda_supported);
 
 // Fills a completion; the message is truncated to kCompletionMessageBytes.

@@ -18,101 +18,8 @@
 #include <string>
 #include <vector>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
-
-#include "common/fd_io.h"
-#include "common/shm_mapping.h"
+#include "client/lib/client_internal.h"
 #include "common/status_client.h"
-#include "proto/frame.h"
-#include "proto/slot.h"
-
-using namespace ringd;
-
-namespace {
-
-constexpr auto kConnectTimeout = std::chrono::seconds(10);
-constexpr auto kSpin = std::chrono::microseconds(20);    // spin this long before blocking
-// After a wait that spun in vain (ops take longer than the spin: several hosts, big buffers),
-// this many waits block at once, leaving the core to the daemon and other trainers; then
-// spinning is tried again, so the client follows the op latency both ways.
-constexpr int kSpinBackoff = 15;
-// ringd ends every accepted op within timeouts.op of its submission plus a little: its
-// end-to-end deadline, then up to 1 s of grace for the coordinator's decision and a 100 ms tick,
-// then the bounded release of a ring op by the progress thread (docs/design.md, Failure
-// contract). The client gives it timeouts.op + kWaitMargin from the op's submission, clearly
-// longer than that, so that this deadline never fires on a daemon that keeps its contract: past
-// it, the daemon broke the contract and the connection is declared dead (see breach()).
-// RINGD_WAIT_MARGIN_MS overrides the margin at connect, never below kMinWaitMargin.
-constexpr auto kWaitMargin = std::chrono::milliseconds(10000);
-constexpr auto kMinWaitMargin = std::chrono::milliseconds(2000);
-
-enum class TicketState : uint8_t { Free, InFlight, Done, Abandoned };
-
-struct Ticket {
-    uint64_t seq = 0;
-    TicketState state = TicketState::Free;
-    int32_t status = 0;
-    std::string message;
-    Clock::time_point submitted;  // the contract's deadline counts from here, not from a wait
-};
-
-inline void cpu_relax() {
-#if defined(__x86_64__)
-    _mm_pause();
-#endif
-}
-
-}  // namespace
-
-struct ringd_client {
-    UniqueFd sock;
-    UniqueFd doorbell;
-    UniqueFd completion;
-    UniqueFd pollable;  // ringd_fd(): epoll over the completion eventfd and the socket, made on first use
-    SharedMapping map;
-    proto::Welcome welcome;
-    proto::SlotHeader *header = nullptr;
-    proto::SubmitDesc *sq = nullptr;
-    const proto::CompletionDesc *cq = nullptr;
-    std::byte *data = nullptr;
-    uint64_t next_seq = 1;
-    uint64_t sq_tail = 0;
-    uint64_t cq_head = 0;
-    std::vector<Ticket> tickets;  // index = seq % depth
-    std::string last_error;
-    int dead = 0;  // non-zero errno once the daemon connection is gone
-    std::string dead_error;  // why: every later call says it again
-    int spin_skip = 0;  // waits left that block without spinning
-    std::chrono::milliseconds wait_margin = kWaitMargin;
-
-    int fail(int code, std::string msg) {
-        last_error = std::move(msg);
-        return code;
-    }
-    int die(int code, std::string msg) {
-        dead = code;
-        dead_error = msg;
-        return fail(code, std::move(msg));
-    }
-    int still_dead() { return fail(dead, dead_error); }
-    // When ringd owes the ticket's completion at the latest.
-    Clock::time_point contract_deadline(const Ticket &t) const {
-        return t.submitted + std::chrono::milliseconds(welcome.op_timeout_ms) + wait_margin;
-    }
-    void drain_completions();
-    int check_socket();
-    int breach(const Ticket &t);
-    int wait(Ticket &t, int timeout_ms);
-    int test(Ticket &t);
-    int finish(Ticket &t) {
-        t.state = TicketState::Free;
-        if (t.status != 0) return fail(t.status, t.message);
-        last_error.clear();
-        return 0;
-    }
-};
 
 void ringd_client::drain_completions() {
     const uint64_t tail = header->cq_tail.value.load(std::memory_order_acquire);
@@ -126,7 +33,10 @@ void ringd_client::drain_completions() {
             t.state = TicketState::Done;
             t.status = c.status;
             t.message.assign(c.message, std::min<size_t>(c.message_len, proto::kCompletionMessageBytes));
+        } else {
+            continue;
         }
+        if (t.cuda) cuda_ticket_ended(*this, t.seq, t.status);
     }
     header->cq_head.value.store(cq_head, std::memory_order_release);
 }
@@ -363,40 +273,49 @@ void *ringd_slot(ringd_client *c, size_t *bytes) {
     return c->data;
 }
 
+int ringd_client::submit_desc(proto::SubmitDesc &d, uint64_t *ticket, bool cuda_op) {
+    d.seq = next_seq;
+    // The daemon validates again; checking here gives the caller the error without a round trip.
+    if (auto s = proto::validate_submit(d, welcome.data_bytes, true); !s) return fail(s.error().code, s.error().message);
+    drain_completions();
+    if (uint64_t busy = 0; !cuda_op && cuda && cuda_staging_overlaps(*this, d.offset, d.count * dtype_size(static_cast<DType>(d.dtype)), &busy))
+        return fail(-EBUSY, "slot bytes [" + std::to_string(d.offset) + ", +" +
+                                std::to_string(d.count * dtype_size(static_cast<DType>(d.dtype))) +
+                                ") are the staging area of device op " + std::to_string(busy) +
+                                " in flight: wait for it or use other bytes");
+    Ticket &t = tickets[d.seq % tickets.size()];
+    if (t.state != TicketState::Free) {
+        // A Done ticket waits for its caller; one still without its completion past the
+        // contract would hold its slot for ever.
+        if (t.state != TicketState::Done && Clock::now() >= contract_deadline(t)) return breach(t);
+        return fail(-EAGAIN, "too many ops in flight: wait for ticket " + std::to_string(t.seq) + " first");
+    }
+    if (sq_tail - header->sq_head.value.load(std::memory_order_acquire) >= welcome.sq_depth)
+        return fail(-EAGAIN, "submission queue is full");
+    std::memcpy(&sq[sq_tail % welcome.sq_depth], &d, sizeof d);
+    ++sq_tail;
+    header->sq_tail.value.store(sq_tail, std::memory_order_release);
+    t = Ticket{d.seq, TicketState::InFlight, 0, {}, Clock::now(), cuda_op, d.offset,
+               d.count * dtype_size(static_cast<DType>(d.dtype))};
+    ++next_seq;
+    const uint64_t one = 1;
+    if (::write(doorbell.get(), &one, sizeof one) != sizeof one) return fail(-errno, "doorbell: " + errno_string(errno));
+    if (ticket) *ticket = d.seq;
+    last_error.clear();
+    return 0;
+}
+
 int ringd_submit(ringd_client *c, size_t offset, size_t count, ringd_dtype dtype, ringd_op op, uint64_t *ticket) {
     if (!c) return -EINVAL;
     try {
         if (c->dead) return c->still_dead();
         proto::SubmitDesc d{};
-        d.seq = c->next_seq;
         d.count = count;
         d.dtype = static_cast<uint32_t>(dtype);
         d.op = static_cast<uint32_t>(op);
         d.buffer_kind = static_cast<uint32_t>(proto::BufferKind::Slot);
         d.offset = offset;
-        // The daemon validates again; checking here gives the caller the error without a round trip.
-        if (auto s = proto::validate_submit(d, c->welcome.data_bytes, false); !s) return c->fail(s.error().code, s.error().message);
-        c->drain_completions();
-        Ticket &t = c->tickets[d.seq % c->tickets.size()];
-        if (t.state != TicketState::Free) {
-            // A Done ticket waits for its caller; one still without its completion past the
-            // contract would hold its slot for ever.
-            if (t.state != TicketState::Done && Clock::now() >= c->contract_deadline(t)) return c->breach(t);
-            return c->fail(-EAGAIN, "too many ops in flight: wait for ticket " + std::to_string(t.seq) + " first");
-        }
-        if (c->sq_tail - c->header->sq_head.value.load(std::memory_order_acquire) >= c->welcome.sq_depth)
-            return c->fail(-EAGAIN, "submission queue is full");
-        std::memcpy(&c->sq[c->sq_tail % c->welcome.sq_depth], &d, sizeof d);
-        ++c->sq_tail;
-        c->header->sq_tail.value.store(c->sq_tail, std::memory_order_release);
-        t = Ticket{d.seq, TicketState::InFlight, 0, {}, Clock::now()};
-        ++c->next_seq;
-        const uint64_t one = 1;
-        if (::write(c->doorbell.get(), &one, sizeof one) != sizeof one)
-            return c->fail(-errno, "doorbell: " + errno_string(errno));
-        if (ticket) *ticket = d.seq;
-        c->last_error.clear();
-        return 0;
+        return c->submit_desc(d, ticket, false);
     } catch (const std::exception &e) {
         return c->fail(-ENOMEM, e.what());
     }
@@ -486,6 +405,10 @@ long ringd_status(const char *socket_path, char *buf, size_t len, int timeout_ms
 
 const char *ringd_last_error(const ringd_client *c) { return c ? c->last_error.c_str() : "no client"; }
 
-void ringd_close(ringd_client *c) { delete c; }
+void ringd_close(ringd_client *c) {
+    if (!c) return;
+    cuda_client_closing(*c);
+    delete c;
+}
 
 }  // extern "C"

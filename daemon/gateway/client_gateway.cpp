@@ -13,6 +13,7 @@
 #include <spdlog/spdlog.h>
 
 #include "common/fd_io.h"
+#include "daemon/cuda/cuda_service.h"
 #include "daemon/ipc/slot.h"
 
 namespace ringd {
@@ -24,8 +25,9 @@ constexpr size_t kExtraConnections = 64;  // handshaking / ringctl connections b
 }  // namespace
 
 ClientGateway::ClientGateway(const Config &config, uint32_t self_index, NetworkTransport &transport, GroupTable &groups,
-                             bool cuda_built, Hooks hooks, std::vector<Completion> &done, std::vector<OpRun> &ready)
-    : config_(config), self_(self_index), transport_(transport), groups_(groups), cuda_built_(cuda_built),
+                             CudaService *cuda, std::string no_cuda, Hooks hooks, std::vector<Completion> &done,
+                             std::vector<OpRun> &ready)
+    : config_(config), self_(self_index), transport_(transport), groups_(groups), cuda_(cuda), no_cuda_(std::move(no_cuda)),
       hooks_(std::move(hooks)), done_(done), ready_(ready), spare_fd_(::open("/dev/null", O_RDONLY | O_CLOEXEC)) {}
 
 Status ClientGateway::listen() {
@@ -140,8 +142,15 @@ void ClientGateway::on_readable(MemberId id) {
             return;
         }
         if (!*f) return;
-        const Frame &frame = **f;
-        if (c.state() == ClientConn::State::Handshake && frame.type == proto::FrameType::Hello) {
+        Frame &frame = **f;
+        if (!frame.fds.empty() && frame.type != proto::FrameType::CudaRegister) {
+            drop(id, make_error(-EPROTO, "file descriptors came with a frame that takes none"), true);
+            return;
+        }
+        if (c.state() == ClientConn::State::Joined &&
+            (frame.type == proto::FrameType::CudaRegister || frame.type == proto::FrameType::CudaUnregister)) {
+            handle_cuda_frame(c, frame);
+        } else if (c.state() == ClientConn::State::Handshake && frame.type == proto::FrameType::Hello) {
             auto h = proto::decode_hello(frame.payload);
             if (!h) {
                 drop(id, h.error(), true);
@@ -250,6 +259,44 @@ void ClientGateway::handle_hello(ClientConn &c, const proto::Hello &h) {
     // A new group asks the hosts to agree on its incarnation (settle, flush_reports).
 }
 
+// Registration answers go back on the socket; a bad request is that client's error only.
+void ClientGateway::handle_cuda_frame(ClientConn &c, Frame &frame) {
+    proto::CudaReply reply;
+    if (frame.type == proto::FrameType::CudaRegister) {
+        auto r = proto::decode_cuda_register(frame.payload);
+        if (!r) {
+            drop(c.id(), r.error(), true);
+            return;
+        }
+        if (!cuda_) {
+            reply.status = -ENODEV;
+            reply.message = no_cuda_;
+        } else if (auto reg = cuda_->register_memory(c.id(), c.slot(), *r, std::move(frame.fds)); !reg) {
+            reply.status = reg.error().code;
+            reply.message = reg.error().message;
+        } else {
+            reply.reg = *reg;
+            spdlog::debug("{} registered {} bytes of device memory as {}", c.describe(), r->bytes, *reg);
+        }
+    } else {
+        auto reg = proto::decode_cuda_unregister(frame.payload);
+        if (!reg) {
+            drop(c.id(), reg.error(), true);
+            return;
+        }
+        reply.reg = *reg;
+        if (!cuda_) {
+            reply.status = -ENODEV;
+            reply.message = no_cuda_;
+        } else if (auto s = cuda_->unregister(c.id(), *reg); !s) {
+            reply.status = s.error().code;
+            reply.message = s.error().message;
+        }
+    }
+    if (reply.status != 0) spdlog::info("{}: CUDA registration refused: {}", c.describe(), reply.message);
+    if (auto s = send_all(c.sock(), proto::encode_cuda_reply(reply)); !s) drop(c.id(), s.error(), false);
+}
+
 void ClientGateway::on_doorbell(MemberId id) {
     auto it = clients_.find(id);
     if (it == clients_.end()) return;
@@ -291,12 +338,73 @@ void ClientGateway::take_submissions(MemberId id) {
             continue;
         }
         c.accept_seq();
-        auto s = proto::validate_submit(d, c.slot()->data_bytes(), cuda_built_);
+        auto s = proto::validate_submit(d, c.slot()->data_bytes(), true);
+        auto queue = staging_.find(id);
         if (!s) {
-            groups_.reject(id, d.seq, s.error().code, s.error().message, completions);
+            if (queue == staging_.end()) {
+                groups_.reject(id, d.seq, s.error().code, s.error().message, completions);
+            } else {
+                Staged st{proto::Submission{}, now, Staged::Failed, false, s.error()};
+                st.s.seq = d.seq;
+                queue->second.push_back(std::move(st));
+            }
+            continue;
+        }
+        if (s->cuda) {
+            Staged st{*s, now, Staged::Waiting, false, Error{}};
+            if (!cuda_) {
+                st.state = Staged::Failed;
+                st.error = make_error(-ENODEV, "op " + std::to_string(d.seq) + ": " + no_cuda_);
+            } else if (auto in = cuda_->stage_in(id, *s); !in) {
+                st.state = Staged::Failed;
+                st.error = in.error();
+            }
+            staging_[id].push_back(std::move(st));
+            continue;
+        }
+        if (queue != staging_.end()) {
+            queue->second.push_back(Staged{*s, now, Staged::Ready, false, Error{}});
             continue;
         }
         groups_.submit(id, *s, now, completions, ready_);
+    }
+    pump(id);
+}
+
+void ClientGateway::pump(MemberId id) {
+    auto it = staging_.find(id);
+    if (it == staging_.end()) return;
+    auto &q = it->second;
+    while (!q.empty() && q.front().state != Staged::Waiting) {
+        Staged &st = q.front();
+        // The op's deadline counts from its submission, stage-in included (end to end).
+        if (st.state == Staged::Ready) groups_.submit(id, st.s, st.accepted, done_, ready_);
+        else groups_.reject(id, st.s.seq, st.error.code, st.error.message, done_);
+        q.pop_front();
+    }
+    if (q.empty()) staging_.erase(it);
+}
+
+void ClientGateway::on_cuda_events() {
+    if (!cuda_) return;
+    for (const CudaStageEvent &e : cuda_->take_events()) {
+        if (e.kind == CudaStageEvent::StagedOut) {
+            cuda_->finish(e.member, e.seq);
+            done_.push_back({e.member, e.seq, 0, {}});
+            continue;
+        }
+        auto it = staging_.find(e.member);
+        if (it == staging_.end()) continue;
+        for (Staged &st : it->second)
+            if (st.s.seq == e.seq && st.state == Staged::Waiting) {
+                st.state = st.timed_out ? Staged::Failed : Staged::Ready;
+                if (st.timed_out)
+                    st.error = make_error(-ETIMEDOUT, "op " + std::to_string(e.seq) +
+                                                          ": the device buffer was never marked ready (the trainer's "
+                                                          "stream did not reach the op within timeouts.op)");
+                break;
+            }
+        pump(e.member);
     }
 }
 
@@ -315,6 +423,8 @@ void ClientGateway::drop(MemberId id, const Error &why, bool tell_client) {
     std::unique_ptr<ClientConn> c = std::move(node.mapped());
     if (tell_client) (void)send_all(c->sock(), proto::encode_error({why.code < 0 ? why.code : -EIO, why.message}));
     hooks_.unwatch(c->sock());
+    staging_.erase(id);
+    if (cuda_) cuda_->client_gone(id);
     if (c->state() == ClientConn::State::Joined) {
         hooks_.unwatch(c->doorbell_fd());  // the client holds the same eventfd: remove explicitly
         --live_slots_;
@@ -336,12 +446,29 @@ void ClientGateway::expire(Clock::time_point now) {
     for (const auto &[id, c] : clients_)
         if (c->state() == ClientConn::State::Handshake && c->hello_deadline() <= now) late.push_back(id);
     for (MemberId id : late) drop(id, make_error(-ETIMEDOUT, "no hello within 5 s"), true);
+    // Device buffers never marked ready: ringd's stream is let go, and the op fails once staged.
+    for (auto &[id, q] : staging_)
+        for (Staged &st : q)
+            if (st.state == Staged::Waiting && !st.timed_out && now - st.accepted >= config_.timeouts.op) {
+                st.timed_out = true;
+                if (cuda_) cuda_->release_ready(id, st.s.seq);
+            }
 }
 
 bool ClientGateway::complete(const std::vector<Completion> &completions) {
     if (completions.empty()) return false;
     std::vector<std::pair<MemberId, Error>> bad;
-    for (const auto &cm : completions) {
+    for (auto cm : completions) {
+        if (cuda_ && cuda_->has_op(cm.member, cm.seq)) {
+            if (cm.status != 0) {
+                cuda_->finish(cm.member, cm.seq);
+            } else if (auto s = cuda_->stage_out(cm.member, cm.seq); s) {
+                continue;  // delivered when the result is back in the device buffer
+            } else {
+                cm.status = s.error().code;
+                cm.message = s.error().message;
+            }
+        }
         auto it = clients_.find(cm.member);
         if (it == clients_.end() || it->second->state() != ClientConn::State::Joined) continue;
         if (auto s = it->second->complete(cm.seq, cm.status, cm.message); !s) bad.emplace_back(cm.member, s.error());

@@ -10,6 +10,7 @@
 // submitted), which the owner applies between events (Daemon::settle); it never calls back.
 #pragma once
 
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -26,6 +27,7 @@
 namespace ringd {
 
 class Slot;
+class CudaService;
 
 class ClientGateway {
 public:
@@ -39,8 +41,10 @@ public:
         std::function<Status(const std::vector<uint32_t> &hosts)> open_domain;
     };
 
+    // `cuda`: the trainers' device memory, or null with `no_cuda` saying why there is none.
     ClientGateway(const Config &config, uint32_t self_index, NetworkTransport &transport, GroupTable &groups,
-                  bool cuda_built, Hooks hooks, std::vector<Completion> &done, std::vector<OpRun> &ready);
+                  CudaService *cuda, std::string no_cuda, Hooks hooks, std::vector<Completion> &done,
+                  std::vector<OpRun> &ready);
 
     Status listen();
     int listener_fd() const { return listener_.get(); }
@@ -49,8 +53,11 @@ public:
     void on_doorbell(MemberId id);
     // Hellos that did not come in time.
     void expire(Clock::time_point now);
-    // Completions to their clients. Returns whether there were any.
+    // Completions to their clients. Returns whether there were any. A device-buffer op that
+    // succeeded is held until its result is back in the device buffer (stage-out).
     bool complete(const std::vector<Completion> &completions);
+    // Stage events of device-buffer ops (CudaService::event_fd readable).
+    void on_cuda_events();
     // Submissions that waited for credits, taken now that completions freed them. Returns
     // whether there were any.
     bool take_held_submissions();
@@ -66,7 +73,11 @@ public:
 
 private:
     void handle_hello(ClientConn &c, const proto::Hello &h);
+    void handle_cuda_frame(ClientConn &c, Frame &frame);
     void take_submissions(MemberId id);
+    // A client's submissions behind a device-buffer op still in stage-in go on in order: ops
+    // whose stage-in is done (and every later slot op) to the group table, failed ones rejected.
+    void pump(MemberId id);
     void drop(MemberId id, const Error &why, bool tell_client);
     // Connections (joined_only: slots) of clients with this uid.
     size_t count_of(uint32_t uid, bool joined_only) const;
@@ -76,7 +87,17 @@ private:
     Clock::time_point last_limit_log_{};
     NetworkTransport &transport_;
     GroupTable &groups_;
-    const bool cuda_built_;
+    CudaService *cuda_;
+    const std::string no_cuda_;
+    // Per client, its submissions from the first one still in stage-in on (absent: none).
+    struct Staged {
+        proto::Submission s;
+        Clock::time_point accepted;
+        enum State : uint8_t { Waiting, Ready, Failed } state = Ready;
+        bool timed_out = false;  // its buffer was never marked ready: it fails once staged
+        Error error{};
+    };
+    std::map<MemberId, std::deque<Staged>> staging_;
     Hooks hooks_;
     std::vector<Completion> &done_;
     std::vector<OpRun> &ready_;

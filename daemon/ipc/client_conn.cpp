@@ -17,7 +17,10 @@ std::string ClientConn::describe() const {
     return s;
 }
 
-Result<std::optional<Frame>> ClientConn::read_frame() { return reader_.read(sock_.get(), proto::kMaxClientPayload); }
+// A joined client may pass one fd with a frame (a VMM allocation with CudaRegister).
+Result<std::optional<Frame>> ClientConn::read_frame() {
+    return reader_.read(sock_.get(), proto::kMaxClientPayload, state_ == State::Joined ? 1 : 0);
+}
 
 void ClientConn::joined(std::shared_ptr<Slot> slot, UniqueFd doorbell, UniqueFd completion, std::string group,
                         uint32_t local_rank) {

@@ -97,8 +97,15 @@ std::string Daemon::status_json(uint32_t viewer) const {
     for (const auto &e : recent_errors_)
         errors.push_back({{"age_s", std::chrono::duration<double>(wall - e.when).count()}, {"message", e.message}});
     j["recent_errors"] = errors;
-    j["cuda"] = {{"built", cuda_.built}, {"devices", cuda_.devices}, {"runtime_version", cuda_.runtime_version},
-                 {"error", cuda_.error}};
+#ifdef RINGD_HAVE_CUDA
+    constexpr bool built = true;
+#else
+    constexpr bool built = false;
+#endif
+    j["cuda"] = cuda_ ? cuda_->status() : json::object();
+    j["cuda"]["built"] = built;
+    j["cuda"]["available"] = cuda_ != nullptr;
+    j["cuda"]["error"] = no_cuda_;
     return j.dump();
 }
 

@@ -282,7 +282,7 @@ TEST_CASE("bad descriptors get an error for that client only; it can go on", "[h
     proto::SubmitDesc op = desc(4, 1);
     op.op = 9;
     proto::SubmitDesc cuda = desc(5, 1);
-    cuda.buffer_kind = static_cast<uint32_t>(proto::BufferKind::CudaIpc);
+    cuda.buffer_kind = static_cast<uint32_t>(proto::BufferKind::Cuda);
     proto::SubmitDesc avg = desc(6, 1);
     avg.dtype = static_cast<uint32_t>(DType::I64);
     avg.op = static_cast<uint32_t>(ReduceOp::Avg);

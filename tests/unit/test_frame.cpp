@@ -105,6 +105,68 @@ TEST_CASE("error, status request and status reply frame bytes are pinned", "[pro
     CHECK(encode_status_reply("{}") == cat(header_bytes(5, 2), Bytes{'{', '}'}));
 }
 
+CudaRegister sample_cuda_register() {
+    CudaRegister r;
+    r.kind = CudaMemoryKind::LegacyIpc;
+    for (int i = 0; i < 16; ++i) r.device_uuid[i] = static_cast<uint8_t>(0xA0 + i);
+    r.alloc_bytes = 0x400000;
+    r.offset = 0x1000;
+    r.bytes = 0x2000;
+    r.client_ptr = 0x7f0000001000;
+    for (size_t i = 0; i < kCudaIpcHandleBytes; ++i) r.ipc_handle[i] = static_cast<uint8_t>(i);
+    return r;
+}
+
+TEST_CASE("CUDA register, unregister and reply frame bytes are pinned", "[proto]") {
+    const Bytes f = encode_cuda_register(sample_cuda_register());
+    REQUIRE(f.size() == kFrameHeaderBytes + kCudaRegisterBytes);
+    CHECK(Bytes(f.begin(), f.begin() + kFrameHeaderBytes) == header_bytes(6, 128));
+    const Bytes head = {2, 0, 0, 0, 0, 0, 0, 0, 0xA0, 0xA1, 0xA2, 0xA3, 0xA4, 0xA5, 0xA6, 0xA7,
+                        0xA8, 0xA9, 0xAA, 0xAB, 0xAC, 0xAD, 0xAE, 0xAF, 0, 0, 0x40, 0, 0, 0, 0, 0,
+                        0, 0x10, 0, 0, 0, 0, 0, 0, 0, 0x20, 0, 0, 0, 0, 0, 0};
+    CHECK(Bytes(f.begin() + kFrameHeaderBytes, f.begin() + kFrameHeaderBytes + 48) == head);
+    CHECK(f[kFrameHeaderBytes + 56 + 63] == 63);
+    auto d = decode_cuda_register(payload_of(f));
+    REQUIRE(d.ok());
+    CHECK(d->kind == CudaMemoryKind::LegacyIpc);
+    CHECK(d->bytes == 0x2000);
+    CHECK(d->client_ptr == 0x7f0000001000);
+
+    CHECK(encode_cuda_unregister(5) == cat(header_bytes(7, 8), Bytes{5, 0, 0, 0, 0, 0, 0, 0}));
+    CHECK(encode_cuda_reply({-2, 9, "no"}) ==
+          cat(header_bytes(8, 18), Bytes{0xFE, 0xFF, 0xFF, 0xFF, 2, 0, 0, 0, 9, 0, 0, 0, 0, 0, 0, 0, 'n', 'o'}));
+}
+
+TEST_CASE("CUDA register payloads are validated", "[proto]") {
+    CudaRegister r = sample_cuda_register();
+    SECTION("unknown kind") {
+        Bytes f = encode_cuda_register(r);
+        f[kFrameHeaderBytes] = 3;
+        CHECK_THAT(decode_cuda_register(payload_of(f)).error().message, Catch::Contains("unknown memory kind"));
+    }
+    SECTION("range outside the allocation") {
+        r.offset = r.alloc_bytes - 1;
+        CHECK_THAT(decode_cuda_register(payload_of(encode_cuda_register(r))).error().message, Catch::Contains("outside"));
+        r.offset = UINT64_MAX;
+        CHECK_FALSE(decode_cuda_register(payload_of(encode_cuda_register(r))).ok());
+    }
+    SECTION("empty range") {
+        r.bytes = 0;
+        CHECK_FALSE(decode_cuda_register(payload_of(encode_cuda_register(r))).ok());
+    }
+    SECTION("reserved bytes") {
+        Bytes f = encode_cuda_register(r);
+        f[kFrameHeaderBytes + 127] = 1;
+        CHECK_FALSE(decode_cuda_register(payload_of(f)).ok());
+    }
+    SECTION("replies") {
+        Bytes f = encode_cuda_reply({-5, 1, "x"});
+        f.pop_back();
+        CHECK_FALSE(decode_cuda_reply(payload_of(f)).ok());
+        CHECK_FALSE(decode_cuda_reply(payload_of(encode_cuda_reply({5, 1, ""}))).ok());
+    }
+}
+
 TEST_CASE("frame headers are validated", "[proto]") {
     Bytes h = header_bytes(1, 80);
     CHECK(decode_frame_header(h, kMaxClientPayload).ok());
@@ -255,8 +317,25 @@ TEST_CASE("submit descriptors are validated with overflow-safe bounds", "[proto]
         CHECK_THAT(validate_submit(d, 1024, false).error().message, Catch::Contains("avg is not defined"));
     }
     SECTION("CUDA buffers without CUDA") {
-        d.buffer_kind = static_cast<uint32_t>(BufferKind::CudaIpc);
-        CHECK_THAT(validate_submit(d, 1024, false).error().message, Catch::Contains("ringd was built without CUDA"));
+        d.buffer_kind = static_cast<uint32_t>(BufferKind::Cuda);
+        CHECK(validate_submit(d, 1024, false).error().code == -ENOTSUP);
+        CHECK_THAT(validate_submit(d, 1024, false).error().message, Catch::Contains("no CUDA"));
+    }
+    SECTION("CUDA buffers: the staging range is checked, the registration kept") {
+        d.buffer_kind = static_cast<uint32_t>(BufferKind::Cuda);
+        d.cuda_reg = 7;
+        d.cuda_offset = 4096;
+        auto s = validate_submit(d, 1024, true);
+        REQUIRE(s.ok());
+        CHECK(s->cuda);
+        CHECK(s->cuda_reg == 7);
+        CHECK(s->cuda_offset == 4096);
+        d.offset = 1024;
+        CHECK(validate_submit(d, 1024, true).error().code == -ERANGE);
+    }
+    SECTION("slot buffers carry no CUDA fields") {
+        d.cuda_reg = 1;
+        CHECK_THAT(validate_submit(d, 1024, true).error().message, Catch::Contains("CUDA fields"));
     }
     SECTION("zero count is valid") {
         d.count = 0;
@@ -278,7 +357,9 @@ TEST_CASE("decoders survive random mutations of valid frames", "[proto]") {
     // accepts must re-encode to a frame that decodes to the same thing.
     std::mt19937_64 rng(7);
     const std::vector<Bytes> seeds = {encode_rdma_link_info(sample_link_info()), encode_hello({"grp", 1, 4, 1 << 20, ""}), encode_welcome({1, 64, 64, 1000, 0x20000, 0x9000, 0x100}),
-                                      encode_error({-5, "message"}), encode_status_request({}), encode_status_reply("{}"),
+                                      encode_error({-5, "message"}), encode_status_request({}),
+                                      encode_cuda_register(sample_cuda_register()), encode_cuda_unregister(3),
+                                      encode_cuda_reply({-2, 4, "no such registration"}), encode_status_reply("{}"),
                                       encode_peer_hello({"c", "a", "b", ConnKind::Data, 1, 3, Nonce{}, "a,b"}),
                                       encode_peer_challenge({}), encode_peer_auth(Mac{}), encode_peer_accept(4),
                                       encode_heartbeat({1, 2}),
@@ -320,6 +401,22 @@ TEST_CASE("decoders survive random mutations of valid frames", "[proto]") {
             if (auto d = decode_error(p)) {
                 ++accepted;
                 CHECK(decode_error(payload_of(encode_error(*d)))->message == d->message);
+            }
+            break;
+        case FrameType::CudaRegister:
+            if (auto d = decode_cuda_register(p)) {
+                ++accepted;
+                auto again = decode_cuda_register(payload_of(encode_cuda_register(*d)));
+                REQUIRE(again.ok());
+                CHECK((again->offset == d->offset && again->bytes == d->bytes &&
+                       std::memcmp(again->ipc_handle, d->ipc_handle, kCudaIpcHandleBytes) == 0));
+            }
+            break;
+        case FrameType::CudaUnregister: accepted += decode_cuda_unregister(p).ok(); break;
+        case FrameType::CudaReply:
+            if (auto d = decode_cuda_reply(p)) {
+                ++accepted;
+                CHECK(decode_cuda_reply(payload_of(encode_cuda_reply(*d)))->message == d->message);
             }
             break;
         case FrameType::StatusRequest: accepted += decode_status_request(p).ok(); break;

@@ -37,6 +37,7 @@ extern "C" {
 #endif
 
 typedef struct ringd_client ringd_client;
+struct CUstream_st; /* CUstream / cudaStream_t: no CUDA header needed */
 typedef enum { RINGD_F32, RINGD_F64, RINGD_F16, RINGD_BF16, RINGD_I32, RINGD_I64 } ringd_dtype;
 typedef enum { RINGD_SUM, RINGD_AVG, RINGD_MIN, RINGD_MAX } ringd_op;
 
@@ -83,8 +84,38 @@ RINGD_API const char *ringd_last_error(const ringd_client *c);
  * when it fits; returns its length (call again with a bigger buf when that is >= len) or -errno
  * with the reason in buf. socket_path NULL: $RINGD_SOCKET, else /run/ringd/ringd.sock. */
 RINGD_API long ringd_status(const char *socket_path, char *buf, size_t len, int timeout_ms);
-/* Disconnects and frees c (NULL is fine). */
+/* Disconnects and frees c (NULL is fine). A client that used device buffers first lets the GPU
+ * work queued on its streams before this call run out (it may wait on the client's sync words) and
+ * frees what ringd_cuda_alloc gave it. */
 RINGD_API void ringd_close(ringd_client *c);
+
+/* Device buffers (CUDA). The driver is loaded on first use: RINGD_CUDA_PROVIDER=hardware (the
+ * default, libcuda.so.1) or emulated (ringd's software CUDA device, for tests); without it these
+ * return -ENODEV. A client uses one GPU (the current context's, or that of the memory it
+ * registers first). Memory is handed to ringd once and every op on it is checked against that:
+ *  - ringd_cuda_alloc: device memory ringd can map (a VMM allocation passed to ringd as a file
+ *    descriptor; works across PID namespaces); freed by ringd_cuda_free or ringd_close.
+ *  - ringd_register_cuda: any cudaMalloc-family buffer (e.g. a PyTorch caching-allocator segment),
+ *    passed as the legacy IPC handle of its allocation; *reg names it for ringd_unregister_cuda.
+ * An op on a device buffer is staged through the slot: it needs count x dtype bytes of the slot's
+ * data area while in flight, placed by the library beside the ops in flight (a slot op that would
+ * overlap it gets -EBUSY; a client that also runs slot ops must have read their results before it
+ * submits a device op, whose staging may reuse those bytes). It keeps stream order:
+ * ringd_submit_cuda marks the buffer ready on `stream` (NULL: the legacy default stream) and ringd
+ * copies it only after everything queued on the stream before; ringd_stream_wait makes a stream
+ * wait until the op's result is back in the buffer. If the op fails or ringd goes away, the wait
+ * is released anyway (the buffer then holds no result): no stream hangs. A buffer in no
+ * registration: -ENOENT. The result and errors come through ringd_wait/ringd_test as for any op. */
+RINGD_API int ringd_cuda_alloc(ringd_client *c, size_t bytes, void **dev_ptr);
+RINGD_API int ringd_cuda_free(ringd_client *c, void *dev_ptr);
+RINGD_API int ringd_register_cuda(ringd_client *c, const void *dev_ptr, size_t bytes, uint64_t *reg);
+RINGD_API int ringd_unregister_cuda(ringd_client *c, uint64_t reg);
+RINGD_API int ringd_submit_cuda(ringd_client *c, void *dev_ptr, size_t count, ringd_dtype dtype,
+                                ringd_op op, struct CUstream_st *stream, uint64_t *ticket);
+RINGD_API int ringd_stream_wait(ringd_client *c, uint64_t ticket, struct CUstream_st *stream);
+/* Submits and waits: returns when the result is in the buffer (or with the op's error). */
+RINGD_API int ringd_allreduce_cuda(ringd_client *c, void *dev_ptr, size_t count, ringd_dtype dtype,
+                                   ringd_op op, struct CUstream_st *stream, int timeout_ms);
 
 #ifdef __cplusplus
 }

@@ -1,0 +1,628 @@
+// libringd-client, device buffers: registration of GPU memory with ringd (VMM allocations as
+// POSIX fds, cudaMalloc-family buffers as legacy IPC handles), ops on them staged through the slot,
+// and stream order through the slot's sync words (proto/slot.h). The CUDA driver is loaded on
+// first use (RINGD_CUDA_PROVIDER: hardware, the default, or emulated); without one these entry
+// points fail with -ENODEV and the rest of the library works as ever.
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "client/lib/client_internal.h"
+
+#ifdef RINGD_HAVE_CUDA
+#include "common/cuda/cuda_api.h"
+
+namespace {
+
+constexpr uint64_t kStagingAlign = 256;
+constexpr auto kReplyTimeout = std::chrono::seconds(30);  // ringd maps the memory before it answers
+constexpr size_t kReadyOffset = offsetof(proto::SlotHeader, cuda_ready);
+constexpr size_t kDoneOffset = offsetof(proto::SlotHeader, cuda_done);
+
+std::string hex(uint64_t v) {
+    char b[32];
+    std::snprintf(b, sizeof b, "0x%llx", static_cast<unsigned long long>(v));
+    return b;
+}
+
+}  // namespace
+
+struct ringd_client_detail::CudaClient {
+    const cuda::CudaApi *api = nullptr;
+    CUdevice device = 0;
+    CUcontext ctx = nullptr;  // the device's primary context (retained)
+    uint8_t uuid[16] = {};
+    bool memops = true;       // stream write/wait value ops (else host functions)
+    CUdeviceptr sync = 0;     // the slot header, registered with the driver in this process
+    bool used_streams = false;
+
+    struct Alloc {  // ringd_cuda_alloc
+        size_t bytes = 0;
+        CUmemGenericAllocationHandle handle = 0;
+        uint64_t reg = 0;
+    };
+    std::map<CUdeviceptr, Alloc> allocs;  // by address
+    struct Reg {  // ringd_register_cuda
+        CUdeviceptr ptr = 0;
+        size_t bytes = 0;
+    };
+    std::map<uint64_t, Reg> regs;  // by registration id
+    struct Op {
+        uint64_t offset = 0, bytes = 0;  // staging range in the slot
+    };
+    std::map<uint64_t, Op> ops;  // device ops in flight, by seq
+
+    // The watcher: while device ops are in flight it releases their done words if ringd goes
+    // away or lets their deadline pass, so that a stream waiting on one never hangs, even when
+    // the trainer does not call into the library then.
+    std::thread watcher;
+    UniqueFd wake{::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)};
+    std::mutex mu;
+    bool stop = false;
+    struct Watched {
+        uint32_t entry = 0, word = 0;
+        Clock::time_point deadline;
+    };
+    std::map<uint64_t, Watched> watched;  // by seq; under mu
+};
+
+namespace {
+
+// Makes the client's context current for the duration, and restores the caller's.
+class ContextScope {
+public:
+    ContextScope(const cuda::CudaApi &api, CUcontext ctx) : api_(api) {
+        api_.cuCtxGetCurrent(&saved_);
+        if (saved_ != ctx) api_.cuCtxSetCurrent(ctx);
+    }
+    ~ContextScope() {
+        CUcontext now = nullptr;
+        api_.cuCtxGetCurrent(&now);
+        if (now != saved_) api_.cuCtxSetCurrent(saved_);
+    }
+
+private:
+    const cuda::CudaApi &api_;
+    CUcontext saved_ = nullptr;
+};
+
+int driver_fail(ringd_client &c, const std::string &what, CUresult r) {
+    return c.fail(r == CUDA_ERROR_OUT_OF_MEMORY ? -ENOMEM : -EIO, what + ": " + cuda::error_string(*c.cuda->api, r));
+}
+
+void release_word(std::atomic<uint32_t> &w, uint32_t value) { w.store(value, std::memory_order_release); }
+
+void watch(ringd_client *c) {
+    CudaClient &cc = *c->cuda;
+    auto &h = *c->header;
+    for (;;) {
+        int timeout = 1000;
+        {
+            std::lock_guard lock(cc.mu);
+            if (cc.stop) return;
+            const auto now = Clock::now();
+            for (auto it = cc.watched.begin(); it != cc.watched.end();) {
+                if (now >= it->second.deadline) {  // ringd owed the result by now
+                    release_word(h.cuda_done[it->second.entry], it->second.word);
+                    it = cc.watched.erase(it);
+                    continue;
+                }
+                timeout = std::min(timeout, ms_until(it->second.deadline) + 1);
+                ++it;
+            }
+        }
+        // POLLRDHUP without POLLIN: ringd's going away, without taking any bytes off the socket.
+        pollfd p[2] = {{c->sock.get(), POLLRDHUP, 0}, {cc.wake.get(), POLLIN, 0}};
+        const int n = ::poll(p, 2, timeout);
+        if (n > 0 && (p[0].revents & (POLLRDHUP | POLLHUP | POLLERR))) {
+            std::lock_guard lock(cc.mu);
+            for (auto &[seq, w] : cc.watched) release_word(h.cuda_done[w.entry], w.word);
+            cc.watched.clear();
+            return;  // the connection is over: nothing more will be watched
+        }
+        if (n > 0 && (p[1].revents & POLLIN)) {
+            uint64_t v;
+            (void)!::read(cc.wake.get(), &v, sizeof v);
+        }
+    }
+}
+
+// The driver and this client's device, on first use. `dev_ptr` (optional) picks the device of that
+// memory; else the caller's current context's, else device 0.
+int ensure_cuda(ringd_client &c, CUdeviceptr dev_ptr) {
+    if (!c.cuda) {
+        const char *p = std::getenv("RINGD_CUDA_PROVIDER");
+        auto provider = cuda::parse_provider(p && *p ? p : "hardware");
+        if (!provider) return c.fail(-EINVAL, "RINGD_CUDA_PROVIDER: " + provider.error().message);
+        auto api = cuda::load_cuda(*provider);
+        if (!api) return c.fail(api.error().code, api.error().message);
+        c.cuda.reset(new CudaClient);
+        c.cuda->api = *api;
+    }
+    CudaClient &cc = *c.cuda;
+    const cuda::CudaApi &api = *cc.api;
+    CUdevice dev = 0;
+    if (dev_ptr) {
+        int ordinal = 0;
+        if (CUresult r = api.cuPointerGetAttribute(&ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, dev_ptr); r != CUDA_SUCCESS)
+            return driver_fail(c, "device pointer " + hex(dev_ptr) + " is not device memory (cuPointerGetAttribute)", r);
+        if (CUresult r = api.cuDeviceGet(&dev, ordinal); r != CUDA_SUCCESS) return driver_fail(c, "cuDeviceGet", r);
+    } else if (cc.ctx) {
+        return 0;
+    } else {
+        CUcontext cur = nullptr;
+        if (api.cuCtxGetCurrent(&cur) != CUDA_SUCCESS || !cur || api.cuCtxGetDevice(&dev) != CUDA_SUCCESS)
+            if (CUresult r = api.cuDeviceGet(&dev, 0); r != CUDA_SUCCESS) return driver_fail(c, "no CUDA device (cuDeviceGet 0)", r);
+    }
+    if (cc.ctx) {
+        if (dev != cc.device)
+            return c.fail(-EINVAL, "this client uses GPU ordinal " + std::to_string(cc.device) + " already; one GPU per "
+                                   "client (connect once per GPU)");
+        return 0;
+    }
+    CUuuid uuid{};
+    if (CUresult r = api.cuDeviceGetUuid(&uuid, dev); r != CUDA_SUCCESS) return driver_fail(c, "cuDeviceGetUuid", r);
+    if (CUresult r = api.cuDevicePrimaryCtxRetain(&cc.ctx, dev); r != CUDA_SUCCESS) {
+        cc.ctx = nullptr;
+        return driver_fail(c, "cuDevicePrimaryCtxRetain", r);
+    }
+    cc.device = dev;
+    std::memcpy(cc.uuid, uuid.bytes, 16);
+    int v1 = 0;
+    if (api.cuDeviceGetAttribute(&v1, CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS_V1, dev) != CUDA_SUCCESS) v1 = 0;
+    // CUDA 12 drivers have stream memory ops on by default where the device has them; the
+    // attribute is the device's word on it.
+    cc.memops = v1 != 0;
+    ContextScope scope(api, cc.ctx);
+    // The slot header (the sync words), reachable by this process's streams.
+    if (CUresult r = api.cuMemHostRegister(c.header, proto::kSlotHeaderBytes,
+                                           CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP);
+        r != CUDA_SUCCESS)
+        return driver_fail(c, "registering the slot's sync words (cuMemHostRegister)", r);
+    if (CUresult r = api.cuMemHostGetDevicePointer(&cc.sync, c.header, 0); r != CUDA_SUCCESS)
+        return driver_fail(c, "cuMemHostGetDevicePointer", r);
+    return 0;
+}
+
+// Sends a registration request (with fd for VMM) and waits for ringd's answer.
+int request(ringd_client &c, const proto::Bytes &frame, int fd, uint64_t *reg) {
+    if (c.dead) return c.still_dead();
+    const int fds[1] = {fd};
+    if (auto s = send_all(c.sock.get(), frame, fd >= 0 ? std::span<const int>(fds, 1) : std::span<const int>()); !s) {
+        if (int rc = c.check_socket(); rc != 0) return rc;
+        return c.fail(s.error().code, s.error().message);
+    }
+    std::vector<UniqueFd> got;
+    uint8_t hdr[proto::kFrameHeaderBytes];
+    const auto deadline = Clock::now() + kReplyTimeout;
+    if (auto s = recv_exact(c.sock.get(), hdr, sizeof hdr, deadline, got); !s)
+        return c.die(s.error().code == -ETIMEDOUT ? -EPROTO : s.error().code, "ringd did not answer: " + s.error().message);
+    auto h = proto::decode_frame_header(std::span(hdr, sizeof hdr), proto::kMaxDaemonPayload);
+    if (!h) return c.die(-EPROTO, "bad frame from ringd: " + h.error().message);
+    std::vector<uint8_t> payload(h->length);
+    if (auto s = recv_exact(c.sock.get(), payload.data(), payload.size(), deadline, got); !s)
+        return c.die(-EPROTO, "ringd did not answer: " + s.error().message);
+    if (h->type == proto::FrameType::Error) {
+        auto e = proto::decode_error(payload);
+        return c.die(e ? e->code : -EPROTO, e ? "ringd: " + e->message : "bad error frame from ringd");
+    }
+    if (h->type != proto::FrameType::CudaReply) return c.die(-EPROTO, "unexpected frame from ringd");
+    auto r = proto::decode_cuda_reply(payload);
+    if (!r) return c.die(-EPROTO, "bad reply from ringd: " + r.error().message);
+    if (r->status != 0) return c.fail(r->status, "ringd: " + r->message);
+    if (reg) *reg = r->reg;
+    c.last_error.clear();
+    return 0;
+}
+
+int unregister_with_ringd(ringd_client &c, uint64_t reg) {
+    if (c.dead) return 0;  // ringd let go of everything of this client
+    return request(c, proto::encode_cuda_unregister(reg), -1, nullptr);
+}
+
+// A staging range of `bytes` in the slot, clear of every op in flight (slot and device ops).
+int find_staging(ringd_client &c, uint64_t bytes, uint64_t *offset) {
+    if (bytes > c.welcome.data_bytes)
+        return c.fail(-E2BIG, "a device op of " + std::to_string(bytes) + " bytes does not fit the " +
+                                  std::to_string(c.welcome.data_bytes) + "-byte slot it is staged in "
+                                  "(connect with a larger slot_bytes / RINGD_SLOT_BYTES)");
+    // Slot ops in flight too: ringd writes their ranges until they end.
+    std::vector<std::pair<uint64_t, uint64_t>> used;
+    for (const auto &[seq, op] : c.cuda->ops) used.emplace_back(op.offset, op.offset + op.bytes);
+    for (const Ticket &t : c.tickets)
+        if (!t.cuda && (t.state == TicketState::InFlight || t.state == TicketState::Abandoned))
+            used.emplace_back(t.offset, t.offset + t.bytes);
+    std::sort(used.begin(), used.end());
+    uint64_t at = 0;
+    for (const auto &[b, e] : used) {
+        if (at + bytes <= b) break;
+        at = std::max(at, (e + kStagingAlign - 1) / kStagingAlign * kStagingAlign);
+    }
+    if (at + bytes > c.welcome.data_bytes)
+        return c.fail(-EAGAIN, "no room in the slot for a device op of " + std::to_string(bytes) +
+                                   " bytes beside the ops in flight: wait for one first");
+    *offset = at;
+    return 0;
+}
+
+struct HostWrite {
+    std::atomic<uint32_t> *word;
+    uint32_t value;
+};
+void CUDA_CB host_write(void *p) {
+    std::unique_ptr<HostWrite> w(static_cast<HostWrite *>(p));
+    w->word->store(w->value, std::memory_order_release);
+}
+struct HostWait {
+    std::atomic<uint32_t> *word;
+    uint32_t value;
+    Clock::time_point deadline;
+};
+// Without stream memory ops: the stream's wait as a host function, bounded by the op's deadline.
+void CUDA_CB host_wait(void *p) {
+    std::unique_ptr<HostWait> w(static_cast<HostWait *>(p));
+    while (static_cast<int32_t>(w->word->load(std::memory_order_acquire) - w->value) < 0 && Clock::now() < w->deadline)
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+}
+
+}  // namespace
+
+void CudaClientDelete::operator()(CudaClient *cc) const {
+    if (!cc) return;
+    {
+        std::lock_guard lock(cc->mu);
+        cc->stop = true;
+    }
+    if (cc->watcher.joinable()) {
+        const uint64_t one = 1;
+        (void)!::write(cc->wake.get(), &one, sizeof one);
+        cc->watcher.join();
+    }
+    delete cc;
+}
+
+// The client closes: every device op's words released, the GPU work queued on them let run out
+// (it may read the sync words, which go away with the slot), the allocations freed.
+static void cuda_close(ringd_client &c) {
+    CudaClient &cc = *c.cuda;
+    {
+        std::lock_guard lock(cc.mu);
+        for (auto &[seq, w] : cc.watched) {
+            release_word(c.header->cuda_ready[w.entry], w.word);
+            release_word(c.header->cuda_done[w.entry], w.word);
+        }
+        cc.watched.clear();
+    }
+    if (!cc.ctx) return;
+    const cuda::CudaApi &api = *cc.api;
+    ContextScope scope(api, cc.ctx);
+    if (cc.used_streams) api.cuCtxSynchronize();
+    for (auto &[ptr, a] : cc.allocs) {
+        api.cuMemUnmap(ptr, a.bytes);
+        api.cuMemAddressFree(ptr, a.bytes);
+        api.cuMemRelease(a.handle);
+    }
+    cc.allocs.clear();
+    api.cuMemHostUnregister(c.header);
+    api.cuDevicePrimaryCtxRelease(cc.device);
+    cc.ctx = nullptr;
+}
+
+void cuda_client_closing(ringd_client &c) {
+    if (c.cuda) cuda_close(c);
+}
+
+void cuda_ticket_ended(ringd_client &c, uint64_t seq, int32_t status) {
+    if (!c.cuda) return;
+    CudaClient &cc = *c.cuda;
+    cc.ops.erase(seq);
+    std::lock_guard lock(cc.mu);
+    auto it = cc.watched.find(seq);
+    if (it == cc.watched.end()) return;
+    // ringd wrote the done word itself after the result (success) or at the failure; writing it
+    // again here covers a ringd that could not.
+    if (status != 0) release_word(c.header->cuda_done[it->second.entry], it->second.word);
+    cc.watched.erase(it);
+}
+
+bool cuda_staging_overlaps(const ringd_client &c, uint64_t offset, uint64_t bytes, uint64_t *seq) {
+    for (const auto &[s, op] : c.cuda->ops)
+        if (offset < op.offset + op.bytes && op.offset < offset + bytes) {
+            *seq = s;
+            return true;
+        }
+    return false;
+}
+
+extern "C" {
+
+int ringd_cuda_alloc(ringd_client *c, size_t bytes, void **dev_ptr) {
+    if (!c || !dev_ptr || bytes == 0) return c ? c->fail(-EINVAL, "ringd_cuda_alloc: dev_ptr NULL or bytes 0") : -EINVAL;
+    try {
+        *dev_ptr = nullptr;
+        if (c->dead) return c->still_dead();
+        if (int rc = ensure_cuda(*c, 0); rc != 0) return rc;
+        CudaClient &cc = *c->cuda;
+        const cuda::CudaApi &api = *cc.api;
+        int vmm = 0, fd_ok = 0;
+        api.cuDeviceGetAttribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, cc.device);
+        api.cuDeviceGetAttribute(&fd_ok, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, cc.device);
+        if (!vmm || !fd_ok)
+            return c->fail(-ENOTSUP, "this GPU has no virtual memory management with POSIX fd handles: allocate with "
+                                     "cudaMalloc and register the buffer with ringd_register_cuda");
+        ContextScope scope(api, cc.ctx);
+        CUmemAllocationProp prop{};
+        prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+        prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+        prop.location.id = cc.device;
+        prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+        size_t gran = 0;
+        if (CUresult r = api.cuMemGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED);
+            r != CUDA_SUCCESS || gran == 0)
+            return driver_fail(*c, "cuMemGetAllocationGranularity", r);
+        const size_t size = (bytes + gran - 1) / gran * gran;
+        CUmemGenericAllocationHandle handle = 0;
+        if (CUresult r = api.cuMemCreate(&handle, size, &prop, 0); r != CUDA_SUCCESS)
+            return driver_fail(*c, "cuMemCreate of " + std::to_string(size) + " bytes", r);
+        CUdeviceptr ptr = 0;
+        auto undo = [&](int rc) {
+            if (ptr) {
+                api.cuMemUnmap(ptr, size);
+                api.cuMemAddressFree(ptr, size);
+            }
+            api.cuMemRelease(handle);
+            return rc;
+        };
+        if (CUresult r = api.cuMemAddressReserve(&ptr, size, gran, 0, 0); r != CUDA_SUCCESS) {
+            ptr = 0;
+            return undo(driver_fail(*c, "cuMemAddressReserve", r));
+        }
+        if (CUresult r = api.cuMemMap(ptr, size, 0, handle, 0); r != CUDA_SUCCESS) {
+            api.cuMemAddressFree(ptr, size);
+            ptr = 0;
+            return undo(driver_fail(*c, "cuMemMap", r));
+        }
+        CUmemAccessDesc access{};
+        access.location = prop.location;
+        access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+        if (CUresult r = api.cuMemSetAccess(ptr, size, &access, 1); r != CUDA_SUCCESS)
+            return undo(driver_fail(*c, "cuMemSetAccess", r));
+        int fd = -1;
+        if (CUresult r = api.cuMemExportToShareableHandle(&fd, handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+            r != CUDA_SUCCESS)
+            return undo(driver_fail(*c, "cuMemExportToShareableHandle", r));
+        UniqueFd exported(fd);
+        proto::CudaRegister req;
+        req.kind = proto::CudaMemoryKind::Vmm;
+        std::memcpy(req.device_uuid, cc.uuid, 16);
+        req.alloc_bytes = size;
+        req.offset = 0;
+        req.bytes = size;
+        req.client_ptr = ptr;
+        uint64_t reg = 0;
+        if (int rc = request(*c, proto::encode_cuda_register(req), exported.get(), &reg); rc != 0) return undo(rc);
+        cc.allocs[ptr] = CudaClient::Alloc{size, handle, reg};
+        *dev_ptr = reinterpret_cast<void *>(ptr);
+        return 0;
+    } catch (const std::exception &e) {
+        return c->fail(-ENOMEM, e.what());
+    }
+}
+
+int ringd_cuda_free(ringd_client *c, void *dev_ptr) {
+    if (!c) return -EINVAL;
+    try {
+        const auto ptr = reinterpret_cast<CUdeviceptr>(dev_ptr);
+        if (!c->cuda || !c->cuda->allocs.count(ptr))
+            return c->fail(-ENOENT, "ringd_cuda_free: " + hex(ptr) + " did not come from ringd_cuda_alloc on this client");
+        CudaClient &cc = *c->cuda;
+        const CudaClient::Alloc a = cc.allocs.at(ptr);
+        cc.allocs.erase(ptr);
+        // ringd keeps its own mapping for ops still in flight on it; the memory lives until then.
+        const int rc = unregister_with_ringd(*c, a.reg);
+        const cuda::CudaApi &api = *cc.api;
+        ContextScope scope(api, cc.ctx);
+        api.cuMemUnmap(ptr, a.bytes);
+        api.cuMemAddressFree(ptr, a.bytes);
+        api.cuMemRelease(a.handle);
+        return rc;
+    } catch (const std::exception &e) {
+        return c->fail(-ENOMEM, e.what());
+    }
+}
+
+int ringd_register_cuda(ringd_client *c, const void *dev_ptr, size_t bytes, uint64_t *reg) {
+    if (!c || !reg || bytes == 0) return c ? c->fail(-EINVAL, "ringd_register_cuda: reg NULL or bytes 0") : -EINVAL;
+    try {
+        *reg = 0;
+        if (c->dead) return c->still_dead();
+        const auto ptr = reinterpret_cast<CUdeviceptr>(dev_ptr);
+        if (int rc = ensure_cuda(*c, ptr); rc != 0) return rc;
+        CudaClient &cc = *c->cuda;
+        const cuda::CudaApi &api = *cc.api;
+        ContextScope scope(api, cc.ctx);
+        for (const auto &[p, a] : cc.allocs)
+            if (ptr >= p && ptr < p + a.bytes)
+                return c->fail(-EINVAL, "memory from ringd_cuda_alloc is registered with ringd already");
+        CUdeviceptr base = 0;
+        size_t size = 0;
+        if (CUresult r = api.cuMemGetAddressRange(&base, &size, ptr); r != CUDA_SUCCESS)
+            return driver_fail(*c, "cuMemGetAddressRange of " + hex(ptr), r);
+        if (ptr + bytes < ptr || ptr + bytes > base + size)
+            return c->fail(-ERANGE, "[" + hex(ptr) + ", +" + std::to_string(bytes) + ") runs past its allocation [" +
+                                        hex(base) + ", +" + std::to_string(size) + ")");
+        CUipcMemHandle h{};
+        if (CUresult r = api.cuIpcGetMemHandle(&h, base); r != CUDA_SUCCESS)
+            return driver_fail(*c, "cuIpcGetMemHandle (is this a cudaMalloc-family buffer?)", r);
+        proto::CudaRegister req;
+        req.kind = proto::CudaMemoryKind::LegacyIpc;
+        std::memcpy(req.device_uuid, cc.uuid, 16);
+        req.alloc_bytes = size;
+        req.offset = ptr - base;
+        req.bytes = bytes;
+        req.client_ptr = ptr;
+        std::memcpy(req.ipc_handle, h.reserved, sizeof req.ipc_handle);
+        if (int rc = request(*c, proto::encode_cuda_register(req), -1, reg); rc != 0) return rc;
+        cc.regs[*reg] = CudaClient::Reg{ptr, bytes};
+        return 0;
+    } catch (const std::exception &e) {
+        return c->fail(-ENOMEM, e.what());
+    }
+}
+
+int ringd_unregister_cuda(ringd_client *c, uint64_t reg) {
+    if (!c) return -EINVAL;
+    try {
+        if (!c->cuda || !c->cuda->regs.erase(reg))
+            return c->fail(-ENOENT, "CUDA registration " + std::to_string(reg) + " is not one of this client's");
+        return unregister_with_ringd(*c, reg);
+    } catch (const std::exception &e) {
+        return c->fail(-ENOMEM, e.what());
+    }
+}
+
+int ringd_submit_cuda(ringd_client *c, void *dev_ptr, size_t count, ringd_dtype dtype, ringd_op op,
+                      struct CUstream_st *stream, uint64_t *ticket) {
+    if (!c) return -EINVAL;
+    try {
+        if (c->dead) return c->still_dead();
+        if (!c->cuda || !c->cuda->ctx)
+            return c->fail(-ENOENT, "device buffer " + hex(reinterpret_cast<CUdeviceptr>(dev_ptr)) +
+                                        " is in no registration: this client has none yet (ringd_cuda_alloc, "
+                                        "ringd_register_cuda)");
+        CudaClient &cc = *c->cuda;
+        const cuda::CudaApi &api = *cc.api;
+        if (static_cast<unsigned>(dtype) >= kDTypeCount) return c->fail(-EINVAL, "unknown dtype");
+        uint64_t bytes = 0;
+        if (__builtin_mul_overflow(static_cast<uint64_t>(count), dtype_size(static_cast<DType>(dtype)), &bytes))
+            return c->fail(-EOVERFLOW, "count " + std::to_string(count) + " overflows");
+        const auto ptr = reinterpret_cast<CUdeviceptr>(dev_ptr);
+        uint64_t reg = 0, reg_offset = 0;
+        bool found = false;
+        auto inside = [&](CUdeviceptr base, uint64_t size) { return ptr >= base && ptr + bytes >= ptr && ptr + bytes <= base + size; };
+        for (const auto &[p, a] : cc.allocs)
+            if (inside(p, a.bytes)) {
+                reg = a.reg, reg_offset = ptr - p, found = true;
+                break;
+            }
+        for (auto it = cc.regs.begin(); !found && it != cc.regs.end(); ++it)
+            if (inside(it->second.ptr, it->second.bytes)) reg = it->first, reg_offset = ptr - it->second.ptr, found = true;
+        if (!found)
+            return c->fail(-ENOENT, "device buffer [" + hex(ptr) + ", +" + std::to_string(bytes) +
+                                        ") is in no registration of this client: register it with ringd_register_cuda "
+                                        "or allocate it with ringd_cuda_alloc");
+        uint64_t staging = 0;
+        c->drain_completions();  // staging ranges of ops that ended are free again
+        if (int rc = find_staging(*c, bytes, &staging); rc != 0) return rc;
+        const uint64_t seq = c->next_seq;
+        const uint32_t entry = static_cast<uint32_t>(seq % proto::kQueueDepth);
+        const uint32_t word = static_cast<uint32_t>(seq);
+        {
+            ContextScope scope(api, cc.ctx);
+            // "The buffer is produced" in the stream's order: ringd copies it only after this.
+            CUresult r = cc.memops ? api.cuStreamWriteValue32(stream, cc.sync + kReadyOffset + 4 * entry, word,
+                                                              CU_STREAM_WRITE_VALUE_DEFAULT)
+                                   : api.cuLaunchHostFunc(stream, host_write,
+                                                          new HostWrite{&c->header->cuda_ready[entry], word});
+            if (r != CUDA_SUCCESS) return driver_fail(*c, "marking the buffer ready on the stream", r);
+            cc.used_streams = true;
+        }
+        proto::SubmitDesc d{};
+        d.count = count;
+        d.dtype = static_cast<uint32_t>(dtype);
+        d.op = static_cast<uint32_t>(op);
+        d.buffer_kind = static_cast<uint32_t>(proto::BufferKind::Cuda);
+        d.offset = staging;
+        d.cuda_reg = reg;
+        d.cuda_offset = reg_offset;
+        if (int rc = c->submit_desc(d, ticket, true); rc != 0) return rc;
+        cc.ops[seq] = CudaClient::Op{staging, bytes};
+        {
+            std::lock_guard lock(cc.mu);
+            cc.watched[seq] = CudaClient::Watched{entry, word, Clock::now() + std::chrono::milliseconds(c->welcome.op_timeout_ms) +
+                                                                   c->wait_margin};
+        }
+        if (!cc.watcher.joinable()) cc.watcher = std::thread(watch, c);
+        else {
+            const uint64_t one = 1;
+            (void)!::write(cc.wake.get(), &one, sizeof one);
+        }
+        return 0;
+    } catch (const std::exception &e) {
+        return c->fail(-ENOMEM, e.what());
+    }
+}
+
+int ringd_stream_wait(ringd_client *c, uint64_t ticket, struct CUstream_st *stream) {
+    if (!c) return -EINVAL;
+    try {
+        if (!c->cuda || !c->cuda->ctx || ticket == 0 || ticket >= c->next_seq)
+            return c->fail(-EINVAL, "ticket " + std::to_string(ticket) + " is not a device op of this client");
+        CudaClient &cc = *c->cuda;
+        const cuda::CudaApi &api = *cc.api;
+        const uint32_t entry = static_cast<uint32_t>(ticket % proto::kQueueDepth);
+        const uint32_t word = static_cast<uint32_t>(ticket);
+        ContextScope scope(api, cc.ctx);
+        CUresult r;
+        if (cc.memops) {
+            r = api.cuStreamWaitValue32(stream, cc.sync + kDoneOffset + 4 * entry, word, CU_STREAM_WAIT_VALUE_GEQ);
+        } else {
+            const auto deadline = Clock::now() + std::chrono::milliseconds(c->welcome.op_timeout_ms) + c->wait_margin;
+            r = api.cuLaunchHostFunc(stream, host_wait, new HostWait{&c->header->cuda_done[entry], word, deadline});
+        }
+        if (r != CUDA_SUCCESS) return driver_fail(*c, "waiting for the op on the stream", r);
+        cc.used_streams = true;
+        c->last_error.clear();
+        return 0;
+    } catch (const std::exception &e) {
+        return c->fail(-ENOMEM, e.what());
+    }
+}
+
+int ringd_allreduce_cuda(ringd_client *c, void *dev_ptr, size_t count, ringd_dtype dtype, ringd_op op,
+                         struct CUstream_st *stream, int timeout_ms) {
+    uint64_t ticket = 0;
+    if (int rc = ringd_submit_cuda(c, dev_ptr, count, dtype, op, stream, &ticket); rc != 0) return rc;
+    const int rc = ringd_wait(c, ticket, timeout_ms);
+    if (rc == -ETIMEDOUT) {
+        Ticket &t = c->tickets[ticket % c->tickets.size()];
+        if (t.seq == ticket && t.state == TicketState::InFlight) t.state = TicketState::Abandoned;
+    }
+    return rc;
+}
+
+}  // extern "C"
+
+#else  // built without CUDA
+
+struct ringd_client_detail::CudaClient {};
+void CudaClientDelete::operator()(CudaClient *cc) const { delete cc; }
+void cuda_client_closing(ringd_client &) {}
+void cuda_ticket_ended(ringd_client &, uint64_t, int32_t) {}
+bool cuda_staging_overlaps(const ringd_client &, uint64_t, uint64_t, uint64_t *) { return false; }
+
+extern "C" {
+#define RINGD_NO_CUDA(c) ((c) ? (c)->fail(-ENOTSUP, "libringd-client was built without CUDA") : -EINVAL)
+int ringd_cuda_alloc(ringd_client *c, size_t, void **) { return RINGD_NO_CUDA(c); }
+int ringd_cuda_free(ringd_client *c, void *) { return RINGD_NO_CUDA(c); }
+int ringd_register_cuda(ringd_client *c, const void *, size_t, uint64_t *) { return RINGD_NO_CUDA(c); }
+int ringd_unregister_cuda(ringd_client *c, uint64_t) { return RINGD_NO_CUDA(c); }
+int ringd_submit_cuda(ringd_client *c, void *, size_t, ringd_dtype, ringd_op, struct CUstream_st *, uint64_t *) {
+    return RINGD_NO_CUDA(c);
+}
+int ringd_stream_wait(ringd_client *c, uint64_t, struct CUstream_st *) { return RINGD_NO_CUDA(c); }
+int ringd_allreduce_cuda(ringd_client *c, void *, size_t, ringd_dtype, ringd_op, struct CUstream_st *, int) {
+    return RINGD_NO_CUDA(c);
+}
+}
+
+#endif

@@ -1,0 +1,128 @@
+// The client's state, shared by the library's sources (client.cpp: connection, slot queues,
+// tickets; client_cuda.cpp: device buffers). Not part of the ABI.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "common/fd_io.h"
+#include "common/shm_mapping.h"
+#include "proto/frame.h"
+#include "proto/slot.h"
+#include "ringd/ringd.h"
+
+using namespace ringd;
+
+namespace ringd_client_detail {
+
+constexpr auto kConnectTimeout = std::chrono::seconds(10);
+constexpr auto kSpin = std::chrono::microseconds(20);    // spin this long before blocking
+// After a wait that spun in vain (ops take longer than the spin: several hosts, big buffers),
+// this many waits block at once, leaving the core to the daemon and other trainers; then
+// spinning is tried again, so the client follows the op latency both ways.
+constexpr int kSpinBackoff = 15;
+// ringd ends every accepted op within timeouts.op of its submission plus a little: its
+// end-to-end deadline, then up to 1 s of grace for the coordinator's decision and a 100 ms tick,
+// then the bounded release of a ring op by the progress thread (docs/design.md, Failure
+// contract). The client gives it timeouts.op + kWaitMargin from the op's submission, clearly
+// longer than that, so that this deadline never fires on a daemon that keeps its contract: past
+// it, the daemon broke the contract and the connection is declared dead (see breach()).
+// RINGD_WAIT_MARGIN_MS overrides the margin at connect, never below kMinWaitMargin.
+constexpr auto kWaitMargin = std::chrono::milliseconds(10000);
+constexpr auto kMinWaitMargin = std::chrono::milliseconds(2000);
+
+enum class TicketState : uint8_t { Free, InFlight, Done, Abandoned };
+
+struct Ticket {
+    uint64_t seq = 0;
+    TicketState state = TicketState::Free;
+    int32_t status = 0;
+    std::string message;
+    Clock::time_point submitted;  // the contract's deadline counts from here, not from a wait
+    bool cuda = false;  // a device-buffer op (client_cuda.cpp)
+    uint64_t offset = 0, bytes = 0;  // its slot range (device ops: where they are staged)
+};
+
+// Device buffers (client_cuda.cpp): registrations, the staging ranges of device ops in the slot,
+// the sync words.
+struct CudaClient;
+struct CudaClientDelete {
+    void operator()(CudaClient *c) const;
+};
+
+inline void cpu_relax() {
+#if defined(__x86_64__)
+    _mm_pause();
+#endif
+}
+
+}  // namespace ringd_client_detail
+using namespace ringd_client_detail;
+
+struct ringd_client {
+    UniqueFd sock;
+    UniqueFd doorbell;
+    UniqueFd completion;
+    UniqueFd pollable;  // ringd_fd(): epoll over the completion eventfd and the socket, made on first use
+    SharedMapping map;
+    proto::Welcome welcome;
+    proto::SlotHeader *header = nullptr;
+    proto::SubmitDesc *sq = nullptr;
+    const proto::CompletionDesc *cq = nullptr;
+    std::byte *data = nullptr;
+    uint64_t next_seq = 1;
+    uint64_t sq_tail = 0;
+    uint64_t cq_head = 0;
+    std::vector<Ticket> tickets;  // index = seq % depth
+    std::string last_error;
+    int dead = 0;  // non-zero errno once the daemon connection is gone
+    std::string dead_error;  // why: every later call says it again
+    int spin_skip = 0;  // waits left that block without spinning
+    std::chrono::milliseconds wait_margin = kWaitMargin;
+    // Last: goes first when the client closes (it releases sync words in the slot mapped above).
+    std::unique_ptr<CudaClient, CudaClientDelete> cuda;
+
+    int fail(int code, std::string msg) {
+        last_error = std::move(msg);
+        return code;
+    }
+    int die(int code, std::string msg) {
+        dead = code;
+        dead_error = msg;
+        return fail(code, std::move(msg));
+    }
+    int still_dead() { return fail(dead, dead_error); }
+    // When ringd owes the ticket's completion at the latest.
+    Clock::time_point contract_deadline(const Ticket &t) const {
+        return t.submitted + std::chrono::milliseconds(welcome.op_timeout_ms) + wait_margin;
+    }
+    void drain_completions();
+    // Queues a descriptor built by an entry point (validated here again); its ticket in *ticket.
+    int submit_desc(proto::SubmitDesc &d, uint64_t *ticket, bool cuda_op);
+    int check_socket();
+    int breach(const Ticket &t);
+    int wait(Ticket &t, int timeout_ms);
+    int test(Ticket &t);
+    int finish(Ticket &t) {
+        t.state = TicketState::Free;
+        if (t.status != 0) return fail(t.status, t.message);
+        last_error.clear();
+        return 0;
+    }
+};
+
+// client_cuda.cpp's side of the slot queues.
+// A device op's ticket ended (done or given up): its staging range is free again; a failed one's
+// done word is written here, so that a stream waiting for it moves on.
+void cuda_ticket_ended(ringd_client &c, uint64_t seq, int32_t status);
+// Whether [offset, +bytes) overlaps the staging range of a device op in flight (the slot op that
+// would is refused: ringd writes there).
+bool cuda_staging_overlaps(const ringd_client &c, uint64_t offset, uint64_t bytes, uint64_t *seq);
+// ringd_close, before the slot goes: words released, queued GPU work run out, allocations freed.
+void cuda_client_closing(ringd_client &c);

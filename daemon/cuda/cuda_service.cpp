@@ -1,0 +1,583 @@
+#include "daemon/cuda/cuda_service.h"
+
+#ifdef RINGD_HAVE_CUDA
+#include "common/cuda/cuda_api.h"
+
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+
+#include <spdlog/spdlog.h>
+
+#include "common/fd_io.h"
+#include "daemon/ipc/slot.h"
+
+namespace ringd {
+namespace {
+
+std::string uuid_string(const uint8_t u[16]) {
+    char s[64];
+    std::snprintf(s, sizeof s, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", u[0], u[1],
+                  u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13], u[14], u[15]);
+    return s;
+}
+
+constexpr size_t kReadyOffset = offsetof(proto::SlotHeader, cuda_ready);
+constexpr size_t kDoneOffset = offsetof(proto::SlotHeader, cuda_done);
+
+}  // namespace
+
+struct CudaService::Device {
+    int ordinal = 0;
+    CUdevice dev = 0;
+    CUcontext ctx = nullptr;  // the primary context, retained on first use
+    uint8_t uuid[16] = {};
+    std::string name;
+};
+
+// One open of a trainer's allocation in this process. Registrations and ops in flight hold it;
+// it closes when the last of them lets go (or earlier, idle, for room: then it opens again).
+struct CudaService::Mapping {
+    CudaService *owner = nullptr;
+    proto::CudaMemoryKind kind{};
+    Device *device = nullptr;
+    uint64_t bytes = 0;
+    std::array<uint8_t, proto::kCudaIpcHandleBytes> handle{};  // LegacyIpc
+    CUmemGenericAllocationHandle vmm = 0;                      // Vmm: imported once, kept to map again
+    CUdeviceptr base = 0;                                      // 0 while closed
+    size_t ops = 0;                                            // ops in flight on it
+    uint64_t last_use = 0;
+    ~Mapping() {
+        owner->close(*this);
+        if (vmm) owner->api_.cuMemRelease(vmm);
+    }
+};
+
+struct CudaService::Registration {
+    std::shared_ptr<Mapping> mapping;
+    uint64_t offset = 0;  // into the allocation
+    uint64_t bytes = 0;
+    uint64_t client_ptr = 0;
+};
+
+struct CudaService::Op {
+    uint32_t entry = 0;  // sync word index
+    uint32_t word = 0;   // the seq's low 32 bits
+    CUdeviceptr dev = 0;
+    std::byte *host = nullptr;
+    uint64_t bytes = 0;
+    std::shared_ptr<Mapping> mapping;
+};
+
+struct CudaService::Client {
+    Device *device = nullptr;
+    std::shared_ptr<Slot> slot;
+    bool host_registered = false;
+    CUdeviceptr sync = 0;  // the slot header's device address
+    CUstream stream = nullptr;
+    std::map<uint64_t, Registration> regs;
+    std::map<uint64_t, Op> ops;  // by seq
+    bool gone = false;
+};
+
+// Stage events from the driver's callback thread to the control thread.
+struct CudaService::EventQueue {
+    UniqueFd fd{::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)};
+    std::mutex mu;
+    std::vector<CudaStageEvent> events;
+};
+
+namespace {
+
+struct HostFuncArg {
+    std::shared_ptr<void> queue;  // CudaService::EventQueue, kept alive past the service
+    void (*push)(void *queue, const CudaStageEvent &e);
+    CudaStageEvent event;
+};
+
+void CUDA_CB on_host_func(void *p) {
+    std::unique_ptr<HostFuncArg> a(static_cast<HostFuncArg *>(p));
+    a->push(a->queue.get(), a->event);
+}
+
+}  // namespace
+
+Result<std::unique_ptr<CudaService>> CudaService::start(const Config::Cuda &config) {
+    auto provider = cuda::parse_provider(config.provider);
+    if (!provider) return provider.error();
+    auto api = cuda::load_cuda(*provider);
+    if (!api) return api.error();
+    std::unique_ptr<CudaService> s(new CudaService(**api, config));
+    if (!s->events_->fd) return make_error(-errno, "eventfd: " + errno_string(errno));
+    int n = 0;
+    if (CUresult r = s->api_.cuDeviceGetCount(&n); r != CUDA_SUCCESS) return s->driver_error("cuDeviceGetCount", r);
+    for (int i = 0; i < n; ++i) {
+        auto d = std::make_unique<Device>();
+        d->ordinal = i;
+        char name[256] = {};
+        CUuuid uuid{};
+        if (CUresult r = s->api_.cuDeviceGet(&d->dev, i); r != CUDA_SUCCESS) return s->driver_error("cuDeviceGet", r);
+        if (CUresult r = s->api_.cuDeviceGetUuid(&uuid, d->dev); r != CUDA_SUCCESS)
+            return s->driver_error("cuDeviceGetUuid", r);
+        std::memcpy(d->uuid, uuid.bytes, 16);
+        if (s->api_.cuDeviceGetName(name, sizeof name - 1, d->dev) == CUDA_SUCCESS) d->name = name;
+        s->devices_.push_back(std::move(d));
+    }
+    return s;
+}
+
+CudaService::CudaService(const cuda::CudaApi &api, const Config::Cuda &config)
+    : api_(api), config_(config), events_(std::make_shared<EventQueue>()) {}
+
+CudaService::~CudaService() {
+    // Shutdown: every word released so that the streams run dry, then the streams synchronised
+    // (their host functions only queue events), mappings closed, slots unregistered.
+    for (auto &[id, c] : clients_) {
+        auto &h = c->slot->header();
+        for (auto &[seq, op] : c->ops) {
+            h.cuda_ready[op.entry].store(op.word, std::memory_order_release);
+            h.cuda_done[op.entry].store(op.word, std::memory_order_release);
+        }
+        if (c->stream) {
+            (void)make_current(*c->device);
+            api_.cuStreamSynchronize(c->stream);
+        }
+    }
+    std::vector<MemberId> ids;
+    for (auto &[id, c] : clients_) ids.push_back(id);
+    for (MemberId id : ids) cleanup(id);
+    for (auto &d : devices_)
+        if (d->ctx) api_.cuDevicePrimaryCtxRelease(d->dev);
+}
+
+int CudaService::event_fd() const { return events_->fd.get(); }
+
+Error CudaService::driver_error(const std::string &what, int cu_result) const {
+    const auto r = static_cast<CUresult>(cu_result);
+    const int code = r == CUDA_ERROR_OUT_OF_MEMORY ? -ENOMEM : r == CUDA_ERROR_INVALID_HANDLE ? -EBADF : -EIO;
+    return make_error(code, what + ": " + cuda::error_string(api_, r));
+}
+
+Result<CudaService::Device *> CudaService::device_of(const uint8_t uuid[16]) {
+    for (auto &d : devices_)
+        if (std::memcmp(d->uuid, uuid, 16) == 0) {
+            if (!d->ctx)
+                if (CUresult r = api_.cuDevicePrimaryCtxRetain(&d->ctx, d->dev); r != CUDA_SUCCESS) {
+                    d->ctx = nullptr;
+                    return driver_error("GPU " + uuid_string(uuid) + ": cuDevicePrimaryCtxRetain", r);
+                }
+            return d.get();
+        }
+    std::string seen;
+    for (auto &d : devices_) seen += (seen.empty() ? "" : ", ") + uuid_string(d->uuid);
+    return make_error(-ENODEV, "GPU " + uuid_string(uuid) + " is not visible to ringd (it sees " +
+                                   (seen.empty() ? std::string("no GPU") : seen) + ")");
+}
+
+Status CudaService::make_current(const Device &d) {
+    if (CUresult r = api_.cuCtxSetCurrent(d.ctx); r != CUDA_SUCCESS) return driver_error("cuCtxSetCurrent", r);
+    return Ok{};
+}
+
+// The client's slot registered with the driver (so copies into it run at full speed and the
+// streams can reach its sync words), and its stream: once, at its first registration.
+Status CudaService::prepare_client(Client &c, Device &d, const std::shared_ptr<Slot> &slot) {
+    if (c.device && c.device != &d)
+        return make_error(-EINVAL, "this client registered memory of GPU " + uuid_string(c.device->uuid) +
+                                       " already; one GPU per client (connect once per GPU)");
+    c.device = &d;
+    c.slot = slot;
+    if (auto s = make_current(d); !s) return s;
+    if (!c.host_registered) {
+        void *base = &slot->header();
+        const size_t bytes = slot->geometry().map_bytes;
+        if (CUresult r = api_.cuMemHostRegister(base, bytes, CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP);
+            r != CUDA_SUCCESS)
+            return driver_error("registering the slot with the driver (cuMemHostRegister of " + std::to_string(bytes) +
+                                    " bytes; is the memlock limit high enough?)",
+                                r);
+        c.host_registered = true;
+        if (CUresult r = api_.cuMemHostGetDevicePointer(&c.sync, base, 0); r != CUDA_SUCCESS)
+            return driver_error("cuMemHostGetDevicePointer", r);
+    }
+    if (!c.stream)
+        if (CUresult r = api_.cuStreamCreate(&c.stream, CU_STREAM_NON_BLOCKING); r != CUDA_SUCCESS) {
+            c.stream = nullptr;
+            return driver_error("cuStreamCreate", r);
+        }
+    return Ok{};
+}
+
+// Closes idle mappings, least recently used first, until `bytes` more fit under the cap.
+Status CudaService::make_room(uint64_t bytes, const Mapping *keep) {
+    while (stats_.mapped_bytes + bytes > config_.max_mapped_bytes) {
+        Mapping *victim = nullptr;
+        for (auto &[id, c] : clients_)
+            for (auto &[reg, r] : c->regs) {
+                Mapping *m = r.mapping.get();
+                if (m != keep && m->base && m->ops == 0 && (!victim || m->last_use < victim->last_use)) victim = m;
+            }
+        if (!victim)
+            return make_error(-ENOMEM, std::to_string(bytes) + " more bytes of device memory would exceed "
+                                       "cuda.max_mapped_bytes (" + std::to_string(config_.max_mapped_bytes) +
+                                       ", " + std::to_string(stats_.mapped_bytes) + " mapped and in use)");
+        close(*victim);
+        ++stats_.evictions;
+    }
+    return Ok{};
+}
+
+Status CudaService::open(Mapping &m) {
+    m.last_use = ++use_clock_;
+    if (m.base) return Ok{};
+    if (auto s = make_room(m.bytes, &m); !s) return s;
+    if (auto s = make_current(*m.device); !s) return s;
+    if (m.kind == proto::CudaMemoryKind::LegacyIpc) {
+        CUipcMemHandle h{};
+        std::memcpy(h.reserved, m.handle.data(), sizeof h.reserved);
+        CUdeviceptr base = 0;
+        if (CUresult r = api_.cuIpcOpenMemHandle(&base, h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS); r != CUDA_SUCCESS)
+            return driver_error("opening the trainer's IPC handle (cuIpcOpenMemHandle; did the trainer free the memory "
+                                "or exit?)", r);
+        // The whole declared allocation must be inside what the driver mapped.
+        CUdeviceptr range = 0;
+        size_t size = 0;
+        if (CUresult r = api_.cuMemGetAddressRange(&range, &size, base); r != CUDA_SUCCESS || range != base ||
+                                                                        size < m.bytes) {
+            api_.cuIpcCloseMemHandle(base);
+            return make_error(-EINVAL, "the IPC handle maps " + std::to_string(size) + " bytes, not the declared " +
+                                           std::to_string(m.bytes));
+        }
+        m.base = base;
+    } else {
+        CUdeviceptr va = 0;
+        if (CUresult r = api_.cuMemAddressReserve(&va, m.bytes, 0, 0, 0); r != CUDA_SUCCESS)
+            return driver_error("cuMemAddressReserve", r);
+        if (CUresult r = api_.cuMemMap(va, m.bytes, 0, m.vmm, 0); r != CUDA_SUCCESS) {
+            api_.cuMemAddressFree(va, m.bytes);
+            return driver_error("mapping the trainer's allocation (cuMemMap of " + std::to_string(m.bytes) + " bytes)", r);
+        }
+        CUmemAccessDesc access{};
+        access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+        access.location.id = m.device->ordinal;
+        access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+        if (CUresult r = api_.cuMemSetAccess(va, m.bytes, &access, 1); r != CUDA_SUCCESS) {
+            api_.cuMemUnmap(va, m.bytes);
+            api_.cuMemAddressFree(va, m.bytes);
+            return driver_error("cuMemSetAccess", r);
+        }
+        m.base = va;
+    }
+    stats_.mapped_bytes += m.bytes;
+    ++stats_.opens;
+    return Ok{};
+}
+
+void CudaService::close(Mapping &m) {
+    if (!m.base) return;
+    (void)make_current(*m.device);
+    if (m.kind == proto::CudaMemoryKind::LegacyIpc) {
+        api_.cuIpcCloseMemHandle(m.base);
+    } else {
+        api_.cuMemUnmap(m.base, m.bytes);
+        api_.cuMemAddressFree(m.base, m.bytes);
+    }
+    m.base = 0;
+    stats_.mapped_bytes -= m.bytes;
+    ++stats_.closes;
+}
+
+Result<uint64_t> CudaService::register_memory(MemberId id, const std::shared_ptr<Slot> &slot,
+                                              const proto::CudaRegister &r, std::vector<UniqueFd> fds) {
+    const bool vmm = r.kind == proto::CudaMemoryKind::Vmm;
+    if (fds.size() != (vmm ? 1u : 0u))
+        return make_error(-EINVAL, std::string(vmm ? "a VMM registration comes with exactly one fd"
+                                                   : "a legacy IPC registration comes with no fd") +
+                                       " (got " + std::to_string(fds.size()) + ")");
+    auto d = device_of(r.device_uuid);
+    if (!d) return d.error();
+    auto &c = clients_[id];
+    if (!c) c = std::make_unique<Client>();
+    if (c->gone) return make_error(-ECONNRESET, "client is leaving");
+    if (auto s = prepare_client(*c, **d, slot); !s) return s.error();
+
+    std::shared_ptr<Mapping> m;
+    std::array<uint8_t, proto::kCudaIpcHandleBytes> key{};
+    std::memcpy(key.data(), r.ipc_handle, key.size());
+    if (!vmm) {
+        auto it = legacy_.find(key);
+        if (it != legacy_.end()) m = it->second.lock();
+        if (m && (m->device != *d || m->bytes != r.alloc_bytes))
+            return make_error(-EINVAL, "this IPC handle is registered already as " + std::to_string(m->bytes) +
+                                           " bytes of GPU " + uuid_string(m->device->uuid));
+    }
+    if (!m) {
+        m = std::make_shared<Mapping>();
+        m->owner = this;
+        m->kind = r.kind;
+        m->device = *d;
+        m->bytes = r.alloc_bytes;
+        m->handle = key;
+        if (vmm) {
+            if (auto s = make_current(**d); !s) return s.error();
+            void *os = reinterpret_cast<void *>(static_cast<uintptr_t>(fds[0].get()));
+            if (CUresult e = api_.cuMemImportFromShareableHandle(&m->vmm, os, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+                e != CUDA_SUCCESS) {
+                m->vmm = 0;
+                return driver_error("importing the trainer's allocation (cuMemImportFromShareableHandle)", e);
+            }
+        }
+        if (auto s = open(*m); !s) return s.error();
+        if (!vmm) legacy_[key] = m;
+    } else if (auto s = open(*m); !s) {
+        return s.error();
+    }
+    const uint64_t reg = next_reg_++;
+    c->regs[reg] = Registration{m, r.offset, r.bytes, r.client_ptr};
+    ++stats_.registrations;
+    return reg;
+}
+
+Status CudaService::unregister(MemberId id, uint64_t reg) {
+    auto it = clients_.find(id);
+    if (it == clients_.end() || !it->second->regs.erase(reg))
+        return make_error(-ENOENT, "CUDA registration " + std::to_string(reg) + " is not one of this client's");
+    for (auto l = legacy_.begin(); l != legacy_.end();) l = l->second.expired() ? legacy_.erase(l) : std::next(l);
+    return Ok{};
+}
+
+Status CudaService::enqueue_event(Client &c, MemberId id, uint64_t seq, CudaStageEvent::Kind kind) {
+    auto *a = new HostFuncArg{events_, [](void *q, const CudaStageEvent &e) {
+                                  auto *eq = static_cast<EventQueue *>(q);
+                                  {
+                                      std::lock_guard lock(eq->mu);
+                                      eq->events.push_back(e);
+                                  }
+                                  const uint64_t one = 1;
+                                  (void)!::write(eq->fd.get(), &one, sizeof one);
+                              },
+                              CudaStageEvent{id, seq, kind}};
+    if (CUresult r = api_.cuLaunchHostFunc(c.stream, on_host_func, a); r != CUDA_SUCCESS) {
+        delete a;
+        return driver_error("cuLaunchHostFunc", r);
+    }
+    return Ok{};
+}
+
+Status CudaService::stage_in(MemberId id, const proto::Submission &s) {
+    const std::string at = "op " + std::to_string(s.seq) + ": ";
+    auto it = clients_.find(id);
+    Client *c = it == clients_.end() ? nullptr : it->second.get();
+    auto r = c ? c->regs.find(s.cuda_reg) : decltype(c->regs.end()){};
+    if (!c || r == c->regs.end())
+        return make_error(-ENOENT, at + "CUDA registration " + std::to_string(s.cuda_reg) + " is not one of this client's");
+    const Registration &reg = r->second;
+    uint64_t end = 0;
+    if (__builtin_add_overflow(s.cuda_offset, s.bytes, &end) || end > reg.bytes)
+        return make_error(-ERANGE, at + "device range [" + std::to_string(s.cuda_offset) + ", +" + std::to_string(s.bytes) +
+                                       ") lies outside registration " + std::to_string(s.cuda_reg) + " (" +
+                                       std::to_string(reg.bytes) + " bytes)");
+    if (c->ops.count(s.seq)) return make_error(-EINVAL, at + "already in flight");
+    Mapping &m = *reg.mapping;
+    if (auto o = open(m); !o) return make_error(o.error().code, at + o.error().message);
+    if (auto o = make_current(*c->device); !o) return o;
+    Op op;
+    op.entry = static_cast<uint32_t>(s.seq % proto::kQueueDepth);
+    op.word = static_cast<uint32_t>(s.seq);
+    op.dev = m.base + reg.offset + s.cuda_offset;
+    op.host = c->slot->data() + s.offset;
+    op.bytes = s.bytes;
+    op.mapping = reg.mapping;
+    if (CUresult e = api_.cuStreamWaitValue32(c->stream, c->sync + kReadyOffset + 4 * op.entry, op.word,
+                                              CU_STREAM_WAIT_VALUE_GEQ);
+        e != CUDA_SUCCESS)
+        return driver_error(at + "cuStreamWaitValue32", e);
+    if (op.bytes > 0)
+        if (CUresult e = api_.cuMemcpyDtoHAsync(op.host, op.dev, op.bytes, c->stream); e != CUDA_SUCCESS)
+            // The wait is queued already: the stream passes it when the trainer's word comes.
+            return driver_error(at + "device->host copy (cuMemcpyDtoHAsync)", e);
+    if (auto o = enqueue_event(*c, id, s.seq, CudaStageEvent::StagedIn); !o) return make_error(o.error().code, at + o.error().message);
+    ++m.ops;
+    ++stats_.ops_staged;
+    c->ops.emplace(s.seq, std::move(op));
+    return Ok{};
+}
+
+Status CudaService::stage_out(MemberId id, uint64_t seq) {
+    auto it = clients_.find(id);
+    if (it == clients_.end() || !it->second->ops.count(seq))
+        return make_error(-ENOENT, "op " + std::to_string(seq) + " is not a device-buffer op in flight");
+    Client &c = *it->second;
+    Op &op = c.ops.at(seq);
+    if (c.gone) {  // its stream is draining: nothing more goes on it
+        finish(id, seq);
+        return make_error(-ECONNRESET, "op " + std::to_string(seq) + ": the client left");
+    }
+    bool copying = false;
+    auto fail = [&](const std::string &what, CUresult e) -> Status {
+        Error err = driver_error("op " + std::to_string(seq) + ": " + what, e);
+        if (copying) api_.cuStreamSynchronize(c.stream);  // the copy must be over before the mapping can go
+        finish(id, seq);
+        return err;
+    };
+    if (auto s = make_current(*c.device); !s) {
+        finish(id, seq);
+        return s;
+    }
+    if (op.bytes > 0)
+        if (CUresult e = api_.cuMemcpyHtoDAsync(op.dev, op.host, op.bytes, c.stream); e != CUDA_SUCCESS)
+            return fail("host->device copy of the result (cuMemcpyHtoDAsync)", e);
+    copying = op.bytes > 0;
+    if (CUresult e = api_.cuStreamWriteValue32(c.stream, c.sync + kDoneOffset + 4 * op.entry, op.word,
+                                               CU_STREAM_WRITE_VALUE_DEFAULT);
+        e != CUDA_SUCCESS)
+        return fail("cuStreamWriteValue32", e);
+    if (auto s = enqueue_event(c, id, seq, CudaStageEvent::StagedOut); !s) {
+        // The copy and the word are queued and will happen; only the event would be missing.
+        api_.cuStreamSynchronize(c.stream);
+        finish(id, seq);
+        return s;
+    }
+    return Ok{};
+}
+
+void CudaService::finish(MemberId id, uint64_t seq) {
+    auto it = clients_.find(id);
+    if (it == clients_.end()) return;
+    Client &c = *it->second;
+    auto o = c.ops.find(seq);
+    if (o == c.ops.end()) return;
+    c.slot->header().cuda_done[o->second.entry].store(o->second.word, std::memory_order_release);
+    if (o->second.mapping) --o->second.mapping->ops;
+    c.ops.erase(o);
+}
+
+bool CudaService::has_op(MemberId id, uint64_t seq) const {
+    auto it = clients_.find(id);
+    return it != clients_.end() && it->second->ops.count(seq);
+}
+
+void CudaService::release_ready(MemberId id, uint64_t seq) {
+    auto it = clients_.find(id);
+    if (it == clients_.end()) return;
+    auto o = it->second->ops.find(seq);
+    if (o == it->second->ops.end()) return;
+    ++stats_.stage_timeouts;
+    it->second->slot->header().cuda_ready[o->second.entry].store(o->second.word, std::memory_order_release);
+}
+
+void CudaService::client_gone(MemberId id) {
+    auto it = clients_.find(id);
+    if (it == clients_.end()) return;
+    Client &c = *it->second;
+    c.gone = true;
+    auto &h = c.slot->header();
+    for (auto &[seq, op] : c.ops) {
+        h.cuda_ready[op.entry].store(op.word, std::memory_order_release);
+        h.cuda_done[op.entry].store(op.word, std::memory_order_release);
+    }
+    c.regs.clear();  // mappings held by ops in flight stay until the stream has passed them
+    if (!c.stream || !make_current(*c.device) || !enqueue_event(c, id, 0, CudaStageEvent::Drained)) {
+        if (c.stream) api_.cuStreamSynchronize(c.stream);  // cannot wait for an event: wait here
+        cleanup(id);
+    }
+}
+
+// The client's stream has run dry: nothing of the driver touches its slot or mappings any more.
+void CudaService::cleanup(MemberId id) {
+    auto it = clients_.find(id);
+    if (it == clients_.end()) return;
+    Client &c = *it->second;
+    if (c.device) (void)make_current(*c.device);
+    if (c.stream) api_.cuStreamDestroy(c.stream);
+    for (auto &[seq, op] : c.ops)
+        if (op.mapping) --op.mapping->ops;
+    c.ops.clear();
+    c.regs.clear();
+    if (c.host_registered) api_.cuMemHostUnregister(&c.slot->header());
+    clients_.erase(it);
+    for (auto l = legacy_.begin(); l != legacy_.end();) l = l->second.expired() ? legacy_.erase(l) : std::next(l);
+}
+
+std::vector<CudaStageEvent> CudaService::take_events() {
+    uint64_t v;
+    (void)!::read(events_->fd.get(), &v, sizeof v);
+    std::vector<CudaStageEvent> out;
+    {
+        std::lock_guard lock(events_->mu);
+        out.swap(events_->events);
+    }
+    std::vector<CudaStageEvent> live;
+    for (const auto &e : out) {
+        auto it = clients_.find(e.member);
+        if (it == clients_.end()) continue;
+        if (e.kind == CudaStageEvent::Drained) {
+            cleanup(e.member);
+            continue;
+        }
+        if (it->second->gone) continue;
+        live.push_back(e);
+    }
+    return live;
+}
+
+nlohmann::json CudaService::status() const {
+    nlohmann::json devices = nlohmann::json::array();
+    for (const auto &d : devices_)
+        devices.push_back({{"ordinal", d->ordinal}, {"uuid", uuid_string(d->uuid)}, {"name", d->name},
+                           {"context", d->ctx != nullptr}});
+    size_t regs = 0, ops = 0;
+    for (const auto &[id, c] : clients_) {
+        regs += c->regs.size();
+        ops += c->ops.size();
+    }
+    return {{"provider", cuda::provider_name(api_.provider)},
+            {"driver_version", api_.driver_version},
+            {"devices", devices},
+            {"clients", clients_.size()},
+            {"registrations", regs},
+            {"registrations_total", stats_.registrations},
+            {"opens", stats_.opens},
+            {"closes", stats_.closes},
+            {"evictions", stats_.evictions},
+            {"mapped_bytes", stats_.mapped_bytes},
+            {"max_mapped_bytes", config_.max_mapped_bytes},
+            {"ops_in_flight", ops},
+            {"ops_staged", stats_.ops_staged},
+            {"stage_timeouts", stats_.stage_timeouts}};
+}
+
+}  // namespace ringd
+
+#else  // built without CUDA: there is never a service (the gateway answers with the reason)
+
+namespace ringd {
+Result<std::unique_ptr<CudaService>> CudaService::start(const Config::Cuda &) {
+    return make_error(-ENOTSUP, "ringd was built without CUDA");
+}
+CudaService::~CudaService() = default;
+struct CudaService::Device {};
+struct CudaService::Mapping {};
+struct CudaService::Client {};
+struct CudaService::EventQueue {
+    UniqueFd fd;
+};
+int CudaService::event_fd() const { return -1; }
+std::vector<CudaStageEvent> CudaService::take_events() { return {}; }
+Result<uint64_t> CudaService::register_memory(MemberId, const std::shared_ptr<Slot> &, const proto::CudaRegister &,
+                                              std::vector<UniqueFd>) {
+    return make_error(-ENOTSUP, "ringd was built without CUDA");
+}
+Status CudaService::unregister(MemberId, uint64_t) { return make_error(-ENOTSUP, "ringd was built without CUDA"); }
+Status CudaService::stage_in(MemberId, const proto::Submission &) { return make_error(-ENOTSUP, "ringd was built without CUDA"); }
+Status CudaService::stage_out(MemberId, uint64_t) { return make_error(-ENOTSUP, "ringd was built without CUDA"); }
+void CudaService::finish(MemberId, uint64_t) {}
+bool CudaService::has_op(MemberId, uint64_t) const { return false; }
+void CudaService::release_ready(MemberId, uint64_t) {}
+void CudaService::client_gone(MemberId) {}
+nlohmann::json CudaService::status() const { return {}; }
+}  // namespace ringd
+
+#endif
