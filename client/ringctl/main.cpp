@@ -101,6 +101,24 @@ void print_human(const json &j) {
     std::printf("memory registered: %s in %llu region(s); %llu registration(s) since start\n",
                 format_bytes(mem["registered_bytes"].get<uint64_t>()).c_str(),
                 mem["live_regions"].get<unsigned long long>(), mem["registrations"].get<unsigned long long>());
+    if (j.contains("cuda")) {
+        const auto &cu = j["cuda"];
+        if (cu.value("available", false)) {
+            std::printf("cuda: %s provider, %zu GPU(s); %llu registration(s) of %llu client(s), %s mapped (cap %s); "
+                        "%llu open(s), %llu close(s), %llu eviction(s); %llu device op(s) in flight\n",
+                        cu["provider"].get<std::string>().c_str(), cu["devices"].size(),
+                        cu["registrations"].get<unsigned long long>(), cu["clients"].get<unsigned long long>(),
+                        format_bytes(cu["mapped_bytes"].get<uint64_t>()).c_str(),
+                        format_bytes(cu["max_mapped_bytes"].get<uint64_t>()).c_str(),
+                        cu["opens"].get<unsigned long long>(), cu["closes"].get<unsigned long long>(),
+                        cu["evictions"].get<unsigned long long>(), cu["ops_in_flight"].get<unsigned long long>());
+            for (const auto &d : cu["devices"])
+                std::printf("  GPU %d %s %s\n", d["ordinal"].get<int>(), d["uuid"].get<std::string>().c_str(),
+                            d["name"].get<std::string>().c_str());
+        } else {
+            std::printf("cuda: %s\n", cu.value("error", std::string("none")).c_str());
+        }
+    }
     const auto &errs = j["recent_errors"];
     std::printf("\nrecent errors: %s\n", errs.empty() ? "none" : "");
     for (const auto &e : errs)

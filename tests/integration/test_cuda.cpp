@@ -233,6 +233,10 @@ TEST_CASE("device buffers on 3 hosts x 2 ranks, every dtype and op, both kinds",
         CHECK(j["registrations"].get<uint64_t>() == 2);
         CHECK(j["closes"].get<uint64_t>() == 0);
     }
+    const auto out = run_command(env_or("RINGCTL_BIN", "build/client/ringctl") + " --socket " + c.d[1]->socket() + " status");
+    CHECK(out.exit_code == 0);
+    CHECK_THAT(out.output, Catch::Contains("cuda: " + provider() + " provider") && Catch::Contains("2 open(s), 0 close(s)") &&
+                        Catch::Contains("  GPU 0 GPU-"));
     bufs.clear();
     cl.clear();
     CHECK(all_closed(c));

@@ -114,6 +114,20 @@ def _declare(lib):
     lib.ringd_status.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int]
     lib.ringd_close.restype = None
     lib.ringd_close.argtypes = [c_client]
+    # Device buffers (CUDA): pointers and streams travel as integers.
+    p, u64 = ctypes.c_void_p, ctypes.c_uint64
+    for name, args in (("ringd_cuda_alloc", [c_client, ctypes.c_size_t, ctypes.POINTER(p)]),
+                       ("ringd_cuda_free", [c_client, p]),
+                       ("ringd_register_cuda", [c_client, p, ctypes.c_size_t, ctypes.POINTER(u64)]),
+                       ("ringd_unregister_cuda", [c_client, u64]),
+                       ("ringd_submit_cuda", [c_client, p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, p,
+                                              ctypes.POINTER(u64)]),
+                       ("ringd_stream_wait", [c_client, u64, p]),
+                       ("ringd_allreduce_cuda", [c_client, p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, p,
+                                                 ctypes.c_int])):
+        fn = getattr(lib, name)
+        fn.restype = ctypes.c_int
+        fn.argtypes = args
 
 
 def status(socket=None, timeout_ms=10000):
@@ -208,6 +222,47 @@ class Client:
     def allreduce(self, offset, count, dtype, op, timeout_ms=-1):
         self._check(self._lib.ringd_allreduce(self._handle(), int(offset), int(count), DTYPES[dtype_name(dtype)],
                                               OPS[op_name(op)], int(timeout_ms)))
+
+    # -- device buffers (CUDA; ringd.h): addresses and streams (CUstream / cudaStream_t) as ints,
+    # 0 = the legacy default stream. The driver comes from RINGD_CUDA_PROVIDER (hardware|emulated).
+
+    def cuda_alloc(self, nbytes):
+        """Device memory ringd maps once (a VMM allocation); its address."""
+        ptr = ctypes.c_void_p(0)
+        self._check(self._lib.ringd_cuda_alloc(self._handle(), int(nbytes), ctypes.byref(ptr)))
+        return ptr.value
+
+    def cuda_free(self, ptr):
+        self._check(self._lib.ringd_cuda_free(self._handle(), ctypes.c_void_p(int(ptr))))
+
+    def register_cuda(self, ptr, nbytes):
+        """Registers a cudaMalloc-family buffer once; returns the registration id."""
+        reg = ctypes.c_uint64(0)
+        self._check(self._lib.ringd_register_cuda(self._handle(), ctypes.c_void_p(int(ptr)), int(nbytes),
+                                                  ctypes.byref(reg)))
+        return reg.value
+
+    def unregister_cuda(self, reg):
+        self._check(self._lib.ringd_unregister_cuda(self._handle(), int(reg)))
+
+    def submit_cuda(self, ptr, count, dtype, op, stream=0):
+        """Queues an allreduce of `count` elements of device memory at `ptr`, after what `stream`
+        queued so far; returns its ticket (wait() or test() it, stream_wait() to order a stream)."""
+        t = ctypes.c_uint64(0)
+        self._check(self._lib.ringd_submit_cuda(self._handle(), ctypes.c_void_p(int(ptr)), int(count),
+                                                DTYPES[dtype_name(dtype)], OPS[op_name(op)],
+                                                ctypes.c_void_p(int(stream)), ctypes.byref(t)))
+        return t.value
+
+    def stream_wait(self, ticket, stream=0):
+        """Makes `stream` wait until the op's result is in its buffer."""
+        self._check(self._lib.ringd_stream_wait(self._handle(), int(ticket), ctypes.c_void_p(int(stream))))
+
+    def allreduce_cuda(self, ptr, count, dtype, op, stream=0, timeout_ms=-1):
+        """submit_cuda + wait: returns with the result in the buffer."""
+        self._check(self._lib.ringd_allreduce_cuda(self._handle(), ctypes.c_void_p(int(ptr)), int(count),
+                                                   DTYPES[dtype_name(dtype)], OPS[op_name(op)],
+                                                   ctypes.c_void_p(int(stream)), int(timeout_ms)))
 
     def fileno(self):
         """An fd that polls readable when a result may have arrived (then test() the tickets)."""
