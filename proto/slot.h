@@ -60,7 +60,8 @@ struct SlotHeader {
     // Written by both sides; read by the daemon only as a wait condition, never trusted otherwise.
     std::atomic<uint32_t> cuda_ready[kQueueDepth];
     std::atomic<uint32_t> cuda_done[kQueueDepth];
-    uint8_t pad2[kSlotHeaderBytes - 1024];
+    std::atomic<uint32_t> cuda_probe;  // the client's stream writes here once, to learn whether it can
+    uint8_t pad2[kSlotHeaderBytes - 1028];
 };
 static_assert(sizeof(SlotHeader) == kSlotHeaderBytes);
 static_assert(offsetof(SlotHeader, sq_tail) == 64);

@@ -29,6 +29,7 @@ void ringd_client::drain_completions() {
         if (t.seq != c.seq) continue;
         if (t.state == TicketState::Abandoned) {
             t.state = TicketState::Free;
+            t.status = c.status;  // for cuda_ticket_ended
         } else if (t.state == TicketState::InFlight) {
             t.state = TicketState::Done;
             t.status = c.status;
@@ -273,6 +274,19 @@ void *ringd_slot(ringd_client *c, size_t *bytes) {
     return c->data;
 }
 
+int ringd_client::check_room() {
+    const Ticket &t = tickets[next_seq % tickets.size()];
+    if (t.state != TicketState::Free) {
+        // A Done ticket waits for its caller; one still without its completion past the
+        // contract would hold its slot for ever.
+        if (t.state != TicketState::Done && Clock::now() >= contract_deadline(t)) return breach(t);
+        return fail(-EAGAIN, "too many ops in flight: wait for ticket " + std::to_string(t.seq) + " first");
+    }
+    if (sq_tail - header->sq_head.value.load(std::memory_order_acquire) >= welcome.sq_depth)
+        return fail(-EAGAIN, "submission queue is full");
+    return 0;
+}
+
 int ringd_client::submit_desc(proto::SubmitDesc &d, uint64_t *ticket, bool cuda_op) {
     d.seq = next_seq;
     // The daemon validates again; checking here gives the caller the error without a round trip.
@@ -283,15 +297,8 @@ int ringd_client::submit_desc(proto::SubmitDesc &d, uint64_t *ticket, bool cuda_
                                 std::to_string(d.count * dtype_size(static_cast<DType>(d.dtype))) +
                                 ") are the staging area of device op " + std::to_string(busy) +
                                 " in flight: wait for it or use other bytes");
+    if (int rc = check_room(); rc != 0) return rc;
     Ticket &t = tickets[d.seq % tickets.size()];
-    if (t.state != TicketState::Free) {
-        // A Done ticket waits for its caller; one still without its completion past the
-        // contract would hold its slot for ever.
-        if (t.state != TicketState::Done && Clock::now() >= contract_deadline(t)) return breach(t);
-        return fail(-EAGAIN, "too many ops in flight: wait for ticket " + std::to_string(t.seq) + " first");
-    }
-    if (sq_tail - header->sq_head.value.load(std::memory_order_acquire) >= welcome.sq_depth)
-        return fail(-EAGAIN, "submission queue is full");
     std::memcpy(&sq[sq_tail % welcome.sq_depth], &d, sizeof d);
     ++sq_tail;
     header->sq_tail.value.store(sq_tail, std::memory_order_release);

@@ -24,9 +24,10 @@
 namespace {
 
 constexpr uint64_t kStagingAlign = 256;
-constexpr auto kReplyTimeout = std::chrono::seconds(30);  // ringd maps the memory before it answers
 constexpr size_t kReadyOffset = offsetof(proto::SlotHeader, cuda_ready);
 constexpr size_t kDoneOffset = offsetof(proto::SlotHeader, cuda_done);
+constexpr size_t kProbeOffset = offsetof(proto::SlotHeader, cuda_probe);
+constexpr auto kCloseBound = std::chrono::seconds(10);  // ringd_close waits this long for queued GPU work
 
 std::string hex(uint64_t v) {
     char b[32];
@@ -43,7 +44,13 @@ struct ringd_client_detail::CudaClient {
     uint8_t uuid[16] = {};
     bool memops = true;       // stream write/wait value ops (else host functions)
     CUdeviceptr sync = 0;     // the slot header, registered with the driver in this process
-    bool used_streams = false;
+    bool host_registered = false;
+    // Per queue entry: the seq of the device op that last used it (ringd_stream_wait checks), and
+    // events recorded after this library's work on the trainer's streams (ringd_close waits for
+    // them, not for the whole context).
+    uint64_t device_seq[proto::kQueueDepth] = {};
+    CUevent after_ready[proto::kQueueDepth] = {};
+    CUevent after_wait[proto::kQueueDepth] = {};
 
     struct Alloc {  // ringd_cuda_alloc
         size_t bytes = 0;
@@ -68,6 +75,7 @@ struct ringd_client_detail::CudaClient {
     UniqueFd wake{::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)};
     std::mutex mu;
     bool stop = false;
+    std::atomic<bool> ringd_gone{false};  // the watcher saw the connection end
     struct Watched {
         uint32_t entry = 0, word = 0;
         Clock::time_point deadline;
@@ -125,6 +133,7 @@ void watch(ringd_client *c) {
         const int n = ::poll(p, 2, timeout);
         if (n > 0 && (p[0].revents & (POLLRDHUP | POLLHUP | POLLERR))) {
             std::lock_guard lock(cc.mu);
+            cc.ringd_gone = true;  // later device ops are refused (ringd_submit_cuda checks)
             for (auto &[seq, w] : cc.watched) release_word(h.cuda_done[w.entry], w.word);
             cc.watched.clear();
             return;  // the connection is over: nothing more will be watched
@@ -171,25 +180,43 @@ int ensure_cuda(ringd_client &c, CUdeviceptr dev_ptr) {
     }
     CUuuid uuid{};
     if (CUresult r = api.cuDeviceGetUuid(&uuid, dev); r != CUDA_SUCCESS) return driver_fail(c, "cuDeviceGetUuid", r);
-    if (CUresult r = api.cuDevicePrimaryCtxRetain(&cc.ctx, dev); r != CUDA_SUCCESS) {
-        cc.ctx = nullptr;
+    CUcontext ctx = nullptr;
+    if (CUresult r = api.cuDevicePrimaryCtxRetain(&ctx, dev); r != CUDA_SUCCESS)
         return driver_fail(c, "cuDevicePrimaryCtxRetain", r);
+    // Kept only once every step worked.
+    auto undo = [&](int rc) {
+        api.cuDevicePrimaryCtxRelease(dev);
+        return rc;
+    };
+    CUdeviceptr sync = 0;
+    bool memops = true;
+    {
+        ContextScope scope(api, ctx);
+        // The slot header (the sync words), reachable by this process's streams.
+        if (CUresult r = api.cuMemHostRegister(c.header, proto::kSlotHeaderBytes,
+                                               CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP);
+            r != CUDA_SUCCESS)
+            return undo(driver_fail(c, "registering the slot's sync words (cuMemHostRegister)", r));
+        if (CUresult r = api.cuMemHostGetDevicePointer(&sync, c.header, 0); r != CUDA_SUCCESS) {
+            api.cuMemHostUnregister(c.header);
+            return undo(driver_fail(c, "cuMemHostGetDevicePointer", r));
+        }
+        // Stream memory operations, asked of the driver by doing one (an attribute would not
+        // tell the v2 operations, on by default since CUDA 12, from the v1 ones).
+        CUstream probe = nullptr;
+        if (api.cuStreamCreate(&probe, CU_STREAM_NON_BLOCKING) == CUDA_SUCCESS) {
+            memops = api.cuStreamWriteValue32(probe, sync + kProbeOffset, 1, CU_STREAM_WRITE_VALUE_DEFAULT) ==
+                     CUDA_SUCCESS;
+            api.cuStreamSynchronize(probe);
+            api.cuStreamDestroy(probe);
+        }
     }
+    cc.ctx = ctx;
     cc.device = dev;
+    cc.sync = sync;
+    cc.memops = memops;
+    cc.host_registered = true;
     std::memcpy(cc.uuid, uuid.bytes, 16);
-    int v1 = 0;
-    if (api.cuDeviceGetAttribute(&v1, CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS_V1, dev) != CUDA_SUCCESS) v1 = 0;
-    // CUDA 12 drivers have stream memory ops on by default where the device has them; the
-    // attribute is the device's word on it.
-    cc.memops = v1 != 0;
-    ContextScope scope(api, cc.ctx);
-    // The slot header (the sync words), reachable by this process's streams.
-    if (CUresult r = api.cuMemHostRegister(c.header, proto::kSlotHeaderBytes,
-                                           CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP);
-        r != CUDA_SUCCESS)
-        return driver_fail(c, "registering the slot's sync words (cuMemHostRegister)", r);
-    if (CUresult r = api.cuMemHostGetDevicePointer(&cc.sync, c.header, 0); r != CUDA_SUCCESS)
-        return driver_fail(c, "cuMemHostGetDevicePointer", r);
     return 0;
 }
 
@@ -203,7 +230,9 @@ int request(ringd_client &c, const proto::Bytes &frame, int fd, uint64_t *reg) {
     }
     std::vector<UniqueFd> got;
     uint8_t hdr[proto::kFrameHeaderBytes];
-    const auto deadline = Clock::now() + kReplyTimeout;
+    // ringd maps the memory before it answers a registration, and answers an unregistration of
+    // memory an op still uses once that op ended: within its op timeout.
+    const auto deadline = Clock::now() + std::chrono::milliseconds(c.welcome.op_timeout_ms) + c.wait_margin;
     if (auto s = recv_exact(c.sock.get(), hdr, sizeof hdr, deadline, got); !s)
         return c.die(s.error().code == -ETIMEDOUT ? -EPROTO : s.error().code, "ringd did not answer: " + s.error().message);
     auto h = proto::decode_frame_header(std::span(hdr, sizeof hdr), proto::kMaxDaemonPayload);
@@ -290,8 +319,9 @@ void CudaClientDelete::operator()(CudaClient *cc) const {
     delete cc;
 }
 
-// The client closes: every device op's words released, the GPU work queued on them let run out
-// (it may read the sync words, which go away with the slot), the allocations freed.
+// The client closes: every device op's words released, then the work this library queued on the
+// trainer's streams let run out (it reads and writes the sync words, which go away with the slot:
+// the events recorded after it say when, within a bound), the allocations freed.
 static void cuda_close(ringd_client &c) {
     CudaClient &cc = *c.cuda;
     {
@@ -305,17 +335,53 @@ static void cuda_close(ringd_client &c) {
     if (!cc.ctx) return;
     const cuda::CudaApi &api = *cc.api;
     ContextScope scope(api, cc.ctx);
-    if (cc.used_streams) api.cuCtxSynchronize();
+    const auto until = Clock::now() + kCloseBound;
+    bool ran_out = true;
+    for (CUevent *events : {cc.after_ready, cc.after_wait})
+        for (size_t e = 0; e < proto::kQueueDepth; ++e) {
+            if (!events[e]) continue;
+            while (ran_out && api.cuEventQuery(events[e]) == CUDA_ERROR_NOT_READY) {
+                if (Clock::now() >= until) ran_out = false;
+                else std::this_thread::sleep_for(std::chrono::microseconds(100));
+            }
+            if (ran_out) api.cuEventDestroy(events[e]);
+        }
     for (auto &[ptr, a] : cc.allocs) {
         api.cuMemUnmap(ptr, a.bytes);
         api.cuMemAddressFree(ptr, a.bytes);
         api.cuMemRelease(a.handle);
     }
     cc.allocs.clear();
-    api.cuMemHostUnregister(c.header);
+    if (!ran_out) {
+        // A stream still has this library's work queued (its earlier kernels run long): the sync
+        // words must outlive it, so the slot stays mapped and registered for the process's life.
+        new SharedMapping(std::move(c.map));
+    } else if (cc.host_registered) {
+        api.cuMemHostUnregister(c.header);
+    }
     api.cuDevicePrimaryCtxRelease(cc.device);
     cc.ctx = nullptr;
 }
+
+void cuda_client_dead(ringd_client &c) {
+    CudaClient &cc = *c.cuda;
+    std::lock_guard lock(cc.mu);
+    for (auto &[seq, w] : cc.watched) release_word(c.header->cuda_done[w.entry], w.word);
+    cc.watched.clear();
+}
+
+namespace {
+
+// An event after this library's latest work on `stream` at queue entry `e`.
+void record_after(const cuda::CudaApi &api, CUevent &ev, CUstream stream) {
+    if (!ev && api.cuEventCreate(&ev, CU_EVENT_DISABLE_TIMING) != CUDA_SUCCESS) {
+        ev = nullptr;
+        return;
+    }
+    api.cuEventRecord(ev, stream);
+}
+
+}  // namespace
 
 void cuda_client_closing(ringd_client &c) {
     if (c.cuda) cuda_close(c);
@@ -501,6 +567,10 @@ int ringd_submit_cuda(ringd_client *c, void *dev_ptr, size_t count, ringd_dtype 
                                         "ringd_register_cuda)");
         CudaClient &cc = *c->cuda;
         const cuda::CudaApi &api = *cc.api;
+        if (cc.ringd_gone) {
+            if (int rc = c->check_socket(); rc != 0) return rc;
+            return c->die(-ECONNRESET, "ringd closed the connection");
+        }
         if (static_cast<unsigned>(dtype) >= kDTypeCount) return c->fail(-EINVAL, "unknown dtype");
         uint64_t bytes = 0;
         if (__builtin_mul_overflow(static_cast<uint64_t>(count), dtype_size(static_cast<DType>(dtype)), &bytes))
@@ -523,6 +593,20 @@ int ringd_submit_cuda(ringd_client *c, void *dev_ptr, size_t count, ringd_dtype 
         uint64_t staging = 0;
         c->drain_completions();  // staging ranges of ops that ended are free again
         if (int rc = find_staging(*c, bytes, &staging); rc != 0) return rc;
+        proto::SubmitDesc d{};
+        d.seq = c->next_seq;
+        d.count = count;
+        d.dtype = static_cast<uint32_t>(dtype);
+        d.op = static_cast<uint32_t>(op);
+        d.buffer_kind = static_cast<uint32_t>(proto::BufferKind::Cuda);
+        d.offset = staging;
+        d.cuda_reg = reg;
+        d.cuda_offset = reg_offset;
+        // Everything that could refuse the op is checked before the ready word goes on the
+        // stream: a word queued for an op that was then refused would let ringd copy a later op's
+        // buffer (same seq) before that one is produced.
+        if (auto v = proto::validate_submit(d, c->welcome.data_bytes, true); !v) return c->fail(v.error().code, v.error().message);
+        if (int rc = c->check_room(); rc != 0) return rc;
         const uint64_t seq = c->next_seq;
         const uint32_t entry = static_cast<uint32_t>(seq % proto::kQueueDepth);
         const uint32_t word = static_cast<uint32_t>(seq);
@@ -534,28 +618,19 @@ int ringd_submit_cuda(ringd_client *c, void *dev_ptr, size_t count, ringd_dtype 
                                    : api.cuLaunchHostFunc(stream, host_write,
                                                           new HostWrite{&c->header->cuda_ready[entry], word});
             if (r != CUDA_SUCCESS) return driver_fail(*c, "marking the buffer ready on the stream", r);
-            cc.used_streams = true;
+            record_after(api, cc.after_ready[entry], stream);
         }
-        proto::SubmitDesc d{};
-        d.count = count;
-        d.dtype = static_cast<uint32_t>(dtype);
-        d.op = static_cast<uint32_t>(op);
-        d.buffer_kind = static_cast<uint32_t>(proto::BufferKind::Cuda);
-        d.offset = staging;
-        d.cuda_reg = reg;
-        d.cuda_offset = reg_offset;
+        if (!cc.watcher.joinable()) cc.watcher = std::thread(watch, c);  // before the op: it may throw
         if (int rc = c->submit_desc(d, ticket, true); rc != 0) return rc;
+        cc.device_seq[entry] = seq;
         cc.ops[seq] = CudaClient::Op{staging, bytes};
         {
             std::lock_guard lock(cc.mu);
             cc.watched[seq] = CudaClient::Watched{entry, word, Clock::now() + std::chrono::milliseconds(c->welcome.op_timeout_ms) +
                                                                    c->wait_margin};
         }
-        if (!cc.watcher.joinable()) cc.watcher = std::thread(watch, c);
-        else {
-            const uint64_t one = 1;
-            (void)!::write(cc.wake.get(), &one, sizeof one);
-        }
+        const uint64_t one = 1;
+        (void)!::write(cc.wake.get(), &one, sizeof one);
         return 0;
     } catch (const std::exception &e) {
         return c->fail(-ENOMEM, e.what());
@@ -565,12 +640,17 @@ int ringd_submit_cuda(ringd_client *c, void *dev_ptr, size_t count, ringd_dtype 
 int ringd_stream_wait(ringd_client *c, uint64_t ticket, struct CUstream_st *stream) {
     if (!c) return -EINVAL;
     try {
-        if (!c->cuda || !c->cuda->ctx || ticket == 0 || ticket >= c->next_seq)
+        const uint32_t entry = static_cast<uint32_t>(ticket % proto::kQueueDepth);
+        // Only device ops' done words are written; an older device op of this entry has its word
+        // past by now (the words only grow).
+        if (!c->cuda || !c->cuda->ctx || ticket == 0 || ticket >= c->next_seq || c->cuda->device_seq[entry] < ticket ||
+            (c->cuda->device_seq[entry] - ticket) % proto::kQueueDepth != 0)
             return c->fail(-EINVAL, "ticket " + std::to_string(ticket) + " is not a device op of this client");
         CudaClient &cc = *c->cuda;
         const cuda::CudaApi &api = *cc.api;
-        const uint32_t entry = static_cast<uint32_t>(ticket % proto::kQueueDepth);
         const uint32_t word = static_cast<uint32_t>(ticket);
+        if (cc.ringd_gone || c->dead)  // nobody will write the word: it is written now
+            release_word(c->header->cuda_done[entry], word);
         ContextScope scope(api, cc.ctx);
         CUresult r;
         if (cc.memops) {
@@ -580,7 +660,7 @@ int ringd_stream_wait(ringd_client *c, uint64_t ticket, struct CUstream_st *stre
             r = api.cuLaunchHostFunc(stream, host_wait, new HostWait{&c->header->cuda_done[entry], word, deadline});
         }
         if (r != CUDA_SUCCESS) return driver_fail(*c, "waiting for the op on the stream", r);
-        cc.used_streams = true;
+        record_after(api, cc.after_wait[entry], stream);
         c->last_error.clear();
         return 0;
     } catch (const std::exception &e) {
@@ -607,6 +687,7 @@ int ringd_allreduce_cuda(ringd_client *c, void *dev_ptr, size_t count, ringd_dty
 struct ringd_client_detail::CudaClient {};
 void CudaClientDelete::operator()(CudaClient *cc) const { delete cc; }
 void cuda_client_closing(ringd_client &) {}
+void cuda_client_dead(ringd_client &) {}
 void cuda_ticket_ended(ringd_client &, uint64_t, int32_t) {}
 bool cuda_staging_overlaps(const ringd_client &, uint64_t, uint64_t, uint64_t *) { return false; }
 

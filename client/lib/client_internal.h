@@ -65,6 +65,9 @@ inline void cpu_relax() {
 }  // namespace ringd_client_detail
 using namespace ringd_client_detail;
 
+// The connection died: every device op's done word is released (client_cuda.cpp).
+void cuda_client_dead(ringd_client &c);
+
 struct ringd_client {
     UniqueFd sock;
     UniqueFd doorbell;
@@ -93,6 +96,7 @@ struct ringd_client {
         return code;
     }
     int die(int code, std::string msg) {
+        if (cuda) cuda_client_dead(*this);  // streams waiting for its ops go on
         dead = code;
         dead_error = msg;
         return fail(code, std::move(msg));
@@ -103,6 +107,8 @@ struct ringd_client {
         return t.submitted + std::chrono::milliseconds(welcome.op_timeout_ms) + wait_margin;
     }
     void drain_completions();
+    // 0 when the next op can be queued now (its ticket free, room in the queue), else the error.
+    int check_room();
     // Queues a descriptor built by an entry point (validated here again); its ticket in *ticket.
     int submit_desc(proto::SubmitDesc &d, uint64_t *ticket, bool cuda_op);
     int check_socket();

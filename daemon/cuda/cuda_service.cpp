@@ -8,6 +8,7 @@
 
 #include <cstdio>
 #include <cstring>
+#include <thread>
 
 #include <spdlog/spdlog.h>
 
@@ -63,23 +64,29 @@ struct CudaService::Registration {
 };
 
 struct CudaService::Op {
+    enum Phase : uint8_t { StagingIn, Staged, StagingOut } phase = StagingIn;
     uint32_t entry = 0;  // sync word index
     uint32_t word = 0;   // the seq's low 32 bits
     CUdeviceptr dev = 0;
     std::byte *host = nullptr;
     uint64_t bytes = 0;
     std::shared_ptr<Mapping> mapping;
+    Error error{0, {}};  // part of the stage-in could not be queued: the op fails when it is staged
 };
 
 struct CudaService::Client {
+    MemberId id = 0;
     Device *device = nullptr;
     std::shared_ptr<Slot> slot;
     bool host_registered = false;
-    CUdeviceptr sync = 0;  // the slot header's device address
-    CUstream stream = nullptr;
+    CUdeviceptr sync = 0;        // the slot header's device address
+    CUstream in = nullptr;       // stage-in: waits for ready words, device->host copies
+    CUstream out = nullptr;      // stage-out: host->device copies, done words
     std::map<uint64_t, Registration> regs;
     std::map<uint64_t, Op> ops;  // by seq
     bool gone = false;
+    int drains = 0;              // Drained events still to come
+    Clock::time_point gone_at{};
 };
 
 // Stage events from the driver's callback thread to the control thread.
@@ -91,12 +98,16 @@ struct CudaService::EventQueue {
 
 namespace {
 
+constexpr size_t kMaxRegistrationsPerClient = 4096;
+constexpr auto kDrainBound = std::chrono::seconds(10);  // a departed client's streams, at most
+
 struct HostFuncArg {
     std::shared_ptr<void> queue;  // CudaService::EventQueue, kept alive past the service
     void (*push)(void *queue, const CudaStageEvent &e);
     CudaStageEvent event;
 };
 
+// Runs on the driver's callback thread: it may not call CUDA; it only queues the event.
 void CUDA_CB on_host_func(void *p) {
     std::unique_ptr<HostFuncArg> a(static_cast<HostFuncArg *>(p));
     a->push(a->queue.get(), a->event);
@@ -132,22 +143,24 @@ CudaService::CudaService(const cuda::CudaApi &api, const Config::Cuda &config)
     : api_(api), config_(config), events_(std::make_shared<EventQueue>()) {}
 
 CudaService::~CudaService() {
-    // Shutdown: every word released so that the streams run dry, then the streams synchronised
-    // (their host functions only queue events), mappings closed, slots unregistered.
-    for (auto &[id, c] : clients_) {
-        auto &h = c->slot->header();
-        for (auto &[seq, op] : c->ops) {
-            h.cuda_ready[op.entry].store(op.word, std::memory_order_release);
-            h.cuda_done[op.entry].store(op.word, std::memory_order_release);
-        }
-        if (c->stream) {
-            (void)make_current(*c->device);
-            api_.cuStreamSynchronize(c->stream);
-        }
-    }
+    // Shutdown: every word released so that the streams run dry (each waited for a bounded
+    // time), then mappings closed and slots unpinned. A client whose streams do not drain keeps
+    // its memory: the process is ending anyway.
     std::vector<MemberId> ids;
-    for (auto &[id, c] : clients_) ids.push_back(id);
+    for (auto &[id, c] : clients_) {
+        release_words(*c);
+        (void)make_current(*c->device);
+        if (drained(c->in, std::chrono::seconds(2)) && drained(c->out, std::chrono::seconds(2))) ids.push_back(id);
+        else abandoned_.push_back(std::move(c));
+    }
     for (MemberId id : ids) cleanup(id);
+    clients_.clear();
+    for (auto &c : abandoned_) {  // their mappings stay open, their pins stay
+        for (auto &[reg, r] : c->regs) r.mapping->base = 0;
+        for (auto &[seq, op] : c->ops) op.mapping->base = 0;
+        c->regs.clear();
+        c->ops.clear();
+    }
     for (auto &d : devices_)
         if (d->ctx) api_.cuDevicePrimaryCtxRelease(d->dev);
 }
@@ -156,7 +169,10 @@ int CudaService::event_fd() const { return events_->fd.get(); }
 
 Error CudaService::driver_error(const std::string &what, int cu_result) const {
     const auto r = static_cast<CUresult>(cu_result);
-    const int code = r == CUDA_ERROR_OUT_OF_MEMORY ? -ENOMEM : r == CUDA_ERROR_INVALID_HANDLE ? -EBADF : -EIO;
+    const int code = r == CUDA_ERROR_OUT_OF_MEMORY         ? -ENOMEM
+                     : r == CUDA_ERROR_INVALID_HANDLE      ? -EBADF
+                     : r == CUDA_ERROR_NOT_SUPPORTED       ? -ENOTSUP
+                                                           : -EIO;
     return make_error(code, what + ": " + cuda::error_string(api_, r));
 }
 
@@ -181,14 +197,25 @@ Status CudaService::make_current(const Device &d) {
     return Ok{};
 }
 
+// A stream's work is done within `bound` (false: it is not, and may never be).
+bool CudaService::drained(CUstream stream, std::chrono::milliseconds bound) {
+    if (!stream) return true;
+    const auto until = Clock::now() + bound;
+    for (;;) {
+        const CUresult r = api_.cuStreamQuery(stream);
+        if (r != CUDA_ERROR_NOT_READY) return true;  // done, or the stream is broken: nothing runs on it
+        if (Clock::now() >= until) return false;
+        std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+}
+
 // The client's slot registered with the driver (so copies into it run at full speed and the
-// streams can reach its sync words), and its stream: once, at its first registration.
+// streams can reach its sync words), and its streams: once, at its first registration. State is
+// kept only once every step worked.
 Status CudaService::prepare_client(Client &c, Device &d, const std::shared_ptr<Slot> &slot) {
     if (c.device && c.device != &d)
         return make_error(-EINVAL, "this client registered memory of GPU " + uuid_string(c.device->uuid) +
                                        " already; one GPU per client (connect once per GPU)");
-    c.device = &d;
-    c.slot = slot;
     if (auto s = make_current(d); !s) return s;
     if (!c.host_registered) {
         void *base = &slot->header();
@@ -198,15 +225,22 @@ Status CudaService::prepare_client(Client &c, Device &d, const std::shared_ptr<S
             return driver_error("registering the slot with the driver (cuMemHostRegister of " + std::to_string(bytes) +
                                     " bytes; is the memlock limit high enough?)",
                                 r);
-        c.host_registered = true;
-        if (CUresult r = api_.cuMemHostGetDevicePointer(&c.sync, base, 0); r != CUDA_SUCCESS)
+        CUdeviceptr sync = 0;
+        if (CUresult r = api_.cuMemHostGetDevicePointer(&sync, base, 0); r != CUDA_SUCCESS) {
+            api_.cuMemHostUnregister(base);
             return driver_error("cuMemHostGetDevicePointer", r);
-    }
-    if (!c.stream)
-        if (CUresult r = api_.cuStreamCreate(&c.stream, CU_STREAM_NON_BLOCKING); r != CUDA_SUCCESS) {
-            c.stream = nullptr;
-            return driver_error("cuStreamCreate", r);
         }
+        c.host_registered = true;
+        c.sync = sync;
+        c.slot = slot;
+    }
+    c.device = &d;
+    for (CUstream *s : {&c.in, &c.out})
+        if (!*s)
+            if (CUresult r = api_.cuStreamCreate(s, CU_STREAM_NON_BLOCKING); r != CUDA_SUCCESS) {
+                *s = nullptr;
+                return driver_error("cuStreamCreate", r);
+            }
     return Ok{};
 }
 
@@ -299,18 +333,24 @@ Result<uint64_t> CudaService::register_memory(MemberId id, const std::shared_ptr
     auto d = device_of(r.device_uuid);
     if (!d) return d.error();
     auto &c = clients_[id];
-    if (!c) c = std::make_unique<Client>();
+    if (!c) {
+        c = std::make_unique<Client>();
+        c->id = id;
+    }
     if (c->gone) return make_error(-ECONNRESET, "client is leaving");
+    if (c->regs.size() >= kMaxRegistrationsPerClient)
+        return make_error(-ENOSPC, "this client holds " + std::to_string(c->regs.size()) +
+                                       " CUDA registrations, the most one client may (unregister some)");
     if (auto s = prepare_client(*c, **d, slot); !s) return s.error();
 
     std::shared_ptr<Mapping> m;
     std::array<uint8_t, proto::kCudaIpcHandleBytes> key{};
     std::memcpy(key.data(), r.ipc_handle, key.size());
     if (!vmm) {
-        auto it = legacy_.find(key);
+        auto it = legacy_.find({id, key});
         if (it != legacy_.end()) m = it->second.lock();
         if (m && (m->device != *d || m->bytes != r.alloc_bytes))
-            return make_error(-EINVAL, "this IPC handle is registered already as " + std::to_string(m->bytes) +
+            return make_error(-EINVAL, "this client registered this IPC handle already as " + std::to_string(m->bytes) +
                                            " bytes of GPU " + uuid_string(m->device->uuid));
     }
     if (!m) {
@@ -330,7 +370,7 @@ Result<uint64_t> CudaService::register_memory(MemberId id, const std::shared_ptr
             }
         }
         if (auto s = open(*m); !s) return s.error();
-        if (!vmm) legacy_[key] = m;
+        if (!vmm) legacy_[{id, key}] = m;
     } else if (auto s = open(*m); !s) {
         return s.error();
     }
@@ -340,15 +380,46 @@ Result<uint64_t> CudaService::register_memory(MemberId id, const std::shared_ptr
     return reg;
 }
 
-Status CudaService::unregister(MemberId id, uint64_t reg) {
+Result<bool> CudaService::unregister(MemberId id, uint64_t reg) {
     auto it = clients_.find(id);
-    if (it == clients_.end() || !it->second->regs.erase(reg))
+    if (it == clients_.end() || !it->second->regs.count(reg))
         return make_error(-ENOENT, "CUDA registration " + std::to_string(reg) + " is not one of this client's");
+    std::shared_ptr<Mapping> m = it->second->regs.at(reg).mapping;
+    it->second->regs.erase(reg);
+    bool now = true;
+    // A legacy allocation may be freed by its exporter only once no importer has it open: while
+    // an op still uses the mapping, the answer waits for it to close.
+    if (m->kind == proto::CudaMemoryKind::LegacyIpc && m->ops > 0) {
+        bool other = false;  // another registration of the client keeps it: it will not be freed now
+        for (auto &[r, rr] : it->second->regs) other |= rr.mapping == m;
+        if (!other) {
+            pending_unregister_.push_back({id, reg, m});
+            now = false;
+        }
+    }
+    m.reset();
     for (auto l = legacy_.begin(); l != legacy_.end();) l = l->second.expired() ? legacy_.erase(l) : std::next(l);
-    return Ok{};
+    return now;
 }
 
-Status CudaService::enqueue_event(Client &c, MemberId id, uint64_t seq, CudaStageEvent::Kind kind) {
+void CudaService::check_unregistered() {
+    for (auto p = pending_unregister_.begin(); p != pending_unregister_.end();) {
+        auto m = p->mapping.lock();
+        if (!m || !m->base) {
+            unregistered_.emplace_back(p->member, p->reg);
+            p = pending_unregister_.erase(p);
+        } else {
+            ++p;
+        }
+    }
+}
+
+std::vector<std::pair<MemberId, uint64_t>> CudaService::take_unregistered() {
+    check_unregistered();
+    return std::exchange(unregistered_, {});
+}
+
+Status CudaService::enqueue_event(CUstream stream, MemberId id, uint64_t seq, CudaStageEvent::Kind kind) {
     auto *a = new HostFuncArg{events_, [](void *q, const CudaStageEvent &e) {
                                   auto *eq = static_cast<EventQueue *>(q);
                                   {
@@ -358,8 +429,8 @@ Status CudaService::enqueue_event(Client &c, MemberId id, uint64_t seq, CudaStag
                                   const uint64_t one = 1;
                                   (void)!::write(eq->fd.get(), &one, sizeof one);
                               },
-                              CudaStageEvent{id, seq, kind}};
-    if (CUresult r = api_.cuLaunchHostFunc(c.stream, on_host_func, a); r != CUDA_SUCCESS) {
+                              CudaStageEvent{id, seq, kind, Error{0, {}}}};
+    if (CUresult r = api_.cuLaunchHostFunc(stream, on_host_func, a); r != CUDA_SUCCESS) {
         delete a;
         return driver_error("cuLaunchHostFunc", r);
     }
@@ -390,57 +461,80 @@ Status CudaService::stage_in(MemberId id, const proto::Submission &s) {
     op.host = c->slot->data() + s.offset;
     op.bytes = s.bytes;
     op.mapping = reg.mapping;
-    if (CUresult e = api_.cuStreamWaitValue32(c->stream, c->sync + kReadyOffset + 4 * op.entry, op.word,
+    if (CUresult e = api_.cuStreamWaitValue32(c->in, c->sync + kReadyOffset + 4 * op.entry, op.word,
                                               CU_STREAM_WAIT_VALUE_GEQ);
         e != CUDA_SUCCESS)
-        return driver_error(at + "cuStreamWaitValue32", e);
+        return driver_error(at + "waiting for the trainer's stream (cuStreamWaitValue32: this GPU and driver need "
+                                 "stream memory operations)", e);
+    // From here on work is queued: the op is tracked (its mapping and staging held) until its
+    // StagedIn event, whatever else fails.
     if (op.bytes > 0)
-        if (CUresult e = api_.cuMemcpyDtoHAsync(op.host, op.dev, op.bytes, c->stream); e != CUDA_SUCCESS)
-            // The wait is queued already: the stream passes it when the trainer's word comes.
-            return driver_error(at + "device->host copy (cuMemcpyDtoHAsync)", e);
-    if (auto o = enqueue_event(*c, id, s.seq, CudaStageEvent::StagedIn); !o) return make_error(o.error().code, at + o.error().message);
+        if (CUresult e = api_.cuMemcpyDtoHAsync(op.host, op.dev, op.bytes, c->in); e != CUDA_SUCCESS)
+            op.error = driver_error(at + "device->host copy (cuMemcpyDtoHAsync)", e);
     ++m.ops;
     ++stats_.ops_staged;
-    c->ops.emplace(s.seq, std::move(op));
+    auto &placed = c->ops.emplace(s.seq, std::move(op)).first->second;
+    if (auto o = enqueue_event(c->in, id, s.seq, CudaStageEvent::StagedIn); !o) {
+        // No event will come: let the stream pass the wait and see it drain, within a bound.
+        c->slot->header().cuda_ready[placed.entry].store(placed.word, std::memory_order_release);
+        if (!drained(c->in, std::chrono::seconds(1))) {
+            spdlog::error("client {}: its CUDA stage-in stream does not drain; the client's CUDA state is abandoned", id);
+            return make_error(o.error().code, at + o.error().message);  // op and mapping stay held
+        }
+        --m.ops;
+        c->ops.erase(s.seq);
+        return make_error(o.error().code, at + o.error().message);
+    }
     return Ok{};
+}
+
+bool CudaService::owns_completion(MemberId id, uint64_t seq) const {
+    auto it = clients_.find(id);
+    if (it == clients_.end()) return false;
+    auto o = it->second->ops.find(seq);
+    return o != it->second->ops.end() && o->second.phase == Op::Staged;
 }
 
 Status CudaService::stage_out(MemberId id, uint64_t seq) {
     auto it = clients_.find(id);
-    if (it == clients_.end() || !it->second->ops.count(seq))
-        return make_error(-ENOENT, "op " + std::to_string(seq) + " is not a device-buffer op in flight");
+    if (it == clients_.end() || !it->second->ops.count(seq) || it->second->ops.at(seq).phase != Op::Staged)
+        return make_error(-ENOENT, "op " + std::to_string(seq) + " is not a staged device-buffer op");
     Client &c = *it->second;
     Op &op = c.ops.at(seq);
-    if (c.gone) {  // its stream is draining: nothing more goes on it
+    if (c.gone) {  // its streams are draining: nothing more goes on them
         finish(id, seq);
         return make_error(-ECONNRESET, "op " + std::to_string(seq) + ": the client left");
     }
-    bool copying = false;
-    auto fail = [&](const std::string &what, CUresult e) -> Status {
-        Error err = driver_error("op " + std::to_string(seq) + ": " + what, e);
-        if (copying) api_.cuStreamSynchronize(c.stream);  // the copy must be over before the mapping can go
-        finish(id, seq);
-        return err;
-    };
     if (auto s = make_current(*c.device); !s) {
         finish(id, seq);
         return s;
     }
+    op.phase = Op::StagingOut;
+    auto queued_fail = [&](const std::string &what, CUresult e) -> Status {
+        // A copy may be queued: the op stays until the stream passed it (the event below).
+        op.error = driver_error("op " + std::to_string(seq) + ": " + what, e);
+        return Ok{};
+    };
+    Status st = Ok{};
     if (op.bytes > 0)
-        if (CUresult e = api_.cuMemcpyHtoDAsync(op.dev, op.host, op.bytes, c.stream); e != CUDA_SUCCESS)
-            return fail("host->device copy of the result (cuMemcpyHtoDAsync)", e);
-    copying = op.bytes > 0;
-    if (CUresult e = api_.cuStreamWriteValue32(c.stream, c.sync + kDoneOffset + 4 * op.entry, op.word,
+        if (CUresult e = api_.cuMemcpyHtoDAsync(op.dev, op.host, op.bytes, c.out); e != CUDA_SUCCESS) {
+            op.phase = Op::Staged;
+            finish(id, seq);
+            return driver_error("op " + std::to_string(seq) + ": host->device copy of the result (cuMemcpyHtoDAsync)", e);
+        }
+    if (CUresult e = api_.cuStreamWriteValue32(c.out, c.sync + kDoneOffset + 4 * op.entry, op.word,
                                                CU_STREAM_WRITE_VALUE_DEFAULT);
         e != CUDA_SUCCESS)
-        return fail("cuStreamWriteValue32", e);
-    if (auto s = enqueue_event(c, id, seq, CudaStageEvent::StagedOut); !s) {
-        // The copy and the word are queued and will happen; only the event would be missing.
-        api_.cuStreamSynchronize(c.stream);
+        st = queued_fail("cuStreamWriteValue32", e);
+    if (auto s = enqueue_event(c.out, id, seq, CudaStageEvent::StagedOut); !s) {
+        if (!drained(c.out, std::chrono::seconds(1))) {
+            spdlog::error("client {}: its CUDA stage-out stream does not drain", id);
+            return s;  // the op keeps its mapping: nothing is unmapped under a pending copy
+        }
         finish(id, seq);
         return s;
     }
-    return Ok{};
+    return st;
 }
 
 void CudaService::finish(MemberId id, uint64_t seq) {
@@ -448,24 +542,29 @@ void CudaService::finish(MemberId id, uint64_t seq) {
     if (it == clients_.end()) return;
     Client &c = *it->second;
     auto o = c.ops.find(seq);
-    if (o == c.ops.end()) return;
+    if (o == c.ops.end() || o->second.phase == Op::StagingIn) return;  // its stream work may still run
     c.slot->header().cuda_done[o->second.entry].store(o->second.word, std::memory_order_release);
     if (o->second.mapping) --o->second.mapping->ops;
     c.ops.erase(o);
-}
-
-bool CudaService::has_op(MemberId id, uint64_t seq) const {
-    auto it = clients_.find(id);
-    return it != clients_.end() && it->second->ops.count(seq);
+    check_unregistered();
 }
 
 void CudaService::release_ready(MemberId id, uint64_t seq) {
     auto it = clients_.find(id);
     if (it == clients_.end()) return;
     auto o = it->second->ops.find(seq);
-    if (o == it->second->ops.end()) return;
+    if (o == it->second->ops.end() || o->second.phase != Op::StagingIn) return;
     ++stats_.stage_timeouts;
     it->second->slot->header().cuda_ready[o->second.entry].store(o->second.word, std::memory_order_release);
+}
+
+void CudaService::release_words(Client &c) {
+    if (!c.slot) return;
+    auto &h = c.slot->header();
+    for (auto &[seq, op] : c.ops) {
+        h.cuda_ready[op.entry].store(op.word, std::memory_order_release);
+        h.cuda_done[op.entry].store(op.word, std::memory_order_release);
+    }
 }
 
 void CudaService::client_gone(MemberId id) {
@@ -473,25 +572,45 @@ void CudaService::client_gone(MemberId id) {
     if (it == clients_.end()) return;
     Client &c = *it->second;
     c.gone = true;
-    auto &h = c.slot->header();
-    for (auto &[seq, op] : c.ops) {
-        h.cuda_ready[op.entry].store(op.word, std::memory_order_release);
-        h.cuda_done[op.entry].store(op.word, std::memory_order_release);
-    }
-    c.regs.clear();  // mappings held by ops in flight stay until the stream has passed them
-    if (!c.stream || !make_current(*c.device) || !enqueue_event(c, id, 0, CudaStageEvent::Drained)) {
-        if (c.stream) api_.cuStreamSynchronize(c.stream);  // cannot wait for an event: wait here
-        cleanup(id);
+    c.gone_at = Clock::now();
+    release_words(c);
+    c.regs.clear();  // mappings held by ops in flight stay until the streams have passed them
+    (void)make_current(*c.device);
+    for (CUstream s : {c.in, c.out})
+        if (s && enqueue_event(s, id, 0, CudaStageEvent::Drained)) ++c.drains;
+    if (c.drains == 0) {
+        if (drained(c.in, std::chrono::seconds(1)) && drained(c.out, std::chrono::seconds(1))) cleanup(id);
+        else c.drains = -1;  // tick() gives it up after the bound
     }
 }
 
-// The client's stream has run dry: nothing of the driver touches its slot or mappings any more.
+void CudaService::tick(Clock::time_point now) {
+    std::vector<MemberId> give_up;
+    for (auto &[id, c] : clients_) {
+        if (!c->gone) continue;
+        // A departed trainer's process may still write its words back: write them again.
+        release_words(*c);
+        if (now - c->gone_at > kDrainBound) give_up.push_back(id);
+    }
+    for (MemberId id : give_up) {
+        auto node = clients_.extract(id);
+        spdlog::error("client {}: its CUDA streams did not drain within {} s of its departure; its slot pin and "
+                      "mappings are kept for the life of ringd",
+                      id, std::chrono::duration_cast<std::chrono::seconds>(kDrainBound).count());
+        for (auto &[seq, op] : node.mapped()->ops) op.mapping->base = 0;  // never unmapped under the stream
+        node.mapped()->ops.clear();
+        abandoned_.push_back(std::move(node.mapped()));
+    }
+}
+
+// The client's streams have run dry: nothing of the driver touches its slot or mappings any more.
 void CudaService::cleanup(MemberId id) {
     auto it = clients_.find(id);
     if (it == clients_.end()) return;
     Client &c = *it->second;
     if (c.device) (void)make_current(*c.device);
-    if (c.stream) api_.cuStreamDestroy(c.stream);
+    for (CUstream s : {c.in, c.out})
+        if (s) api_.cuStreamDestroy(s);
     for (auto &[seq, op] : c.ops)
         if (op.mapping) --op.mapping->ops;
     c.ops.clear();
@@ -499,6 +618,7 @@ void CudaService::cleanup(MemberId id) {
     if (c.host_registered) api_.cuMemHostUnregister(&c.slot->header());
     clients_.erase(it);
     for (auto l = legacy_.begin(); l != legacy_.end();) l = l->second.expired() ? legacy_.erase(l) : std::next(l);
+    check_unregistered();
 }
 
 std::vector<CudaStageEvent> CudaService::take_events() {
@@ -510,15 +630,27 @@ std::vector<CudaStageEvent> CudaService::take_events() {
         out.swap(events_->events);
     }
     std::vector<CudaStageEvent> live;
-    for (const auto &e : out) {
+    for (auto &e : out) {
         auto it = clients_.find(e.member);
         if (it == clients_.end()) continue;
+        Client &c = *it->second;
         if (e.kind == CudaStageEvent::Drained) {
-            cleanup(e.member);
+            if (--c.drains == 0) cleanup(e.member);
             continue;
         }
-        if (it->second->gone) continue;
-        live.push_back(e);
+        auto o = c.ops.find(e.seq);
+        if (o == c.ops.end()) continue;
+        if (e.kind == CudaStageEvent::StagedIn && o->second.phase == Op::StagingIn) {
+            o->second.phase = Op::Staged;  // the stream has passed it: a completion may end it now
+            e.error = o->second.error;
+        } else if (e.kind == CudaStageEvent::StagedOut && o->second.phase == Op::StagingOut) {
+            e.error = o->second.error;
+            o->second.phase = Op::Staged;
+            finish(e.member, e.seq);
+        } else {
+            continue;
+        }
+        if (!c.gone) live.push_back(std::move(e));
     }
     return live;
 }
@@ -546,7 +678,8 @@ nlohmann::json CudaService::status() const {
             {"max_mapped_bytes", config_.max_mapped_bytes},
             {"ops_in_flight", ops},
             {"ops_staged", stats_.ops_staged},
-            {"stage_timeouts", stats_.stage_timeouts}};
+            {"stage_timeouts", stats_.stage_timeouts},
+            {"abandoned_clients", abandoned_.size()}};
 }
 
 }  // namespace ringd
@@ -561,6 +694,7 @@ CudaService::~CudaService() = default;
 struct CudaService::Device {};
 struct CudaService::Mapping {};
 struct CudaService::Client {};
+struct CudaService::Op {};
 struct CudaService::EventQueue {
     UniqueFd fd;
 };
@@ -570,11 +704,13 @@ Result<uint64_t> CudaService::register_memory(MemberId, const std::shared_ptr<Sl
                                               std::vector<UniqueFd>) {
     return make_error(-ENOTSUP, "ringd was built without CUDA");
 }
-Status CudaService::unregister(MemberId, uint64_t) { return make_error(-ENOTSUP, "ringd was built without CUDA"); }
+Result<bool> CudaService::unregister(MemberId, uint64_t) { return make_error(-ENOTSUP, "ringd was built without CUDA"); }
 Status CudaService::stage_in(MemberId, const proto::Submission &) { return make_error(-ENOTSUP, "ringd was built without CUDA"); }
 Status CudaService::stage_out(MemberId, uint64_t) { return make_error(-ENOTSUP, "ringd was built without CUDA"); }
 void CudaService::finish(MemberId, uint64_t) {}
-bool CudaService::has_op(MemberId, uint64_t) const { return false; }
+bool CudaService::owns_completion(MemberId, uint64_t) const { return false; }
+void CudaService::tick(Clock::time_point) {}
+std::vector<std::pair<MemberId, uint64_t>> CudaService::take_unregistered() { return {}; }
 void CudaService::release_ready(MemberId, uint64_t) {}
 void CudaService::client_gone(MemberId) {}
 nlohmann::json CudaService::status() const { return {}; }

@@ -288,9 +288,11 @@ void ClientGateway::handle_cuda_frame(ClientConn &c, Frame &frame) {
         if (!cuda_) {
             reply.status = -ENODEV;
             reply.message = no_cuda_;
-        } else if (auto s = cuda_->unregister(c.id(), *reg); !s) {
-            reply.status = s.error().code;
-            reply.message = s.error().message;
+        } else if (auto now = cuda_->unregister(c.id(), *reg); !now) {
+            reply.status = now.error().code;
+            reply.message = now.error().message;
+        } else if (!*now) {
+            return;  // answered once ringd closed the mapping an op still used (send_late_replies)
         }
     }
     if (reply.status != 0) spdlog::info("{}: CUDA registration refused: {}", c.describe(), reply.message);
@@ -359,6 +361,9 @@ void ClientGateway::take_submissions(MemberId id) {
                 st.state = Staged::Failed;
                 st.error = in.error();
             }
+            if (st.state == Staged::Failed)  // nothing queued for it: a stream waiting for it may go on
+                c.slot()->header().cuda_done[d.seq % proto::kQueueDepth].store(static_cast<uint32_t>(d.seq),
+                                                                               std::memory_order_release);
             staging_[id].push_back(std::move(st));
             continue;
         }
@@ -388,23 +393,33 @@ void ClientGateway::pump(MemberId id) {
 void ClientGateway::on_cuda_events() {
     if (!cuda_) return;
     for (const CudaStageEvent &e : cuda_->take_events()) {
-        if (e.kind == CudaStageEvent::StagedOut) {
-            cuda_->finish(e.member, e.seq);
-            done_.push_back({e.member, e.seq, 0, {}});
+        if (e.kind == CudaStageEvent::StagedOut) {  // the result is in the device buffer (or why not)
+            done_.push_back({e.member, e.seq, e.error.code, e.error.message});
             continue;
         }
         auto it = staging_.find(e.member);
         if (it == staging_.end()) continue;
         for (Staged &st : it->second)
             if (st.s.seq == e.seq && st.state == Staged::Waiting) {
-                st.state = st.timed_out ? Staged::Failed : Staged::Ready;
+                st.state = st.timed_out || e.error.code != 0 ? Staged::Failed : Staged::Ready;
                 if (st.timed_out)
                     st.error = make_error(-ETIMEDOUT, "op " + std::to_string(e.seq) +
                                                           ": the device buffer was never marked ready (the trainer's "
                                                           "stream did not reach the op within timeouts.op)");
+                else if (e.error.code != 0)
+                    st.error = e.error;
                 break;
             }
         pump(e.member);
+    }
+    send_late_replies();
+}
+
+void ClientGateway::send_late_replies() {
+    for (auto [id, reg] : cuda_->take_unregistered()) {
+        auto it = clients_.find(id);
+        if (it == clients_.end()) continue;
+        if (auto s = send_all(it->second->sock(), proto::encode_cuda_reply({0, reg, {}})); !s) drop(id, s.error(), false);
     }
 }
 
@@ -453,13 +468,17 @@ void ClientGateway::expire(Clock::time_point now) {
                 st.timed_out = true;
                 if (cuda_) cuda_->release_ready(id, st.s.seq);
             }
+    if (cuda_) {
+        cuda_->tick(now);
+        send_late_replies();
+    }
 }
 
 bool ClientGateway::complete(const std::vector<Completion> &completions) {
     if (completions.empty()) return false;
     std::vector<std::pair<MemberId, Error>> bad;
     for (auto cm : completions) {
-        if (cuda_ && cuda_->has_op(cm.member, cm.seq)) {
+        if (cuda_ && cuda_->owns_completion(cm.member, cm.seq)) {
             if (cm.status != 0) {
                 cuda_->finish(cm.member, cm.seq);
             } else if (auto s = cuda_->stage_out(cm.member, cm.seq); s) {
@@ -475,6 +494,7 @@ bool ClientGateway::complete(const std::vector<Completion> &completions) {
         else if (it->second->submissions_held()) credit_waiters_.insert(cm.member);
     }
     for (auto &[id, e] : bad) drop(id, e, true);
+    if (cuda_) send_late_replies();
     return true;
 }
 

@@ -78,6 +78,8 @@ private:
     // A client's submissions behind a device-buffer op still in stage-in go on in order: ops
     // whose stage-in is done (and every later slot op) to the group table, failed ones rejected.
     void pump(MemberId id);
+    // Answers to unregistrations that waited for their mapping to close.
+    void send_late_replies();
     void drop(MemberId id, const Error &why, bool tell_client);
     // Connections (joined_only: slots) of clients with this uid.
     size_t count_of(uint32_t uid, bool joined_only) const;

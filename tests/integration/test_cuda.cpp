@@ -9,6 +9,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <nlohmann/json.hpp>
@@ -349,28 +350,47 @@ TEST_CASE("device buffer errors go to their client only", "[cuda]") {
         CHECK(ringd_cuda_free(cc, big) == -ENOENT);
     }
     SECTION("unregistering during an op keeps its mapping until it ends") {
+        // Both kinds: a VMM registration is answered at once (the import keeps the memory); a
+        // legacy one only once ringd closed the mapping, so that the exporter may free it then.
         Clients two = connect_all(c, "unreg", 2, 1 << 20);
-        std::vector<std::unique_ptr<DeviceBuf>> bufs;
-        bufs.push_back(std::make_unique<DeviceBuf>(two[0]->get(), 1 << 20, false));
-        bufs.push_back(std::make_unique<DeviceBuf>(two[1]->get(), 1 << 20, false));
-        DeviceOp o = prepare(bufs, DType::F32, ReduceOp::Sum, 50000, 3);
-        upload(bufs, o);
-        REQUIRE(ringd_submit_cuda(bufs[0]->c, bufs[0]->at(o.range[0].offset), o.count, RINGD_F32, RINGD_SUM, nullptr,
-                                  &o.tickets[0]) == 0);
-        std::this_thread::sleep_for(50ms);  // staged and waiting for rank 1
-        REQUIRE(ringd_unregister_cuda(bufs[0]->c, bufs[0]->reg) == 0);
-        bufs[0]->reg = 0;
-        CHECK(status_of(*c.d[0])["mapped_bytes"].get<uint64_t>() > 0);  // still mapped for the op
-        REQUIRE(ringd_submit_cuda(bufs[1]->c, bufs[1]->at(o.range[1].offset), o.count, RINGD_F32, RINGD_SUM, nullptr,
-                                  &o.tickets[1]) == 0);
-        for (size_t g = 0; g < 2; ++g) REQUIRE(ringd_wait(bufs[g]->c, o.tickets[g], 10000) == 0);
-        for (size_t g = 0; g < 2; ++g) {
-            REQUIRE(api()->cuMemcpyDtoH(o.image[g].data(), bufs[g]->base, bufs[g]->bytes) == CUDA_SUCCESS);
-            CHECK(o.range[g].check(o.image[g].data(), ReduceOp::Sum, 2).ok());
+        for (bool vmm : {true, false}) {
+            INFO((vmm ? "ringd_cuda_alloc" : "ringd_register_cuda"));
+            std::vector<std::unique_ptr<DeviceBuf>> bufs;
+            bufs.push_back(std::make_unique<DeviceBuf>(two[0]->get(), 1 << 20, vmm));
+            bufs.push_back(std::make_unique<DeviceBuf>(two[1]->get(), 1 << 20, false));
+            const uint64_t closes = status_of(*c.d[0])["closes"].get<uint64_t>();
+            DeviceOp o = prepare(bufs, DType::F32, ReduceOp::Sum, 50000, 3);
+            upload(bufs, o);
+            REQUIRE(ringd_submit_cuda(bufs[0]->c, bufs[0]->at(o.range[0].offset), o.count, RINGD_F32, RINGD_SUM,
+                                      nullptr, &o.tickets[0]) == 0);
+            std::this_thread::sleep_for(50ms);  // staged and waiting for rank 1
+            std::atomic<int> unregistered{1};
+            std::thread un([&] {
+                unregistered = vmm ? ringd_cuda_free(bufs[0]->c, bufs[0]->at(0))
+                                   : ringd_unregister_cuda(bufs[0]->c, bufs[0]->reg);
+            });
+            std::this_thread::sleep_for(100ms);
+            CHECK(unregistered == (vmm ? 0 : 1));  // legacy: not answered while the op holds the mapping
+            CHECK(status_of(*c.d[0])["mapped_bytes"].get<uint64_t>() > 0);
+            REQUIRE(ringd_submit_cuda(bufs[1]->c, bufs[1]->at(o.range[1].offset), o.count, RINGD_F32, RINGD_SUM,
+                                      nullptr, &o.tickets[1]) == 0);
+            REQUIRE(ringd_wait(bufs[1]->c, o.tickets[1], 10000) == 0);
+            un.join();
+            CHECK(unregistered == 0);
+            REQUIRE(ringd_wait(bufs[0]->c, o.tickets[0], 10000) == 0);
+            CHECK(status_of(*c.d[0])["closes"].get<uint64_t>() == closes + 1);  // closed once the op let go
+            REQUIRE(api()->cuMemcpyDtoH(o.image[1].data(), bufs[1]->base, bufs[1]->bytes) == CUDA_SUCCESS);
+            CHECK(o.range[1].check(o.image[1].data(), ReduceOp::Sum, 2).ok());
+            if (!vmm) {  // the memory is still the test's: the result is in it
+                REQUIRE(api()->cuMemcpyDtoH(o.image[0].data(), bufs[0]->base, bufs[0]->bytes) == CUDA_SUCCESS);
+                CHECK(o.range[0].check(o.image[0].data(), ReduceOp::Sum, 2).ok());
+                CHECK(ringd_submit_cuda(bufs[0]->c, bufs[0]->at(0), 16, RINGD_F32, RINGD_SUM, nullptr, &t) == -ENOENT);
+                bufs[0]->reg = 0;
+            } else {
+                bufs[0]->base = 0;
+                bufs[0]->vmm = false;  // freed above
+            }
         }
-        const json j = status_of(*c.d[0]);
-        CHECK(j["closes"].get<uint64_t>() == 1);  // closed once the op let go
-        CHECK(ringd_submit_cuda(bufs[0]->c, bufs[0]->at(0), 16, RINGD_F32, RINGD_SUM, nullptr, &t) == -ENOENT);
     }
     if (stray) api()->cuMemFree(stray);
     // The daemon is fine: a new group works.
