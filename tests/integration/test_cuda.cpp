@@ -550,3 +550,24 @@ TEST_CASE("every dtype and op from 4 B to 256 MiB", "[.sweep]") {
                 wait_and_check(bufs, d);
             }
 }
+
+TEST_CASE("without a driver ringd and the client run and say why there is no CUDA", "[cuda]") {
+    if (provider() != "emulated") RINGD_SKIP("runs where the hardware provider is not the one under test");
+    if (cuda::load_cuda(cuda::Provider::Hardware)) RINGD_SKIP("this machine has an NVIDIA driver");
+    // The default provider (hardware): no libcuda.so.1 here.
+    Daemon d;
+    REQUIRE(d.ready());
+    const json j = status_of(d);
+    CHECK_FALSE(j["available"].get<bool>());
+    CHECK(j["built"].get<bool>());
+    CHECK_THAT(j["error"].get<std::string>(), Catch::Contains("libcuda.so.1"));
+    ringd::Client cl(d.socket(), "nodriver", 0, 1, 1 << 20);
+    // The client asks for the hardware provider too: refused with the reason, nothing else lost.
+    ::setenv("RINGD_CUDA_PROVIDER", "hardware", 1);
+    void *p = nullptr;
+    CHECK(ringd_cuda_alloc(cl.get(), 4096, &p) == -ENODEV);
+    CHECK_THAT(ringd_last_error(cl.get()), Catch::Contains("libcuda.so.1"));
+    ::setenv("RINGD_CUDA_PROVIDER", provider().c_str(), 1);
+    uint64_t t = cl.submit(0, 100, RINGD_F32, RINGD_SUM);
+    CHECK(ringd_wait(cl.get(), t, 5000) == 0);
+}
