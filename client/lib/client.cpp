@@ -26,20 +26,37 @@ void ringd_client::drain_completions() {
     for (; cq_head != tail && tail - cq_head <= welcome.cq_depth; ++cq_head) {
         const proto::CompletionDesc &c = cq[cq_head % welcome.cq_depth];
         Ticket &t = tickets[c.seq % tickets.size()];
-        if (t.seq != c.seq) continue;
-        if (t.state == TicketState::Abandoned) {
+        if (t.seq != c.seq || t.own_done || (t.state != TicketState::InFlight && t.state != TicketState::Abandoned))
+            continue;
+        std::string message(c.message, std::min<size_t>(c.message_len, proto::kCompletionMessageBytes));
+        if (t.parent != 0) {  // a part of a device op: its result goes to the op's ticket
             t.state = TicketState::Free;
-            t.status = c.status;  // for cuda_ticket_ended
-        } else if (t.state == TicketState::InFlight) {
-            t.state = TicketState::Done;
-            t.status = c.status;
-            t.message.assign(c.message, std::min<size_t>(c.message_len, proto::kCompletionMessageBytes));
-        } else {
+            if (t.cuda) cuda_ticket_ended(*this, t.seq, c.status);
+            Ticket &p = tickets[t.parent % tickets.size()];
+            if (p.seq == t.parent && p.parts_left > 0) {
+                if (c.status != 0 && p.part_status == 0) {
+                    p.part_status = c.status;
+                    p.part_message = std::move(message);
+                }
+                if (--p.parts_left == 0 && p.own_done) settle(p);
+            }
             continue;
         }
-        if (t.cuda) cuda_ticket_ended(*this, t.seq, t.status);
+        t.status = c.status;
+        t.message = std::move(message);
+        t.own_done = true;
+        if (t.parts_left == 0) settle(t);
     }
     header->cq_head.value.store(cq_head, std::memory_order_release);
+}
+
+void ringd_client::settle(Ticket &t) {
+    if (t.status == 0 && t.part_status != 0) {
+        t.status = t.part_status;
+        t.message = t.part_message;
+    }
+    if (t.cuda) cuda_ticket_ended(*this, t.seq, t.status);
+    t.state = t.state == TicketState::Abandoned ? TicketState::Free : TicketState::Done;
 }
 
 // The socket is readable only when ringd sends an error or goes away.
@@ -274,15 +291,18 @@ void *ringd_slot(ringd_client *c, size_t *bytes) {
     return c->data;
 }
 
-int ringd_client::check_room() {
-    const Ticket &t = tickets[next_seq % tickets.size()];
-    if (t.state != TicketState::Free) {
-        // A Done ticket waits for its caller; one still without its completion past the
-        // contract would hold its slot for ever.
-        if (t.state != TicketState::Done && Clock::now() >= contract_deadline(t)) return breach(t);
-        return fail(-EAGAIN, "too many ops in flight: wait for ticket " + std::to_string(t.seq) + " first");
+int ringd_client::check_room(uint64_t n) {
+    for (uint64_t i = 0; i < n; ++i) {
+        const Ticket &t = tickets[(next_seq + i) % tickets.size()];
+        if (t.state != TicketState::Free) {
+            // A Done ticket waits for its caller; one still without its completion past the
+            // contract would hold its slot for ever.
+            if (t.state != TicketState::Done && Clock::now() >= contract_deadline(t)) return breach(t);
+            const uint64_t wait_for = t.parent ? t.parent : t.seq;
+            return fail(-EAGAIN, "too many ops in flight: wait for ticket " + std::to_string(wait_for) + " first");
+        }
     }
-    if (sq_tail - header->sq_head.value.load(std::memory_order_acquire) >= welcome.sq_depth)
+    if (sq_tail + n - header->sq_head.value.load(std::memory_order_acquire) > welcome.sq_depth)
         return fail(-EAGAIN, "submission queue is full");
     return 0;
 }
@@ -302,8 +322,13 @@ int ringd_client::submit_desc(proto::SubmitDesc &d, uint64_t *ticket, bool cuda_
     std::memcpy(&sq[sq_tail % welcome.sq_depth], &d, sizeof d);
     ++sq_tail;
     header->sq_tail.value.store(sq_tail, std::memory_order_release);
-    t = Ticket{d.seq, TicketState::InFlight, 0, {}, Clock::now(), cuda_op, d.offset,
-               d.count * dtype_size(static_cast<DType>(d.dtype))};
+    t = Ticket{};
+    t.seq = d.seq;
+    t.state = TicketState::InFlight;
+    t.submitted = Clock::now();
+    t.cuda = cuda_op;
+    t.offset = d.offset;
+    t.bytes = d.count * dtype_size(static_cast<DType>(d.dtype));
     ++next_seq;
     const uint64_t one = 1;
     if (::write(doorbell.get(), &one, sizeof one) != sizeof one) return fail(-errno, "doorbell: " + errno_string(errno));

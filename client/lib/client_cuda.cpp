@@ -28,6 +28,8 @@ constexpr size_t kReadyOffset = offsetof(proto::SlotHeader, cuda_ready);
 constexpr size_t kDoneOffset = offsetof(proto::SlotHeader, cuda_done);
 constexpr size_t kProbeOffset = offsetof(proto::SlotHeader, cuda_probe);
 constexpr auto kCloseBound = std::chrono::seconds(10);  // ringd_close waits this long for queued GPU work
+constexpr uint64_t kPartBytes = 16 << 20;  // device ops larger than this go as parts (pipelined)
+constexpr uint64_t kMaxParts = 16;
 
 std::string hex(uint64_t v) {
     char b[32];
@@ -43,6 +45,7 @@ struct ringd_client_detail::CudaClient {
     CUcontext ctx = nullptr;  // the device's primary context (retained)
     uint8_t uuid[16] = {};
     bool memops = true;       // stream write/wait value ops (else host functions)
+    uint64_t part_bytes = kPartBytes;  // RINGD_CUDA_PART_BYTES: a device op is cut into parts of this
     CUdeviceptr sync = 0;     // the slot header, registered with the driver in this process
     bool host_registered = false;
     // Per queue entry: the seq of the device op that last used it (ringd_stream_wait checks), and
@@ -156,6 +159,15 @@ int ensure_cuda(ringd_client &c, CUdeviceptr dev_ptr) {
         if (!api) return c.fail(api.error().code, api.error().message);
         c.cuda.reset(new CudaClient);
         c.cuda->api = *api;
+        if (const char *v = std::getenv("RINGD_CUDA_PART_BYTES"); v && *v) {
+            char *end = nullptr;
+            const unsigned long long b = std::strtoull(v, &end, 10);
+            if (*end != '\0' || b < 4096) {
+                c.cuda.reset();
+                return c.fail(-EINVAL, std::string("RINGD_CUDA_PART_BYTES=") + v + " is not a byte count of 4096 or more");
+            }
+            c.cuda->part_bytes = b;
+        }
     }
     CudaClient &cc = *c.cuda;
     const cuda::CudaApi &api = *cc.api;
@@ -606,29 +618,47 @@ int ringd_submit_cuda(ringd_client *c, void *dev_ptr, size_t count, ringd_dtype 
         // stream: a word queued for an op that was then refused would let ringd copy a later op's
         // buffer (same seq) before that one is produced.
         if (auto v = proto::validate_submit(d, c->welcome.data_bytes, true); !v) return c->fail(v.error().code, v.error().message);
-        if (int rc = c->check_room(); rc != 0) return rc;
-        const uint64_t seq = c->next_seq;
-        const uint32_t entry = static_cast<uint32_t>(seq % proto::kQueueDepth);
-        const uint32_t word = static_cast<uint32_t>(seq);
+        // A large op goes as parts of at most cc.part_bytes (and at most kMaxParts of them):
+        // consecutive ringd ops, so that ringd copies part k+1 off the device while part k is on
+        // the ring, and copies part k's result back while k+1 is (the copies pipelined with the
+        // ring). Every rank cuts the same (count, dtype) the same way.
+        const uint64_t esize = dtype_size(static_cast<DType>(dtype));
+        uint64_t per = std::max<uint64_t>(1, cc.part_bytes / esize);
+        if (count > per * kMaxParts) per = (count + kMaxParts - 1) / kMaxParts;
+        const uint64_t parts = count == 0 ? 1 : (count + per - 1) / per;
+        if (int rc = c->check_room(parts); rc != 0) return rc;
+        const uint64_t first = c->next_seq, last = first + parts - 1;
         {
             ContextScope scope(api, cc.ctx);
-            // "The buffer is produced" in the stream's order: ringd copies it only after this.
-            CUresult r = cc.memops ? api.cuStreamWriteValue32(stream, cc.sync + kReadyOffset + 4 * entry, word,
-                                                              CU_STREAM_WRITE_VALUE_DEFAULT)
-                                   : api.cuLaunchHostFunc(stream, host_write,
-                                                          new HostWrite{&c->header->cuda_ready[entry], word});
-            if (r != CUDA_SUCCESS) return driver_fail(*c, "marking the buffer ready on the stream", r);
-            record_after(api, cc.after_ready[entry], stream);
+            // "The buffer is produced" in the stream's order: ringd copies a part only after its word.
+            for (uint64_t seq = first; seq <= last; ++seq) {
+                const uint32_t entry = static_cast<uint32_t>(seq % proto::kQueueDepth);
+                const uint32_t word = static_cast<uint32_t>(seq);
+                CUresult r = cc.memops ? api.cuStreamWriteValue32(stream, cc.sync + kReadyOffset + 4 * entry, word,
+                                                                  CU_STREAM_WRITE_VALUE_DEFAULT)
+                                       : api.cuLaunchHostFunc(stream, host_write,
+                                                              new HostWrite{&c->header->cuda_ready[entry], word});
+                if (r != CUDA_SUCCESS) return driver_fail(*c, "marking the buffer ready on the stream", r);
+            }
+            record_after(api, cc.after_ready[last % proto::kQueueDepth], stream);
         }
         if (!cc.watcher.joinable()) cc.watcher = std::thread(watch, c);  // before the op: it may throw
-        if (int rc = c->submit_desc(d, ticket, true); rc != 0) return rc;
-        cc.device_seq[entry] = seq;
-        cc.ops[seq] = CudaClient::Op{staging, bytes};
-        {
+        const auto deadline = Clock::now() + std::chrono::milliseconds(c->welcome.op_timeout_ms) + c->wait_margin;
+        for (uint64_t k = 0; k < parts; ++k) {
+            const uint64_t seq = first + k;
+            d.count = std::min(per, count - k * per);
+            d.offset = staging + k * per * esize;
+            d.cuda_offset = reg_offset + k * per * esize;
+            if (int rc = c->submit_desc(d, seq == last ? ticket : nullptr, true); rc != 0) return rc;
+            Ticket &t = c->tickets[seq % c->tickets.size()];
+            if (seq != last) t.parent = last;
+            cc.device_seq[seq % proto::kQueueDepth] = seq;
             std::lock_guard lock(cc.mu);
-            cc.watched[seq] = CudaClient::Watched{entry, word, Clock::now() + std::chrono::milliseconds(c->welcome.op_timeout_ms) +
-                                                                   c->wait_margin};
+            cc.watched[seq] = CudaClient::Watched{static_cast<uint32_t>(seq % proto::kQueueDepth),
+                                                  static_cast<uint32_t>(seq), deadline};
         }
+        c->tickets[last % c->tickets.size()].parts_left = static_cast<uint32_t>(parts - 1);
+        cc.ops[last] = CudaClient::Op{staging, bytes};  // the whole staging range, freed when all parts ended
         const uint64_t one = 1;
         (void)!::write(cc.wake.get(), &one, sizeof one);
         return 0;

@@ -47,6 +47,14 @@ struct Ticket {
     Clock::time_point submitted;  // the contract's deadline counts from here, not from a wait
     bool cuda = false;  // a device-buffer op (client_cuda.cpp)
     uint64_t offset = 0, bytes = 0;  // its slot range (device ops: where they are staged)
+    // A device op cut into parts (ringd ops of consecutive seqs, pipelined through ringd): the
+    // caller's ticket is the last part; the others name it as `parent` and are freed as they end.
+    // The op is done when all have ended; the first failure among them is its error.
+    uint64_t parent = 0;
+    uint32_t parts_left = 0;   // parent: its other parts still in ringd
+    bool own_done = false;     // parent: its own completion came (status/message hold it)
+    int32_t part_status = 0;   // parent: a part's failure
+    std::string part_message;
 };
 
 // Device buffers (client_cuda.cpp): registrations, the staging ranges of device ops in the slot,
@@ -107,8 +115,11 @@ struct ringd_client {
         return t.submitted + std::chrono::milliseconds(welcome.op_timeout_ms) + wait_margin;
     }
     void drain_completions();
-    // 0 when the next op can be queued now (its ticket free, room in the queue), else the error.
-    int check_room();
+    // 0 when the next `n` ops can be queued now (their tickets free, room in the queue), else the
+    // error.
+    int check_room(uint64_t n = 1);
+    // A ticket whose op ended (and whose parts did): Done, or Free if it was given up.
+    void settle(Ticket &t);
     // Queues a descriptor built by an entry point (validated here again); its ticket in *ticket.
     int submit_desc(proto::SubmitDesc &d, uint64_t *ticket, bool cuda_op);
     int check_socket();

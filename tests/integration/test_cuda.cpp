@@ -297,6 +297,62 @@ TEST_CASE("a delayed producer stream still gives exact results", "[cuda]") {
     for (auto &s : streams) api()->cuStreamDestroy(s);
 }
 
+TEST_CASE("a large device op goes as pipelined parts, exact", "[cuda]") {
+    NEED_CUDA();
+    use_device();
+    TestCluster c(2, cuda_cluster("10s", cuda_yaml()));
+    REQUIRE(c.wait_up());
+    // Parts of 64 KiB (at most 16 per op): 300000 elements are 5 parts of f16, 16 of f64.
+    ::setenv("RINGD_CUDA_PART_BYTES", "65536", 1);
+    Clients cl = connect_all(c, "parts", 2, 8 << 20);
+    std::vector<std::unique_ptr<DeviceBuf>> bufs;
+    for (size_t g = 0; g < cl.size(); ++g) bufs.push_back(std::make_unique<DeviceBuf>(cl[g]->get(), 4 << 20, g % 2 == 0));
+    ::unsetenv("RINGD_CUDA_PART_BYTES");
+    uint64_t seed = 300, staged = 0;
+    for (DType t : {DType::F32, DType::F64, DType::F16, DType::BF16, DType::I32, DType::I64})
+        for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Min, ReduceOp::Max}) {
+            if (op == ReduceOp::Avg && dtype_is_integer(t)) continue;
+            DeviceOp o = prepare(bufs, t, op, 300000, seed++);
+            upload(bufs, o);
+            submit(bufs, o);
+            wait_and_check(bufs, o);
+            const uint64_t per = std::max<uint64_t>(65536 / dtype_size(t), (300000 + 15) / 16);
+            staged += (300000 + per - 1) / per;
+        }
+    for (auto &d : c.d) CHECK(status_of(*d)["ops_staged"].get<uint64_t>() == staged * 2);
+    // In stream order: a late producer, the parts, a wait for the whole op, the consumer's copy.
+    CUstream s = nullptr;
+    REQUIRE(api()->cuStreamCreate(&s, CU_STREAM_NON_BLOCKING) == CUDA_SUCCESS);
+    DeviceOp o = prepare(bufs, DType::F32, ReduceOp::Sum, 800000, 77);
+    DeviceOp stale = prepare(bufs, DType::F32, ReduceOp::Sum, 800000, 77);
+    for (size_t g = 0; g < bufs.size(); ++g) stale.range[g].prepare(stale.image[g].data(), g + 9);
+    upload(bufs, stale);
+    std::vector<CUstream> streams(bufs.size());
+    std::vector<void *> in(bufs.size()), out(bufs.size());
+    for (size_t g = 0; g < bufs.size(); ++g) {
+        REQUIRE(api()->cuStreamCreate(&streams[g], CU_STREAM_NON_BLOCKING) == CUDA_SUCCESS);
+        REQUIRE(api()->cuMemAllocHost(&in[g], bufs[g]->bytes) == CUDA_SUCCESS);
+        REQUIRE(api()->cuMemAllocHost(&out[g], bufs[g]->bytes) == CUDA_SUCCESS);
+        std::memcpy(in[g], o.image[g].data(), bufs[g]->bytes);
+        spin(streams[g], 30000);
+        REQUIRE(api()->cuMemcpyHtoDAsync(bufs[g]->base, in[g], bufs[g]->bytes, streams[g]) == CUDA_SUCCESS);
+        REQUIRE(ringd_submit_cuda(bufs[g]->c, bufs[g]->at(o.range[g].offset), o.count, RINGD_F32, RINGD_SUM, streams[g],
+                                  &o.tickets[g]) == 0);
+        REQUIRE(ringd_stream_wait(bufs[g]->c, o.tickets[g], streams[g]) == 0);
+        REQUIRE(api()->cuMemcpyDtoHAsync(out[g], bufs[g]->base, bufs[g]->bytes, streams[g]) == CUDA_SUCCESS);
+    }
+    for (size_t g = 0; g < bufs.size(); ++g) {
+        REQUIRE(api()->cuStreamSynchronize(streams[g]) == CUDA_SUCCESS);
+        CHECK(ringd_wait(bufs[g]->c, o.tickets[g], 20000) == 0);
+        INFO("rank " << g);
+        CHECK(o.range[g].check(out[g], ReduceOp::Sum, bufs.size()).ok());
+        api()->cuMemFreeHost(in[g]);
+        api()->cuMemFreeHost(out[g]);
+        api()->cuStreamDestroy(streams[g]);
+    }
+    api()->cuStreamDestroy(s);
+}
+
 TEST_CASE("a thousand ops on one registration open it once", "[cuda]") {
     NEED_CUDA();
     use_device();
