@@ -319,9 +319,6 @@ int ringd_client::submit_desc(proto::SubmitDesc &d, uint64_t *ticket, bool cuda_
                                 " in flight: wait for it or use other bytes");
     if (int rc = check_room(); rc != 0) return rc;
     Ticket &t = tickets[d.seq % tickets.size()];
-    std::memcpy(&sq[sq_tail % welcome.sq_depth], &d, sizeof d);
-    ++sq_tail;
-    header->sq_tail.value.store(sq_tail, std::memory_order_release);
     t = Ticket{};
     t.seq = d.seq;
     t.state = TicketState::InFlight;
@@ -329,12 +326,21 @@ int ringd_client::submit_desc(proto::SubmitDesc &d, uint64_t *ticket, bool cuda_
     t.cuda = cuda_op;
     t.offset = d.offset;
     t.bytes = d.count * dtype_size(static_cast<DType>(d.dtype));
-    ++next_seq;
-    const uint64_t one = 1;
-    if (::write(doorbell.get(), &one, sizeof one) != sizeof one) return fail(-errno, "doorbell: " + errno_string(errno));
+    publish(&d, 1);
     if (ticket) *ticket = d.seq;
     last_error.clear();
     return 0;
+}
+
+void ringd_client::publish(const proto::SubmitDesc *descs, uint64_t n) {
+    for (uint64_t i = 0; i < n; ++i) std::memcpy(&sq[(sq_tail + i) % welcome.sq_depth], &descs[i], sizeof descs[i]);
+    sq_tail += n;
+    header->sq_tail.value.store(sq_tail, std::memory_order_release);
+    next_seq += n;
+    // ringd takes the whole queue at each ring; a failed write (an eventfd at its limit) still
+    // leaves the descriptors for the next ring or ringd's next look.
+    const uint64_t one = 1;
+    (void)!::write(doorbell.get(), &one, sizeof one);
 }
 
 int ringd_submit(ringd_client *c, size_t offset, size_t count, ringd_dtype dtype, ringd_op op, uint64_t *ticket) {

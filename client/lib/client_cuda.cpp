@@ -48,12 +48,11 @@ struct ringd_client_detail::CudaClient {
     uint64_t part_bytes = kPartBytes;  // RINGD_CUDA_PART_BYTES: a device op is cut into parts of this
     CUdeviceptr sync = 0;     // the slot header, registered with the driver in this process
     bool host_registered = false;
-    // Per queue entry: the seq of the device op that last used it (ringd_stream_wait checks), and
-    // events recorded after this library's work on the trainer's streams (ringd_close waits for
-    // them, not for the whole context).
+    // Per queue entry: the seq of the device op that last used it (ringd_stream_wait checks).
     uint64_t device_seq[proto::kQueueDepth] = {};
-    CUevent after_ready[proto::kQueueDepth] = {};
-    CUevent after_wait[proto::kQueueDepth] = {};
+    // Per trainer stream this library queued work on: an event recorded after its latest work
+    // there (ringd_close waits for these, not for the whole context).
+    std::vector<std::pair<CUstream, CUevent>> marks;
 
     struct Alloc {  // ringd_cuda_alloc
         size_t bytes = 0;
@@ -349,15 +348,13 @@ static void cuda_close(ringd_client &c) {
     ContextScope scope(api, cc.ctx);
     const auto until = Clock::now() + kCloseBound;
     bool ran_out = true;
-    for (CUevent *events : {cc.after_ready, cc.after_wait})
-        for (size_t e = 0; e < proto::kQueueDepth; ++e) {
-            if (!events[e]) continue;
-            while (ran_out && api.cuEventQuery(events[e]) == CUDA_ERROR_NOT_READY) {
-                if (Clock::now() >= until) ran_out = false;
-                else std::this_thread::sleep_for(std::chrono::microseconds(100));
-            }
-            if (ran_out) api.cuEventDestroy(events[e]);
+    for (auto &[stream, ev] : cc.marks) {
+        while (ran_out && api.cuEventQuery(ev) == CUDA_ERROR_NOT_READY) {
+            if (Clock::now() >= until) ran_out = false;
+            else std::this_thread::sleep_for(std::chrono::microseconds(100));
         }
+        if (ran_out) api.cuEventDestroy(ev);
+    }
     for (auto &[ptr, a] : cc.allocs) {
         api.cuMemUnmap(ptr, a.bytes);
         api.cuMemAddressFree(ptr, a.bytes);
@@ -384,13 +381,19 @@ void cuda_client_dead(ringd_client &c) {
 
 namespace {
 
-// An event after this library's latest work on `stream` at queue entry `e`.
-void record_after(const cuda::CudaApi &api, CUevent &ev, CUstream stream) {
-    if (!ev && api.cuEventCreate(&ev, CU_EVENT_DISABLE_TIMING) != CUDA_SUCCESS) {
-        ev = nullptr;
-        return;
-    }
+// The stream's event, recorded after this library's latest work on it (one event per stream: a
+// record replaces the stream's earlier one, which it follows in the stream's order).
+void record_after(CudaClient &cc, CUstream stream) {
+    const cuda::CudaApi &api = *cc.api;
+    for (auto &[s, ev] : cc.marks)
+        if (s == stream) {
+            api.cuEventRecord(ev, stream);
+            return;
+        }
+    CUevent ev = nullptr;
+    if (api.cuEventCreate(&ev, CU_EVENT_DISABLE_TIMING) != CUDA_SUCCESS) return;
     api.cuEventRecord(ev, stream);
+    cc.marks.emplace_back(stream, ev);
 }
 
 }  // namespace
@@ -628,6 +631,10 @@ int ringd_submit_cuda(ringd_client *c, void *dev_ptr, size_t count, ringd_dtype 
         const uint64_t parts = count == 0 ? 1 : (count + per - 1) / per;
         if (int rc = c->check_room(parts); rc != 0) return rc;
         const uint64_t first = c->next_seq, last = first + parts - 1;
+        // Everything that can fail comes before the first ready word; from the first word on,
+        // nothing can be taken back (a later op of the same seq would find its word written).
+        if (!cc.watcher.joinable()) cc.watcher = std::thread(watch, c);
+        cc.marks.reserve(cc.marks.size() + 1);
         {
             ContextScope scope(api, cc.ctx);
             // "The buffer is produced" in the stream's order: ringd copies a part only after its word.
@@ -638,27 +645,49 @@ int ringd_submit_cuda(ringd_client *c, void *dev_ptr, size_t count, ringd_dtype 
                                                                   CU_STREAM_WRITE_VALUE_DEFAULT)
                                        : api.cuLaunchHostFunc(stream, host_write,
                                                               new HostWrite{&c->header->cuda_ready[entry], word});
-                if (r != CUDA_SUCCESS) return driver_fail(*c, "marking the buffer ready on the stream", r);
+                if (r != CUDA_SUCCESS) {
+                    if (seq == first) return driver_fail(*c, "marking the buffer ready on the stream", r);
+                    driver_fail(*c, "marking the buffer ready on the stream", r);
+                    return c->die(-EIO, "device op " + std::to_string(last) + " was marked ready in part only (" +
+                                            c->last_error + "); this connection is unusable, reconnect");
+                }
             }
-            record_after(api, cc.after_ready[last % proto::kQueueDepth], stream);
+            record_after(cc, stream);
         }
-        if (!cc.watcher.joinable()) cc.watcher = std::thread(watch, c);  // before the op: it may throw
-        const auto deadline = Clock::now() + std::chrono::milliseconds(c->welcome.op_timeout_ms) + c->wait_margin;
+        // Every part's ticket is set up before any of them is published: a part that ends at once
+        // finds its op's ticket ready to take its result.
+        const auto now = Clock::now();
+        const auto deadline = now + std::chrono::milliseconds(c->welcome.op_timeout_ms) + c->wait_margin;
+        std::vector<proto::SubmitDesc> descs(parts, d);
         for (uint64_t k = 0; k < parts; ++k) {
             const uint64_t seq = first + k;
-            d.count = std::min(per, count - k * per);
-            d.offset = staging + k * per * esize;
-            d.cuda_offset = reg_offset + k * per * esize;
-            if (int rc = c->submit_desc(d, seq == last ? ticket : nullptr, true); rc != 0) return rc;
+            proto::SubmitDesc &p = descs[k];
+            p.seq = seq;
+            p.count = std::min(per, count - k * per);
+            p.offset = staging + k * per * esize;
+            p.cuda_offset = reg_offset + k * per * esize;
             Ticket &t = c->tickets[seq % c->tickets.size()];
-            if (seq != last) t.parent = last;
+            t = Ticket{};
+            t.seq = seq;
+            t.state = TicketState::InFlight;
+            t.submitted = now;
+            t.cuda = true;
+            t.offset = p.offset;
+            t.bytes = p.count * esize;
+            t.parent = seq == last ? 0 : last;
+            t.parts_left = seq == last ? static_cast<uint32_t>(parts - 1) : 0;
             cc.device_seq[seq % proto::kQueueDepth] = seq;
-            std::lock_guard lock(cc.mu);
-            cc.watched[seq] = CudaClient::Watched{static_cast<uint32_t>(seq % proto::kQueueDepth),
-                                                  static_cast<uint32_t>(seq), deadline};
         }
-        c->tickets[last % c->tickets.size()].parts_left = static_cast<uint32_t>(parts - 1);
         cc.ops[last] = CudaClient::Op{staging, bytes};  // the whole staging range, freed when all parts ended
+        {
+            std::lock_guard lock(cc.mu);
+            for (uint64_t seq = first; seq <= last; ++seq)
+                cc.watched[seq] = CudaClient::Watched{static_cast<uint32_t>(seq % proto::kQueueDepth),
+                                                      static_cast<uint32_t>(seq), deadline};
+        }
+        c->publish(descs.data(), parts);
+        if (ticket) *ticket = last;
+        c->last_error.clear();
         const uint64_t one = 1;
         (void)!::write(cc.wake.get(), &one, sizeof one);
         return 0;
@@ -673,9 +702,14 @@ int ringd_stream_wait(ringd_client *c, uint64_t ticket, struct CUstream_st *stre
         const uint32_t entry = static_cast<uint32_t>(ticket % proto::kQueueDepth);
         // Only device ops' done words are written; an older device op of this entry has its word
         // past by now (the words only grow).
-        if (!c->cuda || !c->cuda->ctx || ticket == 0 || ticket >= c->next_seq || c->cuda->device_seq[entry] < ticket ||
-            (c->cuda->device_seq[entry] - ticket) % proto::kQueueDepth != 0)
+        if (!c->cuda || !c->cuda->ctx || ticket == 0 || ticket >= c->next_seq || c->cuda->device_seq[entry] < ticket)
             return c->fail(-EINVAL, "ticket " + std::to_string(ticket) + " is not a device op of this client");
+        // A later device op took this entry: the ticket's op (whatever it was) has ended and its
+        // result is in place; there is nothing to wait for.
+        if (c->cuda->device_seq[entry] != ticket) {
+            c->last_error.clear();
+            return 0;
+        }
         CudaClient &cc = *c->cuda;
         const cuda::CudaApi &api = *cc.api;
         const uint32_t word = static_cast<uint32_t>(ticket);
@@ -690,7 +724,7 @@ int ringd_stream_wait(ringd_client *c, uint64_t ticket, struct CUstream_st *stre
             r = api.cuLaunchHostFunc(stream, host_wait, new HostWait{&c->header->cuda_done[entry], word, deadline});
         }
         if (r != CUDA_SUCCESS) return driver_fail(*c, "waiting for the op on the stream", r);
-        record_after(api, cc.after_wait[entry], stream);
+        record_after(cc, stream);
         c->last_error.clear();
         return 0;
     } catch (const std::exception &e) {

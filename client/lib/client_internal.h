@@ -122,6 +122,9 @@ struct ringd_client {
     void settle(Ticket &t);
     // Queues a descriptor built by an entry point (validated here again); its ticket in *ticket.
     int submit_desc(proto::SubmitDesc &d, uint64_t *ticket, bool cuda_op);
+    // Writes `n` descriptors of seqs next_seq.. (their tickets set up, room checked by
+    // check_room(n)) into the submission queue, publishes them at once and rings the doorbell.
+    void publish(const proto::SubmitDesc *descs, uint64_t n);
     int check_socket();
     int breach(const Ticket &t);
     int wait(Ticket &t, int timeout_ms);

@@ -87,6 +87,11 @@ struct CudaService::Client {
     bool gone = false;
     int drains = 0;              // Drained events still to come
     Clock::time_point gone_at{};
+    bool stuck = false;          // a stream of it did not drain: no more device ops for it
+    // Done words of ops that ended without their stage-out, written from the host in seq order:
+    // an op's word only once no op of a lower seq is still in ringd (a large op's parts are
+    // consecutive ops, and the trainer's stream waits for the last part's word only).
+    std::map<uint64_t, uint32_t> done_due;  // seq -> entry
 };
 
 // Stage events from the driver's callback thread to the control thread.
@@ -147,10 +152,15 @@ CudaService::~CudaService() {
     // time), then mappings closed and slots unpinned. A client whose streams do not drain keeps
     // its memory: the process is ending anyway.
     std::vector<MemberId> ids;
+    for (auto &[id, c] : clients_) release_words(*c);
+    const auto until = Clock::now() + std::chrono::seconds(3);  // for all of them together
     for (auto &[id, c] : clients_) {
-        release_words(*c);
         (void)make_current(*c->device);
-        if (drained(c->in, std::chrono::seconds(2)) && drained(c->out, std::chrono::seconds(2))) ids.push_back(id);
+        const auto left = [&] {
+            return std::max(std::chrono::milliseconds(0),
+                            std::chrono::duration_cast<std::chrono::milliseconds>(until - Clock::now()));
+        };
+        if (drained(c->in, left()) && drained(c->out, left())) ids.push_back(id);
         else abandoned_.push_back(std::move(c));
     }
     for (MemberId id : ids) cleanup(id);
@@ -451,6 +461,8 @@ Status CudaService::stage_in(MemberId id, const proto::Submission &s) {
                                        ") lies outside registration " + std::to_string(s.cuda_reg) + " (" +
                                        std::to_string(reg.bytes) + " bytes)");
     if (c->ops.count(s.seq)) return make_error(-EINVAL, at + "already in flight");
+    if (c->stuck)
+        return make_error(-EIO, at + "ringd's CUDA stream for this client is stuck (a driver error); reconnect");
     Mapping &m = *reg.mapping;
     if (auto o = open(m); !o) return make_error(o.error().code, at + o.error().message);
     if (auto o = make_current(*c->device); !o) return o;
@@ -478,7 +490,8 @@ Status CudaService::stage_in(MemberId id, const proto::Submission &s) {
         // No event will come: let the stream pass the wait and see it drain, within a bound.
         c->slot->header().cuda_ready[placed.entry].store(placed.word, std::memory_order_release);
         if (!drained(c->in, std::chrono::seconds(1))) {
-            spdlog::error("client {}: its CUDA stage-in stream does not drain; the client's CUDA state is abandoned", id);
+            spdlog::error("client {}: its CUDA stage-in stream does not drain; no more device ops for it", id);
+            c->stuck = true;
             return make_error(o.error().code, at + o.error().message);  // op and mapping stay held
         }
         --m.ops;
@@ -528,7 +541,8 @@ Status CudaService::stage_out(MemberId id, uint64_t seq) {
         st = queued_fail("cuStreamWriteValue32", e);
     if (auto s = enqueue_event(c.out, id, seq, CudaStageEvent::StagedOut); !s) {
         if (!drained(c.out, std::chrono::seconds(1))) {
-            spdlog::error("client {}: its CUDA stage-out stream does not drain", id);
+            spdlog::error("client {}: its CUDA stage-out stream does not drain; no more device ops for it", id);
+            c.stuck = true;
             return s;  // the op keeps its mapping: nothing is unmapped under a pending copy
         }
         finish(id, seq);
@@ -543,10 +557,31 @@ void CudaService::finish(MemberId id, uint64_t seq) {
     Client &c = *it->second;
     auto o = c.ops.find(seq);
     if (o == c.ops.end() || o->second.phase == Op::StagingIn) return;  // its stream work may still run
-    c.slot->header().cuda_done[o->second.entry].store(o->second.word, std::memory_order_release);
+    c.done_due[seq] = o->second.entry;
     if (o->second.mapping) --o->second.mapping->ops;
     c.ops.erase(o);
+    write_done_words(c);
     check_unregistered();
+}
+
+void CudaService::write_done_words(Client &c) {
+    const uint64_t lowest = c.ops.empty() ? UINT64_MAX : c.ops.begin()->first;
+    auto &h = c.slot->header();
+    while (!c.done_due.empty() && c.done_due.begin()->first < lowest) {
+        const auto [seq, entry] = *c.done_due.begin();
+        h.cuda_done[entry].store(static_cast<uint32_t>(seq), std::memory_order_release);
+        c.done_due.erase(c.done_due.begin());
+    }
+}
+
+void CudaService::release_done(MemberId id, Slot &slot, uint64_t seq) {
+    auto it = clients_.find(id);
+    if (it == clients_.end() || !it->second->slot) {  // no device op of it in ringd: nothing comes before
+        slot.header().cuda_done[seq % proto::kQueueDepth].store(static_cast<uint32_t>(seq), std::memory_order_release);
+        return;
+    }
+    it->second->done_due[seq] = static_cast<uint32_t>(seq % proto::kQueueDepth);
+    write_done_words(*it->second);
 }
 
 void CudaService::release_ready(MemberId id, uint64_t seq) {
@@ -576,9 +611,14 @@ void CudaService::client_gone(MemberId id) {
     release_words(c);
     c.regs.clear();  // mappings held by ops in flight stay until the streams have passed them
     (void)make_current(*c.device);
+    bool all = true;
     for (CUstream s : {c.in, c.out})
-        if (s && enqueue_event(s, id, 0, CudaStageEvent::Drained)) ++c.drains;
-    if (c.drains == 0) {
+        if (s) {
+            if (enqueue_event(s, id, 0, CudaStageEvent::Drained)) ++c.drains;
+            else all = false;
+        }
+    if (!all || c.drains == 0) {
+        // Without an event from each stream: see them drain here, within a bound.
         if (drained(c.in, std::chrono::seconds(1)) && drained(c.out, std::chrono::seconds(1))) cleanup(id);
         else c.drains = -1;  // tick() gives it up after the bound
     }
@@ -712,6 +752,7 @@ bool CudaService::owns_completion(MemberId, uint64_t) const { return false; }
 void CudaService::tick(Clock::time_point) {}
 std::vector<std::pair<MemberId, uint64_t>> CudaService::take_unregistered() { return {}; }
 void CudaService::release_ready(MemberId, uint64_t) {}
+void CudaService::release_done(MemberId, Slot &, uint64_t) {}
 void CudaService::client_gone(MemberId) {}
 nlohmann::json CudaService::status() const { return {}; }
 }  // namespace ringd

@@ -90,6 +90,9 @@ public:
     // The op ends without a stage-out (it failed) or after it: its done word is written from the
     // host and it lets go of its mapping. Only for ops with no stream work left.
     void finish(MemberId id, uint64_t seq);
+    // An op that ended before ringd queued anything for it (its stage-in refused): its done word,
+    // written once no earlier op of the client is in ringd.
+    void release_done(MemberId id, Slot &slot, uint64_t seq);
     // The trainer's stream never marked the op's buffer ready (timeouts.op): ringd writes the
     // ready word itself so that its stream moves on; the op's StagedIn still follows.
     void release_ready(MemberId id, uint64_t seq);
@@ -123,6 +126,7 @@ private:
     Status enqueue_event(CUstream_st *stream, MemberId id, uint64_t seq, CudaStageEvent::Kind kind);
     bool drained(CUstream_st *stream, std::chrono::milliseconds bound);
     void release_words(Client &c);
+    void write_done_words(Client &c);
     void check_unregistered();
     void cleanup(MemberId id);
     Error driver_error(const std::string &what, int cu_result) const;

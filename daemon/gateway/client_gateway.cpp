@@ -361,9 +361,11 @@ void ClientGateway::take_submissions(MemberId id) {
                 st.state = Staged::Failed;
                 st.error = in.error();
             }
-            if (st.state == Staged::Failed)  // nothing queued for it: a stream waiting for it may go on
-                c.slot()->header().cuda_done[d.seq % proto::kQueueDepth].store(static_cast<uint32_t>(d.seq),
-                                                                               std::memory_order_release);
+            if (st.state == Staged::Failed) {  // nothing queued for it: a stream waiting for it may go on
+                if (cuda_) cuda_->release_done(id, *c.slot(), d.seq);
+                else c.slot()->header().cuda_done[d.seq % proto::kQueueDepth].store(static_cast<uint32_t>(d.seq),
+                                                                                    std::memory_order_release);
+            }
             staging_[id].push_back(std::move(st));
             continue;
         }

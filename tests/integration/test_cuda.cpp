@@ -460,7 +460,9 @@ TEST_CASE("beyond cuda.max_mapped_bytes idle mappings close and open again", "[c
     TestCluster c(1, cuda_cluster("3s", "cuda: {provider: " + provider() + ", max_mapped_bytes: 4MiB}\n"));
     Clients cl = connect_all(c, "lru", 1, 4 << 20);
     std::vector<std::unique_ptr<DeviceBuf>> bufs;
+    ::setenv("RINGD_CUDA_PART_BYTES", "65536", 1);  // the failing op below goes as 13 parts
     for (int i = 0; i < 3; ++i) bufs.push_back(std::make_unique<DeviceBuf>(cl[0]->get(), 2 << 20, false));
+    ::unsetenv("RINGD_CUDA_PART_BYTES");
     json j = status_of(*c.d[0]);
     CHECK(j["evictions"].get<uint64_t>() >= 1);
     CHECK(j["mapped_bytes"].get<uint64_t>() <= (4u << 20));
@@ -489,10 +491,17 @@ TEST_CASE("beyond cuda.max_mapped_bytes idle mappings close and open again", "[c
         }
     }
     REQUIRE(api()->cuMemFree(gone.base) == CUDA_SUCCESS);
+    // Every part is refused at once, while the next parts are still being queued: the op's ticket
+    // still ends, with the reason, and a stream waiting for it goes on.
     uint64_t t = 0;
-    REQUIRE(ringd_submit_cuda(gone.c, gone.at(4096), 10, RINGD_F32, RINGD_SUM, nullptr, &t) == 0);
+    CUstream s = nullptr;
+    REQUIRE(api()->cuStreamCreate(&s, CU_STREAM_NON_BLOCKING) == CUDA_SUCCESS);
+    REQUIRE(ringd_submit_cuda(gone.c, gone.at(4096), 200000, RINGD_F32, RINGD_SUM, s, &t) == 0);
+    REQUIRE(ringd_stream_wait(gone.c, t, s) == 0);
     CHECK(ringd_wait(gone.c, t, 10000) < 0);
     CHECK_THAT(ringd_last_error(gone.c), Catch::Contains("IPC handle"));
+    CHECK(api()->cuStreamSynchronize(s) == CUDA_SUCCESS);
+    api()->cuStreamDestroy(s);
     REQUIRE(ringd_unregister_cuda(gone.c, gone.reg) == 0);
     gone.reg = 0;
     gone.base = 0;
