@@ -1,0 +1,133 @@
+// The human-readable view of ringd's status document (ringctl status). The document comes from a
+// daemon: the view checks what it reads (at() and get<>() throw on a missing key or a wrong type,
+// and the caller reports that; operator[] on a const document would be undefined for a missing
+// key) and never trusts a number's range.
+#include "client/ringctl/status_view.h"
+
+#include <cmath>
+#include <cstdio>
+#include <string>
+
+#include "common/units.h"
+
+namespace ringd {
+namespace {
+
+using nlohmann::json;
+
+std::string duration(double s) {
+    char b[64];
+    if (!std::isfinite(s) || s < 0 || s > 1e12) return "?";  // not a time ringd reports
+    const auto t = static_cast<long long>(s);
+    if (t >= 86400) std::snprintf(b, sizeof b, "%lldd %02lldh%02lldm", t / 86400, t % 86400 / 3600, t % 3600 / 60);
+    else if (t >= 3600) std::snprintf(b, sizeof b, "%lldh%02lldm%02llds", t / 3600, t % 3600 / 60, t % 60);
+    else if (t >= 60) std::snprintf(b, sizeof b, "%lldm%02llds", t / 60, t % 60);
+    else std::snprintf(b, sizeof b, "%.1fs", s);
+    return b;
+}
+
+}  // namespace
+
+void print_status(const nlohmann::json &j) {
+    std::printf("ringd %s on %s (cluster %s, pid %d), up %s\n", j.at("version").get<std::string>().c_str(),
+                j.at("host").get<std::string>().c_str(), j.at("cluster").get<std::string>().c_str(), j.at("pid").get<int>(),
+                duration(j.at("uptime_s").get<double>()).c_str());
+    const std::string detail = j.value("transport_detail", "");
+    std::printf("transport %s%s, poll %s, socket %s\n\n", j.at("transport").get<std::string>().c_str(),
+                detail.empty() ? "" : (" (" + detail + ")").c_str(), j.at("poll").get<std::string>().c_str(),
+                j.at("socket").get<std::string>().c_str());
+    // The whole ring, then each ring domain (the host set of groups over part of the ring).
+    auto print_ring = [](const std::string &title, const json &ring) {
+        std::printf("%s: %s, generation %llu, %zu host(s), peers authenticated: %s\n", title.c_str(),
+                    ring.value("state", "up").c_str(), ring.at("generation").get<unsigned long long>(), ring.at("members").size(),
+                    ring.value("auth", "?").c_str());
+        if (!ring.value("last_abort", "").empty()) std::printf("  last abort: %s\n", ring.at("last_abort").get<std::string>().c_str());
+        if (ring.at("members").size() > 1)
+            std::printf("  ops by algorithm: ring %llu, one-shot %llu, two-shot %llu\n", ring.value("ops_ring", 0ull),
+                        ring.value("ops_one_shot", 0ull), ring.value("ops_two_shot", 0ull));
+        std::printf("  %-16s %-22s %-12s %-34s %s\n", "HOST", "ADDRESS", "CONTROL", "DATA", "LAST ERROR");
+        for (const auto &m : ring.at("members")) {
+            const std::string addr = m.at("address").get<std::string>() + ":" + std::to_string(m.at("port").get<int>());
+            std::string data;
+            auto link = [&](const char *key, const char *arrow) {
+                if (!m.contains(key)) return;
+                char b[96];
+                std::snprintf(b, sizeof b, "%s%s %s %.1f MB/s", data.empty() ? "" : ", ", arrow,
+                              format_bytes(m.at(key).at("bytes").get<uint64_t>()).c_str(), m.at(key).at("rate_Bps").get<double>() / 1e6);
+                data += b;
+            };
+            link("data_out", "->");
+            link("data_in", "<-");
+            std::printf("  %-16s %-22s %-12s %-34s %s\n", m.at("name").get<std::string>().c_str(), addr.c_str(),
+                        m.at("link").get<std::string>().c_str(), data.empty() ? "-" : data.c_str(),
+                        m.value("last_error", "").c_str());
+        }
+    };
+    print_ring("ring", j.at("ring"));
+    const json domains = j.value("domains", json::array());
+    for (const auto &d : domains) {
+        std::string hosts;
+        for (const auto &h : d.value("hosts", json::array())) hosts += (hosts.empty() ? "" : ",") + h.get<std::string>();
+        std::printf("\n");
+        print_ring("ring domain " + hosts, d);
+    }
+    const auto others = j.value("groups_of_other_uids", 0ull);
+    std::printf("\ngroups: %zu%s\n", j.at("groups").size(),
+                others ? (" (and " + std::to_string(others) + " of other users, shown to root only)").c_str() : "");
+    if (!j.at("groups").empty())
+        std::printf("  %-16s %-6s %-6s %-14s %-7s %10s %8s %12s  %s\n", "GROUP", "OWNER", "LOCAL", "JOINED", "STATE",
+                    "COMPLETED", "FAILED", "REDUCED", "HOSTS");
+    for (const auto &g : j.at("groups")) {
+        std::string ranks;
+        for (const auto &r : g.at("joined_ranks")) ranks += (ranks.empty() ? "" : ",") + std::to_string(r.get<int>());
+        std::string hosts;
+        for (const auto &h : g.value("hosts", json::array())) hosts += (hosts.empty() ? "" : ",") + h.get<std::string>();
+        std::printf("  %-16s %-6s %-6d %-14s %-7s %10llu %8llu %12s  %s\n", g.at("name").get<std::string>().c_str(),
+                    g.contains("owner_uid") ? std::to_string(g.at("owner_uid").get<uint32_t>()).c_str() : "-",
+                    g.at("local_size").get<int>(), ranks.empty() ? "-" : ranks.c_str(), g.at("state").get<std::string>().c_str(),
+                    g.at("ops_completed").get<unsigned long long>(), g.at("ops_failed").get<unsigned long long>(),
+                    format_bytes(g.at("bytes_reduced").get<uint64_t>()).c_str(), hosts.empty() ? "-" : hosts.c_str());
+        if (!g.at("error").get<std::string>().empty()) std::printf("    error: %s\n", g.at("error").get<std::string>().c_str());
+    }
+    const auto &ops = j.at("ops");
+    const auto &mem = j.at("memory");
+    const auto &cl = j.at("clients");
+    std::printf("\nclients: %d connected, %d with a slot (max %d)\n", cl.at("connected").get<int>(), cl.at("joined").get<int>(),
+                cl.at("max_slots").get<int>());
+    std::printf("ops: %llu completed, %llu failed, %s reduced\n", ops.at("completed").get<unsigned long long>(),
+                ops.at("failed").get<unsigned long long>(), format_bytes(ops.at("bytes_reduced").get<uint64_t>()).c_str());
+    if (j.contains("op_states")) {
+        const auto &st = j.at("op_states");
+        std::printf("  across hosts now: %llu queued, %llu reported, %llu running, %llu releasing\n",
+                    st.at("queued").get<unsigned long long>(), st.at("reported").get<unsigned long long>(),
+                    st.at("running").get<unsigned long long>(), st.at("releasing").get<unsigned long long>());
+    }
+    std::printf("memory registered: %s in %llu region(s); %llu registration(s) since start\n",
+                format_bytes(mem.at("registered_bytes").get<uint64_t>()).c_str(),
+                mem.at("live_regions").get<unsigned long long>(), mem.at("registrations").get<unsigned long long>());
+    if (j.contains("cuda")) {
+        const auto &cu = j.at("cuda");
+        if (cu.value("available", false)) {
+            std::printf("cuda: %s provider, %zu GPU(s); %llu registration(s) of %llu client(s), %s mapped (cap %s); "
+                        "%llu open(s), %llu close(s), %llu eviction(s); %llu device op(s) in flight\n",
+                        cu.at("provider").get<std::string>().c_str(), cu.at("devices").size(),
+                        cu.at("registrations").get<unsigned long long>(), cu.at("clients").get<unsigned long long>(),
+                        format_bytes(cu.at("mapped_bytes").get<uint64_t>()).c_str(),
+                        format_bytes(cu.at("max_mapped_bytes").get<uint64_t>()).c_str(),
+                        cu.at("opens").get<unsigned long long>(), cu.at("closes").get<unsigned long long>(),
+                        cu.at("evictions").get<unsigned long long>(), cu.at("ops_in_flight").get<unsigned long long>());
+            for (const auto &d : cu.at("devices"))
+                std::printf("  GPU %d %s %s\n", d.at("ordinal").get<int>(), d.at("uuid").get<std::string>().c_str(),
+                            d.at("name").get<std::string>().c_str());
+        } else {
+            std::printf("cuda: %s\n", cu.value("error", std::string("none")).c_str());
+        }
+    }
+    const auto &errs = j.at("recent_errors");
+    std::printf("\nrecent errors: %s\n", errs.empty() ? "none" : "");
+    for (const auto &e : errs)
+        std::printf("  %8s ago  %s\n", duration(e.at("age_s").get<double>()).c_str(), e.at("message").get<std::string>().c_str());
+}
+
+
+}  // namespace ringd
