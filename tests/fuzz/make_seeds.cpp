@@ -83,6 +83,18 @@ int main(int argc, char **argv) {
     li.qpn[1] = 0x102;
     write(peer, "rdma", cat({encode_rdma_link_info(li), encode_rdma_link_ready()}));
 
+    // The handshake harness: a role byte (1: ringd listens, 0: ringd dials), then the peer's side.
+    const auto hs = root / "handshake";
+    Bytes as_dialer{1};
+    const Bytes from_dialer = cat({encode_peer_hello({"fuzz", "node1", "node0", ConnKind::Control, 0, 2, Nonce{}, ""}),
+                                   encode_peer_auth(Mac{})});
+    as_dialer.insert(as_dialer.end(), from_dialer.begin(), from_dialer.end());
+    write(hs, "dialer-side", as_dialer);
+    Bytes as_listener{0};
+    const Bytes from_listener = cat({encode_peer_challenge({}), encode_peer_accept(4)});
+    as_listener.insert(as_listener.end(), from_listener.begin(), from_listener.end());
+    write(hs, "listener-side", as_listener);
+
     const auto submit = root / "submit";
     auto desc = [](uint64_t seq, uint64_t count, uint32_t dtype, uint32_t op, uint32_t kind, uint64_t offset) {
         SubmitDesc d{};
