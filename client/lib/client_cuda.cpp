@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
@@ -658,7 +659,8 @@ int ringd_submit_cuda(ringd_client *c, void *dev_ptr, size_t count, ringd_dtype 
         // finds its op's ticket ready to take its result.
         const auto now = Clock::now();
         const auto deadline = now + std::chrono::milliseconds(c->welcome.op_timeout_ms) + c->wait_margin;
-        std::vector<proto::SubmitDesc> descs(parts, d);
+        std::array<proto::SubmitDesc, kMaxParts> descs;  // no allocation per op
+        descs.fill(d);
         for (uint64_t k = 0; k < parts; ++k) {
             const uint64_t seq = first + k;
             proto::SubmitDesc &p = descs[k];

@@ -181,6 +181,17 @@ json status_of(const Daemon &d) {
     return json::parse(*s)["cuda"];
 }
 
+// Until the daemon has `n` device ops in flight (their stage-in queued): what a test waits for
+// before it acts on an op that must be inside ringd.
+bool ops_in_flight(const Daemon &d, uint64_t n, std::chrono::milliseconds limit = 10s) {
+    const auto deadline = Clock::now() + limit;
+    while (Clock::now() < deadline) {
+        if (status_of(d)["ops_in_flight"].get<uint64_t>() >= n) return true;
+        std::this_thread::sleep_for(2ms);
+    }
+    return false;
+}
+
 // Until every daemon's CUDA mappings are closed (a client's stream drains before they go).
 bool all_closed(TestCluster &c, std::chrono::milliseconds limit = 10s) {
     const auto deadline = Clock::now() + limit;
@@ -419,19 +430,25 @@ TEST_CASE("device buffer errors go to their client only", "[cuda]") {
             upload(bufs, o);
             REQUIRE(ringd_submit_cuda(bufs[0]->c, bufs[0]->at(o.range[0].offset), o.count, RINGD_F32, RINGD_SUM,
                                       nullptr, &o.tickets[0]) == 0);
-            std::this_thread::sleep_for(50ms);  // staged and waiting for rank 1
+            REQUIRE(ops_in_flight(*c.d[0], 1));  // in ringd, waiting for rank 1
             std::atomic<int> unregistered{1};
             std::thread un([&] {
                 unregistered = vmm ? ringd_cuda_free(bufs[0]->c, bufs[0]->at(0))
                                    : ringd_unregister_cuda(bufs[0]->c, bufs[0]->reg);
             });
-            std::this_thread::sleep_for(100ms);
-            CHECK(unregistered == (vmm ? 0 : 1));  // legacy: not answered while the op holds the mapping
+            if (vmm) {
+                un.join();  // answered at once
+                CHECK(unregistered == 0);
+            } else {
+                // Not answered while the op holds the mapping: nothing to wait on but time.
+                std::this_thread::sleep_for(100ms);
+                CHECK(unregistered == 1);
+            }
             CHECK(status_of(*c.d[0])["mapped_bytes"].get<uint64_t>() > 0);
             REQUIRE(ringd_submit_cuda(bufs[1]->c, bufs[1]->at(o.range[1].offset), o.count, RINGD_F32, RINGD_SUM,
                                       nullptr, &o.tickets[1]) == 0);
             REQUIRE(ringd_wait(bufs[1]->c, o.tickets[1], 10000) == 0);
-            un.join();
+            if (un.joinable()) un.join();
             CHECK(unregistered == 0);
             REQUIRE(ringd_wait(bufs[0]->c, o.tickets[0], 10000) == 0);
             CHECK(status_of(*c.d[0])["closes"].get<uint64_t>() == closes + 1);  // closed once the op let go
@@ -572,7 +589,7 @@ TEST_CASE("exporters that exit or are killed mid-op leave nothing behind", "[cud
         Child victim = start_trainer({c.d[0]->socket(), std::string("kill") + kind, "1", "2", kind, "hang"});
         INFO(victim.line);
         REQUIRE(victim.line.rfind("ready", 0) == 0);
-        std::this_thread::sleep_for(100ms);
+        REQUIRE(ops_in_flight(*c.d[0], 1));  // its op is in ringd
         ::kill(victim.pid, SIGKILL);
         reap(victim);
         std::vector<uint64_t> tickets;
