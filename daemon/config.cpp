@@ -234,10 +234,18 @@ Config parse_root(const YAML::Node &root) {
             fail("tuning.depth", "chunk_bytes x depth (the ring's staging memory) must be at most 1GiB");
     }
     if (auto n = root["auth"]) {
-        check_keys(n, "auth", {"secret_file", "insecure"});
+        check_keys(n, "auth", {"secret_file", "insecure", "data"});
         if (n["secret_file"]) c.secret_file = scalar(n["secret_file"], "auth.secret_file");
         if (n["insecure"]) c.insecure = get_bool(n["insecure"], "auth.insecure");
+        if (n["data"]) {
+            c.data_mac = get_choice(n["data"], "auth.data", {"mac", "none"}) == "mac";
+            if (c.data_mac && c.transport != "tcp")
+                fail("auth.data", "mac is for TCP data streams; with transport: " + c.transport +
+                                      " the NIC writes data straight into registered memory (its QPs and keys travel on "
+                                      "authenticated connections): set auth.data: none");
+        }
     }
+    if (c.transport != "tcp") c.data_mac = false;
     // Secure by default: daemons of a ring accept each other only with a shared secret.
     if (c.hosts.size() > 1 && c.secret_file.empty() && !c.insecure)
         fail("auth.secret_file", "missing: the daemons of a ring of several hosts authenticate each other with a "

@@ -79,6 +79,10 @@ struct Config {
     } tuning;
     std::string secret_file;  // auth.secret_file; empty: no authentication
     bool insecure = false;    // auth.insecure: several hosts may run without a secret
+    // auth.data: mac (the default with transport: tcp) tags every data message too, as control
+    // frames always are with a secret; none leaves the data streams unauthenticated (ibverbs:
+    // the NIC writes data straight into registered memory, so only none).
+    bool data_mac = true;
     std::string log_level = "info";
 };
 

@@ -71,7 +71,7 @@ private:
     // (the local path). Never makes or lets go a domain.
     RingDomain *domain_of(const std::string &group);
     Status foreign_check(const proto::PeerHello &hello);
-    void adopt(UniqueFd fd, const proto::PeerHello &hello, const std::string &ip);
+    void adopt(UniqueFd fd, const proto::PeerHello &hello, const std::string &ip, const SessionKeys &keys);
     Result<std::vector<uint32_t>> domain_hosts(const std::string &key) const;
     Status watch_domain(const RingDomain &d, uint32_t index);
     void unwatch_domain(const RingDomain &d);

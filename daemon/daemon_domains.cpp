@@ -34,7 +34,9 @@ Status Daemon::setup_ring() {
     shared_.record_error = [this](const std::string &m) { record_error(m); };
     shared_.domain_of = [this](const std::string &group) -> const RingDomain * { return domain_of(group); };
     shared_.foreign_check = [this](const proto::PeerHello &h) { return foreign_check(h); };
-    shared_.adopt = [this](UniqueFd fd, const proto::PeerHello &h, const std::string &ip) { adopt(std::move(fd), h, ip); };
+    shared_.adopt = [this](UniqueFd fd, const proto::PeerHello &h, const std::string &ip, const SessionKeys &keys) {
+        adopt(std::move(fd), h, ip, keys);
+    };
     std::vector<uint32_t> all(config_.hosts.size());
     for (uint32_t i = 0; i < all.size(); ++i) all[i] = i;
     auto d = domain_for(all);
@@ -167,14 +169,14 @@ Status Daemon::foreign_check(const proto::PeerHello &hello) {
     return Ok{};
 }
 
-void Daemon::adopt(UniqueFd fd, const proto::PeerHello &hello, const std::string &ip) {
+void Daemon::adopt(UniqueFd fd, const proto::PeerHello &hello, const std::string &ip, const SessionKeys &keys) {
     auto hosts = domain_hosts(hello.domain);
     RingDomain *d = hosts ? find_domain(*hosts) : nullptr;
     if (!d) {  // let go between its handshake and now
         spdlog::debug("a connection from {} for ring domain {}: no such domain here now", hello.from, hello.domain);
         return;
     }
-    d->control().adopt(std::move(fd), hello, ip);
+    d->control().adopt(std::move(fd), hello, ip, keys);
 }
 
 }  // namespace ringd

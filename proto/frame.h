@@ -20,7 +20,7 @@ using Bytes = std::vector<uint8_t>;
 
 inline constexpr uint32_t kFrameMagic = 0x44474E52;  // bytes 'R' 'N' 'G' 'D'
 inline constexpr uint16_t kProtocolVersion = 1;      // frames between trainers/ringctl and ringd
-inline constexpr uint16_t kPeerProtocolVersion = 4;  // frames between daemons (PeerHello and above)
+inline constexpr uint16_t kPeerProtocolVersion = 5;  // frames between daemons (PeerHello and above)
 inline constexpr size_t kFrameHeaderBytes = 16;
 
 // Largest payload the daemon accepts from a client (hello, status request, error).

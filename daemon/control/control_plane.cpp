@@ -248,7 +248,7 @@ Status ControlPlane::check_hello(const proto::PeerHello &h, const std::string &i
     return make_error(-EACCES, "host '" + h.from + "' is not in " + (domain_.empty() ? "this ring's config" : "ring domain " + domain_));
 }
 
-void ControlPlane::adopt(UniqueFd fd, const proto::PeerHello &h, const std::string &ip) {
+void ControlPlane::adopt(UniqueFd fd, const proto::PeerHello &h, const std::string &ip, const SessionKeys &keys) {
     if (auto ok = check_hello(h, ip); !ok) {
         spdlog::warn("ring domain {}: refused a connection from {}: {}", domain_, ip, ok.error().message);
         return;
@@ -258,6 +258,7 @@ void ControlPlane::adopt(UniqueFd fd, const proto::PeerHello &h, const std::stri
     c->state = ConnState::Handshaking;
     c->remote = ip;
     c->fd = std::move(fd);
+    c->keys = keys;
     Conn &ref = *c;
     conns_.emplace(c->id, std::move(c));
     promote_up(ref, h, h.generation);
@@ -312,8 +313,13 @@ void ControlPlane::on_conn(uint64_t id, uint32_t events) {
     if (c.state == ConnState::Handshaking) {
         const auto st = c.hs->advance();
         if (st == PeerHandshake::State::Failed) return conn_failed(id, c.hs->error().message);
-        if (st == PeerHandshake::State::Up) promote(c);
-        return;
+        if (st != PeerHandshake::State::Up) return;
+        promote(c);
+        // A dialer's reader may already hold what its peer sent right after the accept.
+        it = conns_.find(id);
+        if (it == conns_.end() || c.state != ConnState::Up || c.kind != proto::ConnKind::Control || c.reader.idle())
+            return;
+        events = EPOLLIN;
     }
     if (c.kind == proto::ConnKind::Data) {
         // What arrives on an up data connection is the transport's (ibverbs starts its link
@@ -327,9 +333,15 @@ void ControlPlane::on_conn(uint64_t id, uint32_t events) {
     // An up control connection: heartbeats and engine messages (small ops' data included).
     if ((events & EPOLLOUT) && !flush(c)) return;
     for (;;) {
-        auto f = c.reader.read(c.fd.get(), kMaxControlPayload);
+        auto f = c.reader.read(c.fd.get(), kMaxControlPayload + (c.mac.enabled() ? kTagBytes : 0));
         if (!f) return peer_failed(c.peer, f.error().code == -ECONNRESET ? "connection closed" : f.error().message);
         if (!*f) return;
+        if (c.mac.enabled())
+            if (auto ok = open_frame(c.mac.recv, **f); !ok) {
+                spdlog::warn("{}control connection from {} ({}): {}; closing it", label(), peers_[c.peer].host.name,
+                             c.remote, ok.error().message);
+                return peer_failed(c.peer, "control frame from " + peers_[c.peer].host.name + ": " + ok.error().message);
+            }
         peers_[c.peer].last_heard = Clock::now();
         if ((*f)->type == proto::FrameType::Heartbeat)
             if (auto h = proto::decode_heartbeat((*f)->payload); !h) return peer_failed(c.peer, h.error().message);
@@ -365,6 +377,8 @@ void ControlPlane::on_conn(uint64_t id, uint32_t events) {
 void ControlPlane::promote(Conn &c) {
     const proto::PeerHello h = c.hs->hello();
     const uint64_t peer_generation = c.dialer ? c.hs->peer_generation() : h.generation;
+    c.keys = c.hs->keys();
+    FrameReader reader = c.hs->take_reader();
     c.fd = c.hs->take_fd();
     c.hs.reset();
     if (!c.dialer && h.domain != domain_) {
@@ -375,9 +389,17 @@ void ControlPlane::promote(Conn &c) {
         e.fd = std::move(c.fd);
         e.hello = h;
         e.why = c.remote;
+        e.keys = c.keys;
         conns_.erase(c.id);
         events_.push_back(std::move(e));
         return;
+    }
+    if (c.kind == proto::ConnKind::Control || !c.dialer) {
+        c.reader = std::move(reader);
+    } else if (!reader.idle()) {
+        // A data connection stays silent until the ring that uses it is up (which needs this
+        // end ready first): bytes already here are not a ringd peer's.
+        return conn_failed(c.id, "data connection to " + peers_[c.peer].host.name + ": bytes after the handshake");
     }
     promote_up(c, h, peer_generation);
 }
@@ -395,6 +417,7 @@ void ControlPlane::promote_up(Conn &c, const proto::PeerHello &h, uint64_t peer_
     peer_generation_max_ = std::max(peer_generation_max_, peer_generation);
     if (!c.dialer) (void)watch(c.fd.get(), c.id, EPOLLIN);
     c.state = ConnState::Up;
+    if (c.kind == proto::ConnKind::Control) c.mac = SessionMac(c.keys);
     const uint64_t id = c.id;
     const uint32_t peer = c.peer;
     Peer &p = peers_[peer];
@@ -499,16 +522,18 @@ void ControlPlane::on_ring_start(uint64_t g) {
         links_ready_ = false;
         return;
     }
-    std::vector<UniqueFd> out, in;
+    DataSockets out, in;
     for (uint64_t &id : data_out_) {
         ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, conns_.at(id)->fd.get(), nullptr);
-        out.push_back(std::move(conns_.at(id)->fd));
+        out.fds.push_back(std::move(conns_.at(id)->fd));
+        out.keys.push_back(conns_.at(id)->keys);
         conns_.erase(id);
         id = 0;
     }
     for (uint64_t &id : data_in_) {
         ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, conns_.at(id)->fd.get(), nullptr);
-        in.push_back(std::move(conns_.at(id)->fd));
+        in.fds.push_back(std::move(conns_.at(id)->fd));
+        in.keys.push_back(conns_.at(id)->keys);
         conns_.erase(id);
         id = 0;
     }
@@ -636,7 +661,7 @@ bool ControlPlane::dispatch() {
             if (cb_.message) cb_.message(e.host, e.frame);
             break;
         case Event::Kind::Adopt:
-            if (cb_.adopt) cb_.adopt(std::move(e.fd), e.hello, e.why);
+            if (cb_.adopt) cb_.adopt(std::move(e.fd), e.hello, e.why, e.keys);
             break;
         }
     }
@@ -692,6 +717,12 @@ Status ControlPlane::send(uint32_t host_index, const proto::Bytes &frame) {
     Peer &p = peers_.at(host_index);
     if (!p.control) return make_error(-ENOTCONN, "no control connection to " + p.host.name);
     Conn &c = *conns_.at(p.control);
+    if (c.mac.enabled()) return send_bytes(host_index, c, seal_frame(c.mac.send, frame));
+    return send_bytes(host_index, c, frame);
+}
+
+Status ControlPlane::send_bytes(uint32_t host_index, Conn &c, const proto::Bytes &frame) {
+    Peer &p = peers_.at(host_index);
     size_t off = 0;
     if (c.outq.empty()) {
         const ssize_t n = ::send(c.fd.get(), frame.data(), frame.size(), MSG_NOSIGNAL | MSG_DONTWAIT);

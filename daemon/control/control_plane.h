@@ -35,6 +35,12 @@
 
 namespace ringd {
 
+// A ring link's data connections, authenticated, with the keys of each (tagging their frames).
+struct DataSockets {
+    std::vector<UniqueFd> fds;
+    std::vector<SessionKeys> keys;  // one per fd
+};
+
 class ControlPlane {
 public:
     // The callbacks run only from dispatch(), which the owner calls between its own steps, in
@@ -42,8 +48,9 @@ public:
     // data_link_failed(): a send that fails takes the ring down at once (ring_up() is false from
     // then on), but the owner hears of it only when it dispatches.
     struct Callbacks {
-        // The ring is up as `generation`: sockets to the next host, and from the previous one.
-        std::function<void(uint64_t generation, std::vector<UniqueFd> to_next, std::vector<UniqueFd> from_prev)> ring_up;
+        // The ring is up as `generation`: sockets to the next host, and from the previous one,
+        // with each one's frame keys (daemon/transport/frame_mac.h).
+        std::function<void(uint64_t generation, DataSockets to_next, DataSockets from_prev)> ring_up;
         // The ring generation is over; `why` names the host.
         std::function<void(const std::string &why)> ring_down;
         // A control frame from peer `host_index` (heartbeats included: they carry the sender's
@@ -54,7 +61,7 @@ public:
         // may go on (the domain exists here or may be made: this host is among its hosts), and
         // the connection once its handshake is up, for that domain's plane (adopt()).
         std::function<Status(const proto::PeerHello &hello)> foreign_check;
-        std::function<void(UniqueFd fd, const proto::PeerHello &hello, const std::string &ip)> adopt;
+        std::function<void(UniqueFd fd, const proto::PeerHello &hello, const std::string &ip, const SessionKeys &keys)> adopt;
     };
 
     struct PeerStatus {
@@ -74,7 +81,7 @@ public:
                                                         Callbacks callbacks, std::string domain = {}, bool listen = true);
     // A connection for this domain that the listening plane accepted and authenticated; refused
     // (closed, logged) unless it is one this plane wants.
-    void adopt(UniqueFd fd, const proto::PeerHello &hello, const std::string &ip);
+    void adopt(UniqueFd fd, const proto::PeerHello &hello, const std::string &ip, const SessionKeys &keys);
     const std::string &domain() const { return domain_; }
     // Ring domains on this host: the cap on handshakes per source address scales with them.
     void set_domains(size_t n) { domains_ = std::max<size_t>(1, n); }
@@ -124,6 +131,8 @@ private:
         UniqueFd fd;                         // Connecting, Up
         std::optional<PeerHandshake> hs;     // Handshaking (owns the socket)
         FrameReader reader;                  // Up control connections
+        SessionKeys keys;                    // from the handshake (Up)
+        SessionMac mac;                      // Up control connections: every frame tagged
         std::deque<proto::Bytes> outq;       // frames the socket did not take yet (Up control)
         size_t out_off = 0;                  // of outq.front()
         uint64_t out_bytes = 0;
@@ -153,6 +162,7 @@ private:
     // Writes the control connections' queues until they are empty or `deadline` passes, waiting
     // on the sockets (the control thread blocks meanwhile: for an abort only).
     void flush_all(Clock::time_point deadline);
+    Status send_bytes(uint32_t host_index, Conn &c, const proto::Bytes &frame);  // as on the wire
     void conn_failed(uint64_t id, const std::string &why);
     void peer_failed(uint32_t peer, const std::string &why);
     void abort_ring(const std::string &why, bool tell_peers = true);
@@ -180,12 +190,13 @@ private:
     struct Event {
         enum class Kind { RingUp, RingDown, Message, Adopt } kind = Kind::Message;
         uint64_t generation = 0;
-        std::vector<UniqueFd> to_next, from_prev;
+        DataSockets to_next, from_prev;
         std::string why;
         uint32_t host = 0;
         Frame frame;
         UniqueFd fd;  // Adopt
         proto::PeerHello hello;
+        SessionKeys keys;  // Adopt
     };
     std::deque<Event> events_;
     bool dispatching_ = false;

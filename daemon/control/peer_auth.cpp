@@ -50,6 +50,18 @@ bool PeerSecret::verify(const proto::Mac &got, std::string_view role, std::span<
     return CRYPTO_memcmp(want.data(), got.data(), want.size()) == 0;
 }
 
+SessionKeys PeerSecret::session_keys(bool dialer, std::span<const uint8_t> hello_payload, const proto::Nonce &nonce_l) const {
+    SessionKeys k;
+    if (!enabled()) return k;
+    k.enabled = true;
+    const proto::Mac d2l = mac("ringd frames dialer to listener", hello_payload, nonce_l);
+    const proto::Mac l2d = mac("ringd frames listener to dialer", hello_payload, nonce_l);
+    static_assert(sizeof(proto::Mac) == sizeof(SessionKey));
+    std::memcpy(k.send.data(), (dialer ? d2l : l2d).data(), k.send.size());
+    std::memcpy(k.recv.data(), (dialer ? l2d : d2l).data(), k.recv.size());
+    return k;
+}
+
 proto::Nonce random_nonce() {
     proto::Nonce n{};
     if (RAND_bytes(n.data(), static_cast<int>(n.size())) != 1) {

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "daemon/transport/frame_mac.h"
 #include "proto/peer.h"
 
 namespace ringd {
@@ -28,6 +29,11 @@ public:
     // Constant-time check of a MAC received from the peer.
     bool verify(const proto::Mac &got, std::string_view role, std::span<const uint8_t> hello_payload,
                 const proto::Nonce &nonce_l) const;
+    // The keys of a connection whose handshake succeeded, as the dialer or the listener uses them
+    // (daemon/transport/frame_mac.h): HMAC(secret, direction label | hello payload | listener
+    // nonce) per direction, so both nonces and every hello field make them the connection's own.
+    // Disabled without a secret.
+    SessionKeys session_keys(bool dialer, std::span<const uint8_t> hello_payload, const proto::Nonce &nonce_l) const;
 
 private:
     std::string key_;

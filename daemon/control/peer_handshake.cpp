@@ -16,6 +16,7 @@ PeerHandshake PeerHandshake::dial(UniqueFd fd, const PeerIdentity &me, const std
     h.hello_ = proto::PeerHello{me.cluster, me.self, peer, kind, stream, me.generation, random_nonce(), me.domain};
     const proto::Bytes frame = proto::encode_peer_hello(h.hello_);
     h.hello_payload_.assign(frame.begin() + proto::kFrameHeaderBytes, frame.end());
+    h.dialer_ = true;
     h.state_ = State::WaitChallenge;
     if (auto s = send_all(h.fd_.get(), frame); !s) h.fail(s.error().code, "sending hello: " + s.error().message);
     return h;
@@ -106,6 +107,11 @@ PeerHandshake::State PeerHandshake::on_frame(const Frame &f) {
     case State::Failed: break;
     }
     return state_;
+}
+
+SessionKeys PeerHandshake::keys() const {
+    if (state_ != State::Up) return {};
+    return me_.secret->session_keys(dialer_, hello_payload_, nonce_l_);
 }
 
 const char *handshake_state_name(PeerHandshake::State s) {

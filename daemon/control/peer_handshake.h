@@ -46,6 +46,11 @@ public:
     const proto::PeerHello &hello() const { return hello_; }  // valid once Up (both roles)
     uint64_t peer_generation() const { return peer_generation_; }
     UniqueFd take_fd() { return std::move(fd_); }
+    // What the reader holds beyond the handshake (a listener may send right after its accept):
+    // the connection's reader takes it over.
+    FrameReader take_reader() { return std::move(reader_); }
+    // This end's keys for the frames after the handshake (disabled without a secret); once Up.
+    SessionKeys keys() const;
 
 private:
     PeerHandshake(UniqueFd fd, const PeerIdentity &me) : fd_(std::move(fd)), me_(me) {}
@@ -55,6 +60,7 @@ private:
     UniqueFd fd_;
     PeerIdentity me_;
     HelloCheck check_;
+    bool dialer_ = false;
     State state_ = State::Failed;
     Error error_;
     FrameReader reader_;

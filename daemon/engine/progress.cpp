@@ -153,8 +153,8 @@ void ProgressEngine::run() {
             // Both links at once: a transport that exchanges something (ibverbs) writes on both
             // before it reads, so the ring of hosts cannot wait on itself.
             std::vector<LinkSetup> setups;
-            setups.push_back({l.next_name, std::move(l.to_next)});
-            setups.push_back({l.prev_name, std::move(l.from_prev)});
+            setups.emplace_back(l.next_name, std::move(l.to_next), std::move(l.to_next_keys));
+            setups.emplace_back(l.prev_name, std::move(l.from_prev), std::move(l.from_prev_keys));
             auto links = transport_->add_links(std::move(setups), Clock::now() + kLinkSetupTimeout);
             if (!links) {
                 link_failure_reported_ = true;

@@ -62,6 +62,7 @@ struct RingLinks {
     uint32_t rank = 0, size = 1;
     std::string next_name, prev_name;
     std::vector<UniqueFd> to_next, from_prev;
+    std::vector<SessionKeys> to_next_keys, from_prev_keys;  // one per connection
 };
 
 class ProgressEngine {

@@ -77,7 +77,7 @@ Status RingDomain::setup() {
     }
 
     ControlPlane::Callbacks cb;
-    cb.ring_up = [this](uint64_t g, std::vector<UniqueFd> to_next, std::vector<UniqueFd> from_prev) {
+    cb.ring_up = [this](uint64_t g, DataSockets to_next, DataSockets from_prev) {
         on_ring_up(g, std::move(to_next), std::move(from_prev));
     };
     cb.ring_down = [this](const std::string &why) { on_ring_down(why); };
@@ -99,11 +99,11 @@ Status RingDomain::setup() {
     return Ok{};
 }
 
-void RingDomain::on_ring_up(uint64_t generation, std::vector<UniqueFd> to_next, std::vector<UniqueFd> from_prev) {
+void RingDomain::on_ring_up(uint64_t generation, DataSockets to_next, DataSockets from_prev) {
     local_generation_ = generation;
     const uint32_t n = static_cast<uint32_t>(config_.hosts.size());
     // The data connections lane by lane (ControlPlane: streams x lanes, in stream order).
-    const size_t per = to_next.size() / lanes_.size();
+    const size_t per = to_next.fds.size() / lanes_.size();
     for (size_t k = 0; k < lanes_.size(); ++k) {
         RingLinks l;
         l.generation = generation;
@@ -111,8 +111,14 @@ void RingDomain::on_ring_up(uint64_t generation, std::vector<UniqueFd> to_next, 
         l.size = n;
         l.next_name = config_.hosts[(self_index_ + 1) % n].name;
         l.prev_name = config_.hosts[(self_index_ + n - 1) % n].name;
-        for (size_t i = k * per; i < (k + 1) * per && i < to_next.size(); ++i) l.to_next.push_back(std::move(to_next[i]));
-        for (size_t i = k * per; i < (k + 1) * per && i < from_prev.size(); ++i) l.from_prev.push_back(std::move(from_prev[i]));
+        for (size_t i = k * per; i < (k + 1) * per && i < to_next.fds.size(); ++i) {
+            l.to_next.push_back(std::move(to_next.fds[i]));
+            l.to_next_keys.push_back(to_next.keys.at(i));
+        }
+        for (size_t i = k * per; i < (k + 1) * per && i < from_prev.fds.size(); ++i) {
+            l.from_prev.push_back(std::move(from_prev.fds[i]));
+            l.from_prev_keys.push_back(from_prev.keys.at(i));
+        }
         lanes_[k]->engine->ring_up(std::move(l));
     }
     // The generation is agreed: every host reports ops in it from now on.

@@ -70,7 +70,7 @@ public:
         std::function<const RingDomain *(const std::string &group)> domain_of;
         // The whole ring's plane hands other domains' connections over (ControlPlane::Callbacks).
         std::function<Status(const proto::PeerHello &)> foreign_check;
-        std::function<void(UniqueFd, const proto::PeerHello &, const std::string &)> adopt;
+        std::function<void(UniqueFd, const proto::PeerHello &, const std::string &, const SessionKeys &)> adopt;
     };
 
     // `members`: config indices in ring order, this host among them (every host: the whole ring).
@@ -112,7 +112,7 @@ public:
 private:
     RingDomain(Shared &shared) : sh_(shared), ops_(*shared.groups, *shared.done) {}
     Status setup();
-    void on_ring_up(uint64_t generation, std::vector<UniqueFd> to_next, std::vector<UniqueFd> from_prev);
+    void on_ring_up(uint64_t generation, DataSockets to_next, DataSockets from_prev);
     void on_ring_down(const std::string &why);
     void on_peer_message(uint32_t host, Frame &frame);
     void on_op_data(uint32_t host, Frame &frame);

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "common/unique_fd.h"
+#include "daemon/transport/frame_mac.h"
 #include "proto/result.h"
 
 namespace ringd {
@@ -113,8 +114,14 @@ private:
 };
 
 struct LinkSetup {
+    LinkSetup() = default;
+    LinkSetup(std::string p, std::vector<UniqueFd> s, std::vector<SessionKeys> k = {})
+        : peer(std::move(p)), streams(std::move(s)), keys(std::move(k)) {}
     std::string peer;               // host name, for errors and logs
     std::vector<UniqueFd> streams;  // connected, authenticated data connections to it
+    // Each connection's frame keys from its handshake (daemon/transport/frame_mac.h); empty or
+    // disabled: nothing is tagged (no auth.secret_file).
+    std::vector<SessionKeys> keys;
 };
 
 // A transport between hosts (tcp, ibverbs): links are made from data connections that the

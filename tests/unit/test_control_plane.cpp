@@ -40,6 +40,7 @@ struct Host {
     uint64_t ups = 0, downs = 0, generation = 0;
     std::string last_down;
     std::vector<UniqueFd> to_next, from_prev;
+    std::vector<SessionKeys> to_next_keys, from_prev_keys;
     bool frozen = false;  // a hung host: nobody drives it
     std::vector<std::string> events;  // "frame <type>: <payload bytes>" and "down: <why>", in order
     std::vector<proto::Bytes> frames;  // the payloads of the frames of type OpData it received
@@ -58,11 +59,13 @@ struct Cluster {
         Host &h = hosts[i];
         h.cp.reset();  // a restart: the old instance's port is free again
         ControlPlane::Callbacks cb;
-        cb.ring_up = [&h](uint64_t g, std::vector<UniqueFd> out, std::vector<UniqueFd> in) {
+        cb.ring_up = [&h](uint64_t g, DataSockets out, DataSockets in) {
             ++h.ups;
             h.generation = g;
-            h.to_next = std::move(out);
-            h.from_prev = std::move(in);
+            h.to_next = std::move(out.fds);
+            h.from_prev = std::move(in.fds);
+            h.to_next_keys = std::move(out.keys);
+            h.from_prev_keys = std::move(in.keys);
         };
         cb.ring_down = [&h](const std::string &why) {
             ++h.downs;

@@ -138,3 +138,115 @@ TEST_CASE("secret files are checked", "[handshake]") {
     CHECK_FALSE(PeerSecret::load(std::string(dir) + "/missing").ok());
     std::filesystem::remove_all(dir);
 }
+
+// ---- Frames after the handshake (daemon/transport/frame_mac.h) ----
+
+namespace {
+
+std::string hex(std::span<const uint8_t> b) {
+    std::string s;
+    char buf[3];
+    for (uint8_t x : b) {
+        std::snprintf(buf, sizeof buf, "%02x", x);
+        s += buf;
+    }
+    return s;
+}
+
+// Both ends of a handshake that came up with `secret`.
+std::pair<SessionKeys, SessionKeys> session(const PeerSecret &secret) {
+    auto [c, s] = test::tcp_pair(true);
+    PeerIdentity a{"demo", "node0", 1, &secret, {}}, b{"demo", "node1", 1, &secret, {}};
+    auto d = PeerHandshake::dial(std::move(c), a, "node1", proto::ConnKind::Control, 0);
+    auto l = PeerHandshake::listen(std::move(s), b, accept_node0);
+    drive(d, l);
+    REQUIRE(d.state() == State::Up);
+    REQUIRE(l.state() == State::Up);
+    return {d.keys(), l.keys()};
+}
+
+}  // namespace
+
+TEST_CASE("frame MACs are standard GMAC with the frame number as IV", "[handshake][mac]") {
+    // AES-256-GCM, zero key, zero IV, no data: the published test vector (McGrew & Viega, test
+    // case 13). Frame 0 of a direction has the zero IV.
+    FrameMac zero(SessionKey{});
+    CHECK(hex(zero.seal({})) == "530f8afbc74536b9a963b4f1c4cb738b");
+    CHECK(zero.frames() == 1);
+    // Frame 1 has another IV: the same bytes get another tag.
+    CHECK(hex(zero.seal({})) != "530f8afbc74536b9a963b4f1c4cb738b");
+}
+
+TEST_CASE("a handshake gives each connection and direction keys of its own", "[handshake][mac]") {
+    const PeerSecret secret = PeerSecret::from_bytes("0123456789abcdef0123456789abcdef");
+    auto [d1, l1] = session(secret);
+    REQUIRE(d1.enabled);
+    REQUIRE(l1.enabled);
+    CHECK(d1.send == l1.recv);
+    CHECK(d1.recv == l1.send);
+    CHECK(d1.send != d1.recv);
+    auto [d2, l2] = session(secret);  // same hosts, same secret: fresh nonces, fresh keys
+    CHECK(d2.send != d1.send);
+    CHECK(d2.recv != d1.recv);
+    auto [dn, ln] = session(PeerSecret());
+    CHECK_FALSE(dn.enabled);
+    CHECK_FALSE(ln.enabled);
+}
+
+TEST_CASE("sealed control frames: forged, replayed, reordered or cross-connection frames fail", "[handshake][mac]") {
+    const PeerSecret secret = PeerSecret::from_bytes("0123456789abcdef0123456789abcdef");
+    auto [dk, lk] = session(secret);
+    SessionMac d(dk), l(lk);
+    const proto::Bytes hb1 = proto::encode_heartbeat({7, 1}), hb2 = proto::encode_heartbeat({7, 2});
+    auto as_frame = [](const proto::Bytes &wire) {
+        auto h = proto::decode_frame_header(std::span(wire).first(proto::kFrameHeaderBytes), 1 << 20);
+        REQUIRE(h.ok());
+        REQUIRE(h->length + proto::kFrameHeaderBytes == wire.size());
+        return Frame{h->type, proto::Bytes(wire.begin() + proto::kFrameHeaderBytes, wire.end()), {}};
+    };
+    const proto::Bytes w1 = seal_frame(d.send, hb1), w2 = seal_frame(d.send, hb2);
+    CHECK(w1.size() == hb1.size() + kTagBytes);
+
+    SECTION("in order: accepted, payload as sent") {
+        Frame f1 = as_frame(w1), f2 = as_frame(w2);
+        REQUIRE(open_frame(l.recv, f1).ok());
+        REQUIRE(open_frame(l.recv, f2).ok());
+        CHECK(f1.payload == proto::Bytes(hb1.begin() + proto::kFrameHeaderBytes, hb1.end()));
+        CHECK(proto::decode_heartbeat(f2.payload)->seq == 2);
+    }
+    SECTION("replayed") {
+        Frame f1 = as_frame(w1), again = as_frame(w1);
+        REQUIRE(open_frame(l.recv, f1).ok());
+        auto r = open_frame(l.recv, again);
+        REQUIRE_FALSE(r.ok());
+        CHECK_THAT(r.error().message, Catch::Contains("fails its MAC check"));
+    }
+    SECTION("reordered or one dropped") {
+        Frame f2 = as_frame(w2);
+        CHECK_FALSE(open_frame(l.recv, f2).ok());
+    }
+    SECTION("one bit flipped anywhere, header included") {
+        for (size_t i = 0; i < w1.size(); i += 3) {
+            SessionMac fresh(lk);
+            proto::Bytes bad = w1;
+            bad[i] ^= 0x10;
+            auto h = proto::decode_frame_header(std::span(bad).first(proto::kFrameHeaderBytes), 1 << 20);
+            if (!h || h->length + proto::kFrameHeaderBytes != bad.size()) continue;  // the reader refuses it already
+            Frame f = as_frame(bad);
+            INFO("byte " << i);
+            CHECK_FALSE(open_frame(fresh.recv, f).ok());
+        }
+    }
+    SECTION("the other direction's, or another connection's") {
+        Frame back = as_frame(seal_frame(l.send, hb1));  // listener -> dialer, checked as dialer -> listener
+        CHECK_FALSE(open_frame(l.recv, back).ok());
+        auto [dk2, lk2] = session(secret);
+        SessionMac other(lk2);
+        Frame f1 = as_frame(w1);
+        CHECK_FALSE(open_frame(other.recv, f1).ok());
+    }
+    SECTION("a frame without a tag") {
+        Frame bare = as_frame(hb1);
+        CHECK_FALSE(open_frame(l.recv, bare).ok());
+    }
+}

@@ -141,49 +141,60 @@ void IbverbsTransport::do_deregister(RegionHandle h) { regions_.erase(h.id); }
 Result<std::vector<Link *>> IbverbsTransport::add_links(std::vector<LinkSetup> setups,
                                                        std::chrono::steady_clock::time_point deadline) {
     std::vector<std::unique_ptr<IbverbsLink>> fresh;
+    // The bring-up frames are tagged like control frames when the connection has keys (a
+    // secret): the peer's QPs and FIFO key come from the host that proved it.
+    std::vector<SessionMac> macs;
+    auto seal = [&](size_t i, proto::Bytes frame) {
+        return macs[i].enabled() ? seal_frame(macs[i].send, frame) : frame;
+    };
+    // A frame of `type` with at most `max_payload` bytes, checked against its tag.
+    auto receive = [&](size_t i, proto::FrameType type, uint32_t max_payload, const char *what) -> Result<Frame> {
+        IbverbsLink &l = *fresh[i];
+        std::vector<UniqueFd> no_fds;
+        uint8_t hdr[proto::kFrameHeaderBytes];
+        auto where = [&](const Error &e) { return make_error(e.code, "link to " + l.peer() + ": " + what + ": " + e.message); };
+        if (auto st = recv_exact(l.conn_.get(), hdr, sizeof hdr, deadline, no_fds); !st) return where(st.error());
+        const uint32_t tag_bytes = macs[i].enabled() ? kTagBytes : 0;
+        auto h = proto::decode_frame_header(hdr, max_payload + tag_bytes);
+        if (!h) return where(h.error());
+        if (h->type != type)
+            return make_error(-EPROTO, "link to " + l.peer() + ": " + what + ": got frame type " +
+                                           std::to_string(static_cast<int>(h->type)) +
+                                           " (is the peer configured with transport: ibverbs?)");
+        Frame f{h->type, proto::Bytes(h->length), {}};
+        if (auto st = recv_exact(l.conn_.get(), f.payload.data(), f.payload.size(), deadline, no_fds); !st)
+            return where(st.error());
+        if (macs[i].enabled())
+            if (auto ok = open_frame(macs[i].recv, f); !ok) return where(ok.error());
+        return f;
+    };
     // 1. Every link: QPs to INIT with receives posted, and our half of the exchange sent.
     for (auto &s : setups) {
         if (s.streams.empty()) return make_error(-EINVAL, "link to " + s.peer + ": no connection");
+        macs.emplace_back(s.keys.empty() ? SessionKeys{} : s.keys.front());
         std::unique_ptr<IbverbsLink> l(new IbverbsLink(*this, s.peer, std::move(s.streams.front())));
         if (auto st = l->create_qps(); !st) return make_error(st.error().code, "link to " + s.peer + ": " + st.error().message);
-        const auto frame = proto::encode_rdma_link_info(l->local_info());
+        const auto frame = seal(macs.size() - 1, proto::encode_rdma_link_info(l->local_info()));
         if (auto st = send_all(l->conn_.get(), frame); !st)
             return make_error(st.error().code, "link to " + s.peer + ": sending the QP info: " + st.error().message);
         fresh.push_back(std::move(l));
     }
     // 2. Every link: the peer's info, QPs to RTR and RTS, then "ready".
-    for (auto &l : fresh) {
-        std::vector<UniqueFd> no_fds;
-        uint8_t hdr[proto::kFrameHeaderBytes];
+    for (size_t i = 0; i < fresh.size(); ++i) {
+        IbverbsLink &l = *fresh[i];
         auto where = [&](const std::string &what, const Error &e) {
-            return make_error(e.code, "link to " + l->peer() + ": " + what + ": " + e.message);
+            return make_error(e.code, "link to " + l.peer() + ": " + what + ": " + e.message);
         };
-        if (auto st = recv_exact(l->conn_.get(), hdr, sizeof hdr, deadline, no_fds); !st)
-            return where("waiting for the peer's QP info", st.error());
-        auto h = proto::decode_frame_header(hdr, proto::kRdmaLinkInfoBytes);
-        if (!h) return where("QP info", h.error());
-        if (h->type != proto::FrameType::RdmaLinkInfo)
-            return make_error(-EPROTO, "link to " + l->peer() + ": expected the peer's QP info, got frame type " +
-                                           std::to_string(static_cast<int>(h->type)) +
-                                           " (is the peer configured with transport: ibverbs?)");
-        std::vector<uint8_t> payload(h->length);
-        if (auto st = recv_exact(l->conn_.get(), payload.data(), payload.size(), deadline, no_fds); !st)
-            return where("QP info", st.error());
-        auto info = proto::decode_rdma_link_info(payload);
+        auto f = receive(i, proto::FrameType::RdmaLinkInfo, proto::kRdmaLinkInfoBytes, "waiting for the peer's QP info");
+        if (!f) return f.error();
+        auto info = proto::decode_rdma_link_info(f->payload);
         if (!info) return where("QP info", info.error());
-        if (auto st = l->connect(*info); !st) return where("bringing the QPs up", st.error());
-        if (auto st = send_all(l->conn_.get(), proto::encode_rdma_link_ready()); !st) return where("sending ready", st.error());
+        if (auto st = l.connect(*info); !st) return where("bringing the QPs up", st.error());
+        if (auto st = send_all(l.conn_.get(), seal(i, proto::encode_rdma_link_ready())); !st) return where("sending ready", st.error());
     }
     // 3. Every peer ready: nothing is written to a QP before its peer can take it.
-    for (auto &l : fresh) {
-        std::vector<UniqueFd> no_fds;
-        uint8_t hdr[proto::kFrameHeaderBytes];
-        if (auto st = recv_exact(l->conn_.get(), hdr, sizeof hdr, deadline, no_fds); !st)
-            return make_error(st.error().code, "link to " + l->peer() + ": waiting for the peer's QPs: " + st.error().message);
-        auto h = proto::decode_frame_header(hdr, 0);
-        if (!h || h->type != proto::FrameType::RdmaLinkReady)
-            return make_error(-EPROTO, "link to " + l->peer() + ": expected ready from the peer");
-    }
+    for (size_t i = 0; i < fresh.size(); ++i)
+        if (auto f = receive(i, proto::FrameType::RdmaLinkReady, 0, "waiting for the peer's QPs"); !f) return f.error();
     std::vector<Link *> out;
     for (auto &l : fresh) {
         const int fd = l->conn_.get();

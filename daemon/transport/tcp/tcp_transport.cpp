@@ -32,13 +32,14 @@ std::string read_sysctl(const char *path) {
 
 }  // namespace
 
-TcpTransport::TcpTransport(std::string congestion)
-    : epoll_(::epoll_create1(EPOLL_CLOEXEC)), congestion_(std::move(congestion)) {}
+TcpTransport::TcpTransport(std::string congestion, bool data_mac)
+    : epoll_(::epoll_create1(EPOLL_CLOEXEC)), congestion_(std::move(congestion)), data_mac_(data_mac) {}
 
 std::string TcpTransport::detail() const {
-    if (!congestion_.empty()) return "congestion control " + congestion_;
+    const std::string mac = data_mac_ ? ", data MACs" : "";
+    if (!congestion_.empty()) return "congestion control " + congestion_ + mac;
     const std::string sys = read_sysctl("/proc/sys/net/ipv4/tcp_congestion_control");
-    return "congestion control: the system's" + (sys.empty() ? std::string() : " (" + sys + ")");
+    return "congestion control: the system's" + (sys.empty() ? std::string() : " (" + sys + ")") + mac;
 }
 
 Status TcpTransport::check_congestion(const std::string &name) {
@@ -65,12 +66,16 @@ Result<RegionHandle> TcpTransport::do_register(std::byte *base, size_t bytes) {
 
 void TcpTransport::do_deregister(RegionHandle) {}
 
-Result<Link *> TcpTransport::add_link(const std::string &peer, std::vector<UniqueFd> streams) {
+Result<Link *> TcpTransport::add_link(const std::string &peer, std::vector<UniqueFd> streams,
+                                      const std::vector<SessionKeys> &keys) {
     if (!epoll_) return make_error(-EMFILE, "epoll_create1 failed");
     if (streams.empty()) return make_error(-EINVAL, "a link needs at least one stream");
+    if (!keys.empty() && keys.size() != streams.size()) return make_error(-EINVAL, "a link needs keys for every stream");
     auto link = std::make_unique<TcpLink>(*this, peer);
-    for (auto &fd : streams)
-        if (auto s = link->add_stream(std::move(fd)); !s) return s.error();
+    for (size_t i = 0; i < streams.size(); ++i) {
+        const SessionKeys k = data_mac_ && !keys.empty() ? keys[i] : SessionKeys{};
+        if (auto s = link->add_stream(std::move(streams[i]), k); !s) return s.error();
+    }
     links_.push_back(std::move(link));
     return static_cast<Link *>(links_.back().get());
 }
@@ -79,7 +84,7 @@ Result<std::vector<Link *>> TcpTransport::add_links(std::vector<LinkSetup> links
                                                     std::chrono::steady_clock::time_point) {
     std::vector<Link *> out;
     for (auto &l : links) {
-        auto link = add_link(l.peer, std::move(l.streams));
+        auto link = add_link(l.peer, std::move(l.streams), l.keys);
         if (!link) {
             for (Link *done : out) remove_link(done);
             return link.error();
@@ -115,7 +120,7 @@ TcpLink::~TcpLink() {
         if (s->fd) ::epoll_ctl(t_.epoll_.get(), EPOLL_CTL_DEL, s->fd.get(), nullptr);
 }
 
-Status TcpLink::add_stream(UniqueFd fd) {
+Status TcpLink::add_stream(UniqueFd fd, const SessionKeys &keys) {
     const int flags = ::fcntl(fd.get(), F_GETFL);
     if (flags < 0 || ::fcntl(fd.get(), F_SETFL, flags | O_NONBLOCK) != 0)
         return make_error(-errno, "fcntl: " + errno_string(errno));
@@ -128,6 +133,7 @@ Status TcpLink::add_stream(UniqueFd fd) {
     auto s = std::make_unique<Stream>();
     s->link = this;
     s->fd = std::move(fd);
+    s->mac = SessionMac(keys);
     s->interest = EPOLLIN;
     epoll_event ev{};
     ev.events = s->interest;
@@ -148,9 +154,15 @@ Status TcpLink::post_send(const RegionHandle &region, uint64_t offset, uint64_t 
     op.data = region.base + offset;
     op.bytes = bytes;
     proto::le::put<uint32_t>(&op.header[0], kDataMagic);
-    proto::le::put<uint32_t>(&op.header[4], 0);
+    proto::le::put<uint32_t>(&op.header[4], s.mac.enabled() ? kFlagTagged : 0);
     proto::le::put<uint64_t>(&op.header[8], tag);
     proto::le::put<uint64_t>(&op.header[16], bytes);
+    if (s.mac.enabled()) {
+        // The payload is final once posted (the engine does not touch it until SendDone).
+        op.mac = s.mac.send.seal({std::span<const uint8_t>(op.header, kHeaderBytes),
+                                  std::span(reinterpret_cast<const uint8_t *>(op.data), bytes)});
+        op.mac_bytes = kTagBytes;
+    }
     s.sendq.push_back(op);
     if (s.sendq.size() == 1) write_some(s);  // opportunistic: most sends leave right away
     if (!error()) update_interest(s);
@@ -191,11 +203,13 @@ void TcpLink::on_event(Stream &s, uint32_t events) {
 void TcpLink::write_some(Stream &s) {
     while (!s.sendq.empty()) {
         SendOp &op = s.sendq.front();
-        iovec iov[2];
+        iovec iov[3];
         int n = 0;
         if (op.done < kHeaderBytes) iov[n++] = {op.header + op.done, kHeaderBytes - op.done};
         const uint64_t pdone = op.done > kHeaderBytes ? op.done - kHeaderBytes : 0;
         if (op.bytes > pdone) iov[n++] = {const_cast<std::byte *>(op.data) + pdone, op.bytes - pdone};
+        const uint64_t mdone = op.done > kHeaderBytes + op.bytes ? op.done - kHeaderBytes - op.bytes : 0;
+        if (op.mac_bytes > mdone) iov[n++] = {op.mac.data() + mdone, op.mac_bytes - mdone};
         ssize_t w = 0;
         if (n > 0) {
             msghdr msg{};
@@ -209,7 +223,7 @@ void TcpLink::write_some(Stream &s) {
             }
         }
         op.done += static_cast<uint64_t>(w);
-        if (op.done < kHeaderBytes + op.bytes) continue;
+        if (op.done < kHeaderBytes + op.bytes + op.mac_bytes) continue;
         bytes_sent_ += op.bytes;
         t_.complete({this, LinkEvent::Kind::SendDone, op.tag, {}});
         s.sendq.pop_front();
@@ -227,8 +241,14 @@ void TcpLink::read_some(Stream &s) {
             }
             s.header_got += static_cast<size_t>(r);
             if (s.header_got < kHeaderBytes) continue;
-            if (proto::le::get<uint32_t>(&s.header[0]) != kDataMagic || proto::le::get<uint32_t>(&s.header[4]) != 0)
+            if (proto::le::get<uint32_t>(&s.header[0]) != kDataMagic)
                 return fail(-EPROTO, "bad data header (not a ringd peer, or a corrupted stream)");
+            const uint32_t flags = proto::le::get<uint32_t>(&s.header[4]);
+            const uint32_t want = s.mac.enabled() ? kFlagTagged : 0;
+            if (flags != want)
+                return fail(-EPROTO, flags & ~kFlagTagged ? "bad data header flags (not a ringd peer, or a corrupted stream)"
+                                     : want ? "data without MACs from a host that should tag it (auth.data must be the same on every host)"
+                                            : "data with MACs from a host configured otherwise (auth.data must be the same on every host)");
             s.tag = proto::le::get<uint64_t>(&s.header[8]);
             s.bytes = proto::le::get<uint64_t>(&s.header[16]);
             s.got = 0;
@@ -251,6 +271,24 @@ void TcpLink::read_some(Stream &s) {
             }
             s.got += static_cast<uint64_t>(r);
             if (s.got < s.bytes) continue;
+        }
+        if (s.mac.enabled()) {
+            if (s.mac_got < kTagBytes) {
+                const ssize_t r = ::recv(s.fd.get(), s.mac_in.data() + s.mac_got, kTagBytes - s.mac_got, MSG_DONTWAIT);
+                if (r == 0) return fail(-ECONNRESET, "connection closed by peer");
+                if (r < 0) {
+                    if (errno == EAGAIN || errno == EINTR) return;
+                    return fail(-errno, "receive: " + errno_string(errno));
+                }
+                s.mac_got += static_cast<size_t>(r);
+                if (s.mac_got < kTagBytes) continue;
+            }
+            s.mac_got = 0;
+            if (!s.mac.recv.open({std::span<const uint8_t>(s.header, kHeaderBytes),
+                                  std::span(reinterpret_cast<const uint8_t *>(s.cur->data), s.bytes)},
+                                 s.mac_in))
+                return fail(-EACCES, "data message " + std::to_string(s.tag) +
+                                         " fails its MAC check (forged, replayed, reordered or corrupted)");
         }
         bytes_received_ += s.bytes;
         t_.complete({this, LinkEvent::Kind::RecvDone, s.tag, {}});

@@ -1,9 +1,13 @@
 // TCP transport. A link is `tcp.streams` connected sockets to one peer (the control plane
 // connects and authenticates them, then hands them over). Messages are striped over the streams
-// in posting order; each is a 24-byte header (magic, tag, length) followed by the payload, sent
-// with one scatter/gather sendmsg straight from registered memory and received straight into the
-// matching posted receive — no bounce buffer. A stream whose next message has no receive posted
-// yet is left unread (TCP flow control backs the sender off) until the receive is posted.
+// in posting order; each is a 24-byte header (magic, flags, tag, length) followed by the payload,
+// sent with one scatter/gather sendmsg straight from registered memory and received straight into
+// the matching posted receive — no bounce buffer. A stream whose next message has no receive
+// posted yet is left unread (TCP flow control backs the sender off) until the receive is posted.
+//
+// With auth.data: mac (and a secret) every message also carries a 16-byte tag after its payload
+// (daemon/transport/frame_mac.h) under its stream's keys from the handshake, made when the send is
+// posted and checked when the payload is in; a message that fails fails the link.
 //
 // Each stream gets the configured TCP congestion control (tcp.congestion, default cubic): a ring
 // is a chain of flows that wait on one another, and a congestion control that keeps the queue at
@@ -33,14 +37,17 @@ public:
     Status post_recv(const RegionHandle &region, uint64_t offset, uint64_t bytes, uint64_t tag) override;
 
 private:
+    static constexpr uint32_t kFlagTagged = 1;  // the message's tag follows its payload
     friend class TcpTransport;
     static constexpr size_t kHeaderBytes = 24;
     struct SendOp {
         uint64_t tag = 0;
         const std::byte *data = nullptr;
         uint64_t bytes = 0;
-        uint64_t done = 0;  // header + payload bytes written
+        uint64_t done = 0;  // header + payload + tag bytes written
         uint8_t header[kHeaderBytes];
+        Tag mac{};
+        size_t mac_bytes = 0;  // kTagBytes when tagged
     };
     struct RecvOp {
         std::byte *data = nullptr;
@@ -56,9 +63,12 @@ private:
         bool have_header = false;  // header complete, message not yet matched or not yet read
         uint64_t tag = 0, bytes = 0, got = 0;
         std::optional<RecvOp> cur;  // matched receive being filled
+        SessionMac mac;             // enabled: every message is tagged, both ways
+        Tag mac_in{};
+        size_t mac_got = 0;
     };
 
-    Status add_stream(UniqueFd fd);
+    Status add_stream(UniqueFd fd, const SessionKeys &keys);
     void on_event(Stream &s, uint32_t events);
     void write_some(Stream &s);
     void read_some(Stream &s);
@@ -74,7 +84,8 @@ private:
 class TcpTransport final : public NetworkTransport {
 public:
     // congestion: the TCP congestion control for every stream; empty keeps the kernel's default.
-    explicit TcpTransport(std::string congestion = {});
+    // data_mac: tag every message of a link whose connections have keys (auth.data: mac).
+    explicit TcpTransport(std::string congestion = {}, bool data_mac = false);
     std::string_view name() const override { return "tcp"; }
     std::string detail() const override;
 
@@ -83,12 +94,13 @@ public:
     static Status check_congestion(const std::string &name);
     // TCP posts read only the RegionHandle's address: any TcpTransport takes any other's handles.
     Result<std::unique_ptr<NetworkTransport>> sibling() override {
-        return std::unique_ptr<NetworkTransport>(std::make_unique<TcpTransport>(congestion_));
+        return std::unique_ptr<NetworkTransport>(std::make_unique<TcpTransport>(congestion_, data_mac_));
     }
 
     // Takes over connected sockets to `peer` as one link (>= 1 stream). They are made
     // non-blocking, TCP_NODELAY and get socket buffers sized for bandwidth x delay.
-    Result<Link *> add_link(const std::string &peer, std::vector<UniqueFd> streams);
+    // `keys`: one per stream, or empty (nothing tagged).
+    Result<Link *> add_link(const std::string &peer, std::vector<UniqueFd> streams, const std::vector<SessionKeys> &keys = {});
     Result<std::vector<Link *>> add_links(std::vector<LinkSetup> links,
                                           std::chrono::steady_clock::time_point deadline) override;
     void remove_link(Link *link) override;
@@ -106,6 +118,7 @@ private:
 
     UniqueFd epoll_;
     std::string congestion_;
+    bool data_mac_ = false;
     uint64_t next_region_ = 1;
     std::vector<std::unique_ptr<TcpLink>> links_;
     std::vector<LinkEvent> ready_;  // completions produced outside poll(), handed out by the next poll()
