@@ -1,11 +1,13 @@
 // The human-readable view of ringd's status document (ringctl status). The document comes from a
-// daemon: the view checks what it reads (at() and get<>() throw on a missing key or a wrong type,
-// and the caller reports that; operator[] on a const document would be undefined for a missing
+// daemon: the view checks what it reads (at(), get<>() and integer<>() throw on a missing key or a
+// wrong type, and the caller reports that; operator[] on a const document would be undefined for a missing
 // key) and never trusts a number's range.
 #include "client/ringctl/status_view.h"
 
 #include <cmath>
 #include <cstdio>
+#include <limits>
+#include <stdexcept>
 #include <string>
 
 #include "common/units.h"
@@ -26,11 +28,27 @@ std::string duration(double s) {
     return b;
 }
 
+// An integer field: a JSON integer that fits T. nlohmann's get<integer>() converts a float
+// with a cast, undefined when it does not fit (found by tests/fuzz/fuzz_status_view.cpp).
+template <class T>
+T integer(const json &v) {
+    if (v.is_number_unsigned()) {
+        const auto u = v.get<uint64_t>();
+        if (u <= static_cast<uint64_t>(std::numeric_limits<T>::max())) return static_cast<T>(u);
+    } else if (v.is_number_integer()) {
+        const auto i = v.get<int64_t>();
+        if (i >= static_cast<int64_t>(std::numeric_limits<T>::min()) &&
+            (i < 0 || static_cast<uint64_t>(i) <= static_cast<uint64_t>(std::numeric_limits<T>::max())))
+            return static_cast<T>(i);
+    }
+    throw std::invalid_argument("status: " + v.dump() + " is not an integer of the expected range");
+}
+
 }  // namespace
 
 void print_status(const nlohmann::json &j) {
     std::printf("ringd %s on %s (cluster %s, pid %d), up %s\n", j.at("version").get<std::string>().c_str(),
-                j.at("host").get<std::string>().c_str(), j.at("cluster").get<std::string>().c_str(), j.at("pid").get<int>(),
+                j.at("host").get<std::string>().c_str(), j.at("cluster").get<std::string>().c_str(), integer<int>(j.at("pid")),
                 duration(j.at("uptime_s").get<double>()).c_str());
     const std::string detail = j.value("transport_detail", "");
     std::printf("transport %s%s, poll %s, socket %s\n\n", j.at("transport").get<std::string>().c_str(),
@@ -39,7 +57,7 @@ void print_status(const nlohmann::json &j) {
     // The whole ring, then each ring domain (the host set of groups over part of the ring).
     auto print_ring = [](const std::string &title, const json &ring) {
         std::printf("%s: %s, generation %llu, %zu host(s), peers authenticated: %s\n", title.c_str(),
-                    ring.value("state", "up").c_str(), ring.at("generation").get<unsigned long long>(), ring.at("members").size(),
+                    ring.value("state", "up").c_str(), integer<unsigned long long>(ring.at("generation")), ring.at("members").size(),
                     ring.value("auth", "?").c_str());
         if (!ring.value("last_abort", "").empty()) std::printf("  last abort: %s\n", ring.at("last_abort").get<std::string>().c_str());
         if (ring.at("members").size() > 1)
@@ -47,13 +65,13 @@ void print_status(const nlohmann::json &j) {
                         ring.value("ops_one_shot", 0ull), ring.value("ops_two_shot", 0ull));
         std::printf("  %-16s %-22s %-12s %-34s %s\n", "HOST", "ADDRESS", "CONTROL", "DATA", "LAST ERROR");
         for (const auto &m : ring.at("members")) {
-            const std::string addr = m.at("address").get<std::string>() + ":" + std::to_string(m.at("port").get<int>());
+            const std::string addr = m.at("address").get<std::string>() + ":" + std::to_string(integer<int>(m.at("port")));
             std::string data;
             auto link = [&](const char *key, const char *arrow) {
                 if (!m.contains(key)) return;
                 char b[96];
                 std::snprintf(b, sizeof b, "%s%s %s %.1f MB/s", data.empty() ? "" : ", ", arrow,
-                              format_bytes(m.at(key).at("bytes").get<uint64_t>()).c_str(), m.at(key).at("rate_Bps").get<double>() / 1e6);
+                              format_bytes(integer<uint64_t>(m.at(key).at("bytes"))).c_str(), m.at(key).at("rate_Bps").get<double>() / 1e6);
                 data += b;
             };
             link("data_out", "->");
@@ -79,45 +97,45 @@ void print_status(const nlohmann::json &j) {
                     "COMPLETED", "FAILED", "REDUCED", "HOSTS");
     for (const auto &g : j.at("groups")) {
         std::string ranks;
-        for (const auto &r : g.at("joined_ranks")) ranks += (ranks.empty() ? "" : ",") + std::to_string(r.get<int>());
+        for (const auto &r : g.at("joined_ranks")) ranks += (ranks.empty() ? "" : ",") + std::to_string(integer<int>(r));
         std::string hosts;
         for (const auto &h : g.value("hosts", json::array())) hosts += (hosts.empty() ? "" : ",") + h.get<std::string>();
         std::printf("  %-16s %-6s %-6d %-14s %-7s %10llu %8llu %12s  %s\n", g.at("name").get<std::string>().c_str(),
-                    g.contains("owner_uid") ? std::to_string(g.at("owner_uid").get<uint32_t>()).c_str() : "-",
-                    g.at("local_size").get<int>(), ranks.empty() ? "-" : ranks.c_str(), g.at("state").get<std::string>().c_str(),
-                    g.at("ops_completed").get<unsigned long long>(), g.at("ops_failed").get<unsigned long long>(),
-                    format_bytes(g.at("bytes_reduced").get<uint64_t>()).c_str(), hosts.empty() ? "-" : hosts.c_str());
+                    g.contains("owner_uid") ? std::to_string(integer<uint32_t>(g.at("owner_uid"))).c_str() : "-",
+                    integer<int>(g.at("local_size")), ranks.empty() ? "-" : ranks.c_str(), g.at("state").get<std::string>().c_str(),
+                    integer<unsigned long long>(g.at("ops_completed")), integer<unsigned long long>(g.at("ops_failed")),
+                    format_bytes(integer<uint64_t>(g.at("bytes_reduced"))).c_str(), hosts.empty() ? "-" : hosts.c_str());
         if (!g.at("error").get<std::string>().empty()) std::printf("    error: %s\n", g.at("error").get<std::string>().c_str());
     }
     const auto &ops = j.at("ops");
     const auto &mem = j.at("memory");
     const auto &cl = j.at("clients");
-    std::printf("\nclients: %d connected, %d with a slot (max %d)\n", cl.at("connected").get<int>(), cl.at("joined").get<int>(),
-                cl.at("max_slots").get<int>());
-    std::printf("ops: %llu completed, %llu failed, %s reduced\n", ops.at("completed").get<unsigned long long>(),
-                ops.at("failed").get<unsigned long long>(), format_bytes(ops.at("bytes_reduced").get<uint64_t>()).c_str());
+    std::printf("\nclients: %d connected, %d with a slot (max %d)\n", integer<int>(cl.at("connected")), integer<int>(cl.at("joined")),
+                integer<int>(cl.at("max_slots")));
+    std::printf("ops: %llu completed, %llu failed, %s reduced\n", integer<unsigned long long>(ops.at("completed")),
+                integer<unsigned long long>(ops.at("failed")), format_bytes(integer<uint64_t>(ops.at("bytes_reduced"))).c_str());
     if (j.contains("op_states")) {
         const auto &st = j.at("op_states");
         std::printf("  across hosts now: %llu queued, %llu reported, %llu running, %llu releasing\n",
-                    st.at("queued").get<unsigned long long>(), st.at("reported").get<unsigned long long>(),
-                    st.at("running").get<unsigned long long>(), st.at("releasing").get<unsigned long long>());
+                    integer<unsigned long long>(st.at("queued")), integer<unsigned long long>(st.at("reported")),
+                    integer<unsigned long long>(st.at("running")), integer<unsigned long long>(st.at("releasing")));
     }
     std::printf("memory registered: %s in %llu region(s); %llu registration(s) since start\n",
-                format_bytes(mem.at("registered_bytes").get<uint64_t>()).c_str(),
-                mem.at("live_regions").get<unsigned long long>(), mem.at("registrations").get<unsigned long long>());
+                format_bytes(integer<uint64_t>(mem.at("registered_bytes"))).c_str(),
+                integer<unsigned long long>(mem.at("live_regions")), integer<unsigned long long>(mem.at("registrations")));
     if (j.contains("cuda")) {
         const auto &cu = j.at("cuda");
         if (cu.value("available", false)) {
             std::printf("cuda: %s provider, %zu GPU(s); %llu registration(s) of %llu client(s), %s mapped (cap %s); "
                         "%llu open(s), %llu close(s), %llu eviction(s); %llu device op(s) in flight\n",
                         cu.at("provider").get<std::string>().c_str(), cu.at("devices").size(),
-                        cu.at("registrations").get<unsigned long long>(), cu.at("clients").get<unsigned long long>(),
-                        format_bytes(cu.at("mapped_bytes").get<uint64_t>()).c_str(),
-                        format_bytes(cu.at("max_mapped_bytes").get<uint64_t>()).c_str(),
-                        cu.at("opens").get<unsigned long long>(), cu.at("closes").get<unsigned long long>(),
-                        cu.at("evictions").get<unsigned long long>(), cu.at("ops_in_flight").get<unsigned long long>());
+                        integer<unsigned long long>(cu.at("registrations")), integer<unsigned long long>(cu.at("clients")),
+                        format_bytes(integer<uint64_t>(cu.at("mapped_bytes"))).c_str(),
+                        format_bytes(integer<uint64_t>(cu.at("max_mapped_bytes"))).c_str(),
+                        integer<unsigned long long>(cu.at("opens")), integer<unsigned long long>(cu.at("closes")),
+                        integer<unsigned long long>(cu.at("evictions")), integer<unsigned long long>(cu.at("ops_in_flight")));
             for (const auto &d : cu.at("devices"))
-                std::printf("  GPU %d %s %s\n", d.at("ordinal").get<int>(), d.at("uuid").get<std::string>().c_str(),
+                std::printf("  GPU %d %s %s\n", integer<int>(d.at("ordinal")), d.at("uuid").get<std::string>().c_str(),
                             d.at("name").get<std::string>().c_str());
         } else {
             std::printf("cuda: %s\n", cu.value("error", std::string("none")).c_str());
