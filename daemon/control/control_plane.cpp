@@ -338,6 +338,7 @@ void ControlPlane::on_conn(uint64_t id, uint32_t events) {
         if (!*f) return;
         if (c.mac.enabled())
             if (auto ok = open_frame(c.mac.recv, **f); !ok) {
+                ++frames_rejected_;
                 spdlog::warn("{}control connection from {} ({}): {}; closing it", label(), peers_[c.peer].host.name,
                              c.remote, ok.error().message);
                 return peer_failed(c.peer, "control frame from " + peers_[c.peer].host.name + ": " + ok.error().message);
@@ -669,8 +670,10 @@ bool ControlPlane::dispatch() {
     return true;
 }
 
-void ControlPlane::data_link_failed(const std::string &why) {
-    if (!ring_up_ || pending_link_failure_) return;
+void ControlPlane::data_link_failed(const std::string &why, bool seen_here) {
+    if (!ring_up_) return;
+    if (seen_here) return abort_ring(why);
+    if (pending_link_failure_) return;
     pending_link_failure_.emplace(Clock::now() + std::chrono::milliseconds(300), why);
 }
 

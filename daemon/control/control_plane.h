@@ -96,7 +96,9 @@ public:
     void tick(Clock::time_point now);
     // The engine found a data link broken: the generation is over. The abort waits a moment
     // for a peer's RingAbort, whose reason names the host that caused it.
-    void data_link_failed(const std::string &why);
+    // `seen_here`: the failure's cause was found on this host (bad bytes received): the ring
+    // ends at once with this reason.
+    void data_link_failed(const std::string &why, bool seen_here = false);
     // Queues what the socket does not take at once (small ops carry data); a peer that lets
     // more than kMaxBacklog pile up is not keeping up and fails.
     Status send(uint32_t host_index, const proto::Bytes &frame);
@@ -118,6 +120,7 @@ public:
     uint32_t self_index() const { return self_; }
     std::vector<PeerStatus> status() const;
     uint64_t handshakes_refused() const { return handshakes_refused_; }
+    uint64_t frames_rejected() const { return frames_rejected_; }
 
 private:
     enum class ConnState { Connecting, Handshaking, Up };
@@ -207,6 +210,7 @@ private:
     uint64_t next_conn_id_ = 1;
     std::vector<uint64_t> data_out_, data_in_;  // conn ids by stream, 0 = none
     uint64_t handshakes_refused_ = 0;            // handshaking connections closed by the cap
+    uint64_t frames_rejected_ = 0;               // control frames that failed their MAC check
     Clock::time_point last_refusal_log_{};
     Clock::time_point next_data_dial_{};
     bool ring_up_ = false;

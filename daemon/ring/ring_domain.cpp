@@ -564,16 +564,22 @@ bool RingDomain::settle_step() {
 
 void RingDomain::on_engine_results(uint32_t lane) {
     std::string link_failure;
+    int link_code = 0;
     for (auto &r : lanes_.at(lane)->engine->take_results()) {
         const bool ring_ending = r.link_failed && r.generation == local_generation_;
-        if (ring_ending) link_failure = r.message;
+        if (ring_ending) {
+            link_failure = r.message;
+            link_code = r.status;
+        }
         if (r.op_id == 0) continue;
         // A ring op that ended with its link stays until the generation's end fails it with the
         // reason that names the host at fault (HostOps::returned).
         ops_.returned(r.op_id, r.status, r.message, ring_ending && coord_known_);
     }
     // The results (and the slot references they carried back) are released here, on this thread.
-    if (!link_failure.empty()) control_->data_link_failed(link_failure);
+    // Bad bytes on a link (a frame or message that fails its MAC, a malformed header) were
+    // seen here: the reason is this host's to tell. A closed or reset link is the other end's.
+    if (!link_failure.empty()) control_->data_link_failed(link_failure, link_code == -EACCES || link_code == -EPROTO);
 }
 
 void RingDomain::tick(Clock::time_point now) {
@@ -640,11 +646,17 @@ nlohmann::json RingDomain::status() const {
             {"hosts", hosts},
             {"members", members},
             {"op_states", {{"queued", oc.queued}, {"reported", oc.reported}, {"running", oc.running}, {"releasing", oc.releasing}}},
-            // Whether the daemons of the ring prove themselves to each other.
-            {"auth", sh_.secret->enabled() ? "hmac-sha256" : "none (auth.insecure)"},
+            // Whether the daemons of the ring prove themselves to each other (HMAC-SHA256
+            // handshake), and which frames carry MACs afterwards (daemon/transport/frame_mac.h).
+            {"auth", !sh_.secret->enabled() ? "none (auth.insecure)"
+                     : config_.data_mac     ? "hmac-sha256; control and data frames MACed"
+                     : config_.transport == "tcp" ? "hmac-sha256; control frames MACed, data not (auth.data: none)"
+                                                  : "hmac-sha256; control frames MACed (RDMA data: not)"},
             // Peer connections closed because too many were still in their handshake (the
             // oldest go first; the whole ring's plane accepts for every domain).
-            {"handshakes_refused", control_->handshakes_refused()}};
+            {"handshakes_refused", control_->handshakes_refused()},
+            // Control connections closed for a frame that failed its MAC check.
+            {"frames_rejected", control_->frames_rejected()}};
 }
 
 }  // namespace ringd

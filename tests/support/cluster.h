@@ -31,6 +31,9 @@ struct ClusterOptions {
     std::string slot_bytes = "64MiB";
     uid_t uid = 0;  // run the daemons as this uid/gid; 0: as the test
     gid_t gid = 0;
+    // The other hosts reach this host through a relay on relay_port() (a man in the middle);
+    // none when out of range.
+    uint32_t relayed = UINT32_MAX;
 };
 
 struct TestCluster {
@@ -42,13 +45,17 @@ struct TestCluster {
         base_port = 10000 + static_cast<int>((::getpid() * 17) % 20000);  // below the ephemeral range
         // One secret for the cluster (multi-host daemons need one), unless the test sets auth itself.
         const std::string auth = o.extra_yaml.find("auth:") == std::string::npos ? secret_yaml(o.uid, o.gid) : "";
-        std::string yaml = "hosts:\n";
-        for (uint32_t i = 0; i < n; ++i)
-            yaml += "  - {name: node" + std::to_string(i) + ", address: 127.0.0.1, port: " + std::to_string(port(i)) + "}\n";
+        auto hosts_yaml = [&](uint32_t self) {
+            std::string yaml = "hosts:\n";
+            for (uint32_t i = 0; i < n; ++i)
+                yaml += "  - {name: node" + std::to_string(i) + ", address: 127.0.0.1, port: " +
+                        std::to_string(i == o.relayed && i != self ? relay_port() : port(i)) + "}\n";
+            return yaml;
+        };
         for (uint32_t i = 0; i < n; ++i) {
             DaemonOptions opt;
             opt.host = "node" + std::to_string(i);
-            opt.hosts_yaml = yaml;
+            opt.hosts_yaml = hosts_yaml(i);
             // The harness writes `timeouts: {op: <this>}`.
             opt.op_timeout = o.op_timeout + (o.heartbeat.empty() ? "" : ", heartbeat: " + o.heartbeat);
             opt.slot_bytes = o.slot_bytes;
@@ -63,6 +70,7 @@ struct TestCluster {
         : TestCluster(hosts, ClusterOptions{op_timeout, "", extra_yaml, "64MiB"}) {}
 
     int port(uint32_t i) const { return base_port + static_cast<int>(i); }
+    int relay_port() const { return base_port + 50; }
 
     json status(uint32_t i) {
         auto s = fetch_status(d[i]->socket());
