@@ -82,6 +82,12 @@ int main(int argc, char **argv) {
     li.qpn[0] = 0x101;
     li.qpn[1] = 0x102;
     write(peer, "rdma", cat({encode_rdma_link_info(li), encode_rdma_link_ready()}));
+    // The ibverbs bring-up harness: the peer's RdmaLinkInfo frame as the transport reads it.
+    const auto rdma = root / "rdma_link";
+    write(rdma, "link-info", encode_rdma_link_info(li));
+    li.qps = 8;
+    for (uint32_t q = 0; q < 8; ++q) li.qpn[q] = 0x200 + q, li.psn[q] = 0xffffff - q;
+    write(rdma, "link-info-8qps", encode_rdma_link_info(li));
 
     // The handshake harness: a role byte (1: ringd listens, 0: ringd dials), then the peer's side.
     const auto hs = root / "handshake";
