@@ -31,9 +31,10 @@ struct ClusterOptions {
     std::string slot_bytes = "64MiB";
     uid_t uid = 0;  // run the daemons as this uid/gid; 0: as the test
     gid_t gid = 0;
-    // The other hosts reach this host through a relay on relay_port() (a man in the middle);
-    // none when out of range.
+    // The other hosts reach this host through a relay on 127.0.0.1:relay_port (a man in the
+    // middle); none when out of range.
     uint32_t relayed = UINT32_MAX;
+    int relay_port = 0;
 };
 
 struct TestCluster {
@@ -49,7 +50,7 @@ struct TestCluster {
             std::string yaml = "hosts:\n";
             for (uint32_t i = 0; i < n; ++i)
                 yaml += "  - {name: node" + std::to_string(i) + ", address: 127.0.0.1, port: " +
-                        std::to_string(i == o.relayed && i != self ? relay_port() : port(i)) + "}\n";
+                        std::to_string(i == o.relayed && i != self ? o.relay_port : port(i)) + "}\n";
             return yaml;
         };
         for (uint32_t i = 0; i < n; ++i) {
@@ -70,7 +71,6 @@ struct TestCluster {
         : TestCluster(hosts, ClusterOptions{op_timeout, "", extra_yaml, "64MiB"}) {}
 
     int port(uint32_t i) const { return base_port + static_cast<int>(i); }
-    int relay_port() const { return base_port + 50; }
 
     json status(uint32_t i) {
         auto s = fetch_status(d[i]->socket());

@@ -36,7 +36,7 @@ TcpTransport::TcpTransport(std::string congestion, bool data_mac)
     : epoll_(::epoll_create1(EPOLL_CLOEXEC)), congestion_(std::move(congestion)), data_mac_(data_mac) {}
 
 std::string TcpTransport::detail() const {
-    const std::string mac = data_mac_ ? ", data MACs" : "";
+    const std::string mac = data_mac_ ? ", auth.data: mac" : "";
     if (!congestion_.empty()) return "congestion control " + congestion_ + mac;
     const std::string sys = read_sysctl("/proc/sys/net/ipv4/tcp_congestion_control");
     return "congestion control: the system's" + (sys.empty() ? std::string() : " (" + sys + ")") + mac;
@@ -287,7 +287,7 @@ void TcpLink::read_some(Stream &s) {
             if (!s.mac.recv.open({std::span<const uint8_t>(s.header, kHeaderBytes),
                                   std::span(reinterpret_cast<const uint8_t *>(s.cur->data), s.bytes)},
                                  s.mac_in))
-                return fail(-EACCES, "data message " + std::to_string(s.tag) +
+                return fail(-EACCES, "data message " + std::to_string(s.tag) + " from " + peer() +
                                          " fails its MAC check (forged, replayed, reordered or corrupted)");
         }
         bytes_received_ += s.bytes;
