@@ -39,7 +39,7 @@ Result<std::unique_ptr<NetworkTransport>> make_transport(const Config &config) {
                 cc.clear();
             }
         }
-        return std::unique_ptr<NetworkTransport>(std::make_unique<TcpTransport>(std::move(cc), config.data_mac));
+        return std::unique_ptr<NetworkTransport>(std::make_unique<TcpTransport>(std::move(cc), config.data_mac && !config.secret_file.empty()));
     }
 #ifdef RINGD_HAVE_IBVERBS
     if (config.transport == "ibverbs") {
