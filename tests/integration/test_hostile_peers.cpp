@@ -325,7 +325,7 @@ TEST_CASE("a man in the middle: forged, replayed and dropped control frames and 
           "by their MACs, never taken; the ring re-forms and the ops go on exact",
           "[hostile][auth]") {
     Mitm mitm;
-    ClusterOptions o{"5s", "", "auth: {secret_file: " + secret_file(kKey) + "}\n", "64MiB"};
+    ClusterOptions o{"5s", "", "auth: {secret_file: " + secret_file(kKey) + ", data: mac}\n", "64MiB"};
     o.relayed = 1;  // node0 reaches node1 through the relay: its control connection and data streams
     o.relay_port = mitm.port();
     TestCluster c(2, o);
@@ -357,7 +357,7 @@ TEST_CASE("a man in the middle: forged, replayed and dropped control frames and 
         allreduce_checked(honest, DType::F32, ReduceOp::Avg, 1 << 20, seed++);
     }
     // A data message of a ring op (node0 -> node1, on a data stream) with one payload bit flipped:
-    // the op fails on the MAC check, it does not complete with a wrong value.
+    // with auth.data: mac the op fails on the MAC check, it does not complete with a wrong value.
     {
         const uint64_t g = generation(c, 1);
         mitm.arm(Mitm::Act::FlipData);

@@ -98,7 +98,7 @@ TEST_CASE("the unit runs ringd as its own user without capabilities; a 2-host ri
         INFO("host " << h);
         CHECK_THAT(proc_status(c.d[h]->pid(), "Uid"), Catch::StartsWith("\t65534\t65534"));
         CHECK(proc_status(c.d[h]->pid(), "CapEff") == "\t0000000000000000");
-        CHECK(c.status(h)["ring"]["auth"] == (transport.empty() ? "hmac-sha256; control and data frames MACed"
+        CHECK(c.status(h)["ring"]["auth"] == (transport.empty() ? "hmac-sha256; control frames MACed, data not (auth.data: none)"
                                                                 : "hmac-sha256; control frames MACed (RDMA data: not)"));
     }
     auto cl = connect_all(c, "unprivileged", 2, 1 << 20);  // the test (root) connects to nobody's socket

@@ -118,6 +118,13 @@ TEST_CASE("errors name the key", "[config]") {
     CHECK(parse_config(two + "auth: {insecure: true}\n")->insecure);
     CHECK(parse_config(two + "auth: {secret_file: /etc/ringd/secret}\n")->secret_file == "/etc/ringd/secret");
     CHECK_FALSE(parse_config(kBase)->insecure);  // one host: nothing to authenticate
+    // auth.data: none by default; mac for TCP; ibverbs cannot (the NIC writes the data).
+    CHECK_FALSE(parse_config(two + "auth: {secret_file: /s}\n")->data_mac);
+    CHECK(parse_config(two + "auth: {secret_file: /s, data: mac}\n")->data_mac);
+    CHECK_THAT(error_of(two + "auth: {secret_file: /s, data: yes}\n"), Catch::StartsWith("auth.data: "));
+    CHECK_THAT(error_of(two + "transport: ibverbs\nauth: {secret_file: /s, data: mac}\n"),
+               Catch::StartsWith("auth.data: mac is for TCP data streams"));
+    CHECK_FALSE(parse_config(two + "transport: ibverbs\nauth: {secret_file: /s, data: none}\n")->data_mac);
     CHECK_THAT(error_of("cluster: [\n"), Catch::StartsWith("YAML syntax"));
     CHECK_THAT(error_of(""), Catch::Contains("empty"));
     CHECK_THAT(error_of("- a\n- b\n"), Catch::Contains("expected a mapping"));
