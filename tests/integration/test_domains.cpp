@@ -212,8 +212,11 @@ TEST_CASE("groups over the same hosts run side by side in lanes: a ring op of on
     SlotWatch big_moves(*big[0], b.range[0].offset, big_count);
     REQUIRE(wait_data_moving(big_moves) >= 0);  // the large op runs
     const size_t small_count = 600001;
-    const CheckedOp s = submit_checked(small, DType::F32, ReduceOp::Avg, small_count, 4);  // a ring op
+    // The watch takes the inputs before the submission: with its own lane the small op may be over
+    // before a watch made after it looked.
+    CheckedOp s = prepare_checked(small, DType::F32, ReduceOp::Avg, small_count, 4);  // a ring op
     SlotWatch small_moves(*small[0], s.range[0].offset, small_count, 1024);
+    submit_prepared(small, s);
     REQUIRE(wait_data_moving(small_moves) >= 0);
     // The small op moves data: is the large one still running? (This host's ringd gave neither
     // back yet, or only the small one.)

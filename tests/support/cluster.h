@@ -181,7 +181,9 @@ struct CheckedOp {
     std::vector<uint64_t> tickets;
 };
 
-inline CheckedOp submit_checked(Clients &cl, DType t, ReduceOp op, size_t count, uint64_t seed) {
+// The op's inputs and guard bytes written on every client, not yet submitted (submit_prepared):
+// a SlotWatch made in between sees the inputs, however fast the op then runs.
+inline CheckedOp prepare_checked(Clients &cl, DType t, ReduceOp op, size_t count, uint64_t seed) {
     const size_t n = cl.size();
     CheckedOp o{t, op, count, std::vector<bench::GuardedRange>(n), std::vector<uint64_t>(n)};
     for (size_t g = 0; g < n; ++g) {
@@ -189,8 +191,17 @@ inline CheckedOp submit_checked(Clients &cl, DType t, ReduceOp op, size_t count,
         REQUIRE(o.range[g].offset + o.range[g].bytes() + bench::kGuardBytes <= cl[g]->slot().size());
         o.range[g].prepare(cl[g]->slot().data(), g);
     }
-    for (size_t g = 0; g < n; ++g)
-        o.tickets[g] = cl[g]->submit(o.range[g].offset, count, static_cast<ringd_dtype>(t), static_cast<ringd_op>(op));
+    return o;
+}
+
+inline void submit_prepared(Clients &cl, CheckedOp &o) {
+    for (size_t g = 0; g < cl.size(); ++g)
+        o.tickets[g] = cl[g]->submit(o.range[g].offset, o.count, static_cast<ringd_dtype>(o.t), static_cast<ringd_op>(o.op));
+}
+
+inline CheckedOp submit_checked(Clients &cl, DType t, ReduceOp op, size_t count, uint64_t seed) {
+    CheckedOp o = prepare_checked(cl, t, op, count, seed);
+    submit_prepared(cl, o);
     return o;
 }
 
