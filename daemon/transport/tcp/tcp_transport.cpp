@@ -230,16 +230,24 @@ void TcpLink::write_some(Stream &s) {
     }
 }
 
+bool TcpLink::receive_into(Stream &s, void *at, size_t want, size_t &got) {
+    const ssize_t r = ::recv(s.fd.get(), at, want, MSG_DONTWAIT);
+    if (r == 0) {
+        fail(-ECONNRESET, "connection closed by peer");
+        return false;
+    }
+    if (r < 0) {
+        if (errno != EAGAIN && errno != EINTR) fail(-errno, "receive: " + errno_string(errno));
+        return false;
+    }
+    got += static_cast<size_t>(r);
+    return true;
+}
+
 void TcpLink::read_some(Stream &s) {
     for (;;) {
         if (!s.have_header) {
-            const ssize_t r = ::recv(s.fd.get(), s.header + s.header_got, kHeaderBytes - s.header_got, MSG_DONTWAIT);
-            if (r == 0) return fail(-ECONNRESET, "connection closed by peer");
-            if (r < 0) {
-                if (errno == EAGAIN || errno == EINTR) return;
-                return fail(-errno, "receive: " + errno_string(errno));
-            }
-            s.header_got += static_cast<size_t>(r);
+            if (!receive_into(s, s.header + s.header_got, kHeaderBytes - s.header_got, s.header_got)) return;
             if (s.header_got < kHeaderBytes) continue;
             if (proto::le::get<uint32_t>(&s.header[0]) != kDataMagic)
                 return fail(-EPROTO, "bad data header (not a ringd peer, or a corrupted stream)");
@@ -263,24 +271,12 @@ void TcpLink::read_some(Stream &s) {
         }
         if (!s.cur) return;  // header waiting for its receive
         if (s.got < s.bytes) {
-            const ssize_t r = ::recv(s.fd.get(), s.cur->data + s.got, s.bytes - s.got, MSG_DONTWAIT);
-            if (r == 0) return fail(-ECONNRESET, "connection closed by peer");
-            if (r < 0) {
-                if (errno == EAGAIN || errno == EINTR) return;
-                return fail(-errno, "receive: " + errno_string(errno));
-            }
-            s.got += static_cast<uint64_t>(r);
+            if (!receive_into(s, s.cur->data + s.got, s.bytes - s.got, s.got)) return;
             if (s.got < s.bytes) continue;
         }
         if (s.mac.enabled()) {
             if (s.mac_got < kTagBytes) {
-                const ssize_t r = ::recv(s.fd.get(), s.mac_in.data() + s.mac_got, kTagBytes - s.mac_got, MSG_DONTWAIT);
-                if (r == 0) return fail(-ECONNRESET, "connection closed by peer");
-                if (r < 0) {
-                    if (errno == EAGAIN || errno == EINTR) return;
-                    return fail(-errno, "receive: " + errno_string(errno));
-                }
-                s.mac_got += static_cast<size_t>(r);
+                if (!receive_into(s, s.mac_in.data() + s.mac_got, kTagBytes - s.mac_got, s.mac_got)) return;
                 if (s.mac_got < kTagBytes) continue;
             }
             s.mac_got = 0;

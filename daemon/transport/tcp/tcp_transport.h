@@ -72,6 +72,9 @@ private:
     void on_event(Stream &s, uint32_t events);
     void write_some(Stream &s);
     void read_some(Stream &s);
+    // One recv of up to `want` bytes at `at`, counted in `got`; false when nothing more can be read
+    // now (EAGAIN) or the link failed (EOF, error).
+    bool receive_into(Stream &s, void *at, size_t want, size_t &got);
     void update_interest(Stream &s);
     void fail(int code, const std::string &why);
 
