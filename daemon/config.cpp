@@ -215,7 +215,7 @@ Config parse_root(const YAML::Node &root) {
         c.poll = p == "event" ? PollMode::Event : p == "busy" ? PollMode::Busy : PollMode::Adaptive;
     }
     if (auto n = root["tuning"]) {
-        check_keys(n, "tuning", {"direct_max_bytes", "hop_latency_us", "link_mbit", "chunk_bytes", "depth", "lanes"});
+        check_keys(n, "tuning", {"direct_max_bytes", "hop_latency_us", "link_mbit", "chunk_bytes", "depth", "lanes", "control_spin_us"});
         if (n["lanes"]) c.tuning.lanes = static_cast<uint32_t>(get_uint(n["lanes"], "tuning.lanes", 1, 8));
         if (n["direct_max_bytes"]) {
             c.tuning.direct_max_bytes = get_size(n["direct_max_bytes"], "tuning.direct_max_bytes");
@@ -223,6 +223,8 @@ Config parse_root(const YAML::Node &root) {
         }
         if (n["hop_latency_us"])
             c.tuning.hop_latency_us = static_cast<uint32_t>(get_uint(n["hop_latency_us"], "tuning.hop_latency_us", 1, 1'000'000));
+        if (n["control_spin_us"])
+            c.tuning.control_spin_us = static_cast<uint32_t>(get_uint(n["control_spin_us"], "tuning.control_spin_us", 0, 10'000));
         if (n["link_mbit"]) c.tuning.link_mbit = get_uint(n["link_mbit"], "tuning.link_mbit", 1, 100'000'000);
         if (n["chunk_bytes"]) {
             c.tuning.chunk_bytes = get_size(n["chunk_bytes"], "tuning.chunk_bytes");

@@ -1,5 +1,6 @@
 #include "daemon/daemon.h"
 
+#include <sched.h>
 #include <signal.h>
 #include <sys/epoll.h>
 #include <sys/resource.h>
@@ -147,8 +148,20 @@ int Daemon::run() {
         next_watchdog_ = Clock::now() + std::chrono::microseconds(watchdog_usec_ / 2);
     }
     epoll_event events[64];
+    // Adaptive: after an event, look again (giving the core to anything else runnable between
+    // looks) for control_spin_us before blocking. Small ops come in bursts — a trainer's next
+    // submission, the peers' data of the op just reported — and each wake-up from epoll costs a
+    // scheduler round trip (an IPI to a halted vCPU on a VM) that is longer than the op's own work.
+    const auto spin = std::chrono::microseconds(config_.poll == PollMode::Event ? 0 : config_.tuning.control_spin_us);
+    auto last_event = Clock::now();
     while (running_) {
-        const int n = ::epoll_wait(epoll_.get(), events, 64, -1);  // the timerfd bounds every wait
+        int n = 0;
+        while (Clock::now() - last_event < spin) {
+            if ((n = ::epoll_wait(epoll_.get(), events, 64, 0)) != 0) break;
+            ::sched_yield();
+        }
+        if (n == 0) n = ::epoll_wait(epoll_.get(), events, 64, -1);  // the timerfd bounds every wait
+        if (n > 0) last_event = Clock::now();
         if (n < 0) {
             if (errno == EINTR) continue;
             spdlog::critical("epoll_wait: {}", errno_string(errno));

@@ -3,6 +3,7 @@
 #include "ringd/ringd.h"
 
 #include <poll.h>
+#include <sched.h>
 #include <sys/epoll.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -113,7 +114,11 @@ int ringd_client::wait(Ticket &t, int timeout_ms) {
         }
         if (dead) return still_dead();
         if (Clock::now() < spin_until) {
-            for (int i = 0; i < 64; ++i) cpu_relax();
+            // Another look after the scheduler had a chance to run what else is runnable (ringd,
+            // the other trainers): no core is held from them, and a result that comes within
+            // kSpin costs no wake-up, which on shared or virtualised cores takes longer than a
+            // small op itself.
+            ::sched_yield();
             continue;
         }
         pollfd p[2] = {{completion.get(), POLLIN, 0}, {sock.get(), POLLIN, 0}};

@@ -7,10 +7,6 @@
 #include <string>
 #include <vector>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
-
 #include "common/fd_io.h"
 #include "common/shm_mapping.h"
 #include "proto/frame.h"
@@ -22,7 +18,7 @@ using namespace ringd;
 namespace ringd_client_detail {
 
 constexpr auto kConnectTimeout = std::chrono::seconds(10);
-constexpr auto kSpin = std::chrono::microseconds(20);    // spin this long before blocking
+constexpr auto kSpin = std::chrono::microseconds(100);   // look again (yielding) this long before blocking
 // After a wait that spun in vain (ops take longer than the spin: several hosts, big buffers),
 // this many waits block at once, leaving the core to the daemon and other trainers; then
 // spinning is tried again, so the client follows the op latency both ways.
@@ -63,12 +59,6 @@ struct CudaClient;
 struct CudaClientDelete {
     void operator()(CudaClient *c) const;
 };
-
-inline void cpu_relax() {
-#if defined(__x86_64__)
-    _mm_pause();
-#endif
-}
 
 }  // namespace ringd_client_detail
 using namespace ringd_client_detail;

@@ -30,6 +30,7 @@ TEST_CASE("a minimal config gets the documented defaults", "[config]") {
     CHECK(c->memory.max_slots == 16);
     CHECK(c->timeouts.op == std::chrono::seconds(30));
     CHECK(c->poll == PollMode::Adaptive);
+    CHECK(c->tuning.control_spin_us == 200);
     CHECK(c->log_level == "info");
 }
 
@@ -47,7 +48,7 @@ TEST_CASE("every value is parsed", "[config]") {
                           "memory: {slot_bytes: 1GiB, max_slots: 4}\ntimeouts: {op: 500ms, connect: 2m, heartbeat: 1s}\n"
                           "poll: busy\nauth: {secret_file: /etc/ringd/secret}\nlog: {level: debug}\n"
                           "tuning: {direct_max_bytes: 256KiB, hop_latency_us: 20, link_mbit: 100000, chunk_bytes: 1MiB, "
-                          "depth: 4}\n");
+                          "depth: 4, control_spin_us: 0}\n");
     REQUIRE(c.ok());
     CHECK(c->transport == "ibverbs");
     CHECK(c->tcp.streams == 4);
@@ -72,6 +73,7 @@ TEST_CASE("every value is parsed", "[config]") {
     CHECK(c->tuning.link_mbit == 100000);
     CHECK(c->tuning.chunk_bytes == 1u << 20);
     CHECK(c->tuning.depth == 4);
+    CHECK(c->tuning.control_spin_us == 0);
 }
 
 TEST_CASE("errors name the key", "[config]") {
@@ -97,6 +99,7 @@ TEST_CASE("errors name the key", "[config]") {
     CHECK_THAT(error_of(kBase + "tuning: {direct_max_bytes: 1GiB}\n"), Catch::StartsWith("tuning.direct_max_bytes:"));
     CHECK_THAT(error_of(kBase + "tuning: {link_mbit: 0}\n"), Catch::StartsWith("tuning.link_mbit:"));
     CHECK_THAT(error_of(kBase + "tuning: {chunk_bytes: 1KiB}\n"), Catch::StartsWith("tuning.chunk_bytes:"));
+    CHECK_THAT(error_of(kBase + "tuning: {control_spin_us: 20000}\n"), Catch::StartsWith("tuning.control_spin_us:"));
     CHECK_THAT(error_of(kBase + "tuning: {chunk_bytes: 64MiB, depth: 32}\n"), Catch::StartsWith("tuning.depth:"));
     CHECK_THAT(error_of(kBase + "poll: busy\npoll: event\n"), Catch::StartsWith("poll: appears twice"));
     CHECK_THAT(error_of(kBase + "tuning: {depth: 2, depth: 3}\n"), Catch::StartsWith("tuning.depth: appears twice"));
