@@ -153,6 +153,9 @@ int main(int argc, char **argv) {
         const bench::GuardedRange range{op_offset, count, have, *dtype, bench::mix64(global_rank * 0x10001 + size)};
         range.prepare(buf, global_rank);
         for (int i = 0; i < o.warmup && rc == 0; ++i) rc = run(count);
+        // As the baselines do (run_sweep): idle links, then a barrier (a one-element op).
+        bench::idle_links();
+        if (rc == 0) rc = run(1);
         std::vector<double> lat;
         if (o.latency) lat.reserve(static_cast<size_t>(o.iters));
         const auto t0 = Clock::now();

@@ -76,10 +76,8 @@ struct Config {
         // Ring lanes per ring domain: each its own data links, staging and progress thread, so
         // that the ring ops of groups over the same hosts run side by side (a group runs in one).
         uint32_t lanes = 2;
-        // How long the control thread keeps looking for more work after its last event (yielding
-        // its core between looks) before it blocks in epoll (poll: event: never). A small op's
-        // peers' data and the trainers' next submissions then arrive without a wake-up, which on
-        // busy or virtualised cores costs more than the op itself.
+        // How long the control thread looks for more work after its last (yielding between
+        // looks) before it blocks in epoll; 0: at once (docs/design.md, Threads).
         uint32_t control_spin_us = 200;
     } tuning;
     std::string secret_file;  // auth.secret_file; empty: no authentication

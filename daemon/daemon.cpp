@@ -148,20 +148,19 @@ int Daemon::run() {
         next_watchdog_ = Clock::now() + std::chrono::microseconds(watchdog_usec_ / 2);
     }
     epoll_event events[64];
-    // Adaptive: after an event, look again (giving the core to anything else runnable between
-    // looks) for control_spin_us before blocking. Small ops come in bursts — a trainer's next
-    // submission, the peers' data of the op just reported — and each wake-up from epoll costs a
-    // scheduler round trip (an IPI to a halted vCPU on a VM) that is longer than the op's own work.
-    const auto spin = std::chrono::microseconds(config_.poll == PollMode::Event ? 0 : config_.tuning.control_spin_us);
-    auto last_event = Clock::now();
+    // After work, look again for tuning.control_spin_us, yielding the core between looks, before
+    // blocking (docs/design.md, Threads). The timer's tick, signals and peers' heartbeats are not
+    // work: an idle daemon does not spin after them.
+    const auto spin = std::chrono::microseconds(config_.tuning.control_spin_us);
+    auto last_work = Clock::now() - spin;
     while (running_) {
         int n = 0;
-        while (Clock::now() - last_event < spin) {
+        while (Clock::now() - last_work < spin) {
             if ((n = ::epoll_wait(epoll_.get(), events, 64, 0)) != 0) break;
             ::sched_yield();
         }
         if (n == 0) n = ::epoll_wait(epoll_.get(), events, 64, -1);  // the timerfd bounds every wait
-        if (n > 0) last_event = Clock::now();
+        bool work = false;
         if (n < 0) {
             if (errno == EINTR) continue;
             spdlog::critical("epoll_wait: {}", errno_string(errno));
@@ -170,6 +169,7 @@ int Daemon::run() {
         for (int i = 0; i < n && running_; ++i) {
             const auto kind = static_cast<Kind>(events[i].data.u64 >> 32);
             const auto id = static_cast<MemberId>(events[i].data.u64 & 0xffffffffu);
+            work |= kind != kTimer && kind != kSignal && kind != kControl;
             switch (kind) {
             case kListener: gateway_->on_accept(); break;
             case kSignal: {
@@ -188,11 +188,12 @@ int Daemon::run() {
             case kClientDoorbell: gateway_->on_doorbell(id); break;
             case kCuda: gateway_->on_cuda_events(); break;
             case kControl:
-                if (domains_.at(id)) domains_[id]->on_control_ready();
+                if (domains_.at(id)) work |= domains_[id]->on_control_ready();
                 break;
             }
         }
         settle();
+        if (work) last_work = Clock::now();  // the window opens when the work is done (the next op follows from it)
     }
     shutdown();
     return 0;

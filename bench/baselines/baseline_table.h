@@ -6,11 +6,20 @@
 #include <chrono>
 #include <cstdio>
 #include <string>
+#include <thread>
 
 #include "bench/bench_data.h"
 #include "common/units.h"
 
 namespace ringd::bench {
+
+// Before each size's timed loop every system leaves its links idle for this long, then passes a
+// barrier. An emulated link (tc tbf, bench/cluster --rate) turns idle time into a burst of up to
+// its bucket (1 MB at 2 Gbit/s: 4 ms of the rate), so a loop that started after a longer pause
+// (a slower barrier) would get more of its bytes through for free; this way every system's
+// timed loop starts with full buckets and its ranks together.
+constexpr auto kIdleBeforeTiming = std::chrono::milliseconds(10);
+inline void idle_links() { std::this_thread::sleep_for(kIdleBeforeTiming); }
 
 struct Sweep {
     uint64_t min_bytes = 4096, max_bytes = 64 << 20;
@@ -65,7 +74,7 @@ constexpr size_t kOpOffset = kGuardBytes;
 inline size_t buffer_bytes(const Sweep &s) { return s.max_bytes + 2 * kGuardBytes; }
 
 // The whole sweep on the op at `base` + kOpOffset (a buffer of buffer_bytes(s)): for each size,
-// fill (and the guards), warm up, barrier, time `iters` allreduces, then check on fresh data
+// fill (and the guards), warm up, idle the links, barrier, time `iters` allreduces, then check on fresh data
 // (untimed) — this rank's values and the guard bytes around the op, after the timed ops too.
 // Rank 0 prints the table (its own count in #wrong); every rank prints its verdict. Returns this
 // rank's wrong values plus damaged guard bytes.
@@ -85,6 +94,7 @@ uint64_t run_sweep(const Sweep &s, const char *system, int rank, int size, void 
         const GuardedRange range{kOpOffset, count, buffer_bytes(s), DType::F32, mix64(r * 0x10001 + bytes)};
         range.prepare(base, r);
         for (int i = 0; i < std::max(1, s.warmup); ++i) allreduce(count);
+        idle_links();
         barrier();
         const auto t0 = std::chrono::steady_clock::now();
         for (int i = 0; i < s.iters; ++i) allreduce(count);

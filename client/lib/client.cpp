@@ -10,6 +10,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <charconv>
 #include <chrono>
 #include <cstdio>
@@ -103,22 +104,20 @@ int ringd_client::wait(Ticket &t, int timeout_ms) {
     const auto deadline = until_contract ? contract : start + std::chrono::milliseconds(timeout_ms);
     const bool spin = spin_skip == 0;
     if (!spin) --spin_skip;
-    const auto spin_until = spin ? start + kSpin : Clock::time_point{};
+    const auto spin_until = spin ? std::min(start + kSpin, deadline) : Clock::time_point{};
     bool blocked = false;
     for (;;) {
         // Once dead, only results that arrived before count (a late one is not trusted).
         if (!dead) drain_completions();
         if (t.state == TicketState::Done) {
-            if (spin) spin_skip = blocked ? kSpinBackoff : 0;
+            // A yield that gave the core away for a whole time slice (another thread of the
+            // trainer computing on it) overshoots the window: in vain too, though it never blocked.
+            if (spin) spin_skip = blocked || Clock::now() > spin_until + kSpin ? kSpinBackoff : 0;
             return finish(t);
         }
         if (dead) return still_dead();
         if (Clock::now() < spin_until) {
-            // Another look after the scheduler had a chance to run what else is runnable (ringd,
-            // the other trainers): no core is held from them, and a result that comes within
-            // kSpin costs no wake-up, which on shared or virtualised cores takes longer than a
-            // small op itself.
-            ::sched_yield();
+            ::sched_yield();  // whatever else is runnable goes first (docs/design.md, Threads)
             continue;
         }
         pollfd p[2] = {{completion.get(), POLLIN, 0}, {sock.get(), POLLIN, 0}};

@@ -18,10 +18,13 @@ using namespace ringd;
 namespace ringd_client_detail {
 
 constexpr auto kConnectTimeout = std::chrono::seconds(10);
-constexpr auto kSpin = std::chrono::microseconds(100);   // look again (yielding) this long before blocking
-// After a wait that spun in vain (ops take longer than the spin: several hosts, big buffers),
-// this many waits block at once, leaving the core to the daemon and other trainers; then
-// spinning is tried again, so the client follows the op latency both ways.
+// A wait looks at the completion queue again, yielding the core between looks, this long
+// before it blocks on the eventfd: a result within it costs no wake-up.
+constexpr auto kSpin = std::chrono::microseconds(100);
+// After a wait that looked in vain (ops take longer than that: several hosts, big buffers; or a
+// yield that lost the core for a time slice), this many waits block at once, leaving the core to
+// the daemon and other trainers; then looking again is tried, so the client follows the op
+// latency both ways.
 constexpr int kSpinBackoff = 15;
 // ringd ends every accepted op within timeouts.op of its submission plus a little: its
 // end-to-end deadline, then up to 1 s of grace for the coordinator's decision and a 100 ms tick,

@@ -149,13 +149,15 @@ void ControlPlane::set_state(uint32_t peer, const std::string &state) {
     p.state = state;
 }
 
-void ControlPlane::on_ready() {
+bool ControlPlane::on_ready() {
+    const size_t queued = events_.size();
     epoll_event events[32];
     const int n = ::epoll_wait(epoll_.get(), events, 32, 0);
     for (int i = 0; i < n; ++i) {
         if (events[i].data.u64 == kListenerId) accept_all();
         else on_conn(events[i].data.u64, events[i].events);
     }
+    return events_.size() != queued;
 }
 
 void ControlPlane::accept_all() {
@@ -344,8 +346,10 @@ void ControlPlane::on_conn(uint64_t id, uint32_t events) {
                 return peer_failed(c.peer, "control frame from " + peers_[c.peer].host.name + ": " + ok.error().message);
             }
         peers_[c.peer].last_heard = Clock::now();
-        if ((*f)->type == proto::FrameType::Heartbeat)
+        if ((*f)->type == proto::FrameType::Heartbeat) {  // nothing in it for the domain: last_heard is all
             if (auto h = proto::decode_heartbeat((*f)->payload); !h) return peer_failed(c.peer, h.error().message);
+            continue;
+        }
         if ((*f)->type == proto::FrameType::RingAbort) {
             auto a = proto::decode_ring_abort((*f)->payload);
             if (!a) return peer_failed(c.peer, a.error().message);

@@ -88,7 +88,8 @@ public:
     ~ControlPlane();
 
     int fd() const { return epoll_.get(); }  // readable when on_ready() has work
-    void on_ready();
+    // Reads what came in; true when it queued an event for the owner (a heartbeat queues none).
+    bool on_ready();
     // Runs the callbacks of the events queued since the last call, in order (including those of
     // events the callbacks cause). Returns whether there were any.
     bool dispatch();

@@ -91,7 +91,7 @@ public:
     // One step of the daemon's settle(): reports, frames to this host's own coordinator, the
     // control plane's events. Returns whether anything moved.
     bool settle_step();
-    void on_control_ready() { control_->on_ready(); }
+    bool on_control_ready() { return control_->on_ready(); }  // true: something for settle_step()
     void on_engine_results(uint32_t lane);
     void tick(Clock::time_point now);
     void shutdown();
