@@ -216,7 +216,7 @@ int Daemon::run() {
 void Daemon::settle() {
     constexpr int kRounds = 64;  // anything left goes on at the next tick
     for (int round = 0; round < kRounds; ++round) {
-        // This host's own work first (as it came in), then what the peers sent meanwhile.
+        // This host's new work, then each domain's step (the peers' frames, then its reports).
         bool moved = gateway_->take_held_submissions();
         moved |= complete_and_start();
         // Index, not iterator: a domain's step may make another (a peer dialed in for it).

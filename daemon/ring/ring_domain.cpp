@@ -553,12 +553,16 @@ void RingDomain::expire_host_ops(Clock::time_point now) {
     }
 }
 
-// A step of the daemon's settle(): this host's reports, the frames it sent itself, then what
-// the peers sent meanwhile.
+// A step of the daemon's settle(): what the peers sent, then this host's reports, then the
+// frames it sent itself. Peers first: a decision that is here already (the coordinator's OpFail
+// for an op whose deadline passed) must be known before this host's ranks' late op is reported,
+// or the op would complete here on the data the other hosts sent before it failed there. The
+// coordinator sends its decisions before its own host's ranks hear of them, so a late op that
+// follows from them finds them here.
 bool RingDomain::settle_step() {
-    bool moved = coord_known_ && flush_reports_now();
+    bool moved = control_->dispatch();
+    moved |= coord_known_ && flush_reports_now();
     moved |= deliver_self_frames();
-    moved |= control_->dispatch();
     return moved;
 }
 
