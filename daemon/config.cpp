@@ -1,5 +1,7 @@
 #include "daemon/config.h"
 
+#include <arpa/inet.h>
+
 #include <algorithm>
 #include <cctype>
 
@@ -123,7 +125,7 @@ void parse_hosts(const YAML::Node &n, Config &c) {
 Config parse_root(const YAML::Node &root) {
     Config c;
     check_keys(root, "", {"cluster", "hosts", "transport", "tcp", "ibverbs", "socket", "socket_group", "allow_uids",
-                          "allow_gids", "memory", "limits", "timeouts", "poll", "tuning", "auth", "cuda", "log"});
+                          "allow_gids", "memory", "limits", "timeouts", "poll", "tuning", "auth", "cuda", "log", "metrics"});
     if (!root["cluster"]) fail("cluster", "missing (a name shared by every host of the ring)");
     c.cluster = scalar(root["cluster"], "cluster");
     if (c.cluster.empty()) fail("cluster", "is empty");
@@ -253,6 +255,27 @@ Config parse_root(const YAML::Node &root) {
         fail("auth.secret_file", "missing: the daemons of a ring of several hosts authenticate each other with a "
                                  "shared secret (e.g. openssl rand -hex 32 > /etc/ringd/secret, mode 0640, group ringd); "
                                  "auth.insecure: true runs without one");
+    if (auto n = root["metrics"]) {
+        check_keys(n, "metrics", {"listen"});
+        if (n["listen"]) {
+            const std::string l = scalar(n["listen"], "metrics.listen");
+            if (!l.empty()) {
+                const auto colon = l.rfind(':');
+                std::string addr = colon == std::string::npos ? std::string() : l.substr(0, colon);
+                const std::string port = colon == std::string::npos ? std::string() : l.substr(colon + 1);
+                const bool v6 = addr.size() > 2 && addr.front() == '[' && addr.back() == ']';
+                if (v6) addr = addr.substr(1, addr.size() - 2);
+                unsigned char buf[16];
+                const bool addr_ok = ::inet_pton(v6 ? AF_INET6 : AF_INET, addr.c_str(), buf) == 1;
+                const bool port_ok = !port.empty() && port.size() <= 5 &&
+                                     port.find_first_not_of("0123456789") == std::string::npos && std::stoul(port) <= 65535;
+                if (!addr_ok || !port_ok)
+                    fail("metrics.listen", "must be ADDRESS:PORT with an IPv4 address or a bracketed IPv6 one "
+                                           "(e.g. 127.0.0.1:9465 or [::1]:9465), got \"" + l + "\"");
+            }
+            c.metrics.listen = l;
+        }
+    }
     if (auto n = root["log"]) {
         check_keys(n, "log", {"level"});
         if (n["level"]) c.log_level = get_choice(n["level"], "log.level", {"trace", "debug", "info", "warn", "error"});

@@ -63,6 +63,11 @@ struct Config {
         std::chrono::milliseconds connect{60'000};
         std::chrono::milliseconds heartbeat{1'000};
     } timeouts;
+    // metrics.listen: "ADDRESS:PORT" (IPv4, or [IPv6]) where /metrics serves Prometheus text;
+    // empty: off. Port 0: any free one (status "metrics" says which).
+    struct Metrics {
+        std::string listen;
+    } metrics;
     PollMode poll = PollMode::Adaptive;
     // The algorithm per op size (daemon/engine/tuner.h): ops up to direct_max_bytes may go by
     // direct exchange instead of the ring, when the cost model, fed the hop latency and the

@@ -20,7 +20,7 @@
 namespace ringd {
 namespace {
 
-enum Kind : uint32_t { kListener = 1, kSignal, kTimer, kEngine, kClientSock, kClientDoorbell, kControl, kRingEngine, kCuda };
+enum Kind : uint32_t { kListener = 1, kSignal, kTimer, kEngine, kClientSock, kClientDoorbell, kControl, kRingEngine, kCuda, kMetrics };
 
 constexpr uint64_t tag(Kind k, MemberId id = 0) { return (uint64_t{k} << 32) | id; }
 constexpr auto kTick = std::chrono::milliseconds(100);
@@ -126,6 +126,12 @@ Status Daemon::setup() {
     if (cuda_)
         if (auto s = epoll_add(epoll_.get(), cuda_->event_fd(), tag(kCuda)); !s) return s;
 
+    if (!config_.metrics.listen.empty()) {
+        auto m = MetricsServer::start(config_.metrics.listen);
+        if (!m) return m.error();
+        metrics_ = std::move(*m);
+        if (auto s = epoll_add(epoll_.get(), metrics_->event_fd(), tag(kMetrics)); !s) return s;
+    }
     if (::sd_watchdog_enabled(0, &watchdog_usec_) <= 0) watchdog_usec_ = 0;
     return Ok{};
 }
@@ -135,6 +141,7 @@ int Daemon::run() {
     spdlog::info("ringd {} host {} listening on {} (transport {}, {} max slots of up to {} bytes)", RINGD_VERSION,
                  host_, config_.socket, transport_->name(), config_.memory.max_slots, config_.memory.slot_bytes);
     if (const std::string d = transport_->detail(); !d.empty()) spdlog::info("transport {}: {}", transport_->name(), d);
+    if (metrics_) spdlog::info("metrics at http://{}:{}/metrics", metrics_->address(), metrics_->port());
     ::sd_notify(0, "READY=1\nSTATUS=listening");
     if (cuda_) {
         const auto st = cuda_->status();
@@ -169,7 +176,7 @@ int Daemon::run() {
         for (int i = 0; i < n && running_; ++i) {
             const auto kind = static_cast<Kind>(events[i].data.u64 >> 32);
             const auto id = static_cast<MemberId>(events[i].data.u64 & 0xffffffffu);
-            work |= kind != kTimer && kind != kSignal && kind != kControl;
+            work |= kind != kTimer && kind != kSignal && kind != kControl && kind != kMetrics;
             switch (kind) {
             case kListener: gateway_->on_accept(); break;
             case kSignal: {
@@ -187,6 +194,7 @@ int Daemon::run() {
             case kClientSock: gateway_->on_readable(id); break;
             case kClientDoorbell: gateway_->on_doorbell(id); break;
             case kCuda: gateway_->on_cuda_events(); break;
+            case kMetrics: metrics_->answer([this] { return metrics_text(); }); break;
             case kControl:
                 if (domains_.at(id)) work |= domains_[id]->on_control_ready();
                 break;
@@ -256,6 +264,7 @@ bool Daemon::complete_and_start() {
             groups_.finished(run.op_id, -EIO, "group " + run.group + ": no ring domain for its hosts", done_);
             continue;
         }
+        groups_.set_algorithm(run.op_id, "local");
         EngineWork w;
         w.op_id = run.op_id;
         w.dtype = run.dtype;
@@ -323,6 +332,7 @@ void Daemon::on_timer() {
 
 
 void Daemon::record_error(const std::string &message) {
+    ++errors_recorded_;
     recent_errors_.push_back({std::chrono::system_clock::now(), message});
     while (recent_errors_.size() > kRecentErrors) recent_errors_.pop_front();
 }
@@ -330,6 +340,7 @@ void Daemon::record_error(const std::string &message) {
 void Daemon::shutdown() {
     spdlog::info("shutting down");
     ::sd_notify(0, "STOPPING=1");
+    metrics_.reset();  // a scrape waiting for this loop gets its 503 now
     gateway_->begin_shutdown();
     groups_.fail_everything("ringd is shutting down", done_);
     settle();

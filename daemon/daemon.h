@@ -36,6 +36,7 @@
 #include "daemon/ipc/client_conn.h"
 #include "daemon/ops/host_ops.h"
 #include "daemon/ring/ring_domain.h"
+#include "daemon/status/metrics_server.h"
 #include "daemon/transport/transport.h"
 
 namespace ringd {
@@ -62,6 +63,8 @@ private:
     // The status document as `viewer` (a uid) may see it: other uids' groups are left out for
     // anyone but root (their names would let a uid join them on a host where they are not yet).
     std::string status_json(uint32_t viewer = 0) const;
+    // The Prometheus text /metrics serves (daemon/status/metrics.cpp): a view of status_json(0).
+    std::string metrics_text() const;
 
     // Ring domains (daemon/ring/ring_domain.h).
     Status setup_ring();
@@ -100,6 +103,7 @@ private:
         std::string message;
     };
     std::deque<RecentError> recent_errors_;
+    uint64_t errors_recorded_ = 0;  // every record_error(), recent_errors_ keeps the last ones
     bool running_ = true;
 
     uint32_t self_index_ = 0;
@@ -115,6 +119,9 @@ private:
     // Several hosts: [0] is the whole ring; the others are made as groups over part of it come,
     // at most limits.ring_domains in all (null: one let go, its place free again).
     std::vector<std::unique_ptr<RingDomain>> domains_;
+    // metrics.listen's endpoint (null: off). Its thread reads nothing of the daemon: it asks this
+    // loop for the text (MetricsServer::answer).
+    std::unique_ptr<MetricsServer> metrics_;
     // Last: the progress thread stops (and drops its references to slots and links) before
     // anything above goes away.
     std::unique_ptr<ProgressEngine> engine_;

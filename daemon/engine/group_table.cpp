@@ -1,5 +1,7 @@
 #include "daemon/engine/group_table.h"
 
+#include <set>
+
 #include "proto/peer.h"
 
 #include <algorithm>
@@ -78,6 +80,7 @@ void GroupTable::fail_seq(Group &g, uint64_t seq, int32_t code, const std::strin
     }
     ++g.ops_failed;
     ++totals_.ops_failed;
+    count_failed_unstarted(g);
     failures_.push_back({g.name, g.local_id, seq, code, message, g.hosts});
     if (std::count(f.told.begin(), f.told.end(), true) == static_cast<long>(g.local_size)) return;
     g.failed[seq] = std::move(f);
@@ -104,6 +107,7 @@ void GroupTable::submit(MemberId id, const proto::Submission &s, Clock::time_poi
             g.last_refused_seq = s.seq;
             ++g.ops_failed;
             ++totals_.ops_failed;
+            count_failed_unstarted(g);
             failures_.push_back({g.name, g.local_id, s.seq, -ECONNABORTED, at + g.broken, g.hosts});
         }
         return;
@@ -153,7 +157,7 @@ void GroupTable::submit(MemberId id, const proto::Submission &s, Clock::time_poi
         run.members.push_back(*g.members[r]);
         run.offsets.push_back(p.by_rank[r]->offset);
     }
-    g.running[run.op_id] = Running{s.seq, s.bytes, run.members, {}};
+    g.running[run.op_id] = Running{s.seq, s.bytes, run.members, {}, g.name, "none", p.deadline - op_timeout_};
     g.pending.erase(pit);
     ready.push_back(std::move(run));
 }
@@ -216,6 +220,9 @@ void GroupTable::expire(Clock::time_point now, std::vector<Completion> &out) {
                      out);
         }
     }
+    std::set<std::string> live;
+    for (const auto &[name, g] : groups_) live.insert(name);
+    metrics_.forget_gone(live, now);
 }
 
 std::optional<Clock::time_point> GroupTable::next_deadline() const {
@@ -226,9 +233,24 @@ std::optional<Clock::time_point> GroupTable::next_deadline() const {
     return best;
 }
 
-void GroupTable::finished(uint64_t op_id, int32_t status, const std::string &message, std::vector<Completion> &out) {
+void GroupTable::count_ended(const Running &r, bool ok, Clock::time_point now) {
+    metrics_.ended(r.group, r.algorithm, ok, r.bytes, std::chrono::duration<double>(now - r.submitted).count(), now);
+}
+
+void GroupTable::set_algorithm(uint64_t op_id, const char *algorithm) {
+    if (auto d = draining_.find(op_id); d != draining_.end()) d->second.algorithm = algorithm;
+    for (auto &[name, g] : groups_)
+        if (auto it = g.running.find(op_id); it != g.running.end()) {
+            it->second.algorithm = algorithm;
+            return;
+        }
+}
+
+void GroupTable::finished(uint64_t op_id, int32_t status, const std::string &message, std::vector<Completion> &out,
+                          Clock::time_point now) {
     if (auto d = draining_.find(op_id); d != draining_.end()) {  // its ranks are gone: nobody to tell
         ++totals_.ops_failed;
+        count_ended(d->second, false, now);
         draining_.erase(d);
         return;
     }
@@ -241,6 +263,7 @@ void GroupTable::finished(uint64_t op_id, int32_t status, const std::string &mes
         const std::string msg = !r.failure.empty() ? r.failure : message;
         const int32_t code = ok ? 0 : (status != 0 ? status : -ECONNABORTED);
         for (MemberId m : r.members) out.push_back({m, r.seq, code, ok ? std::string() : msg});
+        count_ended(r, ok, now);
         if (ok) {
             ++g.ops_completed;
             g.bytes_reduced += r.bytes;

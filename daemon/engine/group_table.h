@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "daemon/status/op_metrics.h"
 #include "proto/result.h"
 #include "proto/slot.h"
 
@@ -100,7 +101,13 @@ public:
     // Earliest deadline of any pending op, for the caller's timer.
     std::optional<Clock::time_point> next_deadline() const;
     // The engine finished op_id. Success is reported only if the group did not break meanwhile.
-    void finished(uint64_t op_id, int32_t status, const std::string &message, std::vector<Completion> &out);
+    // `now` times the op for the metrics (its first local submission to now).
+    void finished(uint64_t op_id, int32_t status, const std::string &message, std::vector<Completion> &out,
+                  Clock::time_point now = Clock::now());
+    // The path a running op takes ("local", "ring", "one-shot", "two-shot"), for the metrics; an
+    // op that ends without one counts as "none".
+    void set_algorithm(uint64_t op_id, const char *algorithm);
+    const OpMetrics &op_metrics() const { return metrics_; }
     // Shutdown: every pending and running op fails with `message`.
     void fail_everything(const std::string &message, std::vector<Completion> &out);
 
@@ -133,6 +140,9 @@ private:
         uint64_t bytes = 0;
         std::vector<MemberId> members;
         std::string failure;  // set when the group broke while the op ran
+        std::string group;
+        const char *algorithm = "none";  // set_algorithm()
+        Clock::time_point submitted;     // its first local submission
     };
     // An op that already failed; ranks that submit it late get the same error.
     struct Failed {
@@ -161,6 +171,8 @@ private:
     };
 
     void fail_seq(Group &g, uint64_t seq, int32_t code, const std::string &message, std::vector<Completion> &out);
+    void count_failed_unstarted(const Group &g) { metrics_.ended(g.name, "none", false, 0, -1, Clock::now()); }
+    void count_ended(const Running &r, bool ok, Clock::time_point now);
     std::string who(uint32_t rank) const { return "host " + host_ + " local rank " + std::to_string(rank); }
 
     std::string host_;
@@ -173,6 +185,7 @@ private:
     uint64_t next_op_id_ = 1;
     uint64_t next_local_id_ = 1;
     Totals totals_;
+    OpMetrics metrics_;
     std::vector<LocalFailure> failures_;
 };
 

@@ -299,6 +299,7 @@ bool RingDomain::flush_reports_now() {
             const uint64_t bytes = op.run.count * dtype_size(op.run.dtype);
             const Algorithm algorithm =
                 choose_algorithm(bytes, static_cast<uint32_t>(config_.hosts.size()), config_.tuning);
+            if (op.status == 0) sh_.groups->set_algorithm(op.run.op_id, algorithm_name(algorithm));
             if (op.status == 0 && algorithm != Algorithm::Ring) {
                 if (std::string why = exchange_->send_over_bound(r, op.run.dtype, op.run.op, algorithm); !why.empty()) {
                     // Reported as this host's failure: it fails on every host, named.
@@ -631,7 +632,9 @@ nlohmann::json RingDomain::status() const {
         const auto &p = peers[i];
         json m = {{"name", p.name}, {"address", p.address}, {"port", p.port}, {"self", p.self},
                   {"link", p.self ? "self" : p.control}, {"last_error", p.last_error},
-                  {"last_heard_s", p.last_heard_s}, {"next", i == next}, {"prev", i == prev}};
+                  {"last_heard_s", p.last_heard_s}, {"next", i == next}, {"prev", i == prev},
+                  // Control frames (heartbeats, reports, small ops' data) its socket has not taken yet.
+                  {"backlog_bytes", p.self ? 0 : control_->queued_bytes(i)}};
         if (i == next) m["data_out"] = {{"bytes", bytes_to_next()}, {"rate_Bps", rate_next_}};
         if (i == prev) m["data_in"] = {{"bytes", bytes_from_prev()}, {"rate_Bps", rate_prev_}};
         members.push_back(std::move(m));

@@ -97,6 +97,12 @@ std::string Daemon::status_json(uint32_t viewer) const {
     for (const auto &e : recent_errors_)
         errors.push_back({{"age_s", std::chrono::duration<double>(wall - e.when).count()}, {"message", e.message}});
     j["recent_errors"] = errors;
+    j["errors_recorded"] = errors_recorded_;
+    // metrics.listen: where /metrics serves (port: the one bound, also for port 0).
+    j["metrics"] = metrics_ ? json{{"listen", config_.metrics.listen}, {"address", metrics_->address()},
+                                   {"port", metrics_->port()}, {"scrapes", metrics_->scrapes()},
+                                   {"unanswered", metrics_->unanswered()}}
+                            : json{{"listen", ""}};
 #ifdef RINGD_HAVE_CUDA
     constexpr bool built = true;
 #else

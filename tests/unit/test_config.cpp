@@ -158,3 +158,22 @@ TEST_CASE("sizes and durations", "[config]") {
     CHECK(format_bytes(256u << 20) == "256 MiB");
     CHECK(format_bytes(1536) == "1.5 KiB");
 }
+
+TEST_CASE("metrics.listen: off by default, ADDRESS:PORT with an IPv4 or bracketed IPv6 address", "[config]") {
+    auto c = parse_config(kBase);
+    REQUIRE(c.ok());
+    CHECK(c->metrics.listen.empty());
+    for (const std::string ok : {"127.0.0.1:9465", "0.0.0.0:0", "[::1]:9465", "[::]:65535"}) {
+        INFO(ok);
+        auto m = parse_config(kBase + "metrics: {listen: \"" + ok + "\"}\n");
+        REQUIRE(m.ok());
+        CHECK(m->metrics.listen == ok);
+    }
+    CHECK(parse_config(kBase + "metrics: {listen: \"\"}\n")->metrics.listen.empty());
+    for (const std::string bad : {"127.0.0.1", "localhost:9465", "::1:9465", "127.0.0.1:65536", "127.0.0.1:", ":9465",
+                                  "127.0.0.1:94x5", "[::1:9465", "1.2.3:80", "127.0.0.1:099999"}) {
+        INFO(bad);
+        CHECK_THAT(error_of(kBase + "metrics: {listen: \"" + bad + "\"}\n"), Catch::StartsWith("metrics.listen:"));
+    }
+    CHECK_THAT(error_of(kBase + "metrics: {port: 9465}\n"), Catch::StartsWith("metrics.port: unknown key"));
+}

@@ -1,0 +1,111 @@
+#include "daemon/status/metrics_server.h"
+
+#include <arpa/inet.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <httplib.h>
+#include <spdlog/spdlog.h>
+
+#include "common/fd_io.h"
+
+namespace ringd {
+namespace {
+
+// "ADDRESS:PORT" with an IPv4 address or a bracketed IPv6 one, as config.cpp checked it.
+bool split_listen(const std::string &listen, std::string &address, int &port) {
+    const auto colon = listen.rfind(':');
+    if (colon == std::string::npos || colon == 0) return false;
+    address = listen.substr(0, colon);
+    if (address.size() > 2 && address.front() == '[' && address.back() == ']') address = address.substr(1, address.size() - 2);
+    try {
+        size_t used = 0;
+        port = std::stoi(listen.substr(colon + 1), &used);
+        if (used != listen.size() - colon - 1) return false;
+    } catch (const std::exception &) {
+        return false;
+    }
+    return port >= 0 && port <= 65535;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<MetricsServer>> MetricsServer::start(const std::string &listen) {
+    std::unique_ptr<MetricsServer> m(new MetricsServer());
+    int port = 0;
+    if (!split_listen(listen, m->address_, port))
+        return make_error(-EINVAL, "metrics.listen: \"" + listen + "\" is not ADDRESS:PORT");
+    m->wake_ = UniqueFd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
+    if (!m->wake_) return make_error(-errno, "metrics: eventfd: " + errno_string(errno));
+    m->server_ = std::make_unique<httplib::Server>();
+    auto &svr = *m->server_;
+    svr.new_task_queue = [] { return new httplib::ThreadPool(2); };
+    svr.set_read_timeout(5, 0);
+    svr.set_write_timeout(5, 0);
+    svr.set_keep_alive_timeout(5);
+    svr.set_keep_alive_max_count(100);
+    svr.set_payload_max_length(4096);
+    MetricsServer *self = m.get();
+    svr.Get("/metrics", [self](const httplib::Request &, httplib::Response &res) {
+        std::string text;
+        if (!self->fetch(text)) {
+            res.status = 503;
+            res.set_content("ringd's control thread did not answer within 2 s (or ringd is stopping)\n", "text/plain");
+            return;
+        }
+        res.set_content(text, "text/plain; version=0.0.4; charset=utf-8");
+    });
+    svr.Get("/", [](const httplib::Request &, httplib::Response &res) {
+        res.set_content("ringd: metrics at /metrics\n", "text/plain");
+    });
+    if (port == 0) {
+        const int p = svr.bind_to_any_port(m->address_);
+        if (p <= 0) return make_error(-EADDRNOTAVAIL, "metrics.listen " + listen + ": cannot bind");
+        m->port_ = static_cast<uint16_t>(p);
+    } else {
+        if (!svr.bind_to_port(m->address_, port))
+            return make_error(-EADDRINUSE, "metrics.listen " + listen + ": cannot bind (in use, or no such address here)");
+        m->port_ = static_cast<uint16_t>(port);
+    }
+    m->thread_ = std::thread([self] {
+        if (!self->server_->listen_after_bind()) spdlog::error("metrics endpoint stopped serving");
+    });
+    return m;
+}
+
+MetricsServer::~MetricsServer() {
+    {
+        std::lock_guard lock(mu_);
+        stopping_ = true;
+        cv_.notify_all();
+    }
+    if (server_) server_->stop();
+    if (thread_.joinable()) thread_.join();
+}
+
+bool MetricsServer::fetch(std::string &text) {
+    std::unique_lock lock(mu_);
+    ++scrapes_;
+    const uint64_t mine = ++asked_;
+    const uint64_t one = 1;
+    (void)!::write(wake_.get(), &one, sizeof one);
+    const bool answered = cv_.wait_for(lock, kAnswerWithin, [&] { return answered_ >= mine || stopping_; });
+    if (!answered || stopping_) {
+        ++unanswered_;
+        return false;
+    }
+    text = text_;
+    return true;
+}
+
+uint64_t MetricsServer::scrapes() const {
+    std::lock_guard lock(mu_);
+    return scrapes_;
+}
+
+uint64_t MetricsServer::unanswered() const {
+    std::lock_guard lock(mu_);
+    return unanswered_;
+}
+
+}  // namespace ringd
