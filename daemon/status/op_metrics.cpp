@@ -16,8 +16,8 @@ void OpMetrics::ended(const std::string &group, const std::string &algorithm, bo
         }
     }
     last_seen_[group] = now;
+    if (seconds < 0) return;  // not timed
     Histogram &h = durations_[algorithm];
-    seconds = std::max(seconds, 0.0);
     const auto at = std::lower_bound(kBuckets.begin(), kBuckets.end(), seconds) - kBuckets.begin();
     ++h.counts[static_cast<size_t>(at)];
     h.sum += seconds;

@@ -40,7 +40,8 @@ public:
 
     // An op of `group` ended: `algorithm` is the path it took ("local", "ring", "one-shot",
     // "two-shot"; "none" for an op that failed before one was chosen), `seconds` from its first
-    // local submission to its end, `bytes` what one rank contributed (counted on success only).
+    // local submission to its end (negative: not timed, e.g. an op that never took a path),
+    // `bytes` what one rank contributed (counted on success only).
     void ended(const std::string &group, const std::string &algorithm, bool ok, uint64_t bytes, double seconds,
                Clock::time_point now);
     // Drops the series of groups that are not in `live` and have been gone for kKeepGone.

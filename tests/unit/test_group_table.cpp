@@ -1,6 +1,8 @@
 // GroupTable: matching of submissions across local ranks, mismatches, timeouts, departures.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
+
 #include "daemon/engine/group_table.h"
 
 using namespace ringd;
@@ -149,4 +151,67 @@ TEST_CASE_METHOD(Fixture, "shutdown fails everything", "[group]") {
     table.fail_everything("ringd is shutting down", out);
     REQUIRE(out.size() == 3);
     for (const auto &c : out) CHECK(c.message == "ringd is shutting down");
+}
+
+TEST_CASE_METHOD(Fixture, "every op that ends is counted for the metrics by group and algorithm, and timed", "[group][metrics]") {
+    REQUIRE(table.join(1, "g", 0, 1, 0).ok());
+    // A ring op that takes 30 ms from its submission, a local one that fails after 3 s, and one
+    // that fails while matching (a mismatch cannot happen with one rank: a timeout does).
+    table.submit(1, sub(1, 16), t0, out, ready);
+    REQUIRE(ready.size() == 1);
+    table.set_algorithm(ready[0].op_id, "ring");
+    table.finished(ready[0].op_id, 0, "", out, t0 + milliseconds(30));
+    table.submit(1, sub(2, 16), t0, out, ready);
+    REQUIRE(ready.size() == 2);
+    table.set_algorithm(ready[1].op_id, "local");
+    table.finished(ready[1].op_id, -EIO, "boom", out, t0 + milliseconds(3000));
+    const OpMetrics &m = table.op_metrics();
+    CHECK(m.series().at({"g", "ring"}).completed == 1);
+    CHECK(m.series().at({"g", "ring"}).bytes == 64);
+    CHECK(m.series().at({"g", "local"}).failed == 1);
+    CHECK(m.series().at({"g", "local"}).bytes == 0);
+    const auto &ring = m.durations().at("ring");
+    CHECK(ring.count == 1);
+    CHECK(ring.sum == Approx(0.030));
+    // 30 ms lands in the (0.025, 0.05] bucket.
+    const size_t at = static_cast<size_t>(std::find(OpMetrics::kBuckets.begin(), OpMetrics::kBuckets.end(), 0.05) -
+                                          OpMetrics::kBuckets.begin());
+    CHECK(ring.counts[at] == 1);
+    CHECK(m.durations().at("local").counts[OpMetrics::kBuckets.size() - 2] == 1);  // (2.5, 10]
+
+    // An op an unsubmitted rank holds up fails when its deadline passes: "none" (no path taken),
+    // counted, not timed.
+    REQUIRE(table.join(2, "h", 0, 2, 0).ok());
+    table.submit(2, sub(1, 16), t0, out, ready);
+    table.expire(t0 + milliseconds(1500), out);
+    CHECK(m.series().at({"h", "none"}).failed == 1);
+    CHECK_FALSE(m.durations().count("none"));
+    CHECK(m.totals().at("ring").completed == 1);
+}
+
+TEST_CASE("a gone group's metrics series are dropped after 10 minutes, a live one's never", "[metrics]") {
+    OpMetrics m;
+    const auto t0 = OpMetrics::Clock::now();
+    m.ended("live", "ring", true, 8, 0.001, t0);
+    m.ended("gone", "ring", true, 8, 0.001, t0);
+    m.forget_gone({"live"}, t0 + std::chrono::minutes(9));
+    CHECK(m.series().count({"gone", "ring"}) == 1);
+    m.forget_gone({"live"}, t0 + std::chrono::minutes(11));
+    CHECK(m.series().count({"gone", "ring"}) == 0);
+    CHECK(m.series().count({"live", "ring"}) == 1);
+    CHECK(m.totals().at("ring").completed == 2);  // the totals keep every op
+    // Past kMaxGroups the longest-idle gone groups go first, whatever their age.
+    for (size_t i = 0; i < OpMetrics::kMaxGroups + 10; ++i)
+        m.ended("job" + std::to_string(i), "ring", true, 8, 0.001, t0 + std::chrono::minutes(11) + std::chrono::seconds(i));
+    m.forget_gone({"live"}, t0 + std::chrono::minutes(11) + std::chrono::seconds(OpMetrics::kMaxGroups + 10));  // none 10 min old
+    size_t groups = 0;
+    std::string last;
+    for (const auto &[key, s] : m.series())
+        if (key.first != last) ++groups, last = key.first;
+    CHECK(groups == OpMetrics::kMaxGroups);
+    CHECK(m.series().count({"live", "ring"}) == 1);
+    CHECK(m.series().count({"job0", "ring"}) == 0);
+    CHECK(m.series().count({"job10", "ring"}) == 0);
+    CHECK(m.series().count({"job11", "ring"}) == 1);
+    CHECK(m.series().count({"job" + std::to_string(OpMetrics::kMaxGroups + 9), "ring"}) == 1);
 }
