@@ -63,7 +63,18 @@ void print_status(const nlohmann::json &j) {
         if (ring.at("members").size() > 1)
             std::printf("  ops by algorithm: ring %llu, one-shot %llu, two-shot %llu\n", ring.value("ops_ring", 0ull),
                         ring.value("ops_one_shot", 0ull), ring.value("ops_two_shot", 0ull));
-        std::printf("  %-16s %-22s %-12s %-34s %s\n", "HOST", "ADDRESS", "CONTROL", "DATA", "LAST ERROR");
+        if (ring.contains("coordinator")) {
+            const json &c = ring.at("coordinator");
+            std::printf("  coordinator: %s%s\n", c.at("host").get<std::string>().c_str(), c.value("here", false) ? " (this host)" : "");
+            for (const auto &w : c.value("joins_waiting", json::array())) {
+                std::string joined, missing;
+                for (const auto &h : w.at("joined")) joined += (joined.empty() ? "" : ",") + h.get<std::string>();
+                for (const auto &h : w.at("missing")) missing += (missing.empty() ? "" : ",") + h.get<std::string>();
+                std::printf("    group %s: its next incarnation waits for host(s) %s to join (joined: %s)\n",
+                            w.at("group").get<std::string>().c_str(), missing.c_str(), joined.c_str());
+            }
+        }
+        std::printf("  %-16s %-22s %-12s %-10s %-34s %s\n", "HOST", "ADDRESS", "CONTROL", "BACKLOG", "DATA", "LAST ERROR");
         for (const auto &m : ring.at("members")) {
             const std::string addr = m.at("address").get<std::string>() + ":" + std::to_string(integer<int>(m.at("port")));
             std::string data;
@@ -76,9 +87,10 @@ void print_status(const nlohmann::json &j) {
             };
             link("data_out", "->");
             link("data_in", "<-");
-            std::printf("  %-16s %-22s %-12s %-34s %s\n", m.at("name").get<std::string>().c_str(), addr.c_str(),
-                        m.at("link").get<std::string>().c_str(), data.empty() ? "-" : data.c_str(),
-                        m.value("last_error", "").c_str());
+            const uint64_t backlog = m.contains("backlog_bytes") ? integer<uint64_t>(m.at("backlog_bytes")) : 0;
+            std::printf("  %-16s %-22s %-12s %-10s %-34s %s\n", m.at("name").get<std::string>().c_str(), addr.c_str(),
+                        m.at("link").get<std::string>().c_str(), backlog ? format_bytes(backlog).c_str() : "-",
+                        data.empty() ? "-" : data.c_str(), m.value("last_error", "").c_str());
         }
     };
     print_ring("ring", j.at("ring"));
@@ -106,6 +118,18 @@ void print_status(const nlohmann::json &j) {
                     integer<unsigned long long>(g.at("ops_completed")), integer<unsigned long long>(g.at("ops_failed")),
                     format_bytes(integer<uint64_t>(g.at("bytes_reduced"))).c_str(), hosts.empty() ? "-" : hosts.c_str());
         if (!g.at("error").get<std::string>().empty()) std::printf("    error: %s\n", g.at("error").get<std::string>().c_str());
+    }
+    // What every op not yet ended waits for, oldest first: the explanation of a stall.
+    const json pending = j.value("pending_ops", json::array());
+    if (!pending.empty()) {
+        const auto total = j.contains("pending_ops_total") ? integer<unsigned long long>(j.at("pending_ops_total")) : pending.size();
+        std::printf("\nops not yet ended: %llu (oldest first%s)\n", total,
+                    total > pending.size() ? (", " + std::to_string(pending.size()) + " shown").c_str() : "");
+        std::printf("  %-16s %8s %-10s %8s  %s\n", "GROUP", "OP", "STATE", "AGE", "WAITING FOR");
+        for (const auto &e : pending)
+            std::printf("  %-16s %8llu %-10s %8s  %s\n", e.at("group").get<std::string>().c_str(),
+                        integer<unsigned long long>(e.at("seq")), e.at("state").get<std::string>().c_str(),
+                        duration(e.at("age_s").get<double>()).c_str(), e.at("waiting_for").get<std::string>().c_str());
     }
     const auto &ops = j.at("ops");
     const auto &mem = j.at("memory");

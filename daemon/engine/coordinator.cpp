@@ -268,4 +268,25 @@ void Coordinator::expire(Clock::time_point now, Decisions &out) {
     }
 }
 
+std::vector<Coordinator::PendingView> Coordinator::pending_view(Clock::time_point now) const {
+    std::vector<PendingView> v;
+    for (const auto &[key, p] : pending_) {
+        PendingView pv{std::get<0>(key), std::get<1>(key), std::get<2>(key), {}, {},
+                       std::chrono::duration<double>(p.deadline - now).count()};
+        for (uint32_t h = 0; h < p.by_host.size(); ++h) (p.by_host[h] ? pv.reported : pv.missing).push_back(h);
+        v.push_back(std::move(pv));
+    }
+    return v;
+}
+
+std::vector<Coordinator::JoinView> Coordinator::joins_view() const {
+    std::vector<JoinView> v;
+    for (const auto &[group, run] : groups_) {
+        JoinView jv{group, {}, {}};
+        for (uint32_t h = 0; h < run.joins.size(); ++h) (run.joins[h] ? jv.joined : jv.missing).push_back(h);
+        if (!jv.joined.empty() && !jv.missing.empty()) v.push_back(std::move(jv));
+    }
+    return v;
+}
+
 }  // namespace ringd

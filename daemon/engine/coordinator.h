@@ -60,6 +60,21 @@ public:
     void expire(Clock::time_point now, Decisions &out);
     size_t pending() const { return pending_.size(); }
 
+    // What the coordinator waits for, for `ringctl status`: ops some hosts reported and others
+    // not yet (host indices), and groups whose next incarnation waits for hosts to join.
+    struct PendingView {
+        std::string group;
+        uint64_t incarnation = 0, seq = 0;
+        std::vector<uint32_t> reported, missing;
+        double fails_in_s = 0;  // until the missing hosts are failed for it
+    };
+    std::vector<PendingView> pending_view(Clock::time_point now) const;
+    struct JoinView {
+        std::string group;
+        std::vector<uint32_t> joined, missing;
+    };
+    std::vector<JoinView> joins_view() const;
+
 private:
     using Key = std::tuple<std::string, uint64_t, uint64_t>;  // group, incarnation, seq
     struct Pending {

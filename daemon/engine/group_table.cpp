@@ -153,11 +153,12 @@ void GroupTable::submit(MemberId id, const proto::Submission &s, Clock::time_poi
     run.dtype = s.dtype;
     run.op = s.op;
     run.deadline = p.deadline;
+    run.submitted = p.deadline - op_timeout_;
     for (uint32_t r = 0; r < g.local_size; ++r) {
         run.members.push_back(*g.members[r]);
         run.offsets.push_back(p.by_rank[r]->offset);
     }
-    g.running[run.op_id] = Running{s.seq, s.bytes, run.members, {}, g.name, "none", p.deadline - op_timeout_};
+    g.running[run.op_id] = Running{s.seq, s.bytes, run.members, {}, g.name, "none", run.submitted};
     g.pending.erase(pit);
     ready.push_back(std::move(run));
 }
@@ -292,6 +293,18 @@ void GroupTable::fail_everything(const std::string &message, std::vector<Complet
     }
     totals_.ops_failed += draining_.size();
     draining_.clear();
+}
+
+std::vector<MatchingOp> GroupTable::matching(Clock::time_point now) const {
+    std::vector<MatchingOp> v;
+    for (const auto &[name, g] : groups_)
+        for (const auto &[seq, p] : g.pending) {
+            MatchingOp m{name, seq, std::chrono::duration<double>(now - (p.deadline - op_timeout_)).count(), g.local_size, {}};
+            for (uint32_t r = 0; r < g.local_size; ++r)
+                if (!p.by_rank[r]) m.missing_ranks.push_back(r);
+            v.push_back(std::move(m));
+        }
+    return v;
 }
 
 std::vector<GroupSummary> GroupTable::summaries() const {

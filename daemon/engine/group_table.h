@@ -43,6 +43,7 @@ struct OpRun {
     std::vector<MemberId> members;  // index = local rank
     std::vector<uint64_t> offsets;  // index = local rank
     Clock::time_point deadline;     // the first local rank's submission + timeouts.op
+    Clock::time_point submitted;    // the first local rank's submission
 };
 
 // An op of a group that ended on this host before it could start (mismatch between local
@@ -55,6 +56,15 @@ struct LocalFailure {
     int32_t code = 0;
     std::string message;
     std::vector<uint32_t> hosts;  // the incarnation's hosts (its ring domain), as hosts_of() gave them
+};
+
+// An op waiting for this host's local ranks (what `ringctl status` shows of a stall).
+struct MatchingOp {
+    std::string group;
+    uint64_t seq = 0;
+    double age_s = 0;  // since its first local submission
+    uint32_t local_size = 0;
+    std::vector<uint32_t> missing_ranks;  // local ranks that have not submitted it
 };
 
 struct GroupSummary {
@@ -112,6 +122,7 @@ public:
     void fail_everything(const std::string &message, std::vector<Completion> &out);
 
     std::vector<GroupSummary> summaries() const;
+    std::vector<MatchingOp> matching(Clock::time_point now) const;
     struct Totals {
         uint64_t ops_completed = 0, ops_failed = 0, bytes_reduced = 0;
     };

@@ -66,8 +66,9 @@ std::optional<HostOp> HostOps::take_reported(const OpKey &key) {
     return std::move(node.mapped());
 }
 
-void HostOps::running(uint64_t op_id, uint64_t generation, Clock::time_point deadline) {
-    ring_[op_id] = Ring{generation, deadline, OpState::Running, false, {}};
+void HostOps::running(uint64_t op_id, uint64_t generation, Clock::time_point deadline, const OpKey &key,
+                      Clock::time_point submitted) {
+    ring_[op_id] = Ring{generation, deadline, OpState::Running, false, {}, key, submitted};
 }
 
 void HostOps::returned(uint64_t op_id, int32_t status, const std::string &message, bool link_ended_ring) {
@@ -118,6 +119,20 @@ HostOps::Counts HostOps::counts() const {
     c.reported = reported_.size();
     for (const auto &[id, r] : ring_) ++(r.state == OpState::Running ? c.running : c.releasing);
     return c;
+}
+
+std::vector<HostOps::View> HostOps::view(Clock::time_point now) const {
+    auto age = [&](Clock::time_point t) { return std::chrono::duration<double>(now - t).count(); };
+    std::vector<View> v;
+    for (const auto &[group, q] : queued_)
+        for (const auto &op : q)
+            v.push_back({group, 0, op.run.seq, OpState::Queued, op.algorithm, age(op.run.submitted), op.status != 0});
+    for (const auto &[key, op] : reported_)
+        v.push_back({std::get<0>(key), std::get<1>(key), std::get<2>(key), OpState::Reported, op.algorithm,
+                     age(op.run.submitted), false});
+    for (const auto &[id, r] : ring_)
+        v.push_back({std::get<0>(r.key), std::get<1>(r.key), std::get<2>(r.key), r.state, Algorithm::Ring, age(r.submitted), false});
+    return v;
 }
 
 }  // namespace ringd

@@ -75,8 +75,10 @@ public:
     // Reported -> out of the table (started, decided, or completed by direct exchange).
     std::optional<HostOp> take_reported(const OpKey &key);
 
-    // Reported -> Running: the ring op went to the progress thread in ring generation `generation`.
-    void running(uint64_t op_id, uint64_t generation, Clock::time_point deadline);
+    // Reported -> Running: the ring op `key` (local op id `op_id`, first submitted at `submitted`)
+    // went to the progress thread in ring generation `generation`.
+    void running(uint64_t op_id, uint64_t generation, Clock::time_point deadline, const OpKey &key = {},
+                 Clock::time_point submitted = {});
     // The progress thread gave a ring op back. `link_ended_ring`: it ended because its link
     // broke in the current generation (the generation's end will fail it naming the host at
     // fault, so it stays until then). Otherwise the op ends here with its result, or with the
@@ -101,6 +103,18 @@ public:
         size_t queued = 0, reported = 0, running = 0, releasing = 0;
     };
     Counts counts() const;
+    // Every op in the table with its state and age (since its first local submission), for
+    // `ringctl status`.
+    struct View {
+        std::string group;
+        uint64_t incarnation = 0;  // agreed; 0 while queued
+        uint64_t seq = 0;
+        OpState state = OpState::Queued;
+        Algorithm algorithm = Algorithm::Ring;
+        double age_s = 0;
+        bool failed_here = false;  // queued only to be reported as this host's failure
+    };
+    std::vector<View> view(Clock::time_point now) const;
 
 private:
     struct Ring {
@@ -109,6 +123,8 @@ private:
         OpState state = OpState::Running;
         bool held = false;       // back from the progress thread, waiting for its generation's end
         std::string end_reason;  // Releasing
+        OpKey key;               // for view()
+        Clock::time_point submitted;
     };
 
     GroupTable &groups_;

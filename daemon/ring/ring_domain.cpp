@@ -507,7 +507,7 @@ void RingDomain::on_start(const proto::OpStart &s) {
     w.generation = local_generation_;
     w.op_tag = static_cast<uint32_t>(s.op_id);
     w.deadline = op.deadline;
-    ops_.running(w.op_id, local_generation_, w.deadline);
+    ops_.running(w.op_id, local_generation_, w.deadline, key, op.run.submitted);
     lanes_[s.lane % lanes_.size()]->engine->post(std::move(w));
 }
 
@@ -663,7 +663,95 @@ nlohmann::json RingDomain::status() const {
             // oldest go first; the whole ring's plane accepts for every domain).
             {"handshakes_refused", control_->handshakes_refused()},
             // Control connections closed for a frame that failed its MAC check.
-            {"frames_rejected", control_->frames_rejected()}};
+            {"frames_rejected", control_->frames_rejected()},
+            {"coordinator", coordinator_status()}};
+}
+
+// The coordinator's view (on its host): ops some hosts reported and others not, groups waiting
+// for hosts to join their next incarnation. Elsewhere: which host it is.
+nlohmann::json RingDomain::coordinator_status() const {
+    using nlohmann::json;
+    json c = {{"host", config_.hosts.at(kCoordinator).name}, {"here", coordinator_.has_value()}};
+    if (!coordinator_) return c;
+    auto names = [&](const std::vector<uint32_t> &hosts) {
+        json v = json::array();
+        for (uint32_t h : hosts) v.push_back(config_.hosts.at(h).name);
+        return v;
+    };
+    json pending = json::array(), joins = json::array();
+    for (const auto &p : coordinator_->pending_view(Clock::now()))
+        pending.push_back({{"group", p.group}, {"incarnation", p.incarnation}, {"seq", p.seq}, {"reported", names(p.reported)},
+                           {"missing", names(p.missing)}, {"fails_in_s", p.fails_in_s}});
+    for (const auto &j : coordinator_->joins_view())
+        joins.push_back({{"group", j.group}, {"joined", names(j.joined)}, {"missing", names(j.missing)}});
+    c["pending"] = pending;
+    c["joins_waiting"] = joins;
+    return c;
+}
+
+nlohmann::json RingDomain::pending_ops(Clock::time_point now) const {
+    using nlohmann::json;
+    auto names = [&](const std::vector<uint32_t> &hosts) {
+        json v = json::array();
+        for (uint32_t h : hosts) v.push_back(config_.hosts.at(h).name);
+        return v;
+    };
+    auto join = [](const json &v) {
+        std::string s;
+        for (const auto &x : v) s += (s.empty() ? "" : ", ") + x.get<std::string>();
+        return s;
+    };
+    const std::string coord = config_.hosts.at(kCoordinator).name;
+    std::map<OpKey, const Coordinator::PendingView *> waiting;
+    std::vector<Coordinator::PendingView> pv;
+    std::map<std::string, Coordinator::JoinView> joins;
+    if (coordinator_) {
+        pv = coordinator_->pending_view(now);
+        for (const auto &p : pv) waiting[{p.group, p.incarnation, p.seq}] = &p;
+        for (auto &j : coordinator_->joins_view()) joins[j.group] = std::move(j);
+    }
+    json out = json::array();
+    for (const auto &v : ops_.view(now)) {
+        json e = {{"group", v.group}, {"seq", v.seq}, {"state", op_state_name(v.state)}, {"age_s", v.age_s},
+                  {"algorithm", algorithm_name(v.algorithm)}, {"missing_hosts", json::array()}, {"missing_ranks", json::array()}};
+        std::string why;
+        switch (v.state) {
+        case OpState::Queued: {
+            auto run = runs_.find(v.group);
+            if (v.failed_here) {
+                why = "its turn to be reported as this host's failure";
+            } else if (run == runs_.end() || run->second.agreed == 0) {
+                why = "the group's incarnation to be agreed: every host of the group joins it";
+                if (auto j = joins.find(v.group); j != joins.end()) {
+                    e["missing_hosts"] = names(j->second.missing);
+                    why += "; not joined yet: " + join(e["missing_hosts"]);
+                } else if (!coordinator_) {
+                    why += " (the coordinator, " + coord + ", knows which have not)";
+                }
+            } else {
+                why = "an earlier op of the group to be reported first";
+            }
+            break;
+        }
+        case OpState::Reported:
+            if (auto w = waiting.find({v.group, v.incarnation, v.seq}); w != waiting.end()) {
+                e["missing_hosts"] = names(w->second->missing);
+                e["fails_in_s"] = w->second->fails_in_s;
+                why = "host(s) " + join(e["missing_hosts"]) + " to submit it (reported by " + join(names(w->second->reported)) + ")";
+            } else if (coordinator_) {
+                why = v.algorithm == Algorithm::Ring ? "its start" : "the other hosts' data";
+            } else {
+                why = std::string(v.algorithm == Algorithm::Ring ? "the coordinator's start" : "the other hosts' data") +
+                      " (the coordinator, " + coord + ", names the hosts that have not submitted it)";
+            }
+            break;
+        case OpState::Running: why = "the ring: its data is moving"; break;
+        case OpState::Releasing: why = "the progress thread to give it back (its ring generation ended)"; break;
+        }
+        e["waiting_for"] = why;
+        out.push_back(std::move(e));
+    }
+    return out;
 }
 
 }  // namespace ringd

@@ -108,6 +108,10 @@ public:
     void touch(Clock::time_point now) { last_used_ = now; }
     // The "ring" object of `ringctl status --json` for this domain.
     nlohmann::json status() const;
+    // Every op of the domain's groups past local matching, with its state, age and what it waits
+    // for (on the coordinator's host: the hosts that have not reported it), for `ringctl status`.
+    nlohmann::json pending_ops(Clock::time_point now) const;
+    nlohmann::json coordinator_status() const;
 
 private:
     RingDomain(Shared &shared) : sh_(shared), ops_(*shared.groups, *shared.done) {}

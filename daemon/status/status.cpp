@@ -2,6 +2,9 @@
 // ever added. See README "ringctl status --json".
 #include <unistd.h>
 
+#include <algorithm>
+#include <set>
+
 #include <nlohmann/json.hpp>
 
 #include "daemon/daemon.h"
@@ -48,6 +51,10 @@ std::string Daemon::status_json(uint32_t viewer) const {
         for (uint32_t i : hosts) v.push_back(config_.hosts[i].name);
         return v;
     };
+    std::set<std::string> mine;  // the groups `viewer` may see
+    for (const auto &g : groups_.summaries())
+        if (viewer == 0 || g.owner_uid == viewer) mine.insert(g.name);
+    auto visible = [&](const std::string &group) { return mine.count(group) > 0; };
     json groups = json::array();
     size_t hidden = 0;
     for (const auto &g : groups_.summaries()) {
@@ -82,6 +89,30 @@ std::string Daemon::status_json(uint32_t viewer) const {
         oc.releasing += c.releasing;
     }
     j["op_states"] = {{"queued", oc.queued}, {"reported", oc.reported}, {"running", oc.running}, {"releasing", oc.releasing}};
+    // Every op not yet ended, oldest first, with what it waits for: the local ranks of this host
+    // that have not submitted it ("matching"), then the states of ops past local matching; on
+    // the coordinator's host also the hosts that have not submitted it. At most kShownOps.
+    constexpr size_t kShownOps = 64;
+    json pending = json::array();
+    for (const auto &m : groups_.matching(now)) {
+        if (viewer != 0 && !visible(m.group)) continue;
+        std::string ranks;
+        for (uint32_t r : m.missing_ranks) ranks += (ranks.empty() ? "" : ",") + std::to_string(r);
+        pending.push_back({{"group", m.group}, {"seq", m.seq}, {"state", "matching"}, {"age_s", m.age_s},
+                           {"algorithm", ""}, {"missing_hosts", json::array()}, {"missing_ranks", m.missing_ranks},
+                           {"waiting_for", "local rank(s) " + ranks + " of " + std::to_string(m.local_size) + " on host " +
+                                               host_ + " (this host) to submit it"}});
+    }
+    for (const auto &d : domains_) {
+        if (!d) continue;
+        for (auto &e : d->pending_ops(now))
+            if (viewer == 0 || visible(e["group"].get<std::string>())) pending.push_back(std::move(e));
+    }
+    std::stable_sort(pending.begin(), pending.end(),
+                     [](const json &a, const json &b) { return a["age_s"].get<double>() > b["age_s"].get<double>(); });
+    j["pending_ops_total"] = pending.size();
+    if (pending.size() > kShownOps) pending.erase(pending.begin() + kShownOps, pending.end());
+    j["pending_ops"] = pending;
     const size_t joined = gateway_->joined(), connected = gateway_->connected();
     // The connection asking for this document is one of them; it is not counted.
     j["clients"] = {{"connected", connected == 0 ? 0 : connected - 1}, {"joined", joined}, {"max_slots", config_.memory.max_slots}};

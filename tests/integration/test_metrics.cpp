@@ -235,3 +235,65 @@ TEST_CASE("a scraper that connects and sends nothing, or garbage, costs ringd no
     CHECK(s.value("ringd_ops_completed_total", {{"group", "solo2"}, {"algorithm", "local"}}) == 1);
     CHECK(s.value("ringd_clients_joined") == 2);
 }
+
+TEST_CASE("ringctl status explains a stalled op: the missing local rank on its host, the missing host on the coordinator's", "[status]") {
+    TestCluster c(2, "20s");
+    REQUIRE(c.wait_up());
+    Clients cl = connect_all(c, "stall", 2, 4 << 20);  // index = host * 2 + local rank
+    // Every rank but host node1's local rank 1 submits a 1 MiB op (a ring op).
+    CheckedOp o = prepare_checked(cl, DType::F32, ReduceOp::Sum, 256 << 10, 31);
+    for (size_t g : {0, 1, 2})
+        o.tickets[g] = cl[g]->submit(o.range[g].offset, o.count, RINGD_F32, RINGD_SUM);
+    const std::string ringctl = env_or("RINGCTL_BIN", "build/client/ringctl");
+    auto ctl = [&](uint32_t h, const std::string &args) {
+        return run_command(ringctl + " --socket " + c.d[h]->socket() + " " + args + " 2>&1");
+    };
+    // node0 (the coordinator) has the op reported and waits for node1; node1 waits for its rank 1.
+    auto pending_of = [&](uint32_t h) {
+        const auto r = ctl(h, "status --json");
+        REQUIRE(r.exit_code == 0);
+        return json::parse(r.output)["pending_ops"];
+    };
+    const auto deadline = Clock::now() + 10s;
+    json p0, p1;
+    while (Clock::now() < deadline) {
+        p0 = pending_of(0);
+        p1 = pending_of(1);
+        if (p0.size() == 1 && p0[0]["state"] == "reported" && !p0[0]["missing_hosts"].empty() && p1.size() == 1) break;
+        std::this_thread::sleep_for(50ms);
+    }
+    INFO("node0 " << p0.dump() << "\nnode1 " << p1.dump());
+    REQUIRE(p0.size() == 1);
+    CHECK(p0[0]["group"] == "stall");
+    CHECK(p0[0]["seq"] == o.tickets[0]);
+    CHECK(p0[0]["state"] == "reported");
+    CHECK(p0[0]["missing_hosts"] == json::array({"node1"}));
+    CHECK(p0[0]["fails_in_s"].get<double>() > 0);
+    REQUIRE(p1.size() == 1);
+    CHECK(p1[0]["state"] == "matching");
+    CHECK(p1[0]["missing_ranks"] == json::array({1}));
+
+    const auto t0 = ctl(0, "status"), t1 = ctl(1, "status");
+    INFO(t0.output << "\n" << t1.output);
+
+    CHECK(t0.output.find("coordinator: node0 (this host)") != std::string::npos);
+    CHECK(t0.output.find("host(s) node1 to submit it (reported by node0)") != std::string::npos);
+    CHECK(t1.output.find("local rank(s) 1 of 2 on host node1 (this host) to submit it") != std::string::npos);
+    CHECK(t1.output.find("coordinator: node0\n") != std::string::npos);
+    std::this_thread::sleep_for(1100ms);  // the age grows
+    CHECK(pending_of(1)[0]["age_s"].get<double>() >= 1.0);
+
+    // watch: two looks, one document per line.
+    const auto w = ctl(1, "watch --json --count 2 --interval 0.2");
+    CHECK(w.exit_code == 0);
+    size_t lines = 0;
+    for (size_t at = 0, nl; (nl = w.output.find('\n', at)) != std::string::npos; at = nl + 1, ++lines)
+        CHECK(json::parse(w.output.substr(at, nl - at))["pending_ops"].size() == 1);
+    CHECK(lines == 2);
+
+    // The late rank submits: the op completes with the right values and nothing is pending.
+    o.tickets[3] = cl[3]->submit(o.range[3].offset, o.count, RINGD_F32, RINGD_SUM);
+    wait_checked(cl, o);
+    CHECK(pending_of(0).empty());
+    CHECK(pending_of(1).empty());
+}
