@@ -96,6 +96,7 @@ Status Daemon::setup() {
     auto e = ProgressEngine::start();
     if (!e) return e.error();
     engine_ = std::move(*e);
+    engine_->set_name("ringd-local");
     if (multi_host()) {
         if (auto s = setup_ring(); !s) return s;
     }
@@ -324,12 +325,40 @@ void Daemon::on_timer() {
         if (domains_[i]) domains_[i]->tick(now);
     forget_groups();
     forget_idle_domains();
-    if (watchdog_usec_ && now >= next_watchdog_) {
+    // The watchdog keeps ringd alive only while every progress thread is too: one that has had
+    // work for ProgressEngine::kStuckAfter without a beat is stuck, and systemd restarts ringd.
+    const std::string stuck = stuck_thread(now);
+    if (!stuck.empty() && stuck_since_ == Clock::time_point{}) {
+        stuck_since_ = now;
+        spdlog::critical("{}{}", stuck, watchdog_usec_ ? "; the systemd watchdog is no longer kept alive" : "");
+        record_error(stuck);
+    } else if (stuck.empty() && stuck_since_ != Clock::time_point{}) {
+        spdlog::warn("the stuck progress thread moved again after {:.1f} s",
+                     std::chrono::duration<double>(now - stuck_since_).count());
+        stuck_since_ = {};
+    }
+    if (watchdog_usec_ && now >= next_watchdog_ && stuck.empty()) {
         ::sd_notify(0, "WATCHDOG=1");
         next_watchdog_ = now + std::chrono::microseconds(watchdog_usec_ / 2);
     }
 }
 
+
+// Which progress thread is stuck, as a message (empty: none).
+std::string Daemon::stuck_thread(Clock::time_point now) const {
+    auto secs = [](Clock::duration d) { return std::to_string(std::chrono::duration_cast<std::chrono::seconds>(d).count()); };
+    if (const auto d = engine_->stalled_for(now); d > ProgressEngine::kStuckAfter)
+        return "the local path's progress thread (ringd-local) has had work for " + secs(d) + " s without moving";
+    for (const auto &dom : domains_) {
+        if (!dom) continue;
+        const auto [lane, d] = dom->most_stalled_lane(now);
+        if (d > ProgressEngine::kStuckAfter)
+            return "the progress thread of ring lane " + std::to_string(lane) + " (ringd-ring" + std::to_string(lane) +
+                   ") of hosts " + (dom->whole_ring() ? std::string("(every host)") : dom->key()) + " has had work for " +
+                   secs(d) + " s without moving";
+    }
+    return {};
+}
 
 void Daemon::record_error(const std::string &message) {
     ++errors_recorded_;

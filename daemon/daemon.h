@@ -59,6 +59,7 @@ private:
     bool complete_and_start();
     static std::string run_left(const OpRun &run);
     void record_error(const std::string &message);
+    std::string stuck_thread(Clock::time_point now) const;
     void shutdown();
     // The status document as `viewer` (a uid) may see it: other uids' groups are left out for
     // anyone but root (their names would let a uid join them on a host where they are not yet).
@@ -98,6 +99,7 @@ private:
     GroupTable groups_{"", std::chrono::milliseconds(1)};
     uint64_t watchdog_usec_ = 0;
     Clock::time_point next_watchdog_{};
+    Clock::time_point stuck_since_{};  // a progress thread is stuck (stuck_thread) since
     struct RecentError {
         std::chrono::system_clock::time_point when;
         std::string message;

@@ -40,6 +40,21 @@ Result<std::unique_ptr<ProgressEngine>> ProgressEngine::start(NetworkTransport *
 
 ProgressEngine::~ProgressEngine() { stop(); }
 
+namespace {
+int64_t now_ns() { return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count(); }
+}  // namespace
+
+Clock::duration ProgressEngine::stalled_for(Clock::time_point now) const {
+    if (in_flight_ == 0) return Clock::duration::zero();
+    const Clock::time_point beat{std::chrono::duration_cast<Clock::duration>(std::chrono::nanoseconds(beat_ns_.load(std::memory_order_relaxed)))};
+    const Clock::time_point since = std::max(beat, last_post_);
+    return now > since ? now - since : Clock::duration::zero();
+}
+
+void ProgressEngine::set_name(const std::string &name) {
+    if (thread_.joinable()) ::pthread_setname_np(thread_.native_handle(), name.substr(0, 15).c_str());
+}
+
 void ProgressEngine::enqueue(Item item) {
     {
         std::lock_guard lock(mu_);
@@ -50,6 +65,7 @@ void ProgressEngine::enqueue(Item item) {
 }
 
 void ProgressEngine::post(EngineWork work) {
+    if (in_flight_ == 0) last_post_ = Clock::now();  // the stall clock starts with the first op of a busy spell
     ++in_flight_;
     Item i;
     i.kind = Item::Kind::Work;
@@ -122,6 +138,7 @@ void ProgressEngine::watch_idle_links() {
 
 void ProgressEngine::run() {
     for (;;) {
+        beat_ns_.store(now_ns(), std::memory_order_relaxed);
         Item item;
         bool have = false;
         {
@@ -211,6 +228,7 @@ EngineResult ProgressEngine::execute_ring(EngineWork &w) {
     op.op_tag = w.op_tag;
     op.aborted_generation = &aborted_generation_;
     op.generation = w.generation;
+    op.beat_ns = &beat_ns_;
     const uint64_t sent0 = next_->bytes_sent(), recv0 = prev_->bytes_received();
     Status s = ring_->run(pos_, op, w.deadline != std::chrono::steady_clock::time_point{} ? w.deadline : Clock::now() + op_timeout_);
     bytes_to_next_ += next_->bytes_sent() - sent0;

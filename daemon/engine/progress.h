@@ -83,6 +83,15 @@ public:
     void stop();
     // Ops posted and not yet taken back with take_results().
     size_t in_flight() const { return in_flight_; }
+    // How long the thread has had work (an op posted and not given back) without coming round
+    // its loop: it beats when it takes an item, finishes one, and on every turn of a ring op's
+    // wait (at most 100 ms apart). Zero while it has no work. Over kStuckAfter the thread is stuck
+    // (the daemon's watchdog stops; docs/design.md, Threads): no wait of its own is that long (a
+    // ring's link set-up is bounded by 10 s).
+    static constexpr auto kStuckAfter = std::chrono::seconds(15);
+    std::chrono::steady_clock::duration stalled_for(std::chrono::steady_clock::time_point now) const;
+    // Names the thread (pthread_setname_np, at most 15 characters), for ps, top and gdb.
+    void set_name(const std::string &name);
     uint64_t bytes_to_next() const { return bytes_to_next_.load(std::memory_order_relaxed); }
     uint64_t bytes_from_prev() const { return bytes_from_prev_.load(std::memory_order_relaxed); }
 
@@ -112,6 +121,8 @@ private:
     std::deque<EngineResult> results_;
     bool stopping_ = false;
     size_t in_flight_ = 0;  // control thread only
+    std::chrono::steady_clock::time_point last_post_{};  // control thread only
+    std::atomic<int64_t> beat_ns_{0};  // the progress thread's last beat (steady clock)
     std::atomic<uint64_t> aborted_generation_{0};
     std::atomic<uint64_t> bytes_to_next_{0}, bytes_from_prev_{0};
 

@@ -181,6 +181,10 @@ Status RingAllreduce::run_window(const RingPosition &pos, const RingOp &op, uint
         if (op.aborted_generation && op.aborted_generation->load(std::memory_order_acquire) >= op.generation)
             return make_error(-ECONNABORTED, "ring generation " + std::to_string(op.generation) + " was aborted");
 
+        if (op.beat_ns)
+            op.beat_ns->store(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                  std::chrono::steady_clock::now().time_since_epoch()).count(),
+                              std::memory_order_relaxed);
         const int wait_ms = ms_until(deadline);
         if (wait_ms == 0)
             return make_error(-ETIMEDOUT, "ring allreduce timed out: waiting for " +

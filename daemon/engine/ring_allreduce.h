@@ -79,6 +79,8 @@ struct RingOp {
     uint32_t op_tag = 0;       // distinguishes this op's messages from any other's
     // Set by another thread when the ring generation is over: run() returns promptly.
     const std::atomic<uint64_t> *aborted_generation = nullptr;
+    // Stored (steady clock, ns) on every turn of the wait: the progress thread is alive.
+    std::atomic<int64_t> *beat_ns = nullptr;
     uint64_t generation = 0;
 };
 

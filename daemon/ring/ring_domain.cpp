@@ -73,6 +73,7 @@ Status RingDomain::setup() {
         auto e = ProgressEngine::start(l->transport, l->staging.handle(), ring_options, config_.timeouts.op);
         if (!e) return e.error();
         l->engine = std::move(*e);
+        l->engine->set_name("ringd-ring" + std::to_string(lanes_.size()));
         lanes_.push_back(std::move(l));
     }
 
@@ -752,6 +753,13 @@ nlohmann::json RingDomain::pending_ops(Clock::time_point now) const {
         out.push_back(std::move(e));
     }
     return out;
+}
+
+std::pair<uint32_t, Clock::duration> RingDomain::most_stalled_lane(Clock::time_point now) const {
+    std::pair<uint32_t, Clock::duration> worst{0, Clock::duration::zero()};
+    for (uint32_t k = 0; k < lanes_.size(); ++k)
+        if (const auto d = lanes_[k]->engine->stalled_for(now); d > worst.second) worst = {k, d};
+    return worst;
 }
 
 }  // namespace ringd

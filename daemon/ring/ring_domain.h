@@ -98,6 +98,9 @@ public:
     // Whether the domain still has anything of `group` (ops, an incarnation being agreed).
     bool has_group_state(const std::string &group) const;
     HostOps::Counts op_counts() const { return ops_.counts(); }
+    // The lane whose progress thread has had work longest without a beat, and for how long
+    // (ProgressEngine::stalled_for).
+    std::pair<uint32_t, Clock::duration> most_stalled_lane(Clock::time_point now) const;
     // Nothing of any group here (ops, incarnations), so the domain may be let go.
     bool idle() const {
         const HostOps::Counts c = ops_.counts();

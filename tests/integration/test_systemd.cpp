@@ -2,8 +2,13 @@
 // a NOTIFY_SOCKET owned by the test.
 #include <catch2/catch.hpp>
 
+#include <sys/ptrace.h>
+#include <sys/wait.h>
+
 #include <cstdio>
+#include <dirent.h>
 #include <fstream>
+#include <thread>
 
 #include "tests/support/cluster.h"
 #include "tests/support/harness.h"
@@ -27,6 +32,66 @@ TEST_CASE("ringd sends READY=1 once listening, then WATCHDOG=1 when the watchdog
     const int status = d.stop();
     CHECK(WIFEXITED(status));
     CHECK(WEXITSTATUS(status) == 0);
+}
+
+// The thread of process `pid` named `name` (/proc/PID/task/TID/comm), or -1.
+static pid_t thread_named(pid_t pid, const std::string &name) {
+    const std::string dir = "/proc/" + std::to_string(pid) + "/task";
+    DIR *d = ::opendir(dir.c_str());
+    if (!d) return -1;
+    pid_t found = -1;
+    while (dirent *e = ::readdir(d)) {
+        if (e->d_name[0] == '.') continue;
+        std::string comm = read_file(dir + "/" + e->d_name + "/comm");
+        while (!comm.empty() && comm.back() == '\n') comm.pop_back();
+        if (comm == name) found = static_cast<pid_t>(std::stoi(e->d_name));
+    }
+    ::closedir(d);
+    return found;
+}
+
+TEST_CASE("a stuck progress thread stops the watchdog's keep-alives, and they come back when it moves", "[systemd]") {
+    DaemonOptions o;
+    o.env = {"WATCHDOG_USEC=400000"};
+    o.op_timeout = "60s";  // the op waits on the stopped thread, not on its deadline
+    Daemon d(o);
+    REQUIRE(d.ready());
+    REQUIRE(d.notify().wait_for("WATCHDOG=1", std::chrono::seconds(3)));
+    // Only the local path's progress thread stops (ptrace stops one thread, SIGSTOP would stop
+    // them all); then an op big enough for that thread (not reduced inline) waits on it.
+    const pid_t tid = thread_named(d.pid(), "ringd-local");
+    REQUIRE(tid > 0);
+    REQUIRE(::ptrace(PTRACE_SEIZE, tid, nullptr, nullptr) == 0);
+    REQUIRE(::ptrace(PTRACE_INTERRUPT, tid, nullptr, nullptr) == 0);
+    int wstatus = 0;
+    REQUIRE(::waitpid(tid, &wstatus, __WALL) == tid);
+    Client a(d.socket(), "stuck", 0, 2, 8 << 20), b(d.socket(), "stuck", 1, 2, 8 << 20);
+    const uint64_t ta = a.submit(0, 1 << 20, RINGD_F32, RINGD_SUM), tb = b.submit(0, 1 << 20, RINGD_F32, RINGD_SUM);
+    const auto stopped = std::chrono::steady_clock::now();
+    // Keep-alives go on while the thread is not yet stuck (kStuckAfter, 15 s), then stop.
+    bool stuck_logged = false;
+    while (std::chrono::steady_clock::now() - stopped < std::chrono::seconds(25) && !stuck_logged) {
+        d.notify().next(std::chrono::milliseconds(200));
+        stuck_logged = d.log().find("the local path's progress thread (ringd-local) has had work for") != std::string::npos;
+    }
+    const double after = std::chrono::duration<double>(std::chrono::steady_clock::now() - stopped).count();
+    INFO(d.log());
+    REQUIRE(stuck_logged);
+    CHECK(after >= 15.0);
+    CHECK(after < 17.0);
+    CHECK(d.log().find("the systemd watchdog is no longer kept alive") != std::string::npos);
+    (void)d.notify().next(std::chrono::milliseconds(300));  // a keep-alive sent just before
+    CHECK_FALSE(d.notify().wait_for("WATCHDOG=1", std::chrono::seconds(2)));
+    // The status names it too.
+    auto st = fetch_status(d.socket());
+    REQUIRE(st);
+    CHECK(st->find("ringd-local") != std::string::npos);
+    // Let it go: the op completes and the keep-alives come back.
+    REQUIRE(::ptrace(PTRACE_DETACH, tid, nullptr, nullptr) == 0);
+    CHECK(ringd_wait(a.get(), ta, 10000) == 0);
+    CHECK(ringd_wait(b.get(), tb, 10000) == 0);
+    CHECK(d.notify().wait_for("WATCHDOG=1", std::chrono::seconds(3)));
+    CHECK(d.log().find("the stuck progress thread moved again") != std::string::npos);
 }
 
 TEST_CASE("without WATCHDOG_USEC no keep-alives are sent", "[systemd]") {
