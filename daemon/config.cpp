@@ -277,8 +277,9 @@ Config parse_root(const YAML::Node &root) {
         }
     }
     if (auto n = root["log"]) {
-        check_keys(n, "log", {"level"});
+        check_keys(n, "log", {"level", "journal"});
         if (n["level"]) c.log_level = get_choice(n["level"], "log.level", {"trace", "debug", "info", "warn", "error"});
+        if (n["journal"]) c.log_journal = get_choice(n["journal"], "log.journal", {"auto", "on", "off"});
     }
     return c;
 }

@@ -93,6 +93,7 @@ struct Config {
     // ibverbs: the NIC writes data straight into registered memory, so only none.
     bool data_mac = false;
     std::string log_level = "info";
+    std::string log_journal = "auto";  // auto (when systemd connects stderr to the journal) | on | off
 };
 
 Result<Config> parse_config(const std::string &yaml_text);

@@ -16,6 +16,7 @@
 
 #include "common/fd_io.h"
 #include "daemon/ipc/slot.h"
+#include "daemon/log/log.h"
 
 namespace ringd {
 namespace {
@@ -325,6 +326,7 @@ void Daemon::on_timer() {
         if (domains_[i]) domains_[i]->tick(now);
     forget_groups();
     forget_idle_domains();
+    logging::flush_repeats();
     // The watchdog keeps ringd alive only while every progress thread is too: one that has had
     // work for ProgressEngine::kStuckAfter without a beat is stuck, and systemd restarts ringd.
     const std::string stuck = stuck_thread(now);
@@ -362,8 +364,21 @@ std::string Daemon::stuck_thread(Clock::time_point now) const {
 
 void Daemon::record_error(const std::string &message) {
     ++errors_recorded_;
-    recent_errors_.push_back({std::chrono::system_clock::now(), message});
-    while (recent_errors_.size() > kRecentErrors) recent_errors_.pop_front();
+    const auto now = std::chrono::system_clock::now();
+    const std::string kind = logging::error_kind(message);
+    for (auto &e : recent_errors_)
+        if (e.kind == kind) {
+            e.last = now;
+            e.message = message;
+            ++e.count;
+            return;
+        }
+    if (recent_errors_.size() >= kRecentErrors) {  // the kind seen longest ago goes
+        auto oldest = std::min_element(recent_errors_.begin(), recent_errors_.end(),
+                                       [](const RecentError &a, const RecentError &b) { return a.last < b.last; });
+        recent_errors_.erase(oldest);
+    }
+    recent_errors_.push_back({now, now, kind, message, 1});
 }
 
 void Daemon::shutdown() {

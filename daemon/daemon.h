@@ -100,9 +100,13 @@ private:
     uint64_t watchdog_usec_ = 0;
     Clock::time_point next_watchdog_{};
     Clock::time_point stuck_since_{};  // a progress thread is stuck (stuck_thread) since
+    // The last kRecentErrors kinds of error (logging::error_kind: numbers aside, the same text),
+    // in the order they first came, each with its count: one error repeated ten thousand times
+    // is one entry, and the one before it that caused it stays in view.
     struct RecentError {
-        std::chrono::system_clock::time_point when;
-        std::string message;
+        std::chrono::system_clock::time_point first, last;
+        std::string kind, message;  // message: the last of its kind
+        uint64_t count = 0;
     };
     std::deque<RecentError> recent_errors_;
     uint64_t errors_recorded_ = 0;  // every record_error(), recent_errors_ keeps the last ones

@@ -5,6 +5,7 @@
 
 #include "daemon/config.h"
 #include "daemon/daemon.h"
+#include "daemon/log/log.h"
 
 int main(int argc, char **argv) {
     CLI::App app{"ringd: per-host gradient allreduce daemon"};
@@ -26,6 +27,12 @@ int main(int argc, char **argv) {
         return 2;
     }
     spdlog::set_level(spdlog::level::from_str(config->log_level));
+    // The journal with fields when systemd connected stderr to it (or log.journal: on), stderr
+    // otherwise; repeats rate-limited either way (daemon/log/log.h).
+    const bool journal = config->log_journal == "on" || (config->log_journal == "auto" && ringd::logging::stderr_is_journal());
+    std::vector<std::string> names;
+    for (const auto &h : config->hosts) names.push_back(h.name);
+    ringd::logging::setup(host, config->cluster, journal, names);
     try {
         auto daemon = ringd::Daemon::create(std::move(*config), host);
         if (!daemon) {

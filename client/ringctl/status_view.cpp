@@ -167,8 +167,14 @@ void print_status(const nlohmann::json &j) {
     }
     const auto &errs = j.at("recent_errors");
     std::printf("\nrecent errors: %s\n", errs.empty() ? "none" : "");
-    for (const auto &e : errs)
-        std::printf("  %8s ago  %s\n", duration(e.at("age_s").get<double>()).c_str(), e.at("message").get<std::string>().c_str());
+    for (const auto &e : errs) {
+        const auto count = e.contains("count") ? integer<unsigned long long>(e.at("count")) : 1ull;
+        std::string times;
+        if (count > 1)
+            times = " (" + std::to_string(count) + " times, first " + duration(e.value("first_age_s", 0.0)) + " ago)";
+        std::printf("  %8s ago  %s%s\n", duration(e.at("age_s").get<double>()).c_str(), e.at("message").get<std::string>().c_str(),
+                    times.c_str());
+    }
 }
 
 

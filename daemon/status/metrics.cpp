@@ -199,7 +199,7 @@ std::string Daemon::metrics_text() const {
     e.sample("ringd_cuda_available", {}, cu.value("available", false) ? 1 : 0);
     e.family("ringd_cuda_mapped_bytes", "gauge", "Trainers' device memory mapped now (CUDA IPC).");
     e.sample("ringd_cuda_mapped_bytes", {}, num(cu, "mapped_bytes"));
-    e.family("ringd_errors_recorded_total", "counter", "Errors ringd logged as warnings or worse (recent_errors keeps the last 16).");
+    e.family("ringd_errors_recorded_total", "counter", "Errors ringd logged as warnings or worse (recent_errors keeps the last 16 kinds).");
     e.sample("ringd_errors_recorded_total", {}, double(errors_recorded_));
     return e.take();
 }

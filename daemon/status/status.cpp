@@ -126,7 +126,10 @@ std::string Daemon::status_json(uint32_t viewer) const {
     json errors = json::array();
     const auto wall = std::chrono::system_clock::now();
     for (const auto &e : recent_errors_)
-        errors.push_back({{"age_s", std::chrono::duration<double>(wall - e.when).count()}, {"message", e.message}});
+        errors.push_back({{"age_s", std::chrono::duration<double>(wall - e.last).count()},
+                          {"message", e.message},
+                          {"count", e.count},  // of this kind (numbers aside); message is the last
+                          {"first_age_s", std::chrono::duration<double>(wall - e.first).count()}});
     j["recent_errors"] = errors;
     j["errors_recorded"] = errors_recorded_;
     // metrics.listen: where /metrics serves (port: the one bound, also for port 0).
