@@ -4,6 +4,7 @@
 // families; names and label sets are only ever added.
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <string>
 #include <utility>
@@ -43,8 +44,14 @@ public:
         if (std::isinf(v)) return v > 0 ? "+Inf" : "-Inf";
         char buf[64];
         // Integers (counters, bytes) exactly; the rest with enough digits to round-trip.
-        if (v == std::floor(v) && std::fabs(v) < 9e15) std::snprintf(buf, sizeof buf, "%.0f", v);
-        else std::snprintf(buf, sizeof buf, "%.17g", v);
+        if (v == std::floor(v) && std::fabs(v) < 9e15) {
+            std::snprintf(buf, sizeof buf, "%.0f", v);
+            return buf;
+        }
+        for (int digits = 15; digits <= 17; ++digits) {  // the shortest that reads back the same
+            std::snprintf(buf, sizeof buf, "%.*g", digits, v);
+            if (std::strtod(buf, nullptr) == v) break;
+        }
         return buf;
     }
 
