@@ -5,6 +5,7 @@
 // default, a bad address refused at start, and a scrape while the daemon stops.
 #include <catch2/catch.hpp>
 
+#include <cctype>
 #include <map>
 #include <set>
 
@@ -103,6 +104,7 @@ TEST_CASE("every family of /metrics parses with its type, and the values are the
     }
 
     const std::set<std::string> direct = {"one-shot", "two-shot"};
+    std::vector<double> generations;
     for (uint32_t h = 0; h < 2; ++h) {
         INFO("host node" << h);
         const Scrape s = scrape(metrics_port(c, h));
@@ -157,6 +159,7 @@ TEST_CASE("every family of /metrics parses with its type, and the values are the
         // ring ops' bytes: with 2 hosts each sends (n-1)/n of the buffer in each of the two phases.
         CHECK(s.value("ringd_ring_up", {{"hosts", "node0,node1"}}) == 1);
         CHECK(s.value("ringd_ring_generation", {{"hosts", "node0,node1"}}) >= 1);
+        generations.push_back(s.value("ringd_ring_generation", {{"hosts", "node0,node1"}}));
         const std::string other = h == 0 ? "node1" : "node0";
         const double out = s.value("ringd_link_bytes_total", {{"peer", other}, {"direction", "out"}});
         const double in = s.value("ringd_link_bytes_total", {{"peer", other}, {"direction", "in"}});
@@ -179,9 +182,30 @@ TEST_CASE("every family of /metrics parses with its type, and the values are the
         CHECK(s.value("ringd_build_info", {{"host", "node" + std::to_string(h)}}) == 1);
     }
 
+    // The coordinator numbers the ring's generations: one id on every host.
+    CHECK(generations[0] == generations[1]);
+
+    // Every series the example Grafana dashboard queries is one ringd serves.
+    {
+        const std::string dash = read_file(env_or("RINGD_SOURCE_DIR", ".") + "/docs/grafana/ringd-dashboard.json");
+        REQUIRE_FALSE(dash.empty());
+        const Scrape s = scrape(metrics_port(c, 0));
+        size_t names = 0;
+        for (size_t at = dash.find("ringd_"); at != std::string::npos; at = dash.find("ringd_", at + 1)) {
+            size_t end = at;
+            while (end < dash.size() && (std::isalnum(static_cast<unsigned char>(dash[end])) || dash[end] == '_')) ++end;
+            const std::string name = dash.substr(at, end - at);
+            if (at > 0 && (std::isalnum(static_cast<unsigned char>(dash[at - 1])) || dash[at - 1] == '-')) continue;  // "ringd-overview"
+            INFO("the dashboard queries " << name);
+            CHECK(s.samples.count(name) == 1);
+            ++names;
+        }
+        CHECK(names >= 14);
+    }
+
     // The status document says where it serves and counts the scrapes.
     const json st = c.status(0);
-    CHECK(st["metrics"]["scrapes"].get<int>() == 1);
+    CHECK(st["metrics"]["scrapes"].get<int>() == 2);
     CHECK(st["metrics"]["unanswered"].get<int>() == 0);
 }
 
