@@ -143,7 +143,10 @@ int Daemon::run() {
     spdlog::info("ringd {} host {} listening on {} (transport {}, {} max slots of up to {} bytes)", RINGD_VERSION,
                  host_, config_.socket, transport_->name(), config_.memory.max_slots, config_.memory.slot_bytes);
     if (const std::string d = transport_->detail(); !d.empty()) spdlog::info("transport {}: {}", transport_->name(), d);
-    if (metrics_) spdlog::info("metrics at http://{}:{}/metrics", metrics_->address(), metrics_->port());
+    if (metrics_) {
+        const std::string &a = metrics_->address();
+        spdlog::info("metrics at http://{}:{}/metrics", a.find(':') != std::string::npos ? "[" + a + "]" : a, metrics_->port());
+    }
     ::sd_notify(0, "READY=1\nSTATUS=listening");
     if (cuda_) {
         const auto st = cuda_->status();
@@ -384,7 +387,6 @@ void Daemon::record_error(const std::string &message) {
 void Daemon::shutdown() {
     spdlog::info("shutting down");
     ::sd_notify(0, "STOPPING=1");
-    metrics_.reset();  // a scrape waiting for this loop gets its 503 now
     gateway_->begin_shutdown();
     groups_.fail_everything("ringd is shutting down", done_);
     settle();
@@ -393,6 +395,7 @@ void Daemon::shutdown() {
     engine_->stop();
     (void)engine_->take_results();
     gateway_->close_all();
+    metrics_.reset();  // after the trainers were told; a scrape waiting for this loop gets its 503
 }
 
 }  // namespace ringd

@@ -109,7 +109,8 @@ private:
         uint64_t count = 0;
     };
     std::deque<RecentError> recent_errors_;
-    uint64_t errors_recorded_ = 0;  // every record_error(), recent_errors_ keeps the last ones
+    uint64_t errors_recorded_ = 0;
+    uint64_t let_go_refused_ = 0, let_go_rejected_ = 0;  // handshakes refused, frames rejected by domains let go  // every record_error(), recent_errors_ keeps the last ones
     bool running_ = true;
 
     uint32_t self_index_ = 0;

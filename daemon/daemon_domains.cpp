@@ -106,6 +106,8 @@ void Daemon::let_go(size_t at) {
                  std::chrono::duration_cast<std::chrono::seconds>(Clock::now() - d.last_used()).count());
     unwatch_domain(d);
     d.shutdown();
+    let_go_refused_ += d.control().handshakes_refused();
+    let_go_rejected_ += d.control().frames_rejected();
     domains_[at].reset();
     size_t live = 0;
     for (auto &x : domains_) live += x != nullptr;

@@ -1,6 +1,7 @@
 #include "daemon/engine/group_table.h"
 
 #include <set>
+#include <string_view>
 
 #include "proto/peer.h"
 
@@ -235,11 +236,17 @@ std::optional<Clock::time_point> GroupTable::next_deadline() const {
 }
 
 void GroupTable::count_ended(const Running &r, bool ok, Clock::time_point now) {
-    metrics_.ended(r.group, r.algorithm, ok, r.bytes, std::chrono::duration<double>(now - r.submitted).count(), now);
+    // An op that never took a path (failed before one was chosen) is counted, not timed.
+    const bool timed = std::string_view(r.algorithm) != "none";
+    metrics_.ended(r.group, r.algorithm, ok, r.bytes, timed ? std::chrono::duration<double>(now - r.submitted).count() : -1.0,
+                   now);
 }
 
 void GroupTable::set_algorithm(uint64_t op_id, const char *algorithm) {
-    if (auto d = draining_.find(op_id); d != draining_.end()) d->second.algorithm = algorithm;
+    if (auto d = draining_.find(op_id); d != draining_.end()) {
+        d->second.algorithm = algorithm;
+        return;
+    }
     for (auto &[name, g] : groups_)
         if (auto it = g.running.find(op_id); it != g.running.end()) {
             it->second.algorithm = algorithm;
@@ -304,6 +311,18 @@ std::vector<MatchingOp> GroupTable::matching(Clock::time_point now) const {
                 if (!p.by_rank[r]) m.missing_ranks.push_back(r);
             v.push_back(std::move(m));
         }
+    return v;
+}
+
+std::vector<MatchingOp> GroupTable::running_on(const char *algorithm, Clock::time_point now) const {
+    std::vector<MatchingOp> v;
+    auto add = [&](const std::string &group, const Running &r) {
+        if (std::string_view(r.algorithm) == algorithm)
+            v.push_back({group, r.seq, std::chrono::duration<double>(now - r.submitted).count(), 0, {}});
+    };
+    for (const auto &[name, g] : groups_)
+        for (const auto &[id, r] : g.running) add(name, r);
+    for (const auto &[id, r] : draining_) add(r.group, r);
     return v;
 }
 

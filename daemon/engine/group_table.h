@@ -123,6 +123,9 @@ public:
 
     std::vector<GroupSummary> summaries() const;
     std::vector<MatchingOp> matching(Clock::time_point now) const;
+    // Started ops that take `algorithm` (e.g. "local": on this host's progress thread), with
+    // their age, for status and the metrics.
+    std::vector<MatchingOp> running_on(const char *algorithm, Clock::time_point now) const;
     struct Totals {
         uint64_t ops_completed = 0, ops_failed = 0, bytes_reduced = 0;
     };

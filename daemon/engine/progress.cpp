@@ -160,7 +160,7 @@ void ProgressEngine::run() {
         }
         switch (item.kind) {
         case Item::Kind::Work:
-            push_result(item.work.ring ? execute_ring(item.work) : execute(item.work));
+            push_result(item.work.ring ? execute_ring(item.work) : execute(item.work, &beat_ns_));
             break;
         case Item::Kind::Up: {
             drop_links();
@@ -190,13 +190,18 @@ void ProgressEngine::run() {
     }
 }
 
-EngineResult ProgressEngine::execute(EngineWork &w) {
+EngineResult ProgressEngine::execute(EngineWork &w, std::atomic<int64_t> *beat) {
     const size_t n = w.slots.size();
     // One local rank: the input already is the result (avg over one contribution included).
     if (n > 1 && w.count > 0) {
+        const size_t es = dtype_size(w.dtype);
+        const size_t slice = beat ? std::max<size_t>(1, (16u << 20) / es) : w.count;
         std::array<void *, proto::kMaxLocalSize> bufs;
-        for (size_t r = 0; r < n; ++r) bufs[r] = w.slots[r]->data() + w.offsets[r];
-        reduce(ReduceArgs{w.dtype, w.op, bufs.data(), n, bufs.data(), n, w.count, w.avg_divisor});
+        for (size_t at = 0; at < w.count; at += slice) {
+            for (size_t r = 0; r < n; ++r) bufs[r] = w.slots[r]->data() + w.offsets[r] + at * es;
+            reduce(ReduceArgs{w.dtype, w.op, bufs.data(), n, bufs.data(), n, std::min(slice, w.count - at), w.avg_divisor});
+            if (beat) beat->store(now_ns(), std::memory_order_relaxed);
+        }
     }
     return EngineResult{w.op_id, 0, {}, false, 0, std::move(w.slots)};
 }

@@ -97,7 +97,9 @@ public:
 
     // Runs one single-host op on the calling thread (the progress thread, or the control thread
     // for ops so small that a thread hop would cost more than the reduction).
-    static EngineResult execute(EngineWork &w);
+    // `beat` (the progress thread's): stored between slices of 16 MiB per rank, so that a long
+    // local reduction is not taken for a stuck thread.
+    static EngineResult execute(EngineWork &w, std::atomic<int64_t> *beat = nullptr);
 
 private:
     struct Item {

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cctype>
+#include <cstdio>
 #include <cstdlib>
 #include <memory>
 #include <mutex>
@@ -79,7 +80,8 @@ private:
         for (const auto &x : extra) f.push_back(x);
         std::vector<iovec> iov;
         for (auto &x : f) iov.push_back({x.data(), x.size()});
-        (void)sd_journal_sendv(iov.data(), static_cast<int>(iov.size()));
+        if (sd_journal_sendv(iov.data(), static_cast<int>(iov.size())) < 0)  // no journal after all: not lost
+            std::fprintf(stderr, "[%s] %s\n", spdlog::level::to_string_view(level).data(), text.c_str());
     }
     std::string host_, cluster_;
     std::set<std::string> peers_;
@@ -191,8 +193,7 @@ std::vector<std::string> fields_of(const std::string &message) {
         for (size_t at = message.find(key); at != std::string::npos; at = message.find(key, at + 1)) {
             if (at > 0 && name_char(message[at - 1])) continue;  // part of a longer word ("subgroup ")
             size_t i = at + key.size(), j = i;
-            while (j < message.size() && (digits ? std::isdigit(static_cast<unsigned char>(message[j])) != 0
-                                                 : !std::isspace(static_cast<unsigned char>(message[j])) && message[j] != ':'))
+            while (j < message.size() && (digits ? std::isdigit(static_cast<unsigned char>(message[j])) != 0 : name_char(message[j])))
                 ++j;
             if (j > i) return message.substr(i, j - i);
         }

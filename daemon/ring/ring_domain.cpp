@@ -173,6 +173,7 @@ void RingDomain::take_failure(const LocalFailure &f) {
     op.run.group = f.group;
     op.run.local_id = f.local_id;
     op.run.seq = f.seq;
+    op.run.submitted = Clock::now();  // its age in status: since it failed here
     op.status = f.code;
     op.message = "host " + sh_.host + ": " + f.message;
     op.deadline = Clock::now() + config_.timeouts.op;
@@ -720,7 +721,8 @@ nlohmann::json RingDomain::pending_ops(Clock::time_point now) const {
         case OpState::Queued: {
             auto run = runs_.find(v.group);
             if (v.failed_here) {
-                why = "its turn to be reported as this host's failure";
+                why = v.seq == proto::kIncarnationEnds ? "its turn to tell the other hosts that this incarnation ended here"
+                                                       : "its turn to be reported as this host's failure";
             } else if (run == runs_.end() || run->second.agreed == 0) {
                 why = "the group's incarnation to be agreed: every host of the group joins it";
                 if (auto j = joins.find(v.group); j != joins.end()) {

@@ -134,17 +134,12 @@ std::string Daemon::metrics_text() const {
     // Ops by lifecycle state: matching (waiting for this host's local ranks), then the states of
     // ops of multi-host groups (daemon/ops/host_ops.h), then running on the local path.
     e.family("ringd_ops_in_state", "gauge", "Ops on this host now, by lifecycle state.");
-    double matching = 0, local_running = 0;
-    for (const auto &g : st["groups"]) {
-        matching += num(g, "pending_ops");
-        local_running += num(g, "running_ops");
-    }
+    double matching = 0;
+    for (const auto &g : st["groups"]) matching += num(g, "pending_ops");
     const json &os = st["op_states"];
-    const double multi = num(os, "queued") + num(os, "reported") + num(os, "running") + num(os, "releasing");
     e.sample("ringd_ops_in_state", {{"state", "matching"}}, matching);
     for (const char *s : {"queued", "reported", "running", "releasing"}) e.sample("ringd_ops_in_state", {{"state", s}}, num(os, s));
-    // Started ops the GroupTable holds that no ring domain does: the local path's.
-    e.sample("ringd_ops_in_state", {{"state", "local"}}, std::max(0.0, local_running - multi));
+    e.sample("ringd_ops_in_state", {{"state", "local"}}, double(groups_.running_on("local", Clock::now()).size()));
 
     // Rings: the whole ring and the domains of groups over part of it.
     std::vector<const json *> rings;
@@ -179,7 +174,8 @@ std::string Daemon::metrics_text() const {
     e.sample("ringd_auth_enabled", {}, secret_.enabled() ? 1 : 0);
     e.family("ringd_auth_data_mac", "gauge", "1 when ring data frames carry MACs too (auth.data: mac).");
     e.sample("ringd_auth_data_mac", {}, secret_.enabled() && config_.data_mac ? 1 : 0);
-    double refused = 0, rejected = 0;
+    // Let-go domains' counts stay in (a counter never goes down).
+    double refused = double(let_go_refused_), rejected = double(let_go_rejected_);
     for (const json *r : rings) {
         refused += num(*r, "handshakes_refused");
         rejected += num(*r, "frames_rejected");

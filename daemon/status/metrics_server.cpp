@@ -40,10 +40,12 @@ Result<std::unique_ptr<MetricsServer>> MetricsServer::start(const std::string &l
     m->server_ = std::make_unique<httplib::Server>();
     auto &svr = *m->server_;
     svr.new_task_queue = [] { return new httplib::ThreadPool(2); };
-    svr.set_read_timeout(5, 0);
+    // One request per connection (a scrape every few seconds gains nothing from keep-alive, and
+    // an idle kept-alive connection would hold a worker), at most 2 s to send it.
+    svr.set_read_timeout(2, 0);
     svr.set_write_timeout(5, 0);
-    svr.set_keep_alive_timeout(5);
-    svr.set_keep_alive_max_count(100);
+    svr.set_keep_alive_max_count(1);
+    svr.set_keep_alive_timeout(1);
     svr.set_payload_max_length(4096);
     MetricsServer *self = m.get();
     svr.Get("/metrics", [self](const httplib::Request &, httplib::Response &res) {
@@ -69,7 +71,14 @@ Result<std::unique_ptr<MetricsServer>> MetricsServer::start(const std::string &l
     }
     m->thread_ = std::thread([self] {
         if (!self->server_->listen_after_bind()) spdlog::error("metrics endpoint stopped serving");
+        self->thread_done_.store(true);
     });
+    // stop() acts only once the server runs: wait for it (or for its thread to give up), so that
+    // a ringd stopped at once still joins the thread.
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    while (!svr.is_running() && !m->thread_done_.load() && std::chrono::steady_clock::now() < deadline)
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    if (!svr.is_running()) return make_error(-EIO, "metrics.listen " + listen + ": the HTTP server did not start");
     return m;
 }
 
@@ -79,7 +88,11 @@ MetricsServer::~MetricsServer() {
         stopping_ = true;
         cv_.notify_all();
     }
-    if (server_) server_->stop();
+    // stop() may come before the accept loop looks at its flag: repeat it until the thread ends.
+    while (server_ && thread_.joinable() && !thread_done_.load()) {
+        server_->stop();
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
     if (thread_.joinable()) thread_.join();
 }
 

@@ -4,10 +4,11 @@
 // thread that does not answer in time gets a 503 naming it (a scrape that fails is itself a
 // signal). Nothing of the daemon's state is read off the control thread.
 //
-// Two worker threads at most, read and write timeouts of 5 s, bodies refused: a scraper that
-// misbehaves holds one of them for 5 s, never the daemon.
+// Two worker threads at most, one request per connection, 2 s to send it and 5 s to take the
+// answer, bodies refused: a scraper that misbehaves holds a worker for seconds, never the daemon.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -66,6 +67,7 @@ private:
 
     std::unique_ptr<httplib::Server> server_;
     std::thread thread_;
+    std::atomic<bool> thread_done_{false};  // listen_after_bind returned
     UniqueFd wake_;
     std::string address_;
     uint16_t port_ = 0;

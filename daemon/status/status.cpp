@@ -103,6 +103,12 @@ std::string Daemon::status_json(uint32_t viewer) const {
                            {"waiting_for", "local rank(s) " + ranks + " of " + std::to_string(m.local_size) + " on host " +
                                                host_ + " (this host) to submit it"}});
     }
+    for (const auto &m : groups_.running_on("local", now)) {
+        if (viewer != 0 && !visible(m.group)) continue;
+        pending.push_back({{"group", m.group}, {"seq", m.seq}, {"state", "local"}, {"age_s", m.age_s}, {"algorithm", "local"},
+                           {"missing_hosts", json::array()}, {"missing_ranks", json::array()},
+                           {"waiting_for", "the local path's progress thread (ringd-local): its reduction"}});
+    }
     for (const auto &d : domains_) {
         if (!d) continue;
         for (auto &e : d->pending_ops(now))
@@ -111,6 +117,19 @@ std::string Daemon::status_json(uint32_t viewer) const {
     std::stable_sort(pending.begin(), pending.end(),
                      [](const json &a, const json &b) { return a["age_s"].get<double>() > b["age_s"].get<double>(); });
     j["pending_ops_total"] = pending.size();
+    // The coordinators' views name groups too: other uids' are left out, and at most kShownOps.
+    auto trim_coordinator = [&](json &ring) {
+        if (!ring.contains("coordinator")) return;
+        for (const char *list : {"pending", "joins_waiting"}) {
+            if (!ring["coordinator"].contains(list)) continue;
+            json kept = json::array();
+            for (auto &x : ring["coordinator"][list])
+                if ((viewer == 0 || visible(x["group"].get<std::string>())) && kept.size() < kShownOps) kept.push_back(std::move(x));
+            ring["coordinator"][list] = std::move(kept);
+        }
+    };
+    trim_coordinator(j["ring"]);
+    for (auto &d : j["domains"]) trim_coordinator(d);
     if (pending.size() > kShownOps) pending.erase(pending.begin() + kShownOps, pending.end());
     j["pending_ops"] = pending;
     const size_t joined = gateway_->joined(), connected = gateway_->connected();

@@ -2,7 +2,8 @@
 // that fails), then each daemon's /metrics scraped over HTTP and parsed by Prometheus's own text
 // parser (python3-prometheus-client, tests/python/scrape_metrics.py): every family's name and
 // type, and the values against the ops this test ran and checked here. Also: the endpoint off by
-// default, a bad address refused at start, and a scrape while the daemon stops.
+// default, a bad address refused at start, idle and garbage HTTP connections, and what
+// `ringctl status` says of a stalled op.
 #include <catch2/catch.hpp>
 
 #include <cctype>
@@ -251,11 +252,17 @@ TEST_CASE("a scraper that connects and sends nothing, or garbage, costs ringd no
         const std::string junk = "\x16\x03\x01 not http at all\r\n\r\n";
         (void)!::write(g.get(), junk.data(), junk.size());
     }
+    // While they are open, ringd serves its trainers as ever.
     Client cl(d.socket(), "solo", 0, 1, 1 << 20);
     Clients one;
     one.push_back(std::make_unique<Client>(d.socket(), "solo2", 0, 1, 1 << 20));
     allreduce_checked(one, DType::F32, ReduceOp::Sum, 4096, 7);
+    // The idle ones hold the two HTTP workers until their 2 s to send a request end; a scrape is
+    // served once one is free.
+    const auto t0 = Clock::now();
     const Scrape s = scrape(port);
+    CHECK(Clock::now() - t0 < 8s);
+    idle.clear();
     CHECK(s.value("ringd_ops_completed_total", {{"group", "solo2"}, {"algorithm", "local"}}) == 1);
     CHECK(s.value("ringd_clients_joined") == 2);
 }

@@ -215,3 +215,12 @@ TEST_CASE("a gone group's metrics series are dropped after 10 minutes, a live on
     CHECK(m.series().count({"job11", "ring"}) == 1);
     CHECK(m.series().count({"job" + std::to_string(OpMetrics::kMaxGroups + 9), "ring"}) == 1);
 }
+
+TEST_CASE_METHOD(Fixture, "a started op that ends without a path is counted as 'none' and not timed", "[group][metrics]") {
+    REQUIRE(table.join(1, "g", 0, 1, 0).ok());
+    table.submit(1, sub(1, 16), t0, out, ready);
+    REQUIRE(ready.size() == 1);
+    table.finished(ready[0].op_id, -EIO, "no ring domain", out, t0 + milliseconds(5));  // no set_algorithm
+    CHECK(table.op_metrics().series().at({"g", "none"}).failed == 1);
+    CHECK_FALSE(table.op_metrics().durations().count("none"));
+}
