@@ -1,5 +1,5 @@
 // The JSON document `ringctl status` shows. Its schema is stable for scripts: fields are only
-// ever added. See README "ringctl status --json".
+// ever added. See docs/operations.md, "status --json".
 #include <unistd.h>
 
 #include <algorithm>
