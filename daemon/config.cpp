@@ -272,6 +272,8 @@ Config parse_root(const YAML::Node &root) {
                 if (!addr_ok || !port_ok)
                     fail("metrics.listen", "must be ADDRESS:PORT with an IPv4 address or a bracketed IPv6 one "
                                            "(e.g. 127.0.0.1:9465 or [::1]:9465), got \"" + l + "\"");
+                c.metrics.address = addr;
+                c.metrics.port = static_cast<uint16_t>(std::stoul(port));
             }
             c.metrics.listen = l;
         }

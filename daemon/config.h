@@ -67,6 +67,8 @@ struct Config {
     // empty: off. Port 0: any free one (status "metrics" says which).
     struct Metrics {
         std::string listen;
+        std::string address;  // of listen, without brackets
+        uint16_t port = 0;
     } metrics;
     PollMode poll = PollMode::Adaptive;
     // The algorithm per op size (daemon/engine/tuner.h): ops up to direct_max_bytes may go by

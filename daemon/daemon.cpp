@@ -129,7 +129,7 @@ Status Daemon::setup() {
         if (auto s = epoll_add(epoll_.get(), cuda_->event_fd(), tag(kCuda)); !s) return s;
 
     if (!config_.metrics.listen.empty()) {
-        auto m = MetricsServer::start(config_.metrics.listen);
+        auto m = MetricsServer::start(config_.metrics);
         if (!m) return m.error();
         metrics_ = std::move(*m);
         if (auto s = epoll_add(epoll_.get(), metrics_->event_fd(), tag(kMetrics)); !s) return s;

@@ -63,8 +63,9 @@ private:
     void shutdown();
     // The status document as `viewer` (a uid) may see it: other uids' groups are left out for
     // anyone but root (their names would let a uid join them on a host where they are not yet).
-    std::string status_json(uint32_t viewer = 0) const;
-    // The Prometheus text /metrics serves (daemon/status/metrics.cpp): a view of status_json(0).
+    nlohmann::json status_doc(uint32_t viewer = 0) const;
+    std::string status_json(uint32_t viewer = 0) const { return status_doc(viewer).dump(); }
+    // The Prometheus text /metrics serves (daemon/status/metrics.cpp): a view of status_doc(0).
     std::string metrics_text() const;
 
     // Ring domains (daemon/ring/ring_domain.h).
@@ -109,8 +110,8 @@ private:
         uint64_t count = 0;
     };
     std::deque<RecentError> recent_errors_;
-    uint64_t errors_recorded_ = 0;
-    uint64_t let_go_refused_ = 0, let_go_rejected_ = 0;  // handshakes refused, frames rejected by domains let go  // every record_error(), recent_errors_ keeps the last ones
+    uint64_t errors_recorded_ = 0;  // every record_error(); recent_errors_ keeps the last kinds
+    uint64_t let_go_refused_ = 0, let_go_rejected_ = 0;  // handshakes refused, frames rejected by domains let go
     bool running_ = true;
 
     uint32_t self_index_ = 0;

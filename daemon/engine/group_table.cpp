@@ -159,7 +159,7 @@ void GroupTable::submit(MemberId id, const proto::Submission &s, Clock::time_poi
         run.members.push_back(*g.members[r]);
         run.offsets.push_back(p.by_rank[r]->offset);
     }
-    g.running[run.op_id] = Running{s.seq, s.bytes, run.members, {}, g.name, "none", run.submitted};
+    g.running[run.op_id] = Running{s.seq, s.bytes, run.members, {}, {}, "none", run.submitted};
     g.pending.erase(pit);
     ready.push_back(std::move(run));
 }
@@ -201,6 +201,7 @@ void GroupTable::leave(MemberId id, std::vector<Completion> &out) {
     for (auto &[op_id, r] : g.running)
         if (r.failure.empty()) r.failure = "group " + g.name + " op " + std::to_string(r.seq) + ": " + why;
     if (g.joined() == 0) {
+        for (auto &[id, r] : g.running) r.group = g.name;  // named once drained, for the metrics
         draining_.merge(g.running);
         groups_.erase(git);
     }
@@ -235,10 +236,10 @@ std::optional<Clock::time_point> GroupTable::next_deadline() const {
     return best;
 }
 
-void GroupTable::count_ended(const Running &r, bool ok, Clock::time_point now) {
+void GroupTable::count_ended(const std::string &group, const Running &r, bool ok, Clock::time_point now) {
     // An op that never took a path (failed before one was chosen) is counted, not timed.
     const bool timed = std::string_view(r.algorithm) != "none";
-    metrics_.ended(r.group, r.algorithm, ok, r.bytes, timed ? std::chrono::duration<double>(now - r.submitted).count() : -1.0,
+    metrics_.ended(group, r.algorithm, ok, r.bytes, timed ? std::chrono::duration<double>(now - r.submitted).count() : -1.0,
                    now);
 }
 
@@ -258,7 +259,7 @@ void GroupTable::finished(uint64_t op_id, int32_t status, const std::string &mes
                           Clock::time_point now) {
     if (auto d = draining_.find(op_id); d != draining_.end()) {  // its ranks are gone: nobody to tell
         ++totals_.ops_failed;
-        count_ended(d->second, false, now);
+        count_ended(d->second.group, d->second, false, now);
         draining_.erase(d);
         return;
     }
@@ -271,7 +272,7 @@ void GroupTable::finished(uint64_t op_id, int32_t status, const std::string &mes
         const std::string msg = !r.failure.empty() ? r.failure : message;
         const int32_t code = ok ? 0 : (status != 0 ? status : -ECONNABORTED);
         for (MemberId m : r.members) out.push_back({m, r.seq, code, ok ? std::string() : msg});
-        count_ended(r, ok, now);
+        count_ended(git->first, r, ok, now);
         if (ok) {
             ++g.ops_completed;
             g.bytes_reduced += r.bytes;

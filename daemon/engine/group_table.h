@@ -154,7 +154,7 @@ private:
         uint64_t bytes = 0;
         std::vector<MemberId> members;
         std::string failure;  // set when the group broke while the op ran
-        std::string group;
+        std::string group;               // set when it drains (its group is gone then)
         const char *algorithm = "none";  // set_algorithm()
         Clock::time_point submitted;     // its first local submission
     };
@@ -186,7 +186,7 @@ private:
 
     void fail_seq(Group &g, uint64_t seq, int32_t code, const std::string &message, std::vector<Completion> &out);
     void count_failed_unstarted(const Group &g) { metrics_.ended(g.name, "none", false, 0, -1, Clock::now()); }
-    void count_ended(const Running &r, bool ok, Clock::time_point now);
+    void count_ended(const std::string &group, const Running &r, bool ok, Clock::time_point now);
     std::string who(uint32_t rank) const { return "host " + host_ + " local rank " + std::to_string(rank); }
 
     std::string host_;

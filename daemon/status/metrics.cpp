@@ -89,7 +89,7 @@ std::string hosts_label(const nlohmann::json &ring) {
 
 std::string Daemon::metrics_text() const {
     using nlohmann::json;
-    const json st = json::parse(status_json(0));
+    const json st = status_doc(0);
     const OpMetrics &om = groups_.op_metrics();
     Exposition e;
 
@@ -103,15 +103,15 @@ std::string Daemon::metrics_text() const {
     // chosen). Series of groups gone for 10 minutes are dropped (OpMetrics); the *_all_total
     // families keep every op since the start.
     e.family("ringd_ops_completed_total", "counter", "Ops completed on this host, by group and algorithm.");
-    for (const auto &[key, s] : om.series())
-        e.sample("ringd_ops_completed_total", {{"group", key.first}, {"algorithm", key.second}}, double(s.completed));
+    for (const auto &[group, g] : om.groups())
+        for (const auto &[alg, s] : g.by_algorithm) e.sample("ringd_ops_completed_total", {{"group", group}, {"algorithm", alg}}, double(s.completed));
     e.family("ringd_ops_failed_total", "counter", "Ops that ended in an error on this host, by group and algorithm.");
-    for (const auto &[key, s] : om.series())
-        e.sample("ringd_ops_failed_total", {{"group", key.first}, {"algorithm", key.second}}, double(s.failed));
+    for (const auto &[group, g] : om.groups())
+        for (const auto &[alg, s] : g.by_algorithm) e.sample("ringd_ops_failed_total", {{"group", group}, {"algorithm", alg}}, double(s.failed));
     e.family("ringd_bytes_reduced_total", "counter",
              "Bytes of one rank's buffer in ops completed on this host, by group and algorithm.");
-    for (const auto &[key, s] : om.series())
-        e.sample("ringd_bytes_reduced_total", {{"group", key.first}, {"algorithm", key.second}}, double(s.bytes));
+    for (const auto &[group, g] : om.groups())
+        for (const auto &[alg, s] : g.by_algorithm) e.sample("ringd_bytes_reduced_total", {{"group", group}, {"algorithm", alg}}, double(s.bytes));
     e.family("ringd_ops_completed_all_total", "counter", "Ops completed on this host since it started, by algorithm.");
     for (const auto &[alg, s] : om.totals()) e.sample("ringd_ops_completed_all_total", {{"algorithm", alg}}, double(s.completed));
     e.family("ringd_ops_failed_all_total", "counter", "Ops failed on this host since it started, by algorithm.");

@@ -1,6 +1,5 @@
 #include "daemon/status/metrics_server.h"
 
-#include <arpa/inet.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
@@ -10,31 +9,12 @@
 #include "common/fd_io.h"
 
 namespace ringd {
-namespace {
 
-// "ADDRESS:PORT" with an IPv4 address or a bracketed IPv6 one, as config.cpp checked it.
-bool split_listen(const std::string &listen, std::string &address, int &port) {
-    const auto colon = listen.rfind(':');
-    if (colon == std::string::npos || colon == 0) return false;
-    address = listen.substr(0, colon);
-    if (address.size() > 2 && address.front() == '[' && address.back() == ']') address = address.substr(1, address.size() - 2);
-    try {
-        size_t used = 0;
-        port = std::stoi(listen.substr(colon + 1), &used);
-        if (used != listen.size() - colon - 1) return false;
-    } catch (const std::exception &) {
-        return false;
-    }
-    return port >= 0 && port <= 65535;
-}
-
-}  // namespace
-
-Result<std::unique_ptr<MetricsServer>> MetricsServer::start(const std::string &listen) {
+Result<std::unique_ptr<MetricsServer>> MetricsServer::start(const Config::Metrics &config) {
     std::unique_ptr<MetricsServer> m(new MetricsServer());
-    int port = 0;
-    if (!split_listen(listen, m->address_, port))
-        return make_error(-EINVAL, "metrics.listen: \"" + listen + "\" is not ADDRESS:PORT");
+    const std::string &listen = config.listen;
+    const int port = config.port;
+    m->address_ = config.address;
     m->wake_ = UniqueFd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
     if (!m->wake_) return make_error(-errno, "metrics: eventfd: " + errno_string(errno));
     m->server_ = std::make_unique<httplib::Server>();

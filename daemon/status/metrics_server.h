@@ -20,6 +20,7 @@
 #include <unistd.h>
 
 #include "common/unique_fd.h"
+#include "daemon/config.h"
 #include "proto/result.h"
 
 namespace httplib {
@@ -32,9 +33,9 @@ class MetricsServer {
 public:
     static constexpr auto kAnswerWithin = std::chrono::seconds(2);
 
-    // Binds `listen` ("ADDRESS:PORT"; port 0: any free one, see port()) and serves from its own
-    // thread. Errors (a bad address, a port in use) name the address.
-    static Result<std::unique_ptr<MetricsServer>> start(const std::string &listen);
+    // Binds metrics.listen (as the config checked it; port 0: any free one, see port()) and serves
+    // from its own thread. Errors (an address not on this host, a port in use) name it.
+    static Result<std::unique_ptr<MetricsServer>> start(const Config::Metrics &config);
     ~MetricsServer();  // stops serving; a scrape waiting for the control thread gets a 503
 
     int event_fd() const { return wake_.get(); }  // readable: a scrape waits for answer()

@@ -16,6 +16,7 @@
 #include <map>
 #include <set>
 #include <string>
+#include <string_view>
 #include <utility>
 
 namespace ringd {
@@ -42,23 +43,29 @@ public:
     // "two-shot"; "none" for an op that failed before one was chosen), `seconds` from its first
     // local submission to its end (negative: not timed, e.g. an op that never took a path),
     // `bytes` what one rank contributed (counted on success only).
-    void ended(const std::string &group, const std::string &algorithm, bool ok, uint64_t bytes, double seconds,
+    void ended(std::string_view group, std::string_view algorithm, bool ok, uint64_t bytes, double seconds,
                Clock::time_point now);
     // Drops the series of groups that are not in `live` and have been gone for kKeepGone.
     void forget_gone(const std::set<std::string> &live, Clock::time_point now);
 
-    // By (group, algorithm).
-    const std::map<std::pair<std::string, std::string>, Series> &series() const { return series_; }
+    // The series of one group, by algorithm, and when its last op ended.
+    struct Group {
+        std::map<std::string, Series, std::less<>> by_algorithm;
+        Clock::time_point last_seen;
+    };
+    // By group (lookups take a string_view: no allocation per op once a series exists).
+    const std::map<std::string, Group, std::less<>> &groups() const { return groups_; }
+    // One series, or null.
+    const Series *series(std::string_view group, std::string_view algorithm) const;
     // By algorithm, every op that ended (successes and failures).
-    const std::map<std::string, Histogram> &durations() const { return durations_; }
+    const std::map<std::string, Histogram, std::less<>> &durations() const { return durations_; }
     // Every op since the start, by algorithm, whatever its group (dropped groups included).
-    const std::map<std::string, Series> &totals() const { return totals_; }
+    const std::map<std::string, Series, std::less<>> &totals() const { return totals_; }
 
 private:
-    std::map<std::pair<std::string, std::string>, Series> series_;
-    std::map<std::string, Clock::time_point> last_seen_;  // by group: its last op's end
-    std::map<std::string, Histogram> durations_;
-    std::map<std::string, Series> totals_;
+    std::map<std::string, Group, std::less<>> groups_;
+    std::map<std::string, Histogram, std::less<>> durations_;
+    std::map<std::string, Series, std::less<>> totals_;
 };
 
 }  // namespace ringd

@@ -11,7 +11,7 @@
 
 namespace ringd {
 
-std::string Daemon::status_json(uint32_t viewer) const {
+nlohmann::json Daemon::status_doc(uint32_t viewer) const {
     using nlohmann::json;
     const auto now = Clock::now();
     json j;
@@ -165,7 +165,7 @@ std::string Daemon::status_json(uint32_t viewer) const {
     j["cuda"]["built"] = built;
     j["cuda"]["available"] = cuda_ != nullptr;
     j["cuda"]["error"] = no_cuda_;
-    return j.dump();
+    return j;
 }
 
 }  // namespace ringd

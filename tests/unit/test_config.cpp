@@ -170,6 +170,14 @@ TEST_CASE("metrics.listen: off by default, ADDRESS:PORT with an IPv4 or brackete
         CHECK(m->metrics.listen == ok);
     }
     CHECK(parse_config(kBase + "metrics: {listen: \"\"}\n")->metrics.listen.empty());
+    auto v6 = parse_config(kBase + "metrics: {listen: \"[::1]:9465\"}\n");
+    REQUIRE(v6.ok());
+    CHECK(v6->metrics.address == "::1");
+    CHECK(v6->metrics.port == 9465);
+    auto v4 = parse_config(kBase + "metrics: {listen: \"127.0.0.1:0\"}\n");
+    REQUIRE(v4.ok());
+    CHECK(v4->metrics.address == "127.0.0.1");
+    CHECK(v4->metrics.port == 0);
     for (const std::string bad : {"127.0.0.1", "localhost:9465", "::1:9465", "127.0.0.1:65536", "127.0.0.1:", ":9465",
                                   "127.0.0.1:94x5", "[::1:9465", "1.2.3:80", "127.0.0.1:099999"}) {
         INFO(bad);
