@@ -16,6 +16,7 @@
 
 #include "bench/baselines/baseline_table.h"
 #include "bench/bench_data.h"
+#include "bench/cluster_cpu.h"
 #include "bench/connect.h"
 #include "common/fd_io.h"
 #include "common/status_client.h"
@@ -143,6 +144,7 @@ int main(int argc, char **argv) {
                     "algbw(GB/s)", "busbw(GB/s)", "#wrong");
         std::fflush(stdout);
     }
+    const bench::ClusterCpu cpu;  // read by the printer around each timed loop
     double busbw_sum = 0;
     int rows = 0;
     uint64_t wrong_total = 0, guard_total = 0;
@@ -158,6 +160,7 @@ int main(int argc, char **argv) {
         if (rc == 0) rc = run(1);
         std::vector<double> lat;
         if (o.latency) lat.reserve(static_cast<size_t>(o.iters));
+        const double cpu0 = printer ? cpu.seconds() : -1;
         const auto t0 = Clock::now();
         for (int i = 0; i < o.iters && rc == 0; ++i) {
             const auto t = o.latency ? Clock::now() : Clock::time_point{};
@@ -165,6 +168,7 @@ int main(int argc, char **argv) {
             if (o.latency) lat.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t).count());
         }
         const double us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count() / o.iters;
+        const double cpu1 = printer ? cpu.seconds() : -1;
         if (rc != 0) break;
         if (printer && o.latency) {
             std::sort(lat.begin(), lat.end());
@@ -195,6 +199,7 @@ int main(int argc, char **argv) {
                         count, std::string(dtype_name(*dtype)).c_str(), std::string(reduce_op_name(*op)).c_str(), us, algbw,
                         busbw, o.check ? wrong_s : "N/A");
             std::fflush(stdout);
+            bench::ClusterCpu::print(count * esize, o.iters, cpu0, cpu1);
         }
         if (size > UINT64_MAX / static_cast<uint64_t>(o.factor)) break;
     }

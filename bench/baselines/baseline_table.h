@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "bench/bench_data.h"
+#include "bench/cluster_cpu.h"
 #include "common/units.h"
 
 namespace ringd::bench {
@@ -89,6 +90,7 @@ uint64_t run_sweep(const Sweep &s, const char *system, int rank, int size, void 
     int rows = 0;
     uint64_t wrong_total = 0, guard_total = 0;
     const auto r = static_cast<uint64_t>(rank);
+    const ClusterCpu cpu;
     for (uint64_t bytes = s.min_bytes; bytes <= s.max_bytes; bytes *= s.factor) {
         const size_t count = bytes / 4;
         const GuardedRange range{kOpOffset, count, buffer_bytes(s), DType::F32, mix64(r * 0x10001 + bytes)};
@@ -96,9 +98,11 @@ uint64_t run_sweep(const Sweep &s, const char *system, int rank, int size, void 
         for (int i = 0; i < std::max(1, s.warmup); ++i) allreduce(count);
         idle_links();
         barrier();
+        const double cpu0 = rank == 0 ? cpu.seconds() : -1;
         const auto t0 = std::chrono::steady_clock::now();
         for (int i = 0; i < s.iters; ++i) allreduce(count);
         const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / s.iters;
+        const double cpu1 = rank == 0 ? cpu.seconds() : -1;
         guard_total += guard_damage(base, range.guard_begin(), kOpOffset, range.salt) +
                        guard_damage(base, kOpOffset + range.bytes(), range.guard_end(), range.salt);
         uint64_t wrong = 0;
@@ -110,7 +114,10 @@ uint64_t run_sweep(const Sweep &s, const char *system, int rank, int size, void 
             guard_total += v.guard;
         }
         wrong_total += wrong;
-        if (rank == 0) sum_busbw += print_row(count * 4, size, us, wrong, s.check);
+        if (rank == 0) {
+            sum_busbw += print_row(count * 4, size, us, wrong, s.check);
+            ClusterCpu::print(count * 4, s.iters, cpu0, cpu1);
+        }
         ++rows;
     }
     if (rank == 0) std::printf("# Avg bus bandwidth : %.3f\n", rows ? sum_busbw / rows : 0.0);
