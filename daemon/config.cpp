@@ -133,8 +133,13 @@ Config parse_root(const YAML::Node &root) {
     parse_hosts(root["hosts"], c);
     if (auto n = root["transport"]) c.transport = get_choice(n, "transport", {"tcp", "ibverbs"});
     if (auto n = root["tcp"]) {
-        check_keys(n, "tcp", {"streams", "congestion"});
+        check_keys(n, "tcp", {"streams", "congestion", "socket_buffer"});
         if (n["streams"]) c.tcp.streams = static_cast<uint32_t>(get_uint(n["streams"], "tcp.streams", 1, 64));
+        if (n["socket_buffer"] && scalar(n["socket_buffer"], "tcp.socket_buffer") != "auto") {
+            c.tcp.socket_buffer = get_size(n["socket_buffer"], "tcp.socket_buffer");
+            if (c.tcp.socket_buffer < (64u << 10) || c.tcp.socket_buffer > (1u << 30))
+                fail("tcp.socket_buffer", "must be auto or between 64KiB and 1GiB");
+        }
         if (n["congestion"]) {
             c.tcp.congestion = scalar(n["congestion"], "tcp.congestion");
             c.tcp.congestion_set = true;

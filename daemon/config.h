@@ -29,6 +29,9 @@ struct Config {
         // default (net.ipv4.tcp_congestion_control). congestion_set: given in the file.
         std::string congestion = "cubic";
         bool congestion_set = false;
+        // Each stream's SO_SNDBUF and SO_RCVBUF; 0 ("auto"): the kernel sizes them as the
+        // connection goes (net.ipv4.tcp_wmem / tcp_rmem), which setting them turns off.
+        uint64_t socket_buffer = 0;
     } tcp;
     struct Ibverbs {
         std::string provider = "hardware";  // hardware (libibverbs) | emulated (software test device)
@@ -78,8 +81,8 @@ struct Config {
         uint64_t direct_max_bytes = 256 << 10;  // 0: always the ring
         uint32_t hop_latency_us = 100;        // one message's latency, wake-ups included
         uint64_t link_mbit = 10'000;          // what one host can send per second
-        uint64_t chunk_bytes = 512 << 10;     // the ring's pipeline: chunk size
-        uint32_t depth = 8;                   // and receives in flight (staging = chunk x depth)
+        uint64_t chunk_bytes = 2 << 20;       // the ring's pipeline: its largest chunk
+        uint32_t depth = 4;                   // and receives in flight (staging = chunk x depth)
         // Ring lanes per ring domain: each its own data links, staging and progress thread, so
         // that the ring ops of groups over the same hosts run side by side (a group runs in one).
         uint32_t lanes = 2;

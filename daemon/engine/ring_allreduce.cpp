@@ -17,7 +17,7 @@ uint64_t seg_begin(uint64_t count, uint32_t n, uint32_t k) {
 
 }  // namespace
 
-void RingAllreduce::plan(const RingPosition &pos, uint64_t count, uint64_t chunk_elems) {
+void RingAllreduce::plan(const RingPosition &pos, uint64_t count, uint64_t chunk_elems, uint32_t slots) {
     const uint32_t n = pos.size, r = pos.rank;
     steps_ = n - 1;
     sends_.clear();
@@ -40,7 +40,7 @@ void RingAllreduce::plan(const RingPosition &pos, uint64_t count, uint64_t chunk
         }
     }
     free_slots_.clear();
-    for (uint32_t i = 0; i < opt_.depth; ++i) free_slots_.push_back(static_cast<int32_t>(opt_.depth - 1 - i));
+    for (uint32_t i = 0; i < slots; ++i) free_slots_.push_back(static_cast<int32_t>(slots - 1 - i));
 }
 
 Status RingAllreduce::run(const RingPosition &pos, const RingOp &op, std::chrono::steady_clock::time_point deadline) {
@@ -68,22 +68,23 @@ Status RingAllreduce::run(const RingPosition &pos, const RingOp &op, std::chrono
     if (op.staging.bytes < opt_.chunk_bytes * opt_.depth + work) return make_error(-EINVAL, "ring staging area is too small");
     if (widened && work < opt_.chunk_bytes) return make_error(-EINVAL, "ring work area is smaller than a chunk");
     // Widened ops run in windows that fit the work area; the others in one.
-    const uint64_t chunk_elems = std::max<uint64_t>(1, opt_.chunk_bytes / ps);
     const uint64_t window = widened ? work / ps : std::max<uint64_t>(op.count, 1);
     chunk_base_ = 0;
     for (uint64_t begin = 0; begin < op.count; begin += window) {
         const uint64_t count = std::min(window, op.count - begin);
+        const uint64_t chunk = chunk_for(opt_, (count / pos.size + 1) * ps);
+        const uint64_t chunk_elems = std::max<uint64_t>(1, chunk / ps);
         const uint64_t chunks = count / pos.size / chunk_elems + 1;  // at least the most of any segment
         if (chunk_base_ + chunks >= kMaxChunks)
             return make_error(-E2BIG, "ring op has too many chunks; raise the chunk size");
-        if (auto s = run_window(pos, op, begin, count, deadline); !s) return s;
+        if (auto s = run_window(pos, op, begin, count, chunk, deadline); !s) return s;
         chunk_base_ += static_cast<uint32_t>(chunks);
     }
     return Ok{};
 }
 
 Status RingAllreduce::run_window(const RingPosition &pos, const RingOp &op, uint64_t begin, uint64_t count,
-                                 std::chrono::steady_clock::time_point deadline) {
+                                 uint64_t chunk_bytes, std::chrono::steady_clock::time_point deadline) {
     const size_t es = dtype_size(op.dtype);
     const size_t ps = dtype_size(partial_dtype(op.dtype, op.op));
     const bool widened = ps != es;
@@ -124,7 +125,9 @@ Status RingAllreduce::run_window(const RingPosition &pos, const RingOp &op, uint
     auto copy_out = [&](uint64_t at, uint64_t elems) {
         for (std::byte *l : op.locals) std::memcpy(l + (begin + at) * es, data + at * es, elems * es);
     };
-    plan(pos, count, std::max<uint64_t>(1, opt_.chunk_bytes / ps));
+    // The staging slots: as many of this window's chunks as fit where depth full ones do.
+    plan(pos, count, std::max<uint64_t>(1, chunk_bytes / ps),
+         static_cast<uint32_t>(opt_.chunk_bytes * opt_.depth / chunk_bytes));
 
     const uint32_t last = steps_ - 1;
     size_t next_send = 0, next_recv = 0, sends_done = 0, recvs_done = 0;
@@ -145,7 +148,7 @@ Status RingAllreduce::run_window(const RingPosition &pos, const RingOp &op, uint
                 if (free_slots_.empty()) break;
                 m.slot = free_slots_.back();
                 free_slots_.pop_back();
-                s = pos.prev->post_recv(op.staging, static_cast<uint64_t>(m.slot) * opt_.chunk_bytes, m.elems * ps,
+                s = pos.prev->post_recv(op.staging, static_cast<uint64_t>(m.slot) * chunk_bytes, m.elems * ps,
                                         tag(op, m.phase, m.step, m.chunk));
             } else {
                 if (!sends_[index(send_base_, kReduceScatter, m.step, m.chunk)].done) break;
@@ -220,7 +223,7 @@ Status RingAllreduce::run_window(const RingPosition &pos, const RingOp &op, uint
                     // Reduce while the chunk is hot, the local ranks' contributions with it (this
                     // is the first time the ring touches the chunk); the last step's result is
                     // final: avg's scaling, rounding to the dtype, and out to every local rank.
-                    fold(m.elem_begin, m.elems, op.staging.base + static_cast<uint64_t>(m.slot) * opt_.chunk_bytes, step,
+                    fold(m.elem_begin, m.elems, op.staging.base + static_cast<uint64_t>(m.slot) * chunk_bytes, step,
                          step == last);
                     free_slots_.push_back(m.slot);
                 } else {

@@ -54,13 +54,17 @@ struct RingPosition {
 };
 
 struct RingOptions {
-    uint64_t chunk_bytes = 512 << 10;
-    uint32_t depth = 8;  // reduce-scatter receives in flight (staging slots)
+    // The ring's messages: chunk_bytes for large ops; an op whose segments would have fewer than
+    // 8 of them halves its chunk while that stays at least 512 KiB (chunk_for()), so that
+    // mid-sized ops keep their pipeline. The staging slots are as many chunks as fit in
+    // chunk_bytes x depth, so the bytes in flight are the same for every chunk.
+    uint64_t chunk_bytes = 2 << 20;
+    uint32_t depth = 4;  // reduce-scatter receives of chunk_bytes in flight (staging slots)
     // How the progress thread waits for the transport during an op (config `poll`): -1 = busy
     // (never block), 0 = event (block at once), > 0 = adaptive (spin this long after the last
     // progress, then block).
     int spin_us = 50;
-    // The f32 work area for f16/bf16 sum/avg (bytes; 0: 64 chunks, at most 256 MiB). An op of
+    // The f32 work area for f16/bf16 sum/avg (bytes; 0: 16 chunks, at most 256 MiB). An op of
     // more than work_bytes/4 elements runs in windows of that many.
     uint64_t work_bytes = 0;
 };
@@ -91,7 +95,15 @@ public:
     // The f32 work area's bytes, and the staging bytes run() needs: the chunk slots and the work
     // area (ops that do not widen need only the slots).
     static uint64_t work_bytes(const RingOptions &o) {
-        return o.work_bytes ? o.work_bytes : std::min<uint64_t>(64 * o.chunk_bytes, uint64_t{256} << 20);
+        return o.work_bytes ? o.work_bytes : std::min<uint64_t>(16 * o.chunk_bytes, uint64_t{256} << 20);
+    }
+    // The chunk (bytes) of a window whose segments hold `segment_bytes` (partials): every host
+    // computes the same from the same options.
+    static uint64_t chunk_for(const RingOptions &o, uint64_t segment_bytes) {
+        constexpr uint64_t kLeast = 512 << 10, kPerSegment = 8;
+        uint64_t c = o.chunk_bytes;
+        while (c / 2 >= kLeast && segment_bytes < kPerSegment * c) c /= 2;
+        return c;
     }
     static uint64_t staging_bytes(const RingOptions &o) { return o.chunk_bytes * o.depth + work_bytes(o); }
     uint64_t staging_bytes() const { return staging_bytes(opt_); }
@@ -113,9 +125,9 @@ private:
     };
 
     // One pass of the ring over elements [begin, begin + count) of the op (a window).
-    Status run_window(const RingPosition &pos, const RingOp &op, uint64_t begin, uint64_t count,
+    Status run_window(const RingPosition &pos, const RingOp &op, uint64_t begin, uint64_t count, uint64_t chunk_bytes,
                       std::chrono::steady_clock::time_point deadline);
-    void plan(const RingPosition &pos, uint64_t count, uint64_t chunk_elems);
+    void plan(const RingPosition &pos, uint64_t count, uint64_t chunk_elems, uint32_t slots);
     size_t index(const std::vector<size_t> &base, Phase p, uint32_t step, uint32_t chunk) const {
         return base[p * steps_ + step] + chunk;
     }

@@ -39,7 +39,8 @@ Result<std::unique_ptr<NetworkTransport>> make_transport(const Config &config) {
                 cc.clear();
             }
         }
-        return std::unique_ptr<NetworkTransport>(std::make_unique<TcpTransport>(std::move(cc), config.data_mac && !config.secret_file.empty()));
+        return std::unique_ptr<NetworkTransport>(std::make_unique<TcpTransport>(std::move(cc), config.data_mac && !config.secret_file.empty(),
+                                                                                  config.tcp.socket_buffer));
     }
 #ifdef RINGD_HAVE_IBVERBS
     if (config.transport == "ibverbs") {

@@ -73,6 +73,7 @@ TEST_CASE("every value is parsed", "[config]") {
     CHECK(c->tuning.link_mbit == 100000);
     CHECK(c->tuning.chunk_bytes == 1u << 20);
     CHECK(c->tuning.depth == 4);
+    CHECK(c->tcp.socket_buffer == 0);  // auto
     CHECK(c->tuning.control_spin_us == 0);
 }
 
@@ -99,6 +100,22 @@ TEST_CASE("errors name the key", "[config]") {
     CHECK_THAT(error_of(kBase + "tuning: {direct_max_bytes: 1GiB}\n"), Catch::StartsWith("tuning.direct_max_bytes:"));
     CHECK_THAT(error_of(kBase + "tuning: {link_mbit: 0}\n"), Catch::StartsWith("tuning.link_mbit:"));
     CHECK_THAT(error_of(kBase + "tuning: {chunk_bytes: 1KiB}\n"), Catch::StartsWith("tuning.chunk_bytes:"));
+    CHECK_THAT(error_of(kBase + "tcp: {socket_buffer: 1KiB}\n"), Catch::StartsWith("tcp.socket_buffer: must be auto or"));
+    CHECK_THAT(error_of(kBase + "tcp: {socket_buffer: 2GiB}\n"), Catch::StartsWith("tcp.socket_buffer: must be auto or"));
+    CHECK_THAT(error_of(kBase + "tcp: {socket_buffer: lots}\n"), Catch::StartsWith("tcp.socket_buffer:"));
+    {
+        auto c = parse_config(kBase + "tcp: {socket_buffer: 4MiB}\n");
+        REQUIRE(c.ok());
+        CHECK(c->tcp.socket_buffer == 4u << 20);
+        auto d = parse_config(kBase + "tcp: {socket_buffer: auto}\n");
+        REQUIRE(d.ok());
+        CHECK(d->tcp.socket_buffer == 0);
+        auto e = parse_config(kBase);
+        REQUIRE(e.ok());
+        CHECK(e->tcp.socket_buffer == 0);
+        CHECK(e->tuning.chunk_bytes == 2u << 20);
+        CHECK(e->tuning.depth == 4);
+    }
     CHECK_THAT(error_of(kBase + "tuning: {control_spin_us: 20000}\n"), Catch::StartsWith("tuning.control_spin_us:"));
     CHECK_THAT(error_of(kBase + "tuning: {chunk_bytes: 64MiB, depth: 32}\n"), Catch::StartsWith("tuning.depth:"));
     CHECK_THAT(error_of(kBase + "poll: busy\npoll: event\n"), Catch::StartsWith("poll: appears twice"));

@@ -465,6 +465,53 @@ TEST_CASE("a peer that never answers ends in a timeout naming it, not a hang", "
     CHECK(std::chrono::steady_clock::now() - start < 5s);
 }
 
+TEST_CASE("large ops take chunk_bytes; smaller ones halve it down to 512 KiB with more slots; all exact", "[ring]") {
+    const RingOptions opt{2 << 20, 2};
+    CHECK(RingAllreduce::chunk_for(opt, 64 << 20) == 2u << 20);
+    CHECK(RingAllreduce::chunk_for(opt, 16 << 20) == 2u << 20);
+    CHECK(RingAllreduce::chunk_for(opt, (16 << 20) - 1) == 1u << 20);
+    CHECK(RingAllreduce::chunk_for(opt, 8 << 20) == 1u << 20);
+    CHECK(RingAllreduce::chunk_for(opt, (8 << 20) - 1) == 512u << 10);
+    CHECK(RingAllreduce::chunk_for(opt, 1) == 512u << 10);
+    // Configured chunks of at most 512 KiB are taken as they are.
+    CHECK(RingAllreduce::chunk_for(RingOptions{512 << 10, 8}, 1) == 512u << 10);
+    CHECK(RingAllreduce::chunk_for(RingOptions{4096, 3}, 1) == 4096);
+    CHECK(RingAllreduce::chunk_for(RingOptions{3 << 20, 2}, 1) == 768u << 10);
+    // Segments of 3, 10 and 17 MiB over 3 hosts: chunks of 512 KiB (8 slots of the 2 x 2 MiB
+    // staging), 1 MiB (4 slots) and 2 MiB (2 slots), each with a short last chunk.
+    Ring ring(3, "tcp", 2);
+    uint32_t op_tag = 1;
+    for (uint64_t mib : {3u, 10u, 17u}) {
+        INFO(mib << " MiB segments");
+        allreduce_and_check(ring, DType::F32, ReduceOp::Sum, 3 * (mib << 20) / 4 + 5, opt, op_tag++);
+        allreduce_and_check(ring, DType::BF16, ReduceOp::Avg, 3 * (mib << 20) / 4 + 7, opt, op_tag++, 2);
+    }
+}
+
+TEST_CASE("tcp.socket_buffer sets both socket buffers; auto leaves them to the kernel", "[ring][tcp]") {
+    auto buffers = [](uint64_t asked) {
+        TcpTransport t("", false, asked);
+        auto [a, b] = tcp_pair();
+        const int fd = a.get();
+        std::vector<UniqueFd> streams;
+        streams.push_back(std::move(a));
+        REQUIRE(t.add_link("node1", std::move(streams)).ok());
+        int snd = 0, rcv = 0;
+        socklen_t len = sizeof snd;
+        REQUIRE(::getsockopt(fd, SOL_SOCKET, SO_SNDBUF, &snd, &len) == 0);
+        len = sizeof rcv;
+        REQUIRE(::getsockopt(fd, SOL_SOCKET, SO_RCVBUF, &rcv, &len) == 0);
+        return std::pair{snd, rcv};
+    };
+    // Linux doubles what is set (its bookkeeping), within net.core.wmem_max/rmem_max.
+    const auto [snd, rcv] = buffers(256 << 10);
+    CHECK(snd == 512 << 10);
+    CHECK(rcv == 512 << 10);
+    const auto [asnd, arcv] = buffers(0);
+    CHECK(asnd != 512 << 10);
+    CHECK(arcv != 512 << 10);
+}
+
 TEST_CASE("TCP links carry the configured congestion control; one the kernel lacks is refused by name", "[ring][tcp]") {
     // reno is built into every kernel and always allowed.
     REQUIRE(TcpTransport::check_congestion("reno").ok());

@@ -16,7 +16,6 @@ namespace ringd {
 namespace {
 
 constexpr uint32_t kDataMagic = 0x4D444752;  // bytes 'R' 'G' 'D' 'M'
-constexpr int kSocketBuffer = 8 << 20;       // covers 10 Gbit/s x 5 ms
 
 // One line of a /proc/sys file, or "" when it cannot be read.
 std::string read_sysctl(const char *path) {
@@ -32,8 +31,9 @@ std::string read_sysctl(const char *path) {
 
 }  // namespace
 
-TcpTransport::TcpTransport(std::string congestion, bool data_mac)
-    : epoll_(::epoll_create1(EPOLL_CLOEXEC)), congestion_(std::move(congestion)), data_mac_(data_mac) {}
+TcpTransport::TcpTransport(std::string congestion, bool data_mac, uint64_t socket_buffer)
+    : epoll_(::epoll_create1(EPOLL_CLOEXEC)), congestion_(std::move(congestion)), data_mac_(data_mac),
+      socket_buffer_(static_cast<int>(std::min<uint64_t>(socket_buffer, 1u << 30))) {}
 
 std::string TcpTransport::detail() const {
     const std::string mac = data_mac_ ? ", auth.data: mac" : "";
@@ -128,8 +128,14 @@ Status TcpLink::add_stream(UniqueFd fd, const SessionKeys &keys) {
     ::setsockopt(fd.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);  // fails harmlessly on socketpairs
     const std::string &cc = t_.congestion_;  // checked at start (check_congestion); fails harmlessly on socketpairs
     if (!cc.empty()) ::setsockopt(fd.get(), IPPROTO_TCP, TCP_CONGESTION, cc.data(), static_cast<socklen_t>(cc.size()));
-    ::setsockopt(fd.get(), SOL_SOCKET, SO_SNDBUF, &kSocketBuffer, sizeof kSocketBuffer);
-    ::setsockopt(fd.get(), SOL_SOCKET, SO_RCVBUF, &kSocketBuffer, sizeof kSocketBuffer);
+    // A fixed size turns the kernel's autotuning off; left alone, the buffers grow with the
+    // connection's bandwidth x delay (up to net.ipv4.tcp_wmem/tcp_rmem's maximum), which on
+    // shared cores kept more of the data in cache and cost less CPU per byte (docs/perf.md).
+    const int sb = t_.socket_buffer_;
+    if (sb > 0) {
+        ::setsockopt(fd.get(), SOL_SOCKET, SO_SNDBUF, &sb, sizeof sb);
+        ::setsockopt(fd.get(), SOL_SOCKET, SO_RCVBUF, &sb, sizeof sb);
+    }
     auto s = std::make_unique<Stream>();
     s->link = this;
     s->fd = std::move(fd);

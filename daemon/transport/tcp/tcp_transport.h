@@ -88,7 +88,8 @@ class TcpTransport final : public NetworkTransport {
 public:
     // congestion: the TCP congestion control for every stream; empty keeps the kernel's default.
     // data_mac: tag every message of a link whose connections have keys (auth.data: mac).
-    explicit TcpTransport(std::string congestion = {}, bool data_mac = false);
+    // socket_buffer: every stream's SO_SNDBUF/SO_RCVBUF; 0 leaves them to the kernel's autotuning.
+    explicit TcpTransport(std::string congestion = {}, bool data_mac = false, uint64_t socket_buffer = 0);
     std::string_view name() const override { return "tcp"; }
     std::string detail() const override;
 
@@ -97,11 +98,11 @@ public:
     static Status check_congestion(const std::string &name);
     // TCP posts read only the RegionHandle's address: any TcpTransport takes any other's handles.
     Result<std::unique_ptr<NetworkTransport>> sibling() override {
-        return std::unique_ptr<NetworkTransport>(std::make_unique<TcpTransport>(congestion_, data_mac_));
+        return std::unique_ptr<NetworkTransport>(std::make_unique<TcpTransport>(congestion_, data_mac_, socket_buffer_));
     }
 
     // Takes over connected sockets to `peer` as one link (>= 1 stream). They are made
-    // non-blocking, TCP_NODELAY and get socket buffers sized for bandwidth x delay.
+    // non-blocking and TCP_NODELAY, with the socket buffers asked for (else the kernel's).
     // `keys`: one per stream, or empty (nothing tagged).
     Result<Link *> add_link(const std::string &peer, std::vector<UniqueFd> streams, const std::vector<SessionKeys> &keys = {});
     Result<std::vector<Link *>> add_links(std::vector<LinkSetup> links,
@@ -122,6 +123,7 @@ private:
     UniqueFd epoll_;
     std::string congestion_;
     bool data_mac_ = false;
+    int socket_buffer_ = 0;
     uint64_t next_region_ = 1;
     std::vector<std::unique_ptr<TcpLink>> links_;
     std::vector<LinkEvent> ready_;  // completions produced outside poll(), handed out by the next poll()
