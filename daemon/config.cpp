@@ -135,10 +135,12 @@ Config parse_root(const YAML::Node &root) {
     if (auto n = root["tcp"]) {
         check_keys(n, "tcp", {"streams", "congestion", "socket_buffer"});
         if (n["streams"]) c.tcp.streams = static_cast<uint32_t>(get_uint(n["streams"], "tcp.streams", 1, 64));
-        if (n["socket_buffer"] && scalar(n["socket_buffer"], "tcp.socket_buffer") != "auto") {
-            c.tcp.socket_buffer = get_size(n["socket_buffer"], "tcp.socket_buffer");
-            if (c.tcp.socket_buffer < (64u << 10) || c.tcp.socket_buffer > (1u << 30))
-                fail("tcp.socket_buffer", "must be auto or between 64KiB and 1GiB");
+        if (n["socket_buffer"]) {
+            const std::string v = scalar(n["socket_buffer"], "tcp.socket_buffer");
+            const auto size = parse_size(v);
+            if (v != "auto" && (!size || *size < (64u << 10) || *size > (1u << 30)))
+                fail("tcp.socket_buffer", "must be auto or a size between 64KiB and 1GiB, not '" + v + "'");
+            c.tcp.socket_buffer = v == "auto" ? 0 : *size;
         }
         if (n["congestion"]) {
             c.tcp.congestion = scalar(n["congestion"], "tcp.congestion");

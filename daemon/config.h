@@ -82,7 +82,7 @@ struct Config {
         uint32_t hop_latency_us = 100;        // one message's latency, wake-ups included
         uint64_t link_mbit = 10'000;          // what one host can send per second
         uint64_t chunk_bytes = 2 << 20;       // the ring's pipeline: its largest chunk
-        uint32_t depth = 4;                   // and receives in flight (staging = chunk x depth)
+        uint32_t depth = 4;                   // and staging slots of it (smaller chunks: more)
         // Ring lanes per ring domain: each its own data links, staging and progress thread, so
         // that the ring ops of groups over the same hosts run side by side (a group runs in one).
         uint32_t lanes = 2;

@@ -5,8 +5,9 @@
 // registered data region; it is replaced by the result. The buffer is cut into one segment per
 // host and each segment into chunks; chunks are pipelined: while chunk j of step s is on the
 // wire, chunk j-1 is being reduced and chunk j+1 is being sent. Reduce-scatter receives land in
-// a registered staging area (`depth` chunk slots, reused), are reduced into the data region and
-// forwarded; allgather receives land straight in the data region.
+// a registered staging area (chunk slots, reused: `depth` of the largest chunk, or as many
+// smaller ones as fit there), are reduced into the data region and forwarded; allgather
+// receives land straight in the data region.
 //
 // avg (reduce.h): every contribution is scaled by 2^-K where the ring first touches it (2^K >=
 // 2 x avg_divisor), so that no partial sum overflows, and the result by 2^K/avg_divisor in the
@@ -64,8 +65,9 @@ struct RingOptions {
     // (never block), 0 = event (block at once), > 0 = adaptive (spin this long after the last
     // progress, then block).
     int spin_us = 50;
-    // The f32 work area for f16/bf16 sum/avg (bytes; 0: 16 chunks, at most 256 MiB). An op of
-    // more than work_bytes/4 elements runs in windows of that many.
+    // The f32 work area for f16/bf16 sum/avg (bytes; 0: 64 chunks of up to 512 KiB — 32 MiB —
+    // or 16 chunks where they are larger, at most 256 MiB). An op of more than work_bytes/4
+    // elements runs in windows of that many; their chunks are chosen per window.
     uint64_t work_bytes = 0;
 };
 
@@ -76,7 +78,7 @@ struct RingOp {
     uint32_t avg_divisor = 1;  // contributions in total (all ranks of all hosts)
     RegionHandle data;         // in/out
     uint64_t data_offset = 0;
-    RegionHandle staging;      // staging_bytes(): depth chunk slots, then the f32 work area
+    RegionHandle staging;      // staging_bytes(): chunk_bytes x depth of slots, then the f32 work area
     // The other local ranks' buffers (count elements each, not registered: only read and written
     // here). Their contributions are summed in; the result lands in them too.
     std::span<std::byte *const> locals;
@@ -95,7 +97,9 @@ public:
     // The f32 work area's bytes, and the staging bytes run() needs: the chunk slots and the work
     // area (ops that do not widen need only the slots).
     static uint64_t work_bytes(const RingOptions &o) {
-        return o.work_bytes ? o.work_bytes : std::min<uint64_t>(16 * o.chunk_bytes, uint64_t{256} << 20);
+        if (o.work_bytes) return o.work_bytes;
+        const uint64_t small = 64 * std::min<uint64_t>(o.chunk_bytes, 512 << 10);
+        return std::min<uint64_t>(std::max<uint64_t>(small, 16 * o.chunk_bytes), uint64_t{256} << 20);
     }
     // The chunk (bytes) of a window whose segments hold `segment_bytes` (partials): every host
     // computes the same from the same options.

@@ -73,7 +73,7 @@ TEST_CASE("every value is parsed", "[config]") {
     CHECK(c->tuning.link_mbit == 100000);
     CHECK(c->tuning.chunk_bytes == 1u << 20);
     CHECK(c->tuning.depth == 4);
-    CHECK(c->tcp.socket_buffer == 0);  // auto
+    CHECK(c->tcp.socket_buffer == 0);  // not given: auto
     CHECK(c->tuning.control_spin_us == 0);
 }
 
@@ -102,7 +102,8 @@ TEST_CASE("errors name the key", "[config]") {
     CHECK_THAT(error_of(kBase + "tuning: {chunk_bytes: 1KiB}\n"), Catch::StartsWith("tuning.chunk_bytes:"));
     CHECK_THAT(error_of(kBase + "tcp: {socket_buffer: 1KiB}\n"), Catch::StartsWith("tcp.socket_buffer: must be auto or"));
     CHECK_THAT(error_of(kBase + "tcp: {socket_buffer: 2GiB}\n"), Catch::StartsWith("tcp.socket_buffer: must be auto or"));
-    CHECK_THAT(error_of(kBase + "tcp: {socket_buffer: lots}\n"), Catch::StartsWith("tcp.socket_buffer:"));
+    CHECK_THAT(error_of(kBase + "tcp: {socket_buffer: lots}\n"), Catch::StartsWith("tcp.socket_buffer: must be auto or"));
+    CHECK_THAT(error_of(kBase + "tcp: {socket_buffer: [1]}\n"), Catch::StartsWith("tcp.socket_buffer:"));
     {
         auto c = parse_config(kBase + "tcp: {socket_buffer: 4MiB}\n");
         REQUIRE(c.ok());
