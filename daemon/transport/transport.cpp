@@ -2,8 +2,6 @@
 
 #include <spdlog/spdlog.h>
 
-#include <cstdio>
-
 #include "daemon/config.h"
 #include "daemon/transport/tcp/tcp_transport.h"
 #ifdef RINGD_HAVE_IBVERBS
@@ -12,33 +10,6 @@
 #endif
 
 namespace ringd {
-namespace {
-
-// A /proc/sys number, or 0 when it cannot be read.
-uint64_t sysctl_number(const char *path) {
-    unsigned long long v = 0;
-    if (FILE *f = std::fopen(path, "re")) {
-        if (std::fscanf(f, "%llu", &v) != 1) v = 0;
-        std::fclose(f);
-    }
-    return v;
-}
-
-// A fixed tcp.socket_buffer above the kernel's cap for SO_SNDBUF/SO_RCVBUF is quietly cut to it
-// (and turns autotuning off): say so once, at start.
-void warn_socket_buffer_cap(uint64_t asked) {
-    for (const auto &[path, name] : {std::pair{"/proc/sys/net/core/wmem_max", "net.core.wmem_max"},
-                                     std::pair{"/proc/sys/net/core/rmem_max", "net.core.rmem_max"}}) {
-        const uint64_t cap = sysctl_number(path);
-        if (cap && cap < asked)
-            spdlog::warn("tcp.socket_buffer ({} bytes) is more than {} ({}): the kernel gives each stream {} bytes; "
-                         "raise {} or use tcp.socket_buffer: auto",
-                         asked, name, cap, cap, name);
-    }
-}
-
-}  // namespace
-
 Result<RegionHandle> Transport::register_region(std::byte *base, size_t bytes) {
     auto h = do_register(base, bytes);
     if (!h) return h;
@@ -67,7 +38,10 @@ Result<std::unique_ptr<NetworkTransport>> make_transport(const Config &config) {
                 cc.clear();
             }
         }
-        if (config.tcp.socket_buffer) warn_socket_buffer_cap(config.tcp.socket_buffer);
+        // A fixed size above the kernel's cap is quietly cut to it (and turns autotuning off).
+        if (config.tcp.socket_buffer)
+            if (const auto why = TcpTransport::socket_buffer_cap(config.tcp.socket_buffer); !why.empty())
+                spdlog::warn("tcp.socket_buffer ({} bytes): {}", config.tcp.socket_buffer, why);
         return std::unique_ptr<NetworkTransport>(std::make_unique<TcpTransport>(std::move(cc), config.data_mac && !config.secret_file.empty(),
                                                                                   config.tcp.socket_buffer));
     }

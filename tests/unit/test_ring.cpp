@@ -520,6 +520,11 @@ TEST_CASE("tcp.socket_buffer sets both socket buffers; auto leaves them to the k
     const auto [asnd, arcv] = buffers(0);
     CHECK(asnd == snd0);
     CHECK(arcv == rcv0);
+    // A size the kernel would cut is named with the limit that cuts it (ringd warns at start).
+    CHECK(TcpTransport::socket_buffer_cap(4096).empty());
+    CHECK_THAT(TcpTransport::socket_buffer_cap(uint64_t{1} << 40), Catch::Contains("net.core.wmem_max is ") &&
+                                                                     Catch::Contains("net.core.rmem_max is ") &&
+                                                                     Catch::EndsWith("tcp.socket_buffer: auto)"));
 }
 
 TEST_CASE("TCP links carry the configured congestion control; one the kernel lacks is refused by name", "[ring][tcp]") {

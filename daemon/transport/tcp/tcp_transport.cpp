@@ -7,6 +7,7 @@
 #include <sys/socket.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 
 #include "common/fd_io.h"
@@ -57,6 +58,18 @@ Status TcpTransport::check_congestion(const std::string &name) {
                                   "net.ipv4.tcp_allowed_congestion_control (now: " +
                                   read_sysctl("/proc/sys/net/ipv4/tcp_allowed_congestion_control") + ")");
     return make_error(-e, "TCP congestion control '" + name + "': " + errno_string(e));
+}
+
+std::string TcpTransport::socket_buffer_cap(uint64_t bytes) {
+    std::string why;
+    for (const char *name : {"wmem_max", "rmem_max"}) {
+        const std::string v = read_sysctl((std::string("/proc/sys/net/core/") + name).c_str());
+        const uint64_t cap = v.empty() ? 0 : std::strtoull(v.c_str(), nullptr, 10);
+        if (cap && cap < bytes)
+            why += (why.empty() ? "" : "; ") + std::string("net.core.") + name + " is " + v + ": the kernel gives each stream " +
+                   v + " bytes";
+    }
+    return why.empty() ? why : why + " (raise it, or use tcp.socket_buffer: auto)";
 }
 
 Result<RegionHandle> TcpTransport::do_register(std::byte *base, size_t bytes) {

@@ -96,6 +96,9 @@ public:
     // Whether this process may give a TCP socket the congestion control `name` (it exists in the
     // kernel, and is allowed or the process has CAP_NET_ADMIN); the error says which and how to fix it.
     static Status check_congestion(const std::string &name);
+    // What the kernel makes of a fixed socket buffer of `bytes`: empty when it grants it, else
+    // why it cuts it (net.core.wmem_max / rmem_max below it) and what to do.
+    static std::string socket_buffer_cap(uint64_t bytes);
     // TCP posts read only the RegionHandle's address: any TcpTransport takes any other's handles.
     Result<std::unique_ptr<NetworkTransport>> sibling() override {
         return std::unique_ptr<NetworkTransport>(std::make_unique<TcpTransport>(congestion_, data_mac_, socket_buffer_));
