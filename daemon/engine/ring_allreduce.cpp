@@ -29,7 +29,7 @@ void RingAllreduce::plan(const RingPosition &pos, uint64_t count, uint64_t chunk
         const uint64_t b = seg_begin(count, n, seg), e = seg_begin(count, n, seg + 1);
         uint32_t j = 0;
         for (uint64_t at = b; at < e; at += chunk_elems, ++j)
-            list.push_back({p, s, j, at, std::min(chunk_elems, e - at), false, false, -1});
+            list.push_back({p, s, j, at, std::min(chunk_elems, e - at), false, false, -1, false});
     };
     for (Phase p : {kReduceScatter, kAllgather}) {
         for (uint32_t s = 0; s < steps_; ++s) {
@@ -100,9 +100,11 @@ Status RingAllreduce::run_window(const RingPosition &pos, const RingOp &op, uint
     const bool raw_step0 = avg && !widened && op.avg_divisor == pos.size && op.locals.empty();
     // The reductions, over the data region and the other local ranks' buffers (the contributions,
     // scaled for avg where they first meet), and a received chunk (a partial result, or at step 0
-    // raw values). Not final: the partial result goes to the work area (widened) or in place;
-    // final: rounded to the dtype, out to every local rank.
-    auto fold = [&](uint64_t at, uint64_t elems, const std::byte *received, uint32_t step, bool final) {
+    // raw values). Not final: the partial result goes to `out` (the received chunk's own slot, in
+    // place, when it is forwarded from there), else to the work area (widened) or the data region
+    // in place; final: rounded to the dtype, out to every local rank.
+    auto fold = [&](uint64_t at, uint64_t elems, const std::byte *received, uint32_t step, bool final,
+                    std::byte *out = nullptr) {
         std::byte *d = data + at * es;
         srcs_.assign(1, d);
         for (std::byte *l : op.locals) srcs_.push_back(l + (begin + at) * es);
@@ -118,7 +120,7 @@ Status RingAllreduce::run_window(const RingPosition &pos, const RingOp &op, uint
             a.dsts = dsts_.data();
             a.ndst = dsts_.size();
         } else {
-            a.partial_out = widened ? static_cast<void *>(work + at * ps) : static_cast<void *>(d);
+            a.partial_out = out ? static_cast<void *>(out) : widened ? static_cast<void *>(work + at * ps) : static_cast<void *>(d);
         }
         reduce(a);
     };
@@ -132,6 +134,7 @@ Status RingAllreduce::run_window(const RingPosition &pos, const RingOp &op, uint
     const uint32_t last = steps_ - 1;
     size_t next_send = 0, next_recv = 0, sends_done = 0, recvs_done = 0;
     auto last_progress = std::chrono::steady_clock::now();
+    bool spin_pays = true;  // adaptive polling: whether spinning has been catching events
     auto ready_to_send = [&](const Msg &m) {
         if (m.phase == kReduceScatter)
             return m.step == 0 || recvs_[index(recv_base_, kReduceScatter, m.step - 1, m.chunk)].done;
@@ -168,10 +171,17 @@ Status RingAllreduce::run_window(const RingPosition &pos, const RingOp &op, uint
                 // (and avg's contributions scaled, widened ones converted to f32).
                 if (m.step == 0 && (widened || !op.locals.empty() || (avg && !raw_step0)))
                     fold(m.elem_begin, m.elems, nullptr, 0, false);
-                s = widened ? pos.next->post_send(op.staging, work_offset + m.elem_begin * ps, m.elems * ps,
-                                                  tag(op, m.phase, m.step, m.chunk))
-                            : pos.next->post_send(op.data, data_offset + m.elem_begin * es, m.elems * es,
-                                                  tag(op, m.phase, m.step, m.chunk));
+                const Msg *from = m.step > 0 ? &recvs_[index(recv_base_, kReduceScatter, m.step - 1, m.chunk)] : nullptr;
+                if (from && from->forward) {
+                    m.slot = from->slot;  // the partial result stayed in its slot: freed when this is done
+                    s = pos.next->post_send(op.staging, static_cast<uint64_t>(m.slot) * chunk_bytes, m.elems * ps,
+                                            tag(op, m.phase, m.step, m.chunk));
+                } else {
+                    s = widened ? pos.next->post_send(op.staging, work_offset + m.elem_begin * ps, m.elems * ps,
+                                                      tag(op, m.phase, m.step, m.chunk))
+                                : pos.next->post_send(op.data, data_offset + m.elem_begin * es, m.elems * es,
+                                                      tag(op, m.phase, m.step, m.chunk));
+                }
             } else {
                 s = pos.next->post_send(op.data, data_offset + m.elem_begin * es, m.elems * es,
                                         tag(op, m.phase, m.step, m.chunk));
@@ -196,11 +206,23 @@ Status RingAllreduce::run_window(const RingPosition &pos, const RingOp &op, uint
         events_.clear();
         // busy: never block; adaptive: spin for a while after the last progress, then block;
         // event: block at once. Blocking is bounded so that aborts are seen promptly.
-        const bool spin = opt_.spin_us < 0 ||
-                          (opt_.spin_us > 0 && std::chrono::steady_clock::now() - last_progress <
-                                                   std::chrono::microseconds(opt_.spin_us));
+        // adaptive spins only while it pays: a spin that ran out without an event stops the
+        // spinning, and a block that an event ended within the spin time starts it again — an op
+        // whose events are further apart than that (a link slower than the host) blocks between
+        // them rather than burning a core on every gap; one whose events come close together
+        // (latency-bound, or links faster than the host) spins as before.
+        const auto now = std::chrono::steady_clock::now();
+        const auto spin_for = std::chrono::microseconds(opt_.spin_us);
+        bool spin = opt_.spin_us < 0;
+        if (opt_.spin_us > 0 && spin_pays) {
+            spin = now - last_progress < spin_for;
+            if (!spin) spin_pays = false;  // ran out: block, and until a block ends quickly
+        }
         if (auto s = t_.poll(events_, spin ? 0 : std::min(wait_ms, 100)); !s) return s;
-        if (!events_.empty()) last_progress = std::chrono::steady_clock::now();
+        if (!events_.empty()) {
+            last_progress = std::chrono::steady_clock::now();
+            if (!spin && last_progress - now < spin_for) spin_pays = true;
+        }
         for (const LinkEvent &e : events_) {
             if (e.kind == LinkEvent::Kind::Failed) {
                 if (e.link == pos.next || e.link == pos.prev) return e.error;
@@ -214,8 +236,10 @@ Status RingAllreduce::run_window(const RingPosition &pos, const RingOp &op, uint
             const uint32_t chunk = number - chunk_base_;
             if (e.kind == LinkEvent::Kind::SendDone && e.link == pos.next) {
                 Msg &m = sends_[index(send_base_, p, step, chunk)];
-                if (!m.done) ++sends_done;
+                if (m.done) continue;
+                ++sends_done;
                 m.done = true;
+                if (m.slot >= 0) free_slots_.push_back(m.slot);
             } else if (e.kind == LinkEvent::Kind::RecvDone && e.link == pos.prev) {
                 Msg &m = recvs_[index(recv_base_, p, step, chunk)];
                 if (m.done) continue;
@@ -223,9 +247,16 @@ Status RingAllreduce::run_window(const RingPosition &pos, const RingOp &op, uint
                     // Reduce while the chunk is hot, the local ranks' contributions with it (this
                     // is the first time the ring touches the chunk); the last step's result is
                     // final: avg's scaling, rounding to the dtype, and out to every local rank.
-                    fold(m.elem_begin, m.elems, op.staging.base + static_cast<uint64_t>(m.slot) * chunk_bytes, step,
-                         step == last);
-                    free_slots_.push_back(m.slot);
+                    // A partial result is written over the received chunk in its slot and sent on
+                    // from there: the data region is only read (no write-back of a partial that
+                    // nobody reads again) and the send copies from memory that is still hot. The
+                    // slot is kept only while another one stays free for the receives, so that
+                    // the receives in canonical order always progress (slots held by sends wait
+                    // on the next host, which has a free slot of its own for the same reason).
+                    std::byte *slot = op.staging.base + static_cast<uint64_t>(m.slot) * chunk_bytes;
+                    m.forward = step != last && !free_slots_.empty();
+                    fold(m.elem_begin, m.elems, slot, step, step == last, m.forward ? slot : nullptr);
+                    if (!m.forward) free_slots_.push_back(m.slot);
                 } else {
                     copy_out(m.elem_begin, m.elems);
                 }

@@ -6,8 +6,12 @@
 // host and each segment into chunks; chunks are pipelined: while chunk j of step s is on the
 // wire, chunk j-1 is being reduced and chunk j+1 is being sent. Reduce-scatter receives land in
 // a registered staging area (chunk slots, reused: `depth` of the largest chunk, or as many
-// smaller ones as fit there), are reduced into the data region and forwarded; allgather
-// receives land straight in the data region.
+// smaller ones as fit there) and are reduced with the data region's contribution in place, in
+// their slot, and forwarded from it (the slot is free once that send is done; a receive keeps
+// its slot only while another one is free, else its partial goes through the data region). So
+// the data region is only read in the reduce-scatter, but for the last step's result, and the
+// send copies from memory the reduction just wrote. Allgather receives land straight in the
+// data region.
 //
 // avg (reduce.h): every contribution is scaled by 2^-K where the ring first touches it (2^K >=
 // 2 x avg_divisor), so that no partial sum overflows, and the result by 2^K/avg_divisor in the
@@ -125,7 +129,11 @@ private:
         uint64_t elem_begin;  // into the op's buffer
         uint64_t elems;
         bool posted, done;
-        int32_t slot;  // staging slot of a reduce-scatter receive
+        // Reduce-scatter: the staging slot a receive lands in; a receive whose partial result is
+        // forwarded from that slot keeps it (`forward`) until the send of the next step, which
+        // names it in its own `slot`, is done. -1: none.
+        int32_t slot;
+        bool forward;
     };
 
     // One pass of the ring over elements [begin, begin + count) of the op (a window).

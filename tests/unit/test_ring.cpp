@@ -489,6 +489,96 @@ TEST_CASE("large ops take chunk_bytes; smaller ones halve it down to 512 KiB wit
     }
 }
 
+TEST_CASE("partial results forwarded from their staging slot or from the data region: exact with one, two and "
+          "five slots, on every transport",
+          "[ring]") {
+    // One slot: no partial is ever kept in its slot (the receives need it), so every one goes
+    // through the data region; two: they alternate; five: most are forwarded from the slot. Many
+    // chunks per segment, so slots are reused while their sends are still on the wire. The
+    // ibverbs transport completes a send only once the next host has posted its receive, so a
+    // slot policy that could starve the receives would hang here (the op deadline fails it).
+    const auto [kind, streams] = GENERATE(std::pair<std::string, int>{"loopback", 1}, std::pair<std::string, int>{"tcp", 2}
+#ifdef RINGD_HAVE_IBVERBS
+                                          , std::pair<std::string, int>{"ibverbs", 1}
+#endif
+    );
+    INFO(kind << " x " << streams);
+    for (uint32_t n : {2u, 4u}) {
+        Ring ring(n, kind, streams);
+        uint32_t op_tag = 1;
+        for (uint32_t depth : {1u, 2u, 5u}) {
+            INFO(n << " hosts, " << depth << " slots");
+            const RingOptions opt{4096, depth};
+            allreduce_and_check(ring, DType::F32, ReduceOp::Avg, 40 * n * 1024 + 3, opt, op_tag++);
+            allreduce_and_check(ring, DType::F32, ReduceOp::Sum, 40 * n * 1024 + 1, opt, op_tag++, 2);
+            allreduce_and_check(ring, DType::I64, ReduceOp::Max, 20 * n * 512 + 5, opt, op_tag++, 3);
+            allreduce_and_check(ring, DType::BF16, ReduceOp::Avg, 40 * n * 2048 + 7, opt, op_tag++, 2);
+            allreduce_and_check(ring, DType::F16, ReduceOp::Sum, 40 * n * 2048 + 9, opt, op_tag++);
+        }
+    }
+}
+
+TEST_CASE("a TCP payload that trickles in is received whole: the stream wakes for what is left of it, at most "
+          "256 KiB, and for any byte between messages",
+          "[ring][tcp]") {
+    TcpTransport t;
+    auto [x, y] = tcp_pair();
+    const int yfd = y.get();  // the link's stream from here on
+    std::vector<UniqueFd> streams;
+    streams.push_back(std::move(y));
+    auto link = t.add_link("node1", std::move(streams));
+    REQUIRE(link.ok());
+    constexpr size_t kBytes = (1 << 20) + 4321;
+    std::vector<std::byte> dst(kBytes + 64, std::byte{0x5a});
+    auto rd = t.register_region(dst.data(), dst.size());
+    REQUIRE(rd.ok());
+    std::vector<uint8_t> msg(24 + kBytes);
+    proto::le::put<uint32_t>(&msg[0], 0x4D444752);  // 'RGDM', untagged
+    proto::le::put<uint64_t>(&msg[8], 7);
+    proto::le::put<uint64_t>(&msg[16], kBytes);
+    for (size_t i = 0; i < kBytes; ++i) msg[24 + i] = static_cast<uint8_t>(i * 131 + 7);
+    auto lowat = [&] {
+        int v = -1;
+        socklen_t len = sizeof v;
+        REQUIRE(::getsockopt(yfd, SOL_SOCKET, SO_RCVLOWAT, &v, &len) == 0);
+        return v;
+    };
+    std::vector<LinkEvent> ev;
+    auto poll_a_while = [&] {
+        for (int i = 0; i < 5 && ev.empty(); ++i) REQUIRE(t.poll(ev, 10).ok());
+    };
+    REQUIRE((*link)->post_recv(*rd, 32, kBytes, 7).ok());
+    poll_a_while();
+    CHECK(lowat() == 1);  // waiting for a header
+    // The header and 100000 bytes, then the rest in pieces of 64 KiB (and a short last one).
+    size_t sent = 24 + 100000;
+    REQUIRE(send_all(x.get(), std::span(msg.data(), sent)).ok());
+    poll_a_while();
+    CHECK(ev.empty());
+    CHECK(lowat() == 256 << 10);  // over 900 KiB still to come
+    while (sent < msg.size()) {
+        const size_t n = std::min<size_t>(64 << 10, msg.size() - sent);
+        REQUIRE(send_all(x.get(), std::span(msg.data() + sent, n)).ok());
+        sent += n;
+        const auto deadline = std::chrono::steady_clock::now() + 5s;
+        const int want = static_cast<int>(std::min<size_t>(msg.size() - sent, 256 << 10));
+        // Below the mark nothing wakes; at it, the stream reads and sets the next one.
+        while (ev.empty() && sent < msg.size() && lowat() != std::max(want, 1) &&
+               std::chrono::steady_clock::now() < deadline)
+            REQUIRE(t.poll(ev, 1).ok());
+    }
+    const auto deadline = std::chrono::steady_clock::now() + 5s;
+    while (ev.empty() && std::chrono::steady_clock::now() < deadline) REQUIRE(t.poll(ev, 10).ok());
+    REQUIRE(ev.size() == 1);
+    CHECK(ev[0].kind == LinkEvent::Kind::RecvDone);
+    CHECK(ev[0].tag == 7);
+    CHECK(std::memcmp(dst.data() + 32, msg.data() + 24, kBytes) == 0);
+    for (size_t i : {size_t{0}, size_t{31}, kBytes + 32, dst.size() - 1}) CHECK(dst[i] == std::byte{0x5a});
+    ev.clear();
+    poll_a_while();
+    CHECK(lowat() == 1);  // between messages: any byte of the next header wakes it
+}
+
 TEST_CASE("tcp.socket_buffer sets both socket buffers; auto leaves them to the kernel", "[ring][tcp]") {
     auto buffers = [](uint64_t asked) {
         TcpTransport t("", false, asked);

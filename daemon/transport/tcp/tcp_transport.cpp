@@ -263,10 +263,18 @@ bool TcpLink::receive_into(Stream &s, void *at, size_t want, size_t &got) {
     return true;
 }
 
+void TcpLink::wake_at(Stream &s, size_t want) {
+    if (error()) return;
+    const int v = static_cast<int>(std::clamp<size_t>(want, 1, kMaxWakeBytes));
+    if (v == s.rcvlowat) return;
+    ::setsockopt(s.fd.get(), SOL_SOCKET, SO_RCVLOWAT, &v, sizeof v);  // a hint: failing only costs wake-ups
+    s.rcvlowat = v;
+}
+
 void TcpLink::read_some(Stream &s) {
     for (;;) {
         if (!s.have_header) {
-            if (!receive_into(s, s.header + s.header_got, kHeaderBytes - s.header_got, s.header_got)) return;
+            if (!receive_into(s, s.header + s.header_got, kHeaderBytes - s.header_got, s.header_got)) return wake_at(s, 1);
             if (s.header_got < kHeaderBytes) continue;
             if (proto::le::get<uint32_t>(&s.header[0]) != kDataMagic)
                 return fail(-EPROTO, "bad data header (not a ringd peer, or a corrupted stream)");
@@ -290,12 +298,12 @@ void TcpLink::read_some(Stream &s) {
         }
         if (!s.cur) return;  // header waiting for its receive
         if (s.got < s.bytes) {
-            if (!receive_into(s, s.cur->data + s.got, s.bytes - s.got, s.got)) return;
+            if (!receive_into(s, s.cur->data + s.got, s.bytes - s.got, s.got)) return wake_at(s, s.bytes - s.got);
             if (s.got < s.bytes) continue;
         }
         if (s.mac.enabled()) {
             if (s.mac_got < kTagBytes) {
-                if (!receive_into(s, s.mac_in.data() + s.mac_got, kTagBytes - s.mac_got, s.mac_got)) return;
+                if (!receive_into(s, s.mac_in.data() + s.mac_got, kTagBytes - s.mac_got, s.mac_got)) return wake_at(s, 1);
                 if (s.mac_got < kTagBytes) continue;
             }
             s.mac_got = 0;
