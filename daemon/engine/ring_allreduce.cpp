@@ -29,7 +29,7 @@ void RingAllreduce::plan(const RingPosition &pos, uint64_t count, uint64_t chunk
         const uint64_t b = seg_begin(count, n, seg), e = seg_begin(count, n, seg + 1);
         uint32_t j = 0;
         for (uint64_t at = b; at < e; at += chunk_elems, ++j)
-            list.push_back({p, s, j, at, std::min(chunk_elems, e - at), false, false, -1, false, 0});
+            list.push_back({p, s, j, at, std::min(chunk_elems, e - at), false, false, -1, false});
     };
     for (Phase p : {kReduceScatter, kAllgather}) {
         for (uint32_t s = 0; s < steps_; ++s) {
@@ -132,24 +132,6 @@ Status RingAllreduce::run_window(const RingPosition &pos, const RingOp &op, uint
          static_cast<uint32_t>(opt_.chunk_bytes * opt_.depth / chunk_bytes));
 
     const uint32_t last = steps_ - 1;
-    // A reduce-scatter receive's first `ready` elements are in its slot: reduce those not yet
-    // reduced, while they are hot, the local ranks' contributions with them (this is the first
-    // time the ring touches the chunk); the last step's result is final: avg's scaling, rounding
-    // to the dtype, and out to every local rank. A partial result is written over the received
-    // elements in their slot and sent on from there: the data region is only read (no
-    // write-back of a partial that nobody reads again) and the send copies from memory that is
-    // still hot. Whether the slot is kept for that send is decided at the receive's first
-    // reduction, and only while another slot is free, so that at most all slots but one wait on
-    // sends and the receives in canonical order always progress (slots held by sends wait on the
-    // next host, which keeps a slot for its receives for the same reason).
-    auto reduce_received = [&](Msg &m, uint64_t ready) {
-        ready = std::min(ready, m.elems);
-        if (m.done || !m.posted || ready <= m.reduced) return;
-        if (m.reduced == 0) m.forward = m.step != last && !free_slots_.empty();
-        std::byte *slot = op.staging.base + static_cast<uint64_t>(m.slot) * chunk_bytes + m.reduced * ps;
-        fold(m.elem_begin + m.reduced, ready - m.reduced, slot, m.step, m.step == last, m.forward ? slot : nullptr);
-        m.reduced = ready;
-    };
     size_t next_send = 0, next_recv = 0, sends_done = 0, recvs_done = 0;
     auto last_progress = std::chrono::steady_clock::now();
     bool spin_pays = true;  // adaptive polling: whether spinning has been catching events
@@ -252,11 +234,6 @@ Status RingAllreduce::run_window(const RingPosition &pos, const RingOp &op, uint
             const auto number = static_cast<uint32_t>(e.tag & (kMaxChunks - 1));
             if (number < chunk_base_) continue;  // an earlier window's (cannot happen: it ended first)
             const uint32_t chunk = number - chunk_base_;
-            if (e.kind == LinkEvent::Kind::RecvProgress) {
-                if (p == kReduceScatter && e.link == pos.prev)
-                    reduce_received(recvs_[index(recv_base_, p, step, chunk)], e.bytes / ps);
-                continue;
-            }
             if (e.kind == LinkEvent::Kind::SendDone && e.link == pos.next) {
                 Msg &m = sends_[index(send_base_, p, step, chunk)];
                 if (m.done) continue;
@@ -267,7 +244,18 @@ Status RingAllreduce::run_window(const RingPosition &pos, const RingOp &op, uint
                 Msg &m = recvs_[index(recv_base_, p, step, chunk)];
                 if (m.done) continue;
                 if (p == kReduceScatter) {
-                    reduce_received(m, m.elems);
+                    // Reduce while the chunk is hot, the local ranks' contributions with it (this
+                    // is the first time the ring touches the chunk); the last step's result is
+                    // final: avg's scaling, rounding to the dtype, and out to every local rank.
+                    // A partial result is written over the received chunk in its slot and sent on
+                    // from there: the data region is only read (no write-back of a partial that
+                    // nobody reads again) and the send copies from memory that is still hot. The
+                    // slot is kept only while another one stays free for the receives, so that
+                    // the receives in canonical order always progress (slots held by sends wait
+                    // on the next host, which has a free slot of its own for the same reason).
+                    std::byte *slot = op.staging.base + static_cast<uint64_t>(m.slot) * chunk_bytes;
+                    m.forward = step != last && !free_slots_.empty();
+                    fold(m.elem_begin, m.elems, slot, step, step == last, m.forward ? slot : nullptr);
                     if (!m.forward) free_slots_.push_back(m.slot);
                 } else {
                     copy_out(m.elem_begin, m.elems);

@@ -10,9 +10,8 @@
 // their slot, and forwarded from it (the slot is free once that send is done; a receive keeps
 // its slot only while another one is free, else its partial goes through the data region). So
 // the data region is only read in the reduce-scatter, but for the last step's result, and the
-// send copies from memory the reduction just wrote. Where the transport reports a receive's
-// progress, the bytes already in are reduced then, while its copy is still in the cache.
-// Allgather receives land straight in the data region.
+// send copies from memory the reduction just wrote. Allgather receives land straight in the
+// data region.
 //
 // avg (reduce.h): every contribution is scaled by 2^-K where the ring first touches it (2^K >=
 // 2 x avg_divisor), so that no partial sum overflows, and the result by 2^K/avg_divisor in the
@@ -135,9 +134,6 @@ private:
         // names it in its own `slot`, is done. -1: none.
         int32_t slot;
         bool forward;
-        // Reduce-scatter receives: elements already reduced (from the transport's RecvProgress,
-        // while the bytes are in cache; the rest at RecvDone).
-        uint64_t reduced;
     };
 
     // One pass of the ring over elements [begin, begin + count) of the op (a window).

@@ -7,8 +7,7 @@
 //                    authenticates it, then hands it to the transport
 //   post_send/recv   non-blocking, many in flight, between registered regions; a message is
 //                    matched to the receive posted with the same tag and lands straight in it
-//   poll             progress + completions (LinkEvent), waiting at most timeout_ms; a transport
-//                    may also report how much of a posted receive is in (RecvProgress)
+//   poll             progress + completions (LinkEvent), waiting at most timeout_ms
 //   errors           sticky per link, naming the peer; they fail everything pending on the link
 //
 // Contract for tags: both sides post the messages of one direction of a link in the same order
@@ -57,16 +56,11 @@ struct TransportStats {
 class Link;
 
 struct LinkEvent {
-    // RecvProgress (optional; TCP without data MACs reports it): the first `bytes` bytes of the
-    // receive `tag` are in its memory and final, so the owner may work on them before RecvDone.
-    // Reported as the bytes come, in increasing order, never after RecvDone; a transport that
-    // places a message at once (RDMA) reports only RecvDone.
-    enum class Kind { SendDone, RecvDone, Failed, RecvProgress };
+    enum class Kind { SendDone, RecvDone, Failed };
     Link *link = nullptr;
     Kind kind = Kind::SendDone;
     uint64_t tag = 0;
-    Error error;         // Failed only
-    uint64_t bytes = 0;  // RecvProgress only
+    Error error;  // Failed only
 };
 
 class Link {

@@ -298,13 +298,7 @@ void TcpLink::read_some(Stream &s) {
         }
         if (!s.cur) return;  // header waiting for its receive
         if (s.got < s.bytes) {
-            if (!receive_into(s, s.cur->data + s.got, s.bytes - s.got, s.got)) {
-                if (!error() && !s.mac.enabled() && s.got >= s.reported + kProgressBytes) {
-                    t_.complete({this, LinkEvent::Kind::RecvProgress, s.tag, {}, s.got});
-                    s.reported = s.got;
-                }
-                return wake_at(s, s.bytes - s.got);
-            }
+            if (!receive_into(s, s.cur->data + s.got, s.bytes - s.got, s.got)) return wake_at(s, s.bytes - s.got);
             if (s.got < s.bytes) continue;
         }
         if (s.mac.enabled()) {
@@ -321,7 +315,6 @@ void TcpLink::read_some(Stream &s) {
         }
         bytes_received_ += s.bytes;
         t_.complete({this, LinkEvent::Kind::RecvDone, s.tag, {}});
-        s.reported = 0;
         s.cur.reset();
         s.have_header = false;
         s.header_got = 0;

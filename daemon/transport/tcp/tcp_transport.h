@@ -6,9 +6,7 @@
 // posted yet is left unread (TCP flow control backs the sender off) until the receive is posted.
 // A stream in the middle of a payload sets SO_RCVLOWAT to what is left of it (at most 256 KiB),
 // so that it reports readable once that much is in rather than on every segment: fewer wake-ups
-// and larger copies per receive on links slower than the host. When a payload's read stops with
-// enough new bytes in, the receive's progress is reported (RecvProgress), so that the engine can
-// reduce them while the kernel's copy is still in the cache.
+// and larger copies per receive on links slower than the host.
 //
 // With auth.data: mac (and a secret) every message also carries a 16-byte tag after its payload
 // (daemon/transport/frame_mac.h) under its stream's keys from the handshake, made when the send is
@@ -72,7 +70,6 @@ private:
         Tag mac_in{};
         size_t mac_got = 0;
         int rcvlowat = 1;           // SO_RCVLOWAT as last set (see wake_at)
-        uint64_t reported = 0;      // payload bytes reported in RecvProgress
     };
 
     Status add_stream(UniqueFd fd, const SessionKeys &keys);
@@ -87,9 +84,6 @@ private:
     // kMaxWakeBytes, is in (SO_RCVLOWAT), not on every segment; 1 between messages.
     void wake_at(Stream &s, size_t want);
     static constexpr size_t kMaxWakeBytes = 256 << 10;
-    // RecvProgress is reported when a payload's read stops with at least this much new since the
-    // last report (not with data MACs: a payload is unverified until its tag is in).
-    static constexpr uint64_t kProgressBytes = 64 << 10;
     void update_interest(Stream &s);
     void fail(int code, const std::string &why);
 
