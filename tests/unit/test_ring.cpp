@@ -515,6 +515,17 @@ TEST_CASE("partial results forwarded from their staging slot or from the data re
             allreduce_and_check(ring, DType::BF16, ReduceOp::Avg, 40 * n * 2048 + 7, opt, op_tag++, 2);
             allreduce_and_check(ring, DType::F16, ReduceOp::Sum, 40 * n * 2048 + 9, opt, op_tag++);
         }
+        if (kind != "tcp") continue;
+        // Chunks of 256 KiB over TCP (each read by several receives), in every dtype family.
+        for (uint32_t depth : {1u, 2u, 4u}) {
+            INFO(n << " hosts, " << depth << " slots of 256 KiB");
+            const RingOptions opt{256 << 10, depth, 50, 4 << 20};
+            allreduce_and_check(ring, DType::F32, ReduceOp::Avg, 3 * n * (64 << 10) + 3, opt, op_tag++);
+            allreduce_and_check(ring, DType::F32, ReduceOp::Sum, 3 * n * (64 << 10) + 1, opt, op_tag++, 3);
+            allreduce_and_check(ring, DType::I64, ReduceOp::Min, 3 * n * (32 << 10) + 5, opt, op_tag++, 2);
+            allreduce_and_check(ring, DType::BF16, ReduceOp::Avg, 3 * n * (128 << 10) + 7, opt, op_tag++, 2);
+            allreduce_and_check(ring, DType::F16, ReduceOp::Sum, 3 * n * (128 << 10) + 9, opt, op_tag++);
+        }
     }
 }
 
