@@ -133,7 +133,8 @@ Config parse_root(const YAML::Node &root) {
     parse_hosts(root["hosts"], c);
     if (auto n = root["transport"]) c.transport = get_choice(n, "transport", {"tcp", "ibverbs"});
     if (auto n = root["tcp"]) {
-        check_keys(n, "tcp", {"streams", "congestion", "socket_buffer"});
+        check_keys(n, "tcp", {"streams", "congestion", "socket_buffer", "zero_copy"});
+        if (n["zero_copy"]) c.tcp.zero_copy = get_bool(n["zero_copy"], "tcp.zero_copy");
         if (n["streams"]) c.tcp.streams = static_cast<uint32_t>(get_uint(n["streams"], "tcp.streams", 1, 64));
         if (n["socket_buffer"]) {
             const std::string v = scalar(n["socket_buffer"], "tcp.socket_buffer");

@@ -32,6 +32,9 @@ struct Config {
         // Each stream's SO_SNDBUF and SO_RCVBUF; 0 ("auto"): the kernel sizes them as the
         // connection goes (net.ipv4.tcp_wmem / tcp_rmem), which setting them turns off.
         uint64_t socket_buffer = 0;
+        // Large ring messages from the trainers' slots go by reference (sendfile from the slot's
+        // memfd), not copied into the socket buffers (daemon/transport/tcp/tcp_transport.h).
+        bool zero_copy = true;
     } tcp;
     struct Ibverbs {
         std::string provider = "hardware";  // hardware (libibverbs) | emulated (software test device)

@@ -69,6 +69,12 @@ Status RingAllreduce::run(const RingPosition &pos, const RingOp &op, std::chrono
     if (widened && work < opt_.chunk_bytes) return make_error(-EINVAL, "ring work area is smaller than a chunk");
     // Widened ops run in windows that fit the work area; the others in one.
     const uint64_t window = widened ? work / ps : std::max<uint64_t>(op.count, 1);
+    // The delivery marker (ring_allreduce.h): from the op's size and the links' kind, which
+    // every host shares.
+    const bool confirm = op.count * es >= kConfirmBytes;
+    const bool tell_prev = confirm && !pos.prev->delivered_at_send_done();
+    const bool wait_next = confirm && !pos.next->delivered_at_send_done();
+    stable_ = wait_next;
     chunk_base_ = 0;
     for (uint64_t begin = 0; begin < op.count; begin += window) {
         const uint64_t count = std::min(window, op.count - begin);
@@ -79,6 +85,44 @@ Status RingAllreduce::run(const RingPosition &pos, const RingOp &op, std::chrono
             return make_error(-E2BIG, "ring op has too many chunks; raise the chunk size");
         if (auto s = run_window(pos, op, begin, count, chunk, deadline); !s) return s;
         chunk_base_ += static_cast<uint32_t>(chunks);
+    }
+    if (tell_prev || wait_next) return confirm_delivery(pos, op, tell_prev, wait_next, deadline);
+    return Ok{};
+}
+
+Status RingAllreduce::confirm_delivery(const RingPosition &pos, const RingOp &op, bool tell_prev, bool wait_next,
+                                       std::chrono::steady_clock::time_point deadline) {
+    // A tag no data message has: chunk numbers stay below kMaxChunks - 1 (run()).
+    const uint64_t marker = (uint64_t{op.op_tag} << 32) | (uint64_t{kAllgather} << 31) |
+                            (uint64_t{kMaxSteps - 1} << 20) | (kMaxChunks - 1);
+    bool sent = !tell_prev, got = !wait_next;
+    if (wait_next)
+        if (auto s = pos.next->post_recv(op.staging, 0, 0, marker); !s) return s;
+    if (tell_prev)
+        if (auto s = pos.prev->post_send(op.staging, 0, 0, marker); !s) return s;
+    while (!sent || !got) {
+        if (op.aborted_generation && op.aborted_generation->load(std::memory_order_acquire) >= op.generation)
+            return make_error(-ECONNABORTED, "ring generation " + std::to_string(op.generation) + " was aborted");
+        if (op.beat_ns)
+            op.beat_ns->store(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                  std::chrono::steady_clock::now().time_since_epoch()).count(),
+                              std::memory_order_relaxed);
+        const int wait_ms = ms_until(deadline);
+        if (wait_ms == 0)
+            return make_error(-ETIMEDOUT, "ring allreduce timed out: waiting for " +
+                                              (!got ? "host " + pos.next->peer() + " to confirm it has the data"
+                                                    : "host " + pos.prev->peer() + " to take the delivery marker"));
+        events_.clear();
+        if (auto s = t_.poll(events_, std::min(wait_ms, 100)); !s) return s;
+        for (const LinkEvent &e : events_) {
+            if (e.kind == LinkEvent::Kind::Failed) {
+                if (e.link == pos.next || e.link == pos.prev) return e.error;
+                continue;
+            }
+            if (e.tag != marker) continue;
+            if (e.kind == LinkEvent::Kind::SendDone && e.link == pos.prev) sent = true;
+            if (e.kind == LinkEvent::Kind::RecvDone && e.link == pos.next) got = true;
+        }
     }
     return Ok{};
 }
@@ -123,6 +167,11 @@ Status RingAllreduce::run_window(const RingPosition &pos, const RingOp &op, uint
             a.partial_out = out ? static_cast<void *>(out) : widened ? static_cast<void *>(work + at * ps) : static_cast<void *>(d);
         }
         reduce(a);
+    };
+    // A send from the data region: by reference where the op confirms delivery (run()).
+    auto send_data = [&](const Msg &m) {
+        const uint64_t at = data_offset + m.elem_begin * es, bytes = m.elems * es, t = tag(op, m.phase, m.step, m.chunk);
+        return stable_ ? pos.next->post_send_stable(op.data, at, bytes, t) : pos.next->post_send(op.data, at, bytes, t);
     };
     auto copy_out = [&](uint64_t at, uint64_t elems) {
         for (std::byte *l : op.locals) std::memcpy(l + (begin + at) * es, data + at * es, elems * es);
@@ -179,12 +228,10 @@ Status RingAllreduce::run_window(const RingPosition &pos, const RingOp &op, uint
                 } else {
                     s = widened ? pos.next->post_send(op.staging, work_offset + m.elem_begin * ps, m.elems * ps,
                                                       tag(op, m.phase, m.step, m.chunk))
-                                : pos.next->post_send(op.data, data_offset + m.elem_begin * es, m.elems * es,
-                                                      tag(op, m.phase, m.step, m.chunk));
+                                : send_data(m);
                 }
             } else {
-                s = pos.next->post_send(op.data, data_offset + m.elem_begin * es, m.elems * es,
-                                        tag(op, m.phase, m.step, m.chunk));
+                s = send_data(m);
             }
             if (!s) return s;
             m.posted = true;

@@ -35,6 +35,19 @@
 // Both ends of a link post its messages in the same canonical order (step-major, then chunk), so
 // a transport may rely on in-order arrival for flow control, and nothing can deadlock.
 //
+// Sends from the data region go by reference where the transport can (post_send_stable: TCP
+// sends a trainer's memfd slot with sendfile, one copy per byte instead of two), in ops of
+// kConfirmBytes or more on links whose SendDone does not mean delivered. The ring itself keeps
+// those bytes unchanged until the next host has them: a segment sent in the reduce-scatter is
+// next written by the allgather receive of the same segment, whose value the next host's
+// reduction of what it received went into; the allgather's sends are of segments that nothing
+// writes again in the op. What the ring cannot see is the next host's reading of its last
+// messages, so such an op ends with a delivery marker: each host, once it has received all of
+// the op, sends an empty message back to the previous host, and its own op ends only when the
+// next host's marker is in. Until then the trainer does not get its buffer back. One hop of
+// latency, on ops of 16 MiB and more; every host decides it from the op's size and the
+// transport, which all hosts share.
+//
 // Called on the progress thread. After a failed run the links must not be reused: receives may
 // still be posted into the caller's memory (the daemon aborts the ring generation).
 #pragma once
@@ -115,6 +128,9 @@ public:
     }
     static uint64_t staging_bytes(const RingOptions &o) { return o.chunk_bytes * o.depth + work_bytes(o); }
     uint64_t staging_bytes() const { return staging_bytes(opt_); }
+    // Ops of at least this many bytes end with the delivery marker where a link's SendDone does
+    // not mean delivered (TCP), and send from the data region by reference.
+    static constexpr uint64_t kConfirmBytes = 16 << 20;
 
     // Blocks until the result is in place, a link fails (error names the peer), or the deadline
     // passes (error names the peer we were waiting for).
@@ -140,6 +156,10 @@ private:
     Status run_window(const RingPosition &pos, const RingOp &op, uint64_t begin, uint64_t count, uint64_t chunk_bytes,
                       std::chrono::steady_clock::time_point deadline);
     void plan(const RingPosition &pos, uint64_t count, uint64_t chunk_elems, uint32_t slots);
+    // The delivery marker: an empty message to the previous host (tell_prev: all of the op is
+    // in) and the next host's (wait_next: it has all we sent), both before the deadline.
+    Status confirm_delivery(const RingPosition &pos, const RingOp &op, bool tell_prev, bool wait_next,
+                            std::chrono::steady_clock::time_point deadline);
     size_t index(const std::vector<size_t> &base, Phase p, uint32_t step, uint32_t chunk) const {
         return base[p * steps_ + step] + chunk;
     }
@@ -151,6 +171,7 @@ private:
     RingOptions opt_;
     uint32_t steps_ = 0;
     uint32_t chunk_base_ = 0;  // the window's first chunk number in tags (unique in the op)
+    bool stable_ = false;      // the op's sends from the data region may go by reference
     // Reused from op to op (capacity stays): the schedule of messages sent and received.
     std::vector<Msg> sends_, recvs_;
     std::vector<size_t> send_base_, recv_base_;  // first message of (phase, step)

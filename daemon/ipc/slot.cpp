@@ -35,7 +35,8 @@ Result<std::shared_ptr<Slot>> Slot::create(const std::string &name, uint64_t dat
     h.data_bytes = geo->data_bytes;
     // The memfd is zero-filled, which is a valid state for the std::atomic indices.
 
-    auto reg = transport.register_region(s->data(), geo->data_bytes);
+    // With its memfd: a transport may send the data region by reference (post_send_stable).
+    auto reg = transport.register_region(s->data(), geo->data_bytes, s->memfd_.get(), geo->data_offset);
     if (!reg) return reg.error();
     s->registration_ = RegisteredRegion(&transport, *reg);
     return s;

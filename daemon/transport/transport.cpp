@@ -10,9 +10,11 @@
 #endif
 
 namespace ringd {
-Result<RegionHandle> Transport::register_region(std::byte *base, size_t bytes) {
+Result<RegionHandle> Transport::register_region(std::byte *base, size_t bytes, int fd, uint64_t fd_offset) {
     auto h = do_register(base, bytes);
     if (!h) return h;
+    h->fd = fd;
+    h->fd_offset = fd >= 0 ? fd_offset : 0;
     ++stats_.registrations;
     ++stats_.live_regions;
     stats_.registered_bytes += bytes;
@@ -43,7 +45,7 @@ Result<std::unique_ptr<NetworkTransport>> make_transport(const Config &config) {
             if (const auto why = TcpTransport::socket_buffer_cap(config.tcp.socket_buffer); !why.empty())
                 spdlog::warn("tcp.socket_buffer ({} bytes): {}", config.tcp.socket_buffer, why);
         return std::unique_ptr<NetworkTransport>(std::make_unique<TcpTransport>(std::move(cc), config.data_mac && !config.secret_file.empty(),
-                                                                                  config.tcp.socket_buffer));
+                                                                                  config.tcp.socket_buffer, config.tcp.zero_copy));
     }
 #ifdef RINGD_HAVE_IBVERBS
     if (config.transport == "ibverbs") {

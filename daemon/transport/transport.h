@@ -45,6 +45,10 @@ struct RegionHandle {
     uint64_t bytes = 0;
     uint32_t lkey = 0;         // ibverbs: the memory region's local key (0 for other transports)
     uint32_t rkey = 0;         // ibverbs: its remote key, announced to the peer by a receive
+    // A file that holds the region's bytes from fd_offset on (a trainer's memfd slot), or -1: a
+    // transport may send from it by reference (post_send_stable). The owner keeps it open.
+    int fd = -1;
+    uint64_t fd_offset = 0;
 };
 
 struct TransportStats {
@@ -70,11 +74,25 @@ public:
     // Sends [region.base + offset, +bytes) as the message `tag`. The memory must stay unchanged
     // until SendDone.
     virtual Status post_send(const RegionHandle &region, uint64_t offset, uint64_t bytes, uint64_t tag) = 0;
+    // The same, for memory that the caller keeps unchanged until the peer has received the
+    // message, not only until SendDone: the transport may then send it by reference instead of
+    // copying it (TCP: sendfile from the region's file, so the kernel's socket buffers hold the
+    // pages themselves and the receiving host copies straight out of them). The caller learns
+    // that the peer has it from the peer (the ring's delivery marker, ring_allreduce.h).
+    virtual Status post_send_stable(const RegionHandle &region, uint64_t offset, uint64_t bytes, uint64_t tag) {
+        return post_send(region, offset, bytes, tag);
+    }
+    // Whether SendDone means that the peer has the message (its memory holds it): true for the
+    // transports that copy at the send or complete only once the peer has it (RDMA); false for
+    // TCP, where the bytes of a stable send may still sit in socket buffers, by reference. Every
+    // host of a ring runs the same transport, so both ends of a link agree on it.
+    virtual bool delivered_at_send_done() const { return true; }
     // Receives the message `tag` (exactly `bytes` long) into [region.base + offset, +bytes).
     virtual Status post_recv(const RegionHandle &region, uint64_t offset, uint64_t bytes, uint64_t tag) = 0;
     // The first error on this link; once set, every post fails and every pending op has failed.
     const std::optional<Error> &error() const { return error_; }
     uint64_t bytes_sent() const { return bytes_sent_; }
+    uint64_t bytes_sent_by_reference() const { return bytes_by_reference_; }  // of bytes_sent(): not copied
     uint64_t bytes_received() const { return bytes_received_; }
 
 protected:
@@ -85,6 +103,7 @@ protected:
         return *error_;
     }
     uint64_t bytes_sent_ = 0;
+    uint64_t bytes_by_reference_ = 0;
     uint64_t bytes_received_ = 0;
 
 private:
@@ -97,7 +116,8 @@ public:
     virtual ~Transport() = default;
     virtual std::string_view name() const = 0;
 
-    Result<RegionHandle> register_region(std::byte *base, size_t bytes);
+    // fd/fd_offset: a file that holds [base, +bytes) from fd_offset on (RegionHandle::fd), or -1.
+    Result<RegionHandle> register_region(std::byte *base, size_t bytes, int fd = -1, uint64_t fd_offset = 0);
     void deregister_region(RegionHandle h);
     const TransportStats &stats() const { return stats_; }
 

@@ -89,7 +89,7 @@ if [ "$mode" = netns ]; then
     [ $rc = 0 ] || fail "rate-limited: bench/cluster exited with $rc"
     grep -Eq "tbf .* rate 500Mbit burst ((12[5-9]|1[3-9][0-9]|[2-9][0-9][0-9])Kb|(12[5-9][0-9]{3}|1[3-9][0-9]{4}|[2-9][0-9]{5}|[0-9]{7,})b)" <<<"$out" ||
         fail "no tbf qdisc"  # tc prints the bucket in Kb or, when not a whole Kb, in bytes
-    grep -q '"transport_detail": *"congestion control reno"' <<<"$out" || fail "congestion control not reported"
+    grep -q '"transport_detail": *"congestion control reno, zero-copy sends"' <<<"$out" || fail "congestion control not reported"
     grep -q "pfifo_fast 10: parent 1:1" <<<"$out" || fail "no pfifo_fast under tbf (the NIC's traffic classes)"
     check_verdicts "$out" 2 "rate-limited"
 

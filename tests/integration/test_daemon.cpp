@@ -496,7 +496,7 @@ TEST_CASE("ringctl status shows the daemon, its groups and memory; --json is val
     const json j = json::parse(run("status --json"));
     CHECK(j["host"] == "node0");
     CHECK(j["transport"] == "tcp");
-    CHECK(j["transport_detail"] == "congestion control cubic");  // the default, root may set it
+    CHECK(j["transport_detail"] == "congestion control cubic, zero-copy sends");  // the default, root may set it
     CHECK(j["ring"]["members"].size() == 1);
     CHECK(j["groups"][0]["name"] == "shown");
     CHECK(j["groups"][0]["joined_ranks"] == json::array({0, 1}));

@@ -74,6 +74,7 @@ TEST_CASE("every value is parsed", "[config]") {
     CHECK(c->tuning.chunk_bytes == 1u << 20);
     CHECK(c->tuning.depth == 4);
     CHECK(c->tcp.socket_buffer == 0);  // not given: auto
+    CHECK(c->tcp.zero_copy);           // not given: on
     CHECK(c->tuning.control_spin_us == 0);
 }
 
@@ -104,6 +105,12 @@ TEST_CASE("errors name the key", "[config]") {
     CHECK_THAT(error_of(kBase + "tcp: {socket_buffer: 2GiB}\n"), Catch::StartsWith("tcp.socket_buffer: must be auto or"));
     CHECK_THAT(error_of(kBase + "tcp: {socket_buffer: lots}\n"), Catch::StartsWith("tcp.socket_buffer: must be auto or"));
     CHECK_THAT(error_of(kBase + "tcp: {socket_buffer: [1]}\n"), Catch::StartsWith("tcp.socket_buffer:"));
+    CHECK_THAT(error_of(kBase + "tcp: {zero_copy: maybe}\n"), Catch::StartsWith("tcp.zero_copy: 'maybe' is not true or false"));
+    {
+        auto c = parse_config(kBase + "tcp: {zero_copy: false}\n");
+        REQUIRE(c.ok());
+        CHECK_FALSE(c->tcp.zero_copy);
+    }
     {
         auto c = parse_config(kBase + "tcp: {socket_buffer: 4MiB}\n");
         REQUIRE(c.ok());

@@ -9,6 +9,7 @@
 
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <sys/mman.h>
 
 #include <algorithm>
 #include <functional>
@@ -47,7 +48,8 @@ struct Ring {
     std::vector<std::vector<Link *>> links_of;  // every link a rank owns
 
     // kind: loopback | tcp (`streams` per link) | ibverbs (emulated device, `streams` QPs per link)
-    Ring(uint32_t hosts, const std::string &kind, int streams = 2) : n(hosts), pos(hosts), links_of(hosts) {
+    // zero_copy: TCP's (tcp.zero_copy).
+    Ring(uint32_t hosts, const std::string &kind, int streams = 2, bool zero_copy = true) : n(hosts), pos(hosts), links_of(hosts) {
         for (uint32_t r = 0; r < n; ++r) {
             if (kind == "loopback") transports.push_back(std::make_unique<LoopbackTransport>());
 #ifdef RINGD_HAVE_IBVERBS
@@ -60,7 +62,7 @@ struct Ring {
                 transports.push_back(std::move(*t));
             }
 #endif
-            else transports.push_back(std::make_unique<TcpTransport>());
+            else transports.push_back(std::make_unique<TcpTransport>("", false, 0, zero_copy));
             pos[r].rank = r;
             pos[r].size = n;
         }
@@ -529,6 +531,100 @@ TEST_CASE("partial results forwarded from their staging slot or from the data re
     }
 }
 
+// A trainer's slot as ringd has it: shared memory in a memfd, mapped.
+struct MemfdBuffer {
+    UniqueFd fd;
+    std::byte *p = nullptr;
+    size_t bytes = 0;
+    explicit MemfdBuffer(size_t n) : fd(::memfd_create("test-slot", MFD_CLOEXEC)), bytes(n) {
+        REQUIRE(fd);
+        REQUIRE(::ftruncate(fd.get(), static_cast<off_t>(n)) == 0);
+        void *m = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
+        REQUIRE(m != MAP_FAILED);
+        p = static_cast<std::byte *>(m);
+    }
+    ~MemfdBuffer() {
+        if (p) ::munmap(p, bytes);
+    }
+};
+
+TEST_CASE("ops of 16 MiB and more over TCP send the data region by reference and end once the next host has it; "
+          "every host overwrites its buffer as its op ends, and every result is exact",
+          "[ring][tcp]") {
+    REQUIRE(RingAllreduce::kConfirmBytes == 16u << 20);
+    RingOptions opt;
+    opt.chunk_bytes = 1 << 20;
+    opt.depth = 4;
+    for (const bool zero_copy : {true, false}) {
+        for (uint32_t n : {2u, 3u, 4u}) {
+            Ring ring(n, "tcp", 2, zero_copy);
+            // Two ops in a row on the same links, the second just above the threshold at an odd
+            // offset; an op just below it goes by copy.
+            const std::vector<std::pair<uint64_t, ReduceOp>> ops = {{(20u << 20) / 4, ReduceOp::Sum},
+                                                                    {(16u << 20) / 4 + 3 * n + 1, ReduceOp::Avg},
+                                                                    {(16u << 20) / 4 - 1, ReduceOp::Sum}};
+            for (size_t k = 0; k < ops.size(); ++k) {
+                const auto [count, rop] = ops[k];
+                INFO(n << " hosts, zero_copy " << zero_copy << ", op " << k << ": " << count << " floats");
+                std::vector<uint64_t> by_ref0(n);
+                for (uint32_t r = 0; r < n; ++r) by_ref0[r] = ring.pos[r].next->bytes_sent_by_reference();
+                std::vector<std::unique_ptr<MemfdBuffer>> data(n);
+                std::vector<std::vector<std::byte>> staging(n), result(n);
+                std::vector<bench::GuardedRange> range(n);
+                std::vector<RegisteredRegion> data_reg(n), staging_reg(n);
+                std::vector<Status> results(n, Ok{});
+                for (uint32_t r = 0; r < n; ++r) {
+                    const size_t offset = kG + 4 * (r + k);
+                    range[r] = bench::GuardedRange{offset, count, offset + count * 4 + kG, DType::F32, (k << 24) | (r << 8)};
+                    data[r] = std::make_unique<MemfdBuffer>(range[r].buf_bytes);
+                    range[r].prepare(data[r]->p, r);
+                    staging[r].resize(RingAllreduce::staging_bytes(opt));
+                    data_reg[r] = RegisteredRegion(ring.transports[r].get(),
+                                                   *ring.transports[r]->register_region(data[r]->p, data[r]->bytes, data[r]->fd.get(), 0));
+                    staging_reg[r] = RegisteredRegion(ring.transports[r].get(),
+                                                      *ring.transports[r]->register_region(staging[r].data(), staging[r].size()));
+                }
+                std::vector<std::thread> threads;
+                for (uint32_t r = 0; r < n; ++r) {
+                    threads.emplace_back([&, r] {
+                        RingAllreduce ar(*ring.transports[r], opt);
+                        RingOp o;
+                        o.dtype = DType::F32;
+                        o.op = rop;
+                        o.count = count;
+                        o.avg_divisor = n;
+                        o.data = data_reg[r].handle();
+                        o.data_offset = range[r].offset;
+                        o.staging = staging_reg[r].handle();
+                        o.op_tag = static_cast<uint32_t>(40 + k);
+                        results[r] = ar.run(ring.pos[r], o, std::chrono::steady_clock::now() + 60s);
+                        // The trainer has its buffer back: it keeps the result and writes its next
+                        // gradients over the buffer at once.
+                        result[r].assign(data[r]->p, data[r]->p + data[r]->bytes);
+                        std::memset(data[r]->p, 0x5a, data[r]->bytes);
+                    });
+                }
+                for (auto &th : threads) th.join();
+                for (uint32_t r = 0; r < n; ++r) {
+                    INFO("host " << r);
+                    REQUIRE(results[r].ok());
+                    const auto v = range[r].check(result[r].data(), rop, n);
+                    CHECK(v.wrong == 0);
+                    CHECK(v.guard == 0);
+                    const uint64_t by_ref = ring.pos[r].next->bytes_sent_by_reference() - by_ref0[r];
+                    if (zero_copy && count * 4 >= RingAllreduce::kConfirmBytes) {
+                        // Every send from the data region: step 0 of the reduce-scatter and the
+                        // whole allgather, at least n - 1 segments' worth of n - 1.
+                        CHECK(by_ref >= (n - 1) * (count / n) * 4 - (uint64_t{1} << 20));
+                    } else {
+                        CHECK(by_ref == 0);
+                    }
+                }
+            }
+        }
+    }
+}
+
 TEST_CASE("a TCP payload that trickles in is received whole: the stream wakes for what is left of it, at most "
           "256 KiB, and for any byte between messages",
           "[ring][tcp]") {
@@ -642,7 +738,7 @@ TEST_CASE("TCP links carry the configured congestion control; one the kernel lac
     socklen_t len = sizeof name;
     REQUIRE(::getsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, name, &len) == 0);
     CHECK(std::string(name) == "reno");
-    CHECK(t.detail() == "congestion control reno");
+    CHECK(t.detail() == "congestion control reno, zero-copy sends");
 
     const auto missing = TcpTransport::check_congestion("nosuchcc");
     REQUIRE_FALSE(missing.ok());
@@ -804,9 +900,42 @@ TEST_CASE("auth.data: mac tags every TCP data message; a corrupted payload or a 
           "[ring][tcp][mac]") {
     std::vector<std::byte> src(1 << 20), dst(1 << 20);
     for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<std::byte>(i * 7);
+    SECTION("tagged both ways, sent by reference from a memfd at an odd offset: exact, tag and all") {
+        MacLinkPair p(true, true);
+        MemfdBuffer m(src.size() + 4096);
+        std::memcpy(m.p + 5, src.data(), src.size());
+        auto rs = p.ta.register_region(m.p, m.bytes, m.fd.get(), 0);
+        auto rd = p.tb.register_region(dst.data(), dst.size());
+        REQUIRE((rs.ok() && rd.ok()));
+        REQUIRE(p.b->post_recv(*rd, 0, dst.size(), 1).ok());
+        REQUIRE(p.a->post_send_stable(*rs, 5, src.size(), 1).ok());
+        const LinkEvent e = p.receive();
+        REQUIRE(e.kind == LinkEvent::Kind::RecvDone);
+        CHECK(std::memcmp(src.data(), dst.data(), src.size()) == 0);
+        CHECK(p.a->bytes_sent_by_reference() == src.size());
+        CHECK_FALSE(p.a->delivered_at_send_done());
+        // A plain send, and a stable one from a region without a file, are copied.
+        REQUIRE(p.b->post_recv(*rd, 0, dst.size(), 2).ok());
+        REQUIRE(p.a->post_send(*rs, 5, src.size(), 2).ok());
+        auto rm = p.ta.register_region(src.data(), src.size());
+        REQUIRE(rm.ok());
+        REQUIRE(p.b->post_recv(*rd, 0, dst.size(), 3).ok());
+        REQUIRE(p.a->post_send_stable(*rm, 0, src.size(), 3).ok());
+        std::vector<LinkEvent> ev;
+        int in = 0;
+        for (int i = 0; i < 5000 && in < 2; ++i) {
+            REQUIRE(p.ta.poll(ev, 1).ok());
+            REQUIRE(p.tb.poll(ev, 1).ok());
+            for (auto &x : ev) in += x.link == p.b && x.kind == LinkEvent::Kind::RecvDone;
+            ev.clear();
+        }
+        REQUIRE(in == 2);
+        CHECK(std::memcmp(src.data(), dst.data(), src.size()) == 0);
+        CHECK(p.a->bytes_sent_by_reference() == src.size());
+    }
     SECTION("tagged both ways: the data arrives exact") {
         MacLinkPair p(true, true);
-        CHECK_THAT(p.ta.detail(), Catch::EndsWith(", auth.data: mac"));
+        CHECK_THAT(p.ta.detail(), Catch::EndsWith(", auth.data: mac, zero-copy sends"));
         auto rs = p.ta.register_region(src.data(), src.size());
         auto rd = p.tb.register_region(dst.data(), dst.size());
         REQUIRE((rs.ok() && rd.ok()));

@@ -4,6 +4,7 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <sys/epoll.h>
+#include <sys/sendfile.h>
 #include <sys/socket.h>
 
 #include <algorithm>
@@ -32,12 +33,12 @@ std::string read_sysctl(const char *path) {
 
 }  // namespace
 
-TcpTransport::TcpTransport(std::string congestion, bool data_mac, uint64_t socket_buffer)
+TcpTransport::TcpTransport(std::string congestion, bool data_mac, uint64_t socket_buffer, bool zero_copy)
     : epoll_(::epoll_create1(EPOLL_CLOEXEC)), congestion_(std::move(congestion)), data_mac_(data_mac),
-      socket_buffer_(static_cast<int>(std::min<uint64_t>(socket_buffer, 1u << 30))) {}
+      socket_buffer_(static_cast<int>(std::min<uint64_t>(socket_buffer, 1u << 30))), zero_copy_(zero_copy) {}
 
 std::string TcpTransport::detail() const {
-    const std::string mac = data_mac_ ? ", auth.data: mac" : "";
+    const std::string mac = std::string(data_mac_ ? ", auth.data: mac" : "") + (zero_copy_ ? ", zero-copy sends" : "");
     if (!congestion_.empty()) return "congestion control " + congestion_ + mac;
     const std::string sys = read_sysctl("/proc/sys/net/ipv4/tcp_congestion_control");
     return "congestion control: the system's" + (sys.empty() ? std::string() : " (" + sys + ")") + mac;
@@ -164,6 +165,14 @@ Status TcpLink::add_stream(UniqueFd fd, const SessionKeys &keys) {
 }
 
 Status TcpLink::post_send(const RegionHandle &region, uint64_t offset, uint64_t bytes, uint64_t tag) {
+    return post(region, offset, bytes, tag, false);
+}
+
+Status TcpLink::post_send_stable(const RegionHandle &region, uint64_t offset, uint64_t bytes, uint64_t tag) {
+    return post(region, offset, bytes, tag, t_.zero_copy_ && region.fd >= 0 && bytes >= kZeroCopyMinBytes);
+}
+
+Status TcpLink::post(const RegionHandle &region, uint64_t offset, uint64_t bytes, uint64_t tag, bool by_reference) {
     if (error()) return *error();
     if (offset > region.bytes || bytes > region.bytes - offset)
         return make_error(-ERANGE, "send outside its registered region");
@@ -172,6 +181,10 @@ Status TcpLink::post_send(const RegionHandle &region, uint64_t offset, uint64_t 
     op.tag = tag;
     op.data = region.base + offset;
     op.bytes = bytes;
+    if (by_reference) {
+        op.fd = region.fd;
+        op.fd_offset = region.fd_offset + offset;
+    }
     proto::le::put<uint32_t>(&op.header[0], kDataMagic);
     proto::le::put<uint32_t>(&op.header[4], s.mac.enabled() ? kFlagTagged : 0);
     proto::le::put<uint64_t>(&op.header[8], tag);
@@ -230,6 +243,27 @@ void TcpLink::write_some(Stream &s) {
         const uint64_t mdone = op.done > kHeaderBytes + op.bytes ? op.done - kHeaderBytes - op.bytes : 0;
         if (op.mac_bytes > mdone) iov[n++] = {op.mac.data() + mdone, op.mac_bytes - mdone};
         ssize_t w = 0;
+        if (op.fd >= 0 && op.done < kHeaderBytes + op.bytes) {
+            // By reference: the header (MSG_MORE: it goes out with the payload's first pages),
+            // then the payload's pages from the file; the tag, if any, as usual after them.
+            if (op.done < kHeaderBytes) {
+                w = ::send(s.fd.get(), op.header + op.done, kHeaderBytes - op.done, MSG_NOSIGNAL | MSG_DONTWAIT | MSG_MORE);
+            } else {
+                off_t at = static_cast<off_t>(op.fd_offset + pdone);
+                w = ::sendfile(s.fd.get(), op.fd, &at, std::min<uint64_t>(op.bytes - pdone, 1u << 30));
+                if (w == 0) {
+                    fail(-EIO, "sendfile: the region's file ends before the message");
+                    return;
+                }
+            }
+            if (w < 0) {
+                if (errno == EAGAIN || errno == EINTR) return;
+                fail(-errno, std::string(op.done < kHeaderBytes ? "send: " : "sendfile: ") + errno_string(errno));
+                return;
+            }
+            op.done += static_cast<uint64_t>(w);
+            continue;
+        }
         if (n > 0) {
             msghdr msg{};
             msg.msg_iov = iov;
@@ -244,6 +278,7 @@ void TcpLink::write_some(Stream &s) {
         op.done += static_cast<uint64_t>(w);
         if (op.done < kHeaderBytes + op.bytes + op.mac_bytes) continue;
         bytes_sent_ += op.bytes;
+        if (op.fd >= 0) bytes_by_reference_ += op.bytes;
         t_.complete({this, LinkEvent::Kind::SendDone, op.tag, {}});
         s.sendq.pop_front();
     }

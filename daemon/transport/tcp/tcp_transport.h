@@ -8,6 +8,16 @@
 // so that it reports readable once that much is in rather than on every segment: fewer wake-ups
 // and larger copies per receive on links slower than the host.
 //
+// A stable send (post_send_stable) of at least 64 KiB from a region with a file (a trainer's
+// memfd slot) goes by reference when tcp.zero_copy is on: the header with MSG_MORE, then the
+// payload with sendfile from the file, so the socket buffers hold the slot's pages themselves
+// rather than a copy; the receiving host's kernel copies straight out of them. Such a message's
+// SendDone only says that it is in the socket buffers: the pages are read when they are
+// delivered (delivered_at_send_done() is false), and the ring keeps them unchanged until the
+// next host has said it has them. (MSG_ZEROCOPY is no help here: the kernel copies its pages
+// anyway when it delivers them to a socket of the same kernel, as on namespace hosts, and its
+// completions come at the same point: docs/perf.md.)
+//
 // With auth.data: mac (and a secret) every message also carries a 16-byte tag after its payload
 // (daemon/transport/frame_mac.h) under its stream's keys from the handshake, made when the send is
 // posted and checked when the payload is in; a message that fails fails the link.
@@ -37,6 +47,8 @@ public:
     TcpLink(TcpTransport &t, std::string peer);
     ~TcpLink() override;
     Status post_send(const RegionHandle &region, uint64_t offset, uint64_t bytes, uint64_t tag) override;
+    Status post_send_stable(const RegionHandle &region, uint64_t offset, uint64_t bytes, uint64_t tag) override;
+    bool delivered_at_send_done() const override { return false; }
     Status post_recv(const RegionHandle &region, uint64_t offset, uint64_t bytes, uint64_t tag) override;
 
 private:
@@ -51,7 +63,12 @@ private:
         uint8_t header[kHeaderBytes];
         Tag mac{};
         size_t mac_bytes = 0;  // kTagBytes when tagged
+        int fd = -1;           // >= 0: the payload goes by reference, sendfile from fd at fd_offset
+        uint64_t fd_offset = 0;
     };
+    // Stable sends of at least this go by reference (sendfile); smaller ones are not worth the
+    // header's own system call.
+    static constexpr uint64_t kZeroCopyMinBytes = 64 << 10;
     struct RecvOp {
         std::byte *data = nullptr;
         uint64_t bytes = 0;
@@ -73,6 +90,7 @@ private:
     };
 
     Status add_stream(UniqueFd fd, const SessionKeys &keys);
+    Status post(const RegionHandle &region, uint64_t offset, uint64_t bytes, uint64_t tag, bool by_reference);
     void on_event(Stream &s, uint32_t events);
     void write_some(Stream &s);
     void read_some(Stream &s);
@@ -98,7 +116,9 @@ public:
     // congestion: the TCP congestion control for every stream; empty keeps the kernel's default.
     // data_mac: tag every message of a link whose connections have keys (auth.data: mac).
     // socket_buffer: every stream's SO_SNDBUF/SO_RCVBUF; 0 leaves them to the kernel's autotuning.
-    explicit TcpTransport(std::string congestion = {}, bool data_mac = false, uint64_t socket_buffer = 0);
+    // zero_copy: stable sends from regions with a file go by reference (tcp.zero_copy).
+    explicit TcpTransport(std::string congestion = {}, bool data_mac = false, uint64_t socket_buffer = 0,
+                          bool zero_copy = true);
     std::string_view name() const override { return "tcp"; }
     std::string detail() const override;
 
@@ -110,7 +130,8 @@ public:
     static std::string socket_buffer_cap(uint64_t bytes);
     // TCP posts read only the RegionHandle's address: any TcpTransport takes any other's handles.
     Result<std::unique_ptr<NetworkTransport>> sibling() override {
-        return std::unique_ptr<NetworkTransport>(std::make_unique<TcpTransport>(congestion_, data_mac_, socket_buffer_));
+        return std::unique_ptr<NetworkTransport>(
+            std::make_unique<TcpTransport>(congestion_, data_mac_, socket_buffer_, zero_copy_));
     }
 
     // Takes over connected sockets to `peer` as one link (>= 1 stream). They are made
@@ -136,6 +157,7 @@ private:
     std::string congestion_;
     bool data_mac_ = false;
     int socket_buffer_ = 0;
+    bool zero_copy_ = true;
     uint64_t next_region_ = 1;
     std::vector<std::unique_ptr<TcpLink>> links_;
     std::vector<LinkEvent> ready_;  // completions produced outside poll(), handed out by the next poll()
