@@ -234,10 +234,11 @@ EngineResult ProgressEngine::execute_ring(EngineWork &w) {
     op.aborted_generation = &aborted_generation_;
     op.generation = w.generation;
     op.beat_ns = &beat_ns_;
-    const uint64_t sent0 = next_->bytes_sent(), recv0 = prev_->bytes_received();
+    const uint64_t sent0 = next_->bytes_sent(), recv0 = prev_->bytes_received(), ref0 = next_->bytes_sent_by_reference();
     Status s = ring_->run(pos_, op, w.deadline != std::chrono::steady_clock::time_point{} ? w.deadline : Clock::now() + op_timeout_);
     bytes_to_next_ += next_->bytes_sent() - sent0;
     bytes_from_prev_ += prev_->bytes_received() - recv0;
+    bytes_by_reference_ += next_->bytes_sent_by_reference() - ref0;
     if (!s) {
         // The ring returns -ECONNABORTED when the control thread aborted the generation; a link
         // can fail with the same code (a socket aborted by the kernel), and that is a link failure.

@@ -93,6 +93,8 @@ public:
     // Names the thread (pthread_setname_np, at most 15 characters), for ps, top and gdb.
     void set_name(const std::string &name);
     uint64_t bytes_to_next() const { return bytes_to_next_.load(std::memory_order_relaxed); }
+    // Of bytes_to_next(): sent by reference (TCP sendfile from a trainer's slot), not copied.
+    uint64_t bytes_by_reference_to_next() const { return bytes_by_reference_.load(std::memory_order_relaxed); }
     uint64_t bytes_from_prev() const { return bytes_from_prev_.load(std::memory_order_relaxed); }
 
     // Runs one single-host op on the calling thread (the progress thread, or the control thread
@@ -126,7 +128,7 @@ private:
     std::chrono::steady_clock::time_point last_post_{};  // control thread only
     std::atomic<int64_t> beat_ns_{0};  // the progress thread's last beat (steady clock)
     std::atomic<uint64_t> aborted_generation_{0};
-    std::atomic<uint64_t> bytes_to_next_{0}, bytes_from_prev_{0};
+    std::atomic<uint64_t> bytes_to_next_{0}, bytes_from_prev_{0}, bytes_by_reference_{0};
 
     // Progress thread only.
     NetworkTransport *transport_ = nullptr;

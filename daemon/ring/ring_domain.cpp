@@ -618,6 +618,12 @@ uint64_t RingDomain::bytes_to_next() const {
     return b;
 }
 
+uint64_t RingDomain::bytes_by_reference_to_next() const {
+    uint64_t b = 0;
+    for (const auto &l : lanes_) b += l->engine->bytes_by_reference_to_next();
+    return b;
+}
+
 uint64_t RingDomain::bytes_from_prev() const {
     uint64_t b = 0;
     for (const auto &l : lanes_) b += l->engine->bytes_from_prev();
@@ -637,7 +643,8 @@ nlohmann::json RingDomain::status() const {
                   {"last_heard_s", p.last_heard_s}, {"next", i == next}, {"prev", i == prev},
                   // Control frames (heartbeats, reports, small ops' data) its socket has not taken yet.
                   {"backlog_bytes", p.self ? 0 : control_->queued_bytes(i)}};
-        if (i == next) m["data_out"] = {{"bytes", bytes_to_next()}, {"rate_Bps", rate_next_}};
+        if (i == next)
+            m["data_out"] = {{"bytes", bytes_to_next()}, {"by_reference_bytes", bytes_by_reference_to_next()}, {"rate_Bps", rate_next_}};
         if (i == prev) m["data_in"] = {{"bytes", bytes_from_prev()}, {"rate_Bps", rate_prev_}};
         members.push_back(std::move(m));
     }

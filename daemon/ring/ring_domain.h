@@ -196,6 +196,7 @@ private:
         std::unique_ptr<ProgressEngine> engine;
     };
     uint64_t bytes_to_next() const;
+    uint64_t bytes_by_reference_to_next() const;
     uint64_t bytes_from_prev() const;
     // Last: every lane's progress thread stops before anything above goes away.
     std::vector<std::unique_ptr<Lane>> lanes_;

@@ -160,6 +160,13 @@ std::string Daemon::metrics_text() const {
                 e.sample("ringd_link_bytes_total", {{"hosts", hosts_label(*r)}, {"peer", m.value("name", "")}, {"direction", "in"}},
                          num(m["data_in"], "bytes"));
         }
+    e.family("ringd_link_bytes_by_reference_total", "counter",
+             "Of the bytes sent to the next host: those sent by reference from the trainers' slots, not copied (tcp.zero_copy).");
+    for (const json *r : rings)
+        for (const auto &m : (*r)["members"])
+            if (m.contains("data_out") && m["data_out"].contains("by_reference_bytes"))
+                e.sample("ringd_link_bytes_by_reference_total", {{"hosts", hosts_label(*r)}, {"peer", m.value("name", "")}},
+                         num(m["data_out"], "by_reference_bytes"));
     e.family("ringd_peer_backlog_bytes", "gauge", "Control frames queued for a peer that its socket has not taken yet.");
     for (const json *r : rings)
         for (const auto &m : (*r)["members"])

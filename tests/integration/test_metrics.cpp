@@ -90,12 +90,15 @@ TEST_CASE("every family of /metrics parses with its type, and the values are the
     REQUIRE(run_command("/usr/bin/python3 -c 'import prometheus_client' 2>&1").exit_code == 0);
     TestCluster c(2, "5s", "metrics: {listen: 127.0.0.1:0}\n");
     REQUIRE(c.wait_up());
-    Clients cl = connect_all(c, "metered", 1, 4 << 20);
+    Clients cl = connect_all(c, "metered", 1, 20 << 20);
 
-    // 3 ring ops of 512 Ki floats (2 MiB, over tuning.direct_max_bytes), 4 direct ops of 1 Ki
-    // floats (4 KiB), each checked here; then one op the two hosts submit with different counts.
-    constexpr size_t kRingCount = 512 << 10, kDirectCount = 1024;
+    // 3 ring ops of 512 Ki floats (2 MiB, over tuning.direct_max_bytes) and one of 16 MiB and a
+    // bit (sent by reference over TCP), 4 direct ops of 1 Ki floats (4 KiB), each checked here;
+    // then one op the two hosts submit with different counts.
+    constexpr size_t kRingCount = 512 << 10, kBigCount = (16 << 20) / 4 + 7, kDirectCount = 1024;
     for (uint64_t k = 0; k < 3; ++k) allreduce_checked(cl, DType::F32, ReduceOp::Sum, kRingCount, 10 + k);
+    allreduce_checked(cl, DType::F32, ReduceOp::Sum, kBigCount, 13);
+    constexpr double kRingBytes = (3.0 * kRingCount + kBigCount) * 4;
     for (uint64_t k = 0; k < 4; ++k) allreduce_checked(cl, DType::F32, ReduceOp::Avg, kDirectCount, 20 + k);
     {
         const uint64_t t0 = cl[0]->submit(0, 100, RINGD_F32, RINGD_SUM);
@@ -117,6 +120,7 @@ TEST_CASE("every family of /metrics parses with its type, and the values are the
             {"ringd_bytes_reduced", "counter"},    {"ringd_op_duration_seconds", "histogram"},
             {"ringd_ring_generation", "gauge"},    {"ringd_ring_up", "gauge"},
             {"ringd_link_bytes", "counter"},       {"ringd_clients_connected", "gauge"},
+            {"ringd_link_bytes_by_reference", "counter"},
             {"ringd_memory_registered_bytes", "gauge"}, {"ringd_ops_in_state", "gauge"},
             {"ringd_peer_backlog_bytes", "gauge"}, {"ringd_auth_enabled", "gauge"},
             {"ringd_cuda_mapped_bytes", "gauge"},  {"ringd_build_info", "gauge"},
@@ -127,30 +131,30 @@ TEST_CASE("every family of /metrics parses with its type, and the values are the
             CHECK(s.types.at(name) == type);
         }
 
-        // Ops: 3 by the ring, 4 direct (one- or two-shot, as the cost model picks for 4 KiB on
+        // Ops: 4 by the ring, 4 direct (one- or two-shot, as the cost model picks for 4 KiB on
         // two hosts), the mismatch failed, and nothing else.
-        CHECK(s.value("ringd_ops_completed_total", {{"group", "metered"}, {"algorithm", "ring"}}) == 3);
+        CHECK(s.value("ringd_ops_completed_total", {{"group", "metered"}, {"algorithm", "ring"}}) == 4);
         double direct_done = 0, direct_bytes = 0;
         for (const auto &a : direct) {
             direct_done += s.sum("ringd_ops_completed_total", {{"group", "metered"}, {"algorithm", a}});
             direct_bytes += s.sum("ringd_bytes_reduced_total", {{"group", "metered"}, {"algorithm", a}});
         }
         CHECK(direct_done == 4);
-        CHECK(s.sum("ringd_ops_completed_total", {{"group", "metered"}}) == 7);
+        CHECK(s.sum("ringd_ops_completed_total", {{"group", "metered"}}) == 8);
         CHECK(s.sum("ringd_ops_failed_total", {{"group", "metered"}}) == 1);
-        CHECK(s.value("ringd_bytes_reduced_total", {{"group", "metered"}, {"algorithm", "ring"}}) == 3.0 * kRingCount * 4);
+        CHECK(s.value("ringd_bytes_reduced_total", {{"group", "metered"}, {"algorithm", "ring"}}) == kRingBytes);
         CHECK(direct_bytes == 4.0 * kDirectCount * 4);
-        CHECK(s.sum("ringd_ops_completed_all_total") == 7);
+        CHECK(s.sum("ringd_ops_completed_all_total") == 8);
 
-        // The ring ops' durations: 3 observations, cumulative buckets that never fall, +Inf = count.
-        CHECK(s.value("ringd_op_duration_seconds_count", {{"algorithm", "ring"}}) == 3);
+        // The ring ops' durations: 4 observations, cumulative buckets that never fall, +Inf = count.
+        CHECK(s.value("ringd_op_duration_seconds_count", {{"algorithm", "ring"}}) == 4);
         CHECK(s.value("ringd_op_duration_seconds_sum", {{"algorithm", "ring"}}) > 0);
         double last = 0;
         size_t buckets = 0;
         for (const auto &b : s.samples.at("ringd_op_duration_seconds_bucket")) {
             if (b.labels.at("algorithm") != "ring") continue;
             ++buckets;
-            if (b.labels.at("le") == "+Inf") CHECK(b.value == 3);
+            if (b.labels.at("le") == "+Inf") CHECK(b.value == 4);
             CHECK(b.value >= last);
             last = b.value;
         }
@@ -164,8 +168,14 @@ TEST_CASE("every family of /metrics parses with its type, and the values are the
         const std::string other = h == 0 ? "node1" : "node0";
         const double out = s.value("ringd_link_bytes_total", {{"peer", other}, {"direction", "out"}});
         const double in = s.value("ringd_link_bytes_total", {{"peer", other}, {"direction", "in"}});
-        CHECK(out >= 3.0 * kRingCount * 4);
-        CHECK(out <= 3.0 * kRingCount * 4 * 1.05);  // framing at most
+        CHECK(out >= kRingBytes);
+        CHECK(out <= kRingBytes * 1.05);  // framing at most
+        // The 16 MiB op's sends all come from the trainer's slot (both phases, with 2 hosts) and
+        // go by reference but for messages under 64 KiB (each segment's last chunk here: 14
+        // bytes); the 2 MiB ops' go by copy.
+        const double by_ref = s.value("ringd_link_bytes_by_reference_total", {{"peer", other}});
+        CHECK(by_ref >= kBigCount * 4.0 - 2 * (64 << 10));
+        CHECK(by_ref <= kBigCount * 4.0);
         CHECK(in == Approx(out).epsilon(0.01));
         CHECK(s.value("ringd_peer_up", {{"peer", other}}) == 1);
         CHECK(s.value("ringd_peer_backlog_bytes", {{"peer", other}}) >= 0);
