@@ -77,9 +77,9 @@ const std::array kSpecs{
     OpSpec{786432, DType::F16, ReduceOp::Sum, true},
     OpSpec{300007, DType::BF16, ReduceOp::Avg, true},
     OpSpec{131101, DType::F64, ReduceOp::Min, true},
-    // 16 MiB and more: over TCP the ring sends the slot by reference and ends with the delivery
+    // 32 MiB and more: over TCP the ring sends the slot by reference and ends with the delivery
     // marker (daemon/engine/ring_allreduce.h); the next step's inputs overwrite the slot at once.
-    OpSpec{4194319, DType::F32, ReduceOp::Sum, true},
+    OpSpec{8388623, DType::F32, ReduceOp::Sum, true},
 };
 
 // Per spec: its range in the slot, its precomputed input for this rank and the exact result.

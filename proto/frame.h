@@ -20,7 +20,9 @@ using Bytes = std::vector<uint8_t>;
 
 inline constexpr uint32_t kFrameMagic = 0x44474E52;  // bytes 'R' 'N' 'G' 'D'
 inline constexpr uint16_t kProtocolVersion = 1;      // frames between trainers/ringctl and ringd
-inline constexpr uint16_t kPeerProtocolVersion = 5;  // frames between daemons (PeerHello and above)
+// frames between daemons (PeerHello and above); 6: TCP ring ops of 32 MiB and more end with the
+// delivery marker (daemon/engine/ring_allreduce.h), which a daemon of 5 would never send.
+inline constexpr uint16_t kPeerProtocolVersion = 6;
 inline constexpr size_t kFrameHeaderBytes = 16;
 
 // Largest payload the daemon accepts from a client (hello, status request, error).

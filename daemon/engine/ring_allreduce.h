@@ -45,7 +45,7 @@
 // messages, so such an op ends with a delivery marker: each host, once it has received all of
 // the op, sends an empty message back to the previous host, and its own op ends only when the
 // next host's marker is in. Until then the trainer does not get its buffer back. One hop of
-// latency, on ops of 16 MiB and more; every host decides it from the op's size and the
+// latency, on ops of 32 MiB and more (below that it costs more time than the copy: docs/perf.md); every host decides it from the op's size and the
 // transport, which all hosts share.
 //
 // Called on the progress thread. After a failed run the links must not be reused: receives may
@@ -130,7 +130,7 @@ public:
     uint64_t staging_bytes() const { return staging_bytes(opt_); }
     // Ops of at least this many bytes end with the delivery marker where a link's SendDone does
     // not mean delivered (TCP), and send from the data region by reference.
-    static constexpr uint64_t kConfirmBytes = 16 << 20;
+    static constexpr uint64_t kConfirmBytes = 32 << 20;
 
     // Blocks until the result is in place, a link fails (error names the peer), or the deadline
     // passes (error names the peer we were waiting for).

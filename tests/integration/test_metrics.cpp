@@ -90,12 +90,12 @@ TEST_CASE("every family of /metrics parses with its type, and the values are the
     REQUIRE(run_command("/usr/bin/python3 -c 'import prometheus_client' 2>&1").exit_code == 0);
     TestCluster c(2, "5s", "metrics: {listen: 127.0.0.1:0}\n");
     REQUIRE(c.wait_up());
-    Clients cl = connect_all(c, "metered", 1, 20 << 20);
+    Clients cl = connect_all(c, "metered", 1, 40 << 20);
 
-    // 3 ring ops of 512 Ki floats (2 MiB, over tuning.direct_max_bytes) and one of 16 MiB and a
+    // 3 ring ops of 512 Ki floats (2 MiB, over tuning.direct_max_bytes) and one of 32 MiB and a
     // bit (sent by reference over TCP), 4 direct ops of 1 Ki floats (4 KiB), each checked here;
     // then one op the two hosts submit with different counts.
-    constexpr size_t kRingCount = 512 << 10, kBigCount = (16 << 20) / 4 + 7, kDirectCount = 1024;
+    constexpr size_t kRingCount = 512 << 10, kBigCount = (32 << 20) / 4 + 7, kDirectCount = 1024;
     for (uint64_t k = 0; k < 3; ++k) allreduce_checked(cl, DType::F32, ReduceOp::Sum, kRingCount, 10 + k);
     allreduce_checked(cl, DType::F32, ReduceOp::Sum, kBigCount, 13);
     constexpr double kRingBytes = (3.0 * kRingCount + kBigCount) * 4;
@@ -170,7 +170,7 @@ TEST_CASE("every family of /metrics parses with its type, and the values are the
         const double in = s.value("ringd_link_bytes_total", {{"peer", other}, {"direction", "in"}});
         CHECK(out >= kRingBytes);
         CHECK(out <= kRingBytes * 1.05);  // framing at most
-        // The 16 MiB op's sends all come from the trainer's slot (both phases, with 2 hosts) and
+        // The 32 MiB op's sends all come from the trainer's slot (both phases, with 2 hosts) and
         // go by reference but for messages under 64 KiB (each segment's last chunk here: 14
         // bytes); the 2 MiB ops' go by copy.
         const double by_ref = s.value("ringd_link_bytes_by_reference_total", {{"peer", other}});

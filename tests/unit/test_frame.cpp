@@ -14,9 +14,9 @@ using namespace ringd::proto;
 
 namespace {
 
-// Frames between daemons (type 16 and above) carry the peer protocol's version, 4.
+// Frames between daemons (type 16 and above) carry the peer protocol's version, 6.
 Bytes header_bytes(uint16_t type, uint32_t len) {
-    return {0x52, 0x4E, 0x47, 0x44, static_cast<uint8_t>(type >= 16 ? 0x05 : 0x01), 0x00, static_cast<uint8_t>(type), 0x00, static_cast<uint8_t>(len),
+    return {0x52, 0x4E, 0x47, 0x44, static_cast<uint8_t>(type >= 16 ? 0x06 : 0x01), 0x00, static_cast<uint8_t>(type), 0x00, static_cast<uint8_t>(len),
             static_cast<uint8_t>(len >> 8), static_cast<uint8_t>(len >> 16), static_cast<uint8_t>(len >> 24), 0, 0, 0, 0};
 }
 

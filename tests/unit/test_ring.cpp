@@ -548,10 +548,11 @@ struct MemfdBuffer {
     }
 };
 
-TEST_CASE("ops of 16 MiB and more over TCP send the data region by reference and end once the next host has it; "
+TEST_CASE("ops of 32 MiB and more over TCP send the data region by reference and end once the next host has it; "
           "every host overwrites its buffer as its op ends, and every result is exact",
           "[ring][tcp]") {
-    REQUIRE(RingAllreduce::kConfirmBytes == 16u << 20);
+    constexpr uint64_t kAt = RingAllreduce::kConfirmBytes / 4;  // floats
+    REQUIRE(kAt == 8u << 20);
     RingOptions opt;
     opt.chunk_bytes = 1 << 20;
     opt.depth = 4;
@@ -560,9 +561,9 @@ TEST_CASE("ops of 16 MiB and more over TCP send the data region by reference and
             Ring ring(n, "tcp", 2, zero_copy);
             // Two ops in a row on the same links, the second just above the threshold at an odd
             // offset; an op just below it goes by copy.
-            const std::vector<std::pair<uint64_t, ReduceOp>> ops = {{(20u << 20) / 4, ReduceOp::Sum},
-                                                                    {(16u << 20) / 4 + 3 * n + 1, ReduceOp::Avg},
-                                                                    {(16u << 20) / 4 - 1, ReduceOp::Sum}};
+            const std::vector<std::pair<uint64_t, ReduceOp>> ops = {{kAt + (1u << 20), ReduceOp::Sum},
+                                                                    {kAt + 3 * n + 1, ReduceOp::Avg},
+                                                                    {kAt - 1, ReduceOp::Sum}};
             for (size_t k = 0; k < ops.size(); ++k) {
                 const auto [count, rop] = ops[k];
                 INFO(n << " hosts, zero_copy " << zero_copy << ", op " << k << ": " << count << " floats");
