@@ -14,7 +14,8 @@
 // rather than a copy; the receiving host's kernel copies straight out of them. Such a message's
 // SendDone only says that it is in the socket buffers: the pages are read when they are
 // delivered (delivered_at_send_done() is false), and the ring keeps them unchanged until the
-// next host has said it has them. (MSG_ZEROCOPY is no help here: the kernel copies its pages
+// next host has said it has them. sendfile has no MSG_NOSIGNAL: the process ignores SIGPIPE (ringd
+// does, daemon.cpp), so that a peer that is gone fails the link with EPIPE. (MSG_ZEROCOPY is no help here: the kernel copies its pages
 // anyway when it delivers them to a socket of the same kernel, as on namespace hosts, and its
 // completions come at the same point: docs/perf.md.)
 //
