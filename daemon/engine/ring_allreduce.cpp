@@ -11,6 +11,17 @@ namespace {
 constexpr uint32_t kMaxChunks = 1u << 20;
 constexpr uint32_t kMaxSteps = 1u << 11;
 
+// Every turn of a wait: an aborted generation ends the op; else the progress thread's heartbeat.
+Status wait_turn(const RingOp &op) {
+    if (op.aborted_generation && op.aborted_generation->load(std::memory_order_acquire) >= op.generation)
+        return make_error(-ECONNABORTED, "ring generation " + std::to_string(op.generation) + " was aborted");
+    if (op.beat_ns)
+        op.beat_ns->store(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                              std::chrono::steady_clock::now().time_since_epoch()).count(),
+                          std::memory_order_relaxed);
+    return Ok{};
+}
+
 uint64_t seg_begin(uint64_t count, uint32_t n, uint32_t k) {
     return static_cast<uint64_t>((static_cast<unsigned __int128>(count) * k) / n);
 }
@@ -101,12 +112,7 @@ Status RingAllreduce::confirm_delivery(const RingPosition &pos, const RingOp &op
     if (tell_prev)
         if (auto s = pos.prev->post_send(op.staging, 0, 0, marker); !s) return s;
     while (!sent || !got) {
-        if (op.aborted_generation && op.aborted_generation->load(std::memory_order_acquire) >= op.generation)
-            return make_error(-ECONNABORTED, "ring generation " + std::to_string(op.generation) + " was aborted");
-        if (op.beat_ns)
-            op.beat_ns->store(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                  std::chrono::steady_clock::now().time_since_epoch()).count(),
-                              std::memory_order_relaxed);
+        if (auto s = wait_turn(op); !s) return s;
         const int wait_ms = ms_until(deadline);
         if (wait_ms == 0)
             return make_error(-ETIMEDOUT, "ring allreduce timed out: waiting for " +
@@ -238,13 +244,7 @@ Status RingAllreduce::run_window(const RingPosition &pos, const RingOp &op, uint
             ++next_send;
         }
         if (sends_done == sends_.size() && recvs_done == recvs_.size()) return Ok{};
-        if (op.aborted_generation && op.aborted_generation->load(std::memory_order_acquire) >= op.generation)
-            return make_error(-ECONNABORTED, "ring generation " + std::to_string(op.generation) + " was aborted");
-
-        if (op.beat_ns)
-            op.beat_ns->store(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                  std::chrono::steady_clock::now().time_since_epoch()).count(),
-                              std::memory_order_relaxed);
+        if (auto s = wait_turn(op); !s) return s;
         const int wait_ms = ms_until(deadline);
         if (wait_ms == 0)
             return make_error(-ETIMEDOUT, "ring allreduce timed out: waiting for " +
