@@ -134,6 +134,7 @@ Status ControlPlane::listen() {
     listener_ = UniqueFd(::socket(ss.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
     const int one = 1;
     ::setsockopt(listener_.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    if (cb_.prepare_socket) cb_.prepare_socket(listener_.get());  // control connections get it too: harmless
     const std::string where = me.address + ":" + std::to_string(me.port);
     if (::bind(listener_.get(), reinterpret_cast<sockaddr *>(&ss), len) != 0)
         return make_error(-errno, "hosts[" + std::to_string(self_) + "]: cannot listen on " + where + ": " + errno_string(errno) +
@@ -284,6 +285,7 @@ void ControlPlane::dial(uint32_t peer, proto::ConnKind kind, uint32_t stream) {
         peers_[peer].dialing = true;
         set_state(peer, "connecting");
     }
+    if (kind == proto::ConnKind::Data && cb_.prepare_socket && c->fd) cb_.prepare_socket(c->fd.get());
     const uint64_t id = c->id;
     const int rc = ::connect(c->fd.get(), reinterpret_cast<sockaddr *>(&ss), len);
     const int err = errno;

@@ -62,6 +62,10 @@ public:
         // the connection once its handshake is up, for that domain's plane (adopt()).
         std::function<Status(const proto::PeerHello &hello)> foreign_check;
         std::function<void(UniqueFd fd, const proto::PeerHello &hello, const std::string &ip, const SessionKeys &keys)> adopt;
+        // Settings a data connection must have from its first packet (the transport's
+        // NetworkTransport::prepare_socket): called on every data socket before it connects, and
+        // on the listener before it listens, whose accepted connections inherit them.
+        std::function<void(int fd)> prepare_socket;
     };
 
     struct PeerStatus {

@@ -83,6 +83,7 @@ Status RingDomain::setup() {
     };
     cb.ring_down = [this](const std::string &why) { on_ring_down(why); };
     cb.message = [this](uint32_t host, Frame &f) { on_peer_message(host, f); };
+    cb.prepare_socket = [t = sh_.transport](int fd) { t->prepare_socket(fd); };
     if (whole_ring()) {
         cb.foreign_check = sh_.foreign_check;
         cb.adopt = sh_.adopt;

@@ -164,6 +164,10 @@ public:
     // own, on the same device, taking this one's RegionHandles (a region registered once serves
     // every domain). This transport must outlive it.
     virtual Result<std::unique_ptr<NetworkTransport>> sibling() = 0;
+    // Called on each TCP socket of the data path before it connects (and on the listener, whose
+    // accepted connections inherit it) with what must be the socket's from its first packet.
+    // TCP: the congestion control (TcpTransport).
+    virtual void prepare_socket(int fd) const { (void)fd; }
 };
 
 // A registration that undoes itself. Move-only.

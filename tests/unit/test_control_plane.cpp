@@ -5,16 +5,19 @@
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <fstream>
+#include <sstream>
 
 #include <spdlog/spdlog.h>
 
 #include "common/fd_io.h"
 #include "daemon/control/control_plane.h"
+#include "daemon/transport/tcp/tcp_transport.h"
 #include "tests/support/net.h"
 
 using namespace ringd;
@@ -51,8 +54,10 @@ struct Cluster {
     std::vector<Host> hosts;
     PeerSecret secret;
 
-    Cluster(uint32_t n, PeerSecret s = {}, std::chrono::milliseconds heartbeat = 100ms)
-        : config(ring_config(n, base_port(), 2, heartbeat)), hosts(n), secret(std::move(s)) {
+    std::function<void(int)> prepare;  // Callbacks::prepare_socket of every host
+
+    Cluster(uint32_t n, PeerSecret s = {}, std::chrono::milliseconds heartbeat = 100ms, std::function<void(int)> prep = {})
+        : config(ring_config(n, base_port(), 2, heartbeat)), hosts(n), secret(std::move(s)), prepare(std::move(prep)) {
         for (uint32_t i = 0; i < n; ++i) start(i);
     }
     void start(uint32_t i, const PeerSecret *secret_override = nullptr) {
@@ -79,6 +84,7 @@ struct Cluster {
             h.events.push_back("frame " + std::to_string(static_cast<int>(f.type)) + ": " + std::to_string(f.payload.size()));
             if (f.type == proto::FrameType::OpData) h.frames.push_back(std::move(f.payload));
         };
+        cb.prepare_socket = prepare;
         auto cp = ControlPlane::create(config, i, secret_override ? secret_override : &secret, cb);
         REQUIRE(cp.ok());
         h.cp = std::move(*cp);
@@ -147,6 +153,57 @@ TEST_CASE("a ring forms and its data sockets join each host to its neighbours", 
             auto st = h.cp->status();
             for (const auto &p : st) CHECK((p.self || p.control == "up"));
         }
+    }
+}
+
+namespace {
+std::string first_line(const char *path) {
+    std::ifstream f(path);
+    std::string line;
+    std::getline(f, line);
+    return line;
+}
+std::string congestion_of(int fd) {
+    char name[16] = "";
+    socklen_t len = sizeof name - 1;
+    if (::getsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, name, &len) != 0) return "(" + errno_string(errno) + ")";
+    return std::string(name, strnlen(name, len));
+}
+}  // namespace
+
+TEST_CASE("every data socket has the transport's congestion control from before it connects", "[control]") {
+    // A congestion control set only once the connection is up keeps what the one it started with
+    // set up (BBR, a common default: the kernel's internal pacing). So the data sockets must be
+    // born with the transport's: set on the dialer before connect, and on the listener, whose
+    // accepted connections inherit it. One other than the system's default shows where it came from.
+    spdlog::set_level(spdlog::level::warn);
+    const std::string system = first_line("/proc/sys/net/ipv4/tcp_congestion_control");
+    std::string want;
+    std::istringstream available(first_line("/proc/sys/net/ipv4/tcp_available_congestion_control"));
+    for (std::string name; available >> name;)
+        if (name != system && (want.empty() || name == "reno")) want = name;
+    if (want.empty()) {
+        WARN("only one TCP congestion control (" << system << ") is available: nothing to tell apart");
+        return;
+    }
+    INFO("system default " << system << ", the transport's " << want);
+    const TcpTransport transport(want);
+    int prepared = 0, connected_before = 0;
+    Cluster c(3, {}, 100ms, [&](int fd) {
+        ++prepared;
+        sockaddr_storage peer{};
+        socklen_t len = sizeof peer;
+        if (::getpeername(fd, reinterpret_cast<sockaddr *>(&peer), &len) == 0) ++connected_before;
+        transport.prepare_socket(fd);
+    });
+    REQUIRE(c.run_until([&] { return c.all_up(); }, 10s));
+    CHECK(prepared >= 3 * (1 + 2));  // every listener, and every data stream dialed
+    CHECK(connected_before == 0);
+    for (auto &h : c.hosts) {
+        REQUIRE(h.to_next.size() == 2);
+        REQUIRE(h.from_prev.size() == 2);
+        for (auto &fd : h.to_next) CHECK(congestion_of(fd.get()) == want);    // dialed
+        for (auto &fd : h.from_prev) CHECK(congestion_of(fd.get()) == want);  // accepted
     }
 }
 

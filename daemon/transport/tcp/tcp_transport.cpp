@@ -11,6 +11,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include <spdlog/spdlog.h>
+
 #include "common/fd_io.h"
 #include "proto/le.h"
 
@@ -73,6 +75,11 @@ std::string TcpTransport::socket_buffer_cap(uint64_t bytes) {
     return why.empty() ? why : why + " (raise it, or use tcp.socket_buffer: auto)";
 }
 
+void TcpTransport::prepare_socket(int fd) const {
+    if (!congestion_.empty())  // checked at start (check_congestion)
+        ::setsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, congestion_.data(), static_cast<socklen_t>(congestion_.size()));
+}
+
 Result<RegionHandle> TcpTransport::do_register(std::byte *base, size_t bytes) {
     if (!base || bytes == 0) return make_error(-EINVAL, "cannot register an empty region");
     return RegionHandle{next_region_++, base, bytes};
@@ -90,6 +97,10 @@ Result<Link *> TcpTransport::add_link(const std::string &peer, std::vector<Uniqu
         const SessionKeys k = data_mac_ && !keys.empty() ? keys[i] : SessionKeys{};
         if (auto s = link->add_stream(std::move(streams[i]), k); !s) return s.error();
     }
+    if (!link->late_congestion_.empty())
+        spdlog::warn("data link to {}: its streams were connected under TCP congestion control {} and only now switched to {}; "
+                     "the kernel keeps what {} set up at connection time (BBR: its pacing, a timer per burst)",
+                     peer, link->late_congestion_, congestion_, link->late_congestion_);
     links_.push_back(std::move(link));
     return static_cast<Link *>(links_.back().get());
 }
@@ -140,8 +151,18 @@ Status TcpLink::add_stream(UniqueFd fd, const SessionKeys &keys) {
         return make_error(-errno, "fcntl: " + errno_string(errno));
     const int one = 1;
     ::setsockopt(fd.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);  // fails harmlessly on socketpairs
+    // The congestion control is normally the socket's from before it connected (prepare_socket).
+    // One switched only now keeps what its first one set up at connection time: BBR's init turns
+    // the kernel's internal pacing on, and no other congestion control turns it off again, which
+    // made every stream of a 256 MiB op pay a pacing timer per burst (docs/perf.md).
     const std::string &cc = t_.congestion_;  // checked at start (check_congestion); fails harmlessly on socketpairs
-    if (!cc.empty()) ::setsockopt(fd.get(), IPPROTO_TCP, TCP_CONGESTION, cc.data(), static_cast<socklen_t>(cc.size()));
+    if (!cc.empty()) {
+        char was[16] = "";
+        socklen_t was_len = sizeof was - 1;
+        if (::getsockopt(fd.get(), IPPROTO_TCP, TCP_CONGESTION, was, &was_len) == 0 && cc != std::string(was, strnlen(was, was_len)))
+            late_congestion_ = std::string(was, strnlen(was, was_len));
+        ::setsockopt(fd.get(), IPPROTO_TCP, TCP_CONGESTION, cc.data(), static_cast<socklen_t>(cc.size()));
+    }
     // A fixed size turns the kernel's autotuning off; left alone, the buffers grow with the
     // connection's bandwidth x delay (up to net.ipv4.tcp_wmem/tcp_rmem's maximum), which on
     // shared cores kept more of the data in cache and cost less CPU per byte (docs/perf.md).

@@ -23,7 +23,8 @@
 // (daemon/transport/frame_mac.h) under its stream's keys from the handshake, made when the send is
 // posted and checked when the payload is in; a message that fails fails the link.
 //
-// Each stream gets the configured TCP congestion control (tcp.congestion, default cubic): a ring
+// Each stream gets the configured TCP congestion control (tcp.congestion, default cubic), from
+// before it connects (prepare_socket, called by the control plane; see there why): a ring
 // is a chain of flows that wait on one another, and a congestion control that keeps the queue at
 // the bottleneck nearly empty (BBR's pacing and its periodic ProbeRTT drain) lets every short
 // stall of one host idle the next link, where a loss-based one keeps a standing queue that rides
@@ -110,6 +111,7 @@ private:
     std::vector<std::unique_ptr<Stream>> streams_;
     size_t next_stream_ = 0;
     std::unordered_map<uint64_t, RecvOp> posted_;
+    std::string late_congestion_;  // a stream's congestion control before add_stream switched it ("": none did)
 };
 
 class TcpTransport final : public NetworkTransport {
@@ -142,6 +144,10 @@ public:
     Result<std::vector<Link *>> add_links(std::vector<LinkSetup> links,
                                           std::chrono::steady_clock::time_point deadline) override;
     void remove_link(Link *link) override;
+    // The congestion control, set before the socket connects or listens: BBR (often the system's
+    // default) turns the kernel's internal pacing on when a connection starts, and a later switch
+    // to cubic keeps it. A stream add_link finds switched late is logged (a warning).
+    void prepare_socket(int fd) const override;
 
     Status poll(std::vector<LinkEvent> &out, int timeout_ms) override;
     int fd() const override { return epoll_.get(); }
