@@ -166,7 +166,8 @@ public:
     virtual Result<std::unique_ptr<NetworkTransport>> sibling() = 0;
     // Called on each TCP socket of the data path before it connects (and on the listener, whose
     // accepted connections inherit it) with what must be the socket's from its first packet.
-    // TCP: the congestion control (TcpTransport).
+    // TCP: the congestion control (TcpTransport). Called on the control thread while the progress
+    // thread runs the links: it must not touch link state.
     virtual void prepare_socket(int fd) const { (void)fd; }
 };
 

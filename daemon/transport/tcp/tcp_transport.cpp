@@ -98,9 +98,10 @@ Result<Link *> TcpTransport::add_link(const std::string &peer, std::vector<Uniqu
         if (auto s = link->add_stream(std::move(streams[i]), k); !s) return s.error();
     }
     if (!link->late_congestion_.empty())
-        spdlog::warn("data link to {}: its streams were connected under TCP congestion control {} and only now switched to {}; "
-                     "the kernel keeps what {} set up at connection time (BBR: its pacing, a timer per burst)",
-                     peer, link->late_congestion_, congestion_, link->late_congestion_);
+        spdlog::warn("data link to {}: a stream was connected under TCP congestion control {}; the kernel keeps what the "
+                     "first one set up at connection time (BBR: its pacing, a timer per burst); ringd sets tcp.congestion "
+                     "before it connects, so a route's congctl may be overriding it",
+                     peer, link->late_congestion_);
     links_.push_back(std::move(link));
     return static_cast<Link *>(links_.back().get());
 }
@@ -155,13 +156,19 @@ Status TcpLink::add_stream(UniqueFd fd, const SessionKeys &keys) {
     // One switched only now keeps what its first one set up at connection time: BBR's init turns
     // the kernel's internal pacing on, and no other congestion control turns it off again, which
     // made every stream of a 256 MiB op pay a pacing timer per burst (docs/perf.md).
-    const std::string &cc = t_.congestion_;  // checked at start (check_congestion); fails harmlessly on socketpairs
-    if (!cc.empty()) {
-        char was[16] = "";
-        socklen_t was_len = sizeof was - 1;
-        if (::getsockopt(fd.get(), IPPROTO_TCP, TCP_CONGESTION, was, &was_len) == 0 && cc != std::string(was, strnlen(was, was_len)))
-            late_congestion_ = std::string(was, strnlen(was, was_len));
-        ::setsockopt(fd.get(), IPPROTO_TCP, TCP_CONGESTION, cc.data(), static_cast<socklen_t>(cc.size()));
+    // A route's `congctl` overrides the socket's choice at connect time (and `congctl lock` any
+    // later one): the warning in add_link names what the stream runs.
+    const std::string &cc = t_.congestion_;  // checked at start (check_congestion)
+    char was[16] = "";  // the kernel's TCP_CA_NAME_MAX
+    socklen_t was_len = sizeof was - 1;
+    if (!cc.empty() && ::getsockopt(fd.get(), IPPROTO_TCP, TCP_CONGESTION, was, &was_len) == 0) {  // TCP, not a socketpair
+        const std::string before(was, strnlen(was, was_len));
+        if (before != cc) {
+            if (::setsockopt(fd.get(), IPPROTO_TCP, TCP_CONGESTION, cc.data(), static_cast<socklen_t>(cc.size())) == 0)
+                late_congestion_ = before + ", and only now switched to " + cc;
+            else
+                late_congestion_ = before + ", and switching to " + cc + " failed (" + errno_string(errno) + ")";
+        }
     }
     // A fixed size turns the kernel's autotuning off; left alone, the buffers grow with the
     // connection's bandwidth x delay (up to net.ipv4.tcp_wmem/tcp_rmem's maximum), which on

@@ -111,7 +111,7 @@ private:
     std::vector<std::unique_ptr<Stream>> streams_;
     size_t next_stream_ = 0;
     std::unordered_map<uint64_t, RecvOp> posted_;
-    std::string late_congestion_;  // a stream's congestion control before add_stream switched it ("": none did)
+    std::string late_congestion_;  // a stream connected under another congestion control, and what came of it ("": none)
 };
 
 class TcpTransport final : public NetworkTransport {
@@ -146,7 +146,9 @@ public:
     void remove_link(Link *link) override;
     // The congestion control, set before the socket connects or listens: BBR (often the system's
     // default) turns the kernel's internal pacing on when a connection starts, and a later switch
-    // to cubic keeps it. A stream add_link finds switched late is logged (a warning).
+    // to cubic keeps it. A stream add_link finds connected under another one is logged (a
+    // warning). Called on the control thread: it reads only what never changes after construction.
+    // (An fq qdisc paces every TCP flow whatever its congestion control.)
     void prepare_socket(int fd) const override;
 
     Status poll(std::vector<LinkEvent> &out, int timeout_ms) override;
