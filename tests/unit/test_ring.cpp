@@ -743,10 +743,13 @@ TEST_CASE("TCP links carry the configured congestion control; one the kernel lac
     streams.push_back(std::move(a));
     auto link = t.add_link("node1", std::move(streams));
     REQUIRE(link.ok());
-    char name[16] = {};
-    socklen_t len = sizeof name;
-    REQUIRE(::getsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, name, &len) == 0);
-    CHECK(std::string(name) == "reno");
+    CHECK(TcpTransport::congestion_of(fd) == "reno");
+    CHECK(TcpTransport::congestion_of(b.get()) != "");  // TCP
+    int pair[2];
+    REQUIRE(::socketpair(AF_UNIX, SOCK_STREAM, 0, pair) == 0);
+    CHECK(TcpTransport::congestion_of(pair[0]).empty());  // not TCP
+    ::close(pair[0]);
+    ::close(pair[1]);
     CHECK(t.detail() == "congestion control reno, zero-copy sends");
 
     const auto missing = TcpTransport::check_congestion("nosuchcc");

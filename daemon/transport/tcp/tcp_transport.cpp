@@ -75,6 +75,13 @@ std::string TcpTransport::socket_buffer_cap(uint64_t bytes) {
     return why.empty() ? why : why + " (raise it, or use tcp.socket_buffer: auto)";
 }
 
+std::string TcpTransport::congestion_of(int fd) {
+    char name[16] = "";  // the kernel's TCP_CA_NAME_MAX
+    socklen_t len = sizeof name - 1;
+    if (::getsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, name, &len) != 0) return {};
+    return std::string(name, strnlen(name, len));
+}
+
 void TcpTransport::prepare_socket(int fd) const {
     if (!congestion_.empty())  // checked at start (check_congestion)
         ::setsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, congestion_.data(), static_cast<socklen_t>(congestion_.size()));
@@ -159,10 +166,7 @@ Status TcpLink::add_stream(UniqueFd fd, const SessionKeys &keys) {
     // A route's `congctl` overrides the socket's choice at connect time (and `congctl lock` any
     // later one): the warning in add_link names what the stream runs.
     const std::string &cc = t_.congestion_;  // checked at start (check_congestion)
-    char was[16] = "";  // the kernel's TCP_CA_NAME_MAX
-    socklen_t was_len = sizeof was - 1;
-    if (!cc.empty() && ::getsockopt(fd.get(), IPPROTO_TCP, TCP_CONGESTION, was, &was_len) == 0) {  // TCP, not a socketpair
-        const std::string before(was, strnlen(was, was_len));
+    if (const std::string before = TcpTransport::congestion_of(fd.get()); !cc.empty() && !before.empty()) {  // not a socketpair
         if (before != cc) {
             if (::setsockopt(fd.get(), IPPROTO_TCP, TCP_CONGESTION, cc.data(), static_cast<socklen_t>(cc.size())) == 0)
                 late_congestion_ = before + ", and only now switched to " + cc;

@@ -131,6 +131,8 @@ public:
     // What the kernel makes of a fixed socket buffer of `bytes`: empty when it grants it, else
     // why it cuts it (net.core.wmem_max / rmem_max below it) and what to do.
     static std::string socket_buffer_cap(uint64_t bytes);
+    // The congestion control a socket runs (TCP_CONGESTION), or "" when it has none (not TCP).
+    static std::string congestion_of(int fd);
     // TCP posts read only the RegionHandle's address: any TcpTransport takes any other's handles.
     Result<std::unique_ptr<NetworkTransport>> sibling() override {
         return std::unique_ptr<NetworkTransport>(
