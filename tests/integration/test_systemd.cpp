@@ -153,7 +153,7 @@ TEST_CASE("the unit runs ringd as its own user without capabilities; a 2-host ri
     CHECK_THAT(unit, Catch::Contains("\nUser=ringd\n") && Catch::Contains("\nGroup=ringd\n") &&
                          Catch::Contains("\nCapabilityBoundingSet=\n") && Catch::Contains("\nAmbientCapabilities=\n") &&
                          Catch::Contains("LimitMEMLOCK=infinity") && Catch::Contains("DevicePolicy=closed"));
-    CHECK_THAT(read_file(std::string(RINGD_SOURCE_DIR) + "/systemd/ringd.sysusers"), Catch::Contains("u ringd "));
+    CHECK_THAT(read_file(env_or("RINGD_SOURCE_DIR", ".") + "/systemd/ringd.sysusers"), Catch::Contains("u ringd "));
     if (::geteuid() != 0) RINGD_SKIP("needs root to start ringd as another user");
     // As the unit starts it: an unprivileged uid (nobody here), no supplementary groups, no
     // capabilities; the ring forms (authenticated) and runs exact ops on both paths and transports.

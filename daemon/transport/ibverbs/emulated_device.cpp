@@ -45,6 +45,9 @@ void push_cqe(EmuCq *cq, const ibv_wc &wc) {
 }
 
 void complete_send(EmuQp *qp, const SendWqe &w, ibv_wc_status status) {
+    // A destroyed QP completes nothing: its CQ may be gone already (ibv_destroy_cq after
+    // ibv_destroy_qp), while a NIC thread that held the QP still finishes a transmit.
+    if (qp->dead) return;
     if (status == IBV_WC_SUCCESS && !w.signaled) {
         ++qp->unsignaled_done;
         return;
@@ -502,6 +505,7 @@ int destroy_qp(ibv_qp *q) {
         qp->sq.clear();
         qp->inflight.clear();
         qp->rq.clear();
+        qp->after_transmit.reset();  // the TX thread may still be reading its source
         if (qp->out_fd >= 0) ::shutdown(qp->out_fd, SHUT_RDWR);
         --qp->scq->users;
         --qp->rcq->users;
