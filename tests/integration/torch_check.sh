@@ -3,8 +3,9 @@
 # ranks (bench/cluster), for each scenario; every rank checks its own results and must print
 # "torch_ranks: rank R: SCENARIO ok". Skips (77) without root/namespaces, without torch for
 # /usr/bin/python3, or when ringd._torch_work was not built.
-#   torch_check.sh [SCENARIO...]   (default: ops async ddp groups part die,restart; "part" runs two
-#   jobs at once on 4 hosts, each on 2 of them)
+#   torch_check.sh [SCENARIO...]   (default: ops async ddp groups slots,tensors spawn part
+#   die,restart; "part" runs two jobs at once on 4 hosts, each on 2 of them; "spawn" is one
+#   process on one host that spawns its ranks)
 set -euo pipefail
 src=${RINGD_SOURCE_DIR:?}
 build=$(dirname "$(dirname "${RINGD_BIN:?}")")
@@ -17,7 +18,7 @@ ls "$build"/client/python/ringd/_torch_work*.so >/dev/null 2>&1 || { echo "ringd
 # Each item runs its scenarios one after the other in every rank (new processes, the same
 # daemons): "die,restart" is a job that loses a rank and is restarted.
 scenarios=("$@")
-[ ${#scenarios[@]} -gt 0 ] || scenarios=(ops async ddp groups part die,restart)
+[ ${#scenarios[@]} -gt 0 ] || scenarios=(ops async ddp groups slots,tensors spawn part die,restart)
 op_timeout=5
 failed=0
 for s in "${scenarios[@]}"; do
@@ -33,6 +34,11 @@ for s in "${scenarios[@]}"; do
             --job "1,3:2:env $env MASTER_ADDR=10.250.0.2 MASTER_PORT_BASE=$port /usr/bin/python3 $src/tests/python/torch_ranks.py part" \
             --job "0,2:2:env $env MASTER_ADDR=10.250.0.1 MASTER_PORT_BASE=$((port + 1000)) /usr/bin/python3 $src/tests/python/torch_ranks.py part" \
             2>&1) || true
+    elif [ "$s" = spawn ]; then
+        want=1
+        out=$("$src/bench/cluster" --hosts 1 --build "$build" --op-timeout "${op_timeout}s" -- \
+            env RANK=0 WORLD_SIZE=1 RINGD_SLOT_BYTES=4194304 RINGD_OP_TIMEOUT_S=$op_timeout RINGD_BUILD_DIR=$build \
+            TORCH_RANKS_DEADLINE_S=150 MASTER_PORT_BASE=$port /usr/bin/python3 "$src/tests/python/torch_ranks.py" spawn 2>&1) || true
     else
         want=4
         out=$("$src/bench/cluster" --hosts 2 --ranks-per-host 2 --build "$build" --op-timeout "${op_timeout}s" -- \

@@ -21,6 +21,11 @@ Scenarios:
   groups   new_group over ranks on both hosts (one per host, and 1 + 2 ranks: avg over 3) and on
            one host, all through ringd, with each group's ringd group, hosts and local sizes
            checked in ringd's status; the default group after them
+  slots    ranks with different RINGD_SLOT_BYTES: large tensors and the comm hook's buckets split
+           alike on every rank
+  tensors  expanded (stride-0) and overlapping tensors; reduce_scatter, reduce_scatter_tensor,
+           all_gather_into_tensor
+  spawn    mp.spawn with init_method tcp:// and file:// (one process that spawns two ranks)
   part     a job on 2 hosts of 4 (torch_check.sh runs two such jobs at once): exact ops of its
            default group, which ringd runs in the ring domain of its hosts, and a short DDP run
 """
@@ -350,7 +355,106 @@ def scenario_part():
     check(all(torch.equal(x, flat) for x in gathered), "DDP parameters differ between ranks")
 
 
-SCENARIOS = {"ops": scenario_ops, "async": scenario_async, "ddp": scenario_ddp, "die": scenario_die,
+def scenario_slots():
+    """Ranks with different slots (RINGD_SLOT_BYTES 1 MiB on odd ranks, 2 MiB on even ones): a
+    tensor bigger than a quarter of either slot is split the same way on every rank, through
+    dist.all_reduce and through the comm hook (whose bucket fits the bigger slot's kept ranges,
+    not the smaller one's); no op waits out ringd's op timeout."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    os.environ["RINGD_SLOT_BYTES"] = str((1 << 20) if RANK % 2 else (2 << 20))
+    init()
+    start = time.monotonic()
+    for salt, n in ((500, 300001), (501, 70001), (502, 1 << 18)):  # 1.2 MB, 280 KB, exactly 1 MiB
+        t = data(RANK, n, torch.float32, salt)
+        dist.all_reduce(t)
+        check(close_to(t, expected(n, torch.float32, "sum", salt), torch.float32), f"{n} floats, slots differ")
+    torch.manual_seed(7)
+    # 0.8 MB of gradients in one bucket: the comm hook keeps it in the 2 MiB slots (up to half of a
+    # slot is kept), not in the 1 MiB ones, which take the copying path.
+    layer = torch.nn.Linear(400, 500)
+    h = DDP(layer, bucket_cap_mb=4)
+    h.register_comm_hook(None, ringd.torch.allreduce_hook)
+    opt = torch.optim.SGD(h.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(RANK)
+    for _ in range(3):
+        opt.zero_grad()
+        h(torch.randn(4, 400, generator=g)).square().mean().backward()
+        opt.step()
+    flat = torch.cat([p.detach().reshape(-1) for p in layer.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(WORLD)]
+    dist.all_gather(gathered, flat)
+    check(all(torch.equal(x, flat) for x in gathered), "DDP parameters differ between ranks with different slots")
+    took = time.monotonic() - start
+    check(took < OP_TIMEOUT_S, f"the ops took {took:.1f} s: some waited out ringd's op timeout")
+
+
+def scenario_tensors():
+    """Tensors and collectives beyond the plain allreduce: expanded (stride-0) tensors reduce the
+    memory they refer to (and nothing around it); overlapping ones are refused alike on every
+    rank; reduce_scatter, reduce_scatter_tensor and all_gather_into_tensor give exact values."""
+    init()
+    e = torch.tensor([float(RANK + 1)]).expand(6)
+    dist.all_reduce(e)
+    check(e.stride() == (0,) and bool((e == WORLD * (WORLD + 1) / 2).all()), f"an expanded tensor: {e.tolist()}")
+    base = torch.arange(12, dtype=torch.float64).view(3, 4) + 100 * RANK
+    col = base[:, 1:2].expand(3, 5)  # column 1, five times over
+    dist.all_reduce(col, op=dist.ReduceOp.MAX)
+    want = torch.arange(12, dtype=torch.float64).view(3, 4)
+    want_col = want[:, 1] + 100 * (WORLD - 1)
+    check(torch.equal(base[:, 1], want_col) and bool((col == want_col.view(3, 1)).all()), f"an expanded column: {base}")
+    others = [0, 2, 3]
+    check(torch.equal(base[:, others], want[:, others] + 100 * RANK), "elements beside an expanded column changed")
+    try:
+        dist.all_reduce(torch.arange(4.0).as_strided((3, 2), (1, 1)))
+        fail("no error for overlapping elements")
+    except RuntimeError as err:
+        check("overlap" in str(err), f"error for overlapping elements: {err}")
+    n = 1001
+    everyone = [torch.stack([data(r, n, torch.float64, 600 + k) for k in range(WORLD)]) for r in range(WORLD)]
+    total = sum(everyone)  # [k]: the sum of every rank's k-th input
+    out = torch.empty(n, dtype=torch.float32)
+    dist.reduce_scatter(out, [data(RANK, n, torch.float32, 600 + k) for k in range(WORLD)])
+    check(torch.equal(out.to(torch.float64), total[RANK]), "reduce_scatter")
+    out = torch.empty(n, dtype=torch.int64)
+    dist.reduce_scatter_tensor(out, torch.cat([data(RANK, n, torch.int64, 600 + k) for k in range(WORLD)]),
+                               op=dist.ReduceOp.MAX)
+    check(torch.equal(out.to(torch.float64), torch.stack([x[RANK] for x in everyone]).max(0).values),
+          "reduce_scatter_tensor MAX")
+    mine = data(RANK, n, torch.float16, 700)
+    out = torch.empty(WORLD * n, dtype=torch.float16)
+    dist.all_gather_into_tensor(out, mine)
+    check(torch.equal(out, torch.cat([data(r, n, torch.float16, 700) for r in range(WORLD)])),
+          "all_gather_into_tensor")
+
+
+def scenario_spawn():
+    """torch.multiprocessing.spawn with init_method tcp:// and file:// (no MASTER_ADDR, no
+    GLOO_SOCKET_IFNAME), as the PyTorch tutorials start a job on one host: the internal Gloo group
+    finds its interface as init_process_group("gloo") does. Run by one process (RANK 0, WORLD 1)."""
+    import tempfile
+    import torch.multiprocessing as mp
+    for name in ("GLOO_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(name, None)
+    port = int(os.environ.get("MASTER_PORT_BASE", "29500")) + 7
+    with tempfile.TemporaryDirectory() as tmp:
+        for method in (f"tcp://127.0.0.1:{port}", f"file://{tmp}/rendezvous"):
+            mp.spawn(_spawned, args=(method,), nprocs=2, join=True)
+
+
+def _spawned(rank, method):
+    os.environ["LOCAL_RANK"] = str(rank)
+    dist.init_process_group("ringd", init_method=method, rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    t = torch.full((1000,), float(rank + 1))
+    dist.all_reduce(t)
+    b = torch.full((3,), float(rank))
+    dist.broadcast(b, src=1)  # through the internal Gloo group
+    if not (bool((t == 3).all()) and bool((b == 1).all())):
+        raise RuntimeError(f"{method}: allreduce {t[:3].tolist()}, broadcast {b.tolist()}")
+    dist.destroy_process_group()
+
+
+SCENARIOS = {"ops": scenario_ops, "slots": scenario_slots, "tensors": scenario_tensors, "spawn": scenario_spawn, "async": scenario_async, "ddp": scenario_ddp, "die": scenario_die,
              "restart": scenario_restart, "groups": scenario_groups, "part": scenario_part}
 
 if __name__ == "__main__":

@@ -98,6 +98,29 @@ def _env_bytes(name, default):
     return int(num) * units[unit]
 
 
+def _chunk_bytes(slot_bytes):
+    """The largest ringd op of a group whose smallest slot is `slot_bytes`: a quarter of it, so that
+    several ops are in flight at once (DDP's buckets), 64-byte aligned."""
+    return max(_ALIGN, slot_bytes // 4 // _ALIGN * _ALIGN)
+
+
+def _distinct_elements(t):
+    """A view of `t` with each of its memory locations once: an expanded (stride-0) dimension
+    becomes one element, so that an expanded tensor is reduced as the memory it refers to, and
+    every element of it reads that location's result. Elements that overlap otherwise
+    (as_strided) have no defined result: a RuntimeError, the same on every rank."""
+    if any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride())):
+        t = t[tuple(slice(0, 1) if st == 0 else slice(None) for st in t.stride())]
+    overlap = torch._debug_has_internal_overlap(t)  # 0 no, 1 yes, 2 cannot tell from the strides
+    if overlap == 2 and t.numel() > 1:
+        where = torch.arange(t.storage_offset() + 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())))
+        overlap = int(where.as_strided(t.shape, t.stride(), t.storage_offset()).unique().numel() != t.numel())
+    if overlap == 1:
+        raise RuntimeError(f"ringd: the tensor's elements overlap in memory (shape {tuple(t.shape)}, strides "
+                           f"{t.stride()}): an allreduce of it has no defined result; reduce a clone()")
+    return t
+
+
 class _SlotSpace:
     """First-fit ranges of the slot, 64-byte aligned."""
 
@@ -155,12 +178,14 @@ class _Engine:
     which polls ringd_fd and tests the tickets in flight; futures are completed (and their
     callbacks run) on a third thread, so a callback may submit again."""
 
-    def __init__(self, group, local_rank, local_size, slot_bytes, socket, timeout, hosts=None):
+    def __init__(self, group, local_rank, local_size, slot_bytes, socket, timeout, hosts=None, max_chunk=None):
         self.client = _ringd.Client(group, local_rank, local_size, slot_bytes, socket, hosts=hosts)
         self.group = group
         self.timeout = timeout
         self.slot = torch.frombuffer(self.client.slot, dtype=torch.uint8)
-        self.max_chunk = max(_ALIGN, self.client.slot_bytes // 4 // _ALIGN * _ALIGN)
+        # The most bytes of one ringd op: the group's ranks split a tensor the same way whatever
+        # their slots (the smallest rank's, ProcessGroupRingd), a quarter of it (several in flight).
+        self.max_chunk = max_chunk or _chunk_bytes(self.client.slot_bytes)
         self.lock = threading.Lock()  # the client, the slot's ranges, the ops in flight
         self.room = threading.Condition(self.lock)  # a range or a ticket came free, an op was submitted
         self.submitting = threading.Lock()  # one op's chunks go out together
@@ -220,11 +245,12 @@ class _Engine:
     def allreduce(self, tensor, op):
         """Allreduce `tensor` in place; returns a torch Future of [tensor]."""
         dtype = _DTYPES[tensor.dtype]
-        tensor = tensor.detach()  # ringd's result is not part of any graph (as with every backend)
+        given = tensor.detach()  # ringd's result is not part of any graph (as with every backend)
+        tensor = _distinct_elements(given)  # each memory location once (expanded tensors)
         contiguous = tensor.is_contiguous()
         flat = tensor.view(-1) if contiguous else tensor.contiguous().view(-1)
         fut = torch.futures.Future()
-        rec = _Op(tensor, flat, not contiguous, fut, [tensor])
+        rec = _Op(tensor, flat, not contiguous, fut, [given])
         esize = tensor.element_size()
         total = flat.numel()
         per_chunk = max(1, self.max_chunk // esize)
@@ -294,19 +320,31 @@ class _Engine:
             # A tensor of its own over the range (storage offset 0): DDP takes views of the result
             # with as_strided at offsets from the start of its storage.
             view = torch.frombuffer(self.client.slot[off:off + nbytes], dtype=buffer.dtype).view(buffer.shape)
+            fut = torch.futures.Future()
+            rec = _Op(view, None, False, fut, view)
+            rec.resident = res
+            # The same ops as the copying path: max_chunk bytes each (see __init__).
+            esize, total = buffer.element_size(), buffer.numel()
+            per_chunk, start = max(1, self.max_chunk // esize), 0
             try:
                 view.copy_(buffer)
-                fut = torch.futures.Future()
-                rec = _Op(view, None, False, fut, view)
-                rec.resident = res
+                while start < total:
+                    n = min(per_chunk, total - start)
+                    with self.lock:
+                        ticket = self._submit_locked(off + start * esize, n, _DTYPES[buffer.dtype], op)
+                        rec.chunks_left += 1
+                        rec.submitted_all = start + n >= total
+                        self._track(ticket, (rec, None, None, None))
+                    start += n
+            except BaseException as e:
                 with self.lock:
-                    ticket = self._submit_locked(off, buffer.numel(), _DTYPES[buffer.dtype], op)
-                    rec.chunks_left = 1
                     rec.submitted_all = True
-                    self._track(ticket, (rec, None, None, None))
-            except BaseException:
-                with self.lock:
-                    res.busy = False
+                    rec.error = rec.error or str(e)
+                    if start > 0:
+                        self.dead = (f"ringd: an op of group {self.group} was only partly submitted ({e}); "
+                                     "this process group cannot be used any more: restart the job")
+                    if rec.chunks_left == 0:
+                        res.busy = False
                 raise
         return fut
 
@@ -368,10 +406,10 @@ class _Engine:
                     with self.lock:
                         if rng is not None:
                             self.space.release(*rng)
-                        if rec.resident is not None:
-                            rec.resident.busy = False  # its result stays until the bucket's next step
                         rec.chunks_left -= 1
                         finished = rec.chunks_left == 0 and rec.submitted_all
+                        if finished and rec.resident is not None:
+                            rec.resident.busy = False  # its result stays until the bucket's next step
                         self.room.notify_all()
                     if finished:
                         with self.finish_ready:
@@ -446,16 +484,19 @@ def _local_address_toward(host):
 
 
 def _gloo_group(store, rank, size, timeout):
+    """The internal Gloo group. Its interface: GLOO_SOCKET_IFNAME's when set; else the one on the
+    route to MASTER_ADDR (torchrun, env://); else Gloo's own default (the address the host name
+    resolves to, or loopback), as init_process_group("gloo") finds it for tcp:// and file://."""
+    prefixed = dist.PrefixStore("ringd-gloo/", store)
+    addr = ""
+    if not os.environ.get("GLOO_SOCKET_IFNAME") and os.environ.get("MASTER_ADDR"):
+        addr = _local_address_toward(os.environ["MASTER_ADDR"])
+    if not addr:
+        return dist.ProcessGroupGloo(prefixed, rank, size, timeout)
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = timeout
-    iface = os.environ.get("GLOO_SOCKET_IFNAME")
-    if iface:
-        opts._devices = [dist.ProcessGroupGloo.create_device(interface=iface)]
-    else:
-        addr = _local_address_toward(os.environ.get("MASTER_ADDR", "")) if os.environ.get("MASTER_ADDR") else ""
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=addr) if addr
-                         else dist.ProcessGroupGloo.create_device()]
-    return dist.ProcessGroupGloo(dist.PrefixStore("ringd-gloo/", store), rank, size, opts)
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=addr)]
+    return dist.ProcessGroupGloo(prefixed, rank, size, opts)
 
 
 class ProcessGroupRingd(ProcessGroup):
@@ -475,12 +516,16 @@ class ProcessGroupRingd(ProcessGroup):
         # The ringd group of this process group spans the hosts of its ranks: each rank says
         # which ringd host it is on (through the group's own store, so new_group's ranks only),
         # and its trainers on a host are that group's local ranks there, in LOCAL_RANK order.
+        # Each rank's slot size too: a tensor larger than one op is split the same way on every
+        # rank (by the smallest slot of the group), whatever RINGD_SLOT_BYTES or memory.slot_bytes
+        # each has, or the ranks' ops would not pair.
         me = (st.get("host", ""), _env_int("LOCAL_RANK", 0))
-        store.set(f"ringd/member/{rank}", f"{me[0]}:{me[1]}")
-        members = []
+        store.set(f"ringd/member/{rank}", f"{me[0]}:{me[1]}:{slot_bytes}")
+        members, smallest_slot = [], slot_bytes
         for r in range(size):
-            host, local = store.get(f"ringd/member/{r}").decode().rsplit(":", 1)
+            host, local, slot = store.get(f"ringd/member/{r}").decode().rsplit(":", 2)
             members.append((host, int(local), r))
+            smallest_slot = min(smallest_slot, int(slot))
         on_my_host = sorted(m for m in members if m[0] == me[0])
         local_rank = [m[2] for m in on_my_host].index(rank)
         local_size = len(on_my_host)
@@ -499,7 +544,8 @@ class ProcessGroupRingd(ProcessGroup):
             # Every host of the ring: no list (the same group, and what older ringds understand);
             # part of it: those hosts, a group of ringd's over part of the ring.
             self._engine = _Engine(group, local_rank, local_size, slot_bytes, socket, timeout,
-                                   hosts=None if set(hosts) == set(ring_hosts) else ",".join(hosts))
+                                   hosts=None if set(hosts) == set(ring_hosts) else ",".join(hosts),
+                                   max_chunk=_chunk_bytes(smallest_slot))
         except _ringd.RingdError as e:
             raise RuntimeError(f"ringd: {e}") from None
         weakref.finalize(self, _Engine.close, self._engine)
@@ -578,8 +624,16 @@ class ProcessGroupRingd(ProcessGroup):
     def allgather(self, *args, **kwargs):
         return self._gloo.allgather(*args, **kwargs)
 
-    def _allgather_base(self, *args, **kwargs):
-        return self._gloo._allgather_base(*args, **kwargs)
+    def _allgather_base(self, output, input, opts=None):
+        """all_gather_into_tensor: Gloo's allgather into the output's n parts (torch 1.13's Gloo
+        has no _allgather_base)."""
+        n = self.size()
+        if output.numel() != input.numel() * n or output.dtype != input.dtype or not output.is_contiguous():
+            raise RuntimeError(f"ringd: all_gather_into_tensor needs a contiguous output of {n} x the input's "
+                               f"{input.numel()} {input.dtype} elements, not {output.numel()} {output.dtype} "
+                               f"({'contiguous' if output.is_contiguous() else 'not contiguous'})")
+        parts = list(output.view(-1).view(n, -1).unbind(0))
+        return self._gloo.allgather([[p.view(input.shape) for p in parts]], [input])
 
     def allgather_coalesced(self, *args, **kwargs):
         return self._gloo.allgather_coalesced(*args, **kwargs)
@@ -593,11 +647,37 @@ class ProcessGroupRingd(ProcessGroup):
     def reduce(self, *args, **kwargs):
         return self._gloo.reduce(*args, **kwargs)
 
-    def reduce_scatter(self, *args, **kwargs):
-        return self._gloo.reduce_scatter(*args, **kwargs)
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        """reduce_scatter (torch 1.13's Gloo has none): an allreduce of the inputs one after the
+        other (through ringd where allreduce goes through ringd), then this rank's part."""
+        n = self.size()
+        if len(output_tensors) != 1 or len(input_tensors) != 1 or len(input_tensors[0]) != n:
+            raise RuntimeError(f"ringd: reduce_scatter takes one output and a list of {n} inputs")
+        out, ins = output_tensors[0], input_tensors[0]
+        if any(t.numel() != out.numel() or t.dtype != out.dtype for t in ins):
+            raise RuntimeError(f"ringd: reduce_scatter's inputs must each have the output's {out.numel()} "
+                               f"{out.dtype} elements")
+        return self._reduce_into(out, torch.cat([t.detach().reshape(-1) for t in ins]), opts, output_tensors)
 
-    def _reduce_scatter_base(self, *args, **kwargs):
-        return self._gloo._reduce_scatter_base(*args, **kwargs)
+    def _reduce_scatter_base(self, output, input, opts=None):
+        """reduce_scatter_tensor: as reduce_scatter, from one input of n x the output's elements."""
+        if input.numel() != output.numel() * self.size() or input.dtype != output.dtype:
+            raise RuntimeError(f"ringd: reduce_scatter_tensor needs an input of {self.size()} x the output's "
+                               f"{output.numel()} {output.dtype} elements, not {input.numel()} {input.dtype}")
+        return self._reduce_into(output, input.detach().reshape(-1).clone(), opts, [output])
+
+    def _reduce_into(self, out, flat, opts, result):
+        all_opts = dist.AllreduceOptions()
+        if opts is not None:
+            all_opts.reduceOp = opts.reduceOp
+        k, r = out.numel(), self.rank()
+
+        def done(f):
+            f.value()  # raises the allreduce's error
+            with torch.no_grad():
+                out.copy_(flat[r * k:(r + 1) * k].view(out.shape))
+            return result
+        return _tw.work(self.allreduce([flat], all_opts).get_future().then(done), result)
 
     def alltoall(self, *args, **kwargs):
         return self._gloo.alltoall(*args, **kwargs)
