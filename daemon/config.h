@@ -25,9 +25,11 @@ struct Config {
     std::string transport = "tcp";
     struct Tcp {
         uint32_t streams = 2;
-        // The data streams' TCP congestion control (TCP_CONGESTION), or "system": the kernel's
-        // default (net.ipv4.tcp_congestion_control). congestion_set: given in the file.
-        std::string congestion = "cubic";
+        // The data streams' TCP congestion control (TCP_CONGESTION); "auto": cubic where ringd
+        // may set it, else reno (the kernel lets anyone set it), never a pacing one by default;
+        // "system": the kernel's default (net.ipv4.tcp_congestion_control). congestion_set:
+        // given in the file.
+        std::string congestion = "auto";
         bool congestion_set = false;
         // Each stream's SO_SNDBUF and SO_RCVBUF; 0 ("auto"): the kernel sizes them as the
         // connection goes (net.ipv4.tcp_wmem / tcp_rmem), which setting them turns off.

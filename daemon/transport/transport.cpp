@@ -31,6 +31,16 @@ void Transport::deregister_region(RegionHandle h) {
 Result<std::unique_ptr<NetworkTransport>> make_transport(const Config &config) {
     if (config.transport == "tcp") {
         std::string cc = config.tcp.congestion == "system" ? "" : config.tcp.congestion;
+        std::string note;
+        if (cc == "auto") {
+            // Not the kernel's default, which may pace (BBR): cubic, or reno where cubic may not be set.
+            auto pick = TcpTransport::pick_congestion();
+            cc = pick.name;
+            if (!pick.why.empty()) {
+                note = " (tcp.congestion: auto; not cubic: not allowed here)";
+                spdlog::info("tcp.congestion: auto: reno, the unpaced one this ringd may set ({})", pick.why);
+            }
+        }
         if (!cc.empty()) {
             if (auto s = TcpTransport::check_congestion(cc); !s) {
                 if (config.tcp.congestion_set)
@@ -44,8 +54,10 @@ Result<std::unique_ptr<NetworkTransport>> make_transport(const Config &config) {
         if (config.tcp.socket_buffer)
             if (const auto why = TcpTransport::socket_buffer_cap(config.tcp.socket_buffer); !why.empty())
                 spdlog::warn("tcp.socket_buffer ({} bytes): {}", config.tcp.socket_buffer, why);
-        return std::unique_ptr<NetworkTransport>(std::make_unique<TcpTransport>(std::move(cc), config.data_mac && !config.secret_file.empty(),
-                                                                                  config.tcp.socket_buffer, config.tcp.zero_copy));
+        auto t = std::make_unique<TcpTransport>(std::move(cc), config.data_mac && !config.secret_file.empty(),
+                                                config.tcp.socket_buffer, config.tcp.zero_copy);
+        t->set_congestion_note(std::move(note));
+        return std::unique_ptr<NetworkTransport>(std::move(t));
     }
 #ifdef RINGD_HAVE_IBVERBS
     if (config.transport == "ibverbs") {

@@ -171,6 +171,14 @@ TEST_CASE("the unit runs ringd as its own user without capabilities; a 2-host ri
         INFO("host " << h);
         CHECK_THAT(proc_status(c.d[h]->pid(), "Uid"), Catch::StartsWith("\t65534\t65534"));
         CHECK(proc_status(c.d[h]->pid(), "CapEff") == "\t0000000000000000");
+        if (transport.empty()) {
+            // tcp.congestion: auto without CAP_NET_ADMIN: cubic only where the kernel allows it to
+            // anyone, else reno; never the kernel's default (BBR's pacing on this machine).
+            const bool cubic_allowed = (" " + read_file("/proc/sys/net/ipv4/tcp_allowed_congestion_control")).find(" cubic") !=
+                                       std::string::npos;
+            CHECK_THAT(c.status(h)["transport_detail"].get<std::string>(),
+                       Catch::StartsWith(cubic_allowed ? "congestion control cubic," : "congestion control reno (tcp.congestion: auto"));
+        }
         CHECK(c.status(h)["ring"]["auth"] == (transport.empty() ? "hmac-sha256; control frames MACed, data not (auth.data: none)"
                                                                 : "hmac-sha256; control frames MACed (RDMA data: not)"));
     }

@@ -25,7 +25,7 @@ TEST_CASE("a minimal config gets the documented defaults", "[config]") {
     CHECK(c->cluster == "c");
     CHECK(c->transport == "tcp");
     CHECK(c->tcp.streams == 2);
-    CHECK(c->tcp.congestion == "cubic");
+    CHECK(c->tcp.congestion == "auto");
     CHECK_FALSE(c->tcp.congestion_set);
     CHECK(c->socket == "/run/ringd/ringd.sock");
     CHECK(c->memory.slot_bytes == 256ull << 20);

@@ -41,7 +41,7 @@ TcpTransport::TcpTransport(std::string congestion, bool data_mac, uint64_t socke
 
 std::string TcpTransport::detail() const {
     const std::string mac = std::string(data_mac_ ? ", auth.data: mac" : "") + (zero_copy_ ? ", zero-copy sends" : "");
-    if (!congestion_.empty()) return "congestion control " + congestion_ + mac;
+    if (!congestion_.empty()) return "congestion control " + congestion_ + congestion_note_ + mac;
     const std::string sys = read_sysctl("/proc/sys/net/ipv4/tcp_congestion_control");
     return "congestion control: the system's" + (sys.empty() ? std::string() : " (" + sys + ")") + mac;
 }
@@ -61,6 +61,12 @@ Status TcpTransport::check_congestion(const std::string &name) {
                                   "net.ipv4.tcp_allowed_congestion_control (now: " +
                                   read_sysctl("/proc/sys/net/ipv4/tcp_allowed_congestion_control") + ")");
     return make_error(-e, "TCP congestion control '" + name + "': " + errno_string(e));
+}
+
+TcpTransport::Pick TcpTransport::pick_congestion() {
+    auto cubic = check_congestion("cubic");
+    if (cubic) return {"cubic", ""};
+    return {"reno", cubic.error().message};
 }
 
 std::string TcpTransport::socket_buffer_cap(uint64_t bytes) {

@@ -23,7 +23,8 @@
 // (daemon/transport/frame_mac.h) under its stream's keys from the handshake, made when the send is
 // posted and checked when the payload is in; a message that fails fails the link.
 //
-// Each stream gets the configured TCP congestion control (tcp.congestion, default cubic), from
+// Each stream gets the configured TCP congestion control (tcp.congestion, default auto: cubic,
+// or reno where the kernel does not let ringd set cubic: pick_congestion), from
 // before it connects (prepare_socket, called by the control plane; see there why): a ring
 // is a chain of flows that wait on one another, and a congestion control that keeps the queue at
 // the bottleneck nearly empty (BBR's pacing and its periodic ProbeRTT drain) lets every short
@@ -128,6 +129,15 @@ public:
     // Whether this process may give a TCP socket the congestion control `name` (it exists in the
     // kernel, and is allowed or the process has CAP_NET_ADMIN); the error says which and how to fix it.
     static Status check_congestion(const std::string &name);
+    // tcp.congestion: auto: cubic when this process may set it, else reno (loss-based and unpaced
+    // like cubic, and the kernel lets any process set it); `why` says why cubic was not taken.
+    struct Pick {
+        std::string name;
+        std::string why;  // "" when cubic
+    };
+    static Pick pick_congestion();
+    // Said in detail() after the congestion control's name (how auto chose it).
+    void set_congestion_note(std::string note) { congestion_note_ = std::move(note); }
     // What the kernel makes of a fixed socket buffer of `bytes`: empty when it grants it, else
     // why it cuts it (net.core.wmem_max / rmem_max below it) and what to do.
     static std::string socket_buffer_cap(uint64_t bytes);
@@ -135,8 +145,9 @@ public:
     static std::string congestion_of(int fd);
     // TCP posts read only the RegionHandle's address: any TcpTransport takes any other's handles.
     Result<std::unique_ptr<NetworkTransport>> sibling() override {
-        return std::unique_ptr<NetworkTransport>(
-            std::make_unique<TcpTransport>(congestion_, data_mac_, socket_buffer_, zero_copy_));
+        auto t = std::make_unique<TcpTransport>(congestion_, data_mac_, socket_buffer_, zero_copy_);
+        t->set_congestion_note(congestion_note_);
+        return std::unique_ptr<NetworkTransport>(std::move(t));
     }
 
     // Takes over connected sockets to `peer` as one link (>= 1 stream). They are made
@@ -166,6 +177,7 @@ private:
 
     UniqueFd epoll_;
     std::string congestion_;
+    std::string congestion_note_;
     bool data_mac_ = false;
     int socket_buffer_ = 0;
     bool zero_copy_ = true;
