@@ -65,6 +65,13 @@ _DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.float16: "f
            torch.bfloat16: "bfloat16", torch.int32: "int32", torch.int64: "int64"}
 _ALIGN = 64
 _POLL_MS = 200  # the completion thread looks at least this often (ringd's contract deadlines)
+# The bytes of a group's ops in flight at once (at least one op): enough for the next op to be in
+# the slot when the ring finishes one, not so much that every rank copies all its buckets into
+# its slot at once and takes the CPUs from the ring (bench/ddp --allreduce-only --timeline).
+_WINDOW_BYTES = 64 << 20
+# A tensor's first ringd op: the ring starts once every local rank has copied this much, not the
+# whole bucket (8 ranks copying 25 MiB each at once on 2 cores held it back ~30 ms).
+_FIRST_CHUNK_BYTES = 4 << 20
 
 
 def _op_name(op):
@@ -102,6 +109,19 @@ def _chunk_bytes(slot_bytes):
     """The largest ringd op of a group whose smallest slot is `slot_bytes`: a quarter of it, so that
     several ops are in flight at once (DDP's buckets), 64-byte aligned."""
     return max(_ALIGN, slot_bytes // 4 // _ALIGN * _ALIGN)
+
+
+def _chunks(count, esize, max_chunk):
+    """The element counts of the ringd ops of a tensor of `count` elements (the same on every
+    rank: a function of the count and the group's max_chunk): the first one small, so that the
+    ring starts after a short copy, each next one twice as big, up to max_chunk bytes."""
+    first = _FIRST_CHUNK_BYTES
+    n = max(1, min(first, max_chunk) // esize)
+    while count > 0:
+        take = min(n, count)
+        yield take
+        count -= take
+        n = max(1, min(n * 2 * esize, max_chunk) // esize)
 
 
 def _distinct_elements(t):
@@ -152,15 +172,18 @@ class _SlotSpace:
 
 
 class _Op:
-    """One tensor's allreduce: one or more chunks, each a ringd op over its own slot range."""
+    """One tensor's allreduce: chunks of at most max_chunk bytes, each a ringd op over a range of
+    the slot (its own, or the comm hook's kept range)."""
 
-    def __init__(self, tensor, flat, copy_back, future, result):
+    def __init__(self, tensor, flat, copy_back, future, result, op, dtype):
         self.tensor, self.flat, self.copy_back = tensor, flat, copy_back
         self.future, self.result = future, result
-        self.chunks_left = 0
+        self.op, self.dtype = op, dtype
+        self.chunks_left = 0  # submitted and not yet completed
         self.error = None
         self.submitted_all = False
         self.resident = None  # the comm hook's range record, busy until the op ends
+        self.view = None  # the resident op's whole range (its input is copied there)
 
 
 class _Resident:
@@ -173,10 +196,13 @@ class _Resident:
 
 
 class _Engine:
-    """The process's ringd client for one process group: submits from any thread (one op at a
-    time: its chunks are consecutive ringd ops on every rank), completes from its own thread,
-    which polls ringd_fd and tests the tickets in flight; futures are completed (and their
-    callbacks run) on a third thread, so a callback may submit again."""
+    """The process's ringd client for one process group. allreduce() (any thread) queues the op
+    and returns its future at once; a submitting thread copies each op's chunks into the slot and
+    submits them, in the order they were queued (the same on every rank), while at most
+    `window` bytes are in flight, so that the copies are spread over the ring's work instead of
+    all taking the CPUs at once; a completing thread polls ringd_fd, tests the tickets in flight
+    and copies results back; futures are completed (and their callbacks run) on a fourth thread,
+    so a callback may submit again."""
 
     def __init__(self, group, local_rank, local_size, slot_bytes, socket, timeout, hosts=None, max_chunk=None):
         self.client = _ringd.Client(group, local_rank, local_size, slot_bytes, socket, hosts=hosts)
@@ -186,11 +212,13 @@ class _Engine:
         # The most bytes of one ringd op: the group's ranks split a tensor the same way whatever
         # their slots (the smallest rank's, ProcessGroupRingd), a quarter of it (several in flight).
         self.max_chunk = max_chunk or _chunk_bytes(self.client.slot_bytes)
-        self.lock = threading.Lock()  # the client, the slot's ranges, the ops in flight
-        self.room = threading.Condition(self.lock)  # a range or a ticket came free, an op was submitted
-        self.submitting = threading.Lock()  # one op's chunks go out together
+        self.window = max(self.max_chunk, _WINDOW_BYTES)
+        self.lock = threading.Lock()  # the client, the slot's ranges, the queue, the ops in flight
+        self.room = threading.Condition(self.lock)  # a range, a ticket or window came free; an op was queued
         self.space = _SlotSpace(self.client.slot_bytes)
-        self.inflight = collections.OrderedDict()  # ticket -> (op, flat slice, slot view, (off, n))
+        self.pending = collections.deque()  # ops queued, not yet wholly submitted (the first one in progress)
+        self.inflight = collections.OrderedDict()  # ticket -> (op, flat slice, slot view, (off, n), bytes)
+        self.inflight_bytes = 0
         self.resident = {}  # comm hook: (bucket buffer's address, bytes, dtype) -> _Resident
         self.resident_bytes = 0
         self.hook_calls = 0
@@ -199,33 +227,174 @@ class _Engine:
         self.fd = self.client.fileno()
         self.finished = collections.deque()
         self.finish_ready = threading.Condition(threading.Lock())
-        self.thread = threading.Thread(target=self._complete_loop, name=f"ringd-{group}", daemon=True)
-        self.finisher = threading.Thread(target=self._finish_loop, name=f"ringd-{group}-done", daemon=True)
-        self.thread.start()
-        self.finisher.start()
+        self.threads = [threading.Thread(target=self._submit_loop, name=f"ringd-{group}-in", daemon=True),
+                        threading.Thread(target=self._complete_loop, name=f"ringd-{group}", daemon=True),
+                        threading.Thread(target=self._finish_loop, name=f"ringd-{group}-done", daemon=True)]
+        for t in self.threads:
+            t.start()
 
-    # -- submission (any thread) --
+    # -- queueing (any thread) --
 
-    def _deadline(self):
-        return datetime.datetime.now() + self.timeout
+    def allreduce(self, tensor, op):
+        """Allreduce `tensor` in place; returns a torch Future of [tensor]. The tensor must stay
+        as it is until the future completes (as with every backend's async ops)."""
+        dtype = _DTYPES[tensor.dtype]
+        given = tensor.detach()  # ringd's result is not part of any graph (as with every backend)
+        tensor = _distinct_elements(given)  # each memory location once (expanded tensors)
+        contiguous = tensor.is_contiguous()
+        flat = tensor.view(-1) if contiguous else tensor.contiguous().view(-1)
+        fut = torch.futures.Future()
+        rec = _Op(tensor, flat, not contiguous, fut, [given], op, dtype)
+        if flat.numel() == 0:
+            fut.set_result([given])
+            return fut
+        self._queue(rec)
+        return fut
 
-    def _alloc(self, nbytes):
-        """A slot range, waiting for earlier ops to give theirs back (within the timeout)."""
-        end = self._deadline()
-        while True:
+    def allreduce_resident(self, buffer, op):
+        """The comm hook's path: the bucket (DDP's buffer, the same storage every step) has its
+        own slot range from one step to the next, and the result is that range itself (no copy
+        back: DDP copies out of it before the bucket's next step). None: the copying path (the
+        range is still busy, or the ranges kept would pass half the slot). Its ringd ops are
+        those of the copying path (max_chunk bytes each), so either path pairs with the other."""
+        nbytes = buffer.numel() * buffer.element_size()
+        key = (buffer.data_ptr(), nbytes, buffer.dtype)
+        with self.lock:
+            self.hook_calls += 1
+            res = self.resident.get(key)
+            if res is None:
+                self._evict_stale()
+                if self.resident_bytes + nbytes > self.client.slot_bytes // 2:
+                    return None
+                rng = self.space.alloc(nbytes)
+                if rng is None:
+                    return None
+                res = self.resident[key] = _Resident(rng)
+                self.resident_bytes += rng[1]
+            if res.busy:
+                return None
+            res.busy = True
+            res.last_use = self.hook_calls
+        off = res.rng[0]
+        # A tensor of its own over the range (storage offset 0): DDP takes views of the result
+        # with as_strided at offsets from the start of its storage.
+        view = torch.frombuffer(self.client.slot[off:off + nbytes], dtype=buffer.dtype).view(buffer.shape)
+        fut = torch.futures.Future()
+        rec = _Op(view, buffer.detach().view(-1), False, fut, view, op, _DTYPES[buffer.dtype])
+        rec.resident, rec.view = res, view.view(-1)
+        try:
+            self._queue(rec)
+        except BaseException:
+            with self.lock:
+                res.busy = False
+            raise
+        return fut
+
+    def _queue(self, rec):
+        with self.lock:
             if self.dead:
                 raise RuntimeError(self.dead)
-            got = self.space.alloc(nbytes)
-            if got:
-                return got
+            self.pending.append(rec)
+            self.room.notify_all()
+
+    def _evict_stale(self):
+        """Ranges of buckets DDP no longer has (it rebuilds them after the first step): unused for
+        many hook calls and not busy. Their last result was consumed long ago."""
+        horizon = max(16, 4 * len(self.resident))
+        for key, res in list(self.resident.items()):
+            if not res.busy and self.hook_calls - res.last_use > horizon:
+                self.space.release(*res.rng)
+                self.resident_bytes -= res.rng[1]
+                del self.resident[key]
+
+    # -- submission (its own thread) --
+
+    def _wait_locked(self, ready, what):
+        """Waits (holding the lock, on `room`) until ready() or the group is dead, within the
+        process group's timeout."""
+        end = datetime.datetime.now() + self.timeout
+        while not self.dead and not ready():
             left = (end - datetime.datetime.now()).total_seconds()
             if left <= 0:
-                raise RuntimeError(f"ringd: no room for {nbytes} bytes in the {self.client.slot_bytes}-byte slot "
-                                   f"within {self.timeout} (set RINGD_SLOT_BYTES higher)")
+                raise RuntimeError(what)
             self.room.wait(min(left, 1.0))
+        if self.dead:
+            raise RuntimeError(self.dead)
+
+    def _submit_loop(self):
+        while True:
+            with self.lock:
+                while not self.pending and not self.closed:
+                    self.room.wait(1.0)
+                if self.closed:
+                    return
+                rec = self.pending[0]
+            self._submit(rec)
+            with self.lock:
+                self.pending.popleft()
+                self.room.notify_all()
+
+    def _submit(self, rec):
+        esize, total = rec.flat.element_size(), rec.flat.numel()
+        start = 0
+        try:
+            for n in _chunks(total, esize, self.max_chunk):
+                nbytes = n * esize
+                rng = None
+                with self.lock:
+                    self._wait_locked(lambda: not self.inflight_bytes or self.inflight_bytes + nbytes <= self.window,
+                                      f"ringd: the ops in flight did not end within {self.timeout}")
+                    if rec.resident is None:
+                        rng = self._alloc_locked(nbytes)
+                part = rec.flat[start:start + n]
+                try:
+                    if rec.resident is None:
+                        view = self.slot[rng[0]:rng[0] + nbytes].view(rec.flat.dtype)
+                        offset = rng[0]
+                    else:
+                        view = rec.view[start:start + n]
+                        offset = rec.resident.rng[0] + start * esize
+                    with torch.no_grad():
+                        view.copy_(part)
+                    with self.lock:
+                        ticket = self._submit_locked(offset, n, rec.dtype, rec.op)
+                        rec.chunks_left += 1
+                        rec.submitted_all = start + n >= total
+                        self.inflight_bytes += nbytes
+                        self.inflight[ticket] = (rec, part if rec.resident is None else None, view, rng, nbytes)
+                        self.room.notify_all()  # the completion thread waits for work when nothing is in flight
+                except BaseException:
+                    if rng is not None:
+                        with self.lock:
+                            self.space.release(*rng)
+                    raise
+                start += n
+        except BaseException as e:
+            with self.lock:
+                self.room.notify_all()
+                rec.submitted_all = True
+                rec.error = rec.error or str(e)
+                if start > 0 and not self.dead:
+                    # Part of the op went out: this rank's ops would pair with the others' next
+                    # chunks from now on. The group is unusable.
+                    self.dead = (f"ringd: an op of group {self.group} was only partly submitted ({e}); "
+                                 "this process group cannot be used any more: restart the job")
+                done = rec.chunks_left == 0
+                if done and rec.resident is not None:
+                    rec.resident.busy = False
+            if done:
+                self._finish(rec)
+
+    def _alloc_locked(self, nbytes):
+        """A slot range, waiting for earlier ops to give theirs back (within the timeout)."""
+        got = []
+        self._wait_locked(lambda: got.append(self.space.alloc(nbytes)) or got[-1] is not None,
+                          f"ringd: no room for {nbytes} bytes in the {self.client.slot_bytes}-byte slot "
+                          f"within {self.timeout} (set RINGD_SLOT_BYTES higher)")
+        return got[-1]
 
     def _submit_locked(self, offset, count, dtype, op):
-        end = self._deadline()
+        end = datetime.datetime.now() + self.timeout
         while True:
             if self.dead:
                 raise RuntimeError(self.dead)
@@ -237,126 +406,6 @@ class _Engine:
             if datetime.datetime.now() >= end:
                 raise RuntimeError(f"ringd: too many ops in flight for {self.timeout}")
             self.room.wait(0.05)
-
-    def _track(self, ticket, entry):
-        self.inflight[ticket] = entry
-        self.room.notify_all()  # the completion thread waits for work when nothing is in flight
-
-    def allreduce(self, tensor, op):
-        """Allreduce `tensor` in place; returns a torch Future of [tensor]."""
-        dtype = _DTYPES[tensor.dtype]
-        given = tensor.detach()  # ringd's result is not part of any graph (as with every backend)
-        tensor = _distinct_elements(given)  # each memory location once (expanded tensors)
-        contiguous = tensor.is_contiguous()
-        flat = tensor.view(-1) if contiguous else tensor.contiguous().view(-1)
-        fut = torch.futures.Future()
-        rec = _Op(tensor, flat, not contiguous, fut, [given])
-        esize = tensor.element_size()
-        total = flat.numel()
-        per_chunk = max(1, self.max_chunk // esize)
-        if total == 0:
-            fut.set_result([tensor])
-            return fut
-        with self.submitting, torch.no_grad():
-            start = 0
-            while start < total:
-                n = min(per_chunk, total - start)
-                part = flat[start:start + n]
-                rng = None
-                try:
-                    with self.lock:
-                        rng = self._alloc(n * esize)
-                    view = self.slot[rng[0]:rng[0] + n * esize].view(tensor.dtype)
-                    view.copy_(part)
-                    with self.lock:
-                        ticket = self._submit_locked(rng[0], n, dtype, op)
-                        rec.chunks_left += 1
-                        rec.submitted_all = start + n >= total
-                        self._track(ticket, (rec, part, view, rng))
-                except BaseException as e:
-                    with self.lock:
-                        if rng is not None:
-                            self.space.release(*rng)
-                        self.room.notify_all()
-                        rec.submitted_all = True
-                        rec.error = rec.error or str(e)
-                        if start > 0:
-                            # Part of the op went out: this rank's ops would pair with the
-                            # others' next chunks from now on. The group is unusable.
-                            self.dead = (f"ringd: an op of group {self.group} was only partly submitted ({e}); "
-                                         "this process group cannot be used any more: restart the job")
-                        done = rec.chunks_left == 0
-                    if done:
-                        _tw.set_error(fut, rec.error)
-                    raise
-                start += n
-        return fut
-
-    def allreduce_resident(self, buffer, op):
-        """The comm hook's path: the bucket (DDP's buffer, the same storage every step) has its
-        own slot range from one step to the next, and the result is that range itself (no copy
-        back: DDP copies out of it before the bucket's next step). None: the copying path (the
-        range is still busy, or the ranges kept would pass half the slot)."""
-        nbytes = buffer.numel() * buffer.element_size()
-        key = (buffer.data_ptr(), nbytes, buffer.dtype)
-        with self.submitting, torch.no_grad():
-            with self.lock:
-                self.hook_calls += 1
-                res = self.resident.get(key)
-                if res is None:
-                    self._evict_stale()
-                    if self.resident_bytes + nbytes > self.client.slot_bytes // 2:
-                        return None
-                    rng = self.space.alloc(nbytes)
-                    if rng is None:
-                        return None
-                    res = self.resident[key] = _Resident(rng)
-                    self.resident_bytes += rng[1]
-                if res.busy:
-                    return None
-                res.busy = True
-                res.last_use = self.hook_calls
-            off = res.rng[0]
-            # A tensor of its own over the range (storage offset 0): DDP takes views of the result
-            # with as_strided at offsets from the start of its storage.
-            view = torch.frombuffer(self.client.slot[off:off + nbytes], dtype=buffer.dtype).view(buffer.shape)
-            fut = torch.futures.Future()
-            rec = _Op(view, None, False, fut, view)
-            rec.resident = res
-            # The same ops as the copying path: max_chunk bytes each (see __init__).
-            esize, total = buffer.element_size(), buffer.numel()
-            per_chunk, start = max(1, self.max_chunk // esize), 0
-            try:
-                view.copy_(buffer)
-                while start < total:
-                    n = min(per_chunk, total - start)
-                    with self.lock:
-                        ticket = self._submit_locked(off + start * esize, n, _DTYPES[buffer.dtype], op)
-                        rec.chunks_left += 1
-                        rec.submitted_all = start + n >= total
-                        self._track(ticket, (rec, None, None, None))
-                    start += n
-            except BaseException as e:
-                with self.lock:
-                    rec.submitted_all = True
-                    rec.error = rec.error or str(e)
-                    if start > 0:
-                        self.dead = (f"ringd: an op of group {self.group} was only partly submitted ({e}); "
-                                     "this process group cannot be used any more: restart the job")
-                    if rec.chunks_left == 0:
-                        res.busy = False
-                raise
-        return fut
-
-    def _evict_stale(self):
-        """Ranges of buckets DDP no longer has (it rebuilds them after the first step): unused for
-        many hook calls and not busy. Their last result was consumed long ago."""
-        horizon = max(16, 4 * len(self.resident))
-        for key, res in list(self.resident.items()):
-            if not res.busy and self.hook_calls - res.last_use > horizon:
-                self.space.release(*res.rng)
-                self.resident_bytes -= res.rng[1]
-                del self.resident[key]
 
     # -- completion (its own thread) --
 
@@ -394,7 +443,7 @@ class _Engine:
                         done.append((self.inflight.pop(ticket), err))
                 if not done:
                     break
-                for (rec, part, view, rng), err in done:
+                for (rec, part, view, rng, nbytes), err in done:
                     try:
                         if err is None and part is not None:
                             with torch.no_grad():
@@ -406,15 +455,19 @@ class _Engine:
                     with self.lock:
                         if rng is not None:
                             self.space.release(*rng)
+                        self.inflight_bytes -= nbytes
                         rec.chunks_left -= 1
                         finished = rec.chunks_left == 0 and rec.submitted_all
                         if finished and rec.resident is not None:
                             rec.resident.busy = False  # its result stays until the bucket's next step
                         self.room.notify_all()
                     if finished:
-                        with self.finish_ready:
-                            self.finished.append(rec)
-                            self.finish_ready.notify()
+                        self._finish(rec)
+
+    def _finish(self, rec):
+        with self.finish_ready:
+            self.finished.append(rec)
+            self.finish_ready.notify()
 
     def _finish_loop(self):
         while True:
@@ -437,18 +490,19 @@ class _Engine:
                     _tw.set_error(rec.future, f"ringd: completing the op: {e}")
 
     def close(self):
-        """Fails what is in flight, stops the threads, then lets the client (and its slot) go."""
+        """Fails what is queued or in flight, stops the threads, then lets the client (and its
+        slot) go."""
         with self.lock:
             if self.closed:
                 return
             self.dead = self.dead or f"ringd: the process group of group {self.group} was destroyed"
             self.room.notify_all()
-        # The completion thread fails every op in flight (dead), then sleeps; the finisher
-        # completes their futures.
+        # The submitting thread fails the ops queued, the completion thread those in flight
+        # (dead), then they sleep; the finisher completes their futures.
         end = datetime.datetime.now() + datetime.timedelta(seconds=5)
         while datetime.datetime.now() < end:
             with self.lock:
-                if not self.inflight:
+                if not self.inflight and not self.pending:
                     break
             with self.finish_ready:
                 self.finish_ready.wait(0.05)
@@ -460,8 +514,8 @@ class _Engine:
             self.room.notify_all()
         with self.finish_ready:
             self.finish_ready.notify_all()
-        self.thread.join()
-        self.finisher.join()
+        for t in self.threads:
+            t.join()
         del self.slot
         self.resident.clear()
         try:
