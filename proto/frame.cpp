@@ -16,7 +16,7 @@ Error bad(std::string msg) { return make_error(-EPROTO, std::move(msg)); }
 bool peer_type(uint16_t t) { return t >= static_cast<uint16_t>(FrameType::PeerHello); }
 
 bool known_type(uint16_t t) {
-    return (t >= static_cast<uint16_t>(FrameType::Hello) && t <= static_cast<uint16_t>(FrameType::CudaReply)) ||
+    return (t >= static_cast<uint16_t>(FrameType::Hello) && t <= static_cast<uint16_t>(FrameType::HelloShared)) ||
            (t >= static_cast<uint16_t>(FrameType::PeerHello) && t <= static_cast<uint16_t>(FrameType::RingStart));
 }
 
@@ -89,10 +89,24 @@ Bytes encode_hello(const Hello &h) {
     le::put<uint32_t>(&p[4], h.local_size);
     le::put<uint64_t>(&p[8], h.slot_bytes);
     std::memcpy(&p[16], h.group.data(), std::min(h.group.size(), kGroupNameBytes - 1));
-    if (h.hosts.empty()) return encode_frame(FrameType::Hello, p);
-    std::vector<uint8_t> v(p, p + kHelloBytes);
+    if (h.hosts.empty() && h.share_with == 0) return encode_frame(FrameType::Hello, p);
+    std::vector<uint8_t> v;
+    if (h.share_with != 0) {
+        v.resize(4);
+        le::put<uint32_t>(v.data(), h.share_with);
+    }
+    v.insert(v.end(), p, p + kHelloBytes);
     v.insert(v.end(), h.hosts.begin(), h.hosts.begin() + static_cast<std::ptrdiff_t>(std::min(h.hosts.size(), kMaxHelloHostsBytes)));
-    return encode_frame(FrameType::Hello, v);
+    return encode_frame(h.share_with != 0 ? FrameType::HelloShared : FrameType::Hello, v);
+}
+
+Result<Hello> decode_hello_shared(std::span<const uint8_t> p) {
+    if (p.size() < 4) return bad("shared hello has " + std::to_string(p.size()) + " bytes");
+    const uint32_t with = le::get<uint32_t>(p.data());
+    if (with == 0) return make_error(-EINVAL, "shared hello names client 0");
+    auto h = decode_hello(p.subspan(4));
+    if (h) h->share_with = with;
+    return h;
 }
 
 Result<Hello> decode_hello(std::span<const uint8_t> p) {

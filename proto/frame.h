@@ -44,6 +44,8 @@ enum class FrameType : uint16_t {
     CudaRegister = 6,   // client -> daemon, joined: map this device memory (+ 1 fd for a VMM allocation)
     CudaUnregister = 7, // client -> daemon, joined: a registration is no longer needed
     CudaReply = 8,      // daemon -> client: the answer to either (status, registration id)
+    HelloShared = 9,    // client -> daemon: join a group with the slot data area of another client of
+                        // the same process (u32 client id, then a Hello's payload)
     // Between daemons (proto/peer.h).
     PeerHello = 16,      // dialer -> listener: who, for which cluster, which connection, nonce
     PeerChallenge = 17,  // listener -> dialer: its nonce and its proof of the secret
@@ -76,6 +78,9 @@ struct Hello {
     // The group's hosts, comma-separated config names in any order; "" = every host of the ring.
     // On the wire after the fixed part (a hello of exactly kHelloBytes has none).
     std::string hosts;
+    // Non-zero: the client id (its Welcome's) of a joined client of the same process whose slot
+    // data area this one uses too (HelloShared); slot_bytes is then not used.
+    uint32_t share_with = 0;
 };
 inline constexpr size_t kHelloBytes = 16 + kGroupNameBytes;
 inline constexpr size_t kMaxHelloHostsBytes = 3072;
@@ -136,6 +141,8 @@ Result<FrameHeader> decode_frame_header(std::span<const uint8_t> header, uint32_
 // Payloads (encode returns the whole frame, header included).
 Bytes encode_hello(const Hello &h);
 Result<Hello> decode_hello(std::span<const uint8_t> payload);
+// HelloShared's payload: the client id to share with, then a Hello's.
+Result<Hello> decode_hello_shared(std::span<const uint8_t> payload);
 Bytes encode_welcome(const Welcome &w);
 Result<Welcome> decode_welcome(std::span<const uint8_t> payload);
 Bytes encode_error(const ErrorFrame &e);

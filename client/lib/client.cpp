@@ -176,7 +176,7 @@ extern "C" {
 namespace {
 
 ringd_client *connect_client(const char *socket_path, const char *group, int local_rank, int local_size,
-                             size_t slot_bytes, const char *hosts, char *err, size_t err_len) {
+                             size_t slot_bytes, const char *hosts, const ringd_client *share, char *err, size_t err_len) {
     auto report = [&](const std::string &m) -> ringd_client * {
         if (err && err_len) std::snprintf(err, err_len, "%s", m.c_str());
         return nullptr;
@@ -206,8 +206,11 @@ ringd_client *connect_client(const char *socket_path, const char *group, int loc
         if (::connect(c->sock.get(), reinterpret_cast<sockaddr *>(&addr), sizeof addr) != 0)
             return report(std::string("cannot connect to ringd at ") + socket_path + ": " + errno_string(errno) +
                           " (is ringd running?)");
-        proto::Hello hello{group, static_cast<uint32_t>(local_rank), static_cast<uint32_t>(local_size), slot_bytes,
-                           hosts ? hosts : ""};
+        if (share && (share->dead || !share->data_map))
+            return report("share_slot_of: that client is closed or lost its connection to ringd");
+        proto::Hello hello{group, static_cast<uint32_t>(local_rank), static_cast<uint32_t>(local_size),
+                           share ? share->welcome.data_bytes : slot_bytes, hosts ? hosts : "",
+                           share ? share->welcome.client_id : 0};
         // ringd refuses a connection (allow_uids/allow_gids, too many connections) with an error
         // frame and closes at once, so the hello may meet a closed socket (EPIPE) while the
         // reason waits unread: read the reply before reporting the failed send.
@@ -237,17 +240,21 @@ ringd_client *connect_client(const char *socket_path, const char *group, int loc
             return report("slot memfd does not have the announced size");
         auto m = SharedMapping::map(fds[0].get(), w->map_bytes);
         if (!m) return report(m.error().message);
-        c->map = std::move(*m);
+        c->map = std::make_shared<SharedMapping>(std::move(*m));
         c->doorbell = std::move(fds[1]);
         c->completion = std::move(fds[2]);
-        auto geo = proto::slot_geometry(w->data_bytes, w->sq_depth, w->cq_depth);
-        c->header = reinterpret_cast<proto::SlotHeader *>(c->map.data());
+        // A shared slot's memfd has the header and queues only; its data area is `share`'s.
+        auto geo = proto::slot_geometry(share ? proto::kSlotDataAlign : w->data_bytes, w->sq_depth, w->cq_depth);
+        c->header = reinterpret_cast<proto::SlotHeader *>(c->map->data());
         if (!geo || geo->data_offset != w->data_offset || c->header->magic != proto::kSlotMagic ||
-            c->header->version != proto::kSlotVersion)
+            c->header->version != proto::kSlotVersion ||
+            (share && (w->map_bytes != geo->data_offset || w->data_bytes != 0)))
             return report("slot layout does not match this library (version skew?)");
-        c->sq = reinterpret_cast<proto::SubmitDesc *>(c->map.data() + geo->sq_offset);
-        c->cq = reinterpret_cast<const proto::CompletionDesc *>(c->map.data() + geo->cq_offset);
-        c->data = c->map.data() + geo->data_offset;
+        if (share) c->welcome.data_bytes = share->welcome.data_bytes;
+        c->sq = reinterpret_cast<proto::SubmitDesc *>(c->map->data() + geo->sq_offset);
+        c->cq = reinterpret_cast<const proto::CompletionDesc *>(c->map->data() + geo->cq_offset);
+        c->data_map = share ? share->data_map : c->map;
+        c->data = share ? share->data : c->map->data() + geo->data_offset;
         c->tickets.resize(std::min(w->sq_depth, w->cq_depth));
         c->wait_margin = margin;
         return c.release();
@@ -260,7 +267,7 @@ ringd_client *connect_client(const char *socket_path, const char *group, int loc
 
 ringd_client *ringd_connect(const char *socket_path, const char *group, int local_rank, int local_size,
                             size_t slot_bytes, char *err, size_t err_len) {
-    return connect_client(socket_path, group, local_rank, local_size, slot_bytes, nullptr, err, err_len);
+    return connect_client(socket_path, group, local_rank, local_size, slot_bytes, nullptr, nullptr, err, err_len);
 }
 
 ringd_client *ringd_connect_opts(const ringd_options *opts, char *err, size_t err_len) {
@@ -282,8 +289,12 @@ ringd_client *ringd_connect_opts(const ringd_options *opts, char *err, size_t er
         const char *env = std::getenv("RINGD_SOCKET");
         socket_path = env && *env ? env : "/run/ringd/ringd.sock";
     }
+    // share_slot_of came after the first version.
+    const ringd_client *share = opts->struct_size >= offsetof(ringd_options, share_slot_of) + sizeof(opts->share_slot_of)
+                                    ? opts->share_slot_of
+                                    : nullptr;
     return connect_client(socket_path, opts->group, opts->local_rank, opts->local_size, opts->slot_bytes,
-                          opts->hosts && *opts->hosts ? opts->hosts : nullptr, err, err_len);
+                          opts->hosts && *opts->hosts ? opts->hosts : nullptr, share, err, err_len);
 }
 
 void *ringd_slot(ringd_client *c, size_t *bytes) {

@@ -365,7 +365,7 @@ static void cuda_close(ringd_client &c) {
     if (!ran_out) {
         // A stream still has this library's work queued (its earlier kernels run long): the sync
         // words must outlive it, so the slot stays mapped and registered for the process's life.
-        new SharedMapping(std::move(c.map));
+        new std::shared_ptr<SharedMapping>(c.map);
     } else if (cc.host_registered) {
         api.cuMemHostUnregister(c.header);
     }

@@ -74,7 +74,8 @@ struct ringd_client {
     UniqueFd doorbell;
     UniqueFd completion;
     UniqueFd pollable;  // ringd_fd(): epoll over the completion eventfd and the socket, made on first use
-    SharedMapping map;
+    std::shared_ptr<SharedMapping> map;       // the slot's memfd: header, queues (and data area when its own)
+    std::shared_ptr<SharedMapping> data_map;  // the mapping that holds `data` (map, or a shared one's)
     proto::Welcome welcome;
     proto::SlotHeader *header = nullptr;
     proto::SubmitDesc *sq = nullptr;

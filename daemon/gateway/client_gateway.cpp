@@ -127,7 +127,7 @@ void ClientGateway::on_accept() {
 size_t ClientGateway::count_of(uint32_t uid, bool joined_only) const {
     size_t n = 0;
     for (const auto &[id, c] : clients_)
-        n += c->cred().uid == uid && (!joined_only || c->state() == ClientConn::State::Joined);
+        n += c->cred().uid == uid && (!joined_only || (c->state() == ClientConn::State::Joined && !c->shares_slot()));
     return n;
 }
 
@@ -150,8 +150,10 @@ void ClientGateway::on_readable(MemberId id) {
         if (c.state() == ClientConn::State::Joined &&
             (frame.type == proto::FrameType::CudaRegister || frame.type == proto::FrameType::CudaUnregister)) {
             handle_cuda_frame(c, frame);
-        } else if (c.state() == ClientConn::State::Handshake && frame.type == proto::FrameType::Hello) {
-            auto h = proto::decode_hello(frame.payload);
+        } else if (c.state() == ClientConn::State::Handshake &&
+                   (frame.type == proto::FrameType::Hello || frame.type == proto::FrameType::HelloShared)) {
+            auto h = frame.type == proto::FrameType::Hello ? proto::decode_hello(frame.payload)
+                                                           : proto::decode_hello_shared(frame.payload);
             if (!h) {
                 drop(id, h.error(), true);
                 return;
@@ -181,17 +183,34 @@ void ClientGateway::on_readable(MemberId id) {
 
 void ClientGateway::handle_hello(ClientConn &c, const proto::Hello &h) {
     const MemberId id = c.id();
-    if (h.slot_bytes > config_.memory.slot_bytes) {
+    // HelloShared: the data area of a joined client of the same process (same pid and uid: a
+    // process shares its own memory only), which holds the host's slot (memory.max_slots) for all
+    // of them; this one adds queues only.
+    std::shared_ptr<Slot> base;
+    std::shared_ptr<void> lease;
+    if (h.share_with != 0) {
+        auto it = clients_.find(h.share_with);
+        const ClientConn *owner = it == clients_.end() ? nullptr : it->second.get();
+        if (!owner || owner->state() != ClientConn::State::Joined || owner->cred().pid != c.cred().pid ||
+            owner->cred().uid != c.cred().uid) {
+            drop(id, make_error(-EPERM, "client " + std::to_string(h.share_with) +
+                                            " is not a joined client of this process: its slot cannot be shared"), true);
+            return;
+        }
+        base = owner->slot();
+        lease = owner->slot_lease();
+    }
+    if (!base && h.slot_bytes > config_.memory.slot_bytes) {
         drop(id, make_error(-E2BIG, "slot of " + std::to_string(h.slot_bytes) + " bytes exceeds memory.slot_bytes (" +
                                         std::to_string(config_.memory.slot_bytes) + ")"), true);
         return;
     }
-    if (live_slots_ >= config_.memory.max_slots) {
+    if (!base && *live_slots_ >= config_.memory.max_slots) {
         drop(id, make_error(-EBUSY, "all " + std::to_string(config_.memory.max_slots) +
                                         " slots are in use (memory.max_slots)"), true);
         return;
     }
-    if (const size_t mine = count_of(c.cred().uid, true); c.cred().uid != 0 && mine >= config_.limits.slots_per_uid) {
+    if (const size_t mine = count_of(c.cred().uid, true); !base && c.cred().uid != 0 && mine >= config_.limits.slots_per_uid) {
         drop(id, make_error(-EBUSY, "uid " + std::to_string(c.cred().uid) + " holds " + std::to_string(mine) +
                                         " slots, its limit (limits.slots_per_uid)"), true);
         return;
@@ -223,7 +242,8 @@ void ClientGateway::handle_hello(ClientConn &c, const proto::Hello &h) {
             drop(id, make_error(ok.error().code, "group " + h.group + " over hosts " + names + ": " + ok.error().message), true);
             return;
         }
-    auto slot = Slot::create("ringd-" + h.group + "-" + std::to_string(h.local_rank), h.slot_bytes, transport_);
+    const std::string name = "ringd-" + h.group + "-" + std::to_string(h.local_rank);
+    auto slot = base ? Slot::share(name, base) : Slot::create(name, h.slot_bytes, transport_);
     if (!slot) {
         drop(id, slot.error(), true);
         return;
@@ -253,9 +273,17 @@ void ClientGateway::handle_hello(ClientConn &c, const proto::Hello &h) {
         return;
     }
     (void)groups_.join(id, h.group, h.local_rank, h.local_size, c.cred().uid, *hosts);  // checked above, same thread
-    c.joined(std::move(*slot), std::move(doorbell), std::move(completion), h.group, h.local_rank);
-    ++live_slots_;
-    spdlog::info("{} joined (local_size {}, slot {} bytes)", c.describe(), h.local_size, h.slot_bytes);
+    if (!lease) {
+        // The host's slot count: until the last client using this data area is gone.
+        ++*live_slots_;
+        lease = std::shared_ptr<void>(live_slots_.get(), [count = live_slots_](void *) { --*count; });
+    }
+    c.joined(std::move(*slot), std::move(doorbell), std::move(completion), h.group, h.local_rank, std::move(lease),
+             h.share_with);
+    if (h.share_with)
+        spdlog::info("{} joined (local_size {}, the slot of client {})", c.describe(), h.local_size, h.share_with);
+    else
+        spdlog::info("{} joined (local_size {}, slot {} bytes)", c.describe(), h.local_size, h.slot_bytes);
     // A new group asks the hosts to agree on its incarnation (settle, flush_reports).
 }
 
@@ -444,7 +472,6 @@ void ClientGateway::drop(MemberId id, const Error &why, bool tell_client) {
     if (cuda_) cuda_->client_gone(id);
     if (c->state() == ClientConn::State::Joined) {
         hooks_.unwatch(c->doorbell_fd());  // the client holds the same eventfd: remove explicitly
-        --live_slots_;
         if (why.code == -ECONNRESET) {
             spdlog::info("{} left", c->describe());
         } else {

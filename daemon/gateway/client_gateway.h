@@ -69,7 +69,7 @@ public:
     void close_all() { clients_.clear(); }
 
     size_t connected() const { return clients_.size(); }
-    size_t joined() const { return live_slots_; }
+    size_t joined() const { return *live_slots_; }
 
 private:
     void handle_hello(ClientConn &c, const proto::Hello &h);
@@ -107,7 +107,9 @@ private:
     UniqueFd spare_fd_;  // released to accept-and-close when the fd limit is hit
     std::map<MemberId, std::unique_ptr<ClientConn>> clients_;
     MemberId next_id_ = 1;
-    size_t live_slots_ = 0;
+    // Slots (data areas) held: each joined client's own, counted until the last client using it
+    // (HelloShared) is gone (ClientConn::slot_lease).
+    std::shared_ptr<size_t> live_slots_ = std::make_shared<size_t>(0);
     bool shutting_down_ = false;
     std::set<MemberId> credit_waiters_;  // clients whose submissions wait for credits freed by completions
 };

@@ -21,6 +21,10 @@ namespace ringd {
 class Slot {
 public:
     static Result<std::shared_ptr<Slot>> create(const std::string &name, uint64_t data_bytes, Transport &transport);
+    // A slot with queues of its own (a new memfd: header and queues only, its geometry's data_bytes
+    // 0) over the data area of `base` (another client's of the same process: HelloShared), which
+    // it keeps alive.
+    static Result<std::shared_ptr<Slot>> share(const std::string &name, std::shared_ptr<Slot> base);
 
     int memfd() const { return memfd_.get(); }
     const proto::SlotGeometry &geometry() const { return geo_; }
@@ -31,9 +35,11 @@ public:
     proto::CompletionDesc &cq_entry(uint64_t index) const {
         return reinterpret_cast<proto::CompletionDesc *>(map_.data() + geo_.cq_offset)[index % geo_.cq_depth];
     }
-    std::byte *data() const { return map_.data() + geo_.data_offset; }
-    uint64_t data_bytes() const { return geo_.data_bytes; }
-    const RegionHandle &region() const { return registration_.handle(); }
+    std::byte *data() const { return base_ ? base_->data() : map_.data() + geo_.data_offset; }
+    uint64_t data_bytes() const { return base_ ? base_->data_bytes() : geo_.data_bytes; }
+    const RegionHandle &region() const { return base_ ? base_->region() : registration_.handle(); }
+    // The slot whose data area this one uses (itself when it has its own).
+    const Slot &data_owner() const { return base_ ? *base_ : *this; }
 
 private:
     Slot() = default;
@@ -42,6 +48,7 @@ private:
     proto::SlotGeometry geo_;
     SharedMapping map_;
     RegisteredRegion registration_;
+    std::shared_ptr<Slot> base_;  // share(): the data area's slot (its own has none)
 };
 
 }  // namespace ringd

@@ -24,6 +24,12 @@ void one(FrameType type, std::span<const uint8_t> p) {
             must(again.ok() && again->group == h->group && again->hosts == h->hosts && again->slot_bytes == h->slot_bytes);
         }
         break;
+    case FrameType::HelloShared:
+        if (auto h = decode_hello_shared(p)) {
+            auto again = decode_hello_shared(payload_of(encode_hello(*h)));
+            must(again.ok() && again->share_with == h->share_with && again->group == h->group && again->hosts == h->hosts);
+        }
+        break;
     case FrameType::StatusRequest: (void)decode_status_request(p); break;
     case FrameType::Error:
         if (auto e = decode_error(p)) must(decode_error(payload_of(encode_error(*e)))->message == e->message);

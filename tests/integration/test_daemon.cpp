@@ -1043,3 +1043,79 @@ TEST_CASE("a group belongs to its first trainer's uid; per-uid limits on slots a
     CHECK(*r == "");
     CHECK(d.alive());
 }
+
+TEST_CASE("a process's clients of several groups share its slot: one of memory.max_slots, the same memory, their own ops",
+          "[daemon]") {
+    DaemonOptions o;
+    o.max_slots = 2;
+    Daemon d(o);
+    REQUIRE(d.ready());
+    char err[256] = "";
+    auto connect = [&](const char *group, int rank, ringd_client *share) {
+        ringd_options opts{sizeof(ringd_options), d.socket().c_str(), group, rank, 2, 1 << 20, nullptr, share};
+        return ringd_connect_opts(&opts, err, sizeof err);
+    };
+    // Group a: two ranks, each with its own slot: the host's two.
+    ringd_client *a[2] = {connect("share-a", 0, nullptr), connect("share-a", 1, nullptr)};
+    REQUIRE((a[0] && a[1]));
+    CHECK(connect("share-b", 0, nullptr) == nullptr);
+    CHECK_THAT(err, Catch::Contains("all 2 slots are in use"));
+    // Group b: each rank on its process's slot of group a.
+    ringd_client *b[2] = {connect("share-b", 0, a[0]), connect("share-b", 1, a[1])};
+    REQUIRE((b[0] && b[1]));
+    const json st = status(d);
+    CHECK(st["clients"]["joined"] == 2);
+    CHECK(st["memory"]["registrations"] == 2);
+    for (int r = 0; r < 2; ++r) {
+        size_t na = 0, nb = 0;
+        CHECK(ringd_slot(a[r], &na) == ringd_slot(b[r], &nb));
+        CHECK((na == size_t{1} << 20 && nb == na));
+    }
+    // Each group's op on its own range of the same memory; the other's range is untouched.
+    constexpr size_t kN = 1000, kB = 4096;  // group a at float 0, group b at float kB
+    auto fill = [&](int r) {
+        auto *f = static_cast<float *>(ringd_slot(a[r], nullptr));
+        for (size_t i = 0; i < kN; ++i) {
+            f[i] = static_cast<float>(i + r);
+            f[kB + i] = static_cast<float>(3 * i + r);
+        }
+    };
+    auto allreduce = [&](ringd_client **c, size_t offset) {
+        uint64_t t[2];
+        for (int r = 0; r < 2; ++r) REQUIRE(ringd_submit(c[r], offset * sizeof(float), kN, RINGD_F32, RINGD_SUM, &t[r]) == 0);
+        for (int r = 0; r < 2; ++r) CHECK(ringd_wait(c[r], t[r], 10000) == 0);
+    };
+    fill(0);
+    fill(1);
+    allreduce(b, kB);
+    for (int r = 0; r < 2; ++r) {
+        const auto *f = static_cast<const float *>(ringd_slot(a[r], nullptr));
+        size_t wrong = 0;
+        for (size_t i = 0; i < kN; ++i) wrong += f[kB + i] != static_cast<float>(6 * i + 1) || f[i] != static_cast<float>(i + r);
+        CHECK(wrong == 0);
+    }
+    allreduce(a, 0);
+    CHECK(static_cast<const float *>(ringd_slot(a[1], nullptr))[kN - 1] == static_cast<float>(2 * (kN - 1) + 1));
+    // Another process cannot name this one's client.
+    const pid_t child = ::fork();
+    if (child == 0) {
+        ringd_client *c = connect("share-c", 0, a[0]);
+        ::_exit(c == nullptr && std::strstr(err, "not a joined client of this process") ? 0 : 1);
+    }
+    int wst = 0;
+    REQUIRE(::waitpid(child, &wst, 0) == child);
+    CHECK((WIFEXITED(wst) && WEXITSTATUS(wst) == 0));
+    // The slot stays while a client uses it: rank 0 of group a leaves, group b goes on over its memory.
+    ringd_close(a[0]);
+    allreduce(b, kB);
+    CHECK(static_cast<const float *>(ringd_slot(b[0], nullptr))[kB + 1] == 14.0f);  // 2 x (6 x 1 + 1)
+    CHECK(connect("share-d", 0, nullptr) == nullptr);  // still two slots held
+    ringd_close(b[0]);
+    const auto deadline = Clock::now() + std::chrono::seconds(5);
+    while (status(d)["clients"]["joined"] != 1 && Clock::now() < deadline) {
+    }
+    ringd_client *e = connect("share-d", 0, nullptr);  // now there is room
+    CHECK(e != nullptr);
+    for (ringd_client *c : {a[1], b[1], e})
+        if (c) ringd_close(c);
+}

@@ -3,9 +3,10 @@
 # ranks (bench/cluster), for each scenario; every rank checks its own results and must print
 # "torch_ranks: rank R: SCENARIO ok". Skips (77) without root/namespaces, without torch for
 # /usr/bin/python3, or when ringd._torch_work was not built.
-#   torch_check.sh [SCENARIO...]   (default: ops async ddp groups slots,tensors spawn part
+#   torch_check.sh [SCENARIO...]   (default: ops async ddp groups slots,tensors,refused spawn part
 #   die,restart; "part" runs two jobs at once on 4 hosts, each on 2 of them; "spawn" is one
-#   process on one host that spawns its ranks)
+#   process on one host that spawns its ranks; "groups" runs with two slots per host
+#   (memory.max_slots: 2), which the groups of each of the host's two processes share)
 set -euo pipefail
 src=${RINGD_SOURCE_DIR:?}
 build=$(dirname "$(dirname "${RINGD_BIN:?}")")
@@ -18,7 +19,7 @@ ls "$build"/client/python/ringd/_torch_work*.so >/dev/null 2>&1 || { echo "ringd
 # Each item runs its scenarios one after the other in every rank (new processes, the same
 # daemons): "die,restart" is a job that loses a rank and is restarted.
 scenarios=("$@")
-[ ${#scenarios[@]} -gt 0 ] || scenarios=(ops async ddp groups slots,tensors spawn part die,restart)
+[ ${#scenarios[@]} -gt 0 ] || scenarios=(ops async ddp groups slots,tensors,refused spawn part die,restart)
 op_timeout=5
 failed=0
 for s in "${scenarios[@]}"; do
@@ -41,7 +42,9 @@ for s in "${scenarios[@]}"; do
             TORCH_RANKS_DEADLINE_S=150 MASTER_PORT_BASE=$port /usr/bin/python3 "$src/tests/python/torch_ranks.py" spawn 2>&1) || true
     else
         want=4
-        out=$("$src/bench/cluster" --hosts 2 --ranks-per-host 2 --build "$build" --op-timeout "${op_timeout}s" -- \
+        yaml=()
+        [ "$s" != groups ] || yaml=(--yaml "memory: {slot_bytes: 64MiB, max_slots: 2}")
+        out=$("$src/bench/cluster" --hosts 2 --ranks-per-host 2 --build "$build" --op-timeout "${op_timeout}s" "${yaml[@]}" -- \
             env $env MASTER_ADDR=10.250.0.1 MASTER_PORT_BASE=$port \
             sh -c "for s in ${s//,/ }; do /usr/bin/python3 $src/tests/python/torch_ranks.py \$s || exit; done" 2>&1) || true
     fi

@@ -26,6 +26,9 @@ Scenarios:
   tensors  expanded (stride-0) and overlapping tensors; reduce_scatter, reduce_scatter_tensor,
            all_gather_into_tensor
   spawn    mp.spawn with init_method tcp:// and file:// (one process that spawns two ranks)
+  refused  a new_group one rank cannot join: an error on every rank, no rank left waiting
+  (torch_check.sh runs "groups" with two slots per host (memory.max_slots): each process's groups
+  share its one slot)
   part     a job on 2 hosts of 4 (torch_check.sh runs two such jobs at once): exact ops of its
            default group, which ringd runs in the ring domain of its hosts, and a short DDP run
 """
@@ -313,6 +316,32 @@ def scenario_groups():
     check(bool((t == WORLD).all()), "the default group after the others")
 
 
+def scenario_refused():
+    """A new_group that one rank cannot join (its RINGD_SOCKET names no ringd): every rank gets a
+    RuntimeError naming that rank within seconds (none waits for it); the default group and a
+    later new_group still work."""
+    init()
+    start = time.monotonic()
+    good = os.environ["RINGD_SOCKET"]
+    if RANK == WORLD - 1:
+        os.environ["RINGD_SOCKET"] = "/nonexistent/ringd.sock"
+    try:
+        dist.new_group(list(range(WORLD)))
+        fail("new_group succeeded with a rank that cannot reach ringd")
+    except RuntimeError as e:
+        took = time.monotonic() - start
+        check(f"rank {WORLD - 1}" in str(e) or RANK == WORLD - 1, f"the error does not name rank {WORLD - 1}: {e}")
+        check("/nonexistent/ringd.sock" in str(e), f"the error does not give the reason: {e}")
+        check(took < 10, f"the error came after {took:.1f} s")
+    os.environ["RINGD_SOCKET"] = good
+    t = torch.full((100,), 1.0)
+    dist.all_reduce(t)
+    check(bool((t == WORLD).all()), "the default group after a refused new_group")
+    later = dist.new_group(list(range(WORLD)))
+    dist.all_reduce(t, group=later)
+    check(bool((t == WORLD * WORLD).all()), "a new_group after a refused one")
+
+
 def scenario_part():
     """A job on part of the ring (torch_check.sh runs two at once on 4 hosts, each on 2): its
     default group is a ringd group over its own hosts; exact ops of every dtype, small (direct
@@ -454,7 +483,7 @@ def _spawned(rank, method):
     dist.destroy_process_group()
 
 
-SCENARIOS = {"ops": scenario_ops, "slots": scenario_slots, "tensors": scenario_tensors, "spawn": scenario_spawn, "async": scenario_async, "ddp": scenario_ddp, "die": scenario_die,
+SCENARIOS = {"ops": scenario_ops, "slots": scenario_slots, "tensors": scenario_tensors, "spawn": scenario_spawn, "refused": scenario_refused, "async": scenario_async, "ddp": scenario_ddp, "die": scenario_die,
              "restart": scenario_restart, "groups": scenario_groups, "part": scenario_part}
 
 if __name__ == "__main__":

@@ -68,6 +68,13 @@ TEST_CASE("a hello may carry the group's hosts after its fixed part", "[proto]")
     REQUIRE(h.ok());
     CHECK(h->hosts == "node1, node0");
     CHECK(decode_hello(payload_of(encode_hello({"g1", 0, 1, 4096, ""}))).value().hosts.empty());
+    // HelloShared: the client id first, then a hello (with or without hosts).
+    const Bytes shared = encode_hello({"g2", 1, 2, 4096, "node1", 7});
+    CHECK(decode_frame_header(std::span(shared).first(kFrameHeaderBytes), kMaxClientPayload)->type == FrameType::HelloShared);
+    auto sh = decode_hello_shared(payload_of(shared));
+    REQUIRE(sh.ok());
+    CHECK((sh->share_with == 7 && sh->group == "g2" && sh->local_rank == 1 && sh->hosts == "node1"));
+    CHECK_FALSE(decode_hello_shared(payload_of(encode_hello({"g2", 0, 1, 4096, ""}))).ok());  // client 0 names none
     Bytes bad = payload;
     bad.back() = ';';
     CHECK_THAT(decode_hello(bad).error().message, Catch::Contains("may contain only host names"));
@@ -356,7 +363,7 @@ TEST_CASE("decoders survive random mutations of valid frames", "[proto]") {
     // Every decoder is fed mutated copies of valid frames and random lengths; whatever it
     // accepts must re-encode to a frame that decodes to the same thing.
     std::mt19937_64 rng(7);
-    const std::vector<Bytes> seeds = {encode_rdma_link_info(sample_link_info()), encode_hello({"grp", 1, 4, 1 << 20, ""}), encode_welcome({1, 64, 64, 1000, 0x20000, 0x9000, 0x100}),
+    const std::vector<Bytes> seeds = {encode_rdma_link_info(sample_link_info()), encode_hello({"grp", 1, 4, 1 << 20, ""}), encode_hello({"grp", 0, 2, 1 << 20, "a,b", 3}), encode_welcome({1, 64, 64, 1000, 0x20000, 0x9000, 0x100}),
                                       encode_error({-5, "message"}), encode_status_request({}),
                                       encode_cuda_register(sample_cuda_register()), encode_cuda_unregister(3),
                                       encode_cuda_reply({-2, 4, "no such registration"}), encode_status_reply("{}"),
@@ -389,6 +396,12 @@ TEST_CASE("decoders survive random mutations of valid frames", "[proto]") {
             if (auto d = decode_hello(p)) {
                 ++accepted;
                 CHECK(decode_hello(payload_of(encode_hello(*d)))->group == d->group);
+            }
+            break;
+        case FrameType::HelloShared:
+            if (auto d = decode_hello_shared(p)) {
+                ++accepted;
+                CHECK(decode_hello_shared(payload_of(encode_hello(*d)))->share_with == d->share_with);
             }
             break;
         case FrameType::Welcome:
@@ -461,7 +474,9 @@ TEST_CASE("decoders survive random mutations of valid frames", "[proto]") {
         case FrameType::OpData:
             if (auto d = decode_op_data(p)) {
                 ++accepted;
-                CHECK(d->data.size() <= d->report.count * dtype_size(static_cast<DType>(d->report.dtype)));
+                // Partials of f16/bf16 sums travel as f32 (partial_dtype).
+                CHECK(d->data.size() <= d->report.count * dtype_size(partial_dtype(static_cast<DType>(d->report.dtype),
+                                                                                   static_cast<ReduceOp>(d->report.op))));
             }
             break;
         }

@@ -54,6 +54,11 @@ typedef struct ringd_options {
     size_t slot_bytes;
     const char *hosts;        /* comma-separated host names of the group (names as in hosts:), any
                                  order; NULL or "" = every host of the ring */
+    /* NULL, or a client of this process whose slot data area this client uses too: ringd_slot()
+       gives the same memory (slot_bytes is not used), which holds one of the host's slots
+       (memory.max_slots) for all of them, until the last of them is closed; the caller shares its
+       ranges out between the clients. For processes in several groups at once (torch new_group). */
+    const struct ringd_client *share_slot_of;
 } ringd_options;
 RINGD_API ringd_client *ringd_connect_opts(const ringd_options *opts, char *err, size_t err_len);
 /* The slot's data area; *bytes receives its size (if bytes is not NULL). */

@@ -88,7 +88,7 @@ class _Options(ctypes.Structure):
     """ringd_options (ringd.h)."""
     _fields_ = [("struct_size", ctypes.c_size_t), ("socket_path", ctypes.c_char_p), ("group", ctypes.c_char_p),
                 ("local_rank", ctypes.c_int), ("local_size", ctypes.c_int), ("slot_bytes", ctypes.c_size_t),
-                ("hosts", ctypes.c_char_p)]
+                ("hosts", ctypes.c_char_p), ("share_slot_of", ctypes.c_void_p)]
 
 
 def _declare(lib):
@@ -164,17 +164,21 @@ def op_name(op):
 class Client:
     """One trainer's connection to ringd: `local_rank` of `local_size` trainers of `group` on this
     host, with a shared-memory slot of `slot_bytes`. `hosts`: the group's hosts (names as in ringd's
-    config, a list or a comma-separated string); None = every host of the ring. Not for two threads
+    config, a list or a comma-separated string); None = every host of the ring. `share_slot_of`:
+    another Client of this process whose slot this one uses too (the same memory at the same
+    address; slot_bytes is not used; ringd counts one slot for all of them). Not for two threads
     at once, except that fileno() may be polled by one thread while another calls in (see ringd.h)."""
 
-    def __init__(self, group, local_rank=0, local_size=1, slot_bytes=1 << 20, socket=None, hosts=None):
+    def __init__(self, group, local_rank=0, local_size=1, slot_bytes=1 << 20, socket=None, hosts=None,
+                 share_slot_of=None):
         lib = _load()
         socket = socket or os.environ.get("RINGD_SOCKET") or DEFAULT_SOCKET
         if hosts is not None and not isinstance(hosts, str):
             hosts = ",".join(str(h) for h in hosts)
         err = ctypes.create_string_buffer(512)
         opts = _Options(ctypes.sizeof(_Options), socket.encode(), str(group).encode(), int(local_rank),
-                        int(local_size), int(slot_bytes), hosts.encode() if hosts else None)
+                        int(local_size), int(slot_bytes), hosts.encode() if hosts else None,
+                        share_slot_of._handle() if share_slot_of is not None else None)
         handle = lib.ringd_connect_opts(ctypes.byref(opts), err, len(err))
         if not handle:
             raise RingdError(-errno.ECONNREFUSED, err.value.decode(errors="replace"))

@@ -195,6 +195,76 @@ class _Resident:
         self.last_use = 0
 
 
+class _ProcessSlot:
+    """The shared memory of this process on one host's ringd, for all its process groups: the
+    first group's client has the slot, and every other group's client joins with that slot's data
+    area (ringd_options.share_slot_of), so that a process takes one of the host's slots however
+    many groups it is in (new_group, hybrid sharding). Its ranges, the comm hook's kept ranges
+    and one lock (with `room`, the condition of every wait for a range or a ticket) are the
+    process's, for all groups."""
+
+    def __init__(self, client):
+        import ctypes
+        self.clients = [client]
+        self.bytes = client.slot_bytes
+        # Tensors over the slot come from this view, not from a client's own: a group's client can
+        # then close while others use the memory; the last one stays open while they are alive.
+        self.view = memoryview((ctypes.c_char * self.bytes).from_address(client.slot_address)).cast("B")
+        self.tensor = torch.frombuffer(self.view, dtype=torch.uint8)
+        self.space = _SlotSpace(self.bytes)
+        self.resident_bytes = 0
+        self.lock = threading.Lock()
+        self.room = threading.Condition(self.lock)
+
+
+_process_slots = {}  # socket path -> _ProcessSlot
+_process_slots_lock = threading.Lock()
+
+
+def _connect(group, local_rank, local_size, slot_bytes, socket, hosts):
+    """A client of `group` on this process's slot of that ringd (made by the first group)."""
+    with _process_slots_lock:
+        ps = _process_slots.get(socket)
+        if ps is not None:
+            try:
+                client = _ringd.Client(group, local_rank, local_size, slot_bytes, socket, hosts=hosts,
+                                       share_slot_of=ps.clients[0])
+                ps.clients.append(client)
+                return client, ps
+            except _ringd.RingdError as e:
+                if "slot" not in str(e) and "frame type" not in str(e):
+                    raise
+                # A ringd that does not share slots (older), or whose sharing refused: a slot of its own.
+        client = _ringd.Client(group, local_rank, local_size, slot_bytes, socket, hosts=hosts)
+        ps = _ProcessSlot(client)
+        if socket not in _process_slots:
+            _process_slots[socket] = ps
+        return client, ps
+
+
+def _disconnect(client, ps, socket):
+    """Closes a group's client; the process's slot stays mapped while another group uses it, and
+    the last client stays open (its slot mapped) for the process's life while tensors over the
+    slot (the comm hook's last results) are still alive."""
+    with _process_slots_lock:
+        if client in ps.clients:
+            ps.clients.remove(client)
+        if ps.clients:
+            client.close()
+            return
+        if _process_slots.get(socket) is ps:
+            del _process_slots[socket]
+        ps.tensor = None
+        try:
+            ps.view.release()
+        except BufferError:
+            return
+        try:
+            client.close()
+        except BufferError:
+            pass
+
+
 class _Engine:
     """The process's ringd client for one process group. allreduce() (any thread) queues the op
     and returns its future at once; a submitting thread copies each op's chunks into the slot and
@@ -205,22 +275,23 @@ class _Engine:
     so a callback may submit again."""
 
     def __init__(self, group, local_rank, local_size, slot_bytes, socket, timeout, hosts=None, max_chunk=None):
-        self.client = _ringd.Client(group, local_rank, local_size, slot_bytes, socket, hosts=hosts)
+        self.client, self.ps = _connect(group, local_rank, local_size, slot_bytes, socket, hosts)
+        self.socket = socket
         self.group = group
         self.timeout = timeout
-        self.slot = torch.frombuffer(self.client.slot, dtype=torch.uint8)
+        self.slot = self.ps.tensor
         # The most bytes of one ringd op: the group's ranks split a tensor the same way whatever
         # their slots (the smallest rank's, ProcessGroupRingd), a quarter of it (several in flight).
-        self.max_chunk = max_chunk or _chunk_bytes(self.client.slot_bytes)
+        self.max_chunk = max_chunk or _chunk_bytes(self.ps.bytes)
         self.window = max(self.max_chunk, _WINDOW_BYTES)
-        self.lock = threading.Lock()  # the client, the slot's ranges, the queue, the ops in flight
-        self.room = threading.Condition(self.lock)  # a range, a ticket or window came free; an op was queued
-        self.space = _SlotSpace(self.client.slot_bytes)
+        # The client, the slot's ranges, the queue, the ops in flight: the process's lock, for all
+        # its groups (their ranges are of the same memory); `room`: a range, a ticket or window
+        # came free, an op was queued.
+        self.lock, self.room, self.space = self.ps.lock, self.ps.room, self.ps.space
         self.pending = collections.deque()  # ops queued, not yet wholly submitted (the first one in progress)
         self.inflight = collections.OrderedDict()  # ticket -> (op, flat slice, slot view, (off, n), bytes)
         self.inflight_bytes = 0
         self.resident = {}  # comm hook: (bucket buffer's address, bytes, dtype) -> _Resident
-        self.resident_bytes = 0
         self.hook_calls = 0
         self.closed = False
         self.dead = None  # why this group cannot be used any more
@@ -264,13 +335,13 @@ class _Engine:
             res = self.resident.get(key)
             if res is None:
                 self._evict_stale()
-                if self.resident_bytes + nbytes > self.client.slot_bytes // 2:
+                if self.ps.resident_bytes + nbytes > self.ps.bytes // 2:
                     return None
                 rng = self.space.alloc(nbytes)
                 if rng is None:
                     return None
                 res = self.resident[key] = _Resident(rng)
-                self.resident_bytes += rng[1]
+                self.ps.resident_bytes += rng[1]
             if res.busy:
                 return None
             res.busy = True
@@ -278,7 +349,7 @@ class _Engine:
         off = res.rng[0]
         # A tensor of its own over the range (storage offset 0): DDP takes views of the result
         # with as_strided at offsets from the start of its storage.
-        view = torch.frombuffer(self.client.slot[off:off + nbytes], dtype=buffer.dtype).view(buffer.shape)
+        view = torch.frombuffer(self.ps.view[off:off + nbytes], dtype=buffer.dtype).view(buffer.shape)
         fut = torch.futures.Future()
         rec = _Op(view, buffer.detach().view(-1), False, fut, view, op, _DTYPES[buffer.dtype])
         rec.resident, rec.view = res, view.view(-1)
@@ -304,7 +375,7 @@ class _Engine:
         for key, res in list(self.resident.items()):
             if not res.busy and self.hook_calls - res.last_use > horizon:
                 self.space.release(*res.rng)
-                self.resident_bytes -= res.rng[1]
+                self.ps.resident_bytes -= res.rng[1]
                 del self.resident[key]
 
     # -- submission (its own thread) --
@@ -389,7 +460,7 @@ class _Engine:
         """A slot range, waiting for earlier ops to give theirs back (within the timeout)."""
         got = []
         self._wait_locked(lambda: got.append(self.space.alloc(nbytes)) or got[-1] is not None,
-                          f"ringd: no room for {nbytes} bytes in the {self.client.slot_bytes}-byte slot "
+                          f"ringd: no room for {nbytes} bytes in the {self.ps.bytes}-byte slot "
                           f"within {self.timeout} (set RINGD_SLOT_BYTES higher)")
         return got[-1]
 
@@ -517,14 +588,12 @@ class _Engine:
         for t in self.threads:
             t.join()
         del self.slot
+        with self.lock:
+            for res in self.resident.values():
+                self.space.release(*res.rng)
+                self.ps.resident_bytes -= res.rng[1]
         self.resident.clear()
-        try:
-            self.client.close()
-        except BufferError:
-            # Tensors over the slot (the hook's last results) are still referenced: the slot
-            # stays mapped (and the connection open) until the process ends, never unmapped
-            # under them.
-            pass
+        _disconnect(self.client, self.ps, self.socket)
 
 
 def _local_address_toward(host):
@@ -559,11 +628,16 @@ class ProcessGroupRingd(ProcessGroup):
     def __init__(self, store, rank, size, timeout=datetime.timedelta(minutes=30)):
         super().__init__(rank, size)
         socket = os.environ.get("RINGD_SOCKET") or _ringd.DEFAULT_SOCKET
-        slot_bytes = _env_bytes("RINGD_SLOT_BYTES", 256 << 20)
         try:
-            st = _ringd.status(socket)
-        except _ringd.RingdError as e:
-            raise RuntimeError(f"ringd: {e}") from None
+            slot_bytes = _env_bytes("RINGD_SLOT_BYTES", 256 << 20)
+            try:
+                st = _ringd.status(socket)
+            except _ringd.RingdError as e:
+                raise RuntimeError(f"ringd: {e}") from None
+        except RuntimeError as e:
+            # The other ranks wait for this one's entry: they get the reason instead.
+            store.set(f"ringd/member/{rank}", f"!{e}")
+            raise
         limit = st.get("memory", {}).get("slot_bytes_limit")
         if limit and "RINGD_SLOT_BYTES" not in os.environ:
             slot_bytes = min(slot_bytes, int(limit))
@@ -577,7 +651,10 @@ class ProcessGroupRingd(ProcessGroup):
         store.set(f"ringd/member/{rank}", f"{me[0]}:{me[1]}:{slot_bytes}")
         members, smallest_slot = [], slot_bytes
         for r in range(size):
-            host, local, slot = store.get(f"ringd/member/{r}").decode().rsplit(":", 2)
+            entry = store.get(f"ringd/member/{r}").decode()
+            if entry.startswith("!"):
+                raise RuntimeError(f"ringd: rank {r} of this process group could not reach its ringd: {entry[1:]}")
+            host, local, slot = entry.rsplit(":", 2)
             members.append((host, int(local), r))
             smallest_slot = min(smallest_slot, int(slot))
         on_my_host = sorted(m for m in members if m[0] == me[0])
@@ -594,6 +671,7 @@ class ProcessGroupRingd(ProcessGroup):
         self._gloo = _gloo_group(store, rank, size, timeout)
         self.ringd_group = group
         self.ringd_hosts = hosts
+        why = ""
         try:
             # Every host of the ring: no list (the same group, and what older ringds understand);
             # part of it: those hosts, a group of ringd's over part of the ring.
@@ -601,7 +679,18 @@ class ProcessGroupRingd(ProcessGroup):
                                    hosts=None if set(hosts) == set(ring_hosts) else ",".join(hosts),
                                    max_chunk=_chunk_bytes(smallest_slot))
         except _ringd.RingdError as e:
-            raise RuntimeError(f"ringd: {e}") from None
+            why = f"ringd: {e}"
+        # Every rank learns whether every other one joined: a group refused on one rank fails on
+        # all of them (with that rank's reason), instead of leaving the others waiting for it.
+        store.set(f"ringd/joined/{rank}", why or "ok")
+        failed = [(r, store.get(f"ringd/joined/{r}").decode()) for r in range(size)]
+        failed = [(r, w) for r, w in failed if w != "ok"]
+        if failed:
+            if self._engine is not None:
+                self._engine.close()
+            r, w = failed[0]
+            raise RuntimeError(w if r == rank else f"ringd: rank {r} of this process group could not join its ringd "
+                                                   f"group {group}: {w}")
         weakref.finalize(self, _Engine.close, self._engine)
 
     def getBackendName(self):
