@@ -26,7 +26,9 @@ Scenarios:
   tensors  expanded (stride-0) and overlapping tensors; reduce_scatter, reduce_scatter_tensor,
            all_gather_into_tensor
   spawn    mp.spawn with init_method tcp:// and file:// (one process that spawns two ranks)
-  refused  a new_group one rank cannot join: an error on every rank, no rank left waiting
+  refused  a new_group one rank cannot join: an error on every rank, no rank left waiting; a
+           large tensor of another size on some ranks fails every rank at once, and its group then
+           refuses further ops
   (torch_check.sh runs "groups" with two slots per host (memory.max_slots): each process's groups
   share its one slot)
   part     a job on 2 hosts of 4 (torch_check.sh runs two such jobs at once): exact ops of its
@@ -340,6 +342,26 @@ def scenario_refused():
     later = dist.new_group(list(range(WORLD)))
     dist.all_reduce(t, group=later)
     check(bool((t == WORLD * WORLD).all()), "a new_group after a refused one")
+    # A tensor of another size on the odd ranks (a user's error), in several ringd ops: every rank
+    # fails at the first piece that does not pair, not after its other pieces waited out ringd's
+    # op timeout; the group then takes no more ops (its ranks' pieces no longer pair); the
+    # default group goes on.
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(300000 if RANK % 2 == 0 else 600000), group=later)
+        fail("no error for tensors of different sizes")
+    except RuntimeError as e:
+        took = time.monotonic() - start
+        check("mismatch" in str(e), f"the error is not the mismatch: {e}")
+        check(took < OP_TIMEOUT_S / 2, f"the mismatch failed the op after {took:.1f} s (op timeout {OP_TIMEOUT_S} s)")
+    try:
+        dist.all_reduce(t, group=later)
+        fail("the group took an op after its ranks' pieces stopped pairing")
+    except RuntimeError as e:
+        check("cannot be used any more" in str(e), f"the next op's error: {e}")
+    t = torch.full((100,), 1.0)
+    dist.all_reduce(t)
+    check(bool((t == WORLD).all()), "the default group after another group's mismatch")
 
 
 def scenario_part():

@@ -182,6 +182,8 @@ class _Op:
         self.chunks_left = 0  # submitted and not yet completed
         self.error = None
         self.submitted_all = False
+        self.several = False  # more than one ringd op
+        self.reported = False  # its future is completed (or queued to be): later pieces only clean up
         self.resident = None  # the comm hook's range record, busy until the op ends
         self.view = None  # the resident op's whole range (its input is copied there)
 
@@ -294,7 +296,12 @@ class _Engine:
         self.resident = {}  # comm hook: (bucket buffer's address, bytes, dtype) -> _Resident
         self.hook_calls = 0
         self.closed = False
-        self.dead = None  # why this group cannot be used any more
+        self.dead = None  # why this group cannot be used any more (nothing new is submitted)
+        # Why the connection to ringd is gone: then no ticket in flight can complete, and they fail
+        # at once. Only then are their slot ranges given back without their results: while ringd
+        # runs an op it may still write its range, which another group of this process could have
+        # taken by then.
+        self.lost = None
         self.fd = self.client.fileno()
         self.finished = collections.deque()
         self.finish_ready = threading.Condition(threading.Lock())
@@ -430,6 +437,7 @@ class _Engine:
                     with self.lock:
                         ticket = self._submit_locked(offset, n, rec.dtype, rec.op)
                         rec.chunks_left += 1
+                        rec.several = rec.several or n < total
                         rec.submitted_all = start + n >= total
                         self.inflight_bytes += nbytes
                         self.inflight[ticket] = (rec, part if rec.resident is None else None, view, rng, nbytes)
@@ -450,9 +458,11 @@ class _Engine:
                     # chunks from now on. The group is unusable.
                     self.dead = (f"ringd: an op of group {self.group} was only partly submitted ({e}); "
                                  "this process group cannot be used any more: restart the job")
-                done = rec.chunks_left == 0
-                if done and rec.resident is not None:
-                    rec.resident.busy = False
+                done = rec.chunks_left == 0 and not rec.reported
+                if done:
+                    rec.reported = True
+                    if rec.resident is not None:
+                        rec.resident.busy = False
             if done:
                 self._finish(rec)
 
@@ -487,13 +497,13 @@ class _Engine:
             with self.lock:
                 # Nothing to wait for (or nothing more will come): sleep until an op is submitted,
                 # not on the fd (it stays readable after a late signal or once ringd is gone).
-                while not self.closed and (not self.inflight or self.dead):
-                    if self.dead and self.inflight:
+                while not self.closed and (not self.inflight or self.lost):
+                    if self.lost and self.inflight:
                         break
                     self.room.wait(1.0)
                 if self.closed:
                     return
-            if not self.dead:
+            if not self.lost:
                 try:
                     poller.poll(_POLL_MS)
                 except InterruptedError:
@@ -502,7 +512,7 @@ class _Engine:
                 done = []
                 with self.lock:
                     for ticket in list(self.inflight):
-                        err = self.dead
+                        err = self.lost
                         if not err:
                             try:
                                 if not self.client.test(ticket):
@@ -510,7 +520,7 @@ class _Engine:
                             except _ringd.RingdError as e:
                                 err = str(e)
                                 if e.code in (-errno.EPROTO, -errno.ECONNRESET, -errno.EPIPE, -errno.EBADF):
-                                    self.dead = f"ringd: {e}"
+                                    self.lost = self.dead = f"ringd: {e}"
                         done.append((self.inflight.pop(ticket), err))
                 if not done:
                     break
@@ -528,9 +538,20 @@ class _Engine:
                             self.space.release(*rng)
                         self.inflight_bytes -= nbytes
                         rec.chunks_left -= 1
-                        finished = rec.chunks_left == 0 and rec.submitted_all
-                        if finished and rec.resident is not None:
+                        all_done = rec.chunks_left == 0 and rec.submitted_all
+                        if all_done and rec.resident is not None:
                             rec.resident.busy = False  # its result stays until the bucket's next step
+                        finished = not rec.reported and (all_done or (err is not None and rec.several))
+                        if finished:
+                            rec.reported = True
+                            if not all_done:
+                                # A piece of a tensor in several ops failed: the op fails now, not
+                                # once its other pieces have waited out ringd's op timeout, and
+                                # since the ranks' pieces may no longer pair (a rank that split the
+                                # tensor otherwise), the group takes no more ops.
+                                self.dead = self.dead or (
+                                    f"ringd: a piece of an op of group {self.group} failed ({err}); its ranks' ops "
+                                    "may no longer pair: this process group cannot be used any more")
                         self.room.notify_all()
                     if finished:
                         self._finish(rec)
@@ -568,8 +589,8 @@ class _Engine:
                 return
             self.dead = self.dead or f"ringd: the process group of group {self.group} was destroyed"
             self.room.notify_all()
-        # The submitting thread fails the ops queued, the completion thread those in flight
-        # (dead), then they sleep; the finisher completes their futures.
+        # The submitting thread fails the ops queued; those in flight end in ringd (within its op
+        # timeout) or fail here after 5 s; the finisher completes their futures.
         end = datetime.datetime.now() + datetime.timedelta(seconds=5)
         while datetime.datetime.now() < end:
             with self.lock:
@@ -577,6 +598,16 @@ class _Engine:
                     break
             with self.finish_ready:
                 self.finish_ready.wait(0.05)
+        with self.lock:
+            # Still in ringd: failed, and their ranges kept (ringd may still write them until the
+            # connection closes).
+            left = [entry[0] for entry in self.inflight.values()]
+            self.inflight.clear()
+            for rec in left:
+                if not rec.reported:
+                    rec.reported = True
+                    rec.error = rec.error or self.dead
+                    self._finish(rec)
         with self.finish_ready:
             while self.finished and datetime.datetime.now() < end:
                 self.finish_ready.wait(0.05)
@@ -590,8 +621,9 @@ class _Engine:
         del self.slot
         with self.lock:
             for res in self.resident.values():
-                self.space.release(*res.rng)
-                self.ps.resident_bytes -= res.rng[1]
+                if not res.busy:
+                    self.space.release(*res.rng)
+                    self.ps.resident_bytes -= res.rng[1]
         self.resident.clear()
         _disconnect(self.client, self.ps, self.socket)
 
