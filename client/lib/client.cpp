@@ -17,6 +17,7 @@
 #include <cstdlib>
 #include <cstddef>
 #include <cstring>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -457,6 +458,13 @@ long ringd_status(const char *socket_path, char *buf, size_t len, int timeout_ms
 }
 
 const char *ringd_last_error(const ringd_client *c) { return c ? c->last_error.c_str() : "no client"; }
+
+void *ringd_slot_hold(ringd_client *c) {
+    if (!c || !c->data_map) return nullptr;
+    return new (std::nothrow) std::shared_ptr<SharedMapping>(c->data_map);
+}
+
+void ringd_slot_unhold(void *hold) { delete static_cast<std::shared_ptr<SharedMapping> *>(hold); }
 
 void ringd_close(ringd_client *c) {
     if (!c) return;

@@ -123,12 +123,19 @@ void ClientGateway::on_accept() {
     }
 }
 
-// Root is not limited per uid (memory.max_slots and the connection cap still hold).
-size_t ClientGateway::count_of(uint32_t uid, bool joined_only) const {
-    size_t n = 0;
+// Root is not limited per uid (memory.max_slots and the connection cap still hold). Slots: the
+// data areas the uid's joined clients hold (one however many clients share it, also after the
+// client that made it has gone).
+size_t ClientGateway::count_of(uint32_t uid, bool slots) const {
+    if (!slots) {
+        size_t n = 0;
+        for (const auto &[id, c] : clients_) n += c->cred().uid == uid;
+        return n;
+    }
+    std::set<const void *> areas;
     for (const auto &[id, c] : clients_)
-        n += c->cred().uid == uid && (!joined_only || (c->state() == ClientConn::State::Joined && !c->shares_slot()));
-    return n;
+        if (c->cred().uid == uid && c->state() == ClientConn::State::Joined) areas.insert(c->slot_lease().get());
+    return areas.size();
 }
 
 void ClientGateway::on_readable(MemberId id) {
@@ -191,8 +198,9 @@ void ClientGateway::handle_hello(ClientConn &c, const proto::Hello &h) {
     if (h.share_with != 0) {
         auto it = clients_.find(h.share_with);
         const ClientConn *owner = it == clients_.end() ? nullptr : it->second.get();
-        if (!owner || owner->state() != ClientConn::State::Joined || owner->cred().pid != c.cred().pid ||
-            owner->cred().uid != c.cred().uid) {
+        // pid 0: a client outside ringd's pid namespace, which SO_PEERCRED cannot tell apart.
+        if (!owner || owner->state() != ClientConn::State::Joined || c.cred().pid == 0 ||
+            owner->cred().pid != c.cred().pid || owner->cred().uid != c.cred().uid) {
             drop(id, make_error(-EPERM, "client " + std::to_string(h.share_with) +
                                             " is not a joined client of this process: its slot cannot be shared"), true);
             return;
@@ -276,10 +284,10 @@ void ClientGateway::handle_hello(ClientConn &c, const proto::Hello &h) {
     if (!lease) {
         // The host's slot count: until the last client using this data area is gone.
         ++*live_slots_;
-        lease = std::shared_ptr<void>(live_slots_.get(), [count = live_slots_](void *) { --*count; });
+        // It points at the data area's slot (count_of tells the uid's data areas apart by it).
+        lease = std::shared_ptr<void>(static_cast<void *>(slot->get()), [count = live_slots_](void *) { --*count; });
     }
-    c.joined(std::move(*slot), std::move(doorbell), std::move(completion), h.group, h.local_rank, std::move(lease),
-             h.share_with);
+    c.joined(std::move(*slot), std::move(doorbell), std::move(completion), h.group, h.local_rank, std::move(lease));
     if (h.share_with)
         spdlog::info("{} joined (local_size {}, the slot of client {})", c.describe(), h.local_size, h.share_with);
     else

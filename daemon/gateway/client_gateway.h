@@ -82,7 +82,7 @@ private:
     void send_late_replies();
     void drop(MemberId id, const Error &why, bool tell_client);
     // Connections (joined_only: slots) of clients with this uid.
-    size_t count_of(uint32_t uid, bool joined_only) const;
+    size_t count_of(uint32_t uid, bool slots) const;
 
     const Config &config_;
     uint32_t self_;  // this host's index in config_.hosts

@@ -23,10 +23,9 @@ Result<std::optional<Frame>> ClientConn::read_frame() {
 }
 
 void ClientConn::joined(std::shared_ptr<Slot> slot, UniqueFd doorbell, UniqueFd completion, std::string group,
-                        uint32_t local_rank, std::shared_ptr<void> lease, uint32_t shares_with) {
+                        uint32_t local_rank, std::shared_ptr<void> lease) {
     slot_ = std::move(slot);
     lease_ = std::move(lease);
-    shares_with_ = shares_with;
     doorbell_ = std::move(doorbell);
     completion_ = std::move(completion);
     group_ = std::move(group);

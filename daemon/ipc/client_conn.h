@@ -42,15 +42,14 @@ public:
     Result<std::optional<Frame>> read_frame();
 
     // Moves to Joined with its slot and eventfds.
-    // `lease` counts the slot's data area among the host's slots while any client uses it;
-    // `shares_with`: the client whose data area it uses (0: its own).
+    // `lease` counts the slot's data area among the host's slots while any client uses it (it
+    // points at the data area's Slot: the same for every client sharing it).
     void joined(std::shared_ptr<Slot> slot, UniqueFd doorbell, UniqueFd completion, std::string group,
-                uint32_t local_rank, std::shared_ptr<void> lease, uint32_t shares_with);
+                uint32_t local_rank, std::shared_ptr<void> lease);
     void closing() { state_ = State::Closing; }
 
     const std::shared_ptr<Slot> &slot() const { return slot_; }
     const std::shared_ptr<void> &slot_lease() const { return lease_; }
-    bool shares_slot() const { return shares_with_ != 0; }
     int doorbell_fd() const { return doorbell_.get(); }
     int completion_fd() const { return completion_.get(); }
     const std::string &group() const { return group_; }
@@ -82,7 +81,6 @@ private:
 
     std::shared_ptr<Slot> slot_;
     std::shared_ptr<void> lease_;
-    uint32_t shares_with_ = 0;
     UniqueFd doorbell_;
     UniqueFd completion_;
     std::string group_;

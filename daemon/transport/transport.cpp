@@ -37,7 +37,7 @@ Result<std::unique_ptr<NetworkTransport>> make_transport(const Config &config) {
             auto pick = TcpTransport::pick_congestion();
             cc = pick.name;
             if (!pick.why.empty()) {
-                note = " (tcp.congestion: auto; not cubic: not allowed here)";
+                note = " (tcp.congestion: auto; cubic: not available to ringd here)";
                 spdlog::info("tcp.congestion: auto: reno, the unpaced one this ringd may set ({})", pick.why);
             }
         }

@@ -1035,6 +1035,27 @@ TEST_CASE("a group belongs to its first trainer's uid; per-uid limits on slots a
         }
         if (!again) out += "uid 65533 after the group ended: " + e + "\n";
         ringd_close(again);
+        // A slot shared by a second group is still the uid's one slot, also once the client that
+        // made it has gone (share_slot_of).
+        auto join_sharing = [&](const char *group, ringd_client *base) {
+            char err[256] = "";
+            ringd_options opts{sizeof(ringd_options), sock.c_str(), group, 0, 1, 4096, nullptr, base};
+            ringd_client *c = ringd_connect_opts(&opts, err, sizeof err);
+            e = err;
+            return c;
+        };
+        ringd_client *base = nullptr;
+        for (int i = 0; i < 1000 && !base; ++i) {  // the 65533 client's slot goes once ringd saw it leave
+            base = as(65534, [&] { return join("share-base", 0, 1); });
+            if (!base) ::usleep(10000);
+        }
+        if (!base) return out + "nobody's slot for sharing: " + e + "\n";
+        ringd_client *sharer = as(65534, [&] { return join_sharing("share-more", base); });
+        if (!sharer) out += "nobody's second group on its slot: " + e + "\n";
+        ringd_close(base);
+        expect_refused(as(65534, [&] { return join("other", 0, 1); }), "nobody's second slot while its shared one lives",
+                       "uid 65534 holds 1 slots, its limit (limits.slots_per_uid)");
+        ringd_close(sharer);
         ringd_close(root_more);
         ringd_close(root0);
         return out;

@@ -63,6 +63,11 @@ typedef struct ringd_options {
 RINGD_API ringd_client *ringd_connect_opts(const ringd_options *opts, char *err, size_t err_len);
 /* The slot's data area; *bytes receives its size (if bytes is not NULL). */
 RINGD_API void *ringd_slot(ringd_client *c, size_t *bytes);
+/* Keeps the slot's data area mapped in this process after c (and every client sharing it) is
+   closed, until ringd_slot_unhold(the returned handle): for objects made over the slot that may
+   outlive the clients. NULL when c is NULL. The connection is not kept. */
+RINGD_API void *ringd_slot_hold(ringd_client *c);
+RINGD_API void ringd_slot_unhold(void *hold);
 /* In place, in the slot, at byte `offset`; 0 or -errno. On -ETIMEDOUT (timeout_ms passed, the op
  * still runs) the op's ticket is given up: its entry is freed when its result arrives, or it can
  * be waited again with ringd_wait (tickets count from 1, one per submitted op). */

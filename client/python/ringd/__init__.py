@@ -114,6 +114,10 @@ def _declare(lib):
     lib.ringd_status.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int]
     lib.ringd_close.restype = None
     lib.ringd_close.argtypes = [c_client]
+    lib.ringd_slot_hold.restype = ctypes.c_void_p
+    lib.ringd_slot_hold.argtypes = [c_client]
+    lib.ringd_slot_unhold.restype = None
+    lib.ringd_slot_unhold.argtypes = [ctypes.c_void_p]
     # Device buffers (CUDA): pointers and streams travel as integers.
     p, u64 = ctypes.c_void_p, ctypes.c_uint64
     for name, args in (("ringd_cuda_alloc", [c_client, ctypes.c_size_t, ctypes.POINTER(p)]),
@@ -267,6 +271,14 @@ class Client:
         self._check(self._lib.ringd_allreduce_cuda(self._handle(), ctypes.c_void_p(int(ptr)), int(count),
                                                    DTYPES[dtype_name(dtype)], OPS[op_name(op)],
                                                    ctypes.c_void_p(int(stream)), int(timeout_ms)))
+
+    def hold_slot(self):
+        """A handle that keeps the slot's memory mapped in this process after this client (and
+        every client sharing it) is closed, until unhold_slot(handle) (ringd_slot_hold)."""
+        return self._lib.ringd_slot_hold(self._handle())
+
+    def unhold_slot(self, handle):
+        self._lib.ringd_slot_unhold(handle)
 
     def fileno(self):
         """An fd that polls readable when a result may have arrived (then test() the tickets)."""

@@ -133,8 +133,17 @@ def _distinct_elements(t):
         t = t[tuple(slice(0, 1) if st == 0 else slice(None) for st in t.stride())]
     overlap = torch._debug_has_internal_overlap(t)  # 0 no, 1 yes, 2 cannot tell from the strides
     if overlap == 2 and t.numel() > 1:
-        where = torch.arange(t.storage_offset() + 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())))
-        overlap = int(where.as_strided(t.shape, t.stride(), t.storage_offset()).unique().numel() != t.numel())
+        # Dimensions by stride: none overlaps when each stride passes the farthest element the
+        # smaller ones reach (slices with steps, narrowed dimensions: every non-dense view).
+        reach, overlap = 0, 0
+        for st, n in sorted((abs(st), n) for n, st in zip(t.shape, t.stride()) if n > 1):
+            if st <= reach:
+                overlap = 2
+                break
+            reach += (n - 1) * st
+        if overlap == 2:  # strides that interleave (as_strided): count the distinct locations
+            where = torch.arange(1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())))
+            overlap = int(where.as_strided(t.shape, [abs(st) for st in t.stride()]).unique().numel() != t.numel())
     if overlap == 1:
         raise RuntimeError(f"ringd: the tensor's elements overlap in memory (shape {tuple(t.shape)}, strides "
                            f"{t.stride()}): an allreduce of it has no defined result; reduce a clone()")
@@ -217,6 +226,11 @@ class _ProcessSlot:
         self.resident_bytes = 0
         self.lock = threading.Lock()
         self.room = threading.Condition(self.lock)
+        # The mapping outlives the clients: ranges are released only once ringd is done with them,
+        # and the comm hook hands out tensors over the slot (set when it does), which may outlive
+        # the process groups: then the memory stays mapped for the process's life.
+        self.hold, self.unhold = client.hold_slot(), client.unhold_slot
+        self.handed_out = False
 
 
 _process_slots = {}  # socket path -> _ProcessSlot
@@ -231,6 +245,10 @@ def _connect(group, local_rank, local_size, slot_bytes, socket, hosts):
             try:
                 client = _ringd.Client(group, local_rank, local_size, slot_bytes, socket, hosts=hosts,
                                        share_slot_of=ps.clients[0])
+                if client.slot_address != ps.clients[0].slot_address or client.slot_bytes != ps.bytes:
+                    # A client library that does not know share_slot_of gave it a slot of its own.
+                    client.close()
+                    raise _ringd.RingdError(-errno.EPROTO, "this libringd-client does not share slots")
                 ps.clients.append(client)
                 return client, ps
             except _ringd.RingdError as e:
@@ -245,26 +263,20 @@ def _connect(group, local_rank, local_size, slot_bytes, socket, hosts):
 
 
 def _disconnect(client, ps, socket):
-    """Closes a group's client; the process's slot stays mapped while another group uses it, and
-    the last client stays open (its slot mapped) for the process's life while tensors over the
-    slot (the comm hook's last results) are still alive."""
+    """Closes a group's client (it leaves its ringd group). The process's slot stays mapped while
+    another group uses it; after the last one, until the process ends if the comm hook handed out
+    tensors over it (they may still be referenced), else it is unmapped."""
     with _process_slots_lock:
         if client in ps.clients:
             ps.clients.remove(client)
-        if ps.clients:
-            client.close()
-            return
-        if _process_slots.get(socket) is ps:
+        last = not ps.clients
+        if last and _process_slots.get(socket) is ps:
             del _process_slots[socket]
+    client.close()
+    if last and not ps.handed_out and ps.hold:
         ps.tensor = None
-        try:
-            ps.view.release()
-        except BufferError:
-            return
-        try:
-            client.close()
-        except BufferError:
-            pass
+        ps.unhold(ps.hold)
+        ps.hold = None
 
 
 class _Engine:
@@ -295,7 +307,9 @@ class _Engine:
         self.inflight_bytes = 0
         self.resident = {}  # comm hook: (bucket buffer's address, bytes, dtype) -> _Resident
         self.hook_calls = 0
-        self.closed = False
+        self.closed = False  # the submitting and completing threads stop
+        self.closing = False
+        self.finisher_stop = False  # the finishing thread stops once nothing is left to finish
         self.dead = None  # why this group cannot be used any more (nothing new is submitted)
         # Why the connection to ringd is gone: then no ticket in flight can complete, and they fail
         # at once. Only then are their slot ranges given back without their results: while ringd
@@ -357,6 +371,7 @@ class _Engine:
         # A tensor of its own over the range (storage offset 0): DDP takes views of the result
         # with as_strided at offsets from the start of its storage.
         view = torch.frombuffer(self.ps.view[off:off + nbytes], dtype=buffer.dtype).view(buffer.shape)
+        self.ps.handed_out = True
         fut = torch.futures.Future()
         rec = _Op(view, buffer.detach().view(-1), False, fut, view, op, _DTYPES[buffer.dtype])
         rec.resident, rec.view = res, view.view(-1)
@@ -453,11 +468,11 @@ class _Engine:
                 self.room.notify_all()
                 rec.submitted_all = True
                 rec.error = rec.error or str(e)
-                if start > 0 and not self.dead:
-                    # Part of the op went out: this rank's ops would pair with the others' next
-                    # chunks from now on. The group is unusable.
-                    self.dead = (f"ringd: an op of group {self.group} was only partly submitted ({e}); "
-                                 "this process group cannot be used any more: restart the job")
+                if not self.dead:
+                    # This rank skipped the op (or part of it), which the others submitted: its
+                    # next ops would pair with their earlier ones. The group is unusable.
+                    self.dead = (f"ringd: an op of group {self.group} could not be {'wholly ' if start else ''}"
+                                 f"submitted ({e}); this process group cannot be used any more: restart the job")
                 done = rec.chunks_left == 0 and not rec.reported
                 if done:
                     rec.reported = True
@@ -565,7 +580,7 @@ class _Engine:
         while True:
             with self.finish_ready:
                 while not self.finished:
-                    if self.closed:
+                    if self.finisher_stop:
                         return
                     self.finish_ready.wait(1.0)
                 rec = self.finished.popleft()
@@ -585,12 +600,13 @@ class _Engine:
         """Fails what is queued or in flight, stops the threads, then lets the client (and its
         slot) go."""
         with self.lock:
-            if self.closed:
+            if self.closed or self.closing:
                 return
+            self.closing = True
             self.dead = self.dead or f"ringd: the process group of group {self.group} was destroyed"
             self.room.notify_all()
         # The submitting thread fails the ops queued; those in flight end in ringd (within its op
-        # timeout) or fail here after 5 s; the finisher completes their futures.
+        # timeout) or are failed below after 5 s.
         end = datetime.datetime.now() + datetime.timedelta(seconds=5)
         while datetime.datetime.now() < end:
             with self.lock:
@@ -599,9 +615,15 @@ class _Engine:
             with self.finish_ready:
                 self.finish_ready.wait(0.05)
         with self.lock:
-            # Still in ringd: failed, and their ranges kept (ringd may still write them until the
-            # connection closes).
-            left = [entry[0] for entry in self.inflight.values()]
+            self.closed = True
+            self.room.notify_all()
+        for t in self.threads[:2]:  # submitting and completing: whatever they hold is queued to finish
+            t.join()
+        with self.lock:
+            # Still queued, or still in ringd: failed, their ranges kept (ringd may still write
+            # them until the connection closes; they go with the slot).
+            left = list(self.pending) + [entry[0] for entry in self.inflight.values()]
+            self.pending.clear()
             self.inflight.clear()
             for rec in left:
                 if not rec.reported:
@@ -609,15 +631,9 @@ class _Engine:
                     rec.error = rec.error or self.dead
                     self._finish(rec)
         with self.finish_ready:
-            while self.finished and datetime.datetime.now() < end:
-                self.finish_ready.wait(0.05)
-        with self.lock:
-            self.closed = True
-            self.room.notify_all()
-        with self.finish_ready:
+            self.finisher_stop = True  # once every completed op's future is completed
             self.finish_ready.notify_all()
-        for t in self.threads:
-            t.join()
+        self.threads[2].join()
         del self.slot
         with self.lock:
             for res in self.resident.values():
@@ -673,6 +689,10 @@ class ProcessGroupRingd(ProcessGroup):
         limit = st.get("memory", {}).get("slot_bytes_limit")
         if limit and "RINGD_SLOT_BYTES" not in os.environ:
             slot_bytes = min(slot_bytes, int(limit))
+        with _process_slots_lock:
+            existing = _process_slots.get(socket)
+            if existing is not None:
+                slot_bytes = existing.bytes  # this process's slot, which this group will use too
         # The ringd group of this process group spans the hosts of its ranks: each rank says
         # which ringd host it is on (through the group's own store, so new_group's ranks only),
         # and its trainers on a host are that group's local ranks there, in LOCAL_RANK order.
@@ -803,6 +823,8 @@ class ProcessGroupRingd(ProcessGroup):
         """all_gather_into_tensor: Gloo's allgather into the output's n parts (torch 1.13's Gloo
         has no _allgather_base)."""
         n = self.size()
+        if input.numel() == 0 and output.numel() == 0:
+            return self._gloo.barrier()  # nothing to gather; the ranks still meet, as for any collective
         if output.numel() != input.numel() * n or output.dtype != input.dtype or not output.is_contiguous():
             raise RuntimeError(f"ringd: all_gather_into_tensor needs a contiguous output of {n} x the input's "
                                f"{input.numel()} {input.dtype} elements, not {output.numel()} {output.dtype} "
