@@ -207,8 +207,8 @@ ringd_client *connect_client(const char *socket_path, const char *group, int loc
         if (::connect(c->sock.get(), reinterpret_cast<sockaddr *>(&addr), sizeof addr) != 0)
             return report(std::string("cannot connect to ringd at ") + socket_path + ": " + errno_string(errno) +
                           " (is ringd running?)");
-        if (share && (share->dead || !share->data_map))
-            return report("share_slot_of: that client is closed or lost its connection to ringd");
+        // Only what connect set and nothing changes after (another thread may be using `share`).
+        if (share && !share->data_map) return report("share_slot_of: that client has no slot");
         proto::Hello hello{group, static_cast<uint32_t>(local_rank), static_cast<uint32_t>(local_size),
                            share ? share->welcome.data_bytes : slot_bytes, hosts ? hosts : "",
                            share ? share->welcome.client_id : 0};
