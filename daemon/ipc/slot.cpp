@@ -10,6 +10,32 @@
 
 namespace ringd {
 
+// A sealed memfd of geo.map_bytes, mapped, with its header written (the queues are zero: a valid
+// state for the atomic indices). `what` names it in errors.
+Result<std::shared_ptr<Slot>> Slot::make(const std::string &name, const proto::SlotGeometry &geo, const char *what) {
+    std::shared_ptr<Slot> s(new (std::nothrow) Slot());
+    if (!s) return make_error(-ENOMEM, "out of memory");
+    s->geo_ = geo;
+    s->memfd_ = UniqueFd(::memfd_create(name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING));
+    if (!s->memfd_) return make_error(-errno, "memfd_create: " + errno_string(errno));
+    if (::ftruncate(s->memfd_.get(), static_cast<off_t>(geo.map_bytes)) != 0)
+        return make_error(-errno, std::string("ftruncate of the ") + what + " to " + std::to_string(geo.map_bytes) +
+                                      " bytes: " + errno_string(errno));
+    if (::fcntl(s->memfd_.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0)
+        return make_error(-errno, std::string("sealing the ") + what + " memfd: " + errno_string(errno));
+    auto m = SharedMapping::map(s->memfd_.get(), geo.map_bytes);
+    if (!m) return m.error();
+    s->map_ = std::move(*m);
+    auto &h = s->header();
+    h.magic = proto::kSlotMagic;
+    h.version = proto::kSlotVersion;
+    h.sq_depth = geo.sq_depth;
+    h.cq_depth = geo.cq_depth;
+    h.data_offset = geo.data_offset;
+    h.data_bytes = geo.data_bytes;
+    return s;
+}
+
 Result<std::shared_ptr<Slot>> Slot::share(const std::string &name, std::shared_ptr<Slot> base) {
     if (!base) return make_error(-EINVAL, "no slot to share");
     if (base->base_) base = base->base_;  // the owner of the data, not another sharer
@@ -18,58 +44,21 @@ Result<std::shared_ptr<Slot>> Slot::share(const std::string &name, std::shared_p
     if (!geo) return geo.error();
     geo->map_bytes = geo->data_offset;
     geo->data_bytes = 0;  // in this memfd (the Welcome says so); data_bytes() is base's
-    std::shared_ptr<Slot> s(new (std::nothrow) Slot());
-    if (!s) return make_error(-ENOMEM, "out of memory");
-    s->geo_ = *geo;
-    s->memfd_ = UniqueFd(::memfd_create(name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING));
-    if (!s->memfd_) return make_error(-errno, "memfd_create: " + errno_string(errno));
-    if (::ftruncate(s->memfd_.get(), static_cast<off_t>(geo->map_bytes)) != 0)
-        return make_error(-errno, "ftruncate of the queues to " + std::to_string(geo->map_bytes) + " bytes: " + errno_string(errno));
-    if (::fcntl(s->memfd_.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0)
-        return make_error(-errno, "sealing the queues' memfd: " + errno_string(errno));
-    auto m = SharedMapping::map(s->memfd_.get(), geo->map_bytes);
-    if (!m) return m.error();
-    s->map_ = std::move(*m);
-    auto &h = s->header();
-    h.magic = proto::kSlotMagic;
-    h.version = proto::kSlotVersion;
-    h.sq_depth = geo->sq_depth;
-    h.cq_depth = geo->cq_depth;
-    h.data_offset = geo->data_offset;
-    h.data_bytes = geo->data_bytes;
-    s->base_ = std::move(base);
+    auto s = make(name, *geo, "queues");
+    if (!s) return s;
+    (*s)->base_ = std::move(base);
     return s;
 }
 
 Result<std::shared_ptr<Slot>> Slot::create(const std::string &name, uint64_t data_bytes, Transport &transport) {
     auto geo = proto::slot_geometry(data_bytes);
     if (!geo) return geo.error();
-    std::shared_ptr<Slot> s(new (std::nothrow) Slot());
-    if (!s) return make_error(-ENOMEM, "out of memory");
-    s->geo_ = *geo;
-    s->memfd_ = UniqueFd(::memfd_create(name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING));
-    if (!s->memfd_) return make_error(-errno, "memfd_create: " + errno_string(errno));
-    if (::ftruncate(s->memfd_.get(), static_cast<off_t>(geo->map_bytes)) != 0)
-        return make_error(-errno, "ftruncate of the slot to " + std::to_string(geo->map_bytes) + " bytes: " + errno_string(errno));
-    if (::fcntl(s->memfd_.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0)
-        return make_error(-errno, "sealing the slot memfd: " + errno_string(errno));
-    auto m = SharedMapping::map(s->memfd_.get(), geo->map_bytes);
-    if (!m) return m.error();
-    s->map_ = std::move(*m);
-
-    auto &h = s->header();
-    h.magic = proto::kSlotMagic;
-    h.version = proto::kSlotVersion;
-    h.sq_depth = geo->sq_depth;
-    h.cq_depth = geo->cq_depth;
-    h.data_offset = geo->data_offset;
-    h.data_bytes = geo->data_bytes;
-    // The memfd is zero-filled, which is a valid state for the std::atomic indices.
-
+    auto s = make(name, *geo, "slot");
+    if (!s) return s;
     // With its memfd: a transport may send the data region by reference (post_send_stable).
-    auto reg = transport.register_region(s->data(), geo->data_bytes, s->memfd_.get(), geo->data_offset);
+    auto reg = transport.register_region((*s)->data(), geo->data_bytes, (*s)->memfd_.get(), geo->data_offset);
     if (!reg) return reg.error();
-    s->registration_ = RegisteredRegion(&transport, *reg);
+    (*s)->registration_ = RegisteredRegion(&transport, *reg);
     return s;
 }
 

@@ -43,6 +43,7 @@ public:
 
 private:
     Slot() = default;
+    static Result<std::shared_ptr<Slot>> make(const std::string &name, const proto::SlotGeometry &geo, const char *what);
     // Creation order = declaration order; destruction undoes registration before unmapping.
     UniqueFd memfd_;
     proto::SlotGeometry geo_;

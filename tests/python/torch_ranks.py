@@ -394,16 +394,22 @@ def scenario_part():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
     ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1)
+    train_checked(ddp, model, (32, 64), 5, "")
+
+
+def train_checked(ddp, model, shape, steps, what):
+    """A few SGD steps of `ddp` on this rank's own random inputs of `shape`; then the parameters
+    must be identical on every rank (gathered through the default group)."""
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(RANK)
-    for _ in range(5):
+    for _ in range(steps):
         opt.zero_grad()
-        ddp(torch.randn(32, 64, generator=g)).square().mean().backward()
+        ddp(torch.randn(*shape, generator=g)).square().mean().backward()
         opt.step()
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     gathered = [torch.empty_like(flat) for _ in range(WORLD)]
     dist.all_gather(gathered, flat)
-    check(all(torch.equal(x, flat) for x in gathered), "DDP parameters differ between ranks")
+    check(all(torch.equal(x, flat) for x in gathered), f"DDP parameters differ between ranks{what}")
 
 
 def scenario_slots():
@@ -425,16 +431,7 @@ def scenario_slots():
     layer = torch.nn.Linear(400, 500)
     h = DDP(layer, bucket_cap_mb=4)
     h.register_comm_hook(None, ringd.torch.allreduce_hook)
-    opt = torch.optim.SGD(h.parameters(), lr=0.01)
-    g = torch.Generator().manual_seed(RANK)
-    for _ in range(3):
-        opt.zero_grad()
-        h(torch.randn(4, 400, generator=g)).square().mean().backward()
-        opt.step()
-    flat = torch.cat([p.detach().reshape(-1) for p in layer.parameters()])
-    gathered = [torch.empty_like(flat) for _ in range(WORLD)]
-    dist.all_gather(gathered, flat)
-    check(all(torch.equal(x, flat) for x in gathered), "DDP parameters differ between ranks with different slots")
+    train_checked(h, layer, (4, 400), 3, " with different slots")
     took = time.monotonic() - start
     check(took < OP_TIMEOUT_S, f"the ops took {took:.1f} s: some waited out ringd's op timeout")
 
