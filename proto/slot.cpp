@@ -48,9 +48,15 @@ Result<Submission> validate_submit(const SubmitDesc &d, uint64_t data_bytes, boo
         s.cuda = true;
         s.cuda_reg = d.cuda_reg;
         s.cuda_offset = d.cuda_offset;
+        s.ready_seq = d.cuda_ready_seq == 0 ? d.seq : d.cuda_ready_seq;
+        // The words hold a seq's low 32 bits and compare wrapping: the op's word must lie ahead
+        // of its own seq by less than half that range.
+        if (s.ready_seq < d.seq || s.ready_seq - d.seq >= (uint64_t{1} << 31))
+            return make_error(-EINVAL, at + "cuda_ready_seq " + std::to_string(d.cuda_ready_seq) +
+                                           " is not within 2^31 at or after the op's seq");
     } else if (d.buffer_kind != static_cast<uint32_t>(BufferKind::Slot)) {
         return make_error(-EINVAL, at + "unknown buffer kind " + std::to_string(d.buffer_kind));
-    } else if (d.cuda_reg != 0 || d.cuda_offset != 0) {
+    } else if (d.cuda_reg != 0 || d.cuda_offset != 0 || d.cuda_ready_seq != 0) {
         return make_error(-EINVAL, at + "a slot buffer with CUDA fields set");
     }
     const uint64_t esize = dtype_size(s.dtype);

@@ -86,11 +86,16 @@ struct SubmitDesc {
     uint64_t offset;     // bytes into the slot data area
     uint64_t cuda_reg;     // Cuda: the registration
     uint64_t cuda_offset;  // Cuda: bytes into the registration
-    uint8_t reserved[256 - 56];
+    // Cuda: the seq whose ready word says the buffer is produced (0: this op's own). The parts of
+    // a device op larger than its staging window all wait for the word of the op's last part,
+    // which the trainer's stream writes once, when the op is submitted.
+    uint64_t cuda_ready_seq;
+    uint8_t reserved[256 - 64];
 };
 static_assert(sizeof(SubmitDesc) == 256);
 static_assert(offsetof(SubmitDesc, offset) == 32);
 static_assert(offsetof(SubmitDesc, cuda_reg) == 40);
+static_assert(offsetof(SubmitDesc, cuda_ready_seq) == 56);
 
 struct CompletionDesc {
     uint64_t seq;
@@ -126,6 +131,7 @@ struct Submission {
     bool cuda = false;    // a device buffer (BufferKind::Cuda), checked against its registration later
     uint64_t cuda_reg = 0;
     uint64_t cuda_offset = 0;
+    uint64_t ready_seq = 0;  // cuda: the seq whose ready word marks the buffer produced (>= seq)
 };
 
 // Validates a copied descriptor against the slot's data area: dtype/op/kind known, avg only for

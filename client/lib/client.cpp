@@ -28,29 +28,18 @@ void ringd_client::drain_completions() {
     const uint64_t tail = header->cq_tail.value.load(std::memory_order_acquire);
     for (; cq_head != tail && tail - cq_head <= welcome.cq_depth; ++cq_head) {
         const proto::CompletionDesc &c = cq[cq_head % welcome.cq_depth];
+        std::string message(c.message, std::min<size_t>(c.message_len, proto::kCompletionMessageBytes));
+        if (cuda && cuda_part_ended(*this, c.seq, c.status, message)) continue;
         Ticket &t = tickets[c.seq % tickets.size()];
         if (t.seq != c.seq || t.own_done || (t.state != TicketState::InFlight && t.state != TicketState::Abandoned))
             continue;
-        std::string message(c.message, std::min<size_t>(c.message_len, proto::kCompletionMessageBytes));
-        if (t.parent != 0) {  // a part of a device op: its result goes to the op's ticket
-            t.state = TicketState::Free;
-            if (t.cuda) cuda_ticket_ended(*this, t.seq, c.status);
-            Ticket &p = tickets[t.parent % tickets.size()];
-            if (p.seq == t.parent && p.parts_left > 0) {
-                if (c.status != 0 && p.part_status == 0) {
-                    p.part_status = c.status;
-                    p.part_message = std::move(message);
-                }
-                if (--p.parts_left == 0 && p.own_done) settle(p);
-            }
-            continue;
-        }
         t.status = c.status;
         t.message = std::move(message);
         t.own_done = true;
         if (t.parts_left == 0) settle(t);
     }
     header->cq_head.value.store(cq_head, std::memory_order_release);
+    if (cuda && !dead) cuda_pump(*this);  // staging ranges freed above take the next parts
 }
 
 void ringd_client::settle(Ticket &t) {
@@ -314,13 +303,16 @@ int ringd_client::check_room(uint64_t n) {
             // A Done ticket waits for its caller; one still without its completion past the
             // contract would hold its slot for ever.
             if (t.state != TicketState::Done && Clock::now() >= contract_deadline(t)) return breach(t);
-            const uint64_t wait_for = t.parent ? t.parent : t.seq;
-            return fail(-EAGAIN, "too many ops in flight: wait for ticket " + std::to_string(wait_for) + " first");
+            return fail(-EAGAIN, "too many ops in flight: wait for ticket " + std::to_string(t.seq) + " first");
         }
     }
-    if (sq_tail + n - header->sq_head.value.load(std::memory_order_acquire) > welcome.sq_depth)
-        return fail(-EAGAIN, "submission queue is full");
+    // Ops held behind a device op's parts go to the queue as it drains.
+    if (!(cuda && cuda_backlog(*this)) && !queue_room(n)) return fail(-EAGAIN, "submission queue is full");
     return 0;
+}
+
+bool ringd_client::queue_room(uint64_t n) const {
+    return sq_tail + n - header->sq_head.value.load(std::memory_order_acquire) <= welcome.sq_depth;
 }
 
 int ringd_client::submit_desc(proto::SubmitDesc &d, uint64_t *ticket, bool cuda_op) {
@@ -342,7 +334,9 @@ int ringd_client::submit_desc(proto::SubmitDesc &d, uint64_t *ticket, bool cuda_
     t.cuda = cuda_op;
     t.offset = d.offset;
     t.bytes = d.count * dtype_size(static_cast<DType>(d.dtype));
-    publish(&d, 1);
+    ++next_seq;
+    if (cuda && cuda_backlog(*this)) cuda_hold(*this, d);  // behind a device op's parts still to go
+    else publish(&d, 1);
     if (ticket) *ticket = d.seq;
     last_error.clear();
     return 0;
@@ -352,7 +346,6 @@ void ringd_client::publish(const proto::SubmitDesc *descs, uint64_t n) {
     for (uint64_t i = 0; i < n; ++i) std::memcpy(&sq[(sq_tail + i) % welcome.sq_depth], &descs[i], sizeof descs[i]);
     sq_tail += n;
     header->sq_tail.value.store(sq_tail, std::memory_order_release);
-    next_seq += n;
     // ringd takes the whole queue at each ring; a failed write (an eventfd at its limit) still
     // leaves the descriptors for the next ring or ringd's next look.
     const uint64_t one = 1;
@@ -361,6 +354,7 @@ void ringd_client::publish(const proto::SubmitDesc *descs, uint64_t n) {
 
 int ringd_submit(ringd_client *c, size_t offset, size_t count, ringd_dtype dtype, ringd_op op, uint64_t *ticket) {
     if (!c) return -EINVAL;
+    std::lock_guard lock(c->mu);
     try {
         if (c->dead) return c->still_dead();
         proto::SubmitDesc d{};
@@ -385,6 +379,7 @@ namespace {
 template <class Look>
 int on_ticket(ringd_client *c, uint64_t ticket, Look look) {
     if (!c) return -EINVAL;
+    std::lock_guard lock(c->mu);
     Ticket &t = c->tickets[ticket % c->tickets.size()];
     bool abandoned = false;
     int rc;
@@ -430,6 +425,8 @@ int ringd_fd(ringd_client *c) {
 }
 
 int ringd_allreduce(ringd_client *c, size_t offset, size_t count, ringd_dtype dtype, ringd_op op, int timeout_ms) {
+    if (!c) return -EINVAL;
+    std::lock_guard lock(c->mu);
     uint64_t ticket = 0;
     if (int rc = ringd_submit(c, offset, count, dtype, op, &ticket); rc != 0) return rc;
     const int rc = ringd_wait(c, ticket, timeout_ms);
@@ -468,7 +465,10 @@ void ringd_slot_unhold(void *hold) { delete static_cast<std::shared_ptr<SharedMa
 
 void ringd_close(ringd_client *c) {
     if (!c) return;
-    cuda_client_closing(*c);
+    {
+        std::lock_guard lock(c->mu);
+        cuda_client_closing(*c);
+    }
     delete c;
 }
 

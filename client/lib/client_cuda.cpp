@@ -4,12 +4,14 @@
 // first use (RINGD_CUDA_PROVIDER: hardware, the default, or emulated); without one these entry
 // points fail with -ENODEV and the rest of the library works as ever.
 #include <poll.h>
+#include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <array>
 #include <condition_variable>
+#include <deque>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -30,7 +32,10 @@ constexpr size_t kDoneOffset = offsetof(proto::SlotHeader, cuda_done);
 constexpr size_t kProbeOffset = offsetof(proto::SlotHeader, cuda_probe);
 constexpr auto kCloseBound = std::chrono::seconds(10);  // ringd_close waits this long for queued GPU work
 constexpr uint64_t kPartBytes = 16 << 20;  // device ops larger than this go as parts (pipelined)
-constexpr uint64_t kMaxParts = 16;
+constexpr uint64_t kMaxRanges = 16;         // staging ranges of one device op (its parts cycle through them)
+// While parts wait for a staging range and the caller holds the client, the watcher looks again
+// this often.
+constexpr int kPumpRetryMs = 1;
 
 std::string hex(uint64_t v) {
     char b[32];
@@ -69,7 +74,29 @@ struct ringd_client_detail::CudaClient {
     struct Op {
         uint64_t offset = 0, bytes = 0;  // staging range in the slot
     };
-    std::map<uint64_t, Op> ops;  // device ops in flight, by seq
+    std::map<uint64_t, Op> ops;  // device ops in flight, by seq (the last part's): their staging windows
+
+    // A device op in parts: its seqs first..last were taken at submission (ready word written for
+    // `last`, on which every part's stage-in waits); part k is staged in range k % ranges of its
+    // window and goes to ringd once the part before it in that range has ended.
+    struct Stream {
+        proto::SubmitDesc desc;  // dtype, op, registration: what every part shares
+        uint64_t first = 0, last = 0, next = 0;  // next: the next part to hand to ringd
+        uint64_t count = 0, per = 0, esize = 0;  // elements in all, per part, element size
+        uint64_t reg_offset = 0, staging = 0;
+        uint64_t part_bytes = 0, max_ranges = 0;
+        std::vector<uint64_t> range_seq;  // per staging range: the part in it (0: free); empty: no window yet
+    };
+    std::map<uint64_t, Stream> streams;  // by last seq, until the op's ticket settles
+    // What waits in the client, in seq order: a stream with parts to go (stream != 0, its last
+    // seq), or an op submitted behind one (desc).
+    struct Held {
+        uint64_t stream = 0;
+        proto::SubmitDesc desc{};
+    };
+    std::deque<Held> backlog;
+    std::atomic<bool> pending{false};  // backlog not empty (the watcher reads it unlocked)
+    bool closing = false;
 
     // The watcher: while device ops are in flight it releases their done words if ringd goes
     // away or lets their deadline pass, so that a stream waiting on one never hangs, even when
@@ -115,6 +142,18 @@ void release_word(std::atomic<uint32_t> &w, uint32_t value) { w.store(value, std
 void watch(ringd_client *c) {
     CudaClient &cc = *c->cuda;
     auto &h = *c->header;
+    // The completion eventfd edge-triggered: each of ringd's signals wakes the watcher once, and
+    // it never reads the count (that is the caller's, for ringd_wait and ringd_fd).
+    UniqueFd ep(::epoll_create1(EPOLL_CLOEXEC));
+    auto add = [&](int fd, uint32_t events) {
+        epoll_event ev{};
+        ev.events = events;
+        ev.data.fd = fd;
+        return ep && ::epoll_ctl(ep.get(), EPOLL_CTL_ADD, fd, &ev) == 0;
+    };
+    const bool watching = add(c->sock.get(), EPOLLRDHUP) && add(cc.wake.get(), EPOLLIN) &&
+                          add(c->completion.get(), EPOLLIN | EPOLLET);
+    bool retry = false;  // parts wait and the caller held the client at the last look
     for (;;) {
         int timeout = 1000;
         {
@@ -131,19 +170,36 @@ void watch(ringd_client *c) {
                 ++it;
             }
         }
-        // POLLRDHUP without POLLIN: ringd's going away, without taking any bytes off the socket.
-        pollfd p[2] = {{c->sock.get(), POLLRDHUP, 0}, {cc.wake.get(), POLLIN, 0}};
-        const int n = ::poll(p, 2, timeout);
-        if (n > 0 && (p[0].revents & (POLLRDHUP | POLLHUP | POLLERR))) {
+        if (retry || !watching) timeout = std::min(timeout, retry ? kPumpRetryMs : 50);
+        epoll_event evs[3];
+        const int n = watching ? ::epoll_wait(ep.get(), evs, 3, timeout) : (::poll(nullptr, 0, timeout), 0);
+        bool gone = false, completions = !watching || retry;
+        for (int i = 0; i < n; ++i) {
+            if (evs[i].data.fd == c->sock.get() && (evs[i].events & (EPOLLRDHUP | EPOLLHUP | EPOLLERR))) gone = true;
+            if (evs[i].data.fd == c->completion.get()) completions = true;
+            if (evs[i].data.fd == cc.wake.get()) {
+                uint64_t v;
+                (void)!::read(cc.wake.get(), &v, sizeof v);
+            }
+        }
+        if (gone) {
+            // ringd's going away, seen without taking any bytes off the socket.
             std::lock_guard lock(cc.mu);
             cc.ringd_gone = true;  // later device ops are refused (ringd_submit_cuda checks)
             for (auto &[seq, w] : cc.watched) release_word(h.cuda_done[w.entry], w.word);
             cc.watched.clear();
             return;  // the connection is over: nothing more will be watched
         }
-        if (n > 0 && (p[1].revents & POLLIN)) {
-            uint64_t v;
-            (void)!::read(cc.wake.get(), &v, sizeof v);
+        retry = false;
+        if (completions && cc.pending.load(std::memory_order_acquire)) {
+            // Parts wait for ranges that completions may have freed: hand them over unless the
+            // caller is in the library (its own look at the completions does it).
+            std::unique_lock lock(c->mu, std::try_to_lock);
+            if (lock.owns_lock()) {
+                if (!c->dead && !cc.closing) c->drain_completions();
+            } else {
+                retry = true;
+            }
         }
     }
 }
@@ -159,7 +215,9 @@ int ensure_cuda(ringd_client &c, CUdeviceptr dev_ptr) {
         if (!api) return c.fail(api.error().code, api.error().message);
         c.cuda.reset(new CudaClient);
         c.cuda->api = *api;
-        if (const char *v = std::getenv("RINGD_CUDA_PART_BYTES"); v && *v) {
+        if (c.cuda_part_bytes != 0) {
+            c.cuda->part_bytes = c.cuda_part_bytes;
+        } else if (const char *v = std::getenv("RINGD_CUDA_PART_BYTES"); v && *v) {
             char *end = nullptr;
             const unsigned long long b = std::strtoull(v, &end, 10);
             if (*end != '\0' || b < 4096) {
@@ -270,12 +328,9 @@ int unregister_with_ringd(ringd_client &c, uint64_t reg) {
     return request(c, proto::encode_cuda_unregister(reg), -1, nullptr);
 }
 
-// A staging range of `bytes` in the slot, clear of every op in flight (slot and device ops).
-int find_staging(ringd_client &c, uint64_t bytes, uint64_t *offset) {
-    if (bytes > c.welcome.data_bytes)
-        return c.fail(-E2BIG, "a device op of " + std::to_string(bytes) + " bytes does not fit the " +
-                                  std::to_string(c.welcome.data_bytes) + "-byte slot it is staged in "
-                                  "(connect with a larger slot_bytes / RINGD_SLOT_BYTES)");
+// A staging range of `bytes` in the slot, clear of every op in flight (slot and device ops):
+// false while there is none.
+bool find_staging(const ringd_client &c, uint64_t bytes, uint64_t *offset) {
     // Slot ops in flight too: ringd writes their ranges until they end.
     std::vector<std::pair<uint64_t, uint64_t>> used;
     for (const auto &[seq, op] : c.cuda->ops) used.emplace_back(op.offset, op.offset + op.bytes);
@@ -288,11 +343,9 @@ int find_staging(ringd_client &c, uint64_t bytes, uint64_t *offset) {
         if (at + bytes <= b) break;
         at = std::max(at, (e + kStagingAlign - 1) / kStagingAlign * kStagingAlign);
     }
-    if (at + bytes > c.welcome.data_bytes)
-        return c.fail(-EAGAIN, "no room in the slot for a device op of " + std::to_string(bytes) +
-                                   " bytes beside the ops in flight: wait for one first");
+    if (at + bytes > c.welcome.data_bytes) return false;
     *offset = at;
-    return 0;
+    return true;
 }
 
 struct HostWrite {
@@ -336,6 +389,7 @@ void CudaClientDelete::operator()(CudaClient *cc) const {
 // the events recorded after it say when, within a bound), the allocations freed.
 static void cuda_close(ringd_client &c) {
     CudaClient &cc = *c.cuda;
+    cc.closing = true;  // nothing more goes to ringd (the watcher's pump included)
     {
         std::lock_guard lock(cc.mu);
         for (auto &[seq, w] : cc.watched) {
@@ -407,6 +461,7 @@ void cuda_ticket_ended(ringd_client &c, uint64_t seq, int32_t status) {
     if (!c.cuda) return;
     CudaClient &cc = *c.cuda;
     cc.ops.erase(seq);
+    cc.streams.erase(seq);
     std::lock_guard lock(cc.mu);
     auto it = cc.watched.find(seq);
     if (it == cc.watched.end()) return;
@@ -414,6 +469,100 @@ void cuda_ticket_ended(ringd_client &c, uint64_t seq, int32_t status) {
     // again here covers a ringd that could not.
     if (status != 0) release_word(c.header->cuda_done[it->second.entry], it->second.word);
     cc.watched.erase(it);
+}
+
+bool cuda_part_ended(ringd_client &c, uint64_t seq, int32_t status, std::string &message) {
+    CudaClient &cc = *c.cuda;
+    auto it = cc.streams.upper_bound(seq);  // the op whose last seq is above it
+    if (it == cc.streams.end() || seq < it->second.first) return false;
+    CudaClient::Stream &st = it->second;
+    uint64_t &range = st.range_seq[(seq - st.first) % st.range_seq.size()];
+    if (range != seq) return true;  // not in flight (a completion twice): nothing to take
+    range = 0;
+    Ticket &t = c.tickets[st.last % c.tickets.size()];
+    if (t.seq != st.last || t.parts_left == 0) return true;
+    if (status != 0 && t.part_status == 0) {
+        t.part_status = status;
+        t.part_message = "part " + std::to_string(seq - st.first + 1) + " of " + std::to_string(st.last - st.first + 1) +
+                         ": " + message;
+    }
+    if (--t.parts_left == 0 && t.own_done) c.settle(t);  // may end the stream: `st` is gone then
+    return true;
+}
+
+bool cuda_backlog(const ringd_client &c) { return c.cuda && !c.cuda->backlog.empty(); }
+
+void cuda_hold(ringd_client &c, const proto::SubmitDesc &d) {
+    c.cuda->backlog.push_back(CudaClient::Held{0, d});
+    c.cuda->pending.store(true, std::memory_order_release);
+}
+
+void cuda_pump(ringd_client &c) {
+    CudaClient &cc = *c.cuda;
+    if (cc.backlog.empty() || cc.closing) return;
+    std::array<proto::SubmitDesc, kMaxRanges> descs;  // one doorbell for what goes now
+    uint64_t n = 0;
+    const auto now = Clock::now();
+    auto flush = [&] {
+        if (n) c.publish(descs.data(), n);
+        n = 0;
+    };
+    while (!cc.backlog.empty()) {
+        CudaClient::Held &h = cc.backlog.front();
+        if (h.stream == 0) {
+            if (n == descs.size()) flush();
+            if (!c.queue_room(n + 1)) break;
+            descs[n++] = h.desc;
+            Ticket &t = c.tickets[h.desc.seq % c.tickets.size()];
+            if (t.seq == h.desc.seq) t.submitted = now;  // its contract counts from here
+            cc.backlog.pop_front();
+            continue;
+        }
+        CudaClient::Stream &st = cc.streams.at(h.stream);
+        if (st.range_seq.empty()) {  // its window, as large as the slot's room now allows
+            const uint64_t parts = st.last - st.first + 1;
+            uint64_t ranges = st.max_ranges;
+            for (; ranges > 0; --ranges) {
+                const uint64_t window = ranges == parts ? st.part_bytes * (parts - 1) + (st.count - (parts - 1) * st.per) * st.esize
+                                                        : ranges * st.part_bytes;
+                if (find_staging(c, window, &st.staging)) {
+                    cc.ops[st.last] = CudaClient::Op{st.staging, window};
+                    break;
+                }
+            }
+            if (ranges == 0) break;  // ops in flight hold the slot: their completions free it
+            st.range_seq.assign(ranges, 0);
+        }
+        while (st.next <= st.last) {
+            uint64_t &range = st.range_seq[(st.next - st.first) % st.range_seq.size()];
+            if (range != 0) break;  // the part before it in that range is still in ringd
+            if (n == descs.size()) flush();
+            if (!c.queue_room(n + 1)) break;
+            const uint64_t k = st.next - st.first;
+            proto::SubmitDesc &d = descs[n++];
+            d = st.desc;
+            d.seq = st.next;
+            d.count = std::min(st.per, st.count - k * st.per);
+            d.offset = st.staging + (k % st.range_seq.size()) * st.per * st.esize;
+            d.cuda_offset = st.reg_offset + k * st.per * st.esize;
+            d.cuda_ready_seq = st.last;
+            range = st.next++;
+        }
+        if (st.next <= st.last) break;
+        cc.backlog.pop_front();
+    }
+    // The op's contract (and the watcher's deadline for its done word) counts from its latest part.
+    for (uint64_t i = 0; i < n; ++i) {
+        auto it = cc.streams.upper_bound(descs[i].seq - 1);
+        if (it == cc.streams.end() || descs[i].seq < it->second.first) continue;
+        Ticket &t = c.tickets[it->first % c.tickets.size()];
+        if (t.seq == it->first) t.submitted = now;
+        std::lock_guard lock(cc.mu);
+        if (auto w = cc.watched.find(it->first); w != cc.watched.end())
+            w->second.deadline = now + std::chrono::milliseconds(c.welcome.op_timeout_ms) + c.wait_margin;
+    }
+    flush();
+    cc.pending.store(!cc.backlog.empty(), std::memory_order_release);
 }
 
 bool cuda_staging_overlaps(const ringd_client &c, uint64_t offset, uint64_t bytes, uint64_t *seq) {
@@ -429,6 +578,7 @@ extern "C" {
 
 int ringd_cuda_alloc(ringd_client *c, size_t bytes, void **dev_ptr) {
     if (!c || !dev_ptr || bytes == 0) return c ? c->fail(-EINVAL, "ringd_cuda_alloc: dev_ptr NULL or bytes 0") : -EINVAL;
+    std::lock_guard lock(c->mu);
     try {
         *dev_ptr = nullptr;
         if (c->dead) return c->still_dead();
@@ -502,6 +652,7 @@ int ringd_cuda_alloc(ringd_client *c, size_t bytes, void **dev_ptr) {
 
 int ringd_cuda_free(ringd_client *c, void *dev_ptr) {
     if (!c) return -EINVAL;
+    std::lock_guard lock(c->mu);
     try {
         const auto ptr = reinterpret_cast<CUdeviceptr>(dev_ptr);
         if (!c->cuda || !c->cuda->allocs.count(ptr))
@@ -524,6 +675,7 @@ int ringd_cuda_free(ringd_client *c, void *dev_ptr) {
 
 int ringd_register_cuda(ringd_client *c, const void *dev_ptr, size_t bytes, uint64_t *reg) {
     if (!c || !reg || bytes == 0) return c ? c->fail(-EINVAL, "ringd_register_cuda: reg NULL or bytes 0") : -EINVAL;
+    std::lock_guard lock(c->mu);
     try {
         *reg = 0;
         if (c->dead) return c->still_dead();
@@ -563,6 +715,7 @@ int ringd_register_cuda(ringd_client *c, const void *dev_ptr, size_t bytes, uint
 
 int ringd_unregister_cuda(ringd_client *c, uint64_t reg) {
     if (!c) return -EINVAL;
+    std::lock_guard lock(c->mu);
     try {
         if (!c->cuda || !c->cuda->regs.erase(reg))
             return c->fail(-ENOENT, "CUDA registration " + std::to_string(reg) + " is not one of this client's");
@@ -575,6 +728,7 @@ int ringd_unregister_cuda(ringd_client *c, uint64_t reg) {
 int ringd_submit_cuda(ringd_client *c, void *dev_ptr, size_t count, ringd_dtype dtype, ringd_op op,
                       struct CUstream_st *stream, uint64_t *ticket) {
     if (!c) return -EINVAL;
+    std::lock_guard lock(c->mu);
     try {
         if (c->dead) return c->still_dead();
         if (!c->cuda || !c->cuda->ctx)
@@ -606,88 +760,92 @@ int ringd_submit_cuda(ringd_client *c, void *dev_ptr, size_t count, ringd_dtype 
             return c->fail(-ENOENT, "device buffer [" + hex(ptr) + ", +" + std::to_string(bytes) +
                                         ") is in no registration of this client: register it with ringd_register_cuda "
                                         "or allocate it with ringd_cuda_alloc");
-        uint64_t staging = 0;
         c->drain_completions();  // staging ranges of ops that ended are free again
-        if (int rc = find_staging(*c, bytes, &staging); rc != 0) return rc;
         proto::SubmitDesc d{};
         d.seq = c->next_seq;
         d.count = count;
         d.dtype = static_cast<uint32_t>(dtype);
         d.op = static_cast<uint32_t>(op);
         d.buffer_kind = static_cast<uint32_t>(proto::BufferKind::Cuda);
-        d.offset = staging;
         d.cuda_reg = reg;
         d.cuda_offset = reg_offset;
+        // A large op goes as parts of at most cc.part_bytes: consecutive ringd ops, so that ringd
+        // copies part k+1 off the device while part k is on the ring, and copies part k's result
+        // back while k+1 is (the copies pipelined with the ring). Every rank cuts the same
+        // (count, dtype) the same way. The parts cycle through a staging window of at most
+        // kMaxRanges part-sized ranges of the slot, so an op of any size streams through it.
+        const uint64_t esize = dtype_size(static_cast<DType>(dtype));
+        const uint64_t per = std::max<uint64_t>(1, cc.part_bytes / esize);
+        const uint64_t parts = count == 0 ? 1 : (count + per - 1) / per;
+        const uint64_t part_bytes = parts == 1 ? bytes : per * esize;
+        // The window is placed when the op is next to go to ringd (cuda_pump): as many ranges as
+        // the slot then has room for beside the ops in flight, at least one.
+        const uint64_t ranges = std::min<uint64_t>({parts, kMaxRanges, c->welcome.data_bytes / std::max<uint64_t>(part_bytes, 1)});
+        if (part_bytes > c->welcome.data_bytes || ranges == 0)
+            return c->fail(-E2BIG, (parts == 1 ? "a device op of " + std::to_string(bytes) + " bytes"
+                                               : "a part of " + std::to_string(part_bytes) + " bytes") +
+                                       " does not fit the " + std::to_string(c->welcome.data_bytes) +
+                                       "-byte slot it is staged in (connect with a larger slot_bytes / RINGD_SLOT_BYTES, "
+                                       "or make the parts smaller: RINGD_CUDA_PART_BYTES, ringd_set_cuda_part_bytes)");
+        d.count = std::min<uint64_t>(count, per);
+        d.cuda_ready_seq = d.seq + parts - 1;
         // Everything that could refuse the op is checked before the ready word goes on the
         // stream: a word queued for an op that was then refused would let ringd copy a later op's
         // buffer (same seq) before that one is produced.
         if (auto v = proto::validate_submit(d, c->welcome.data_bytes, true); !v) return c->fail(v.error().code, v.error().message);
-        // A large op goes as parts of at most cc.part_bytes (and at most kMaxParts of them):
-        // consecutive ringd ops, so that ringd copies part k+1 off the device while part k is on
-        // the ring, and copies part k's result back while k+1 is (the copies pipelined with the
-        // ring). Every rank cuts the same (count, dtype) the same way.
-        const uint64_t esize = dtype_size(static_cast<DType>(dtype));
-        uint64_t per = std::max<uint64_t>(1, cc.part_bytes / esize);
-        if (count > per * kMaxParts) per = (count + kMaxParts - 1) / kMaxParts;
-        const uint64_t parts = count == 0 ? 1 : (count + per - 1) / per;
-        if (int rc = c->check_room(parts); rc != 0) return rc;
         const uint64_t first = c->next_seq, last = first + parts - 1;
-        // Everything that can fail comes before the first ready word; from the first word on,
-        // nothing can be taken back (a later op of the same seq would find its word written).
+        // The op's ticket is its last part's; the other parts take none. (The queue's room is
+        // the pump's to wait for.)
+        if (const Ticket &t = c->tickets[last % c->tickets.size()]; t.state != TicketState::Free) {
+            if (t.state != TicketState::Done && Clock::now() >= c->contract_deadline(t)) return c->breach(t);
+            return c->fail(-EAGAIN, "too many ops in flight: wait for ticket " + std::to_string(t.seq) + " first");
+        }
+        // Everything that can fail comes before the ready word; from the word on, nothing can be
+        // taken back (a later op of the same seq would find its word written).
         if (!cc.watcher.joinable()) cc.watcher = std::thread(watch, c);
         cc.marks.reserve(cc.marks.size() + 1);
+        CudaClient::Stream st;
+        st.desc = d;
+        st.first = st.next = first;
+        st.last = last;
+        st.count = count;
+        st.per = per;
+        st.esize = esize;
+        st.reg_offset = reg_offset;
+        st.part_bytes = part_bytes;
+        st.max_ranges = ranges;
         {
             ContextScope scope(api, cc.ctx);
-            // "The buffer is produced" in the stream's order: ringd copies a part only after its word.
-            for (uint64_t seq = first; seq <= last; ++seq) {
-                const uint32_t entry = static_cast<uint32_t>(seq % proto::kQueueDepth);
-                const uint32_t word = static_cast<uint32_t>(seq);
-                CUresult r = cc.memops ? api.cuStreamWriteValue32(stream, cc.sync + kReadyOffset + 4 * entry, word,
-                                                                  CU_STREAM_WRITE_VALUE_DEFAULT)
-                                       : api.cuLaunchHostFunc(stream, host_write,
-                                                              new HostWrite{&c->header->cuda_ready[entry], word});
-                if (r != CUDA_SUCCESS) {
-                    if (seq == first) return driver_fail(*c, "marking the buffer ready on the stream", r);
-                    driver_fail(*c, "marking the buffer ready on the stream", r);
-                    return c->die(-EIO, "device op " + std::to_string(last) + " was marked ready in part only (" +
-                                            c->last_error + "); this connection is unusable, reconnect");
-                }
-            }
+            // "The buffer is produced" in the stream's order, once for the whole op: every part's
+            // stage-in waits for the last part's word.
+            const uint32_t entry = static_cast<uint32_t>(last % proto::kQueueDepth);
+            const uint32_t word = static_cast<uint32_t>(last);
+            CUresult r = cc.memops ? api.cuStreamWriteValue32(stream, cc.sync + kReadyOffset + 4 * entry, word,
+                                                              CU_STREAM_WRITE_VALUE_DEFAULT)
+                                   : api.cuLaunchHostFunc(stream, host_write, new HostWrite{&c->header->cuda_ready[entry], word});
+            if (r != CUDA_SUCCESS) return driver_fail(*c, "marking the buffer ready on the stream", r);
             record_after(cc, stream);
         }
-        // Every part's ticket is set up before any of them is published: a part that ends at once
-        // finds its op's ticket ready to take its result.
         const auto now = Clock::now();
-        const auto deadline = now + std::chrono::milliseconds(c->welcome.op_timeout_ms) + c->wait_margin;
-        std::array<proto::SubmitDesc, kMaxParts> descs;  // no allocation per op
-        descs.fill(d);
-        for (uint64_t k = 0; k < parts; ++k) {
-            const uint64_t seq = first + k;
-            proto::SubmitDesc &p = descs[k];
-            p.seq = seq;
-            p.count = std::min(per, count - k * per);
-            p.offset = staging + k * per * esize;
-            p.cuda_offset = reg_offset + k * per * esize;
-            Ticket &t = c->tickets[seq % c->tickets.size()];
-            t = Ticket{};
-            t.seq = seq;
-            t.state = TicketState::InFlight;
-            t.submitted = now;
-            t.cuda = true;
-            t.offset = p.offset;
-            t.bytes = p.count * esize;
-            t.parent = seq == last ? 0 : last;
-            t.parts_left = seq == last ? static_cast<uint32_t>(parts - 1) : 0;
-            cc.device_seq[seq % proto::kQueueDepth] = seq;
-        }
-        cc.ops[last] = CudaClient::Op{staging, bytes};  // the whole staging range, freed when all parts ended
+        Ticket &t = c->tickets[last % c->tickets.size()];
+        t = Ticket{};
+        t.seq = last;
+        t.state = TicketState::InFlight;
+        t.submitted = now;  // again as each part goes: the contract counts from the latest
+        t.cuda = true;
+        t.bytes = bytes;
+        t.parts_left = parts - 1;
+        cc.device_seq[last % proto::kQueueDepth] = last;
         {
             std::lock_guard lock(cc.mu);
-            for (uint64_t seq = first; seq <= last; ++seq)
-                cc.watched[seq] = CudaClient::Watched{static_cast<uint32_t>(seq % proto::kQueueDepth),
-                                                      static_cast<uint32_t>(seq), deadline};
+            cc.watched[last] = CudaClient::Watched{static_cast<uint32_t>(last % proto::kQueueDepth), static_cast<uint32_t>(last),
+                                                   now + std::chrono::milliseconds(c->welcome.op_timeout_ms) + c->wait_margin};
         }
-        c->publish(descs.data(), parts);
+        c->next_seq = last + 1;
+        cc.streams.emplace(last, std::move(st));
+        cc.backlog.push_back(CudaClient::Held{last, {}});
+        cc.pending.store(true, std::memory_order_release);
+        cuda_pump(*c);
         if (ticket) *ticket = last;
         c->last_error.clear();
         const uint64_t one = 1;
@@ -698,8 +856,22 @@ int ringd_submit_cuda(ringd_client *c, void *dev_ptr, size_t count, ringd_dtype 
     }
 }
 
+int ringd_set_cuda_part_bytes(ringd_client *c, size_t bytes) {
+    if (!c) return -EINVAL;
+    std::lock_guard lock(c->mu);
+    if (bytes != 0 && bytes < 4096) return c->fail(-EINVAL, "a part of a device op is 4096 bytes or more");
+    c->cuda_part_bytes = bytes;
+    if (c->cuda) {
+        const char *v = std::getenv("RINGD_CUDA_PART_BYTES");
+        c->cuda->part_bytes = bytes ? bytes : v && *v ? std::strtoull(v, nullptr, 10) : kPartBytes;
+    }
+    c->last_error.clear();
+    return 0;
+}
+
 int ringd_stream_wait(ringd_client *c, uint64_t ticket, struct CUstream_st *stream) {
     if (!c) return -EINVAL;
+    std::lock_guard lock(c->mu);
     try {
         const uint32_t entry = static_cast<uint32_t>(ticket % proto::kQueueDepth);
         // Only device ops' done words are written; an older device op of this entry has its word
@@ -736,6 +908,8 @@ int ringd_stream_wait(ringd_client *c, uint64_t ticket, struct CUstream_st *stre
 
 int ringd_allreduce_cuda(ringd_client *c, void *dev_ptr, size_t count, ringd_dtype dtype, ringd_op op,
                          struct CUstream_st *stream, int timeout_ms) {
+    if (!c) return -EINVAL;
+    std::lock_guard lock(c->mu);
     uint64_t ticket = 0;
     if (int rc = ringd_submit_cuda(c, dev_ptr, count, dtype, op, stream, &ticket); rc != 0) return rc;
     const int rc = ringd_wait(c, ticket, timeout_ms);
@@ -756,6 +930,10 @@ void cuda_client_closing(ringd_client &) {}
 void cuda_client_dead(ringd_client &) {}
 void cuda_ticket_ended(ringd_client &, uint64_t, int32_t) {}
 bool cuda_staging_overlaps(const ringd_client &, uint64_t, uint64_t, uint64_t *) { return false; }
+bool cuda_part_ended(ringd_client &, uint64_t, int32_t, std::string &) { return false; }
+void cuda_pump(ringd_client &) {}
+bool cuda_backlog(const ringd_client &) { return false; }
+void cuda_hold(ringd_client &, const proto::SubmitDesc &) {}
 
 extern "C" {
 #define RINGD_NO_CUDA(c) ((c) ? (c)->fail(-ENOTSUP, "libringd-client was built without CUDA") : -EINVAL)
@@ -767,6 +945,7 @@ int ringd_submit_cuda(ringd_client *c, void *, size_t, ringd_dtype, ringd_op, st
     return RINGD_NO_CUDA(c);
 }
 int ringd_stream_wait(ringd_client *c, uint64_t, struct CUstream_st *) { return RINGD_NO_CUDA(c); }
+int ringd_set_cuda_part_bytes(ringd_client *c, size_t) { return RINGD_NO_CUDA(c); }
 int ringd_allreduce_cuda(ringd_client *c, void *, size_t, ringd_dtype, ringd_op, struct CUstream_st *, int) {
     return RINGD_NO_CUDA(c);
 }

@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -47,12 +48,12 @@ struct Ticket {
     bool cuda = false;  // a device-buffer op (client_cuda.cpp)
     uint64_t offset = 0, bytes = 0;  // its slot range (device ops: where they are staged)
     // A device op cut into parts (ringd ops of consecutive seqs, pipelined through ringd): the
-    // caller's ticket is the last part; the others name it as `parent` and are freed as they end.
-    // The op is done when all have ended; the first failure among them is its error.
-    uint64_t parent = 0;
-    uint32_t parts_left = 0;   // parent: its other parts still in ringd
-    bool own_done = false;     // parent: its own completion came (status/message hold it)
-    int32_t part_status = 0;   // parent: a part's failure
+    // caller's ticket is the last part's; the other parts have no ticket (client_cuda.cpp routes
+    // their completions here). The op is done when all have ended; the first failure among them
+    // is its error.
+    uint64_t parts_left = 0;   // its other parts not ended yet (published or not)
+    bool own_done = false;     // its own completion came (status/message hold it)
+    int32_t part_status = 0;   // a part's failure
     std::string part_message;
 };
 
@@ -70,6 +71,10 @@ using namespace ringd_client_detail;
 void cuda_client_dead(ringd_client &c);
 
 struct ringd_client {
+    // Held by every entry point: the library's own thread (client_cuda.cpp's watcher, which hands
+    // the later parts of a large device op to ringd while the caller is elsewhere) takes it too.
+    // Callers still use a client from one thread at a time (ringd.h).
+    std::recursive_mutex mu;
     UniqueFd sock;
     UniqueFd doorbell;
     UniqueFd completion;
@@ -81,7 +86,7 @@ struct ringd_client {
     proto::SubmitDesc *sq = nullptr;
     const proto::CompletionDesc *cq = nullptr;
     std::byte *data = nullptr;
-    uint64_t next_seq = 1;
+    uint64_t next_seq = 1;  // the next seq to give out (device ops' parts take theirs at submission)
     uint64_t sq_tail = 0;
     uint64_t cq_head = 0;
     std::vector<Ticket> tickets;  // index = seq % depth
@@ -90,6 +95,7 @@ struct ringd_client {
     std::string dead_error;  // why: every later call says it again
     int spin_skip = 0;  // waits left that block without spinning
     std::chrono::milliseconds wait_margin = kWaitMargin;
+    uint64_t cuda_part_bytes = 0;  // ringd_set_cuda_part_bytes (0: RINGD_CUDA_PART_BYTES or the default)
     // Last: goes first when the client closes (it releases sync words in the slot mapped above).
     std::unique_ptr<CudaClient, CudaClientDelete> cuda;
 
@@ -116,9 +122,11 @@ struct ringd_client {
     void settle(Ticket &t);
     // Queues a descriptor built by an entry point (validated here again); its ticket in *ticket.
     int submit_desc(proto::SubmitDesc &d, uint64_t *ticket, bool cuda_op);
-    // Writes `n` descriptors of seqs next_seq.. (their tickets set up, room checked by
-    // check_room(n)) into the submission queue, publishes them at once and rings the doorbell.
+    // Writes `n` descriptors (their tickets set up, room in the queue checked) into the
+    // submission queue, publishes them at once and rings the doorbell.
     void publish(const proto::SubmitDesc *descs, uint64_t n);
+    // Room for `n` more descriptors in the submission queue now.
+    bool queue_room(uint64_t n) const;
     int check_socket();
     int breach(const Ticket &t);
     int wait(Ticket &t, int timeout_ms);
@@ -132,6 +140,16 @@ struct ringd_client {
 };
 
 // client_cuda.cpp's side of the slot queues.
+// The completion of a part of a device op (not its last): taken here (its staging range freed,
+// its result given to the op's ticket). False for any other seq.
+bool cuda_part_ended(ringd_client &c, uint64_t seq, int32_t status, std::string &message);
+// Hands ringd what is due: the next parts of large device ops whose staging ranges are free again,
+// and the ops submitted after them, in seq order, as far as the queue has room.
+void cuda_pump(ringd_client &c);
+// Whether ops wait in the client behind a device op's parts (a new op then waits behind them).
+bool cuda_backlog(const ringd_client &c);
+// Queues the descriptor (ticket set up) behind them.
+void cuda_hold(ringd_client &c, const proto::SubmitDesc &d);
 // A device op's ticket ended (done or given up): its staging range is free again; a failed one's
 // done word is written here, so that a stream waiting for it moves on.
 void cuda_ticket_ended(ringd_client &c, uint64_t seq, int32_t status);

@@ -65,8 +65,10 @@ struct CudaService::Registration {
 
 struct CudaService::Op {
     enum Phase : uint8_t { StagingIn, Staged, StagingOut } phase = StagingIn;
-    uint32_t entry = 0;  // sync word index
+    uint32_t entry = 0;  // its done word's index
     uint32_t word = 0;   // the seq's low 32 bits
+    // The ready word it waits for: its own, or (a part of a larger device op) the op's last part's.
+    uint32_t ready_entry = 0, ready_word = 0;
     CUdeviceptr dev = 0;
     std::byte *host = nullptr;
     uint64_t bytes = 0;
@@ -469,11 +471,13 @@ Status CudaService::stage_in(MemberId id, const proto::Submission &s) {
     Op op;
     op.entry = static_cast<uint32_t>(s.seq % proto::kQueueDepth);
     op.word = static_cast<uint32_t>(s.seq);
+    op.ready_entry = static_cast<uint32_t>(s.ready_seq % proto::kQueueDepth);
+    op.ready_word = static_cast<uint32_t>(s.ready_seq);
     op.dev = m.base + reg.offset + s.cuda_offset;
     op.host = c->slot->data() + s.offset;
     op.bytes = s.bytes;
     op.mapping = reg.mapping;
-    if (CUresult e = api_.cuStreamWaitValue32(c->in, c->sync + kReadyOffset + 4 * op.entry, op.word,
+    if (CUresult e = api_.cuStreamWaitValue32(c->in, c->sync + kReadyOffset + 4 * op.ready_entry, op.ready_word,
                                               CU_STREAM_WAIT_VALUE_GEQ);
         e != CUDA_SUCCESS)
         return driver_error(at + "waiting for the trainer's stream (cuStreamWaitValue32: this GPU and driver need "
@@ -488,7 +492,7 @@ Status CudaService::stage_in(MemberId id, const proto::Submission &s) {
     auto &placed = c->ops.emplace(s.seq, std::move(op)).first->second;
     if (auto o = enqueue_event(c->in, id, s.seq, CudaStageEvent::StagedIn); !o) {
         // No event will come: let the stream pass the wait and see it drain, within a bound.
-        c->slot->header().cuda_ready[placed.entry].store(placed.word, std::memory_order_release);
+        c->slot->header().cuda_ready[placed.ready_entry].store(placed.ready_word, std::memory_order_release);
         if (!drained(c->in, std::chrono::seconds(1))) {
             spdlog::error("client {}: its CUDA stage-in stream does not drain; no more device ops for it", id);
             c->stuck = true;
@@ -590,14 +594,14 @@ void CudaService::release_ready(MemberId id, uint64_t seq) {
     auto o = it->second->ops.find(seq);
     if (o == it->second->ops.end() || o->second.phase != Op::StagingIn) return;
     ++stats_.stage_timeouts;
-    it->second->slot->header().cuda_ready[o->second.entry].store(o->second.word, std::memory_order_release);
+    it->second->slot->header().cuda_ready[o->second.ready_entry].store(o->second.ready_word, std::memory_order_release);
 }
 
 void CudaService::release_words(Client &c) {
     if (!c.slot) return;
     auto &h = c.slot->header();
     for (auto &[seq, op] : c.ops) {
-        h.cuda_ready[op.entry].store(op.word, std::memory_order_release);
+        h.cuda_ready[op.ready_entry].store(op.ready_word, std::memory_order_release);
         h.cuda_done[op.entry].store(op.word, std::memory_order_release);
     }
 }

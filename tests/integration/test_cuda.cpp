@@ -313,7 +313,8 @@ TEST_CASE("a large device op goes as pipelined parts, exact", "[cuda]") {
     use_device();
     TestCluster c(2, cuda_cluster("10s", cuda_yaml()));
     REQUIRE(c.wait_up());
-    // Parts of 64 KiB (at most 16 per op): 300000 elements are 5 parts of f16, 16 of f64.
+    // Parts of 64 KiB through a window of at most 16 of them: 300000 elements are 10 parts of
+    // f16, 37 of f64 (ranges used again as the parts before them end).
     ::setenv("RINGD_CUDA_PART_BYTES", "65536", 1);
     Clients cl = connect_all(c, "parts", 2, 8 << 20);
     std::vector<std::unique_ptr<DeviceBuf>> bufs;
@@ -327,7 +328,7 @@ TEST_CASE("a large device op goes as pipelined parts, exact", "[cuda]") {
             upload(bufs, o);
             submit(bufs, o);
             wait_and_check(bufs, o);
-            const uint64_t per = std::max<uint64_t>(65536 / dtype_size(t), (300000 + 15) / 16);
+            const uint64_t per = 65536 / dtype_size(t);
             staged += (300000 + per - 1) / per;
         }
     for (auto &d : c.d) CHECK(status_of(*d)["ops_staged"].get<uint64_t>() == staged * 2);
@@ -362,6 +363,50 @@ TEST_CASE("a large device op goes as pipelined parts, exact", "[cuda]") {
         api()->cuStreamDestroy(streams[g]);
     }
     api()->cuStreamDestroy(s);
+}
+
+TEST_CASE("a device op 16 times the slot streams through it, the next op behind it", "[cuda]") {
+    NEED_CUDA();
+    use_device();
+    TestCluster c(2, cuda_cluster("30s", cuda_yaml()));
+    REQUIRE(c.wait_up());
+    // 512 MiB through a 32 MiB slot: 32 parts of 16 MiB (the default) cycling through 2 ranges.
+    constexpr size_t kCount = size_t{128} << 20;
+    Clients cl = connect_all(c, "stream", 1, 32 << 20);
+    std::vector<std::unique_ptr<DeviceBuf>> big, small;
+    for (size_t g = 0; g < cl.size(); ++g) {
+        big.push_back(std::make_unique<DeviceBuf>(cl[g]->get(), kCount * 4 + (64 << 10), g % 2 == 0));
+        small.push_back(std::make_unique<DeviceBuf>(cl[g]->get(), 1 << 20, g % 2 == 1));
+    }
+    DeviceOp o = prepare(big, DType::F32, ReduceOp::Sum, kCount, 901);
+    DeviceOp next = prepare(small, DType::F64, ReduceOp::Max, 100000, 902);
+    upload(big, o);
+    upload(small, next);
+    // Both submitted at once: the second waits in the client behind the first's parts.
+    submit(big, o);
+    submit(small, next);
+    for (size_t g = 0; g < cl.size(); ++g) {
+        const int rc = ringd_wait(big[g]->c, o.tickets[g], -1);
+        INFO("rank " << g << ": " << (rc == 0 ? "" : ringd_last_error(big[g]->c)));
+        REQUIRE(rc == 0);
+    }
+    wait_and_check(small, next);
+    for (size_t g = 0; g < cl.size(); ++g) {
+        REQUIRE(api()->cuMemcpyDtoH(o.image[g].data(), big[g]->base, big[g]->bytes) == CUDA_SUCCESS);
+        INFO("rank " << g);
+        const auto v = o.range[g].check(o.image[g].data(), ReduceOp::Sum, cl.size());
+        CHECK(v.wrong == 0);
+        CHECK(v.guard == 0);
+    }
+    for (auto &d : c.d) CHECK(status_of(*d)["ops_staged"].get<uint64_t>() == 32 + 1);
+    // A part larger than the slot is refused before anything is queued.
+    Clients one = connect_all(c, "stream-refused", 1, 32 << 20);
+    DeviceBuf b(one[0]->get(), (64 << 20) + 4096, true);
+    CHECK(ringd_set_cuda_part_bytes(one[0]->get(), 100) == -EINVAL);
+    REQUIRE(ringd_set_cuda_part_bytes(one[0]->get(), 64 << 20) == 0);
+    uint64_t t = 0;
+    CHECK(ringd_submit_cuda(one[0]->get(), b.at(0), (64 << 20) / 4 + 1, RINGD_F32, RINGD_SUM, nullptr, &t) == -E2BIG);
+    CHECK(std::string(ringd_last_error(one[0]->get())).find("RINGD_CUDA_PART_BYTES") != std::string::npos);
 }
 
 TEST_CASE("a thousand ops on one registration open it once", "[cuda]") {

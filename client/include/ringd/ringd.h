@@ -107,10 +107,14 @@ RINGD_API void ringd_close(ringd_client *c);
  *    descriptor; works across PID namespaces); freed by ringd_cuda_free or ringd_close.
  *  - ringd_register_cuda: any cudaMalloc-family buffer (e.g. a PyTorch caching-allocator segment),
  *    passed as the legacy IPC handle of its allocation; *reg names it for ringd_unregister_cuda.
- * An op on a device buffer is staged through the slot: it needs count x dtype bytes of the slot's
- * data area while in flight, placed by the library beside the ops in flight (a slot op that would
- * overlap it gets -EBUSY; a client that also runs slot ops must have read their results before it
- * submits a device op, whose staging may reuse those bytes). It keeps stream order:
+ * An op on a device buffer is staged through the slot, placed by the library beside the ops in
+ * flight (a slot op that would overlap it gets -EBUSY; a client that also runs slot ops must have
+ * read their results before it submits a device op, whose staging may reuse those bytes). An op
+ * larger than a part (16 MiB, RINGD_CUDA_PART_BYTES, ringd_set_cuda_part_bytes) goes to ringd as
+ * parts of consecutive sequence numbers that stream through a window of at most 16 part-sized
+ * ranges of the slot, so it may be any number of times the slot's size; the library hands the later
+ * parts over as earlier ones end (its own thread does it while the caller is elsewhere). Ops
+ * submitted meanwhile follow them in order. It keeps stream order:
  * ringd_submit_cuda marks the buffer ready on `stream` (NULL: the legacy default stream) and ringd
  * copies it only after everything queued on the stream before; ringd_stream_wait makes a stream
  * wait until the op's result is back in the buffer. If the op fails or ringd goes away, the wait
@@ -123,6 +127,10 @@ RINGD_API int ringd_unregister_cuda(ringd_client *c, uint64_t reg);
 RINGD_API int ringd_submit_cuda(ringd_client *c, void *dev_ptr, size_t count, ringd_dtype dtype,
                                 ringd_op op, struct CUstream_st *stream, uint64_t *ticket);
 RINGD_API int ringd_stream_wait(ringd_client *c, uint64_t ticket, struct CUstream_st *stream);
+/* The part size of this client's device ops from now on (0: RINGD_CUDA_PART_BYTES, else 16 MiB;
+ * at least 4096). It decides how an op is cut into ringd ops, so every rank of a group must use the
+ * same; the slot must hold at least one part. */
+RINGD_API int ringd_set_cuda_part_bytes(ringd_client *c, size_t bytes);
 /* Submits and waits: returns when the result is in the buffer (or with the op's error). */
 RINGD_API int ringd_allreduce_cuda(ringd_client *c, void *dev_ptr, size_t count, ringd_dtype dtype,
                                    ringd_op op, struct CUstream_st *stream, int timeout_ms);
