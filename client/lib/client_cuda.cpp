@@ -338,12 +338,13 @@ bool find_staging(const ringd_client &c, uint64_t bytes, uint64_t *offset) {
         if (!t.cuda && (t.state == TicketState::InFlight || t.state == TicketState::Abandoned))
             used.emplace_back(t.offset, t.offset + t.bytes);
     std::sort(used.begin(), used.end());
-    uint64_t at = 0;
+    uint64_t at = c.cuda_staging_offset;
     for (const auto &[b, e] : used) {
+        if (e <= at) continue;
         if (at + bytes <= b) break;
         at = std::max(at, (e + kStagingAlign - 1) / kStagingAlign * kStagingAlign);
     }
-    if (at + bytes > c.welcome.data_bytes) return false;
+    if (at + bytes > c.staging_end()) return false;
     *offset = at;
     return true;
 }
@@ -780,13 +781,14 @@ int ringd_submit_cuda(ringd_client *c, void *dev_ptr, size_t count, ringd_dtype 
         const uint64_t part_bytes = parts == 1 ? bytes : per * esize;
         // The window is placed when the op is next to go to ringd (cuda_pump): as many ranges as
         // the slot then has room for beside the ops in flight, at least one.
-        const uint64_t ranges = std::min<uint64_t>({parts, kMaxRanges, c->welcome.data_bytes / std::max<uint64_t>(part_bytes, 1)});
-        if (part_bytes > c->welcome.data_bytes || ranges == 0)
+        const uint64_t room = c->staging_end() - c->cuda_staging_offset;
+        const uint64_t ranges = std::min<uint64_t>({parts, kMaxRanges, room / std::max<uint64_t>(part_bytes, 1)});
+        if (part_bytes > room || ranges == 0)
             return c->fail(-E2BIG, (parts == 1 ? "a device op of " + std::to_string(bytes) + " bytes"
                                                : "a part of " + std::to_string(part_bytes) + " bytes") +
-                                       " does not fit the " + std::to_string(c->welcome.data_bytes) +
-                                       "-byte slot it is staged in (connect with a larger slot_bytes / RINGD_SLOT_BYTES, "
-                                       "or make the parts smaller: RINGD_CUDA_PART_BYTES, ringd_set_cuda_part_bytes)");
+                                       " does not fit the " + std::to_string(room) + " bytes of the slot it is staged in "
+                                       "(connect with a larger slot_bytes / RINGD_SLOT_BYTES, or make the parts smaller: "
+                                       "RINGD_CUDA_PART_BYTES, ringd_set_cuda_part_bytes)");
         d.count = std::min<uint64_t>(count, per);
         d.cuda_ready_seq = d.seq + parts - 1;
         // Everything that could refuse the op is checked before the ready word goes on the
@@ -869,6 +871,47 @@ int ringd_set_cuda_part_bytes(ringd_client *c, size_t bytes) {
     return 0;
 }
 
+int ringd_set_cuda_staging(ringd_client *c, size_t offset, size_t bytes) {
+    if (!c) return -EINVAL;
+    std::lock_guard lock(c->mu);
+    uint64_t end = 0;
+    if (offset % kStagingAlign != 0 || __builtin_add_overflow(uint64_t{offset}, uint64_t{bytes}, &end) ||
+        end > c->welcome.data_bytes)
+        return c->fail(-EINVAL, "staging range [" + std::to_string(offset) + ", +" + std::to_string(bytes) + ") is not a " +
+                                    std::to_string(kStagingAlign) + "-byte aligned range of the " +
+                                    std::to_string(c->welcome.data_bytes) + "-byte slot");
+    c->cuda_staging_offset = bytes ? offset : 0;
+    c->cuda_staging_bytes = bytes;
+    c->last_error.clear();
+    return 0;
+}
+
+int ringd_cuda_allocation(ringd_client *c, const void *dev_ptr, void **base, size_t *bytes, uint64_t *buffer_id) {
+    if (!c || !dev_ptr) return c ? c->fail(-EINVAL, "ringd_cuda_allocation: dev_ptr NULL") : -EINVAL;
+    std::lock_guard lock(c->mu);
+    try {
+        const auto ptr = reinterpret_cast<CUdeviceptr>(dev_ptr);
+        if (int rc = ensure_cuda(*c, ptr); rc != 0) return rc;
+        CudaClient &cc = *c->cuda;
+        const cuda::CudaApi &api = *cc.api;
+        ContextScope scope(api, cc.ctx);
+        CUdeviceptr b = 0;
+        size_t n = 0;
+        if (CUresult r = api.cuMemGetAddressRange(&b, &n, ptr); r != CUDA_SUCCESS)
+            return driver_fail(*c, "device pointer " + hex(ptr) + " is in no allocation (cuMemGetAddressRange)", r);
+        unsigned long long id = 0;
+        if (CUresult r = api.cuPointerGetAttribute(&id, CU_POINTER_ATTRIBUTE_BUFFER_ID, ptr); r != CUDA_SUCCESS)
+            return driver_fail(*c, "cuPointerGetAttribute(BUFFER_ID)", r);
+        if (base) *base = reinterpret_cast<void *>(b);
+        if (bytes) *bytes = n;
+        if (buffer_id) *buffer_id = id;
+        c->last_error.clear();
+        return 0;
+    } catch (const std::exception &e) {
+        return c->fail(-ENOMEM, e.what());
+    }
+}
+
 int ringd_stream_wait(ringd_client *c, uint64_t ticket, struct CUstream_st *stream) {
     if (!c) return -EINVAL;
     std::lock_guard lock(c->mu);
@@ -946,6 +989,8 @@ int ringd_submit_cuda(ringd_client *c, void *, size_t, ringd_dtype, ringd_op, st
 }
 int ringd_stream_wait(ringd_client *c, uint64_t, struct CUstream_st *) { return RINGD_NO_CUDA(c); }
 int ringd_set_cuda_part_bytes(ringd_client *c, size_t) { return RINGD_NO_CUDA(c); }
+int ringd_set_cuda_staging(ringd_client *c, size_t, size_t) { return RINGD_NO_CUDA(c); }
+int ringd_cuda_allocation(ringd_client *c, const void *, void **, size_t *, uint64_t *) { return RINGD_NO_CUDA(c); }
 int ringd_allreduce_cuda(ringd_client *c, void *, size_t, ringd_dtype, ringd_op, struct CUstream_st *, int) {
     return RINGD_NO_CUDA(c);
 }

@@ -96,6 +96,8 @@ struct ringd_client {
     int spin_skip = 0;  // waits left that block without spinning
     std::chrono::milliseconds wait_margin = kWaitMargin;
     uint64_t cuda_part_bytes = 0;  // ringd_set_cuda_part_bytes (0: RINGD_CUDA_PART_BYTES or the default)
+    uint64_t cuda_staging_offset = 0, cuda_staging_bytes = 0;  // ringd_set_cuda_staging (0 bytes: the whole slot)
+    uint64_t staging_end() const { return cuda_staging_bytes ? cuda_staging_offset + cuda_staging_bytes : welcome.data_bytes; }
     // Last: goes first when the client closes (it releases sync words in the slot mapped above).
     std::unique_ptr<CudaClient, CudaClientDelete> cuda;
 

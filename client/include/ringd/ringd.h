@@ -131,6 +131,16 @@ RINGD_API int ringd_stream_wait(ringd_client *c, uint64_t ticket, struct CUstrea
  * at least 4096). It decides how an op is cut into ringd ops, so every rank of a group must use the
  * same; the slot must hold at least one part. */
 RINGD_API int ringd_set_cuda_part_bytes(ringd_client *c, size_t bytes);
+/* Device ops of this client are staged in [offset, offset + bytes) of the slot only (bytes 0: the
+ * whole slot, the default), e.g. so that a caller that places its own slot ops keeps them apart.
+ * offset is a multiple of 256. */
+RINGD_API int ringd_set_cuda_staging(ringd_client *c, size_t offset, size_t bytes);
+/* The driver's allocation that holds dev_ptr: its base and size (what ringd_register_cuda registers
+ * of any pointer into it) and the driver's buffer id, unique for the process's life: memory freed
+ * and allocated again at the same address has another id, so a cache of registrations by id never
+ * hands ringd memory that was given back. */
+RINGD_API int ringd_cuda_allocation(ringd_client *c, const void *dev_ptr, void **base, size_t *bytes,
+                                    uint64_t *buffer_id);
 /* Submits and waits: returns when the result is in the buffer (or with the op's error). */
 RINGD_API int ringd_allreduce_cuda(ringd_client *c, void *dev_ptr, size_t count, ringd_dtype dtype,
                                    ringd_op op, struct CUstream_st *stream, int timeout_ms);

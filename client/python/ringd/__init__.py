@@ -127,6 +127,10 @@ def _declare(lib):
                        ("ringd_submit_cuda", [c_client, p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, p,
                                               ctypes.POINTER(u64)]),
                        ("ringd_stream_wait", [c_client, u64, p]),
+                       ("ringd_set_cuda_part_bytes", [c_client, ctypes.c_size_t]),
+                       ("ringd_set_cuda_staging", [c_client, ctypes.c_size_t, ctypes.c_size_t]),
+                       ("ringd_cuda_allocation", [c_client, p, ctypes.POINTER(p), ctypes.POINTER(ctypes.c_size_t),
+                                                  ctypes.POINTER(u64)]),
                        ("ringd_allreduce_cuda", [c_client, p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, p,
                                                  ctypes.c_int])):
         fn = getattr(lib, name)
@@ -265,6 +269,21 @@ class Client:
     def stream_wait(self, ticket, stream=0):
         """Makes `stream` wait until the op's result is in its buffer."""
         self._check(self._lib.ringd_stream_wait(self._handle(), int(ticket), ctypes.c_void_p(int(stream))))
+
+    def set_cuda_part_bytes(self, nbytes):
+        """Device ops larger than this go to ringd in parts of it (every rank of a group the same)."""
+        self._check(self._lib.ringd_set_cuda_part_bytes(self._handle(), int(nbytes)))
+
+    def set_cuda_staging(self, offset, nbytes):
+        """Device ops are staged in [offset, offset + nbytes) of the slot only (0 bytes: all of it)."""
+        self._check(self._lib.ringd_set_cuda_staging(self._handle(), int(offset), int(nbytes)))
+
+    def cuda_allocation(self, ptr):
+        """(base, size, buffer id) of the driver's allocation holding `ptr`; the id is never reused."""
+        base, size, ident = ctypes.c_void_p(0), ctypes.c_size_t(0), ctypes.c_uint64(0)
+        self._check(self._lib.ringd_cuda_allocation(self._handle(), ctypes.c_void_p(int(ptr)), ctypes.byref(base),
+                                                    ctypes.byref(size), ctypes.byref(ident)))
+        return base.value or 0, size.value, ident.value
 
     def allreduce_cuda(self, ptr, count, dtype, op, stream=0, timeout_ms=-1):
         """submit_cuda + wait: returns with the result in the buffer."""

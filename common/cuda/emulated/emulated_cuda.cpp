@@ -160,7 +160,13 @@ enum class Origin { Alloc, Ipc, Vmm, Registered, AllocHost };
 
 // A span of memory a CUdeviceptr may address: device memory (cuMemAlloc, IPC-opened, a VMM
 // mapping with access set) or page-locked host memory (registered, cuMemAllocHost).
+inline uint64_t next_buffer_id() {
+    static std::atomic<uint64_t> next{1};
+    return next++;
+}
+
 struct Range {
+    uint64_t buffer_id = next_buffer_id();  // CU_POINTER_ATTRIBUTE_BUFFER_ID: never the same twice in a process
     uintptr_t base = 0;
     size_t size = 0;
     Origin origin = Origin::Alloc;
@@ -957,6 +963,9 @@ CUresult PointerGetAttribute(void *data, CUpointer_attribute attribute, CUdevice
     case CU_POINTER_ATTRIBUTE_HOST_POINTER:
         if (r->device()) return CUDA_ERROR_INVALID_VALUE;  // a GPU's memory has no host address
         *static_cast<void **>(data) = reinterpret_cast<void *>(ptr);
+        return CUDA_SUCCESS;
+    case CU_POINTER_ATTRIBUTE_BUFFER_ID:
+        *static_cast<unsigned long long *>(data) = r->buffer_id;
         return CUDA_SUCCESS;
     case CU_POINTER_ATTRIBUTE_IS_MANAGED:
         *static_cast<unsigned int *>(data) = 0;
