@@ -29,9 +29,38 @@ public:
     }
     c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return fut_; }
 
-private:
+protected:
     c10::intrusive_ptr<c10::ivalue::Future> fut_;
     std::vector<at::Tensor> result_;
+};
+
+// A CUDA op's Work: wait() orders the caller's current stream after the op's result (the Python
+// `on_wait`, ringd_stream_wait) without blocking the host, then raises the op's error if it is
+// already known (as NCCL's Work does).
+class RingdCudaWork : public RingdWork {
+public:
+    RingdCudaWork(c10::intrusive_ptr<c10::ivalue::Future> fut, std::vector<at::Tensor> result, pybind11::function on_wait)
+        : RingdWork(std::move(fut), std::move(result)),
+          on_wait_(new pybind11::function(std::move(on_wait)), [](pybind11::function *f) {
+              pybind11::gil_scoped_acquire gil;  // a Python object goes with the GIL held
+              delete f;
+          }) {}
+
+    bool wait(std::chrono::milliseconds) override {
+        {
+            pybind11::gil_scoped_acquire gil;
+            try {
+                (*on_wait_)();
+            } catch (pybind11::error_already_set &e) {
+                throw std::runtime_error(e.what());
+            }
+        }
+        if (fut_->completed() && fut_->hasError()) std::rethrow_exception(fut_->exception_ptr());
+        return true;
+    }
+
+private:
+    std::shared_ptr<pybind11::function> on_wait_;
 };
 
 }  // namespace
@@ -45,6 +74,16 @@ PYBIND11_MODULE(_torch_work, m) {
         },
         pybind11::arg("future"), pybind11::arg("result"),
         "A torch.distributed.Work for `future` (a torch.futures.Future that completes with `result` or an error)");
+    m.def(
+        "cuda_work",
+        [](const std::shared_ptr<torch::jit::PythonFutureWrapper> &fut, std::vector<at::Tensor> result,
+           pybind11::function on_wait) {
+            return c10::intrusive_ptr<c10d::Work>(
+                c10::make_intrusive<RingdCudaWork>(fut->fut, std::move(result), std::move(on_wait)));
+        },
+        pybind11::arg("future"), pybind11::arg("result"), pybind11::arg("on_wait"),
+        "A torch.distributed.Work for a CUDA op: wait() calls on_wait() (the current stream waits for the "
+        "result) and raises the op's error if it is known");
     // torch.futures.Future.set_exception (1.13) stores the exception as the future's value, which
     // C++ (DDP's reducer, Work::wait) takes for a result: this marks the future failed instead.
     m.def(

@@ -32,33 +32,10 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroup
 
 import ringd as _ringd
+from ringd import _compat
 
 
-def _load_work_module():
-    """ringd._torch_work (C++, built against this torch): installed next to this file, or in the
-    build tree when running from the source tree."""
-    try:
-        from ringd import _torch_work
-        return _torch_work
-    except ImportError as first:
-        import importlib.machinery
-        import importlib.util
-        here = os.path.dirname(os.path.abspath(__file__))
-        root = os.path.dirname(os.path.dirname(os.path.dirname(here)))
-        build = os.environ.get("RINGD_BUILD_DIR") or os.path.join(root, "build")
-        for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-            path = os.path.join(build, "client", "python", "ringd", "_torch_work" + suffix)
-            if os.path.exists(path):
-                spec = importlib.util.spec_from_file_location("ringd._torch_work", path)
-                mod = importlib.util.module_from_spec(spec)
-                spec.loader.exec_module(mod)
-                return mod
-        raise ImportError(f"ringd.torch needs ringd._torch_work, built with ringd against this torch: {first}")
-
-
-_tw = _load_work_module()
-
-__all__ = ["ProcessGroupRingd", "allreduce_hook", "BACKEND"]
+__all__ = ["ProcessGroupRingd", "allreduce_hook", "BACKEND", "DeviceBuffer"]
 
 BACKEND = "ringd"
 _DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.float16: "float16",
@@ -72,6 +49,8 @@ _WINDOW_BYTES = 64 << 20
 # A tensor's first ringd op: the ring starts once every local rank has copied this much, not the
 # whole bucket (8 ranks copying 25 MiB each at once on 2 cores held it back ~30 ms).
 _FIRST_CHUNK_BYTES = 4 << 20
+# Device allocations a group keeps registered with ringd (ringd allows 4096 per client).
+_MAX_DEVICE_REGISTRATIONS = 1024
 
 
 def _op_name(op):
@@ -195,6 +174,20 @@ class _Op:
         self.reported = False  # its future is completed (or queued to be): later pieces only clean up
         self.resident = None  # the comm hook's range record, busy until the op ends
         self.view = None  # the resident op's whole range (its input is copied there)
+        self.keep = None  # a device op's own buffer (a contiguous copy), alive until it ends
+        self.stream = None  # a device op whose result is copied back on this stream
+
+
+class DeviceBuffer:
+    """What ringd's CUDA path needs of a device tensor: its address, element count, ringd dtype
+    name ("float32", ...), CUDA device index and the stream (cudaStream_t as an int, 0: the legacy
+    default stream) whose queued work produces it. The backend makes one of each CUDA tensor;
+    tests make them of memory of ringd's software CUDA device."""
+
+    __slots__ = ("ptr", "count", "dtype", "device", "stream")
+
+    def __init__(self, ptr, count, dtype, device, stream):
+        self.ptr, self.count, self.dtype, self.device, self.stream = int(ptr), int(count), dtype, device, int(stream)
 
 
 class _Resident:
@@ -307,6 +300,13 @@ class _Engine:
         self.inflight_bytes = 0
         self.resident = {}  # comm hook: (bucket buffer's address, bytes, dtype) -> _Resident
         self.hook_calls = 0
+        # Device ops: the GPU, part size and staging range (set by the first), registrations by
+        # allocation base (size, driver buffer id, registration), least recently used first.
+        self.device = None
+        self.device_part = self.staging_bytes = 0
+        self.staging = None
+        self.device_regs = collections.OrderedDict()
+        self.device_ops = self.device_registrations = self.device_last_reg = 0
         self.closed = False  # the submitting and completing threads stop
         self.closing = False
         self.finisher_stop = False  # the finishing thread stops once nothing is left to finish
@@ -335,13 +335,13 @@ class _Engine:
         tensor = _distinct_elements(given)  # each memory location once (expanded tensors)
         contiguous = tensor.is_contiguous()
         flat = tensor.view(-1) if contiguous else tensor.contiguous().view(-1)
-        fut = torch.futures.Future()
-        rec = _Op(tensor, flat, not contiguous, fut, [given], op, dtype)
+        opf = _compat.OpFuture()
+        rec = _Op(tensor, flat, not contiguous, opf, [given], op, dtype)
         if flat.numel() == 0:
-            fut.set_result([given])
-            return fut
+            opf.set_result([given])
+            return opf.future
         self._queue(rec)
-        return fut
+        return opf.future
 
     def allreduce_resident(self, buffer, op):
         """The comm hook's path: the bucket (DDP's buffer, the same storage every step) has its
@@ -372,8 +372,8 @@ class _Engine:
         # with as_strided at offsets from the start of its storage.
         view = torch.frombuffer(self.ps.view[off:off + nbytes], dtype=buffer.dtype).view(buffer.shape)
         self.ps.handed_out = True
-        fut = torch.futures.Future()
-        rec = _Op(view, buffer.detach().view(-1), False, fut, view, op, _DTYPES[buffer.dtype])
+        opf = _compat.OpFuture()
+        rec = _Op(view, buffer.detach().view(-1), False, opf, view, op, _DTYPES[buffer.dtype])
         rec.resident, rec.view = res, view.view(-1)
         try:
             self._queue(rec)
@@ -381,7 +381,108 @@ class _Engine:
             with self.lock:
                 res.busy = False
             raise
-        return fut
+        return opf.future
+
+    # -- device buffers (CUDA; any thread) --
+
+    def allreduce_device(self, buf, op, opf, result, keep=None):
+        """Submits the allreduce of a DeviceBuffer now, in the caller's thread (so that ringd reads
+        it after what buf.stream queued so far); returns (ticket, op record). `opf` (an OpFuture)
+        completes with `result` once the result is in the buffer. The ops queued before it on
+        the copying path go first (one order on every rank). `keep`: kept alive until the op ends."""
+        rec = _Op(None, None, False, opf, result, op, buf.dtype)
+        rec.keep = keep
+        with self.lock:
+            self._wait_locked(lambda: not self.pending, f"ringd: the ops queued before did not go within {self.timeout}")
+            try:
+                self._device_setup_locked(buf.device)
+                reg = self._device_registration_locked(buf)
+                ticket = self._submit_device_locked(buf, op)
+            except BaseException as e:
+                if not self.dead:
+                    self.dead = (f"ringd: a device op of group {self.group} could not be submitted ({e}); this "
+                                 "process group cannot be used any more: restart the job")
+                raise RuntimeError(str(e) if str(e).startswith("ringd") else f"ringd: {e}") from None
+            rec.chunks_left, rec.submitted_all = 1, True
+            self.device_ops += 1
+            self.device_last_reg = reg
+            self.inflight[ticket] = (rec, None, None, None, 0)
+            self.room.notify_all()  # the completion thread waits for work when nothing is in flight
+        return ticket, rec
+
+    def stream_wait(self, ticket, stream):
+        """Makes `stream` wait (without blocking the host) until device op `ticket`'s result is in
+        its buffer, or it failed; never for longer than ringd's op deadline."""
+        with self.lock:
+            try:
+                self.client.stream_wait(ticket, stream)
+            except _ringd.RingdError as e:
+                raise RuntimeError(f"ringd: {e}") from None
+
+    def _device_setup_locked(self, device):
+        """The first device op: the group's part size (the same on every rank: a function of the
+        group's smallest slot) and its own staging range of the process's slot, four parts, so
+        that a part is copied in while one is on the ring and one is copied out."""
+        if self.device is not None:
+            if device != self.device:
+                raise RuntimeError(f"ringd: this process group's ops are on cuda:{self.device}; a process drives "
+                                   f"one GPU per process group (not cuda:{device})")
+            return
+        part = max(64 << 10, self.max_chunk // 4 // 4096 * 4096)
+        staging = 4 * part
+        rng = self._alloc_locked(staging + 256)
+        offset = (rng[0] + 255) // 256 * 256
+        try:
+            self.client.set_cuda_part_bytes(part)
+            self.client.set_cuda_staging(offset, staging)
+        except BaseException:
+            self.space.release(*rng)
+            raise
+        self.device, self.device_part, self.staging, self.staging_bytes = device, part, rng, staging
+
+    def _device_registration_locked(self, buf):
+        """The ringd registration of the driver allocation holding the buffer: made once per
+        allocation (torch's caching allocator hands out blocks of a few large ones) and made again
+        only when the allocation at that address is another one (the allocator gave the memory back
+        and got new memory there: the driver's buffer id differs)."""
+        base, size, ident = self.client.cuda_allocation(buf.ptr)
+        hit = self.device_regs.get(base)
+        if hit is not None and hit[0] == size and hit[1] == ident:
+            self.device_regs.move_to_end(base)
+            return hit[2]
+        # Registrations that overlap this allocation are of memory given back: gone too (ringd
+        # would otherwise find the stale one for this pointer).
+        for b, (n, _, reg) in list(self.device_regs.items()):
+            if b < base + size and base < b + n:
+                del self.device_regs[b]
+                self._device_unregister_locked(reg)
+        while len(self.device_regs) >= _MAX_DEVICE_REGISTRATIONS:
+            _, (_, _, reg) = self.device_regs.popitem(last=False)
+            self._device_unregister_locked(reg)
+        reg = self.client.register_cuda(base, size)
+        self.device_regs[base] = (size, ident, reg)
+        self.device_registrations += 1
+        return reg
+
+    def _device_unregister_locked(self, reg):
+        try:
+            self.client.unregister_cuda(reg)
+        except _ringd.RingdError:
+            pass  # ringd let go of it already (the connection is gone)
+
+    def _submit_device_locked(self, buf, op):
+        end = datetime.datetime.now() + self.timeout
+        while True:
+            if self.dead:
+                raise RuntimeError(self.dead)
+            try:
+                return self.client.submit_cuda(buf.ptr, buf.count, buf.dtype, op, buf.stream)
+            except _ringd.RingdError as e:
+                if e.code != -errno.EAGAIN:  # EAGAIN: too many ops in flight; wait for one to finish
+                    raise
+            if datetime.datetime.now() >= end:
+                raise RuntimeError(f"ringd: too many ops in flight for {self.timeout}")
+            self.room.wait(0.05)
 
     def _queue(self, rec):
         with self.lock:
@@ -586,15 +687,21 @@ class _Engine:
                 rec = self.finished.popleft()
             try:
                 if rec.error is not None:
-                    _tw.set_error(rec.future, rec.error if rec.error.startswith("ringd") else f"ringd: {rec.error}")
+                    rec.future.set_error(rec.error if rec.error.startswith("ringd") else f"ringd: {rec.error}")
                     continue
                 if rec.copy_back:
                     with torch.no_grad():
                         rec.tensor.copy_(rec.flat.view(rec.tensor.shape))
-                rec.future.set_result(rec.result)
+                if rec.stream is not None:
+                    # A CUDA result copied back on the caller's stream: the future's waiters are
+                    # ordered after that stream's work (torch records its event there).
+                    with torch.cuda.stream(rec.stream):
+                        rec.future.set_result(rec.result)
+                else:
+                    rec.future.set_result(rec.result)
             except BaseException as e:  # a callback's error stays with its future; the thread goes on
                 if not rec.future.done():
-                    _tw.set_error(rec.future, f"ringd: completing the op: {e}")
+                    rec.future.set_error(f"ringd: completing the op: {e}")
 
     def close(self):
         """Fails what is queued or in flight, stops the threads, then lets the client (and its
@@ -640,6 +747,10 @@ class _Engine:
                 if not res.busy:
                     self.space.release(*res.rng)
                     self.ps.resident_bytes -= res.rng[1]
+            if self.staging is not None and not self.lost and not left:
+                # No device op of this group is in ringd any more (none was left in flight).
+                self.space.release(*self.staging)
+                self.staging = None
         self.resident.clear()
         _disconnect(self.client, self.ps, self.socket)
 
@@ -753,9 +864,9 @@ class ProcessGroupRingd(ProcessGroup):
         if len(tensors) != 1:
             return None
         t = tensors[0]
-        if t.device.type != "cpu":
-            raise RuntimeError(f"ringd: {t.device.type} tensors are not supported yet (CUDA comes with ringd's "
-                               "CUDA support); move the tensor to the CPU or use the nccl backend")
+        if t.device.type not in ("cpu", "cuda"):
+            raise RuntimeError(f"ringd: {t.device.type} tensors are not supported (CPU and CUDA tensors are); move "
+                               "the tensor to the CPU or a GPU")
         if t.is_sparse or t.dtype not in _DTYPES:
             return None
         name = _op_name(op)
@@ -773,13 +884,40 @@ class ProcessGroupRingd(ProcessGroup):
             if _op_name(opts.reduceOp) == "avg":
                 raise RuntimeError("ringd: AVG needs one float32/float64/float16/bfloat16/int tensor")
             return self._gloo.allreduce(tensors, opts)
+        if tensors[0].is_cuda:
+            return self._allreduce_cuda(tensors[0], name, [tensors[0]], tensors)
         fut = self._engine.allreduce(tensors[0], name)
-        return _tw.work(fut, tensors)
+        return _compat.work(fut, tensors)
+
+    def _allreduce_cuda(self, tensor, name, result, tensors):
+        """A CUDA tensor's allreduce through ringd's CUDA path, in the order of the current
+        stream: ringd reads the tensor after what the stream queued so far, Work.wait() makes the
+        current stream wait for the result (the host does not block), and the future completes
+        once the result is in the tensor."""
+        given = tensor.detach()
+        dense = _distinct_elements(given)
+        stream = torch.cuda.current_stream(tensor.device)
+        flat = dense if dense.is_contiguous() else dense.contiguous()  # a copy on the current stream
+        opf = _compat.OpFuture(devices=[tensor.device])
+        buf = DeviceBuffer(flat.data_ptr(), flat.numel(), _DTYPES[tensor.dtype], tensor.device.index, stream.cuda_stream)
+        if buf.count == 0:
+            opf.set_result(result)
+            return _compat.work(opf.future, tensors)
+        ticket, rec = self._engine.allreduce_device(buf, name, opf, result, keep=flat)
+        if flat is not dense:
+            # The result goes back into the tensor on the current stream, after ringd's.
+            self._engine.stream_wait(ticket, stream.cuda_stream)
+            with torch.no_grad():
+                dense.copy_(flat.view(dense.shape))
+            rec.stream = stream
+        engine = self._engine
+        return _compat.work(opf.future, tensors,
+                            on_wait=lambda: engine.stream_wait(ticket, torch.cuda.current_stream(tensor.device).cuda_stream))
 
     def allreduce_coalesced(self, tensors, opts=None):
         works = [self.allreduce([t], self._coalesced_opts(opts)) for t in tensors]
         fut = torch.futures.collect_all([w.get_future() for w in works])
-        out = torch.futures.Future()
+        out = _compat.OpFuture(devices=sorted({t.device for t in tensors if t.is_cuda}, key=str) or None)
 
         def done(f):
             try:
@@ -787,9 +925,9 @@ class ProcessGroupRingd(ProcessGroup):
                     each.value()
                 out.set_result(tensors)
             except RuntimeError as e:
-                _tw.set_error(out, str(e))
+                out.set_error(str(e))
         fut.add_done_callback(done)
-        return _tw.work(out, tensors)
+        return _compat.work(out.future, tensors)
 
     @staticmethod
     def _coalesced_opts(opts):
@@ -804,12 +942,16 @@ class ProcessGroupRingd(ProcessGroup):
         name = self._ringd_op([buffer], dist.ReduceOp.AVG)
         if name is None or self._engine is None:
             return None
+        if buffer.is_cuda:
+            # DDP's bucket buffer itself: the same allocation every step, registered with ringd
+            # once (the first step), averaged in place, no copy.
+            return self._allreduce_cuda(buffer, name, buffer, [buffer]).get_future()
         fut = self._engine.allreduce_resident(buffer, name)
         if fut is None:
             fut = self._engine.allreduce(buffer, name)
-            out = torch.futures.Future()
+            out = _compat.OpFuture()
             fut.add_done_callback(lambda f: _chain_first(f, out))
-            return out
+            return out.future
         return fut
 
     # The rest through Gloo (identical results).
@@ -874,7 +1016,7 @@ class ProcessGroupRingd(ProcessGroup):
             with torch.no_grad():
                 out.copy_(flat[r * k:(r + 1) * k].view(out.shape))
             return result
-        return _tw.work(self.allreduce([flat], all_opts).get_future().then(done), result)
+        return _compat.work(self.allreduce([flat], all_opts).get_future().then(done), result)
 
     def alltoall(self, *args, **kwargs):
         return self._gloo.alltoall(*args, **kwargs)
@@ -902,7 +1044,7 @@ def _chain_first(f, out):
     try:
         out.set_result(f.value()[0])
     except RuntimeError as e:
-        _tw.set_error(out, str(e))
+        out.set_error(str(e))
 
 
 def allreduce_hook(state, bucket):
@@ -924,4 +1066,4 @@ def _create(store, rank, size, timeout):
 
 
 if BACKEND.upper() not in dist.Backend._plugins:
-    dist.Backend.register_backend(BACKEND, _create)
+    _compat.register_backend(BACKEND, _create)

@@ -1,0 +1,303 @@
+"""ringd.torch's CUDA path on ringd's software CUDA device: the code the backend runs for a CUDA
+tensor (_Engine.allreduce_device, stream_wait, the registration cache, the staging range and part
+size), driven with DeviceBuffers over device memory of the software device (what a CUDA tensor
+becomes in ProcessGroupRingd._allreduce_cuda), on 2 ringds on 127.0.0.1 as two hosts x 2 trainer
+processes. Memory comes from cuMemAlloc, as torch's caching allocator gets it (a block inside a
+larger allocation, registered by the allocation). Every value is checked here, with the guard bytes
+on both sides of each op's range:
+  - every dtype x op, default stream and a stream whose producer runs late (ringd reads after it);
+  - stream_wait: a copy queued after it sees the result without waiting on the future first;
+  - 200 ops on one allocation register it once; memory given back and allocated again at the same
+    address is registered again (its driver buffer id differs), with exact results;
+  - an op 16 x the slot (parts through the group's staging range);
+  - a rank that dies before an op: the others get RuntimeError within timeouts.op + margin, and a
+    stream waiting on the op moves on.
+Usage: torch_cuda_path.py RINGD_BIN LIBRINGD_CLIENT EMULATED_CUDA_LIB. Exit 0 when every check held,
+77 when torch is missing."""
+import ctypes
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+HOSTS, LOCAL = 2, 2
+WORLD = HOSTS * LOCAL
+SLOT = 1 << 20
+OP_TIMEOUT_S = 4
+
+
+def cuda_driver(path):
+    """The software device's driver entry points, by cuGetProcAddress as libringd-client takes them."""
+    lib = ctypes.CDLL(path, mode=os.RTLD_LOCAL)
+    gpa = lib.cuGetProcAddress_v2
+    gpa.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_uint64,
+                    ctypes.POINTER(ctypes.c_int)]
+    fns = {}
+    for name, args in (("cuInit", [ctypes.c_uint]),
+                       ("cuDeviceGet", [ctypes.POINTER(ctypes.c_int), ctypes.c_int]),
+                       ("cuDevicePrimaryCtxRetain", [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]),
+                       ("cuCtxSetCurrent", [ctypes.c_void_p]),
+                       ("cuMemAlloc", [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]),
+                       ("cuMemFree", [ctypes.c_uint64]),
+                       ("cuStreamCreate", [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]),
+                       ("cuStreamSynchronize", [ctypes.c_void_p]),
+                       ("cuMemcpyHtoDAsync", [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]),
+                       ("cuMemcpyDtoHAsync", [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p])):
+        p, status = ctypes.c_void_p(), ctypes.c_int()
+        rc = gpa(name.encode(), ctypes.byref(p), 12000, 0, ctypes.byref(status))
+        assert rc == 0 and p.value, f"{name}: {rc}"
+        fns[name] = ctypes.CFUNCTYPE(ctypes.c_int, *args)(p.value)
+    fns["delay"] = lib.ringd_emu_stream_delay
+    fns["delay"].argtypes = [ctypes.c_void_p, ctypes.c_uint]
+    fns["delay"].restype = None
+    return fns
+
+
+def check(rc, what):
+    if rc != 0:
+        raise RuntimeError(f"{what}: CUDA error {rc}")
+
+
+def worker(rank, sock, group, out):
+    import torch
+    import ringd.torch as rt
+    cu = cuda_driver(os.environ["RINGD_CUDA_EMULATED_LIBRARY"])
+    check(cu["cuInit"](0), "cuInit")
+    dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+    check(cu["cuDeviceGet"](ctypes.byref(dev), 0), "cuDeviceGet")
+    check(cu["cuDevicePrimaryCtxRetain"](ctypes.byref(ctx), dev), "retain")
+    check(cu["cuCtxSetCurrent"](ctx), "set current")
+    host, local = divmod(rank, LOCAL)
+    engine = rt._Engine(group, local, LOCAL, SLOT, sock, rt.datetime.timedelta(seconds=30))
+    report = {"rank": rank, "checks": 0, "failures": []}
+
+    def fail(msg):
+        report["failures"].append(msg)
+
+    def alloc(nbytes):
+        p = ctypes.c_uint64()
+        check(cu["cuMemAlloc"](ctypes.byref(p), nbytes), "cuMemAlloc")
+        return p.value
+
+    def tensor_at(ptr, nbytes):  # the software device's memory is host memory at the same address
+        return torch.frombuffer((ctypes.c_char * nbytes).from_address(ptr), dtype=torch.uint8)
+
+    tdtypes = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
+               "bfloat16": torch.bfloat16, "int32": torch.int32, "int64": torch.int64}
+    GUARD = 4096
+
+    def values(dtype, count, r, salt):
+        # Small integers (exact in every dtype, their sums and means over WORLD ranks too).
+        i = torch.arange(count, dtype=torch.int64)
+        return ((i * 7 + salt) % 61 + r * 3).to(tdtypes[dtype])
+
+    def expect(dtype, op, count, salt):
+        stack = torch.stack([values(dtype, count, r, salt).to(torch.float64) for r in range(WORLD)])
+        ref = {"sum": stack.sum(0), "avg": stack.mean(0), "min": stack.min(0).values, "max": stack.max(0).values}[op]
+        return ref.to(tdtypes[dtype])
+
+    def run_op(base, nbytes, dtype, op, count, salt, stream=0, producer=None, wait_future=True):
+        """One allreduce of `count` elements at base + GUARD; the guard bytes around it checked."""
+        esize = torch.tensor([], dtype=tdtypes[dtype]).element_size()
+        mem = tensor_at(base, nbytes)
+        pattern = torch.full((nbytes,), (rank * 31 + salt) % 251, dtype=torch.uint8)
+        mine = values(dtype, count, rank, salt)
+        if producer is None:
+            mem.copy_(pattern)
+            mem[GUARD:GUARD + count * esize].copy_(mine.view(torch.uint8))
+        else:  # the buffer is written on `stream` after a delay: ringd must read after it
+            mem.copy_(pattern)
+            staged = pattern.clone()
+            staged[GUARD:GUARD + count * esize].copy_(mine.view(torch.uint8))
+            producer["keep"] = staged
+            cu["delay"](ctypes.c_void_p(stream), 150000)
+            check(cu["cuMemcpyHtoDAsync"](base, ctypes.c_void_p(staged.data_ptr()), nbytes, ctypes.c_void_p(stream)), "h2d")
+        opf = rt._compat.OpFuture()
+        buf = rt.DeviceBuffer(base + GUARD, count, dtype, 0, stream)
+        ticket, _ = engine.allreduce_device(buf, op, opf, "done")
+        return ticket, opf, mem, pattern, esize
+
+    def verify(what, mem, pattern, esize, dtype, op, count, salt):
+        got = mem[GUARD:GUARD + count * esize].clone().view(tdtypes[dtype])
+        want = expect(dtype, op, count, salt)
+        wrong = int((got != want).sum())
+        guard = int((mem[:GUARD] != pattern[:GUARD]).sum() + (mem[GUARD + count * esize:] != pattern[GUARD + count * esize:]).sum())
+        report["checks"] += count
+        if wrong or guard:
+            fail(f"{what}: {wrong} wrong values, {guard} guard bytes changed")
+
+    block = alloc(8 << 20)  # one allocation, ops on blocks inside it (the caching allocator's way)
+    salt = 0
+    # 1. every dtype x op, on the default stream and on a stream whose producer runs late
+    s = ctypes.c_void_p()
+    check(cu["cuStreamCreate"](ctypes.byref(s), 1), "stream")
+    for dtype in tdtypes:
+        for op in ("sum", "avg", "min", "max"):
+            if op == "avg" and dtype.startswith("int"):
+                continue
+            for stream in (0, s.value):
+                salt += 1
+                count = 1000 + salt * 37
+                producer = {} if stream else None
+                ticket, opf, mem, pattern, esize = run_op(block + salt * 64, 1 << 20, dtype, op, count, salt,
+                                                         stream or 0, producer)
+                try:
+                    opf.future.wait()
+                except RuntimeError as e:
+                    fail(f"{dtype} {op}: {e}")
+                    continue
+                verify(f"{dtype} {op} stream {bool(stream)}", mem, pattern, esize, dtype, op, count, salt)
+    # 2. stream_wait: a copy queued after it sees the result; the future is not waited on first
+    salt += 1
+    count = 50000
+    producer = {}  # holds the host buffer the late copy reads
+    ticket, opf, mem, pattern, esize = run_op(block, 2 << 20, "float32", "sum", count, salt, s.value, producer)
+    engine.stream_wait(ticket, s.value)
+    host_copy = torch.empty(2 << 20, dtype=torch.uint8)
+    check(cu["cuMemcpyDtoHAsync"](ctypes.c_void_p(host_copy.data_ptr()), block, 2 << 20, s), "d2h")
+    check(cu["cuStreamSynchronize"](s), "sync")
+    got = host_copy[GUARD:GUARD + count * 4].view(torch.float32)
+    if not torch.equal(got, expect("float32", "sum", count, salt)):
+        fail("stream_wait: the copy queued after it did not see the result")
+    report["checks"] += count
+    opf.future.wait()
+    # 3. many ops on one allocation: registered once
+    regs_before = engine.device_registrations
+    for k in range(200):
+        ticket, opf, mem, pattern, esize = run_op(block + (k % 8) * 4096, 1 << 20, "int32", "sum", 256, 500 + k)
+        opf.future.wait()
+        verify(f"op {k} on one allocation", mem, pattern, esize, "int32", "sum", 256, 500 + k)
+    if engine.device_registrations != regs_before:
+        fail(f"200 ops on one allocation registered it {engine.device_registrations - regs_before} more times")
+    # memory given back, allocated again (the same size: likely the same address) -> registered again
+    check(cu["cuMemFree"](block), "free")
+    block2 = alloc(8 << 20)
+    report["same_address_again"] = block2 == block
+    ticket, opf, mem, pattern, esize = run_op(block2, 1 << 20, "float64", "max", 3000, 777)
+    opf.future.wait()
+    verify("after the allocation was given back", mem, pattern, esize, "float64", "max", 3000, 777)
+    if engine.device_registrations != regs_before + 1:
+        fail(f"new memory at the address: {engine.device_registrations - regs_before} registrations, not 1")
+    # 4. an op 16 x the slot: parts stream through the group's staging range
+    big = alloc(16 * SLOT + 2 * GUARD)
+    count = 16 * SLOT // 4
+    ticket, opf, mem, pattern, esize = run_op(big, 16 * SLOT + 2 * GUARD, "float32", "sum", count, 4242)
+    opf.future.wait()
+    verify("16 x the slot", mem, pattern, esize, "float32", "sum", count, 4242)
+    report["part_bytes"], report["staging_bytes"] = engine.device_part, engine.staging_bytes
+    report["registrations"] = engine.device_registrations
+    # 5. the last rank dies before the next op: the others fail within the op timeout, no stream hangs
+    if rank == WORLD - 1:
+        with open(out, "w") as f:
+            json.dump(report, f)
+        os._exit(0)
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    ticket, opf, mem, pattern, esize = run_op(block2, 1 << 20, "float32", "sum", 1000, 9)
+    engine.stream_wait(ticket, s.value)
+    check(cu["cuStreamSynchronize"](s), "sync after a failed op")
+    try:
+        opf.future.wait()
+        fail("an op with a dead rank succeeded")
+    except RuntimeError as e:
+        report["dead_rank_error"] = str(e)[:200]
+    report["dead_rank_seconds"] = round(time.monotonic() - t0, 2)
+    if report["dead_rank_seconds"] > OP_TIMEOUT_S + 12:
+        fail(f"the op with a dead rank failed only after {report['dead_rank_seconds']} s")
+    with open(out, "w") as f:
+        json.dump(report, f)
+    os._exit(0)  # the engine's threads are daemons; the group is dead by now
+
+
+def main(ringd_bin, client_lib, emulated_lib):
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        print("torch_cuda_path: no torch for this python: skipped")
+        return 77
+    tmp = tempfile.mkdtemp(prefix="ringd-torch-cuda-")
+    base = 20000 + os.getpid() % 20000
+    secret = os.path.join(tmp, "secret")
+    with open(secret, "w") as f:
+        f.write(os.urandom(16).hex() + "\n")
+    os.chmod(secret, 0o600)
+    daemons, logs = [], []
+    try:
+        for h in range(HOSTS):
+            cfg = os.path.join(tmp, f"node{h}.yaml")
+            with open(cfg, "w") as f:
+                f.write("cluster: torchcuda\nhosts:\n" +
+                        "".join(f"  - {{name: node{i}, address: 127.0.0.1, port: {base + i}}}\n" for i in range(HOSTS)) +
+                        f"socket: {tmp}/node{h}.sock\nmemory: {{slot_bytes: 4MiB, max_slots: 8}}\n"
+                        f"cuda: {{provider: emulated}}\nauth: {{secret_file: {secret}}}\n"
+                        f"timeouts: {{op: {OP_TIMEOUT_S}s}}\ntcp: {{streams: 2}}\n")
+            logs.append(open(os.path.join(tmp, f"node{h}.log"), "w"))
+            daemons.append(subprocess.Popen([ringd_bin, "--config", cfg, "--host", f"node{h}"], stdout=logs[-1],
+                                            stderr=subprocess.STDOUT))
+        env = dict(os.environ, RINGD_CLIENT_LIBRARY=client_lib, RINGD_CUDA_PROVIDER="emulated",
+                   RINGD_CUDA_EMULATED_LIBRARY=emulated_lib, PYTHONPATH=os.path.join(
+                       os.environ.get("RINGD_SOURCE_DIR", "."), "client", "python"))
+        sys.path.insert(0, env["PYTHONPATH"])
+        import ringd
+        deadline = time.time() + 15
+        for h in range(HOSTS):
+            while True:
+                try:
+                    if ringd.status(f"{tmp}/node{h}.sock", 1000).get("ring", {}).get("state") == "up":
+                        break
+                except ringd.RingdError:
+                    pass
+                if time.time() > deadline:
+                    raise RuntimeError(f"ringd node{h} did not come up (see {tmp}/node{h}.log)")
+                time.sleep(0.1)
+        group = f"torch-cuda-{os.getpid()}"
+        procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(r), f"{tmp}/node{r // LOCAL}.sock", group,
+                                   f"{tmp}/rank{r}.json"], env=env) for r in range(WORLD)]
+        ok = True
+        for r, p in enumerate(procs):
+            try:
+                rc = p.wait(240)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                rc = "timeout"
+            if rc != 0:
+                print(f"rank {r}: exit {rc}")
+                ok = False
+        for r in range(WORLD):
+            path = f"{tmp}/rank{r}.json"
+            if not os.path.exists(path):
+                print(f"rank {r}: no report")
+                ok = False
+                continue
+            rep = json.load(open(path))
+            print(json.dumps(rep))
+            ok = ok and not rep["failures"]
+        if not ok:
+            for h in range(HOSTS):
+                print(f"--- node{h}.log (tail)")
+                print("".join(open(f"{tmp}/node{h}.log").readlines()[-20:]))
+        print("torch_cuda_path: " + ("every value exact; registration cache, stream order, parts and failure held"
+                                     if ok else "FAILED"))
+        return 0 if ok else 1
+    finally:
+        for d in daemons:
+            d.send_signal(signal.SIGTERM)
+        for d in daemons:
+            try:
+                d.wait(10)
+            except subprocess.TimeoutExpired:
+                d.kill()
+        for f in logs:
+            f.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        worker(int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5])
+    else:
+        sys.exit(main(*sys.argv[1:4]))
