@@ -1,0 +1,439 @@
+"""ringd.torch on a GPU, as a PyTorch user runs it: two ringds on 127.0.0.1 as two hosts, 2 and 4
+trainer processes on the one GPU, init_process_group("ringd"), CUDA tensors. Phases:
+  ops-2, ops-4  every dtype x op on CUDA tensors (views with guard bytes on both sides, a strided
+                view, 1 to 20M elements), through dist.all_reduce (sync and async) and the comm
+                hook's path; every value and guard byte checked on the host
+  ddp           DDP, 20 steps of the reference MLP and of a small CNN: over Gloo's CUDA path, over
+                ringd, over ringd with allreduce_hook; losses against Gloo's, parameters identical on
+                every rank; step times side by side
+  time-2, time-4  a 256 MiB float32 CUDA allreduce, ringd vs Gloo, same processes, medians
+  kill          a rank dies during a 256 MiB op: the others get RuntimeError within timeouts.op +
+                margin, and their streams are not left waiting (torch.cuda.synchronize returns)
+Launcher: torch_check.py --out DIR --bin DIR [--device cuda|cpu] [--phases a,b]. --device cpu runs
+the same phases on CPU tensors (a check of this script where there is no GPU). Writes
+DIR/torch-check.json; exit 0 when every phase passed.
+Worker (internal): torch_check.py --worker PHASE DIR."""
+import argparse
+import datetime
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+OP_TIMEOUT_S = 10
+PHASES = {"ops-2": 2, "ops-4": 4, "ddp": 4, "time-2": 2, "time-4": 4, "kill": 4}
+
+
+# ---------------------------------------------------------------- worker
+
+def worker(phase, out):
+    import torch
+    import torch.distributed as dist
+    sys.path.insert(0, os.path.join(ROOT, "client", "python"))
+    import ringd.torch  # noqa: F401  (registers "ringd")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dev = torch.device(os.environ.get("CHECK_DEVICE", "cuda"))
+    cuda = dev.type == "cuda"
+    if cuda:
+        torch.cuda.set_device(0)
+        dev = torch.device("cuda", 0)
+    rep = {"rank": rank, "phase": phase, "failures": [], "checked": 0}
+
+    def fail(msg):
+        if len(rep["failures"]) < 20:
+            rep["failures"].append(msg)
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    def write():
+        with open(os.path.join(out, f"{phase}-rank{rank}.json"), "w") as f:
+            json.dump(rep, f)
+
+    dist.init_process_group("ringd", timeout=datetime.timedelta(seconds=120))
+    gloo = dist.new_group(backend="gloo")
+    try:
+        {"ops": phase_ops, "ddp": phase_ddp, "time": phase_time, "kill": phase_kill}[phase.split("-")[0]](
+            torch, dist, rank, world, dev, sync, fail, rep, gloo, write)
+    except Exception as e:  # the phase's own failure, reported
+        import traceback
+        fail(f"{type(e).__name__}: {e}")
+        rep["traceback"] = traceback.format_exc()[-2000:]
+    write()
+    if phase != "kill":
+        dist.barrier(group=gloo)
+        dist.destroy_process_group()
+    os._exit(0)
+
+
+DTYPES = ["float32", "float64", "float16", "bfloat16", "int32", "int64"]
+OPS = ["sum", "avg", "min", "max"]
+
+
+def phase_ops(torch, dist, rank, world, dev, sync, fail, rep, gloo, write):
+    red = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+    guard_n = 4096
+
+    def inputs(dtype, n, r, salt):
+        i = torch.arange(n, dtype=torch.int64)
+        # Multiples of the world size, small: every sum and mean exact in every dtype.
+        return (((i * 7 + salt) % 29 + r * 5) * world).to(getattr(torch, dtype))
+
+    def expect(dtype, op, n, salt):
+        s = torch.stack([inputs(dtype, n, r, salt).double() for r in range(world)])
+        ref = {"sum": s.sum(0), "avg": s.mean(0), "min": s.min(0).values, "max": s.max(0).values}[op]
+        return ref.to(getattr(torch, dtype))
+
+    def one(dtype, op, n, salt, mode):
+        t = getattr(torch, dtype)
+        big = torch.full((2 * guard_n + 2 * n,), 3, dtype=t, device=dev)
+        mine = inputs(dtype, n, rank, salt).to(dev)
+        if mode == "strided":  # every other element of a range: not contiguous
+            view = big[guard_n:guard_n + 2 * n:2]
+        else:
+            view = big[guard_n:guard_n + n]
+        view.copy_(mine)
+        if mode == "async":
+            w = dist.all_reduce(view, red[op], async_op=True)
+            w.wait()  # the current stream waits; the host does not
+        result = None
+        if mode == "hook":
+            # The comm hook's path: the future's value is the result (a CUDA bucket: in place;
+            # a CPU bucket: its range of the slot).
+            pg = dist.distributed_c10d._get_default_group()
+            result = pg.hook_allreduce(0, view).wait()
+        elif mode == "async":
+            pass
+        else:
+            dist.all_reduce(view, red[op])
+        host = big.cpu()  # on the current stream, after the result
+        got = host[guard_n:guard_n + 2 * n:2] if mode == "strided" else host[guard_n:guard_n + n]
+        if result is not None:
+            got = result.cpu()
+        want = expect(dtype, op, n, salt)
+        wrong = int((got != want).sum())
+        if mode == "strided":
+            between = host[guard_n + 1:guard_n + 2 * n:2]
+            guard = int((between != 3).sum() + (host[:guard_n] != 3).sum() + (host[guard_n + 2 * n:] != 3).sum())
+        else:
+            guard = int((host[:guard_n] != 3).sum() + (host[guard_n + n:] != 3).sum())
+        rep["checked"] += n
+        if wrong or guard:
+            fail(f"{mode} {dtype} {op} n={n}: {wrong} wrong values, {guard} guard elements changed")
+
+    salt = 0
+    for dtype in DTYPES:
+        for op in OPS:
+            if op == "avg" and dtype.startswith("int"):
+                continue
+            for n in (1, 1000, 300_001):
+                salt += 1
+                one(dtype, op, n, salt, "sync")
+            salt += 1
+            one(dtype, op, 4097, salt, "async")
+        if not dtype.startswith("int"):
+            salt += 1
+            one(dtype, "avg", 100_003, salt, "hook")
+    one("float32", "sum", 50_000, 901, "strided")
+    one("float32", "sum", 20_000_000, 902, "sync")  # 80 MB: parts through the staging range
+    one("float32", "avg", 20_000_000, 903, "hook")
+    sync()
+
+
+def reference_mlp(torch):
+    torch.manual_seed(1234)
+    sizes = [2048, 4096, 4096, 1024]  # bench/ddp's reference MLP
+    layers = []
+    for a, b in zip(sizes, sizes[1:]):
+        layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers[:-1])
+
+
+def small_cnn(torch):
+    torch.manual_seed(4321)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+        torch.nn.Conv2d(32, 64, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+        torch.nn.Flatten(), torch.nn.Linear(64 * 8 * 8, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+
+
+def phase_ddp(torch, dist, rank, world, dev, sync, fail, rep, gloo, write):
+    import ringd.torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    if dev.type == "cuda":
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+
+    def batch(kind, step):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        if kind == "mlp":
+            return torch.randn(32, 2048, generator=g).to(dev), torch.randn(32, 1024, generator=g).to(dev)
+        return torch.randn(32, 3, 32, 32, generator=g).to(dev), torch.randint(0, 10, (32,), generator=g).to(dev)
+
+    def run(kind, backend):
+        model = (reference_mlp(torch) if kind == "mlp" else small_cnn(torch)).to(dev)
+        ids = [dev.index] if dev.type == "cuda" else None
+        if backend == "gloo":
+            ddp = DDP(model, device_ids=ids, process_group=gloo)
+        else:
+            ddp = DDP(model, device_ids=ids)
+            if backend == "ringd+hook":
+                ddp.register_comm_hook(None, ringd.torch.allreduce_hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+        losses, times = [], []
+        for step in range(20):
+            x, y = batch(kind, step)
+            sync()
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            out = ddp(x)
+            loss = torch.nn.functional.mse_loss(out, y) if kind == "mlp" else torch.nn.functional.cross_entropy(out, y)
+            loss.backward()
+            opt.step()
+            sync()
+            times.append(time.perf_counter() - t0)
+            losses.append(loss.item())
+        flat = torch.cat([p.detach().reshape(-1) for p in ddp.parameters()])
+        everyone = [torch.empty_like(flat) for _ in range(world)]
+        dist.all_gather(everyone, flat, group=gloo)
+        same = all(torch.equal(o, flat) for o in everyone)
+        return losses, sorted(times[5:])[len(times[5:]) // 2], same
+
+    rep["ddp"] = {}
+    for kind in ("mlp", "cnn"):
+        res = {b: run(kind, b) for b in ("gloo", "ringd", "ringd+hook")}
+        ref = res["gloo"][0]
+        entry = {"step_s": {b: round(r[1], 5) for b, r in res.items()}, "final_loss": {b: r[0][-1] for b, r in res.items()}}
+        for b in ("ringd", "ringd+hook"):
+            losses, _, same = res[b]
+            worst = max(abs(a - g) / max(abs(g), 1e-6) for a, g in zip(losses, ref))
+            entry[f"max_rel_loss_diff_{b}"] = worst
+            if worst > 1e-4:
+                fail(f"{kind} {b}: losses differ from Gloo's by up to {worst:.2e} (relative)")
+            if not same:
+                fail(f"{kind} {b}: parameters differ between ranks")
+        rep["ddp"][kind] = entry
+
+
+def phase_time(torch, dist, rank, world, dev, sync, fail, rep, gloo, write):
+    n = (256 << 20) // 4
+    t = torch.ones(n, dtype=torch.float32, device=dev)
+    rep["time"] = {}
+    for name, group in (("gloo", gloo), ("ringd", None), ("gloo", gloo), ("ringd", None)):
+        times = []
+        for k in range(4):
+            t.fill_(1.0)
+            sync()
+            dist.barrier(group=gloo)
+            t0 = time.perf_counter()
+            dist.all_reduce(t, group=group)
+            sync()
+            times.append(time.perf_counter() - t0)
+            if k == 0:
+                wrong = int((t != world).sum())
+                rep["checked"] += n
+                if wrong:
+                    fail(f"{name} 256 MiB: {wrong} wrong values")
+        rep["time"].setdefault(name, []).extend(times[1:])
+    for name in list(rep["time"]):
+        v = sorted(rep["time"][name])
+        rep["time"][name] = {"median_s": round(v[len(v) // 2], 5), "all_s": [round(x, 5) for x in v]}
+
+
+def phase_kill(torch, dist, rank, world, dev, sync, fail, rep, gloo, write):
+    n = (256 << 20) // 4
+    t = torch.ones(n, dtype=torch.float32, device=dev)
+    for _ in range(2):
+        dist.all_reduce(t)
+    sync()
+    dist.barrier(group=gloo)
+    if rank == world - 1:
+        dist.all_reduce(t, async_op=True)
+        time.sleep(0.05)  # its parts are in ringd: the op is under way
+        rep["died"] = True
+        write()
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    w = dist.all_reduce(t, async_op=True)
+    try:
+        w.wait()  # a CUDA op: the stream waits, the host does not
+        sync()  # must return: the stream is released when the op fails
+        rep["stream_released_s"] = round(time.monotonic() - t0, 2)
+        w.get_future().wait()
+        fail("the op with a dead rank succeeded")
+    except RuntimeError as e:
+        rep["error"] = str(e)[:300]
+    rep["failed_after_s"] = round(time.monotonic() - t0, 2)
+    if rep["failed_after_s"] > OP_TIMEOUT_S + 12:
+        fail(f"the op with a dead rank failed only after {rep['failed_after_s']} s (timeouts.op {OP_TIMEOUT_S} s)")
+
+
+# ---------------------------------------------------------------- launcher
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--bin", required=True, help="folder with ringd (and lib/ with libringd-client.so.0)")
+    ap.add_argument("--lib", default=None, help="libringd-client.so (default: BIN/lib/libringd-client.so.0)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--phases", default=",".join(PHASES))
+    ap.add_argument("--deadline", type=float, default=420, help="seconds for all phases")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    start = time.monotonic()
+    summary = {"device": args.device, "phases": {}, "ok": False}
+    try:
+        import torch
+        summary["torch"] = torch.__version__
+        summary["torch_cuda"] = torch.version.cuda
+        if args.device == "cuda":
+            if not torch.cuda.is_available():
+                summary["error"] = "torch sees no GPU"
+                return finish(summary, args.out, 77)
+            summary["gpu"] = torch.cuda.get_device_name(0)
+    except ImportError as e:
+        summary["error"] = f"no torch: {e}"
+        return finish(summary, args.out, 77)
+    tmp = tempfile.mkdtemp(prefix="ringd-torch-check-")
+    secret = os.path.join(tmp, "secret")
+    with open(secret, "w") as f:
+        f.write(os.urandom(16).hex() + "\n")
+    os.chmod(secret, 0o600)
+    ports = [free_port(), free_port()]
+    lib = args.lib or os.path.join(args.bin, "lib", "libringd-client.so.0")
+    daemons = []
+    try:
+        for h in range(2):
+            cfg = os.path.join(tmp, f"node{h}.yaml")
+            with open(cfg, "w") as f:
+                f.write("cluster: torchcheck\nhosts:\n" +
+                        "".join(f"  - {{name: node{i}, address: 127.0.0.1, port: {ports[i]}}}\n" for i in range(2)) +
+                        f"socket: {tmp}/node{h}.sock\nmemory: {{slot_bytes: 256MiB, max_slots: 16}}\n"
+                        f"auth: {{secret_file: {secret}}}\ntimeouts: {{op: {OP_TIMEOUT_S}s}}\n"
+                        "cuda: {provider: hardware}\n")
+            log = open(os.path.join(args.out, f"ringd-node{h}.log"), "w")
+            env = dict(os.environ)
+            if os.environ.get("RINGD_LD_LIBRARY_PATH"):  # the bundle's libraries (tests/device/torch-check)
+                env["LD_LIBRARY_PATH"] = os.environ["RINGD_LD_LIBRARY_PATH"]
+            daemons.append(subprocess.Popen([os.path.join(args.bin, "ringd"), "--config", cfg, "--host", f"node{h}"],
+                                            stdout=log, stderr=subprocess.STDOUT, env=env))
+        sys.path.insert(0, os.path.join(ROOT, "client", "python"))
+        os.environ["RINGD_CLIENT_LIBRARY"] = lib
+        import ringd
+        until = time.time() + 20
+        while True:
+            try:
+                if all(ringd.status(f"{tmp}/node{h}.sock", 1000).get("ring", {}).get("state") == "up" for h in range(2)):
+                    break
+            except ringd.RingdError:
+                pass
+            if time.time() > until:
+                summary["error"] = "the two ringds did not form a ring within 20 s (see ringd-node*.log)"
+                return finish(summary, args.out, 1)
+            time.sleep(0.1)
+        st = ringd.status(f"{tmp}/node0.sock", 1000)
+        summary["ringd_cuda"] = st.get("cuda")
+        ok = True
+        for phase in args.phases.split(","):
+            left = args.deadline - (time.monotonic() - start)
+            if left < 20:
+                summary["phases"][phase] = {"ok": False, "skipped": "out of time"}
+                ok = False
+                continue
+            res = run_phase(phase, PHASES[phase], tmp, args, lib, left)
+            summary["phases"][phase] = res
+            ok = ok and res["ok"]
+            print(f"torch-check: {phase}: {'ok' if res['ok'] else 'FAILED'} in {res['seconds']} s", flush=True)
+        times = {p: summary["phases"][p].get("time") for p in ("time-2", "time-4") if p in summary["phases"]}
+        summary["timings"] = {p: v for p, v in times.items() if v}
+        if "ddp" in summary["phases"]:
+            summary["timings"]["ddp_step_s"] = summary["phases"]["ddp"].get("ddp")
+        summary["ok"] = ok
+        return finish(summary, args.out, 0 if ok else 1)
+    finally:
+        for d in daemons:
+            d.send_signal(signal.SIGTERM)
+        for d in daemons:
+            try:
+                d.wait(10)
+            except subprocess.TimeoutExpired:
+                d.kill()
+
+
+def run_phase(phase, world, tmp, args, lib, left):
+    t0 = time.monotonic()
+    port = free_port()
+    procs = []
+    for r in range(world):
+        local_size = world // 2
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r % local_size),
+                   LOCAL_WORLD_SIZE=str(local_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   RINGD_SOCKET=f"{tmp}/node{r // local_size}.sock", RINGD_CLIENT_LIBRARY=lib,
+                   CHECK_DEVICE=args.device, GLOO_SOCKET_IFNAME="lo", CUBLAS_WORKSPACE_CONFIG=":4096:8",
+                   PYTHONUNBUFFERED="1")
+        log = open(os.path.join(args.out, f"{phase}-rank{r}.log"), "w")
+        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", phase, args.out], env=env,
+                                      stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + min(left, 240)
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(max(1, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            codes.append("timeout")
+    ranks = []
+    for r in range(world):
+        path = os.path.join(args.out, f"{phase}-rank{r}.json")
+        ranks.append(json.load(open(path)) if os.path.exists(path) else {"rank": r, "failures": ["no report"]})
+    res = {"world": world, "exit": codes, "seconds": round(time.monotonic() - t0, 1)}
+    failures = [f"rank {x['rank']}: {m}" for x in ranks for m in x.get("failures", [])]
+    died = [x["rank"] for x in ranks if x.get("died")]
+    bad_exit = [r for r, c in enumerate(codes) if c != 0 and r not in died]
+    res["ok"] = not failures and not bad_exit
+    res["failures"] = failures[:20] + [f"rank {r}: exit {codes[r]}" for r in bad_exit]
+    res["checked_values"] = sum(x.get("checked", 0) for x in ranks)
+    if phase.startswith("time"):
+        res["time"] = {b: max(x["time"][b]["median_s"] for x in ranks if "time" in x) for b in ("ringd", "gloo")
+                       if all("time" in x for x in ranks)}
+        if res["time"]:
+            res["time"]["ringd_over_gloo"] = round(res["time"]["ringd"] / res["time"]["gloo"], 3)
+    if phase == "ddp" and all("ddp" in x for x in ranks):
+        res["ddp"] = {k: {"step_s": {b: max(x["ddp"][k]["step_s"][b] for x in ranks) for b in ("gloo", "ringd", "ringd+hook")},
+                          "max_rel_loss_diff": {b: max(x["ddp"][k][f"max_rel_loss_diff_{b}"] for x in ranks)
+                                                for b in ("ringd", "ringd+hook")}}
+                      for k in ("mlp", "cnn")}
+    if phase == "kill":
+        res["kill"] = [{k: x.get(k) for k in ("rank", "error", "failed_after_s", "stream_released_s", "died")} for x in ranks]
+    for x in ranks:
+        if x.get("traceback"):
+            res.setdefault("tracebacks", []).append(x["traceback"])
+    return res
+
+
+def finish(summary, out, code):
+    summary["exit"] = code
+    with open(os.path.join(out, "torch-check.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    print(json.dumps(summary, indent=2))
+    return code
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        worker(sys.argv[2], sys.argv[3])
+    else:
+        sys.exit(main())
