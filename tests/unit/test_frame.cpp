@@ -337,11 +337,29 @@ TEST_CASE("submit descriptors are validated with overflow-safe bounds", "[proto]
         CHECK(s->cuda);
         CHECK(s->cuda_reg == 7);
         CHECK(s->cuda_offset == 4096);
+        CHECK(s->ready_seq == d.seq);  // its own ready word
         d.offset = 1024;
         CHECK(validate_submit(d, 1024, true).error().code == -ERANGE);
     }
+    SECTION("CUDA parts wait for their op's ready word: at or after their seq, within 2^31") {
+        d.buffer_kind = static_cast<uint32_t>(BufferKind::Cuda);
+        d.seq = 100;
+        d.cuda_ready_seq = 131;
+        auto s = validate_submit(d, 1024, true);
+        REQUIRE(s.ok());
+        CHECK(s->ready_seq == 131);
+        d.cuda_ready_seq = 99;
+        CHECK_THAT(validate_submit(d, 1024, true).error().message, Catch::Contains("cuda_ready_seq"));
+        d.cuda_ready_seq = 100 + (uint64_t{1} << 31);
+        CHECK_THAT(validate_submit(d, 1024, true).error().message, Catch::Contains("cuda_ready_seq"));
+        d.cuda_ready_seq = 100 + (uint64_t{1} << 31) - 1;
+        CHECK(validate_submit(d, 1024, true).ok());
+    }
     SECTION("slot buffers carry no CUDA fields") {
         d.cuda_reg = 1;
+        CHECK_THAT(validate_submit(d, 1024, true).error().message, Catch::Contains("CUDA fields"));
+        d.cuda_reg = 0;
+        d.cuda_ready_seq = 5;
         CHECK_THAT(validate_submit(d, 1024, true).error().message, Catch::Contains("CUDA fields"));
     }
     SECTION("zero count is valid") {
