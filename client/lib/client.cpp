@@ -90,8 +90,8 @@ int ringd_client::breach(const Ticket &t) {
 int ringd_client::wait(Ticket &t, int timeout_ms) {
     const auto start = Clock::now();
     const auto contract = contract_deadline(t);
-    const bool until_contract = timeout_ms < 0 || start + std::chrono::milliseconds(timeout_ms) >= contract;
-    const auto deadline = until_contract ? contract : start + std::chrono::milliseconds(timeout_ms);
+    bool until_contract = timeout_ms < 0 || start + std::chrono::milliseconds(timeout_ms) >= contract;
+    auto deadline = until_contract ? contract : start + std::chrono::milliseconds(timeout_ms);
     const bool spin = spin_skip == 0;
     if (!spin) --spin_skip;
     const auto spin_until = spin ? std::min(start + kSpin, deadline) : Clock::time_point{};
@@ -117,6 +117,13 @@ int ringd_client::wait(Ticket &t, int timeout_ms) {
         if (r == 0) {
             drain_completions();  // one that came at the deadline still counts
             if (t.state == TicketState::Done || Clock::now() < deadline) continue;  // poll rounds down to ms
+            // A device op in parts: the contract counts from its latest part handed to ringd.
+            if (until_contract && contract_deadline(t) > deadline) {
+                const auto caller = start + std::chrono::milliseconds(timeout_ms);
+                until_contract = timeout_ms < 0 || caller >= contract_deadline(t);
+                deadline = until_contract ? contract_deadline(t) : caller;
+                continue;
+            }
             if (until_contract) return breach(t);
             return fail(-ETIMEDOUT, "op " + std::to_string(t.seq) + " did not complete within " +
                                         std::to_string(timeout_ms) + " ms");
