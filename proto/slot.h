@@ -23,6 +23,9 @@ namespace ringd::proto {
 
 inline constexpr uint32_t kSlotMagic = 0x4C534752;  // bytes 'R' 'G' 'S' 'L'
 inline constexpr uint16_t kSlotVersion = 2;  // 2: CUDA sync words
+// SlotHeader::features: what this ringd understands beyond kSlotVersion (a client checks before
+// it relies on one; an older ringd leaves the field 0).
+inline constexpr uint16_t kSlotFeatureCudaReadySeq = 1;  // SubmitDesc::cuda_ready_seq
 inline constexpr size_t kSlotHeaderBytes = 4096;
 inline constexpr size_t kSlotDataAlign = 4096;
 inline constexpr uint32_t kQueueDepth = 64;
@@ -40,7 +43,7 @@ static_assert(sizeof(CacheLineIndex) == 64);
 struct SlotHeader {
     uint32_t magic;
     uint16_t version;
-    uint16_t reserved0;
+    uint16_t features;  // kSlotFeature* bits
     uint32_t sq_depth;
     uint32_t cq_depth;
     uint64_t data_offset;

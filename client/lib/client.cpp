@@ -89,12 +89,15 @@ int ringd_client::breach(const Ticket &t) {
 // past contract_deadline(t): there, the connection is dead (breach()).
 int ringd_client::wait(Ticket &t, int timeout_ms) {
     const auto start = Clock::now();
-    const auto contract = contract_deadline(t);
-    bool until_contract = timeout_ms < 0 || start + std::chrono::milliseconds(timeout_ms) >= contract;
-    auto deadline = until_contract ? contract : start + std::chrono::milliseconds(timeout_ms);
+    const auto caller_end = timeout_ms < 0 ? Clock::time_point::max() : start + std::chrono::milliseconds(timeout_ms);
+    // The wait ends at the caller's timeout or at the contract's deadline, whichever comes first.
+    // The contract moves while the wait runs: a device op's parts each restart it as they go to
+    // ringd, and an op held in the client behind them has none until it goes (both happen in the
+    // drains below).
+    auto deadline_now = [&] { return std::min(contract_deadline(t), caller_end); };
     const bool spin = spin_skip == 0;
     if (!spin) --spin_skip;
-    const auto spin_until = spin ? std::min(start + kSpin, deadline) : Clock::time_point{};
+    const auto spin_until = spin ? std::min(start + kSpin, deadline_now()) : Clock::time_point{};
     bool blocked = false;
     for (;;) {
         // Once dead, only results that arrived before count (a late one is not trusted).
@@ -112,19 +115,13 @@ int ringd_client::wait(Ticket &t, int timeout_ms) {
         }
         pollfd p[2] = {{completion.get(), POLLIN, 0}, {sock.get(), POLLIN, 0}};
         blocked = true;
+        const auto deadline = deadline_now();
         const int r = ::poll(p, 2, ms_until(deadline));
         if (r < 0 && errno != EINTR) return fail(-errno, "poll: " + errno_string(errno));
         if (r == 0) {
             drain_completions();  // one that came at the deadline still counts
-            if (t.state == TicketState::Done || Clock::now() < deadline) continue;  // poll rounds down to ms
-            // A device op in parts: the contract counts from its latest part handed to ringd.
-            if (until_contract && contract_deadline(t) > deadline) {
-                const auto caller = start + std::chrono::milliseconds(timeout_ms);
-                until_contract = timeout_ms < 0 || caller >= contract_deadline(t);
-                deadline = until_contract ? contract_deadline(t) : caller;
-                continue;
-            }
-            if (until_contract) return breach(t);
+            if (t.state == TicketState::Done || Clock::now() < deadline_now()) continue;  // poll rounds down to ms
+            if (contract_deadline(t) <= caller_end) return breach(t);
             return fail(-ETIMEDOUT, "op " + std::to_string(t.seq) + " did not complete within " +
                                         std::to_string(timeout_ms) + " ms");
         }
@@ -319,7 +316,11 @@ int ringd_client::check_room(uint64_t n) {
 }
 
 bool ringd_client::queue_room(uint64_t n) const {
-    return sq_tail + n - header->sq_head.value.load(std::memory_order_acquire) <= welcome.sq_depth;
+    // Room in the submission queue, and for every op handed over (each gets one completion) in the
+    // completion queue until this client reads it: ringd drops a client whose completions it has
+    // no room for. (Tickets bound ops with one; a device op's parts have none.)
+    return sq_tail + n - header->sq_head.value.load(std::memory_order_acquire) <= welcome.sq_depth &&
+           sq_tail + n - cq_head <= welcome.cq_depth;
 }
 
 int ringd_client::submit_desc(proto::SubmitDesc &d, uint64_t *ticket, bool cuda_op) {
@@ -342,8 +343,12 @@ int ringd_client::submit_desc(proto::SubmitDesc &d, uint64_t *ticket, bool cuda_
     t.offset = d.offset;
     t.bytes = d.count * dtype_size(static_cast<DType>(d.dtype));
     ++next_seq;
-    if (cuda && cuda_backlog(*this)) cuda_hold(*this, d);  // behind a device op's parts still to go
-    else publish(&d, 1);
+    if (cuda && cuda_backlog(*this)) {  // behind a device op's parts still to go
+        t.held = true;
+        cuda_hold(*this, d);
+    } else {
+        publish(&d, 1);
+    }
     if (ticket) *ticket = d.seq;
     last_error.clear();
     return 0;

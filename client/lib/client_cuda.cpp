@@ -328,14 +328,14 @@ int unregister_with_ringd(ringd_client &c, uint64_t reg) {
     return request(c, proto::encode_cuda_unregister(reg), -1, nullptr);
 }
 
-// A staging range of `bytes` in the slot, clear of every op in flight (slot and device ops):
-// false while there is none.
-bool find_staging(const ringd_client &c, uint64_t bytes, uint64_t *offset) {
-    // Slot ops in flight too: ringd writes their ranges until they end.
+// A staging range of `bytes` in the staging area, clear of every op in ringd (device ops' windows,
+// slot ops before seq `before`): false while there is none. Slot ops held behind it in the client
+// are not in the way: each waits until no window it overlaps is in use (cuda_pump).
+bool find_staging(const ringd_client &c, uint64_t bytes, uint64_t *offset, uint64_t before) {
     std::vector<std::pair<uint64_t, uint64_t>> used;
     for (const auto &[seq, op] : c.cuda->ops) used.emplace_back(op.offset, op.offset + op.bytes);
     for (const Ticket &t : c.tickets)
-        if (!t.cuda && (t.state == TicketState::InFlight || t.state == TicketState::Abandoned))
+        if (!t.cuda && !t.held && t.seq < before && (t.state == TicketState::InFlight || t.state == TicketState::Abandoned))
             used.emplace_back(t.offset, t.offset + t.bytes);
     std::sort(used.begin(), used.end());
     uint64_t at = c.cuda_staging_offset;
@@ -504,18 +504,35 @@ void cuda_pump(ringd_client &c) {
     std::array<proto::SubmitDesc, kMaxRanges> descs;  // one doorbell for what goes now
     uint64_t n = 0;
     const auto now = Clock::now();
+    const auto owed = now + std::chrono::milliseconds(c.welcome.op_timeout_ms) + c.wait_margin;
     auto flush = [&] {
+        // Each op's contract (and the watcher's deadline for a device op's done word) counts from
+        // its latest part handed to ringd.
+        for (uint64_t i = 0; i < n; ++i) {
+            auto it = cc.streams.upper_bound(descs[i].seq - 1);
+            const uint64_t ticket = it != cc.streams.end() && descs[i].seq >= it->second.first ? it->first : descs[i].seq;
+            Ticket &t = c.tickets[ticket % c.tickets.size()];
+            if (t.seq == ticket) {
+                t.held = false;
+                t.submitted = now;
+            }
+            if (it != cc.streams.end() && ticket == it->first) {
+                std::lock_guard lock(cc.mu);
+                if (auto w = cc.watched.find(ticket); w != cc.watched.end()) w->second.deadline = owed;
+            }
+        }
         if (n) c.publish(descs.data(), n);
         n = 0;
     };
     while (!cc.backlog.empty()) {
         CudaClient::Held &h = cc.backlog.front();
-        if (h.stream == 0) {
+        if (h.stream == 0) {  // a slot op: it waits while a device op's window it overlaps is in use
+            uint64_t busy = 0;
+            if (cuda_staging_overlaps(c, h.desc.offset, h.desc.count * dtype_size(static_cast<DType>(h.desc.dtype)), &busy))
+                break;
             if (n == descs.size()) flush();
             if (!c.queue_room(n + 1)) break;
             descs[n++] = h.desc;
-            Ticket &t = c.tickets[h.desc.seq % c.tickets.size()];
-            if (t.seq == h.desc.seq) t.submitted = now;  // its contract counts from here
             cc.backlog.pop_front();
             continue;
         }
@@ -526,12 +543,12 @@ void cuda_pump(ringd_client &c) {
             for (; ranges > 0; --ranges) {
                 const uint64_t window = ranges == parts ? st.part_bytes * (parts - 1) + (st.count - (parts - 1) * st.per) * st.esize
                                                         : ranges * st.part_bytes;
-                if (find_staging(c, window, &st.staging)) {
+                if (find_staging(c, window, &st.staging, st.first)) {
                     cc.ops[st.last] = CudaClient::Op{st.staging, window};
                     break;
                 }
             }
-            if (ranges == 0) break;  // ops in flight hold the slot: their completions free it
+            if (ranges == 0) break;  // ops in ringd hold the room: their completions free it
             st.range_seq.assign(ranges, 0);
         }
         while (st.next <= st.last) {
@@ -546,24 +563,23 @@ void cuda_pump(ringd_client &c) {
             d.count = std::min(st.per, st.count - k * st.per);
             d.offset = st.staging + (k % st.range_seq.size()) * st.per * st.esize;
             d.cuda_offset = st.reg_offset + k * st.per * st.esize;
-            d.cuda_ready_seq = st.last;
+            d.cuda_ready_seq = st.first == st.last ? 0 : st.last;  // one part: its own word (any ringd)
             range = st.next++;
         }
         if (st.next <= st.last) break;
         cc.backlog.pop_front();
     }
-    // The op's contract (and the watcher's deadline for its done word) counts from its latest part.
-    for (uint64_t i = 0; i < n; ++i) {
-        auto it = cc.streams.upper_bound(descs[i].seq - 1);
-        if (it == cc.streams.end() || descs[i].seq < it->second.first) continue;
-        Ticket &t = c.tickets[it->first % c.tickets.size()];
-        if (t.seq == it->first) t.submitted = now;
-        std::lock_guard lock(cc.mu);
-        if (auto w = cc.watched.find(it->first); w != cc.watched.end())
-            w->second.deadline = now + std::chrono::milliseconds(c.welcome.op_timeout_ms) + c.wait_margin;
-    }
     flush();
     cc.pending.store(!cc.backlog.empty(), std::memory_order_release);
+}
+
+// A device op with parts still to hand to ringd that uses registration `reg` (its later parts
+// would name a registration that is gone): its ticket, else 0. Parts already in ringd are fine:
+// ringd keeps its mapping until they end.
+uint64_t reg_pending(const CudaClient &cc, uint64_t reg) {
+    for (const auto &[last, st] : cc.streams)
+        if (st.desc.cuda_reg == reg && st.next <= st.last) return last;
+    return 0;
 }
 
 bool cuda_staging_overlaps(const ringd_client &c, uint64_t offset, uint64_t bytes, uint64_t *seq) {
@@ -660,6 +676,9 @@ int ringd_cuda_free(ringd_client *c, void *dev_ptr) {
             return c->fail(-ENOENT, "ringd_cuda_free: " + hex(ptr) + " did not come from ringd_cuda_alloc on this client");
         CudaClient &cc = *c->cuda;
         const CudaClient::Alloc a = cc.allocs.at(ptr);
+        if (uint64_t t = reg_pending(cc, a.reg); t != 0)
+            return c->fail(-EBUSY, "ringd_cuda_free: device op " + std::to_string(t) + " on this memory still has parts "
+                                   "to hand to ringd; wait for it first");
         cc.allocs.erase(ptr);
         // ringd keeps its own mapping for ops still in flight on it; the memory lives until then.
         const int rc = unregister_with_ringd(*c, a.reg);
@@ -718,8 +737,12 @@ int ringd_unregister_cuda(ringd_client *c, uint64_t reg) {
     if (!c) return -EINVAL;
     std::lock_guard lock(c->mu);
     try {
-        if (!c->cuda || !c->cuda->regs.erase(reg))
+        if (!c->cuda || !c->cuda->regs.count(reg))
             return c->fail(-ENOENT, "CUDA registration " + std::to_string(reg) + " is not one of this client's");
+        if (uint64_t t = reg_pending(*c->cuda, reg); t != 0)
+            return c->fail(-EBUSY, "CUDA registration " + std::to_string(reg) + ": device op " + std::to_string(t) +
+                                       " on it still has parts to hand to ringd; wait for it first");
+        c->cuda->regs.erase(reg);
         return unregister_with_ringd(*c, reg);
     } catch (const std::exception &e) {
         return c->fail(-ENOMEM, e.what());
@@ -791,6 +814,10 @@ int ringd_submit_cuda(ringd_client *c, void *dev_ptr, size_t count, ringd_dtype 
                                        "RINGD_CUDA_PART_BYTES, ringd_set_cuda_part_bytes)");
         d.count = std::min<uint64_t>(count, per);
         d.cuda_ready_seq = d.seq + parts - 1;
+        if (parts > 1 && !(c->header->features & proto::kSlotFeatureCudaReadySeq))
+            return c->fail(-ENOTSUP, "this ringd is older than this library: a device op larger than a part (" +
+                                         std::to_string(part_bytes) + " bytes) needs ringd to wait for the op's one "
+                                         "ready word; upgrade ringd, or make the parts larger (RINGD_CUDA_PART_BYTES)");
         // Everything that could refuse the op is checked before the ready word goes on the
         // stream: a word queued for an op that was then refused would let ringd copy a later op's
         // buffer (same seq) before that one is produced.
@@ -834,6 +861,7 @@ int ringd_submit_cuda(ringd_client *c, void *dev_ptr, size_t count, ringd_dtype 
         t.seq = last;
         t.state = TicketState::InFlight;
         t.submitted = now;  // again as each part goes: the contract counts from the latest
+        t.held = true;      // until its first part goes
         t.cuda = true;
         t.bytes = bytes;
         t.parts_left = parts - 1;
@@ -864,8 +892,10 @@ int ringd_set_cuda_part_bytes(ringd_client *c, size_t bytes) {
     if (bytes != 0 && bytes < 4096) return c->fail(-EINVAL, "a part of a device op is 4096 bytes or more");
     c->cuda_part_bytes = bytes;
     if (c->cuda) {
+        // 0: back to the value the client started with (RINGD_CUDA_PART_BYTES, checked then).
         const char *v = std::getenv("RINGD_CUDA_PART_BYTES");
-        c->cuda->part_bytes = bytes ? bytes : v && *v ? std::strtoull(v, nullptr, 10) : kPartBytes;
+        const unsigned long long env = v && *v ? std::strtoull(v, nullptr, 10) : 0;
+        c->cuda->part_bytes = bytes ? bytes : env >= 4096 ? env : kPartBytes;
     }
     c->last_error.clear();
     return 0;

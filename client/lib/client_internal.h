@@ -45,6 +45,7 @@ struct Ticket {
     int32_t status = 0;
     std::string message;
     Clock::time_point submitted;  // the contract's deadline counts from here, not from a wait
+    bool held = false;  // still in the client, behind a device op's parts (no contract yet)
     bool cuda = false;  // a device-buffer op (client_cuda.cpp)
     uint64_t offset = 0, bytes = 0;  // its slot range (device ops: where they are staged)
     // A device op cut into parts (ringd ops of consecutive seqs, pipelined through ringd): the
@@ -114,6 +115,7 @@ struct ringd_client {
     int still_dead() { return fail(dead, dead_error); }
     // When ringd owes the ticket's completion at the latest.
     Clock::time_point contract_deadline(const Ticket &t) const {
+        if (t.held) return Clock::time_point::max();  // ringd owes nothing for an op it has not got
         return t.submitted + std::chrono::milliseconds(welcome.op_timeout_ms) + wait_margin;
     }
     void drain_completions();

@@ -409,6 +409,109 @@ TEST_CASE("a device op 16 times the slot streams through it, the next op behind 
     CHECK(std::string(ringd_last_error(one[0]->get())).find("RINGD_CUDA_PART_BYTES") != std::string::npos);
 }
 
+TEST_CASE("device ops queued in the client: completion room, a slot op behind a window, registrations in use", "[cuda]") {
+    NEED_CUDA();
+    use_device();
+    TestCluster c(2, cuda_cluster("10s", cuda_yaml()));
+    REQUIRE(c.wait_up());
+    SECTION("120 parts handed over while the trainer only waits on its stream: never more completions than the queue holds") {
+        // 4 KiB parts: 8 ops of 60 KiB are 15 parts each, every window placed at once. The
+        // trainers read no completion until their streams are done, so only the library's own
+        // thread drains: ringd must never have more completions for a client than its queue holds
+        // (it drops the client otherwise).
+        Clients cl = connect_all(c, "cq-room", 1, 8 << 20);
+        std::vector<std::unique_ptr<DeviceBuf>> bufs;
+        for (size_t g = 0; g < cl.size(); ++g) {
+            bufs.push_back(std::make_unique<DeviceBuf>(cl[g]->get(), 1 << 20, g == 0));
+            REQUIRE(ringd_set_cuda_part_bytes(cl[g]->get(), 4096) == 0);
+        }
+        std::vector<DeviceOp> ops;
+        for (int k = 0; k < 8; ++k) {
+            ops.push_back(prepare(bufs, DType::F32, ReduceOp::Sum, 15360, 60 + k));
+        }
+        // prepare() fills each rank's whole buffer image: the ops use disjoint ranges of one image.
+        for (size_t g = 0; g < bufs.size(); ++g) {
+            std::vector<unsigned char> image(bufs[g]->bytes, 0);
+            for (int k = 0; k < 8; ++k) {
+                ops[k].range[g] = bench::GuardedRange{bench::kGuardBytes + size_t(k) * (96 << 10), 15360, bufs[g]->bytes,
+                                                      DType::F32, uint64_t(60 + k) * 1000003 + g};
+                ops[k].range[g].prepare(image.data(), g);
+            }
+            REQUIRE(api()->cuMemcpyHtoD(bufs[g]->base, image.data(), bufs[g]->bytes) == CUDA_SUCCESS);
+        }
+        std::vector<CUstream> streams(bufs.size());
+        for (size_t g = 0; g < bufs.size(); ++g) {
+            REQUIRE(api()->cuStreamCreate(&streams[g], CU_STREAM_NON_BLOCKING) == CUDA_SUCCESS);
+            for (auto &o : ops) {
+                INFO(ringd_last_error(bufs[g]->c));
+                REQUIRE(ringd_submit_cuda(bufs[g]->c, bufs[g]->at(o.range[g].offset), o.count, RINGD_F32, RINGD_SUM,
+                                          streams[g], &o.tickets[g]) == 0);
+            }
+            REQUIRE(ringd_stream_wait(bufs[g]->c, ops.back().tickets[g], streams[g]) == 0);
+        }
+        for (size_t g = 0; g < bufs.size(); ++g) REQUIRE(api()->cuStreamSynchronize(streams[g]) == CUDA_SUCCESS);
+        for (size_t g = 0; g < bufs.size(); ++g) {
+            std::vector<unsigned char> image(bufs[g]->bytes);
+            for (auto &o : ops) {
+                const int rc = ringd_wait(bufs[g]->c, o.tickets[g], 20000);
+                INFO("rank " << g << ": " << (rc == 0 ? "" : ringd_last_error(bufs[g]->c)));
+                REQUIRE(rc == 0);
+            }
+            REQUIRE(api()->cuMemcpyDtoH(image.data(), bufs[g]->base, bufs[g]->bytes) == CUDA_SUCCESS);
+            for (auto &o : ops) CHECK(o.range[g].check(image.data(), ReduceOp::Sum, bufs.size()).ok());
+            api()->cuStreamDestroy(streams[g]);
+        }
+        for (auto &d : c.d) CHECK(status_of(*d)["ops_staged"].get<uint64_t>() == 8 * 15);
+    }
+    SECTION("ops behind a device op's parts wait in the client; its registration stays while parts are to go") {
+        // A 96 KiB slot and 64 KiB parts: op A (3 parts, its producer 300 ms late) streams through
+        // one range at [0, 64K); op B and a slot op at [80K, 84K) wait in the client behind A's
+        // parts, B is placed beside A's range once A's last part went, and the slot op after it.
+        Clients cl = connect_all(c, "held-ops", 1, 96 << 10);
+        std::vector<std::unique_ptr<DeviceBuf>> abufs, bbufs;
+        std::vector<CUstream> streams(cl.size());
+        for (size_t g = 0; g < cl.size(); ++g) {
+            abufs.push_back(std::make_unique<DeviceBuf>(cl[g]->get(), 1 << 20, g == 1));
+            bbufs.push_back(std::make_unique<DeviceBuf>(cl[g]->get(), 1 << 20, g == 0));
+            REQUIRE(ringd_set_cuda_part_bytes(cl[g]->get(), 64 << 10) == 0);
+            REQUIRE(api()->cuStreamCreate(&streams[g], CU_STREAM_NON_BLOCKING) == CUDA_SUCCESS);
+        }
+        DeviceOp a = prepare(abufs, DType::F32, ReduceOp::Max, 40000, 71);  // 160 KB: 3 parts
+        DeviceOp b = prepare(bbufs, DType::I32, ReduceOp::Sum, 3000, 72);
+        upload(abufs, a);
+        upload(bbufs, b);
+        for (size_t g = 0; g < cl.size(); ++g) {
+            spin(streams[g], 300000);
+            REQUIRE(ringd_submit_cuda(abufs[g]->c, abufs[g]->at(a.range[g].offset), a.count, RINGD_F32, RINGD_MAX,
+                                      streams[g], &a.tickets[g]) == 0);
+        }
+        // A's later parts are still to go (its first waits for the late producer): its memory's
+        // registration cannot be dropped yet.
+        CHECK(ringd_unregister_cuda(abufs[0]->c, abufs[0]->reg) == -EBUSY);
+        CHECK(ringd_cuda_free(abufs[1]->c, reinterpret_cast<void *>(abufs[1]->base)) == -EBUSY);
+        submit(bbufs, b);
+        std::vector<uint64_t> host(cl.size());
+        constexpr size_t kHostAt = 80 << 10;
+        for (size_t g = 0; g < cl.size(); ++g) {
+            auto *p = reinterpret_cast<int64_t *>(cl[g]->slot().data() + kHostAt);
+            for (int i = 0; i < 512; ++i) p[i] = int64_t(g + 1) * 1000 + i;
+            INFO(ringd_last_error(cl[g]->get()));
+            REQUIRE(ringd_submit(cl[g]->get(), kHostAt, 512, RINGD_I64, RINGD_SUM, &host[g]) == 0);
+        }
+        wait_and_check(abufs, a);
+        wait_and_check(bbufs, b);
+        for (size_t g = 0; g < cl.size(); ++g) {
+            INFO(ringd_last_error(cl[g]->get()));
+            REQUIRE(ringd_wait(cl[g]->get(), host[g], 20000) == 0);
+            const auto *p = reinterpret_cast<const int64_t *>(cl[g]->slot().data() + kHostAt);
+            int wrong = 0;
+            for (int i = 0; i < 512; ++i) wrong += p[i] != 3000 + 2 * i;
+            CHECK(wrong == 0);
+            api()->cuStreamDestroy(streams[g]);
+        }
+    }
+}
+
 TEST_CASE("a thousand ops on one registration open it once", "[cuda]") {
     NEED_CUDA();
     use_device();

@@ -165,6 +165,28 @@ def worker(rank, sock, group, out):
         fail("stream_wait: the copy queued after it did not see the result")
     report["checks"] += count
     opf.future.wait()
+    # 2b. a deferred op (the backend's path for a non-contiguous tensor, whose copy back the caller
+    # queues after the op): its future completes only once the caller released it
+    salt += 1
+    opf = rt._compat.OpFuture()
+    mem = tensor_at(block, 1 << 20)
+    mem[GUARD:GUARD + 4000].copy_(values("float32", 1000, rank, salt).view(torch.uint8))
+    ticket, rec = engine.allreduce_device(rt.DeviceBuffer(block + GUARD, 1000, "float32", 0, 0), "sum", opf, "done",
+                                          deferred=True)
+    until = time.monotonic() + 10
+    while time.monotonic() < until:
+        with engine.lock:
+            if ticket not in engine.inflight:
+                break
+        time.sleep(0.01)
+    time.sleep(0.2)  # the finishing thread had its chance
+    if opf.done():
+        fail("a deferred op's future completed before it was released")
+    engine.release_finish(rec)
+    opf.future.wait()
+    if not torch.equal(mem[GUARD:GUARD + 4000].clone().view(torch.float32), expect("float32", "sum", 1000, salt)):
+        fail("deferred op: wrong result")
+    report["checks"] += 1000
     # 3. many ops on one allocation: registered once
     regs_before = engine.device_registrations
     for k in range(200):

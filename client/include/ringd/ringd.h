@@ -114,7 +114,9 @@ RINGD_API void ringd_close(ringd_client *c);
  * parts of consecutive sequence numbers that stream through a window of at most 16 part-sized
  * ranges of the slot, so it may be any number of times the slot's size; the library hands the later
  * parts over as earlier ones end (its own thread does it while the caller is elsewhere). Ops
- * submitted meanwhile follow them in order. It keeps stream order:
+ * submitted meanwhile follow them in order. While an op still has parts to hand over, its
+ * registration cannot be dropped (ringd_unregister_cuda, ringd_cuda_free: -EBUSY). It keeps stream
+ * order:
  * ringd_submit_cuda marks the buffer ready on `stream` (NULL: the legacy default stream) and ringd
  * copies it only after everything queued on the stream before; ringd_stream_wait makes a stream
  * wait until the op's result is back in the buffer. If the op fails or ringd goes away, the wait

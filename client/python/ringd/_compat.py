@@ -4,8 +4,8 @@
   Python Work trampoline does not forward, so 1.13 needs ringd._torch_work (C++, built against
   that torch). torch 2.x forwards get_future() and wait() to a Python subclass of dist._Work, so
   it needs no C++ piece at all.
-- Registering the backend: torch 2.x takes the devices it serves (cpu and cuda); a creator that
-  returns a ProcessGroup is used as the process group itself in both.
+- Registering the backend: torch 2.1 and later take the devices it serves (cpu and cuda); a
+  creator that returns a ProcessGroup is used as the process group itself in every version.
 """
 import os
 
@@ -131,4 +131,8 @@ else:
         return _RingdWork(fut, result, on_wait)
 
     def register_backend(name, creator):
-        dist.Backend.register_backend(name, creator, devices=["cpu", "cuda"])
+        import inspect
+        if "devices" in inspect.signature(dist.Backend.register_backend).parameters:
+            dist.Backend.register_backend(name, creator, devices=["cpu", "cuda"])
+        else:  # torch 2.0: no device list; the process group serves every device it gets
+            dist.Backend.register_backend(name, creator)

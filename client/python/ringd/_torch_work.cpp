@@ -42,6 +42,11 @@ public:
     RingdCudaWork(c10::intrusive_ptr<c10::ivalue::Future> fut, std::vector<at::Tensor> result, pybind11::function on_wait)
         : RingdWork(std::move(fut), std::move(result)),
           on_wait_(new pybind11::function(std::move(on_wait)), [](pybind11::function *f) {
+              if (!Py_IsInitialized()) {  // after the interpreter ended: nothing to give back to it
+                  f->release();
+                  delete f;
+                  return;
+              }
               pybind11::gil_scoped_acquire gil;  // a Python object goes with the GIL held
               delete f;
           }) {}

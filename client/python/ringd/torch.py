@@ -176,6 +176,8 @@ class _Op:
         self.view = None  # the resident op's whole range (its input is copied there)
         self.keep = None  # a device op's own buffer (a contiguous copy), alive until it ends
         self.stream = None  # a device op whose result is copied back on this stream
+        self.deferred = False  # its caller still queues work after it: finishing waits for release_finish
+        self.finish_due = False  # it ended while deferred
 
 
 class DeviceBuffer:
@@ -318,6 +320,7 @@ class _Engine:
         self.lost = None
         self.fd = self.client.fileno()
         self.finished = collections.deque()
+        self.defer_lock = threading.Lock()  # deferred ops' finishing (allreduce_device, release_finish)
         self.finish_ready = threading.Condition(threading.Lock())
         self.threads = [threading.Thread(target=self._submit_loop, name=f"ringd-{group}-in", daemon=True),
                         threading.Thread(target=self._complete_loop, name=f"ringd-{group}", daemon=True),
@@ -385,13 +388,18 @@ class _Engine:
 
     # -- device buffers (CUDA; any thread) --
 
-    def allreduce_device(self, buf, op, opf, result, keep=None):
+    def allreduce_device(self, buf, op, opf, result, keep=None, stream=None, deferred=False):
         """Submits the allreduce of a DeviceBuffer now, in the caller's thread (so that ringd reads
         it after what buf.stream queued so far); returns (ticket, op record). `opf` (an OpFuture)
         completes with `result` once the result is in the buffer. The ops queued before it on
-        the copying path go first (one order on every rank). `keep`: kept alive until the op ends."""
+        the copying path go first (one order on every rank). `keep`: kept alive until the op ends.
+        `deferred`: the caller queues more work for the result (on `stream`, a torch stream, where
+        the future's event is then recorded): the future completes only after
+        release_finish(record)."""
         rec = _Op(None, None, False, opf, result, op, buf.dtype)
         rec.keep = keep
+        rec.stream = stream
+        rec.deferred = deferred
         with self.lock:
             self._wait_locked(lambda: not self.pending, f"ringd: the ops queued before did not go within {self.timeout}")
             try:
@@ -409,6 +417,15 @@ class _Engine:
             self.inflight[ticket] = (rec, None, None, None, 0)
             self.room.notify_all()  # the completion thread waits for work when nothing is in flight
         return ticket, rec
+
+    def release_finish(self, rec):
+        """The caller queued what follows a deferred op (allreduce_device's `stream`): its future
+        may complete now, or as soon as the op ends."""
+        with self.defer_lock:
+            rec.deferred = False
+            due, rec.finish_due = rec.finish_due, False
+        if due:
+            self._finish(rec)
 
     def stream_wait(self, ticket, stream):
         """Makes `stream` wait (without blocking the host) until device op `ticket`'s result is in
@@ -429,8 +446,15 @@ class _Engine:
                                    f"one GPU per process group (not cuda:{device})")
             return
         part = max(64 << 10, self.max_chunk // 4 // 4096 * 4096)
-        staging = 4 * part
-        rng = self._alloc_locked(staging + 256)
+        # Four parts (one copied in, one on the ring, one copied out, one spare) when the process's
+        # slot has room beside its other groups' ranges; else fewer, at least one (waited for).
+        for staging in (4 * part, 2 * part):
+            rng = self.space.alloc(staging + 256)
+            if rng is not None:
+                break
+        else:
+            staging = part
+            rng = self._alloc_locked(staging + 256)
         offset = (rng[0] + 255) // 256 * 256
         try:
             self.client.set_cuda_part_bytes(part)
@@ -456,19 +480,23 @@ class _Engine:
             if b < base + size and base < b + n:
                 del self.device_regs[b]
                 self._device_unregister_locked(reg)
-        while len(self.device_regs) >= _MAX_DEVICE_REGISTRATIONS:
-            _, (_, _, reg) = self.device_regs.popitem(last=False)
-            self._device_unregister_locked(reg)
+        for b in list(self.device_regs)[:max(0, len(self.device_regs) + 1 - _MAX_DEVICE_REGISTRATIONS)]:
+            if self._device_unregister_locked(self.device_regs[b][2]):
+                del self.device_regs[b]
         reg = self.client.register_cuda(base, size)
         self.device_regs[base] = (size, ident, reg)
         self.device_registrations += 1
         return reg
 
     def _device_unregister_locked(self, reg):
+        """False while an op with parts still to go uses it (kept for now)."""
         try:
             self.client.unregister_cuda(reg)
-        except _ringd.RingdError:
-            pass  # ringd let go of it already (the connection is gone)
+        except _ringd.RingdError as e:
+            if e.code == -errno.EBUSY:
+                return False
+            # Otherwise ringd let go of it already (the connection is gone).
+        return True
 
     def _submit_device_locked(self, buf, op):
         end = datetime.datetime.now() + self.timeout
@@ -673,6 +701,10 @@ class _Engine:
                         self._finish(rec)
 
     def _finish(self, rec):
+        with self.defer_lock:  # not the engine's lock: close() finishes ops holding it
+            if rec.deferred:
+                rec.finish_due = True  # release_finish() queues it
+                return
         with self.finish_ready:
             self.finished.append(rec)
             self.finish_ready.notify()
@@ -903,16 +935,25 @@ class ProcessGroupRingd(ProcessGroup):
         if buf.count == 0:
             opf.set_result(result)
             return _compat.work(opf.future, tensors)
-        ticket, rec = self._engine.allreduce_device(buf, name, opf, result, keep=flat)
-        if flat is not dense:
-            # The result goes back into the tensor on the current stream, after ringd's.
-            self._engine.stream_wait(ticket, stream.cuda_stream)
+        engine = self._engine
+        if flat is dense:
+            ticket, _ = engine.allreduce_device(buf, name, opf, result)
+            return _compat.work(opf.future, tensors,
+                                on_wait=lambda: engine.stream_wait(ticket, torch.cuda.current_stream(tensor.device).cuda_stream))
+        # Through a contiguous copy: the result goes back into the tensor on the current stream,
+        # after ringd's; the future completes after that copy (its event is recorded on this
+        # stream), and Work.wait() orders the caller's stream after it too.
+        ticket, rec = engine.allreduce_device(buf, name, opf, result, keep=flat, stream=stream, deferred=True)
+        try:
+            engine.stream_wait(ticket, stream.cuda_stream)
             with torch.no_grad():
                 dense.copy_(flat.view(dense.shape))
-            rec.stream = stream
-        engine = self._engine
+            copied = torch.cuda.Event()
+            copied.record(stream)
+        finally:
+            engine.release_finish(rec)
         return _compat.work(opf.future, tensors,
-                            on_wait=lambda: engine.stream_wait(ticket, torch.cuda.current_stream(tensor.device).cuda_stream))
+                            on_wait=lambda: torch.cuda.current_stream(tensor.device).wait_event(copied))
 
     def allreduce_coalesced(self, tensors, opts=None):
         works = [self.allreduce([t], self._coalesced_opts(opts)) for t in tensors]
