@@ -148,7 +148,7 @@ inline double near_max_value(DType t, uint64_t nranks, uint64_t rank, uint64_t i
     return near_max_mean(t, nranks, i) +
            (2.0 * static_cast<double>(rank) - static_cast<double>(nranks - 1)) * near_max_ulp(t);
 }
-// The documented bound on |result - mean| of such an avg over n ranks (README, "Accuracy"): none in
+// The documented bound on |result - mean| of such an avg over n ranks (docs/client.md, "Accuracy"): none in
 // f16/bf16 (their f32 error is far below half an ulp of the dtype, and the mean is a value of it),
 // (n+1) u mean(|x|) in f32 (u = 2^-24) and f64 (u = 2^-53).
 inline double near_max_bound(DType t, uint64_t nranks, double mean) {
