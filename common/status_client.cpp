@@ -19,15 +19,33 @@ Result<std::string> fetch_status(const std::string &path, int timeout_ms) {
     std::strcpy(addr.sun_path, path.c_str());
     if (::connect(sock.get(), reinterpret_cast<sockaddr *>(&addr), sizeof addr) != 0)
         return make_error(-errno, "cannot connect to ringd at " + path + ": " + errno_string(errno));
-    if (auto s = send_all(sock.get(), proto::encode_status_request({})); !s) return s.error();
+    return fetch_status_over(sock.get(), timeout_ms);
+}
+
+Result<std::string> fetch_status_over(int sock_fd, int timeout_ms) {
     const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
+    // A ringd that refuses this caller (allow_uids/allow_gids) says why and closes at once: the
+    // request may then fail to go (EPIPE) while the reason waits in the socket, so it is read
+    // either way.
+    const auto sent = send_all(sock_fd, proto::encode_status_request({}));
     std::vector<UniqueFd> fds;
     uint8_t hdr[proto::kFrameHeaderBytes];
-    if (auto s = recv_exact(sock.get(), hdr, sizeof hdr, deadline, fds); !s) return s.error();
+    if (!sent) {
+        if (recv_exact(sock_fd, hdr, sizeof hdr, Clock::now() + std::chrono::seconds(1), fds)) {
+            auto h = proto::decode_frame_header(std::span(hdr, sizeof hdr), proto::kMaxDaemonPayload);
+            std::vector<uint8_t> payload(h ? h->length : 0);
+            if (h && h->type == proto::FrameType::Error &&
+                recv_exact(sock_fd, payload.data(), payload.size(), Clock::now() + std::chrono::seconds(1), fds)) {
+                if (auto e = proto::decode_error(payload)) return make_error(e->code, "ringd refused: " + e->message);
+            }
+        }
+        return sent.error();
+    }
+    if (auto s = recv_exact(sock_fd, hdr, sizeof hdr, deadline, fds); !s) return s.error();
     auto h = proto::decode_frame_header(std::span(hdr, sizeof hdr), proto::kMaxDaemonPayload);
     if (!h) return h.error();
     std::vector<uint8_t> payload(h->length);
-    if (auto s = recv_exact(sock.get(), payload.data(), payload.size(), deadline, fds); !s) return s.error();
+    if (auto s = recv_exact(sock_fd, payload.data(), payload.size(), deadline, fds); !s) return s.error();
     if (h->type == proto::FrameType::Error) {
         auto e = proto::decode_error(payload);
         return make_error(e ? e->code : -EPROTO, e ? "ringd refused: " + e->message : e.error().message);

@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <ctime>
 #include <cstring>
 #include <string>
@@ -43,11 +44,14 @@ bool show(const std::string &socket, bool as_json, bool compact) {
 
 int main(int argc, char **argv) {
     CLI::App app{"ringctl: show what the host's ringd is doing"};
-    std::string socket = "/run/ringd/ringd.sock";
+    // As for trainers (libringd-client): $RINGD_SOCKET, else the unit's socket.
+    const char *env = std::getenv("RINGD_SOCKET");
+    std::string socket = env && *env ? env : "/run/ringd/ringd.sock";
     bool as_json = false;
     double interval = 1.0;
     unsigned count = 0;
-    app.add_option("-s,--socket", socket, "ringd's Unix socket")->capture_default_str();
+    app.add_option("-s,--socket", socket, "ringd's Unix socket (default: $RINGD_SOCKET, else /run/ringd/ringd.sock)")
+        ->capture_default_str();
     auto *status = app.add_subcommand("status", "ring, groups, ops (and what each op not yet ended waits for), memory and recent errors");
     status->add_flag("--json", as_json, "machine-readable output (stable schema)");
     auto *watch = app.add_subcommand("watch", "status, refreshed until interrupted (or --count times)");

@@ -44,8 +44,21 @@ PC=$(find_one '*/pkgconfig/ringd-client.pc')
 LIB=$(find_one '*/libringd-client.so')
 find_one '*/lib/systemd/system/ringd.service' >/dev/null
 find_one '*/lib/sysusers.d/ringd.conf' >/dev/null
-find_one '*/ringd/ringd.yaml' >/dev/null
+CONF=$(find_one '*/ringd/ringd.yaml')
+find_one '*/ringd/ringd.yaml.example' >/dev/null
+UNIT=$(find_one '*/lib/systemd/system/ringd.service')
+# The unit names the config and the docs where this build put them, whatever the prefix.
+unit_conf=$(sed -n 's|^ExecStart=.* --config \([^ ]*\) .*|\1|p' "$UNIT")
+[ -f "$DEST$unit_conf" ] || fail "ringd.service reads $unit_conf, which the install did not put there"
+unit_doc=$(sed -n 's|^Documentation=file://||p' "$UNIT")
+[ -f "$DEST$unit_doc" ] || fail "ringd.service's Documentation= $unit_doc is not installed"
+# Installing again keeps the operator's config; the new example goes beside it.
+echo "# the operator's edit" >>"$CONF"
+meson install -C "$BUILD" --no-rebuild --destdir "$DEST" >"$TMP/install2.log" 2>&1 || fail "meson install (again)"
+grep -q "the operator's edit" "$CONF" || fail "installing again replaced the operator's $CONF"
+cmp -s "$SRC/config/ringd.yaml" "$(dirname "$CONF")/ringd.yaml.example" || fail "the example was not updated"
 echo "installed: $RINGD $HEADER $PC $LIB"
+echo "unit: config $unit_conf, docs $unit_doc; a second install kept the edited config"
 
 # Only the installed .pc is visible to pkg-config; its paths are rebased into DEST.
 export PKG_CONFIG_LIBDIR=$(dirname "$PC") PKG_CONFIG_PATH= PKG_CONFIG_SYSROOT_DIR=$DEST

@@ -3,6 +3,8 @@
 
 #include <grp.h>
 #include <poll.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <signal.h>
 #include <sys/stat.h>
 
@@ -505,6 +507,10 @@ TEST_CASE("ringctl status shows the daemon, its groups and memory; --json is val
     const std::string human = run("status");
     CHECK_THAT(human, Catch::Contains("generation 1") && Catch::Contains("shown") &&
                           Catch::Contains("memory registered"));
+    // Without --socket: $RINGD_SOCKET, as for trainers.
+    auto by_env = run_command("RINGD_SOCKET=" + d.socket() + " " + ringctl + " status --json");
+    CHECK(by_env.exit_code == 0);
+    CHECK(json::parse(by_env.output)["host"] == "node0");
     auto missing = run_command(ringctl + " --socket /nonexistent.sock status 2>&1");
     CHECK(missing.exit_code != 0);
     CHECK_THAT(missing.output, Catch::Contains("cannot connect to ringd at /nonexistent.sock"));
@@ -921,6 +927,30 @@ TEST_CASE("the socket is 0660 with socket_group; allow_uids/allow_gids refuse ot
         CHECK_THAT(*as(nobody, only_root->socket()),
                    Catch::Contains("ringd refused: uid 65534 gid 65534 is not in allow_uids/allow_gids"));
         CHECK_THAT(only_root->log(), Catch::Contains("refused pid") && Catch::Contains("uid 65534 gid 65534"));
+        // ringctl (the status request) gets ringd's reason too, not the broken pipe of a
+        // connection ringd closed before the request went.
+        // Both orders: the request sent before ringd refused, and after (ringd has closed: the
+        // request cannot go).
+        for (bool late : {false, true}) {
+            auto st = run_as(nobody, [&]() -> std::string {
+                if (!late) {
+                    auto s = fetch_status(only_root->socket(), 2000);
+                    return s ? "status came" : s.error().message;
+                }
+                UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+                sockaddr_un addr{};
+                addr.sun_family = AF_UNIX;
+                std::snprintf(addr.sun_path, sizeof addr.sun_path, "%s", only_root->socket().c_str());
+                if (::connect(fd.get(), reinterpret_cast<sockaddr *>(&addr), sizeof addr) != 0) return "connect failed";
+                pollfd p{fd.get(), POLLRDHUP, 0};
+                if (::poll(&p, 1, 2000) != 1) return "ringd did not close the connection";
+                auto s = fetch_status_over(fd.get(), 2000);
+                return s ? "status came" : s.error().message;
+            });
+            REQUIRE(st.has_value());
+            INFO((late ? "the request after ringd closed the connection" : "the request at once"));
+            CHECK_THAT(*st, Catch::Contains("ringd refused: uid 65534 gid 65534 is not in allow_uids/allow_gids"));
+        }
         auto clients = connect_group(*only_root, "root", 2);  // root is listed
         run_random_ops(clients, 2, 91);
         CHECK(only_root->alive());
