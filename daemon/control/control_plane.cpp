@@ -146,7 +146,12 @@ Status ControlPlane::listen() {
 void ControlPlane::set_state(uint32_t peer, const std::string &state) {
     Peer &p = peers_[peer];
     if (p.state == state) return;
-    spdlog::info("link to {} (control): {} -> {}", p.host.name, p.state, state);
+    // Coming up and going down are news; the redial cycle of a peer that stays down
+    // (failed -> connecting -> failed, twice a second) is not: its failures are logged, rate
+    // limited, by conn_failed, and `ringctl status` shows the link's state.
+    const bool news = state == "up" || p.state == "up";
+    spdlog::log(news ? spdlog::level::info : spdlog::level::debug, "link to {} (control): {} -> {}", p.host.name, p.state,
+                state);
     p.state = state;
 }
 

@@ -484,6 +484,30 @@ TEST_CASE("the client library reports bad arguments and refusals without abortin
     CHECK(ringd_submit(b.get(), 0, 1, RINGD_F32, RINGD_SUM, &t) == 0);
 }
 
+TEST_CASE("a peer that stays down costs a few log lines, not two a second", "[daemon]") {
+    DaemonOptions o;
+    o.hosts_yaml = "hosts:\n  - {name: node0, address: 127.0.0.1, port: 7400}\n"
+                   "  - {name: node1, address: 127.0.0.1, port: 7401}\n";  // node1 never starts
+    o.extra_yaml = secret_yaml();
+    Daemon d(o);
+    REQUIRE(d.ready());
+    std::this_thread::sleep_for(std::chrono::seconds(4));  // about 8 redials of node1
+    const std::string log = d.log();
+    auto count = [&](const std::string &what) {
+        size_t n = 0;
+        std::istringstream in(log);
+        for (std::string line; std::getline(in, line);)
+            if (line.find(what) != std::string::npos && line.find("node1") != std::string::npos &&
+                line.find("[debug]") == std::string::npos)
+                ++n;
+        return n;
+    };
+    INFO(log);
+    CHECK(count("link to node1") == 0);  // connecting <-> failed is not news
+    CHECK(count("connection to node1") <= 2);  // the failure itself: once per repeat window
+    CHECK(count("connection to node1") >= 1);
+}
+
 TEST_CASE("ringctl status shows the daemon, its groups and memory; --json is valid JSON", "[daemon]") {
     Daemon d;
     REQUIRE(d.ready());
