@@ -9,8 +9,14 @@
 #include <systemd/sd-daemon.h>
 
 #include <algorithm>
+#include <ctime>
+#include <fstream>
 #include <random>
 #include <set>
+#include <sstream>
+
+#include <openssl/evp.h>
+#include <yaml-cpp/yaml.h>
 
 #include <spdlog/spdlog.h>
 
@@ -44,10 +50,64 @@ void epoll_del(int ep, int fd) {
 
 }  // namespace
 
-Result<std::unique_ptr<Daemon>> Daemon::create(Config config, std::string host) {
+namespace {
+
+std::string read_text(const std::string &path) {
+    std::ifstream in(path);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    return ss.str();
+}
+
+// The config version: the first 12 hex digits of the file's SHA-256.
+std::string config_hash(const std::string &text) {
+    unsigned char md[EVP_MAX_MD_SIZE];
+    unsigned int n = 0;
+    if (EVP_Digest(text.data(), text.size(), md, &n, EVP_sha256(), nullptr) != 1) return "unknown";
+    std::string hex;
+    char b[3];
+    for (unsigned i = 0; i < 6 && i < n; ++i) {
+        std::snprintf(b, sizeof b, "%02x", md[i]);
+        hex += b;
+    }
+    return hex;
+}
+
+// The top-level keys whose values differ between two config texts (both valid YAML maps).
+std::vector<std::string> changed_keys(const std::string &a, const std::string &b) {
+    std::map<std::string, std::string> x, y;
+    for (auto [text, out] : {std::pair{&a, &x}, std::pair{&b, &y}}) {
+        const YAML::Node n = YAML::Load(*text);
+        if (!n.IsMap()) continue;
+        for (const auto &kv : n) (*out)[kv.first.as<std::string>()] = YAML::Dump(kv.second);
+    }
+    std::set<std::string> keys;
+    for (const auto &[k, v] : x) keys.insert(k);
+    for (const auto &[k, v] : y) keys.insert(k);
+    std::vector<std::string> out;
+    for (const auto &k : keys)
+        if (x.count(k) != y.count(k) || (x.count(k) && x.at(k) != y.at(k))) out.push_back(k);
+    return out;
+}
+
+std::string join(const std::vector<std::string> &v) {
+    std::string s;
+    for (const auto &x : v) s += (s.empty() ? "" : ", ") + x;
+    return s;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<Daemon>> Daemon::create(Config config, std::string host, std::string config_path) {
     std::unique_ptr<Daemon> d(new Daemon());
     d->config_ = std::move(config);
     d->host_ = std::move(host);
+    d->config_path_ = std::move(config_path);
+    if (!d->config_path_.empty()) {
+        d->config_text_ = d->started_text_ = read_text(d->config_path_);
+        d->config_version_ = config_hash(d->config_text_);
+        spdlog::info("config {} (version {})", d->config_path_, d->config_version_);
+    }
     // Local incarnations of groups start at a random number: a restarted ringd never reuses one.
     std::random_device rd;
     d->groups_ = GroupTable(d->host_, d->config_.timeouts.op, (uint64_t{rd()} << 32 | rd()) >> 8);
@@ -75,6 +135,7 @@ Status Daemon::setup() {
     sigemptyset(&mask);
     sigaddset(&mask, SIGTERM);
     sigaddset(&mask, SIGINT);
+    sigaddset(&mask, SIGHUP);  // reload (systemctl reload: ExecReload), never an exit
     if (::pthread_sigmask(SIG_BLOCK, &mask, nullptr) != 0) return make_error(-EINVAL, "cannot block signals");
     signal_fd_ = UniqueFd(::signalfd(-1, &mask, SFD_NONBLOCK | SFD_CLOEXEC));
     if (!signal_fd_) return make_error(-errno, "signalfd: " + errno_string(errno));
@@ -187,6 +248,10 @@ int Daemon::run() {
             case kSignal: {
                 signalfd_siginfo si{};
                 (void)!::read(signal_fd_.get(), &si, sizeof si);
+                if (si.ssi_signo == SIGHUP) {
+                    reload();
+                    break;
+                }
                 spdlog::info("signal {} received", si.ssi_signo == SIGTERM ? "SIGTERM" : "SIGINT");
                 running_ = false;
                 break;
@@ -363,6 +428,61 @@ std::string Daemon::stuck_thread(Clock::time_point now) const {
                    secs(d) + " s without moving";
     }
     return {};
+}
+
+void Daemon::reload() {
+    const auto when = [] {
+        char b[32];
+        const std::time_t t = std::time(nullptr);
+        std::strftime(b, sizeof b, "%Y-%m-%d %H:%M:%S", std::localtime(&t));
+        return std::string(b);
+    }();
+    if (config_path_.empty()) {
+        spdlog::warn("reload: ringd was started without a config file to read again");
+        return;
+    }
+    auto refuse = [&](const std::string &why) {
+        last_reload_ = when + ": refused: " + why + "; the running config (version " + config_version_ + ") stays";
+        spdlog::error("reload: {}", last_reload_);
+        record_error("reload refused: " + why);
+    };
+    auto fresh = load_config(config_path_);
+    if (!fresh) return refuse(fresh.error().message);
+    const std::string text = read_text(config_path_);
+    std::vector<std::string> changed;
+    try {
+        changed = changed_keys(started_text_, text);  // against what runs
+    } catch (const std::exception &e) {
+        return refuse(std::string("the file is not YAML: ") + e.what());
+    }
+    // What ringd cannot change while it runs: its socket, its transport and the ring's name (and
+    // this host must still be in the host list).
+    std::vector<std::string> fixed;
+    for (const char *k : {"socket", "socket_group", "transport", "cluster"})
+        if (std::find(changed.begin(), changed.end(), k) != changed.end()) fixed.push_back(k);
+    if (!find_host(*fresh, host_)) fixed.push_back("hosts (this host, " + host_ + ", is not in it)");
+    if (!fixed.empty()) return refuse(join(fixed) + " cannot change while ringd runs (restart it for that)");
+    // Applied now: the log level. The other keys wait for a restart, by name.
+    std::vector<std::string> applied, pending;
+    for (const auto &k : changed) {
+        if (k == "log") {
+            if (fresh->log_journal != config_.log_journal) pending.push_back("log.journal");
+            if (fresh->log_level != config_.log_level) {
+                spdlog::set_level(spdlog::level::from_str(fresh->log_level));
+                config_.log_level = fresh->log_level;
+                applied.push_back("log.level");
+            }
+            continue;
+        }
+        pending.push_back(k);
+    }
+    config_text_ = text;
+    config_version_ = config_hash(text);
+    config_pending_ = pending;
+    last_reload_ = when + ": version " + config_version_ + "; applied: " + (applied.empty() ? "nothing" : join(applied)) +
+                   (pending.empty() ? "" : "; changed in the file, applied at the next restart: " + join(pending));
+    if (pending.empty()) spdlog::info("reload: {}", last_reload_);
+    else spdlog::warn("reload: {}", last_reload_);
 }
 
 void Daemon::record_error(const std::string &message) {

@@ -43,7 +43,8 @@ namespace ringd {
 
 class Daemon {
 public:
-    static Result<std::unique_ptr<Daemon>> create(Config config, std::string host);
+    // config_path: the file `config` came from, read again on SIGHUP (reload); empty: no reload.
+    static Result<std::unique_ptr<Daemon>> create(Config config, std::string host, std::string config_path = {});
     ~Daemon();
 
     // Runs until SIGTERM/SIGINT; returns the process exit code.
@@ -59,6 +60,9 @@ private:
     bool complete_and_start();
     static std::string run_left(const OpRun &run);
     void record_error(const std::string &message);
+    // SIGHUP (systemctl reload): the config file read again; what may change while ringd runs is
+    // applied, the rest reported by key.
+    void reload();
     std::string stuck_thread(Clock::time_point now) const;
     void shutdown();
     // The status document as `viewer` (a uid) may see it: other uids' groups are left out for
@@ -88,6 +92,13 @@ private:
     bool multi_host() const { return config_.hosts.size() > 1; }
     Config config_;
     std::string host_;
+    // The config file: its path, the text ringd runs (at start, or the last reload), that text's
+    // SHA-256 (the config version, in the log and status), the keys changed in the file that
+    // wait for a restart, and how the last reload went.
+    std::string config_path_, config_text_, config_version_;
+    std::string started_text_;  // the file ringd started with: what keys not applied by a reload still run
+    std::vector<std::string> config_pending_;
+    std::string last_reload_;
     Clock::time_point started_ = Clock::now();
     UniqueFd epoll_;
     UniqueFd signal_fd_;

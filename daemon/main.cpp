@@ -34,7 +34,7 @@ int main(int argc, char **argv) {
     for (const auto &h : config->hosts) names.push_back(h.name);
     ringd::logging::setup(host, config->cluster, journal, names);
     try {
-        auto daemon = ringd::Daemon::create(std::move(*config), host);
+        auto daemon = ringd::Daemon::create(std::move(*config), host, config_path);
         if (!daemon) {
             spdlog::critical("{}", daemon.error().message);
             return 1;

@@ -51,9 +51,20 @@ void print_status(const nlohmann::json &j) {
                 j.at("host").get<std::string>().c_str(), j.at("cluster").get<std::string>().c_str(), integer<int>(j.at("pid")),
                 duration(j.at("uptime_s").get<double>()).c_str());
     const std::string detail = j.value("transport_detail", "");
-    std::printf("transport %s%s, poll %s, socket %s\n\n", j.at("transport").get<std::string>().c_str(),
+    std::printf("transport %s%s, poll %s, socket %s\n", j.at("transport").get<std::string>().c_str(),
                 detail.empty() ? "" : (" (" + detail + ")").c_str(), j.at("poll").get<std::string>().c_str(),
                 j.at("socket").get<std::string>().c_str());
+    if (j.contains("config") && j["config"].is_object()) {
+        const auto &c = j["config"];
+        std::printf("config %s, version %s\n", c.value("path", "").c_str(), c.value("version", "").c_str());
+        if (c.contains("pending_restart") && c["pending_restart"].is_array() && !c["pending_restart"].empty()) {
+            std::string keys;
+            for (const auto &k : c["pending_restart"]) keys += (keys.empty() ? "" : ", ") + (k.is_string() ? k.get<std::string>() : "?");
+            std::printf("  changed in the file, applied at the next restart: %s\n", keys.c_str());
+        }
+        if (!c.value("last_reload", "").empty()) std::printf("  last reload %s\n", c.value("last_reload", "").c_str());
+    }
+    std::printf("\n");
     // The whole ring, then each ring domain (the host set of groups over part of the ring).
     auto print_ring = [](const std::string &title, const json &ring) {
         std::printf("%s: %s, generation %llu, %zu host(s), peers authenticated: %s\n", title.c_str(),

@@ -18,6 +18,10 @@ nlohmann::json Daemon::status_doc(uint32_t viewer) const {
     j["schema"] = 1;
     j["version"] = RINGD_VERSION;
     j["host"] = host_;
+    j["config"] = {{"path", config_path_},
+                   {"version", config_version_},
+                   {"pending_restart", config_pending_},
+                   {"last_reload", last_reload_}};
     j["cluster"] = config_.cluster;
     j["pid"] = ::getpid();
     j["uptime_s"] = std::chrono::duration<double>(now - started_).count();

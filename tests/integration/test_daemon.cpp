@@ -484,6 +484,60 @@ TEST_CASE("the client library reports bad arguments and refusals without abortin
     CHECK(ringd_submit(b.get(), 0, 1, RINGD_F32, RINGD_SUM, &t) == 0);
 }
 
+TEST_CASE("SIGHUP reloads the config: the log level at once, the rest by name; bad files change nothing", "[daemon]") {
+    Daemon d;
+    REQUIRE(d.ready());
+    auto c = connect_group(d, "reloaded", 2);
+    run_random_ops(c, 2, 17);
+    const std::string path = d.dir() + "/ringd.yaml";
+    const std::string original = read_file(path);
+    auto config = [&] { return json::parse(*fetch_status(d.socket()))["config"]; };
+    const std::string v0 = config()["version"];
+    CHECK(v0.size() == 12);
+    // Until the status shows a reload newer than `before`.
+    auto reload = [&](const std::string &text) {
+        const std::string before = config()["last_reload"];
+        std::ofstream(path) << text;
+        REQUIRE(::kill(d.pid(), SIGHUP) == 0);
+        for (int i = 0; i < 500 && config()["last_reload"] == before; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        return config();
+    };
+    auto with = [&](const std::string &from, const std::string &to) {
+        std::string t = original;
+        const auto at = t.find(from);
+        REQUIRE(at != std::string::npos);
+        return t.replace(at, from.size(), to);
+    };
+    SECTION("the log level is applied; other keys wait for a restart, named") {
+        auto j = reload(with("log: {level: debug}", "log: {level: warn}") + "limits: {slots_per_uid: 3}\n");
+        CHECK_THAT(j["last_reload"].get<std::string>(), Catch::Contains("applied: log.level"));
+        CHECK(j["pending_restart"] == json::array({"limits"}));
+        CHECK(j["version"] != v0);
+        const std::string human = run_command(env_or("RINGCTL_BIN", "build/client/ringctl") + " --socket " + d.socket() + " status").output;
+        CHECK_THAT(human, Catch::Contains("applied at the next restart: limits"));
+        // Back to the file ringd started with: nothing waits any more.
+        j = reload(original);
+        CHECK(j["pending_restart"].empty());
+        CHECK(j["version"] == v0);
+    }
+    SECTION("what cannot change at run time is refused by key; the running config stays") {
+        auto j = reload(with("socket: " + d.socket(), "socket: " + d.dir() + "/other.sock"));
+        CHECK_THAT(j["last_reload"].get<std::string>(), Catch::Contains("refused: socket cannot change") &&
+                                                            Catch::Contains("version " + v0 + ") stays"));
+        CHECK(j["version"] == v0);
+        j = reload(with("slot_bytes: 64MiB", "slot_bytes: 12XB"));
+        CHECK_THAT(j["last_reload"].get<std::string>(), Catch::Contains("refused") && Catch::Contains("slot_bytes"));
+        j = reload(with("node0", "node9"));
+        CHECK_THAT(j["last_reload"].get<std::string>(), Catch::Contains("this host, node0, is not in it"));
+        CHECK_THAT(d.log(), Catch::Contains("reload: ") && Catch::Contains("refused"));
+    }
+    // Whatever the reload did, ringd runs on: its socket, its groups.
+    CHECK(d.alive());
+    struct stat st{};
+    CHECK(::stat(d.socket().c_str(), &st) == 0);
+    run_random_ops(c, 2, 18);
+}
+
 TEST_CASE("a peer that stays down costs a few log lines, not two a second", "[daemon]") {
     DaemonOptions o;
     o.hosts_yaml = "hosts:\n  - {name: node0, address: 127.0.0.1, port: 7400}\n"
