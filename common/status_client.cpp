@@ -11,7 +11,7 @@
 
 namespace ringd {
 
-Result<std::string> fetch_status(const std::string &path, int timeout_ms) {
+Result<std::string> fetch_status(const std::string &path, int timeout_ms, uint32_t flags) {
     UniqueFd sock(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
     sockaddr_un addr{};
     addr.sun_family = AF_UNIX;
@@ -19,15 +19,15 @@ Result<std::string> fetch_status(const std::string &path, int timeout_ms) {
     std::strcpy(addr.sun_path, path.c_str());
     if (::connect(sock.get(), reinterpret_cast<sockaddr *>(&addr), sizeof addr) != 0)
         return make_error(-errno, "cannot connect to ringd at " + path + ": " + errno_string(errno));
-    return fetch_status_over(sock.get(), timeout_ms);
+    return fetch_status_over(sock.get(), timeout_ms, flags);
 }
 
-Result<std::string> fetch_status_over(int sock_fd, int timeout_ms) {
+Result<std::string> fetch_status_over(int sock_fd, int timeout_ms, uint32_t flags) {
     const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
     // A ringd that refuses this caller (allow_uids/allow_gids) says why and closes at once: the
     // request may then fail to go (EPIPE) while the reason waits in the socket, so it is read
     // either way.
-    const auto sent = send_all(sock_fd, proto::encode_status_request({}));
+    const auto sent = send_all(sock_fd, proto::encode_status_request({flags}));
     std::vector<UniqueFd> fds;
     uint8_t hdr[proto::kFrameHeaderBytes];
     if (!sent) {

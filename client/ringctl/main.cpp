@@ -1,5 +1,6 @@
 // ringctl [--socket PATH] status [--json]: what the host's ringd is doing.
 // ringctl [--socket PATH] watch [--interval S] [--count N] [--json]: the same, refreshed.
+// ringctl [--socket PATH] drain [--wait [--timeout S]] | undrain: the host takes no new groups / takes them again.
 #include <unistd.h>
 
 #include <chrono>
@@ -14,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/status_client.h"
+#include "proto/frame.h"
 #include "client/ringctl/status_view.h"
 
 using namespace ringd;
@@ -40,6 +42,48 @@ bool show(const std::string &socket, bool as_json, bool compact) {
     return true;
 }
 
+// ringctl drain [--wait] / undrain: the host's state set, then (drain --wait) its groups waited
+// for: until none has a trainer here, or the deadline.
+int set_drain(const std::string &socket, bool drain, bool wait, double timeout_s) {
+    auto s = fetch_status(socket, 5000, drain ? proto::kStatusDrain : proto::kStatusUndrain);
+    if (!s) {
+        std::fprintf(stderr, "ringctl: %s\n", s.error().message.c_str());
+        return 1;
+    }
+    auto groups_here = [](const json &j) {
+        std::string names;
+        for (const auto &g : j.value("groups", json::array()))
+            if (!g.value("joined_ranks", json::array()).empty())
+                names += (names.empty() ? "" : ", ") + g.value("name", std::string("?"));
+        return names;
+    };
+    try {
+        json j = json::parse(*s);
+        std::printf("host %s %s\n", j.value("host", std::string("?")).c_str(),
+                    drain ? "drained: it takes no new groups; running ones go on" : "takes new groups again");
+        if (!drain || !wait) return 0;
+        const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+        for (std::string left = groups_here(j); !left.empty(); left = groups_here(j)) {
+            if (std::chrono::steady_clock::now() >= deadline) {
+                std::fprintf(stderr, "ringctl: groups still running here after %.0f s: %s\n", timeout_s, left.c_str());
+                return 1;
+            }
+            std::this_thread::sleep_for(std::chrono::milliseconds(200));
+            auto again = fetch_status(socket);
+            if (!again) {
+                std::fprintf(stderr, "ringctl: %s\n", again.error().message.c_str());
+                return 1;
+            }
+            j = json::parse(*again);
+        }
+        std::printf("no group runs here any more\n");
+        return 0;
+    } catch (const std::exception &e) {
+        std::fprintf(stderr, "ringctl: bad status from ringd: %s\n", e.what());
+        return 1;
+    }
+}
+
 }  // namespace
 
 int main(int argc, char **argv) {
@@ -58,8 +102,17 @@ int main(int argc, char **argv) {
     watch->add_option("-n,--interval", interval, "seconds between looks")->capture_default_str()->check(CLI::Range(0.1, 3600.0));
     watch->add_option("-c,--count", count, "looks, then exit (0: until interrupted)")->capture_default_str();
     watch->add_flag("--json", as_json, "one status document per line per look");
+    bool wait = false;
+    double drain_timeout = 3600;
+    auto *drain = app.add_subcommand("drain", "take no new groups on this host (running groups go on); root or ringd's user");
+    drain->add_flag("--wait", wait, "then wait until no group runs here");
+    drain->add_option("--timeout", drain_timeout, "seconds --wait waits at most")->capture_default_str()->check(CLI::Range(1.0, 1e6));
+    auto *undrain = app.add_subcommand("undrain", "take new groups again");
     app.require_subcommand(1);
     CLI11_PARSE(app, argc, argv);
+
+    if (*drain) return set_drain(socket, true, wait, drain_timeout);
+    if (*undrain) return set_drain(socket, false, false, 0);
 
     if (*status) return show(socket, as_json, false) ? 0 : 1;
 

@@ -54,6 +54,7 @@ void print_status(const nlohmann::json &j) {
     std::printf("transport %s%s, poll %s, socket %s\n", j.at("transport").get<std::string>().c_str(),
                 detail.empty() ? "" : (" (" + detail + ")").c_str(), j.at("poll").get<std::string>().c_str(),
                 j.at("socket").get<std::string>().c_str());
+    if (j.value("drained", false)) std::printf("DRAINED: this host takes no new groups; running ones go on (ringctl undrain)\n");
     if (j.contains("config") && j["config"].is_object()) {
         const auto &c = j["config"];
         std::printf("config %s, version %s\n", c.value("path", "").c_str(), c.value("version", "").c_str());

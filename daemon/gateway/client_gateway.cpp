@@ -167,9 +167,24 @@ void ClientGateway::on_readable(MemberId id) {
             }
             handle_hello(c, *h);
         } else if (c.state() == ClientConn::State::Handshake && frame.type == proto::FrameType::StatusRequest) {
-            if (auto r = proto::decode_status_request(frame.payload); !r) {
+            auto r = proto::decode_status_request(frame.payload);
+            if (!r) {
                 drop(id, r.error(), true);
                 return;
+            }
+            if (r->flags == proto::kStatusDrain || r->flags == proto::kStatusUndrain) {
+                const bool drain = r->flags == proto::kStatusDrain;
+                if (c.cred().uid != 0 && c.cred().uid != ::geteuid()) {
+                    drop(id, make_error(-EPERM, std::string("only root or ringd's own user may ") + (drain ? "drain" : "undrain") +
+                                                    " this host (uid " + std::to_string(c.cred().uid) + ")"),
+                         true);
+                    return;
+                }
+                if (drained_ != drain)
+                    spdlog::warn("host {} {} by {}", config_.hosts[self_].name,
+                                 drain ? "drained: it takes no new groups, running ones go on" : "undrained: it takes new groups again",
+                                 c.describe());
+                drained_ = drain;
             }
             (void)send_all(c.sock(), proto::encode_status_reply(hooks_.status_json(c.cred().uid)));
             drop(id, Error{0, "status sent"}, false);
@@ -221,6 +236,12 @@ void ClientGateway::handle_hello(ClientConn &c, const proto::Hello &h) {
     if (const size_t mine = count_of(c.cred().uid, true); !base && c.cred().uid != 0 && mine >= config_.limits.slots_per_uid) {
         drop(id, make_error(-EBUSY, "uid " + std::to_string(c.cred().uid) + " holds " + std::to_string(mine) +
                                         " slots, its limit (limits.slots_per_uid)"), true);
+        return;
+    }
+    if (drained_ && groups_.local_id(h.group) == 0) {
+        drop(id, make_error(-EAGAIN, "host " + config_.hosts[self_].name + " is drained (ringctl drain): it takes no new "
+                                         "groups, so group " + h.group + " cannot start here; use other hosts, or wait "
+                                         "for ringctl undrain"), true);
         return;
     }
     if (auto ok = groups_.check_join(h.group, h.local_rank, h.local_size, c.cred().uid); !ok) {

@@ -31,6 +31,9 @@ class CudaService;
 
 class ClientGateway {
 public:
+    // ringctl drain: the host takes no new groups (joins that would start one are refused, naming
+    // the drain); groups running here go on.
+    bool drained() const { return drained_; }
     struct Hooks {
         // Watch fd for input; `doorbell` tells a client's doorbell from its socket.
         std::function<Status(int fd, MemberId id, bool doorbell)> watch;
@@ -111,6 +114,7 @@ private:
     // (HelloShared) is gone (ClientConn::slot_lease).
     std::shared_ptr<size_t> live_slots_ = std::make_shared<size_t>(0);
     bool shutting_down_ = false;
+    bool drained_ = false;  // ringctl drain: no new groups here
     std::set<MemberId> credit_waiters_;  // clients whose submissions wait for credits freed by completions
 };
 

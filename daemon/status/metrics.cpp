@@ -179,6 +179,8 @@ std::string Daemon::metrics_text() const {
                 e.sample("ringd_peer_up", {{"hosts", hosts_label(*r)}, {"peer", m.value("name", "")}}, m.value("link", "") == "up" ? 1 : 0);
     e.family("ringd_auth_enabled", "gauge", "1 when the daemons prove a shared secret to each other and MAC control frames.");
     e.sample("ringd_auth_enabled", {}, secret_.enabled() ? 1 : 0);
+    e.family("ringd_drained", "gauge", "1 while the host is drained (ringctl drain): it takes no new groups.");
+    e.sample("ringd_drained", {}, gateway_ && gateway_->drained() ? 1 : 0);
     e.family("ringd_auth_data_mac", "gauge", "1 when ring data frames carry MACs too (auth.data: mac).");
     e.sample("ringd_auth_data_mac", {}, secret_.enabled() && config_.data_mac ? 1 : 0);
     // Let-go domains' counts stay in (a counter never goes down).

@@ -18,6 +18,7 @@ nlohmann::json Daemon::status_doc(uint32_t viewer) const {
     j["schema"] = 1;
     j["version"] = RINGD_VERSION;
     j["host"] = host_;
+    j["drained"] = gateway_ && gateway_->drained();
     j["config"] = {{"path", config_path_},
                    {"version", config_version_},
                    {"pending_restart", config_pending_},

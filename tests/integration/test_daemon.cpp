@@ -21,6 +21,7 @@
 #include "ringd/ringd.hpp"
 #include "tests/support/harness.h"
 #include "tests/support/skip.h"
+#include "proto/frame.h"
 #include "tests/support/unprivileged.h"
 
 using namespace ringd;
@@ -536,6 +537,55 @@ TEST_CASE("SIGHUP reloads the config: the log level at once, the rest by name; b
     struct stat st{};
     CHECK(::stat(d.socket().c_str(), &st) == 0);
     run_random_ops(c, 2, 18);
+}
+
+TEST_CASE("ringctl drain: no new groups, running ones go on; drain --wait returns once they ended; undrain", "[daemon]") {
+    DaemonOptions o;
+    o.extra_yaml = "socket_group: nogroup\n";  // nobody may open the socket (to be refused the drain)
+    Daemon d(o);
+    REQUIRE(d.ready());
+    REQUIRE(::chmod(d.dir().c_str(), 0711) == 0);
+    const std::string ringctl = env_or("RINGCTL_BIN", "build/client/ringctl") + " --socket " + d.socket();
+    auto status = [&] { return json::parse(*fetch_status(d.socket())); };
+    auto a = connect_group(d, "running", 2);
+    run_random_ops(a, 2, 31);
+    auto r = run_command(ringctl + " drain 2>&1");
+    CHECK(r.exit_code == 0);
+    CHECK_THAT(r.output, Catch::Contains("host node0 drained"));
+    CHECK(status()["drained"] == true);
+    CHECK_THAT(run_command(ringctl + " status").output, Catch::Contains("DRAINED"));
+    // A new group is refused, naming the drain; the running one goes on.
+    char err[256] = "";
+    CHECK(ringd_connect(d.socket().c_str(), "new-job", 0, 1, 4096, err, sizeof err) == nullptr);
+    CHECK_THAT(err, Catch::Contains("host node0 is drained (ringctl drain)") && Catch::Contains("new-job"));
+    run_random_ops(a, 3, 32);
+    // Only root or ringd's own user may drain.
+    auto as_nobody = run_as(Identity{65534, 65534, {}}, [&]() -> std::string {
+        auto s = fetch_status(d.socket(), 2000, proto::kStatusUndrain);
+        return s ? "undrained" : s.error().message;
+    });
+    if (as_nobody) CHECK_THAT(*as_nobody, Catch::Contains("only root or ringd's own user may undrain"));
+    CHECK(status()["drained"] == true);
+    // drain --wait: returns once the last group here ended.
+    const auto t0 = Clock::now();
+    std::thread leaver([&] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(600));
+        a.clear();
+    });
+    auto w = run_command(ringctl + " drain --wait --timeout 20 2>&1");
+    leaver.join();
+    CHECK(w.exit_code == 0);
+    CHECK_THAT(w.output, Catch::Contains("no group runs here any more"));
+    CHECK(Clock::now() - t0 >= std::chrono::milliseconds(500));
+    // undrain: new groups again; a drain --wait that runs out of time names what still runs.
+    CHECK(run_command(ringctl + " undrain").exit_code == 0);
+    CHECK(status()["drained"] == false);
+    auto b = connect_group(d, "later", 1);
+    run_random_ops(b, 2, 33);
+    auto late = run_command(ringctl + " drain --wait --timeout 1 2>&1");
+    CHECK(late.exit_code != 0);
+    CHECK_THAT(late.output, Catch::Contains("groups still running here after 1 s: later"));
+    run_random_ops(b, 1, 34);
 }
 
 TEST_CASE("a peer that stays down costs a few log lines, not two a second", "[daemon]") {
