@@ -1,10 +1,12 @@
 #include "daemon/daemon.h"
 
+#include <netdb.h>
 #include <sched.h>
 #include <signal.h>
 #include <sys/epoll.h>
 #include <sys/resource.h>
 #include <sys/signalfd.h>
+#include <sys/socket.h>
 #include <sys/timerfd.h>
 #include <systemd/sd-daemon.h>
 
@@ -161,6 +163,8 @@ Status Daemon::setup() {
     engine_->set_name("ringd-local");
     if (multi_host()) {
         if (auto s = setup_ring(); !s) return s;
+    } else {
+        check_single_host();
     }
 
     ClientGateway::Hooks hooks;
@@ -428,6 +432,35 @@ std::string Daemon::stuck_thread(Clock::time_point now) const {
                    secs(d) + " s without moving";
     }
     return {};
+}
+
+void Daemon::check_single_host() {
+    // A ring of one host listens for no peer, so nothing would notice what a second host will need:
+    // this host's address and port, and the secret. Said now (log and status) rather than on the
+    // day the ring grows; the host runs on either way.
+    auto say = [&](const std::string &what) {
+        spdlog::warn("{}; this host runs alone now, but a ring with more hosts would not form", what);
+        record_error(what);
+    };
+    const HostEntry &me = config_.hosts[self_index_];
+    addrinfo hints{}, *ai = nullptr;
+    hints.ai_flags = AI_NUMERICHOST | AI_NUMERICSERV;
+    hints.ai_socktype = SOCK_STREAM;
+    if (::getaddrinfo(me.address.c_str(), std::to_string(me.port).c_str(), &hints, &ai) == 0 && ai) {
+        UniqueFd fd(::socket(ai->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
+        const int one = 1;
+        ::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+        if (fd && ::bind(fd.get(), ai->ai_addr, ai->ai_addrlen) != 0) {
+            const int err = errno;
+            say("hosts: " + me.name + "'s address " + me.address + " port " + std::to_string(me.port) + " cannot be bound (" +
+                errno_string(err) +
+                (err == EADDRNOTAVAIL ? ": not an address of this machine)"
+                                      : err == EADDRINUSE ? ": another program listens there)" : ")"));
+        }
+        ::freeaddrinfo(ai);
+    }
+    if (!config_.secret_file.empty())
+        if (auto s = PeerSecret::load(config_.secret_file); !s) say("auth.secret_file: " + s.error().message);
 }
 
 void Daemon::reload() {

@@ -63,6 +63,9 @@ private:
     // SIGHUP (systemctl reload): the config file read again; what may change while ringd runs is
     // applied, the rest reported by key.
     void reload();
+    // A ring of one host: what a ring of more would need (this host's address and port, the
+    // secret) checked at start, with a warning for each problem.
+    void check_single_host();
     std::string stuck_thread(Clock::time_point now) const;
     void shutdown();
     // The status document as `viewer` (a uid) may see it: other uids' groups are left out for

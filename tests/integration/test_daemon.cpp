@@ -3,6 +3,8 @@
 
 #include <grp.h>
 #include <poll.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <signal.h>
@@ -586,6 +588,38 @@ TEST_CASE("ringctl drain: no new groups, running ones go on; drain --wait return
     CHECK(late.exit_code != 0);
     CHECK_THAT(late.output, Catch::Contains("groups still running here after 1 s: later"));
     run_random_ops(b, 1, 34);
+}
+
+TEST_CASE("a ring of one host says at start what a larger ring would trip over", "[daemon]") {
+    auto start = [](const std::string &address, int port, const std::string &extra) {
+        DaemonOptions o;
+        o.hosts_yaml = "hosts:\n  - {name: node0, address: " + address + ", port: " + std::to_string(port) + "}\n";
+        o.extra_yaml = extra;
+        auto d = std::make_unique<Daemon>(o);
+        REQUIRE(d->ready());  // it runs: alone, none of this stops it
+        return d;
+    };
+    auto a = start("10.254.254.1", 7400, "");
+    CHECK_THAT(a->log(), Catch::Contains("hosts: node0's address 10.254.254.1 port 7400 cannot be bound") &&
+                             Catch::Contains("not an address of this machine"));
+    // A port another program listens on.
+    UniqueFd l(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    sockaddr_in in{};
+    in.sin_family = AF_INET;
+    in.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    REQUIRE(::bind(l.get(), reinterpret_cast<sockaddr *>(&in), sizeof in) == 0);
+    REQUIRE(::listen(l.get(), 1) == 0);
+    socklen_t len = sizeof in;
+    REQUIRE(::getsockname(l.get(), reinterpret_cast<sockaddr *>(&in), &len) == 0);
+    auto b = start("127.0.0.1", ntohs(in.sin_port), "");
+    CHECK_THAT(b->log(), Catch::Contains("another program listens there"));
+    auto c = start("127.0.0.1", 7400, "auth: {secret_file: /nonexistent/ringd-secret}\n");
+    CHECK_THAT(c->log(), Catch::Contains("auth.secret_file") && Catch::Contains("/nonexistent/ringd-secret"));
+    const json j = json::parse(*fetch_status(c->socket()));
+    CHECK_THAT(j.dump(), Catch::Contains("auth.secret_file"));  // in recent_errors too
+    // A sound one says nothing of the kind.
+    auto ok = start("127.0.0.1", 7431, "");
+    CHECK_THAT(ok->log(), !Catch::Contains("a ring with more hosts would not form"));
 }
 
 TEST_CASE("a peer that stays down costs a few log lines, not two a second", "[daemon]") {
