@@ -686,16 +686,18 @@ class _Engine:
                         if all_done and rec.resident is not None:
                             rec.resident.busy = False  # its result stays until the bucket's next step
                         finished = not rec.reported and (all_done or (err is not None and rec.several))
+                        if err is not None and rec.several:
+                            # A piece of a tensor in several ops failed: the op fails now, not
+                            # once its other pieces have waited out ringd's op timeout, and since
+                            # the ranks' pieces may no longer pair (a rank that split the tensor
+                            # otherwise: its other pieces are still to come), the group takes no
+                            # more ops. Also when the piece was this rank's last: the others may
+                            # have more.
+                            self.dead = self.dead or (
+                                f"ringd: a piece of an op of group {self.group} failed ({err}); its ranks' ops "
+                                "may no longer pair: this process group cannot be used any more")
                         if finished:
                             rec.reported = True
-                            if not all_done:
-                                # A piece of a tensor in several ops failed: the op fails now, not
-                                # once its other pieces have waited out ringd's op timeout, and
-                                # since the ranks' pieces may no longer pair (a rank that split the
-                                # tensor otherwise), the group takes no more ops.
-                                self.dead = self.dead or (
-                                    f"ringd: a piece of an op of group {self.group} failed ({err}); its ranks' ops "
-                                    "may no longer pair: this process group cannot be used any more")
                         self.room.notify_all()
                     if finished:
                         self._finish(rec)
