@@ -33,9 +33,10 @@ constexpr size_t kProbeOffset = offsetof(proto::SlotHeader, cuda_probe);
 constexpr auto kCloseBound = std::chrono::seconds(10);  // ringd_close waits this long for queued GPU work
 constexpr uint64_t kPartBytes = 16 << 20;  // device ops larger than this go as parts (pipelined)
 constexpr uint64_t kMaxRanges = 16;         // staging ranges of one device op (its parts cycle through them)
-// While parts wait for a staging range and the caller holds the client, the watcher looks again
-// this often.
-constexpr int kPumpRetryMs = 1;
+// While parts wait for a staging range and the caller holds the client (a call that may return
+// and leave the client to the watcher), the watcher looks again this often: not a spin while the
+// caller waits in ringd_wait, which hands parts over itself.
+constexpr int kPumpRetryMs = 5;
 
 std::string hex(uint64_t v) {
     char b[32];

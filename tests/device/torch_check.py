@@ -17,8 +17,8 @@ import argparse
 import datetime
 import json
 import os
+import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -277,12 +277,6 @@ def phase_kill(torch, dist, rank, world, dev, sync, fail, rep, gloo, write):
 
 # ---------------------------------------------------------------- launcher
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -308,43 +302,24 @@ def main():
         summary["error"] = f"no torch: {e}"
         return finish(summary, args.out, 77)
     tmp = tempfile.mkdtemp(prefix="ringd-torch-check-")
-    secret = os.path.join(tmp, "secret")
-    with open(secret, "w") as f:
-        f.write(os.urandom(16).hex() + "\n")
-    os.chmod(secret, 0o600)
-    ports = [free_port(), free_port()]
     lib = args.lib or os.path.join(args.bin, "lib", "libringd-client.so.0")
-    daemons = []
+    sys.path.insert(0, os.path.join(ROOT, "client", "python"))
+    sys.path.insert(0, os.path.join(ROOT, "tests", "python"))
+    os.environ["RINGD_CLIENT_LIBRARY"] = lib
+    import ringd
+    from loopback_ring import LoopbackRing
+    env = dict(os.environ)
+    if os.environ.get("RINGD_LD_LIBRARY_PATH"):  # the bundle's libraries (tests/device/torch-check)
+        env["LD_LIBRARY_PATH"] = os.environ["RINGD_LD_LIBRARY_PATH"]
+    ring = None
     try:
-        for h in range(2):
-            cfg = os.path.join(tmp, f"node{h}.yaml")
-            with open(cfg, "w") as f:
-                f.write("cluster: torchcheck\nhosts:\n" +
-                        "".join(f"  - {{name: node{i}, address: 127.0.0.1, port: {ports[i]}}}\n" for i in range(2)) +
-                        f"socket: {tmp}/node{h}.sock\nmemory: {{slot_bytes: 256MiB, max_slots: 16}}\n"
-                        f"auth: {{secret_file: {secret}}}\ntimeouts: {{op: {OP_TIMEOUT_S}s}}\n"
-                        "cuda: {provider: hardware}\n")
-            log = open(os.path.join(args.out, f"ringd-node{h}.log"), "w")
-            env = dict(os.environ)
-            if os.environ.get("RINGD_LD_LIBRARY_PATH"):  # the bundle's libraries (tests/device/torch-check)
-                env["LD_LIBRARY_PATH"] = os.environ["RINGD_LD_LIBRARY_PATH"]
-            daemons.append(subprocess.Popen([os.path.join(args.bin, "ringd"), "--config", cfg, "--host", f"node{h}"],
-                                            stdout=log, stderr=subprocess.STDOUT, env=env))
-        sys.path.insert(0, os.path.join(ROOT, "client", "python"))
-        os.environ["RINGD_CLIENT_LIBRARY"] = lib
-        import ringd
-        until = time.time() + 20
-        while True:
-            try:
-                if all(ringd.status(f"{tmp}/node{h}.sock", 1000).get("ring", {}).get("state") == "up" for h in range(2)):
-                    break
-            except ringd.RingdError:
-                pass
-            if time.time() > until:
-                summary["error"] = "the two ringds did not form a ring within 20 s (see ringd-node*.log)"
-                return finish(summary, args.out, 1)
-            time.sleep(0.1)
-        st = ringd.status(f"{tmp}/node0.sock", 1000)
+        ring = LoopbackRing(os.path.join(args.bin, "ringd"), tmp, 2, log_dir=args.out, env=env, cluster="torchcheck",
+                            yaml=f"memory: {{slot_bytes: 256MiB, max_slots: 16}}\ntimeouts: {{op: {OP_TIMEOUT_S}s}}\n"
+                                 "cuda: {provider: hardware}\n")
+        if not ring.wait_up(20):
+            summary["error"] = "the two ringds did not form a ring within 20 s (see node*.log)"
+            return finish(summary, args.out, 1)
+        st = ringd.status(ring.sockets[0], 1000)
         summary["ringd_cuda"] = st.get("cuda")
         ok = True
         for phase in args.phases.split(","):
@@ -353,7 +328,7 @@ def main():
                 summary["phases"][phase] = {"ok": False, "skipped": "out of time"}
                 ok = False
                 continue
-            res = run_phase(phase, PHASES[phase], tmp, args, lib, left)
+            res = run_phase(phase, PHASES[phase], ring.sockets, args, lib, left)
             summary["phases"][phase] = res
             ok = ok and res["ok"]
             print(f"torch-check: {phase}: {'ok' if res['ok'] else 'FAILED'} in {res['seconds']} s", flush=True)
@@ -364,24 +339,21 @@ def main():
         summary["ok"] = ok
         return finish(summary, args.out, 0 if ok else 1)
     finally:
-        for d in daemons:
-            d.send_signal(signal.SIGTERM)
-        for d in daemons:
-            try:
-                d.wait(10)
-            except subprocess.TimeoutExpired:
-                d.kill()
+        if ring is not None:
+            ring.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
-def run_phase(phase, world, tmp, args, lib, left):
+def run_phase(phase, world, sockets, args, lib, left):
     t0 = time.monotonic()
+    from loopback_ring import free_port
     port = free_port()
     procs = []
     for r in range(world):
         local_size = world // 2
         env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r % local_size),
                    LOCAL_WORLD_SIZE=str(local_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   RINGD_SOCKET=f"{tmp}/node{r // local_size}.sock", RINGD_CLIENT_LIBRARY=lib,
+                   RINGD_SOCKET=sockets[r // local_size], RINGD_CLIENT_LIBRARY=lib,
                    CHECK_DEVICE=args.device, GLOO_SOCKET_IFNAME="lo", CUBLAS_WORKSPACE_CONFIG=":4096:8",
                    PYTHONUNBUFFERED="1")
         log = open(os.path.join(args.out, f"{phase}-rank{r}.log"), "w")

@@ -18,7 +18,6 @@ import ctypes
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -242,42 +241,22 @@ def main(ringd_bin, client_lib, emulated_lib):
         print("torch_cuda_path: no torch for this python: skipped")
         return 77
     tmp = tempfile.mkdtemp(prefix="ringd-torch-cuda-")
-    base = 20000 + os.getpid() % 20000
-    secret = os.path.join(tmp, "secret")
-    with open(secret, "w") as f:
-        f.write(os.urandom(16).hex() + "\n")
-    os.chmod(secret, 0o600)
-    daemons, logs = [], []
+    src = os.environ.get("RINGD_SOURCE_DIR", ".")
+    sys.path.insert(0, os.path.join(src, "client", "python"))
+    sys.path.insert(0, os.path.join(src, "tests", "python"))
+    from loopback_ring import LoopbackRing
+    os.environ["RINGD_CLIENT_LIBRARY"] = client_lib
+    ring = None
     try:
-        for h in range(HOSTS):
-            cfg = os.path.join(tmp, f"node{h}.yaml")
-            with open(cfg, "w") as f:
-                f.write("cluster: torchcuda\nhosts:\n" +
-                        "".join(f"  - {{name: node{i}, address: 127.0.0.1, port: {base + i}}}\n" for i in range(HOSTS)) +
-                        f"socket: {tmp}/node{h}.sock\nmemory: {{slot_bytes: 4MiB, max_slots: 8}}\n"
-                        f"cuda: {{provider: emulated}}\nauth: {{secret_file: {secret}}}\n"
-                        f"timeouts: {{op: {OP_TIMEOUT_S}s}}\ntcp: {{streams: 2}}\n")
-            logs.append(open(os.path.join(tmp, f"node{h}.log"), "w"))
-            daemons.append(subprocess.Popen([ringd_bin, "--config", cfg, "--host", f"node{h}"], stdout=logs[-1],
-                                            stderr=subprocess.STDOUT))
+        ring = LoopbackRing(ringd_bin, tmp, HOSTS, cluster="torchcuda",
+                            yaml=f"memory: {{slot_bytes: 4MiB, max_slots: 8}}\ncuda: {{provider: emulated}}\n"
+                                 f"timeouts: {{op: {OP_TIMEOUT_S}s}}\ntcp: {{streams: 2}}\n")
         env = dict(os.environ, RINGD_CLIENT_LIBRARY=client_lib, RINGD_CUDA_PROVIDER="emulated",
-                   RINGD_CUDA_EMULATED_LIBRARY=emulated_lib, PYTHONPATH=os.path.join(
-                       os.environ.get("RINGD_SOURCE_DIR", "."), "client", "python"))
-        sys.path.insert(0, env["PYTHONPATH"])
-        import ringd
-        deadline = time.time() + 15
-        for h in range(HOSTS):
-            while True:
-                try:
-                    if ringd.status(f"{tmp}/node{h}.sock", 1000).get("ring", {}).get("state") == "up":
-                        break
-                except ringd.RingdError:
-                    pass
-                if time.time() > deadline:
-                    raise RuntimeError(f"ringd node{h} did not come up (see {tmp}/node{h}.log)")
-                time.sleep(0.1)
+                   RINGD_CUDA_EMULATED_LIBRARY=emulated_lib, PYTHONPATH=os.path.join(src, "client", "python"))
+        if not ring.wait_up(15):
+            raise RuntimeError(f"the ringds did not form a ring (see {tmp}/node*.log)")
         group = f"torch-cuda-{os.getpid()}"
-        procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(r), f"{tmp}/node{r // LOCAL}.sock", group,
+        procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(r), ring.sockets[r // LOCAL], group,
                                    f"{tmp}/rank{r}.json"], env=env) for r in range(WORLD)]
         ok = True
         for r, p in enumerate(procs):
@@ -301,20 +280,13 @@ def main(ringd_bin, client_lib, emulated_lib):
         if not ok:
             for h in range(HOSTS):
                 print(f"--- node{h}.log (tail)")
-                print("".join(open(f"{tmp}/node{h}.log").readlines()[-20:]))
+                print(ring.log_tail(h))
         print("torch_cuda_path: " + ("every value exact; registration cache, stream order, parts and failure held"
                                      if ok else "FAILED"))
         return 0 if ok else 1
     finally:
-        for d in daemons:
-            d.send_signal(signal.SIGTERM)
-        for d in daemons:
-            try:
-                d.wait(10)
-            except subprocess.TimeoutExpired:
-                d.kill()
-        for f in logs:
-            f.close()
+        if ring is not None:
+            ring.stop()
         shutil.rmtree(tmp, ignore_errors=True)
 
 
