@@ -29,7 +29,14 @@ int main(int argc, char **argv) {
     spdlog::set_level(spdlog::level::from_str(config->log_level));
     // The journal with fields when systemd connected stderr to it (or log.journal: on), stderr
     // otherwise; repeats rate-limited either way (daemon/log/log.h).
-    const bool journal = config->log_journal == "on" || (config->log_journal == "auto" && ringd::logging::stderr_is_journal());
+    bool journal = config->log_journal == "on" || (config->log_journal == "auto" && ringd::logging::stderr_is_journal());
+    if (journal && !ringd::logging::journal_reachable()) {
+        // log.journal: on where no journald listens (a container, a host without systemd): every
+        // line would be lost, so stderr it is, and the operator is told once why.
+        spdlog::warn("log.journal is on, but no journal listens at {}: logging to stderr instead",
+                     ringd::logging::kJournalSocket);
+        journal = false;
+    }
     std::vector<std::string> names;
     for (const auto &h : config->hosts) names.push_back(h.name);
     ringd::logging::setup(host, config->cluster, journal, names);

@@ -1,6 +1,8 @@
 #include "daemon/log/log.h"
 
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <sys/uio.h>
 #include <syslog.h>
 #include <unistd.h>
@@ -211,6 +213,17 @@ bool stderr_is_journal() {
     struct stat st{};
     if (::fstat(STDERR_FILENO, &st) != 0) return false;
     return std::string(js) == std::to_string(st.st_dev) + ":" + std::to_string(st.st_ino);
+}
+
+bool journal_reachable() {
+    const int fd = ::socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return false;
+    sockaddr_un a{};
+    a.sun_family = AF_UNIX;
+    std::snprintf(a.sun_path, sizeof a.sun_path, "%s", kJournalSocket);
+    const bool ok = ::connect(fd, reinterpret_cast<const sockaddr *>(&a), sizeof a) == 0;
+    ::close(fd);
+    return ok;
 }
 
 void setup(const std::string &host, const std::string &cluster, bool journal, const std::vector<std::string> &hosts) {

@@ -35,6 +35,10 @@ enum class Journal { Auto, On, Off };
 // Whether ringd's stderr is the journal: systemd sets JOURNAL_STREAM to stderr's device:inode
 // when it connects the two (systemd.exec(5)).
 bool stderr_is_journal();
+// Where journald takes native entries (sd_journal_sendv's socket), and whether something listens
+// there (a datagram connect succeeds).
+inline constexpr const char *kJournalSocket = "/run/systemd/journal/socket";
+bool journal_reachable();
 
 // Replaces the default logger's sinks: the journal (with `host` and `cluster` in every entry;
 // `hosts`, the configured host names, tell RINGD_PEER) or stderr as before, behind the repeat

@@ -5,7 +5,9 @@
 # Checks, in `journalctl -o json`: the fields (PRIORITY, SYSLOG_IDENTIFIER, RINGD_HOST,
 # RINGD_CLUSTER, RINGD_GROUP, RINGD_OP, RINGD_KIND), that the storm was rate-limited (5 lines, then
 # one with RINGD_REPEATS=35 once its 10 s window ended), and that `ringctl status` counts the
-# kind 40 times in recent_errors. Skips (77) without root, unshare or systemd-journald.
+# kind 40 times in recent_errors. Before journald starts: log.journal: on without a journal logs
+# to stderr (and says so) instead of losing every line. Skips (77) without root, unshare or
+# systemd-journald.
 set -euo pipefail
 src=${RINGD_SOURCE_DIR:?}
 ringd=${RINGD_BIN:?}
@@ -32,6 +34,28 @@ mkdir -p /run/systemd /run/log
 mount -t tmpfs tmpfs /run/systemd
 mount -t tmpfs tmpfs /run/log
 mkdir -p /run/systemd/journal
+
+# First no journal at all: log.journal: on must not lose ringd's lines (they go to stderr, after
+# one warning saying why).
+cat >"$work/nojournal.yaml" <<EOF
+cluster: journaled
+hosts:
+  - {name: a, address: 127.0.0.1, port: 7400}
+socket: $work/nojournal.sock
+memory: {slot_bytes: 1MiB, max_slots: 4}
+log: {level: info, journal: on}
+EOF
+"$ringd" --config "$work/nojournal.yaml" --host a >"$work/nojournal.stderr" 2>&1 &
+rpid=$!
+for _ in $(seq 100); do [ -S "$work/nojournal.sock" ] && break; sleep 0.05; done
+"$ringctl" --socket "$work/nojournal.sock" status >/dev/null
+kill "$rpid"; wait "$rpid" 2>/dev/null || true; rpid=""
+grep -q "log.journal is on, but no journal listens at /run/systemd/journal/socket: logging to stderr" "$work/nojournal.stderr" ||
+    { echo "FAIL: no warning that the journal is missing"; cat "$work/nojournal.stderr"; exit 1; }
+grep -q "listening on" "$work/nojournal.stderr" ||
+    { echo "FAIL: without a journal, ringd's lines were lost"; cat "$work/nojournal.stderr"; exit 1; }
+echo "PASS  without a journal: the warning and ringd's lines on stderr"
+
 "$journald" >"$work/journald.log" 2>&1 &
 jpid=$!
 for _ in $(seq 100); do [ -S /run/systemd/journal/socket ] && break; sleep 0.05; done
