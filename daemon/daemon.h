@@ -135,6 +135,12 @@ private:
     std::vector<Completion> done_;
     std::vector<OpRun> ready_;
     RingDomain::Shared shared_;
+    // The newest ring generation run here, and where it is kept across restarts (daemon_domains.cpp).
+    void load_generation();
+    void keep_generation(uint64_t g);
+    uint64_t generation_kept_ = 0;
+    std::string generation_file_;
+    bool generation_write_failed_ = false;
     std::map<std::string, RingDomain *> group_domain_;  // groups seen, to their domain
     // The trainers' side (after groups_, done_ and ready_, which it uses).
     std::unique_ptr<ClientGateway> gateway_;

@@ -2,6 +2,12 @@
 // per host set of the groups over part of it, made when such a group first joins here (its
 // peers' connections for it are refused until then: a host never keeps a domain for its peers'
 // sake alone) and let go once it has had no group here for a while.
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+
 #include <spdlog/spdlog.h>
 
 #include "daemon/daemon.h"
@@ -37,11 +43,55 @@ Status Daemon::setup_ring() {
     shared_.adopt = [this](UniqueFd fd, const proto::PeerHello &h, const std::string &ip, const SessionKeys &keys) {
         adopt(std::move(fd), h, ip, keys);
     };
+    load_generation();
+    shared_.generation_floor = &generation_kept_;
+    shared_.generation_seen = [this](uint64_t g) { keep_generation(g); };
     std::vector<uint32_t> all(config_.hosts.size());
     for (uint32_t i = 0; i < all.size(); ++i) all[i] = i;
     auto d = domain_for(all);
     if (!d) return d.error();
     return Ok{};
+}
+
+// Generations only grow, also when every host of the ring restarts (incarnations of groups are
+// numbered from them, and operators follow a ring's story by them): the newest one a ring here
+// ran is kept in $STATE_DIRECTORY/generation (the unit's StateDirectory=ringd, /var/lib/ringd) and
+// announced again after a restart. Without a state directory (ringd started by hand) a ring whose
+// every host restarted counts from 1 again.
+void Daemon::load_generation() {
+    const char *dirs = std::getenv("STATE_DIRECTORY");  // systemd: colon-separated, ours first
+    if (!dirs || !*dirs) return;
+    const std::string dir(dirs, std::strcspn(dirs, ":"));
+    generation_file_ = dir + "/generation";
+    std::string text(32, '\0');
+    UniqueFd fd(::open(generation_file_.c_str(), O_RDONLY | O_CLOEXEC));
+    const ssize_t got = fd ? ::read(fd.get(), text.data(), text.size() - 1) : -1;
+    if (got <= 0) return;  // none yet (a first start), or unreadable: a new ring counts from 1
+    text.resize(static_cast<size_t>(got));
+    char *end = nullptr;
+    const unsigned long long g = std::strtoull(text.c_str(), &end, 10);
+    if (end == text.c_str() || (*end != '\n' && *end != '\0')) {
+        spdlog::warn("{}: not a generation number; ring generations start afresh", generation_file_);
+        return;
+    }
+    generation_kept_ = g;
+    spdlog::info("the newest ring generation before this start was {} ({})", g, generation_file_);
+}
+
+void Daemon::keep_generation(uint64_t g) {
+    if (g <= generation_kept_) return;
+    generation_kept_ = g;
+    if (generation_file_.empty()) return;
+    // A whole new file, then renamed over the old one: a crash leaves the old number or the new.
+    const std::string tmp = generation_file_ + ".new";
+    const std::string text = std::to_string(g) + "\n";
+    UniqueFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+    const bool ok = fd && ::write(fd.get(), text.data(), text.size()) == static_cast<ssize_t>(text.size()) &&
+                    ::fsync(fd.get()) == 0 && ::rename(tmp.c_str(), generation_file_.c_str()) == 0;
+    if (!ok && !generation_write_failed_) {
+        generation_write_failed_ = true;  // said once: ringd runs on, a restart may count from an older one
+        spdlog::warn("cannot keep ring generation {} in {}: {}", g, generation_file_, errno_string(errno));
+    }
 }
 
 Result<RingDomain *> Daemon::domain_for(const std::vector<uint32_t> &hosts) {

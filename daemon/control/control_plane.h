@@ -122,6 +122,10 @@ public:
     // so that a coordinator that restarts (counting from 0 again) forms a ring newer than any
     // generation the others have used.
     uint64_t announced_generation() const { return std::max({generation_, peer_generation_max_, aborted_max_}); }
+    // The newest generation this host saw before it started (kept across restarts, Daemon): it
+    // is announced as a peer's would be, so that a ring whose every host restarted still forms
+    // past every generation it ran before.
+    void seed_generation(uint64_t g) { peer_generation_max_ = std::max(peer_generation_max_, g); }
     uint32_t self_index() const { return self_; }
     std::vector<PeerStatus> status() const;
     uint64_t handshakes_refused() const { return handshakes_refused_; }

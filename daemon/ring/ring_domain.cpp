@@ -91,6 +91,7 @@ Status RingDomain::setup() {
     auto cp = ControlPlane::create(config_, self_index_, sh_.secret, std::move(cb), key_, whole_ring());
     if (!cp) return cp.error();
     control_ = std::move(*cp);
+    if (sh_.generation_floor) control_->seed_generation(*sh_.generation_floor);
     std::vector<std::string> names;
     for (const auto &h : config_.hosts) names.push_back(h.name);
     if (self_index_ == kCoordinator) coordinator_.emplace(names, config_.timeouts.op, lanes());
@@ -103,6 +104,7 @@ Status RingDomain::setup() {
 
 void RingDomain::on_ring_up(uint64_t generation, DataSockets to_next, DataSockets from_prev) {
     local_generation_ = generation;
+    if (sh_.generation_seen) sh_.generation_seen(generation);
     const uint32_t n = static_cast<uint32_t>(config_.hosts.size());
     // The data connections lane by lane (ControlPlane: streams x lanes, in stream order).
     const size_t per = to_next.fds.size() / lanes_.size();

@@ -71,6 +71,10 @@ public:
         // The whole ring's plane hands other domains' connections over (ControlPlane::Callbacks).
         std::function<Status(const proto::PeerHello &)> foreign_check;
         std::function<void(UniqueFd, const proto::PeerHello &, const std::string &, const SessionKeys &)> adopt;
+        // The newest ring generation this host has seen, kept across restarts (0: none), and the
+        // call that keeps a newer one when a ring comes up.
+        const uint64_t *generation_floor = nullptr;
+        std::function<void(uint64_t generation)> generation_seen;
     };
 
     // `members`: config indices in ring order, this host among them (every host: the whole ring).

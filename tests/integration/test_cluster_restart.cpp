@@ -69,6 +69,39 @@ TEST_CASE("a job restarted with the same group name after a trainer died starts 
     run_steps(cl, 999);
 }
 
+TEST_CASE("after every host restarted, the ring's generations go on from where they were (the state "
+          "directory), and a job runs exact",
+          "[cluster][restart]") {
+    TestCluster c(3, "5s");
+    REQUIRE(c.wait_up());
+    auto cl = connect_all(c, "before", 1, kSlot);
+    run_steps(cl, 1);
+    cl.clear();
+    // The ring re-forms a few times (a host restarted alone), so generations are past 1.
+    for (uint64_t h : {1u, 2u}) {
+        REQUIRE(c.d[h]->stop() == 0);
+        c.d[h]->start();
+        REQUIRE(c.d[h]->ready());
+        REQUIRE(c.wait_up({h + 1, h + 1, h + 1}));
+    }
+    const uint64_t before = c.status(0)["ring"]["generation"].get<uint64_t>();
+    REQUIRE(before >= 3);
+    // Every host stops, then all start again: nobody remembers the old ring but the state files.
+    for (uint32_t h = 0; h < c.n; ++h) REQUIRE(c.d[h]->stop() == 0);
+    for (uint32_t h = 0; h < c.n; ++h) {
+        c.d[h]->start();
+        REQUIRE(c.d[h]->ready());
+    }
+    REQUIRE(c.wait_up({before + 1, before + 1, before + 1}));
+    for (uint32_t h = 0; h < c.n; ++h) {
+        INFO("host " << h);
+        CHECK(c.status(h)["ring"]["generation"].get<uint64_t>() == before + 1);
+        CHECK_THAT(c.d[h]->log(), Catch::Contains("the newest ring generation before this start was " + std::to_string(before)));
+    }
+    cl = connect_all(c, "after", 1, kSlot);
+    run_steps(cl, 7);
+}
+
 TEST_CASE("a job restarted on one host only fails clearly on every host and works once the whole job restarted",
           "[cluster][restart]") {
     TestCluster c(3, "3s");

@@ -181,12 +181,16 @@ public:
                                << "log: {level: debug}\n"
                                << o.extra_yaml;
         env_ = o.env;
+        // Its state directory, as the unit's StateDirectory= gives it (kept across restarts).
+        std::filesystem::create_directory(dir_ + "/state");
+        env_.push_back("STATE_DIRECTORY=" + dir_ + "/state");
         nofile_ = o.nofile;
         uid_ = o.uid;
         gid_ = o.gid;
         if (uid_ != 0) {  // the daemon writes its socket into the directory
             (void)!::chown(dir_.c_str(), uid_, gid_);
             (void)!::chown(config_.c_str(), uid_, gid_);
+            (void)!::chown((dir_ + "/state").c_str(), uid_, gid_);
         }
         start();
     }
