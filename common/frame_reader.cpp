@@ -28,7 +28,7 @@ Result<std::optional<Frame>> FrameReader::read(int fd, uint32_t max_payload, siz
             head_ += take;
             got_ += take;
             if (got_ == payload_.size()) {
-                Frame f{header_->type, std::move(payload_), std::exchange(fds_, {})};
+                Frame f{header_->type, std::move(payload_), std::exchange(fds_, {}), header_->version};
                 header_.reset();
                 payload_ = {};
                 return std::optional<Frame>(std::move(f));

@@ -20,6 +20,7 @@ struct Frame {
     proto::FrameType type{};
     proto::Bytes payload;
     std::vector<UniqueFd> fds;  // passed with it (only when the reader allows fds)
+    uint16_t version = 0;       // its header's (proto/frame.h)
 };
 
 class FrameReader {

@@ -246,7 +246,8 @@ Config parse_root(const YAML::Node &root) {
             fail("tuning.depth", "chunk_bytes x depth (the ring's staging memory) must be at most 1GiB");
     }
     if (auto n = root["auth"]) {
-        check_keys(n, "auth", {"secret_file", "insecure", "data"});
+        check_keys(n, "auth", {"secret_file", "insecure", "data", "rotation_grace"});
+        if (n["rotation_grace"]) c.rotation_grace = get_duration(n["rotation_grace"], "auth.rotation_grace");
         if (n["secret_file"]) c.secret_file = scalar(n["secret_file"], "auth.secret_file");
         if (n["insecure"]) c.insecure = get_bool(n["insecure"], "auth.insecure");
         if (n["data"]) {

@@ -96,6 +96,8 @@ struct Config {
         uint32_t control_spin_us = 200;
     } tuning;
     std::string secret_file;  // auth.secret_file; empty: no authentication
+    // How long a reload that found a new secret still accepts the previous one.
+    std::chrono::milliseconds rotation_grace = std::chrono::hours(1);
     bool insecure = false;    // auth.insecure: several hosts may run without a secret
     // auth.data: mac tags every TCP data message too, as control frames always are with a
     // secret; none (the default) leaves the data streams unauthenticated, as NCCL, Gloo and MPI

@@ -495,9 +495,39 @@ void Daemon::reload() {
         if (std::find(changed.begin(), changed.end(), k) != changed.end()) fixed.push_back(k);
     if (!find_host(*fresh, host_)) fixed.push_back("hosts (this host, " + host_ + ", is not in it)");
     if (!fixed.empty()) return refuse(join(fixed) + " cannot change while ringd runs (restart it for that)");
-    // Applied now: the log level. The other keys wait for a restart, by name.
+    // Applied now: the log level and the secret. The other keys wait for a restart, by name.
     std::vector<std::string> applied, pending;
+    // The secret is read again whether the file's name changed or only what it holds (the usual
+    // rotation): a new one is proved from now on, the old one accepted for auth.rotation_grace.
+    // Turning authentication on or off needs a restart (every host at once).
+    if (fresh->secret_file.empty() != config_.secret_file.empty()) {
+        pending.push_back("auth.secret_file");
+    } else if (!fresh->secret_file.empty()) {
+        auto next = PeerSecret::load(fresh->secret_file);
+        if (!next) return refuse(next.error().message);
+        if (!next->same_key(secret_)) {
+            const auto grace = fresh->rotation_grace;
+            secret_.rotate(std::move(*next), PeerSecret::Clock::now() + grace);
+            config_.secret_file = fresh->secret_file;
+            config_.rotation_grace = grace;
+            spdlog::warn("reload: a new secret (key id {}); the previous one ({}) is accepted for {} s more, until every "
+                         "host has the new one",
+                         key_id_hex(secret_.key_id(0)), key_id_hex(secret_.key_id(1)), grace.count() / 1000);
+            applied.push_back("auth.secret_file (a new secret; the previous one accepted for auth.rotation_grace)");
+        }
+    }
     for (const auto &k : changed) {
+        if (k == "auth") {
+            // The secret (above), and the grace of the next rotation; auth.insecure and
+            // auth.data change the connections: at a restart.
+            if (fresh->insecure != config_.insecure) pending.push_back("auth.insecure");
+            if (fresh->data_mac != config_.data_mac) pending.push_back("auth.data");
+            if (fresh->rotation_grace != config_.rotation_grace) {
+                config_.rotation_grace = fresh->rotation_grace;
+                applied.push_back("auth.rotation_grace");
+            }
+            continue;
+        }
         if (k == "log") {
             if (fresh->log_journal != config_.log_journal) pending.push_back("log.journal");
             if (fresh->log_level != config_.log_level) {

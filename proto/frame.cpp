@@ -31,7 +31,7 @@ Result<Ok> expect_size(std::span<const uint8_t> payload, size_t want, const char
 
 void put_frame_header(uint8_t *at, FrameType type, uint32_t length) {
     le::put<uint32_t>(at, kFrameMagic);
-    le::put<uint16_t>(at + 4, peer_type(static_cast<uint16_t>(type)) ? kPeerProtocolVersion : kProtocolVersion);
+    le::put<uint16_t>(at + 4, peer_type(static_cast<uint16_t>(type)) ? kPeerBaseVersion : kProtocolVersion);
     le::put<uint16_t>(at + 6, static_cast<uint16_t>(type));
     le::put<uint32_t>(at + 8, length);
     le::put<uint32_t>(at + 12, 0);
@@ -54,11 +54,11 @@ Result<FrameHeader> decode_frame_header(std::span<const uint8_t> h, uint32_t max
     }
     const auto version = le::get<uint16_t>(&h[4]);
     const auto type = le::get<uint16_t>(&h[6]);
-    if (peer_type(type) && version != kPeerProtocolVersion)
+    if (peer_type(type) && (version < kPeerProtocolOldest || version > kPeerProtocolVersion))
         return make_error(-EPROTONOSUPPORT, "peer protocol version " + std::to_string(version) +
-                                                " is not supported (this ringd speaks " +
-                                                std::to_string(kPeerProtocolVersion) +
-                                                "): every ringd of a cluster must run the same release");
+                                                " is not supported (this ringd speaks " + std::to_string(kPeerProtocolOldest) +
+                                                " to " + std::to_string(kPeerProtocolVersion) +
+                                                "): a ring's releases may differ by one at most (upgrade host by host)");
     if (!peer_type(type) && version != kProtocolVersion)
         return make_error(-EPROTONOSUPPORT, "protocol version " + std::to_string(version) + " is not supported (ringd speaks " +
                                                 std::to_string(kProtocolVersion) + ")");
@@ -68,7 +68,7 @@ Result<FrameHeader> decode_frame_header(std::span<const uint8_t> h, uint32_t max
         return make_error(-EMSGSIZE, "frame length " + std::to_string(length) + " exceeds the limit of " +
                                          std::to_string(max_payload) + " bytes");
     if (le::get<uint32_t>(&h[12]) != 0) return bad("reserved frame header field is not zero");
-    return FrameHeader{static_cast<FrameType>(type), length};
+    return FrameHeader{static_cast<FrameType>(type), length, version};
 }
 
 std::string check_group_name(std::string_view name) {

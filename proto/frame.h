@@ -20,9 +20,17 @@ using Bytes = std::vector<uint8_t>;
 
 inline constexpr uint32_t kFrameMagic = 0x44474E52;  // bytes 'R' 'N' 'G' 'D'
 inline constexpr uint16_t kProtocolVersion = 1;      // frames between trainers/ringctl and ringd
-// frames between daemons (PeerHello and above); 6: TCP ring ops of 32 MiB and more end with the
-// delivery marker (daemon/engine/ring_allreduce.h), which a daemon of 5 would never send.
-inline constexpr uint16_t kPeerProtocolVersion = 6;
+// Frames between daemons (PeerHello and above). A ringd speaks kPeerProtocolVersion and the
+// versions down to kPeerProtocolOldest, so that a ring can be upgraded host by host: a connection
+// runs at the newest version both of its hosts speak (proto/peer.h, the handshake). A frame's header carries the version that defined
+// its layout: the PeerHello and PeerAccept of a version-7 handshake say 7, every other peer frame
+// says 6 (their layout is version 6's), so a ringd of 6 reads them all.
+//   6: TCP ring ops of 32 MiB and more end with the delivery marker (daemon/engine/ring_allreduce.h).
+//   7: the handshake carries each host's host-list digest, config version and secret key ids
+//      (secrets rotate with a grace period; hosts whose host lists differ say so).
+inline constexpr uint16_t kPeerProtocolVersion = 7;
+inline constexpr uint16_t kPeerProtocolOldest = 6;
+inline constexpr uint16_t kPeerBaseVersion = 6;  // the layout version of every peer frame but the handshake's
 inline constexpr size_t kFrameHeaderBytes = 16;
 
 // Largest payload the daemon accepts from a client (hello, status request, error).
@@ -68,6 +76,7 @@ enum class FrameType : uint16_t {
 struct FrameHeader {
     FrameType type{};
     uint32_t length = 0;
+    uint16_t version = 0;
 };
 
 struct Hello {

@@ -54,15 +54,44 @@ Bytes encode_peer_hello(const PeerHello &h) {
     le::put<uint64_t>(&p[3 * kNameBytes + 8], h.generation);
     std::memcpy(&p[3 * kNameBytes + 16], h.nonce.data(), kNonceBytes);
     std::vector<uint8_t> v(p, p + kPeerHelloBytes);
+    if (h.version >= 7) {
+        uint8_t x[kPeerHelloV7Bytes] = {};
+        std::memcpy(x, h.hosts.data(), kDigestBytes);
+        std::memcpy(x + kDigestBytes, h.config_version.data(), std::min(h.config_version.size(), kConfigVersionBytes - 1));
+        std::memcpy(x + kDigestBytes + kConfigVersionBytes, h.key.data(), kKeyIdBytes);
+        std::memcpy(x + kDigestBytes + kConfigVersionBytes + kKeyIdBytes, h.previous_key.data(), kKeyIdBytes);
+        v.insert(v.end(), x, x + kPeerHelloV7Bytes);
+    }
     v.insert(v.end(), h.domain.begin(), h.domain.begin() + static_cast<std::ptrdiff_t>(std::min(h.domain.size(), kMaxDomainBytes)));
-    return encode_frame(FrameType::PeerHello, v);
+    Bytes f = encode_frame(FrameType::PeerHello, v);
+    le::put<uint16_t>(&f[4], h.version);
+    return f;
 }
 
-Result<PeerHello> decode_peer_hello(std::span<const uint8_t> p) {
-    if (p.size() < kPeerHelloBytes || p.size() > kPeerHelloBytes + kMaxDomainBytes)
-        return bad("peer hello payload is " + std::to_string(p.size()) + " bytes, expected " +
-                   std::to_string(kPeerHelloBytes) + ".." + std::to_string(kPeerHelloBytes + kMaxDomainBytes));
+namespace {
+
+// A config version: printable ASCII, NUL-padded.
+Result<std::string> get_config_version(const uint8_t *p) {
+    std::string s(reinterpret_cast<const char *>(p), strnlen(reinterpret_cast<const char *>(p), kConfigVersionBytes));
+    if (s.size() == kConfigVersionBytes) return bad("config version without its NUL");
+    for (size_t i = s.size(); i < kConfigVersionBytes; ++i)
+        if (p[i] != 0) return bad("bytes after the config version's NUL");
+    for (char c : s)
+        if (c < 0x21 || c > 0x7e) return bad("config version with a byte that is not printable");
+    return s;
+}
+
+}  // namespace
+
+Result<PeerHello> decode_peer_hello(std::span<const uint8_t> p, uint16_t version) {
+    if (version < kPeerProtocolOldest || version > kPeerProtocolVersion)
+        return make_error(-EPROTONOSUPPORT, "peer hello of version " + std::to_string(version));
+    const size_t fixed = kPeerHelloBytes + (version >= 7 ? kPeerHelloV7Bytes : 0);
+    if (p.size() < fixed || p.size() > fixed + kMaxDomainBytes)
+        return bad("peer hello payload is " + std::to_string(p.size()) + " bytes, expected " + std::to_string(fixed) +
+                   ".." + std::to_string(fixed + kMaxDomainBytes));
     PeerHello h;
+    h.version = version;
     auto cluster = get_name(&p[0], "cluster");
     if (!cluster) return cluster.error();
     auto from = get_name(&p[kNameBytes], "host name");
@@ -79,7 +108,16 @@ Result<PeerHello> decode_peer_hello(std::span<const uint8_t> p) {
     if (h.kind == ConnKind::Control && h.stream != 0) return bad("control connection with a stream index");
     h.generation = le::get<uint64_t>(&p[3 * kNameBytes + 8]);
     std::memcpy(h.nonce.data(), &p[3 * kNameBytes + 16], kNonceBytes);
-    h.domain.assign(reinterpret_cast<const char *>(p.data()) + kPeerHelloBytes, p.size() - kPeerHelloBytes);
+    if (version >= 7) {
+        const uint8_t *x = &p[kPeerHelloBytes];
+        std::memcpy(h.hosts.data(), x, kDigestBytes);
+        auto cv = get_config_version(x + kDigestBytes);
+        if (!cv) return cv.error();
+        h.config_version = *cv;
+        std::memcpy(h.key.data(), x + kDigestBytes + kConfigVersionBytes, kKeyIdBytes);
+        std::memcpy(h.previous_key.data(), x + kDigestBytes + kConfigVersionBytes + kKeyIdBytes, kKeyIdBytes);
+    }
+    h.domain.assign(reinterpret_cast<const char *>(p.data()) + fixed, p.size() - fixed);
     // Host names (each checked by whoever maps them to hosts), comma-separated.
     size_t at = 0;
     while (at < h.domain.size()) {
@@ -122,9 +160,32 @@ Bytes encode_peer_accept(uint64_t generation) {
     return encode_frame(FrameType::PeerAccept, p);
 }
 
-Result<uint64_t> decode_peer_accept(std::span<const uint8_t> p) {
-    if (auto s = expect_size(p, 8, "peer accept"); !s) return s.error();
-    return le::get<uint64_t>(p.data());
+Bytes encode_peer_accept(const PeerAccept &a) {
+    if (a.version < 7) return encode_peer_accept(a.generation);
+    uint8_t p[8 + kDigestBytes + kConfigVersionBytes] = {};
+    le::put<uint64_t>(p, a.generation);
+    std::memcpy(p + 8, a.hosts.data(), kDigestBytes);
+    std::memcpy(p + 8 + kDigestBytes, a.config_version.data(), std::min(a.config_version.size(), kConfigVersionBytes - 1));
+    Bytes f = encode_frame(FrameType::PeerAccept, p);
+    le::put<uint16_t>(&f[4], a.version);
+    return f;
+}
+
+Result<PeerAccept> decode_peer_accept(std::span<const uint8_t> p, uint16_t version) {
+    PeerAccept a;
+    a.version = version;
+    if (version < 7) {
+        if (auto s = expect_size(p, 8, "peer accept"); !s) return s.error();
+        a.generation = le::get<uint64_t>(p.data());
+        return a;
+    }
+    if (auto s = expect_size(p, 8 + kDigestBytes + kConfigVersionBytes, "peer accept"); !s) return s.error();
+    a.generation = le::get<uint64_t>(p.data());
+    std::memcpy(a.hosts.data(), p.data() + 8, kDigestBytes);
+    auto cv = get_config_version(p.data() + 8 + kDigestBytes);
+    if (!cv) return cv.error();
+    a.config_version = *cv;
+    return a;
 }
 
 Bytes encode_heartbeat(const Heartbeat &h) {

@@ -9,6 +9,16 @@
 // Both MACs cover both nonces (nonce_d is inside the hello) and every hello field, so neither
 // side can be impersonated or replayed. Without auth.secret_file the MACs are all zero and a
 // peer that sends non-zero MACs (it has a secret) is refused, and the other way round.
+//
+// Versions (proto/frame.h). The dialer sends its hello at the newest version it speaks for that
+// peer; a listener that speaks it answers in it, and the connection runs at it. A listener that
+// does not refuses with an Error frame (from version 7 on; a ringd of 6 just closes): the dialer
+// then dials again one version lower, down to kPeerProtocolOldest, and keeps to that version for
+// the host until its control connection ends (the host may come back upgraded). Version 7 adds
+// to the hello and the accept what each host runs: a digest of its host list, its config version
+// (ringctl status), and in the hello the key ids of the dialer's secrets — the one it uses and
+// the one it accepted before a rotation (auth.rotation_grace) — so that the listener proves itself
+// with a secret the dialer has.
 #pragma once
 
 #include <array>
@@ -27,6 +37,11 @@ inline constexpr uint32_t kMaxPeerPayload = 4096;
 
 using Nonce = std::array<uint8_t, kNonceBytes>;
 using Mac = std::array<uint8_t, kMacBytes>;
+inline constexpr size_t kDigestBytes = 8;
+inline constexpr size_t kConfigVersionBytes = 16;  // NUL-padded text
+inline constexpr size_t kKeyIdBytes = 8;
+using HostsDigest = std::array<uint8_t, kDigestBytes>;
+using KeyId = std::array<uint8_t, kKeyIdBytes>;
 
 enum class ConnKind : uint32_t { Control = 0, Data = 1 };
 
@@ -42,9 +57,23 @@ struct PeerHello {
     // of its hosts in ring order, comma-separated; empty = every configured host. A group over
     // part of the ring runs in the domain of its hosts, with connections of its own.
     std::string domain;
+    // Version 7 (between the fixed part and the domain): what the dialer runs.
+    uint16_t version = kPeerProtocolVersion;  // the frame's; the layout follows it
+    HostsDigest hosts{};                      // of its whole host list (names, addresses, ports)
+    std::string config_version{};             // its config file's (at most kConfigVersionBytes - 1)
+    KeyId key{}, previous_key{};              // its secret's id and the one it still accepts (0: none)
 };
 inline constexpr size_t kPeerHelloBytes = 3 * kNameBytes + 16 + kNonceBytes;  // the fixed part
+inline constexpr size_t kPeerHelloV7Bytes = kDigestBytes + kConfigVersionBytes + 2 * kKeyIdBytes;  // then this
 inline constexpr size_t kMaxDomainBytes = 3072;
+
+// The listener's answer: the generation it has seen, and from version 7 what it runs.
+struct PeerAccept {
+    uint64_t generation = 0;
+    uint16_t version = kPeerProtocolVersion;
+    HostsDigest hosts{};
+    std::string config_version;
+};
 
 struct PeerChallenge {
     Nonce nonce{};
@@ -193,14 +222,16 @@ Result<OpStart> decode_op_start(std::span<const uint8_t> payload);
 Bytes encode_op_fail(const OpFail &f);
 Result<OpFail> decode_op_fail(std::span<const uint8_t> payload);
 
+// In h.version's layout (6 or 7); decoding takes the frame header's version.
 Bytes encode_peer_hello(const PeerHello &h);
-Result<PeerHello> decode_peer_hello(std::span<const uint8_t> payload);
+Result<PeerHello> decode_peer_hello(std::span<const uint8_t> payload, uint16_t version = kPeerProtocolVersion);
 Bytes encode_peer_challenge(const PeerChallenge &c);
 Result<PeerChallenge> decode_peer_challenge(std::span<const uint8_t> payload);
 Bytes encode_peer_auth(const Mac &mac);
 Result<Mac> decode_peer_auth(std::span<const uint8_t> payload);
-Bytes encode_peer_accept(uint64_t generation);
-Result<uint64_t> decode_peer_accept(std::span<const uint8_t> payload);
+Bytes encode_peer_accept(uint64_t generation);  // version 6's
+Bytes encode_peer_accept(const PeerAccept &a);
+Result<PeerAccept> decode_peer_accept(std::span<const uint8_t> payload, uint16_t version = kPeerBaseVersion);
 Bytes encode_heartbeat(const Heartbeat &h);
 Result<Heartbeat> decode_heartbeat(std::span<const uint8_t> payload);
 

@@ -65,6 +65,14 @@ void print_status(const nlohmann::json &j) {
         }
         if (!c.value("last_reload", "").empty()) std::printf("  last reload %s\n", c.value("last_reload", "").c_str());
     }
+    if (j.contains("secret") && j["secret"].is_object()) {
+        const auto &s = j["secret"];
+        std::printf("secret: key id %s", s.value("key_id", "?").c_str());
+        if (!s.value("previous_key_id", "").empty())
+            std::printf(" (rotated: the previous one, %s, accepted for %.0f s more)", s.value("previous_key_id", "").c_str(),
+                        s.value("previous_left_s", 0.0));
+        std::printf("\n");
+    }
     std::printf("\n");
     // The whole ring, then each ring domain (the host set of groups over part of the ring).
     auto print_ring = [](const std::string &title, const json &ring) {
@@ -72,6 +80,13 @@ void print_status(const nlohmann::json &j) {
                     ring.value("state", "up").c_str(), integer<unsigned long long>(ring.at("generation")), ring.at("members").size(),
                     ring.value("auth", "?").c_str());
         if (!ring.value("last_abort", "").empty()) std::printf("  last abort: %s\n", ring.at("last_abort").get<std::string>().c_str());
+        if (ring.contains("protocol") && ring.at("protocol").is_number() && ring.at("members").size() > 1)
+            std::printf("  protocol %d (the oldest its hosts speak)\n", ring.at("protocol").get<int>());
+        if (ring.contains("hosts_differ") && ring.at("hosts_differ").is_array() && !ring.at("hosts_differ").empty()) {
+            std::string names;
+            for (const auto &h : ring.at("hosts_differ")) names += (names.empty() ? "" : ", ") + (h.is_string() ? h.get<std::string>() : "?");
+            std::printf("  HOST LISTS DIFFER: the hosts: of %s differ from this host's (docs/operations.md)\n", names.c_str());
+        }
         if (ring.at("members").size() > 1)
             std::printf("  ops by algorithm: ring %llu, one-shot %llu, two-shot %llu\n", ring.value("ops_ring", 0ull),
                         ring.value("ops_one_shot", 0ull), ring.value("ops_two_shot", 0ull));

@@ -93,7 +93,10 @@ Result<std::unique_ptr<ControlPlane>> ControlPlane::create(const Config &config,
                                            "' is not an IPv4 or IPv6 address");
         if (auto why = proto::check_name("host name", h.name); !why.empty())
             return make_error(-EINVAL, "hosts[" + std::to_string(i) + "].name: " + why);
-        cp->peers_.push_back(Peer{h, 0, false, i == self_index ? "self" : "idle", {}, {}, {}, 0});
+        Peer p;
+        p.host = h;
+        p.state = i == self_index ? "self" : "idle";
+        cp->peers_.push_back(std::move(p));
     }
     if (auto why = proto::check_name("cluster", config.cluster); !why.empty()) return make_error(-EINVAL, "cluster: " + why);
     // TCP stripes a link over tcp.streams connections; an ibverbs link needs one (bring-up, then
@@ -215,8 +218,7 @@ void ControlPlane::accept_all() {
         c->remote = ip;
         // An honest peer's hello follows at once: an idle connection is not kept long.
         c->deadline = Clock::now() + std::min<Clock::duration>(config_.timeouts.connect, std::chrono::seconds(5));
-        const PeerIdentity me{config_.cluster, peers_[self_].host.name, announced_generation(), secret_, domain_};
-        c->hs.emplace(PeerHandshake::listen(std::move(fd), me, [this, ip](const proto::PeerHello &h) -> Status {
+        c->hs.emplace(PeerHandshake::listen(std::move(fd), identity(), [this, ip](const proto::PeerHello &h) -> Status {
             if (h.domain == domain_) return check_hello(h, ip);
             // Another ring domain's: a configured host at its address, then the domain's own
             // checks once its plane has the connection.
@@ -269,7 +271,7 @@ void ControlPlane::adopt(UniqueFd fd, const proto::PeerHello &h, const std::stri
     c->keys = keys;
     Conn &ref = *c;
     conns_.emplace(c->id, std::move(c));
-    promote_up(ref, h, h.generation);
+    promote_up(ref, h, h.generation, PeerRuns{h.version, h.hosts, h.config_version});
 }
 
 void ControlPlane::dial(uint32_t peer, proto::ConnKind kind, uint32_t stream) {
@@ -311,8 +313,8 @@ void ControlPlane::on_conn(uint64_t id, uint32_t events) {
         ::getsockopt(c.fd.get(), SOL_SOCKET, SO_ERROR, &err, &len);
         if (err != 0) return conn_failed(id, "connect to " + c.remote + ": " + errno_string(err));
         if (!(events & EPOLLOUT)) return;
-        const PeerIdentity me{config_.cluster, peers_[self_].host.name, announced_generation(), secret_, domain_};
-        c.hs.emplace(PeerHandshake::dial(std::move(c.fd), me, peers_[c.peer].host.name, c.kind, c.stream));
+        c.hs.emplace(PeerHandshake::dial(std::move(c.fd), identity(), peers_[c.peer].host.name, c.kind, c.stream,
+                                         peers_[c.peer].speaks));
         c.state = ConnState::Handshaking;
         if (c.kind == proto::ConnKind::Control) set_state(c.peer, "handshaking");
         if (c.hs->state() == PeerHandshake::State::Failed) return conn_failed(id, c.hs->error().message);
@@ -321,6 +323,23 @@ void ControlPlane::on_conn(uint64_t id, uint32_t events) {
     }
     if (c.state == ConnState::Handshaking) {
         const auto st = c.hs->advance();
+        if (st == PeerHandshake::State::Failed && c.dialer && c.hs->error().code == -EPROTONOSUPPORT &&
+            c.hs->hello().version > proto::kPeerProtocolOldest) {
+            // An older ringd (a rolling upgrade): dialed again at once, one version lower.
+            Peer &p = peers_[c.peer];
+            p.speaks = std::min<uint16_t>(p.speaks, c.hs->hello().version - 1);
+            spdlog::info("{}host {} does not speak protocol {} ({}): {} connections to it run at {}", label(), p.host.name,
+                         c.hs->hello().version, c.hs->error().message, kind_name(c.kind), p.speaks);
+            const bool control = c.kind == proto::ConnKind::Control;
+            close_conn(id);
+            if (control) {
+                p.dialing = false;
+                p.next_dial = Clock::now();
+            } else {
+                next_data_dial_ = Clock::now();
+            }
+            return;
+        }
         if (st == PeerHandshake::State::Failed) return conn_failed(id, c.hs->error().message);
         if (st != PeerHandshake::State::Up) return;
         promote(c);
@@ -389,6 +408,7 @@ void ControlPlane::on_conn(uint64_t id, uint32_t events) {
 void ControlPlane::promote(Conn &c) {
     const proto::PeerHello h = c.hs->hello();
     const uint64_t peer_generation = c.dialer ? c.hs->peer_generation() : h.generation;
+    const PeerRuns runs{c.hs->version(), c.hs->peer_hosts(), c.hs->peer_config_version()};
     c.keys = c.hs->keys();
     FrameReader reader = c.hs->take_reader();
     c.fd = c.hs->take_fd();
@@ -413,10 +433,10 @@ void ControlPlane::promote(Conn &c) {
         // end ready first): bytes already here are not a ringd peer's.
         return conn_failed(c.id, "data connection to " + peers_[c.peer].host.name + ": bytes after the handshake");
     }
-    promote_up(c, h, peer_generation);
+    promote_up(c, h, peer_generation, runs);
 }
 
-void ControlPlane::promote_up(Conn &c, const proto::PeerHello &h, uint64_t peer_generation) {
+void ControlPlane::promote_up(Conn &c, const proto::PeerHello &h, uint64_t peer_generation, const PeerRuns &runs) {
     if (!c.dialer) {
         for (uint32_t i = 0; i < n_; ++i)
             if (peers_[i].host.name == h.from) c.peer = i;
@@ -433,6 +453,19 @@ void ControlPlane::promote_up(Conn &c, const proto::PeerHello &h, uint64_t peer_
     const uint64_t id = c.id;
     const uint32_t peer = c.peer;
     Peer &p = peers_[peer];
+    // What the peer runs, from any of its connections' handshakes (a host that cannot dial this
+    // one for want of the right address still dials its data streams, or is dialed): a ringd of
+    // 6 says nothing of its host list, one of 7 on says its digest.
+    if (runs.version >= 7) {
+        p.config_version = runs.config_version;
+        const bool differ = runs.hosts != hosts_digest_;
+        if (differ && !p.hosts_differ)
+            spdlog::warn("{}host {}'s host list differs from this host's (its config version {}, this host's {}): every "
+                         "host of a ring needs the same hosts: (names, addresses, ports, in the same order)",
+                         label(), p.host.name, runs.config_version.empty() ? "?" : runs.config_version,
+                         config_version_ && !config_version_->empty() ? *config_version_ : "?");
+        p.hosts_differ = differ;
+    }
     if (c.kind == proto::ConnKind::Control) {
         // Control frames are latency-bound (small ops' data travels on them too): no Nagle, and
         // socket buffers that take a one- or two-shot op's frames at once.
@@ -453,6 +486,7 @@ void ControlPlane::promote_up(Conn &c, const proto::PeerHello &h, uint64_t peer_
         }
         p.control = id;
         p.dialing = false;
+        p.protocol = runs.version;
         if (peer < peer_ready_.size()) peer_ready_[peer] = 0;  // it says so again on this connection
         p.last_error.clear();
         p.last_heard = Clock::now();
@@ -615,6 +649,8 @@ void ControlPlane::conn_failed(uint64_t id, const std::string &why) {
 
 void ControlPlane::peer_failed(uint32_t peer, const std::string &why) {
     Peer &p = peers_[peer];
+    p.speaks = proto::kPeerProtocolVersion;  // it may come back upgraded
+    p.protocol = 0;
     spdlog::warn("host {}: {}", p.host.name, why);
     p.last_error = why;
     if (p.control) close_conn(p.control);
@@ -815,11 +851,31 @@ std::vector<ControlPlane::PeerStatus> ControlPlane::status() const {
     const auto now = Clock::now();
     for (uint32_t i = 0; i < n_; ++i) {
         const Peer &p = peers_[i];
-        PeerStatus s{p.host.name, p.host.address, p.host.port, i == self_, p.state, p.last_error, -1};
+        PeerStatus s{p.host.name, p.host.address, p.host.port, i == self_, p.state, p.last_error, -1,
+                     p.control ? p.protocol : uint16_t{0}, p.config_version, p.hosts_differ};
         if (p.last_heard != Clock::time_point{}) s.last_heard_s = std::chrono::duration<double>(now - p.last_heard).count();
         out.push_back(std::move(s));
     }
     return out;
+}
+
+PeerIdentity ControlPlane::identity() const {
+    return PeerIdentity{config_.cluster, peers_[self_].host.name, announced_generation(), secret_, domain_, hosts_digest_,
+                        config_version_ ? *config_version_ : std::string()};
+}
+
+uint16_t ControlPlane::protocol() const {
+    uint16_t v = proto::kPeerProtocolVersion;
+    for (uint32_t i = 0; i < n_; ++i)
+        if (i != self_ && peers_[i].control) v = std::min(v, peers_[i].protocol);
+    return v;
+}
+
+std::vector<std::string> ControlPlane::hosts_differ() const {
+    std::vector<std::string> v;
+    for (uint32_t i = 0; i < n_; ++i)
+        if (i != self_ && peers_[i].hosts_differ) v.push_back(peers_[i].host.name);
+    return v;
 }
 
 }  // namespace ringd

@@ -75,6 +75,11 @@ public:
         std::string control;  // connecting | handshaking | up | failed | idle
         std::string last_error;
         double last_heard_s = -1;  // seconds ago, -1: never
+        // Of its control connection (once up): the protocol version it runs at, the peer's config
+        // version (from a ringd of 7 on), and whether the peer's host list differs from this host's.
+        uint16_t protocol = 0;
+        std::string config_version;
+        bool hosts_differ = false;
     };
 
     // `config.hosts` are the hosts of this plane's ring domain (every configured host, or those
@@ -87,6 +92,16 @@ public:
     // (closed, logged) unless it is one this plane wants.
     void adopt(UniqueFd fd, const proto::PeerHello &hello, const std::string &ip, const SessionKeys &keys);
     const std::string &domain() const { return domain_; }
+    // What handshakes say this host runs (proto/peer.h, version 7): the digest of its whole host
+    // list and its config version (read at every handshake: a reload changes it).
+    void set_identity(const proto::HostsDigest &hosts, const std::string *config_version) {
+        hosts_digest_ = hosts;
+        config_version_ = config_version;
+    }
+    // The oldest protocol version of the ring's up control connections (this host's own when
+    // none): what the ring runs at; and the peers whose host list differs from this host's.
+    uint16_t protocol() const;
+    std::vector<std::string> hosts_differ() const;
     // Ring domains on this host: the cap on handshakes per source address scales with them.
     void set_domains(size_t n) { domains_ = std::max<size_t>(1, n); }
     ~ControlPlane();
@@ -159,7 +174,20 @@ private:
         std::string last_error;
         Clock::time_point last_heard{}, next_dial{};
         uint64_t heartbeat_seq = 0;
+        // The version to dial it at: the newest, until it refused a hello of it (an older ringd);
+        // the newest again once its control connection ended (it may come back upgraded).
+        uint16_t speaks = proto::kPeerProtocolVersion;
+        uint16_t protocol = 0;  // its control connection's, once up
+        std::string config_version;
+        bool hosts_differ = false;
     };
+    // What the peer said it runs, from its handshake.
+    struct PeerRuns {
+        uint16_t version = 0;
+        proto::HostsDigest hosts{};
+        std::string config_version;
+    };
+    PeerIdentity identity() const;
 
     ControlPlane() = default;
     Status listen();
@@ -167,7 +195,7 @@ private:
     void dial(uint32_t peer, proto::ConnKind kind, uint32_t stream);
     void on_conn(uint64_t id, uint32_t events);
     void promote(Conn &c);
-    void promote_up(Conn &c, const proto::PeerHello &h, uint64_t peer_generation);
+    void promote_up(Conn &c, const proto::PeerHello &h, uint64_t peer_generation, const PeerRuns &runs);
     Status check_hello(const proto::PeerHello &h, const std::string &ip) const;
     void close_conn(uint64_t id);
     bool flush(Conn &c);  // false: the connection failed
@@ -224,6 +252,8 @@ private:
     Clock::time_point next_data_dial_{};
     bool ring_up_ = false;
     uint64_t generation_ = 0;
+    proto::HostsDigest hosts_digest_{};
+    const std::string *config_version_ = nullptr;
     uint64_t peer_generation_max_ = 0;  // the highest generation a peer's handshake announced
     uint64_t aborted_max_ = 0;          // the newest generation known to be over
     bool links_ready_ = false;          // the coordinator was told this host's links are up

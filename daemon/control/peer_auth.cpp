@@ -31,35 +31,78 @@ Result<PeerSecret> PeerSecret::load(const std::string &path) {
     return from_bytes(std::move(key));
 }
 
-proto::Mac PeerSecret::mac(std::string_view role, std::span<const uint8_t> hello_payload, const proto::Nonce &nonce_l) const {
+void PeerSecret::rotate(PeerSecret next, Clock::time_point previous_until) {
+    previous_ = std::move(key_);
+    previous_until_ = previous_until;
+    key_ = std::move(next.key_);
+}
+
+proto::KeyId PeerSecret::key_id(int which) const {
+    proto::KeyId id{};
+    if (which == 1 ? !has_previous() : !enabled()) return id;
+    const std::string &k = key(which);
+    static constexpr std::string_view kLabel = "ringd key id";
+    uint8_t md[EVP_MAX_MD_SIZE];
+    unsigned int len = 0;
+    HMAC(EVP_sha256(), k.data(), static_cast<int>(k.size()), reinterpret_cast<const uint8_t *>(kLabel.data()),
+         kLabel.size(), md, &len);
+    std::memcpy(id.data(), md, id.size());
+    return id;
+}
+
+int PeerSecret::match(const proto::KeyId &id) const {
+    if (id == proto::KeyId{}) return -1;
+    for (int which : {0, 1})
+        if (key_id(which) != proto::KeyId{} && key_id(which) == id) return which;
+    return -1;
+}
+
+proto::Mac PeerSecret::mac(std::string_view role, std::span<const uint8_t> hello_payload, const proto::Nonce &nonce_l,
+                           int which) const {
     proto::Mac out{};
     if (!enabled()) return out;
+    const std::string &k = key(which);
     std::vector<uint8_t> msg;
     msg.reserve(role.size() + hello_payload.size() + nonce_l.size());
     msg.insert(msg.end(), role.begin(), role.end());
     msg.insert(msg.end(), hello_payload.begin(), hello_payload.end());
     msg.insert(msg.end(), nonce_l.begin(), nonce_l.end());
     unsigned int len = 0;
-    HMAC(EVP_sha256(), key_.data(), static_cast<int>(key_.size()), msg.data(), msg.size(), out.data(), &len);
+    HMAC(EVP_sha256(), k.data(), static_cast<int>(k.size()), msg.data(), msg.size(), out.data(), &len);
     return out;
 }
 
-bool PeerSecret::verify(const proto::Mac &got, std::string_view role, std::span<const uint8_t> hello_payload,
-                        const proto::Nonce &nonce_l) const {
-    const proto::Mac want = mac(role, hello_payload, nonce_l);
-    return CRYPTO_memcmp(want.data(), got.data(), want.size()) == 0;
+int PeerSecret::verify(const proto::Mac &got, std::string_view role, std::span<const uint8_t> hello_payload,
+                       const proto::Nonce &nonce_l) const {
+    for (int which : {0, 1}) {
+        if (which == 1 && !has_previous()) break;
+        const proto::Mac want = mac(role, hello_payload, nonce_l, which);
+        if (CRYPTO_memcmp(want.data(), got.data(), want.size()) == 0) return which;
+    }
+    return -1;
 }
 
-SessionKeys PeerSecret::session_keys(bool dialer, std::span<const uint8_t> hello_payload, const proto::Nonce &nonce_l) const {
+SessionKeys PeerSecret::session_keys(bool dialer, std::span<const uint8_t> hello_payload, const proto::Nonce &nonce_l,
+                                     int which) const {
     SessionKeys k;
     if (!enabled()) return k;
     k.enabled = true;
-    const proto::Mac d2l = mac("ringd frames dialer to listener", hello_payload, nonce_l);
-    const proto::Mac l2d = mac("ringd frames listener to dialer", hello_payload, nonce_l);
+    const proto::Mac d2l = mac("ringd frames dialer to listener", hello_payload, nonce_l, which);
+    const proto::Mac l2d = mac("ringd frames listener to dialer", hello_payload, nonce_l, which);
     static_assert(sizeof(proto::Mac) == sizeof(SessionKey));
     std::memcpy(k.send.data(), (dialer ? d2l : l2d).data(), k.send.size());
     std::memcpy(k.recv.data(), (dialer ? l2d : d2l).data(), k.recv.size());
     return k;
+}
+
+std::string key_id_hex(const proto::KeyId &id) {
+    static constexpr char kDigits[] = "0123456789abcdef";
+    std::string s;
+    for (uint8_t x : id) {
+        s += kDigits[x >> 4];
+        s += kDigits[x & 15];
+    }
+    return s;
 }
 
 proto::Nonce random_nonce() {

@@ -1,5 +1,7 @@
 #include "daemon/control/peer_handshake.h"
 
+#include <openssl/evp.h>
+
 #include "common/fd_io.h"
 
 namespace ringd {
@@ -10,10 +12,33 @@ constexpr std::string_view kListenerRole = "ringd listener";
 
 }  // namespace
 
+proto::HostsDigest hosts_digest(const std::vector<HostEntry> &hosts) {
+    std::string text;
+    for (const auto &h : hosts) text += h.name + " " + h.address + " " + std::to_string(h.port) + "\n";
+    uint8_t md[EVP_MAX_MD_SIZE];
+    unsigned int len = 0;
+    EVP_Digest(text.data(), text.size(), md, &len, EVP_sha256(), nullptr);
+    proto::HostsDigest d{};
+    std::copy(md, md + d.size(), d.begin());
+    return d;
+}
+
 PeerHandshake PeerHandshake::dial(UniqueFd fd, const PeerIdentity &me, const std::string &peer, proto::ConnKind kind,
-                                  uint32_t stream) {
+                                  uint32_t stream, uint16_t version) {
     PeerHandshake h(std::move(fd), me);
-    h.hello_ = proto::PeerHello{me.cluster, me.self, peer, kind, stream, me.generation, random_nonce(), me.domain};
+    h.hello_.cluster = me.cluster;
+    h.hello_.from = me.self;
+    h.hello_.to = peer;
+    h.hello_.kind = kind;
+    h.hello_.stream = stream;
+    h.hello_.generation = me.generation;
+    h.hello_.nonce = random_nonce();
+    h.hello_.domain = me.domain;
+    h.hello_.version = version;
+    h.hello_.hosts = me.hosts;
+    h.hello_.config_version = me.config_version;
+    h.hello_.key = me.secret->key_id(0);
+    h.hello_.previous_key = me.secret->key_id(1);
     const proto::Bytes frame = proto::encode_peer_hello(h.hello_);
     h.hello_payload_.assign(frame.begin() + proto::kFrameHeaderBytes, frame.end());
     h.dialer_ = true;
@@ -38,6 +63,17 @@ PeerHandshake::State PeerHandshake::fail(int code, std::string why) {
 PeerHandshake::State PeerHandshake::advance() {
     while (state_ != State::Up && state_ != State::Failed) {
         auto f = reader_.read(fd_.get(), proto::kMaxPeerPayload);
+        if (!f && f.error().code == -EPROTONOSUPPORT && state_ == State::WaitHello) {
+            // A hello of a version this ringd does not speak (a newer one): the dialer is told, so
+            // that it dials again at an older one.
+            (void)send_all(fd_.get(), proto::encode_error({-EPROTONOSUPPORT, f.error().message}));
+            return fail(f.error().code, f.error().message);
+        }
+        if (!f && f.error().code == -ECONNRESET && state_ == State::WaitChallenge &&
+            hello_.version > proto::kPeerProtocolOldest)
+            // What a ringd of 6 does with a hello of a later version: it closes the connection.
+            return fail(-EPROTONOSUPPORT, hello_.to + " closed the connection at a version " +
+                                              std::to_string(hello_.version) + " hello (a ringd of an older release?)");
         if (!f) return fail(f.error().code, f.error().message);
         if (!*f) break;
         on_frame(**f);
@@ -53,17 +89,39 @@ PeerHandshake::State PeerHandshake::on_frame(const Frame &f) {
     const PeerSecret &secret = *me_.secret;
     switch (state_) {
     case State::WaitHello: {
+        // A refused hello is answered with the reason (the dialer logs it; one of 7 or later
+        // tells it apart from a ringd of 6 that closes at a hello it cannot read).
+        const auto refuse = [&](int code, const std::string &why) {
+            (void)send_all(fd_.get(), proto::encode_error({code, why}));
+            return fail(code, why);
+        };
         if (f.type != proto::FrameType::PeerHello) return fail(-EPROTO, "expected a peer hello");
-        auto h = proto::decode_peer_hello(f.payload);
-        if (!h) return fail(h.error().code, "bad hello: " + h.error().message);
+        auto h = proto::decode_peer_hello(f.payload, f.version);
+        if (!h) return refuse(h.error().code, "bad hello: " + h.error().message);
         if (h->cluster != me_.cluster)
-            return fail(-EACCES, "hello for cluster '" + h->cluster + "', this is cluster '" + me_.cluster + "'");
-        if (h->to != me_.self) return fail(-EACCES, "hello for host '" + h->to + "', this is '" + me_.self + "'");
-        if (auto ok = check_(*h); !ok) return fail(ok.error().code, ok.error().message);
+            return refuse(-EACCES, "hello for cluster '" + h->cluster + "', this is cluster '" + me_.cluster + "'");
+        if (h->to != me_.self) return refuse(-EACCES, "hello for host '" + h->to + "', this is '" + me_.self + "'");
+        if (auto ok = check_(*h); !ok) return refuse(ok.error().code, ok.error().message);
         hello_ = *h;
         hello_payload_ = f.payload;
+        // The secret to prove this host with: one the dialer has (a hello of 7 names its key
+        // ids; one of 6 comes from a host with one secret, the one it has is tried as ours).
+        which_ = 0;
+        if (hello_.version >= 7 && secret.enabled() && hello_.key != proto::KeyId{}) {
+            which_ = secret.match(hello_.key);
+            if (which_ < 0) which_ = secret.match(hello_.previous_key);
+            if (which_ < 0) {
+                std::string ours = key_id_hex(secret.key_id(0));
+                if (secret.has_previous()) ours += " (and " + key_id_hex(secret.key_id(1)) + " until its rotation grace ends)";
+                const std::string why = "authentication failed: " + hello_.from + " has another secret (its key id " +
+                                        key_id_hex(hello_.key) + ", this host's " + ours + "; wrong auth.secret_file?)";
+                (void)send_all(fd_.get(), proto::encode_error({-EACCES, "authentication failed: this host (" + me_.self +
+                                                                            ") has another secret (key id " + ours + ")"}));
+                return fail(-EACCES, why);
+            }
+        }
         nonce_l_ = random_nonce();
-        const proto::PeerChallenge c{nonce_l_, secret.mac(kListenerRole, hello_payload_, nonce_l_)};
+        const proto::PeerChallenge c{nonce_l_, secret.mac(kListenerRole, hello_payload_, nonce_l_, which_)};
         if (auto s = send_all(fd_.get(), proto::encode_peer_challenge(c)); !s) return fail(s.error().code, s.error().message);
         state_ = State::WaitAuth;
         return state_;
@@ -72,13 +130,15 @@ PeerHandshake::State PeerHandshake::on_frame(const Frame &f) {
         if (f.type != proto::FrameType::PeerAuth) return fail(-EPROTO, "expected peer auth");
         auto m = proto::decode_peer_auth(f.payload);
         if (!m) return fail(m.error().code, m.error().message);
-        if (!secret.verify(*m, kDialerRole, hello_payload_, nonce_l_)) {
+        if (secret.verify(*m, kDialerRole, hello_payload_, nonce_l_) != which_) {
             (void)send_all(fd_.get(), proto::encode_error({-EACCES, "authentication failed"}));
             return fail(-EACCES, "authentication failed: " + hello_.from + " does not prove the shared secret " +
                                      (secret.enabled() ? "(wrong auth.secret_file?)" : "(it has one; this host has none)"));
         }
-        if (auto s = send_all(fd_.get(), proto::encode_peer_accept(me_.generation)); !s)
-            return fail(s.error().code, s.error().message);
+        const proto::PeerAccept a{me_.generation, hello_.version, me_.hosts, me_.config_version};
+        if (auto s = send_all(fd_.get(), proto::encode_peer_accept(a)); !s) return fail(s.error().code, s.error().message);
+        peer_hosts_ = hello_.hosts;
+        peer_config_version_ = hello_.config_version;
         state_ = State::Up;
         return state_;
     }
@@ -86,20 +146,26 @@ PeerHandshake::State PeerHandshake::on_frame(const Frame &f) {
         if (f.type != proto::FrameType::PeerChallenge) return fail(-EPROTO, "expected a peer challenge");
         auto c = proto::decode_peer_challenge(f.payload);
         if (!c) return fail(c.error().code, c.error().message);
-        if (!secret.verify(c->mac, kListenerRole, hello_payload_, c->nonce))
+        which_ = secret.verify(c->mac, kListenerRole, hello_payload_, c->nonce);
+        if (which_ < 0)
             return fail(-EACCES, "authentication failed: " + hello_.to + " does not prove the shared secret " +
                                      (secret.enabled() ? "(wrong auth.secret_file?)" : "(it has one; this host has none)"));
         nonce_l_ = c->nonce;
-        if (auto s = send_all(fd_.get(), proto::encode_peer_auth(secret.mac(kDialerRole, hello_payload_, nonce_l_))); !s)
+        if (auto s = send_all(fd_.get(), proto::encode_peer_auth(secret.mac(kDialerRole, hello_payload_, nonce_l_, which_))); !s)
             return fail(s.error().code, s.error().message);
         state_ = State::WaitAccept;
         return state_;
     }
     case State::WaitAccept: {
         if (f.type != proto::FrameType::PeerAccept) return fail(-EPROTO, "expected peer accept");
-        auto g = proto::decode_peer_accept(f.payload);
+        if (f.version != (hello_.version >= 7 ? hello_.version : proto::kPeerBaseVersion))
+            return fail(-EPROTO, "peer accept of version " + std::to_string(f.version) + " for a hello of " +
+                                     std::to_string(hello_.version));
+        auto g = proto::decode_peer_accept(f.payload, f.version);
         if (!g) return fail(g.error().code, g.error().message);
-        peer_generation_ = *g;
+        peer_generation_ = g->generation;
+        peer_hosts_ = g->hosts;
+        peer_config_version_ = g->config_version;
         state_ = State::Up;
         return state_;
     }
@@ -111,7 +177,7 @@ PeerHandshake::State PeerHandshake::on_frame(const Frame &f) {
 
 SessionKeys PeerHandshake::keys() const {
     if (state_ != State::Up) return {};
-    return me_.secret->session_keys(dialer_, hello_payload_, nonce_l_);
+    return me_.secret->session_keys(dialer_, hello_payload_, nonce_l_, which_);
 }
 
 const char *handshake_state_name(PeerHandshake::State s) {

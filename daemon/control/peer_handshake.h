@@ -9,11 +9,13 @@
 #pragma once
 
 #include <functional>
+#include <vector>
 #include <optional>
 #include <string>
 
 #include "common/frame_reader.h"
 #include "common/unique_fd.h"
+#include "daemon/config.h"
 #include "daemon/control/peer_auth.h"
 
 namespace ringd {
@@ -24,7 +26,14 @@ struct PeerIdentity {
     uint64_t generation = 0;
     const PeerSecret *secret = nullptr;
     std::string domain;  // the ring domain a dialer connects for (proto::PeerHello::domain)
+    // What this host runs (version 7 handshakes carry it): its host list's digest and its config version.
+    proto::HostsDigest hosts{};
+    std::string config_version{};
 };
+
+// The digest of a host list as handshakes carry it: SHA-256 of every host's name, address and
+// port in ring order, its first 8 bytes. Hosts whose lists differ cannot form one ring.
+proto::HostsDigest hosts_digest(const std::vector<HostEntry> &hosts);
 
 class PeerHandshake {
 public:
@@ -33,8 +42,11 @@ public:
     using HelloCheck = std::function<Status(const proto::PeerHello &)>;
 
     // Sends the hello at once (the socket is fresh, so this does not block).
+    // `version`: the hello's (the newest this host speaks, or an older one a peer is known to
+    // speak at most). A listener that does not speak it fails the handshake with -EPROTONOSUPPORT
+    // (its Error frame, or a ringd of 6 closing the connection at the hello).
     static PeerHandshake dial(UniqueFd fd, const PeerIdentity &me, const std::string &peer, proto::ConnKind kind,
-                              uint32_t stream);
+                              uint32_t stream, uint16_t version = proto::kPeerProtocolVersion);
     static PeerHandshake listen(UniqueFd fd, const PeerIdentity &me, HelloCheck check);
 
     // Reads what the socket has and moves on. Returns the state afterwards; Failed comes with
@@ -45,6 +57,11 @@ public:
     int fd() const { return fd_.get(); }
     const proto::PeerHello &hello() const { return hello_; }  // valid once Up (both roles)
     uint64_t peer_generation() const { return peer_generation_; }
+    // Once Up: the version the connection runs at, and what the peer said it runs (version 7;
+    // empty/zero from a ringd of 6).
+    uint16_t version() const { return hello_.version; }
+    const proto::HostsDigest &peer_hosts() const { return peer_hosts_; }
+    const std::string &peer_config_version() const { return peer_config_version_; }
     UniqueFd take_fd() { return std::move(fd_); }
     // What the reader holds beyond the handshake (a listener may send right after its accept):
     // the connection's reader takes it over.
@@ -68,6 +85,9 @@ private:
     proto::Bytes hello_payload_;  // exact bytes the MACs cover
     proto::Nonce nonce_l_{};
     uint64_t peer_generation_ = 0;
+    int which_ = 0;  // the secret the handshake proved (PeerSecret: 0, or 1 the previous one)
+    proto::HostsDigest peer_hosts_{};
+    std::string peer_config_version_;
 };
 
 const char *handshake_state_name(PeerHandshake::State s);

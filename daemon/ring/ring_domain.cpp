@@ -92,6 +92,7 @@ Status RingDomain::setup() {
     if (!cp) return cp.error();
     control_ = std::move(*cp);
     if (sh_.generation_floor) control_->seed_generation(*sh_.generation_floor);
+    control_->set_identity(hosts_digest(sh_.config->hosts), sh_.config_version);
     std::vector<std::string> names;
     for (const auto &h : config_.hosts) names.push_back(h.name);
     if (self_index_ == kCoordinator) coordinator_.emplace(names, config_.timeouts.op, lanes());
@@ -644,6 +645,11 @@ nlohmann::json RingDomain::status() const {
         json m = {{"name", p.name}, {"address", p.address}, {"port", p.port}, {"self", p.self},
                   {"link", p.self ? "self" : p.control}, {"last_error", p.last_error},
                   {"last_heard_s", p.last_heard_s}, {"next", i == next}, {"prev", i == prev},
+                  // Its control connection's protocol version (0: not up), its config version (a
+                  // ringd of 7 or later says it), and whether its host list differs from this host's.
+                  {"protocol", p.self ? proto::kPeerProtocolVersion : p.protocol},
+                  {"config_version", p.self && sh_.config_version ? *sh_.config_version : p.config_version},
+                  {"hosts_differ", p.hosts_differ},
                   // Control frames (heartbeats, reports, small ops' data) its socket has not taken yet.
                   {"backlog_bytes", p.self ? 0 : control_->queued_bytes(i)}};
         if (i == next)
@@ -656,6 +662,10 @@ nlohmann::json RingDomain::status() const {
     const HostOps::Counts oc = ops_.counts();
     return {{"generation", control_->generation()},
             {"state", control_->ring_up() ? "up" : "forming"},
+            // The version the ring runs at: the oldest of its hosts' (a rolling upgrade).
+            {"protocol", control_->protocol()},
+            // Hosts whose host list differs from this host's: a ring cannot form with them.
+            {"hosts_differ", control_->hosts_differ()},
             {"last_abort", last_abort_},
             {"ops_ring", ops_ring_},
             {"ops_one_shot", ops_one_shot_},

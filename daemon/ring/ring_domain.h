@@ -74,6 +74,8 @@ public:
         // The newest ring generation this host has seen, kept across restarts (0: none), and the
         // call that keeps a newer one when a ring comes up.
         const uint64_t *generation_floor = nullptr;
+        // The config file's version (handshakes say it; a reload changes it).
+        const std::string *config_version = nullptr;
         std::function<void(uint64_t generation)> generation_seen;
     };
 

@@ -24,6 +24,12 @@ nlohmann::json Daemon::status_doc(uint32_t viewer) const {
                    {"pending_restart", config_pending_},
                    {"last_reload", last_reload_}};
     j["cluster"] = config_.cluster;
+    // The secret's key id (proto/peer.h: what handshakes name), and during a rotation the
+    // previous one's, accepted for previous_left_s more.
+    if (secret_.enabled())
+        j["secret"] = {{"key_id", key_id_hex(secret_.key_id(0))},
+                       {"previous_key_id", secret_.has_previous() ? key_id_hex(secret_.key_id(1)) : ""},
+                       {"previous_left_s", std::chrono::duration<double>(secret_.previous_left()).count()}};
     j["pid"] = ::getpid();
     j["uptime_s"] = std::chrono::duration<double>(now - started_).count();
     j["transport"] = std::string(transport_->name());

@@ -510,7 +510,9 @@ TEST_CASE("decoders survive random mutations of valid frames", "[proto]") {
 TEST_CASE("peer frame bytes are pinned", "[proto]") {
     Nonce n;
     for (size_t i = 0; i < n.size(); ++i) n[i] = static_cast<uint8_t>(i);
-    const Bytes f = encode_peer_hello({"demo", "node0", "node1", ConnKind::Data, 2, 0x0102, n, {}});
+    PeerHello v6{"demo", "node0", "node1", ConnKind::Data, 2, 0x0102, n, {}};
+    v6.version = 6;
+    const Bytes f = encode_peer_hello(v6);
     Bytes p(kPeerHelloBytes, 0);
     std::memcpy(&p[0], "demo", 4);
     std::memcpy(&p[64], "node0", 5);
@@ -520,8 +522,8 @@ TEST_CASE("peer frame bytes are pinned", "[proto]") {
     p[200] = 0x02;  // generation, little-endian
     p[201] = 0x01;
     for (size_t i = 0; i < 32; ++i) p[208 + i] = static_cast<uint8_t>(i);
-    CHECK(f == cat(header_bytes(16, 240), p));
-    auto h = decode_peer_hello(payload_of(f));
+    CHECK(f == cat(header_bytes(16, 240), p));  // version 6's hello, byte for byte
+    auto h = decode_peer_hello(payload_of(f), 6);
     REQUIRE(h.ok());
     CHECK(h->cluster == "demo");
     CHECK(h->to == "node1");
@@ -538,45 +540,111 @@ TEST_CASE("peer frame bytes are pinned", "[proto]") {
     CHECK(encode_peer_auth(Mac{}) == cat(header_bytes(18, 32), Bytes(32, 0)));
     CHECK(encode_peer_accept(7) == cat(header_bytes(19, 8), Bytes{7, 0, 0, 0, 0, 0, 0, 0}));
     CHECK(encode_heartbeat({1, 2}) == cat(header_bytes(20, 16), Bytes{1, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0}));
+
+    // Version 7: the header says 7, and the digest, config version and key ids come between the
+    // fixed part and the domain.
+    PeerHello v7 = v6;
+    v7.version = 7;
+    v7.hosts = {1, 2, 3, 4, 5, 6, 7, 8};
+    v7.config_version = "0123456789ab";
+    v7.key = {9, 9, 9, 9, 9, 9, 9, 9};
+    v7.domain = "a,b";
+    const Bytes g = encode_peer_hello(v7);
+    Bytes x(kPeerHelloV7Bytes, 0);
+    for (int i = 0; i < 8; ++i) x[i] = static_cast<uint8_t>(i + 1);
+    std::memcpy(&x[8], "0123456789ab", 12);
+    for (int i = 0; i < 8; ++i) x[24 + i] = 9;
+    Bytes head = header_bytes(16, 240 + 40 + 3);
+    head[4] = 7;
+    CHECK(g == cat(cat(cat(head, p), x), Bytes{'a', ',', 'b'}));
+    auto h7 = decode_peer_hello(payload_of(g), 7);
+    REQUIRE(h7.ok());
+    CHECK(h7->hosts == v7.hosts);
+    CHECK(h7->config_version == "0123456789ab");
+    CHECK(h7->key == v7.key);
+    CHECK(h7->previous_key == KeyId{});
+    CHECK(h7->domain == "a,b");
+    // Read as the other version, the bytes are something else: the header's version decides.
+    CHECK(decode_peer_hello(payload_of(g), 6).ok() == false);
+    CHECK(decode_peer_hello(payload_of(g), 8).error().code == -EPROTONOSUPPORT);
+    // A config version must be printable and end with a NUL.
+    Bytes bad(g.begin() + kFrameHeaderBytes, g.end());
+    bad[kPeerHelloBytes + 8 + 3] = 0x01;
+    CHECK_THAT(decode_peer_hello(bad, 7).error().message, Catch::Contains("not printable"));
+    bad.assign(g.begin() + kFrameHeaderBytes, g.end());
+    std::memset(&bad[kPeerHelloBytes + 8], 'z', kConfigVersionBytes);
+    CHECK_THAT(decode_peer_hello(bad, 7).error().message, Catch::Contains("NUL"));
+
+    const PeerAccept a{7, 7, v7.hosts, "0123456789ab"};
+    const Bytes af = encode_peer_accept(a);
+    REQUIRE(af.size() == kFrameHeaderBytes + 32);
+    CHECK(af[4] == 7);
+    auto a7 = decode_peer_accept(payload_of(af), 7);
+    REQUIRE(a7.ok());
+    CHECK(a7->generation == 7);
+    CHECK(a7->hosts == v7.hosts);
+    CHECK(a7->config_version == "0123456789ab");
+    CHECK(decode_peer_accept(payload_of(encode_peer_accept(7)), 6)->generation == 7);
+    CHECK_FALSE(decode_peer_accept(payload_of(af), 6).ok());
+}
+
+TEST_CASE("peer frame headers: versions 6 and 7 are read, others refused naming both", "[proto]") {
+    Bytes h = header_bytes(20, 16);
+    CHECK(decode_frame_header(h, 4096).ok());  // 6
+    h[4] = 7;
+    auto d = decode_frame_header(h, 4096);
+    REQUIRE(d.ok());
+    CHECK(d->version == 7);
+    for (uint8_t v : {5, 8}) {
+        h[4] = v;
+        auto e = decode_frame_header(h, 4096);
+        REQUIRE_FALSE(e.ok());
+        CHECK(e.error().code == -EPROTONOSUPPORT);
+        CHECK_THAT(e.error().message, Catch::Contains("speaks 6 to 7"));
+    }
 }
 
 TEST_CASE("peer hellos are validated", "[proto]") {
-    const Bytes f = encode_peer_hello({"demo", "node0", "node1", ConnKind::Control, 0, 1, Nonce{}, {}});
+    PeerHello v6{"demo", "node0", "node1", ConnKind::Control, 0, 1, Nonce{}, {}};
+    v6.version = 6;
+    const Bytes f = encode_peer_hello(v6);
     Bytes p(f.begin() + kFrameHeaderBytes, f.end());
-    REQUIRE(decode_peer_hello(p).ok());
+    REQUIRE(decode_peer_hello(p, 6).ok());
     Bytes q = p;
     q[192] = 9;
-    CHECK_THAT(decode_peer_hello(q).error().message, Catch::Contains("kind"));
+    CHECK_THAT(decode_peer_hello(q, 6).error().message, Catch::Contains("kind"));
     q = p;
     q[196] = 1;
-    CHECK_FALSE(decode_peer_hello(q).ok());  // control connections have no stream index
+    CHECK_FALSE(decode_peer_hello(q, 6).ok());  // control connections have no stream index
     q = p;
     q[64] = '/';
-    CHECK_FALSE(decode_peer_hello(q).ok());
+    CHECK_FALSE(decode_peer_hello(q, 6).ok());
     q = p;
     std::memset(&q[0], 0, 4);
-    CHECK_THAT(decode_peer_hello(q).error().message, Catch::Contains("cluster is empty"));
+    CHECK_THAT(decode_peer_hello(q, 6).error().message, Catch::Contains("cluster is empty"));
     q[0] = 'x';
     q[2] = 'y';
-    CHECK_THAT(decode_peer_hello(q).error().message, Catch::Contains("after the cluster's NUL"));
+    CHECK_THAT(decode_peer_hello(q, 6).error().message, Catch::Contains("after the cluster's NUL"));
     q.pop_back();
-    CHECK_FALSE(decode_peer_hello(q).ok());
+    CHECK_FALSE(decode_peer_hello(q, 6).ok());
 
     // v4: the ring domain follows the fixed part.
-    const Bytes d = encode_peer_hello({"demo", "node0", "node1", ConnKind::Control, 0, 1, Nonce{}, "node0,node1"});
+    PeerHello dv{"demo", "node0", "node1", ConnKind::Control, 0, 1, Nonce{}, "node0,node1"};
+    dv.version = 6;
+    const Bytes d = encode_peer_hello(dv);
     REQUIRE(d.size() == kFrameHeaderBytes + kPeerHelloBytes + 11);
-    auto h = decode_peer_hello(payload_of(d));
+    auto h = decode_peer_hello(payload_of(d), 6);
     REQUIRE(h.ok());
     CHECK(h->domain == "node0,node1");
     for (const char *bad : {"node0,", ",node0", "node0,,node1", "node0,no de1", "node0;node1"}) {
         Bytes b(d.begin() + kFrameHeaderBytes, d.begin() + kFrameHeaderBytes + kPeerHelloBytes);
         b.insert(b.end(), bad, bad + std::strlen(bad));
         CAPTURE(bad);
-        CHECK_FALSE(decode_peer_hello(b).ok());
+        CHECK_FALSE(decode_peer_hello(b, 6).ok());
     }
     Bytes big(d.begin() + kFrameHeaderBytes, d.begin() + kFrameHeaderBytes + kPeerHelloBytes);
     big.resize(kPeerHelloBytes + kMaxDomainBytes + 1, 'a');
-    CHECK_THAT(decode_peer_hello(big).error().message, Catch::Contains("bytes, expected"));
+    CHECK_THAT(decode_peer_hello(big, 6).error().message, Catch::Contains("bytes, expected"));
 }
 
 TEST_CASE("op negotiation frames round-trip and are validated", "[proto]") {

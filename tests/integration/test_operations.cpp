@@ -1,0 +1,151 @@
+// What operators do to a running ring (docs/operations.md): rotate the secret host by host with a
+// job running, and a host whose host list differs from the others'. Every op's values are
+// checked locally (tests/support/cluster.h).
+#include <catch2/catch.hpp>
+
+#include <csignal>
+#include <fstream>
+#include <thread>
+
+#include <sys/stat.h>
+
+#include "tests/support/cluster.h"
+
+using namespace ringd;
+using namespace ringd::test;
+using namespace std::chrono_literals;
+
+namespace {
+
+constexpr size_t kSlot = 4 << 20;
+
+void write_secret(const std::string &path, const std::string &text) {
+    std::ofstream(path, std::ios::trunc) << text << "\n";
+    ::chmod(path.c_str(), 0600);
+}
+
+// A few ops of the job that runs through the whole rotation: the ring (a large op) and direct
+// exchange (small ones), every value checked.
+void steps(Clients &cl, uint64_t seed) {
+    allreduce_checked(cl, DType::F32, ReduceOp::Sum, 600000, seed);
+    allreduce_checked(cl, DType::I32, ReduceOp::Max, 1000, seed + 1);
+}
+
+bool log_has(TestCluster &c, uint32_t h, const std::string &text, std::chrono::milliseconds limit = 5s) {
+    const auto deadline = Clock::now() + limit;
+    while (Clock::now() < deadline) {
+        if (c.d[h]->log().find(text) != std::string::npos) return true;
+        std::this_thread::sleep_for(20ms);
+    }
+    return false;
+}
+
+}  // namespace
+
+TEST_CASE("the secret rotates host by host while a job runs: no op fails, groups formed meanwhile authenticate, "
+          "the previous secret ends with its grace",
+          "[operations][auth]") {
+    const std::string dir = make_temp_dir(), secret = dir + "/secret";
+    const std::string old_secret = "0123456789abcdef-old-secret", new_secret = "fedcba9876543210-new-secret";
+    write_secret(secret, old_secret);
+    TestCluster c(3, ClusterOptions{"10s", "", "auth: {secret_file: " + secret + ", rotation_grace: 6s}\n", "64MiB"});
+    REQUIRE(c.wait_up());
+    for (uint32_t h = 0; h < c.n; ++h) CHECK(c.status(h)["ring"]["protocol"] == 7);
+    const std::string old_id = c.status(0)["secret"]["key_id"].get<std::string>();
+    auto job = connect_all(c, "steady", 1, kSlot);
+    steps(job, 1);
+
+    // The new secret is written on every host (one file here), then the hosts reload one by one.
+    write_secret(secret, new_secret);
+    const std::vector<std::pair<uint32_t, std::string>> order = {{0, "node0,node1"}, {1, "node1,node2"}, {2, "node0,node2"}};
+    uint64_t seed = 10;
+    for (const auto &[h, pair] : order) {
+        INFO("reloaded host " << h);
+        ::kill(c.d[h]->pid(), SIGHUP);
+        REQUIRE(log_has(c, h, "reload: a new secret"));
+        const json st = c.status(h);
+        CHECK(st["secret"]["previous_key_id"] == old_id);
+        CHECK(st["secret"]["key_id"] != old_id);
+        // The job's connections stay; a group over two hosts makes new ones, whose handshakes
+        // need a secret both hosts accept (until the last reload, the old one).
+        steps(job, seed += 10);
+        const uint32_t a = pair == "node1,node2" ? 1 : 0, b = pair == "node0,node1" ? 1 : 2;
+        auto pairwise = connect_on(c, "pair" + std::to_string(h), {a, b}, {1, 1}, pair, kSlot);
+        allreduce_checked(pairwise, DType::F64, ReduceOp::Sum, 300000, seed + 5);
+        allreduce_checked(pairwise, DType::BF16, ReduceOp::Avg, 333, seed + 6);
+    }
+    const std::string new_id = c.status(0)["secret"]["key_id"].get<std::string>();
+    for (uint32_t h = 0; h < c.n; ++h) {
+        INFO("host " << h);
+        const json st = c.status(h);
+        CHECK(st["secret"]["key_id"] == new_id);
+        CHECK(st["ops"]["failed"] == 0);  // not one op of any group failed through the rotation
+        CHECK(st["ring"]["frames_rejected"] == 0);
+        CHECK_THAT(st["config"]["last_reload"].get<std::string>(), Catch::Contains("auth.secret_file (a new secret"));
+        CHECK_FALSE(c.d[h]->log().find("authentication failed") != std::string::npos);
+    }
+
+    // The grace ends (6 s from the first reload): only the new secret is accepted. A host that
+    // comes back with the old one is refused by both others, named with the key ids.
+    std::this_thread::sleep_for(6500ms);
+    for (uint32_t h = 0; h < c.n; ++h) CHECK(c.status(h)["secret"]["previous_key_id"] == "");
+    steps(job, 100);
+    job.clear();
+    REQUIRE(c.d[2]->stop() == 0);
+    write_secret(secret, old_secret);
+    c.d[2]->start();
+    REQUIRE(c.d[2]->ready());
+    CHECK(log_has(c, 0, "authentication failed: node2 has another secret (its key id " + old_id + ", this host's " + new_id));
+    CHECK(log_has(c, 2, "has another secret (key id " + new_id + ")"));
+    CHECK(c.status(0)["ring"]["state"] == "forming");
+    // With the new secret it is back in the ring.
+    REQUIRE(c.d[2]->stop() == 0);
+    write_secret(secret, new_secret);
+    c.d[2]->start();
+    REQUIRE(c.d[2]->ready());
+    REQUIRE(c.wait_up({1, 1, 1}));
+    auto after = connect_all(c, "after", 1, kSlot);
+    steps(after, 200);
+}
+
+TEST_CASE("a reload that cannot read the new secret changes nothing and says why", "[operations][auth]") {
+    const std::string dir = make_temp_dir(), secret = dir + "/secret";
+    write_secret(secret, "0123456789abcdef-the-secret");
+    TestCluster c(2, ClusterOptions{"10s", "", "auth: {secret_file: " + secret + "}\n", "64MiB"});
+    REQUIRE(c.wait_up());
+    const std::string id = c.status(0)["secret"]["key_id"].get<std::string>();
+    write_secret(secret, "short");
+    ::kill(c.d[0]->pid(), SIGHUP);
+    REQUIRE(log_has(c, 0, "reload: "));
+    const json st = c.status(0);
+    CHECK_THAT(st["config"]["last_reload"].get<std::string>(),
+               Catch::Contains("refused: auth.secret_file: " + secret + " holds 5 bytes") && Catch::Contains("stays"));
+    CHECK(st["secret"]["key_id"] == id);
+    CHECK(st["secret"]["previous_key_id"] == "");
+    auto cl = connect_all(c, "g", 1, kSlot);
+    steps(cl, 1);
+}
+
+TEST_CASE("hosts whose host lists differ say so and name each other", "[operations]") {
+    // node0 and node1 list node2 at a port where nothing listens (the others reach "node2"
+    // through a relay port that is not there); node2 lists itself right. node2 still dials its
+    // data streams to node0, and the two compare their lists' digests in that handshake.
+    ClusterOptions o{"5s", "", "", "64MiB"};
+    o.relayed = 2;
+    o.relay_port = 10000 + static_cast<int>((::getpid() * 17) % 20000) + 50;  // TestCluster's ports + 50: nothing there
+    TestCluster c(3, o);
+    REQUIRE(log_has(c, 0, "host node2's host list differs from this host's", 10s));
+    REQUIRE(log_has(c, 2, "host node0's host list differs from this host's", 10s));
+    const json s0 = c.status(0), s2 = c.status(2);
+    CHECK(s0["ring"]["state"] == "forming");
+    CHECK(s0["ring"]["hosts_differ"] == json::array({"node2"}));
+    CHECK(s2["ring"]["hosts_differ"].size() >= 1);
+    CHECK(s2["ring"]["hosts_differ"][0] == "node0");
+    CHECK(s0["ring"]["members"][2]["config_version"] == s2["config"]["version"]);
+    CHECK(s0["ring"]["members"][2]["hosts_differ"] == true);
+    CHECK(s0["ring"]["members"][1]["hosts_differ"] == false);
+    // ringctl says it in words.
+    const std::string human =
+        run_command(env_or("RINGCTL_BIN", "build/client/ringctl") + " --socket " + c.d[0]->socket() + " status").output;
+    CHECK_THAT(human, Catch::Contains("HOST LISTS DIFFER: the hosts: of node2 differ from this host's"));
+}
