@@ -327,8 +327,10 @@ void ControlPlane::on_conn(uint64_t id, uint32_t events) {
             c.hs->hello().version > proto::kPeerProtocolOldest) {
             // An older ringd (a rolling upgrade): dialed again at once, one version lower.
             Peer &p = peers_[c.peer];
+            const uint16_t before = p.speaks;
             p.speaks = std::min<uint16_t>(p.speaks, c.hs->hello().version - 1);
-            spdlog::info("{}host {} does not speak protocol {} ({}): {} connections to it run at {}", label(), p.host.name,
+            if (p.speaks != before)  // once per peer, not once per stream that was dialing
+                spdlog::info("{}host {} does not speak protocol {} ({}): {} connections to it run at {}", label(), p.host.name,
                          c.hs->hello().version, c.hs->error().message, kind_name(c.kind), p.speaks);
             const bool control = c.kind == proto::ConnKind::Control;
             close_conn(id);

@@ -114,7 +114,9 @@ echo "PASS: a C trainer built against the install allreduced with 2 local ranks"
 # library (found through RINGD_CLIENT_LIBRARY, as the README says) and allreduces with 2 ranks.
 PKG=$(find "$DEST" -path '*/ringd/__init__.py' | head -n 1)
 [ -n "$PKG" ] || fail "meson install did not install the Python package ringd"
-[ -f "$(dirname "$PKG")/torch.py" ] || fail "meson install did not install ringd/torch.py"
+for f in "$SRC"/client/python/ringd/*.py; do  # every module of the package (ringd.torch imports _compat)
+    [ -f "$(dirname "$PKG")/$(basename "$f")" ] || fail "meson install did not install ringd/$(basename "$f")"
+done
 if ls "$BUILD"/client/python/ringd/_torch_work*.so >/dev/null 2>&1; then  # built: then installed too
     ls "$(dirname "$PKG")"/_torch_work*.so >/dev/null 2>&1 || fail "meson install did not install ringd._torch_work"
 fi

@@ -35,6 +35,7 @@ struct ClusterOptions {
     // middle); none when out of range.
     uint32_t relayed = UINT32_MAX;
     int relay_port = 0;
+    std::string bin{};  // the ringd every host runs; empty: $RINGD_BIN
 };
 
 struct TestCluster {
@@ -62,6 +63,7 @@ struct TestCluster {
             opt.slot_bytes = o.slot_bytes;
             opt.uid = o.uid;
             opt.gid = o.gid;
+            opt.bin = o.bin;
             opt.extra_yaml = "tcp: {streams: 2}\n" + auth + o.extra_yaml;
             d.push_back(std::make_unique<Daemon>(opt));
             REQUIRE(d.back()->ready());

@@ -162,6 +162,7 @@ struct DaemonOptions {
     int nofile = 0;                 // RLIMIT_NOFILE for the daemon (soft = hard), 0: inherit
     uid_t uid = 0;                  // run the daemon as this uid/gid (no supplementary groups); 0: as the test
     gid_t gid = 0;
+    std::string bin;                // the ringd to run; empty: $RINGD_BIN
 };
 
 class Daemon {
@@ -181,6 +182,7 @@ public:
                                << "log: {level: debug}\n"
                                << o.extra_yaml;
         env_ = o.env;
+        bin_ = o.bin;
         // Its state directory, as the unit's StateDirectory= gives it (kept across restarts).
         std::filesystem::create_directory(dir_ + "/state");
         env_.push_back("STATE_DIRECTORY=" + dir_ + "/state");
@@ -205,7 +207,7 @@ public:
 
     void start() {
         notify_ = std::make_unique<NotifySocket>();
-        std::string bin = env_or("RINGD_BIN", "build/daemon/ringd");
+        std::string bin = bin_.empty() ? env_or("RINGD_BIN", "build/daemon/ringd") : bin_;
         if (uid_ != 0) {
             notify_->open_to_everyone();
             // The build tree may sit where that user cannot reach it (a home directory, a 0700
@@ -245,6 +247,8 @@ public:
     }
     bool ready() const { return ready_; }
     pid_t pid() const { return pid_; }
+    // The ringd the next start() runs (a rolling upgrade); empty: $RINGD_BIN.
+    void set_bin(std::string bin) { bin_ = std::move(bin); }
     const std::string &socket() const { return socket_; }
     const std::string &dir() const { return dir_; }
     std::string log() const { return read_file(log_); }
@@ -261,6 +265,7 @@ public:
 
 private:
     std::string dir_, socket_, config_, log_, host_;
+    std::string bin_;
     std::vector<std::string> env_;
     int nofile_ = 0;
     uid_t uid_ = 0;
