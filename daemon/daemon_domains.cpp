@@ -46,6 +46,10 @@ Status Daemon::setup_ring() {
     load_generation();
     shared_.generation_floor = &generation_kept_;
     shared_.config_version = &config_version_;
+    shared_.hosts_down = [this](Clock::time_point now) {
+        return domains_.empty() || !domains_.front() ? std::vector<std::pair<std::string, std::string>>{}
+                                                     : domains_.front()->control().hosts_down(now);
+    };
     shared_.generation_seen = [this](uint64_t g) { keep_generation(g); };
     std::vector<uint32_t> all(config_.hosts.size());
     for (uint32_t i = 0; i < all.size(); ++i) all[i] = i;

@@ -489,6 +489,7 @@ void ControlPlane::promote_up(Conn &c, const proto::PeerHello &h, uint64_t peer_
         p.control = id;
         p.dialing = false;
         p.protocol = runs.version;
+        p.down_since = Clock::time_point::max();
         if (peer < peer_ready_.size()) peer_ready_[peer] = 0;  // it says so again on this connection
         p.last_error.clear();
         p.last_heard = Clock::now();
@@ -653,6 +654,7 @@ void ControlPlane::peer_failed(uint32_t peer, const std::string &why) {
     Peer &p = peers_[peer];
     p.speaks = proto::kPeerProtocolVersion;  // it may come back upgraded
     p.protocol = 0;
+    if (p.control) p.down_since = Clock::now();
     spdlog::warn("host {}: {}", p.host.name, why);
     p.last_error = why;
     if (p.control) close_conn(p.control);
@@ -870,6 +872,16 @@ uint16_t ControlPlane::protocol() const {
     uint16_t v = proto::kPeerProtocolVersion;
     for (uint32_t i = 0; i < n_; ++i)
         if (i != self_ && peers_[i].control) v = std::min(v, peers_[i].protocol);
+    return v;
+}
+
+std::vector<std::pair<std::string, std::string>> ControlPlane::hosts_down(Clock::time_point now) const {
+    std::vector<std::pair<std::string, std::string>> v;
+    for (uint32_t i = 0; i < n_; ++i) {
+        const Peer &p = peers_[i];
+        if (i == self_ || p.control || p.down_since == Clock::time_point::max() || now - p.down_since < kDownAfter) continue;
+        v.emplace_back(p.host.name, p.last_error.empty() ? (i < self_ ? "it has not connected" : "no answer") : p.last_error);
+    }
     return v;
 }
 

@@ -102,6 +102,11 @@ public:
     // none): what the ring runs at; and the peers whose host list differs from this host's.
     uint16_t protocol() const;
     std::vector<std::string> hosts_differ() const;
+    // The hosts of this domain known to be down: no control connection for kDownAfter (since it
+    // ended, or since this plane was made), each with what was last seen of it. A live ringd
+    // dials or answers within that time; one that does not cannot take part in an op.
+    static constexpr auto kDownAfter = std::chrono::seconds(1);
+    std::vector<std::pair<std::string, std::string>> hosts_down(Clock::time_point now) const;
     // Ring domains on this host: the cap on handshakes per source address scales with them.
     void set_domains(size_t n) { domains_ = std::max<size_t>(1, n); }
     ~ControlPlane();
@@ -180,6 +185,7 @@ private:
         uint16_t protocol = 0;  // its control connection's, once up
         std::string config_version;
         bool hosts_differ = false;
+        Clock::time_point down_since = Clock::now();  // without a control connection since
     };
     // What the peer said it runs, from its handshake.
     struct PeerRuns {

@@ -113,6 +113,18 @@ void HostOps::generation_ended(const std::string &reason) {
     }
 }
 
+size_t HostOps::fail_queued(int32_t code, const std::function<std::string(const HostOp &)> &why) {
+    size_t n = 0;
+    for (auto &[group, q] : queued_)
+        for (auto &op : q)
+            if (op.status == 0) {  // a local failure's report has told its ranks already
+                groups_.finished(op.run.op_id, code, why(op), done_);
+                ++n;
+            }
+    queued_.clear();
+    return n;
+}
+
 HostOps::Counts HostOps::counts() const {
     Counts c;
     for (const auto &[group, q] : queued_) c.queued += q.size();

@@ -17,6 +17,7 @@
 // bookkeeping on the control thread: no I/O, the caller passes `now`; the daemon does the sending.
 #pragma once
 
+#include <functional>
 #include <chrono>
 #include <deque>
 #include <map>
@@ -88,6 +89,10 @@ public:
     // The ring generation ended with `reason`: Queued (ready) and Reported ops fail, Running ones
     // become Releasing (those given back already fail now).
     void generation_ended(const std::string &reason);
+
+    // Every Queued op fails now with `why(op)` (the ring cannot form: a host of it is down).
+    // Returns how many there were.
+    size_t fail_queued(int32_t code, const std::function<std::string(const HostOp &)> &why);
 
     // Ops past their state's deadline. Queued and Reported ones fail with the message
     // `why(op, state)` gives; returns the Running ones overdue for release (the caller tears their

@@ -535,6 +535,24 @@ void RingDomain::on_fail(const proto::OpFail &f) {
 }
 
 void RingDomain::expire_host_ops(Clock::time_point now) {
+    // An op that needs the ring while it is down, with a host of it known to be down, cannot
+    // run before that host is back, and its ranks there are gone with their ringd: it fails now,
+    // naming the host, rather than at its deadline.
+    if (!coord_known_ && ops_.any_queued()) {
+        std::vector<std::pair<std::string, std::string>> down;
+        for (auto &h : sh_.hosts_down ? sh_.hosts_down(now) : control_->hosts_down(now))
+            for (const auto &m : config_.hosts)
+                if (m.name == h.first) down.push_back(std::move(h));
+        if (!down.empty()) {
+            std::string hosts;
+            for (const auto &[name, why] : down) hosts += (hosts.empty() ? "" : "; ") + ("host " + name + " is down (" + why + ")");
+            const size_t n = ops_.fail_queued(-ECONNABORTED, [&](const HostOp &op) {
+                return "group " + op.run.group + " op " + std::to_string(op.run.seq) + ": the ring is not up: " + hosts +
+                       (ring_down_reason_.empty() ? "" : "; " + ring_down_reason_);
+            });
+            if (n) spdlog::warn("{}{} op(s) failed at once: the ring is not up: {}", whole_ring() ? "" : "ring domain " + key_ + ": ", n, hosts);
+        }
+    }
     if (coordinator_ && coord_known_) {
         Coordinator::Decisions d;
         coordinator_->expire(now, d);

@@ -74,6 +74,10 @@ public:
         // The newest ring generation this host has seen, kept across restarts (0: none), and the
         // call that keeps a newer one when a ring comes up.
         const uint64_t *generation_floor = nullptr;
+        // The hosts whose ringd is known to be down (the whole ring's plane: ControlPlane::hosts_down).
+        // A domain's own connections are no measure: a live host refuses them until a group over
+        // the domain's hosts joins there.
+        std::function<std::vector<std::pair<std::string, std::string>>(Clock::time_point)> hosts_down;
         // The config file's version (handshakes say it; a reload changes it).
         const std::string *config_version = nullptr;
         std::function<void(uint64_t generation)> generation_seen;

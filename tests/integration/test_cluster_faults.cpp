@@ -277,6 +277,40 @@ TEST_CASE("a host killed before its trainer submitted: the others fail within a 
     }
 }
 
+TEST_CASE("ops submitted while a host of their ring is down fail within about a second naming it, not at the op "
+          "timeout; the job runs again once the host is back",
+          "[cluster][faults]") {
+    TestCluster c(3, options("30s", "1s", ""));
+    REQUIRE(c.wait_up());
+    auto cl = connect_all(c, "down", 1);
+    allreduce_checked(cl, DType::F32, ReduceOp::Sum, 1000, 1);
+    // node2's ringd dies between two ops: the ring ends; the next op of the others needs it.
+    ::kill(c.d[2]->pid(), SIGKILL);
+    std::this_thread::sleep_for(200ms);
+    for (const size_t count : {size_t{5000}, size_t{200000}}) {  // direct exchange, then the ring
+        const auto t0 = cl[0]->submit(bench::kGuardBytes, count, RINGD_F32, RINGD_SUM);
+        const auto t1 = cl[1]->submit(bench::kGuardBytes, count, RINGD_F32, RINGD_SUM);
+        const auto submitted = Clock::now();
+        for (auto [cli, t] : {std::pair{cl[0].get(), t0}, {cl[1].get(), t1}}) {
+            const Failure f = wait_failed(*cli, t, submitted);
+            INFO(f.message << " after " << f.after_s << " s");
+            CHECK(f.rc == -ECONNABORTED);
+            // The host, what its redials found, and how the ring ended.
+            CHECK_THAT(f.message, Catch::Contains("the ring is not up: host node2 is down (connect to 127.0.0.1:") &&
+                                      Catch::Contains("Connection refused); ring generation") &&
+                                      Catch::Contains("aborted: host node2: connection closed"));
+            CHECK(f.after_s < 2.5);  // ControlPlane::kDownAfter and a tick, not timeouts.op (30 s)
+        }
+    }
+    c.d[2]->start();
+    REQUIRE(c.d[2]->ready());
+    const uint64_t gen = c.status(0)["ring"]["generation"].get<uint64_t>();
+    REQUIRE(c.wait_up({gen + 1, gen + 1, 1}));
+    cl.clear();
+    cl = connect_all(c, "down", 1);
+    allreduce_checked(cl, DType::F32, ReduceOp::Avg, 77777, 5);
+}
+
 TEST_CASE("a host hung before its trainer submitted is named after about three heartbeats; the ring "
           "re-forms when it continues",
           "[cluster][faults]") {
