@@ -176,6 +176,10 @@ Status Daemon::setup() {
     };
     hooks.unwatch = [this](int fd) { epoll_del(epoll_.get(), fd); };
     hooks.status_json = [this](uint32_t viewer) { return status_json(viewer); };
+    hooks.reload = [this](const std::string &by) {
+        spdlog::info("reload asked by {} (ringctl reload)", by);
+        reload();
+    };
     hooks.record_error = [this](const std::string &m) { record_error(m); };
     hooks.open_domain = [this](const std::vector<uint32_t> &hosts) -> Status {
         if (hosts.size() <= 1) return Ok{};  // this host alone: the local path

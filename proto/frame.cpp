@@ -269,9 +269,10 @@ Bytes encode_status_request(const StatusRequest &r) {
 Result<StatusRequest> decode_status_request(std::span<const uint8_t> p) {
     if (auto s = expect_size(p, kStatusRequestBytes, "status request"); !s) return s.error();
     StatusRequest r{le::get<uint32_t>(&p[0])};
-    if (r.flags != 0 && r.flags != kStatusDrain && r.flags != kStatusUndrain)
-        return bad("status request flags must be 0, " + std::to_string(kStatusDrain) + " (drain) or " +
-                   std::to_string(kStatusUndrain) + " (undrain), not " + std::to_string(r.flags));
+    if (r.flags != 0 && r.flags != kStatusDrain && r.flags != kStatusUndrain && r.flags != kStatusReload)
+        return bad("status request flags must be 0, " + std::to_string(kStatusDrain) + " (drain), " +
+                   std::to_string(kStatusUndrain) + " (undrain) or " + std::to_string(kStatusReload) + " (reload), not " +
+                   std::to_string(r.flags));
     return r;
 }
 

@@ -113,10 +113,11 @@ struct ErrorFrame {
 struct StatusRequest {
     uint32_t flags = 0;  // 0 (status only), or one of kStatus* below, then the status
 };
-// Host states an operator sets through the status request (ringctl drain / undrain); root or
+// What an operator asks through the status request (ringctl drain / undrain / reload); root or
 // ringd's own user only. A ringd older than these refuses the request (flags must be 0).
 inline constexpr uint32_t kStatusDrain = 1;    // take no new groups; running ones go on
 inline constexpr uint32_t kStatusUndrain = 2;  // take new groups again
+inline constexpr uint32_t kStatusReload = 4;   // read the config file again (as SIGHUP), then the status
 inline constexpr size_t kStatusRequestBytes = 4;
 
 // Device memory handed to ringd once (ringd_cuda_alloc, ringd_register_cuda). A VMM allocation

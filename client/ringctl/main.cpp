@@ -1,6 +1,7 @@
 // ringctl [--socket PATH] status [--json]: what the host's ringd is doing.
 // ringctl [--socket PATH] watch [--interval S] [--count N] [--json]: the same, refreshed.
 // ringctl [--socket PATH] drain [--wait [--timeout S]] | undrain: the host takes no new groups / takes them again.
+// ringctl [--socket PATH] reload: ringd reads its config file again (as systemctl reload).
 #include <unistd.h>
 
 #include <chrono>
@@ -40,6 +41,27 @@ bool show(const std::string &socket, bool as_json, bool compact) {
         return false;
     }
     return true;
+}
+
+// ringctl reload: ringd reads its config file again (as systemctl reload); prints how it went
+// (config.last_reload) and fails when ringd refused it.
+int reload(const std::string &socket) {
+    auto s = fetch_status(socket, 5000, proto::kStatusReload);
+    if (!s) {
+        std::fprintf(stderr, "ringctl: %s\n", s.error().message.c_str());
+        return 1;
+    }
+    try {
+        const json j = json::parse(*s);
+        const std::string how = j.value("config", json::object()).value("last_reload", std::string());
+        const bool refused = how.find(": refused: ") != std::string::npos;
+        std::fprintf(refused ? stderr : stdout, "%sreload on host %s: %s\n", refused ? "ringctl: " : "",
+                     j.value("host", std::string("?")).c_str(), how.c_str());
+        return refused ? 1 : 0;
+    } catch (const std::exception &e) {
+        std::fprintf(stderr, "ringctl: bad status from ringd: %s\n", e.what());
+        return 1;
+    }
 }
 
 // ringctl drain [--wait] / undrain: the host's state set, then (drain --wait) its groups waited
@@ -108,11 +130,13 @@ int main(int argc, char **argv) {
     drain->add_flag("--wait", wait, "then wait until no group runs here");
     drain->add_option("--timeout", drain_timeout, "seconds --wait waits at most")->capture_default_str()->check(CLI::Range(1.0, 1e6));
     auto *undrain = app.add_subcommand("undrain", "take new groups again");
+    auto *reload_cmd = app.add_subcommand("reload", "read the config file again, as systemctl reload (root or ringd's user)");
     app.require_subcommand(1);
     CLI11_PARSE(app, argc, argv);
 
     if (*drain) return set_drain(socket, true, wait, drain_timeout);
     if (*undrain) return set_drain(socket, false, false, 0);
+    if (*reload_cmd) return reload(socket);
 
     if (*status) return show(socket, as_json, false) ? 0 : 1;
 

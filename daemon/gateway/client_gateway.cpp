@@ -172,14 +172,18 @@ void ClientGateway::on_readable(MemberId id) {
                 drop(id, r.error(), true);
                 return;
             }
+            if (r->flags != 0 && c.cred().uid != 0 && c.cred().uid != ::geteuid()) {
+                const char *what = r->flags == proto::kStatusDrain     ? "drain"
+                                   : r->flags == proto::kStatusUndrain ? "undrain"
+                                                                       : "reload";
+                drop(id, make_error(-EPERM, std::string("only root or ringd's own user may ") + what + " this host (uid " +
+                                                std::to_string(c.cred().uid) + ")"),
+                     true);
+                return;
+            }
+            if (r->flags == proto::kStatusReload && hooks_.reload) hooks_.reload(c.describe());
             if (r->flags == proto::kStatusDrain || r->flags == proto::kStatusUndrain) {
                 const bool drain = r->flags == proto::kStatusDrain;
-                if (c.cred().uid != 0 && c.cred().uid != ::geteuid()) {
-                    drop(id, make_error(-EPERM, std::string("only root or ringd's own user may ") + (drain ? "drain" : "undrain") +
-                                                    " this host (uid " + std::to_string(c.cred().uid) + ")"),
-                         true);
-                    return;
-                }
                 if (drained_ != drain)
                     spdlog::warn("host {} {} by {}", config_.hosts[self_].name,
                                  drain ? "drained: it takes no new groups, running ones go on" : "undrained: it takes new groups again",

@@ -39,6 +39,7 @@ public:
         std::function<Status(int fd, MemberId id, bool doorbell)> watch;
         std::function<void(int fd)> unwatch;
         std::function<std::string(uint32_t viewer_uid)> status_json;  // the document ringctl asks for
+        std::function<void(const std::string &by)> reload;            // ringctl reload (as SIGHUP)
         std::function<void(const std::string &)> record_error;
         // Before a group's first join here: its hosts' ring domain exists, or why it cannot.
         std::function<Status(const std::vector<uint32_t> &hosts)> open_domain;

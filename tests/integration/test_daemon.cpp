@@ -534,6 +534,19 @@ TEST_CASE("SIGHUP reloads the config: the log level at once, the rest by name; b
         CHECK_THAT(j["last_reload"].get<std::string>(), Catch::Contains("this host, node0, is not in it"));
         CHECK_THAT(d.log(), Catch::Contains("reload: ") && Catch::Contains("refused"));
     }
+    SECTION("ringctl reload does what SIGHUP does and says how it went; a refusal fails it") {
+        const std::string ringctl = env_or("RINGCTL_BIN", "build/client/ringctl") + " --socket " + d.socket();
+        std::ofstream(path) << with("log: {level: debug}", "log: {level: info}");
+        auto r = run_command(ringctl + " reload 2>&1");
+        CHECK(r.exit_code == 0);
+        CHECK_THAT(r.output, Catch::Contains("reload on host node0: ") && Catch::Contains("applied: log.level"));
+        CHECK(config()["version"] != v0);
+        std::ofstream(path) << with("socket: " + d.socket(), "socket: " + d.dir() + "/other.sock");
+        r = run_command(ringctl + " reload 2>&1");
+        CHECK(r.exit_code == 1);
+        CHECK_THAT(r.output, Catch::Contains("ringctl: reload on host node0: ") && Catch::Contains("refused: socket cannot change"));
+        CHECK_THAT(d.log(), Catch::Contains("ringctl reload"));
+    }
     // Whatever the reload did, ringd runs on: its socket, its groups.
     CHECK(d.alive());
     struct stat st{};

@@ -259,11 +259,13 @@ TEST_CASE("error and welcome payloads are validated", "[proto]") {
     CHECK_FALSE(decode_welcome(payload_of(w)).ok());  // data offset beyond the mapping
     w = encode_welcome({1, 0, 64, 1, 0x20000, 0x9000, 0x10});
     CHECK_FALSE(decode_welcome(payload_of(w)).ok());  // empty queue
-    // flags: 0 (status), 1 (drain), 2 (undrain); anything else is refused.
+    // flags: 0 (status), 1 (drain), 2 (undrain), 4 (reload); anything else is refused.
     CHECK(decode_status_request(Bytes{0, 0, 0, 0})->flags == 0);
     CHECK(decode_status_request(Bytes{1, 0, 0, 0})->flags == kStatusDrain);
     CHECK(decode_status_request(Bytes{2, 0, 0, 0})->flags == kStatusUndrain);
+    CHECK(decode_status_request(Bytes{4, 0, 0, 0})->flags == kStatusReload);
     CHECK_FALSE(decode_status_request(Bytes{3, 0, 0, 0}).ok());
+    CHECK_FALSE(decode_status_request(Bytes{5, 0, 0, 0}).ok());
     CHECK_FALSE(decode_status_request(Bytes{0, 0, 0, 1}).ok());
 }
 
