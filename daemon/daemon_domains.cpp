@@ -7,6 +7,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <random>
 
 #include <spdlog/spdlog.h>
 
@@ -46,6 +47,11 @@ Status Daemon::setup_ring() {
     load_generation();
     shared_.generation_floor = &generation_kept_;
     shared_.config_version = &config_version_;
+    {
+        std::random_device rd;
+        do shared_.instance = uint64_t{rd()} << 32 | rd();
+        while (shared_.instance == 0);
+    }
     shared_.hosts_down = [this](Clock::time_point now) {
         return domains_.empty() || !domains_.front() ? std::vector<std::pair<std::string, std::string>>{}
                                                      : domains_.front()->control().hosts_down(now);

@@ -60,6 +60,7 @@ Bytes encode_peer_hello(const PeerHello &h) {
         std::memcpy(x + kDigestBytes, h.config_version.data(), std::min(h.config_version.size(), kConfigVersionBytes - 1));
         std::memcpy(x + kDigestBytes + kConfigVersionBytes, h.key.data(), kKeyIdBytes);
         std::memcpy(x + kDigestBytes + kConfigVersionBytes + kKeyIdBytes, h.previous_key.data(), kKeyIdBytes);
+        le::put<uint64_t>(x + kDigestBytes + kConfigVersionBytes + 2 * kKeyIdBytes, h.instance);
         v.insert(v.end(), x, x + kPeerHelloV7Bytes);
     }
     v.insert(v.end(), h.domain.begin(), h.domain.begin() + static_cast<std::ptrdiff_t>(std::min(h.domain.size(), kMaxDomainBytes)));
@@ -116,6 +117,7 @@ Result<PeerHello> decode_peer_hello(std::span<const uint8_t> p, uint16_t version
         h.config_version = *cv;
         std::memcpy(h.key.data(), x + kDigestBytes + kConfigVersionBytes, kKeyIdBytes);
         std::memcpy(h.previous_key.data(), x + kDigestBytes + kConfigVersionBytes + kKeyIdBytes, kKeyIdBytes);
+        h.instance = le::get<uint64_t>(x + kDigestBytes + kConfigVersionBytes + 2 * kKeyIdBytes);
     }
     h.domain.assign(reinterpret_cast<const char *>(p.data()) + fixed, p.size() - fixed);
     // Host names (each checked by whoever maps them to hosts), comma-separated.
@@ -162,10 +164,11 @@ Bytes encode_peer_accept(uint64_t generation) {
 
 Bytes encode_peer_accept(const PeerAccept &a) {
     if (a.version < 7) return encode_peer_accept(a.generation);
-    uint8_t p[8 + kDigestBytes + kConfigVersionBytes] = {};
+    uint8_t p[8 + kDigestBytes + kConfigVersionBytes + 8] = {};
     le::put<uint64_t>(p, a.generation);
     std::memcpy(p + 8, a.hosts.data(), kDigestBytes);
     std::memcpy(p + 8 + kDigestBytes, a.config_version.data(), std::min(a.config_version.size(), kConfigVersionBytes - 1));
+    le::put<uint64_t>(p + 8 + kDigestBytes + kConfigVersionBytes, a.instance);
     Bytes f = encode_frame(FrameType::PeerAccept, p);
     le::put<uint16_t>(&f[4], a.version);
     return f;
@@ -179,12 +182,13 @@ Result<PeerAccept> decode_peer_accept(std::span<const uint8_t> p, uint16_t versi
         a.generation = le::get<uint64_t>(p.data());
         return a;
     }
-    if (auto s = expect_size(p, 8 + kDigestBytes + kConfigVersionBytes, "peer accept"); !s) return s.error();
+    if (auto s = expect_size(p, 8 + kDigestBytes + kConfigVersionBytes + 8, "peer accept"); !s) return s.error();
     a.generation = le::get<uint64_t>(p.data());
     std::memcpy(a.hosts.data(), p.data() + 8, kDigestBytes);
     auto cv = get_config_version(p.data() + 8 + kDigestBytes);
     if (!cv) return cv.error();
     a.config_version = *cv;
+    a.instance = le::get<uint64_t>(p.data() + 8 + kDigestBytes + kConfigVersionBytes);
     return a;
 }
 

@@ -16,7 +16,8 @@
 // then dials again one version lower, down to kPeerProtocolOldest, and keeps to that version for
 // the host until its control connection ends (the host may come back upgraded). Version 7 adds
 // to the hello and the accept what each host runs: a digest of its host list, its config version
-// (ringctl status), and in the hello the key ids of the dialer's secrets — the one it uses and
+// (ringctl status), its ringd instance (a restart shows: the coordinator ends the runs of groups
+// that had ranks on a ringd that restarted), and in the hello the key ids of the dialer's secrets — the one it uses and
 // the one it accepted before a rotation (auth.rotation_grace) — so that the listener proves itself
 // with a secret the dialer has.
 #pragma once
@@ -62,9 +63,10 @@ struct PeerHello {
     HostsDigest hosts{};                      // of its whole host list (names, addresses, ports)
     std::string config_version{};             // its config file's (at most kConfigVersionBytes - 1)
     KeyId key{}, previous_key{};              // its secret's id and the one it still accepts (0: none)
+    uint64_t instance = 0;                    // its ringd process's (random at start): a restart shows
 };
 inline constexpr size_t kPeerHelloBytes = 3 * kNameBytes + 16 + kNonceBytes;  // the fixed part
-inline constexpr size_t kPeerHelloV7Bytes = kDigestBytes + kConfigVersionBytes + 2 * kKeyIdBytes;  // then this
+inline constexpr size_t kPeerHelloV7Bytes = kDigestBytes + kConfigVersionBytes + 2 * kKeyIdBytes + 8;  // then this
 inline constexpr size_t kMaxDomainBytes = 3072;
 
 // The listener's answer: the generation it has seen, and from version 7 what it runs.
@@ -73,6 +75,7 @@ struct PeerAccept {
     uint16_t version = kPeerProtocolVersion;
     HostsDigest hosts{};
     std::string config_version;
+    uint64_t instance = 0;
 };
 
 struct PeerChallenge {

@@ -271,7 +271,7 @@ void ControlPlane::adopt(UniqueFd fd, const proto::PeerHello &h, const std::stri
     c->keys = keys;
     Conn &ref = *c;
     conns_.emplace(c->id, std::move(c));
-    promote_up(ref, h, h.generation, PeerRuns{h.version, h.hosts, h.config_version});
+    promote_up(ref, h, h.generation, PeerRuns{h.version, h.hosts, h.config_version, h.instance});
 }
 
 void ControlPlane::dial(uint32_t peer, proto::ConnKind kind, uint32_t stream) {
@@ -410,7 +410,7 @@ void ControlPlane::on_conn(uint64_t id, uint32_t events) {
 void ControlPlane::promote(Conn &c) {
     const proto::PeerHello h = c.hs->hello();
     const uint64_t peer_generation = c.dialer ? c.hs->peer_generation() : h.generation;
-    const PeerRuns runs{c.hs->version(), c.hs->peer_hosts(), c.hs->peer_config_version()};
+    const PeerRuns runs{c.hs->version(), c.hs->peer_hosts(), c.hs->peer_config_version(), c.hs->peer_instance()};
     c.keys = c.hs->keys();
     FrameReader reader = c.hs->take_reader();
     c.fd = c.hs->take_fd();
@@ -460,6 +460,7 @@ void ControlPlane::promote_up(Conn &c, const proto::PeerHello &h, uint64_t peer_
     // 6 says nothing of its host list, one of 7 on says its digest.
     if (runs.version >= 7) {
         p.config_version = runs.config_version;
+        p.instance = runs.instance;
         const bool differ = runs.hosts != hosts_digest_;
         if (differ && !p.hosts_differ)
             spdlog::warn("{}host {}'s host list differs from this host's (its config version {}, this host's {}): every "
@@ -865,7 +866,13 @@ std::vector<ControlPlane::PeerStatus> ControlPlane::status() const {
 
 PeerIdentity ControlPlane::identity() const {
     return PeerIdentity{config_.cluster, peers_[self_].host.name, announced_generation(), secret_, domain_, hosts_digest_,
-                        config_version_ ? *config_version_ : std::string()};
+                        config_version_ ? *config_version_ : std::string(), instance_};
+}
+
+std::vector<uint64_t> ControlPlane::instances() const {
+    std::vector<uint64_t> v(n_, 0);
+    for (uint32_t i = 0; i < n_; ++i) v[i] = i == self_ ? instance_ : peers_[i].instance;
+    return v;
 }
 
 uint16_t ControlPlane::protocol() const {

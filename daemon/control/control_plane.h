@@ -94,10 +94,14 @@ public:
     const std::string &domain() const { return domain_; }
     // What handshakes say this host runs (proto/peer.h, version 7): the digest of its whole host
     // list and its config version (read at every handshake: a reload changes it).
-    void set_identity(const proto::HostsDigest &hosts, const std::string *config_version) {
+    void set_identity(const proto::HostsDigest &hosts, const std::string *config_version, uint64_t instance) {
         hosts_digest_ = hosts;
         config_version_ = config_version;
+        instance_ = instance;
     }
+    // Every host's ringd instance as its last handshake said (this host's own; 0: unknown, a
+    // ringd of 6), by host index.
+    std::vector<uint64_t> instances() const;
     // The oldest protocol version of the ring's up control connections (this host's own when
     // none): what the ring runs at; and the peers whose host list differs from this host's.
     uint16_t protocol() const;
@@ -186,12 +190,14 @@ private:
         std::string config_version;
         bool hosts_differ = false;
         Clock::time_point down_since = Clock::now();  // without a control connection since
+        uint64_t instance = 0;
     };
     // What the peer said it runs, from its handshake.
     struct PeerRuns {
         uint16_t version = 0;
         proto::HostsDigest hosts{};
         std::string config_version;
+        uint64_t instance = 0;
     };
     PeerIdentity identity() const;
 
@@ -260,6 +266,7 @@ private:
     uint64_t generation_ = 0;
     proto::HostsDigest hosts_digest_{};
     const std::string *config_version_ = nullptr;
+    uint64_t instance_ = 0;
     uint64_t peer_generation_max_ = 0;  // the highest generation a peer's handshake announced
     uint64_t aborted_max_ = 0;          // the newest generation known to be over
     bool links_ready_ = false;          // the coordinator was told this host's links are up

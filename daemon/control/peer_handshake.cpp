@@ -39,6 +39,7 @@ PeerHandshake PeerHandshake::dial(UniqueFd fd, const PeerIdentity &me, const std
     h.hello_.config_version = me.config_version;
     h.hello_.key = me.secret->key_id(0);
     h.hello_.previous_key = me.secret->key_id(1);
+    h.hello_.instance = me.instance;
     const proto::Bytes frame = proto::encode_peer_hello(h.hello_);
     h.hello_payload_.assign(frame.begin() + proto::kFrameHeaderBytes, frame.end());
     h.dialer_ = true;
@@ -135,10 +136,11 @@ PeerHandshake::State PeerHandshake::on_frame(const Frame &f) {
             return fail(-EACCES, "authentication failed: " + hello_.from + " does not prove the shared secret " +
                                      (secret.enabled() ? "(wrong auth.secret_file?)" : "(it has one; this host has none)"));
         }
-        const proto::PeerAccept a{me_.generation, hello_.version, me_.hosts, me_.config_version};
+        const proto::PeerAccept a{me_.generation, hello_.version, me_.hosts, me_.config_version, me_.instance};
         if (auto s = send_all(fd_.get(), proto::encode_peer_accept(a)); !s) return fail(s.error().code, s.error().message);
         peer_hosts_ = hello_.hosts;
         peer_config_version_ = hello_.config_version;
+        peer_instance_ = hello_.instance;
         state_ = State::Up;
         return state_;
     }
@@ -166,6 +168,7 @@ PeerHandshake::State PeerHandshake::on_frame(const Frame &f) {
         peer_generation_ = g->generation;
         peer_hosts_ = g->hosts;
         peer_config_version_ = g->config_version;
+        peer_instance_ = g->instance;
         state_ = State::Up;
         return state_;
     }

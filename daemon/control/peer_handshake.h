@@ -29,6 +29,7 @@ struct PeerIdentity {
     // What this host runs (version 7 handshakes carry it): its host list's digest and its config version.
     proto::HostsDigest hosts{};
     std::string config_version{};
+    uint64_t instance = 0;  // this ringd process's (random at start)
 };
 
 // The digest of a host list as handshakes carry it: SHA-256 of every host's name, address and
@@ -62,6 +63,7 @@ public:
     uint16_t version() const { return hello_.version; }
     const proto::HostsDigest &peer_hosts() const { return peer_hosts_; }
     const std::string &peer_config_version() const { return peer_config_version_; }
+    uint64_t peer_instance() const { return peer_instance_; }
     UniqueFd take_fd() { return std::move(fd_); }
     // What the reader holds beyond the handshake (a listener may send right after its accept):
     // the connection's reader takes it over.
@@ -88,6 +90,7 @@ private:
     int which_ = 0;  // the secret the handshake proved (PeerSecret: 0, or 1 the previous one)
     proto::HostsDigest peer_hosts_{};
     std::string peer_config_version_;
+    uint64_t peer_instance_ = 0;
 };
 
 const char *handshake_state_name(PeerHandshake::State s);

@@ -19,8 +19,21 @@ std::string at(const std::string &group, uint64_t seq) { return "group " + group
 
 }  // namespace
 
-void Coordinator::reset(uint64_t generation) {
+void Coordinator::reset(uint64_t generation, std::vector<uint64_t> instances) {
     generation_ = generation;
+    instances_ = std::move(instances);
+    instances_.resize(hosts_.size(), 0);
+    for (auto &[id, inc] : incarnations_) {
+        if (inc.end_code != 0) continue;
+        for (uint32_t h = 0; h < inc.instances.size() && h < hosts_.size(); ++h) {
+            if (inc.instances[h] == 0 || instances_[h] == 0 || inc.instances[h] == instances_[h]) continue;
+            inc.end_code = -ECONNABORTED;
+            inc.end_message = "group " + inc.group + ": the ringd of host " + hosts_[h] +
+                              " restarted since this run of the group began (its ranks there are gone); every rank of "
+                              "the job must restart";
+            break;
+        }
+    }
     next_op_id_ = 1;
     pending_.clear();
     decided_.clear();
@@ -93,6 +106,7 @@ void Coordinator::join(uint32_t host, const proto::GroupJoin &j, Decisions &out)
     Incarnation inc;
     inc.group = j.group;
     inc.max_seq.assign(n, 0);
+    inc.instances = instances_;
     // The lane the fewest of the other groups' running incarnations use (the lowest of those).
     std::vector<uint32_t> use(lanes_, 0);
     for (const auto &[name, g] : groups_) {

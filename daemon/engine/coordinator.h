@@ -51,8 +51,12 @@ public:
     };
 
     // A new ring generation: pending joins and ops are forgotten (every host failed its ops
-    // already and joins again); which incarnations ended is kept.
-    void reset(uint64_t generation);
+    // already and joins again); which incarnations ended is kept. `instances`: each host's ringd
+    // instance (its handshake's, 0: unknown) in this generation. A running incarnation agreed
+    // while a host ran another instance ends here: that ringd restarted, and the group's ranks
+    // there went with it, so the others' joins are refused at once (they would wait for ranks
+    // that are gone until timeouts.op).
+    void reset(uint64_t generation, std::vector<uint64_t> instances = {});
     uint64_t generation() const { return generation_; }
 
     void join(uint32_t host, const proto::GroupJoin &j, Decisions &out);
@@ -88,6 +92,7 @@ private:
         int32_t end_code = 0;             // non-zero once it ended; later ops fail with end_message
         std::string end_message;
         uint32_t lane = 0;
+        std::vector<uint64_t> instances;  // by host: the ringd instances it was agreed with
     };
     struct Join {
         uint64_t local_id = 0;
@@ -109,6 +114,7 @@ private:
     std::chrono::milliseconds op_timeout_;
     uint32_t lanes_ = 1;
     uint64_t generation_ = 0;
+    std::vector<uint64_t> instances_;  // by host, this generation's (0: unknown)
     uint64_t next_op_id_ = 1;
     uint64_t next_incarnation_ = 1;
     std::map<std::string, GroupRun> groups_;

@@ -92,7 +92,7 @@ Status RingDomain::setup() {
     if (!cp) return cp.error();
     control_ = std::move(*cp);
     if (sh_.generation_floor) control_->seed_generation(*sh_.generation_floor);
-    control_->set_identity(hosts_digest(sh_.config->hosts), sh_.config_version);
+    control_->set_identity(hosts_digest(sh_.config->hosts), sh_.config_version, sh_.instance);
     std::vector<std::string> names;
     for (const auto &h : config_.hosts) names.push_back(h.name);
     if (self_index_ == kCoordinator) coordinator_.emplace(names, config_.timeouts.op, lanes());
@@ -129,7 +129,7 @@ void RingDomain::on_ring_up(uint64_t generation, DataSockets to_next, DataSocket
     // The generation is agreed: every host reports ops in it from now on.
     coord_generation_ = generation;
     coord_known_ = true;
-    if (coordinator_) coordinator_->reset(generation);
+    if (coordinator_) coordinator_->reset(generation, control_->instances());
     control_->heartbeat_now(generation);
     if (!whole_ring()) {
         spdlog::info("ring domain {}: generation {} is up ({} hosts)", key_, generation, n);

@@ -80,6 +80,7 @@ public:
         std::function<std::vector<std::pair<std::string, std::string>>(Clock::time_point)> hosts_down;
         // The config file's version (handshakes say it; a reload changes it).
         const std::string *config_version = nullptr;
+        uint64_t instance = 0;  // this ringd process's, random at start (handshakes say it)
         std::function<void(uint64_t generation)> generation_seen;
     };
 

@@ -311,6 +311,37 @@ TEST_CASE("ops submitted while a host of their ring is down fail within about a 
     allreduce_checked(cl, DType::F32, ReduceOp::Avg, 77777, 5);
 }
 
+TEST_CASE("a host's ringd SIGKILLed and restarted before the others' next op: that op fails at once naming the "
+          "restart, not at the op timeout",
+          "[cluster][faults]") {
+    TestCluster c(3, options("30s", "1s", ""));
+    REQUIRE(c.wait_up());
+    auto cl = connect_all(c, "quick", 1);
+    allreduce_checked(cl, DType::F32, ReduceOp::Sum, 1000, 1);
+    const uint64_t gen = c.status(0)["ring"]["generation"].get<uint64_t>();
+    ::kill(c.d[2]->pid(), SIGKILL);
+    c.d[2]->start();  // back at once: the ring re-forms before the others submit again
+    REQUIRE(c.d[2]->ready());
+    REQUIRE(c.wait_up({gen + 1, gen + 1, 1}));
+    // node2's trainer went with its ringd; the others' next op cannot pair with anything.
+    for (const size_t count : {size_t{5000}, size_t{200000}}) {
+        const auto t0 = cl[0]->submit(bench::kGuardBytes, count, RINGD_F32, RINGD_SUM);
+        const auto t1 = cl[1]->submit(bench::kGuardBytes, count, RINGD_F32, RINGD_SUM);
+        const auto submitted = Clock::now();
+        for (auto [cli, t] : {std::pair{cl[0].get(), t0}, {cl[1].get(), t1}}) {
+            const Failure f = wait_failed(*cli, t, submitted);
+            INFO(f.message << " after " << f.after_s << " s");
+            CHECK(f.rc == -ECONNABORTED);
+            CHECK_THAT(f.message, Catch::Contains("the ringd of host node2 restarted since this run of the group began"));
+            CHECK(f.after_s < 2.0);
+        }
+    }
+    // The job restarts on every host and runs exact.
+    cl.clear();
+    cl = connect_all(c, "quick", 1);
+    allreduce_checked(cl, DType::F32, ReduceOp::Avg, 77777, 5);
+}
+
 TEST_CASE("a host hung before its trainer submitted is named after about three heartbeats; the ring "
           "re-forms when it continues",
           "[cluster][faults]") {

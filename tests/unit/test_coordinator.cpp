@@ -358,3 +358,36 @@ TEST_CASE("each agreed incarnation runs in the lane its groups use least; a lane
     const uint64_t y = agree(c, 2, "y");
     CHECK(lane_of(y, "y", 1) == 1);
 }
+
+TEST_CASE("a run agreed with a ringd that has restarted since ends at the next generation: the others' joins "
+          "are refused at once naming it; a network blip (the same instances) goes on",
+          "[coordinator]") {
+    Coordinator c({"a", "b", "c"}, 1000ms);
+    c.reset(7, {11, 22, 33});
+    const uint64_t inc = agree(c, 3);
+    // A new generation with the same ringds: the run goes on.
+    c.reset(8, {11, 22, 33});
+    Coordinator::Decisions d;
+    for (uint32_t h = 0; h < 3; ++h) c.join(h, {8, "g", (h + 1) * 100, inc}, d);
+    REQUIRE(d.groups.size() == 3);
+    for (const auto &[h, g] : d.groups) CHECK(g.incarnation == inc);
+    // Host c's ringd restarted (another instance): a and b, going on, are refused at once.
+    c.reset(9, {11, 22, 44});
+    d = {};
+    for (uint32_t h = 0; h < 2; ++h) c.join(h, {9, "g", (h + 1) * 100, inc}, d);
+    REQUIRE(d.groups.size() == 2);
+    for (const auto &[h, g] : d.groups) {
+        CHECK(g.code == -ECONNABORTED);
+        CHECK(g.incarnation == 0);
+        CHECK(g.message == "group g: the ringd of host c restarted since this run of the group began (its ranks there "
+                           "are gone); every rank of the job must restart");
+    }
+    // The job restarted everywhere: a fresh run.
+    const uint64_t fresh = agree(c, 3, "g", 1);
+    CHECK(fresh != inc);
+    // Unknown instances (a ringd of 6 says none) end nothing.
+    c.reset(10, {11, 0, 44});
+    d = {};
+    for (uint32_t h = 0; h < 3; ++h) c.join(h, {10, "g", (h + 1) * 100 + 1, fresh}, d);
+    for (const auto &[h, g] : d.groups) CHECK(g.incarnation == fresh);
+}

@@ -551,12 +551,14 @@ TEST_CASE("peer frame bytes are pinned", "[proto]") {
     v7.config_version = "0123456789ab";
     v7.key = {9, 9, 9, 9, 9, 9, 9, 9};
     v7.domain = "a,b";
+    v7.instance = 0x0102030405060708;
     const Bytes g = encode_peer_hello(v7);
     Bytes x(kPeerHelloV7Bytes, 0);
     for (int i = 0; i < 8; ++i) x[i] = static_cast<uint8_t>(i + 1);
     std::memcpy(&x[8], "0123456789ab", 12);
     for (int i = 0; i < 8; ++i) x[24 + i] = 9;
-    Bytes head = header_bytes(16, 240 + 40 + 3);
+    for (int i = 0; i < 8; ++i) x[40 + i] = static_cast<uint8_t>(8 - i);  // the instance, little-endian
+    Bytes head = header_bytes(16, 240 + 48 + 3);
     head[4] = 7;
     CHECK(g == cat(cat(cat(head, p), x), Bytes{'a', ',', 'b'}));
     auto h7 = decode_peer_hello(payload_of(g), 7);
@@ -566,6 +568,7 @@ TEST_CASE("peer frame bytes are pinned", "[proto]") {
     CHECK(h7->key == v7.key);
     CHECK(h7->previous_key == KeyId{});
     CHECK(h7->domain == "a,b");
+    CHECK(h7->instance == 0x0102030405060708);
     // Read as the other version, the bytes are something else: the header's version decides.
     CHECK(decode_peer_hello(payload_of(g), 6).ok() == false);
     CHECK(decode_peer_hello(payload_of(g), 8).error().code == -EPROTONOSUPPORT);
@@ -577,15 +580,16 @@ TEST_CASE("peer frame bytes are pinned", "[proto]") {
     std::memset(&bad[kPeerHelloBytes + 8], 'z', kConfigVersionBytes);
     CHECK_THAT(decode_peer_hello(bad, 7).error().message, Catch::Contains("NUL"));
 
-    const PeerAccept a{7, 7, v7.hosts, "0123456789ab"};
+    const PeerAccept a{7, 7, v7.hosts, "0123456789ab", 99};
     const Bytes af = encode_peer_accept(a);
-    REQUIRE(af.size() == kFrameHeaderBytes + 32);
+    REQUIRE(af.size() == kFrameHeaderBytes + 40);
     CHECK(af[4] == 7);
     auto a7 = decode_peer_accept(payload_of(af), 7);
     REQUIRE(a7.ok());
     CHECK(a7->generation == 7);
     CHECK(a7->hosts == v7.hosts);
     CHECK(a7->config_version == "0123456789ab");
+    CHECK(a7->instance == 99);
     CHECK(decode_peer_accept(payload_of(encode_peer_accept(7)), 6)->generation == 7);
     CHECK_FALSE(decode_peer_accept(payload_of(af), 6).ok());
 }
