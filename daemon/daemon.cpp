@@ -475,7 +475,8 @@ void Daemon::reload() {
         return std::string(b);
     }();
     if (config_path_.empty()) {
-        spdlog::warn("reload: ringd was started without a config file to read again");
+        last_reload_ = when + ": refused: ringd was started without a config file to read again";
+        spdlog::warn("reload: {}", last_reload_);
         return;
     }
     auto refuse = [&](const std::string &why) {
@@ -504,11 +505,21 @@ void Daemon::reload() {
     // The secret is read again whether the file's name changed or only what it holds (the usual
     // rotation): a new one is proved from now on, the old one accepted for auth.rotation_grace.
     // Turning authentication on or off needs a restart (every host at once).
+    // A ring of one host has no peers to prove anything to (its secret is not even loaded).
     if (fresh->secret_file.empty() != config_.secret_file.empty()) {
         pending.push_back("auth.secret_file");
-    } else if (!fresh->secret_file.empty()) {
+    } else if (!fresh->secret_file.empty() && multi_host()) {
         auto next = PeerSecret::load(fresh->secret_file);
         if (!next) return refuse(next.error().message);
+        // A third secret while a rotation's grace runs would cut off the hosts still on the
+        // first one: refused until the grace ends (going back to the previous secret is fine).
+        const bool back = secret_.has_previous() && next->key_id(0) == secret_.key_id(1);
+        if (!next->same_key(secret_) && secret_.has_previous() && !back)
+            return refuse("auth.secret_file holds a third secret (key id " + key_id_hex(next->key_id(0)) +
+                          ") while the rotation from " + key_id_hex(secret_.key_id(1)) + " to " +
+                          key_id_hex(secret_.key_id(0)) + " is in its grace (" +
+                          std::to_string(std::chrono::duration_cast<std::chrono::seconds>(secret_.previous_left()).count()) +
+                          " s left): hosts still on the first would be cut off; reload after the grace");
         if (!next->same_key(secret_)) {
             const auto grace = fresh->rotation_grace;
             secret_.rotate(std::move(*next), PeerSecret::Clock::now() + grace);

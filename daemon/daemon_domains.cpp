@@ -5,6 +5,8 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <cctype>
+#include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <random>
@@ -80,9 +82,11 @@ void Daemon::load_generation() {
     if (got <= 0) return;  // none yet (a first start), or unreadable: a new ring counts from 1
     text.resize(static_cast<size_t>(got));
     char *end = nullptr;
+    errno = 0;
     const unsigned long long g = std::strtoull(text.c_str(), &end, 10);
-    if (end == text.c_str() || (*end != '\n' && *end != '\0')) {
-        spdlog::warn("{}: not a generation number; ring generations start afresh", generation_file_);
+    if (!std::isdigit(static_cast<unsigned char>(text[0])) || errno != 0 || (*end != '\n' && *end != '\0') ||
+        g > proto::kMaxGeneration) {
+        spdlog::warn("{}: not a generation number (0 to 2^40); ring generations start afresh", generation_file_);
         return;
     }
     generation_kept_ = g;

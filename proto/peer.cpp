@@ -108,6 +108,7 @@ Result<PeerHello> decode_peer_hello(std::span<const uint8_t> p, uint16_t version
     h.stream = le::get<uint32_t>(&p[3 * kNameBytes + 4]);
     if (h.kind == ConnKind::Control && h.stream != 0) return bad("control connection with a stream index");
     h.generation = le::get<uint64_t>(&p[3 * kNameBytes + 8]);
+    if (h.generation > kMaxGeneration) return bad("hello announces generation " + std::to_string(h.generation) + ", beyond 2^40");
     std::memcpy(h.nonce.data(), &p[3 * kNameBytes + 16], kNonceBytes);
     if (version >= 7) {
         const uint8_t *x = &p[kPeerHelloBytes];
@@ -162,13 +163,19 @@ Bytes encode_peer_accept(uint64_t generation) {
     return encode_frame(FrameType::PeerAccept, p);
 }
 
+Bytes peer_accept_fields(const PeerAccept &a) {
+    Bytes p(8 + kDigestBytes + kConfigVersionBytes + 8, 0);
+    le::put<uint64_t>(p.data(), a.generation);
+    std::memcpy(p.data() + 8, a.hosts.data(), kDigestBytes);
+    std::memcpy(p.data() + 8 + kDigestBytes, a.config_version.data(), std::min(a.config_version.size(), kConfigVersionBytes - 1));
+    le::put<uint64_t>(p.data() + 8 + kDigestBytes + kConfigVersionBytes, a.instance);
+    return p;
+}
+
 Bytes encode_peer_accept(const PeerAccept &a) {
     if (a.version < 7) return encode_peer_accept(a.generation);
-    uint8_t p[8 + kDigestBytes + kConfigVersionBytes + 8] = {};
-    le::put<uint64_t>(p, a.generation);
-    std::memcpy(p + 8, a.hosts.data(), kDigestBytes);
-    std::memcpy(p + 8 + kDigestBytes, a.config_version.data(), std::min(a.config_version.size(), kConfigVersionBytes - 1));
-    le::put<uint64_t>(p + 8 + kDigestBytes + kConfigVersionBytes, a.instance);
+    Bytes p = peer_accept_fields(a);
+    p.insert(p.end(), a.mac.begin(), a.mac.end());
     Bytes f = encode_frame(FrameType::PeerAccept, p);
     le::put<uint16_t>(&f[4], a.version);
     return f;
@@ -180,15 +187,18 @@ Result<PeerAccept> decode_peer_accept(std::span<const uint8_t> p, uint16_t versi
     if (version < 7) {
         if (auto s = expect_size(p, 8, "peer accept"); !s) return s.error();
         a.generation = le::get<uint64_t>(p.data());
+        if (a.generation > kMaxGeneration) return bad("peer accept announces a generation beyond 2^40");
         return a;
     }
-    if (auto s = expect_size(p, 8 + kDigestBytes + kConfigVersionBytes + 8, "peer accept"); !s) return s.error();
+    if (auto s = expect_size(p, 8 + kDigestBytes + kConfigVersionBytes + 8 + kMacBytes, "peer accept"); !s) return s.error();
     a.generation = le::get<uint64_t>(p.data());
+    if (a.generation > kMaxGeneration) return bad("peer accept announces a generation beyond 2^40");
     std::memcpy(a.hosts.data(), p.data() + 8, kDigestBytes);
     auto cv = get_config_version(p.data() + 8 + kDigestBytes);
     if (!cv) return cv.error();
     a.config_version = *cv;
     a.instance = le::get<uint64_t>(p.data() + 8 + kDigestBytes + kConfigVersionBytes);
+    std::memcpy(a.mac.data(), p.data() + 8 + kDigestBytes + kConfigVersionBytes + 8, kMacBytes);
     return a;
 }
 
@@ -215,6 +225,7 @@ Result<RingReady> decode_ring_ready(std::span<const uint8_t> p) {
     if (auto s = expect_size(p, 16, "ring ready"); !s) return s.error();
     const uint32_t ready = le::get<uint32_t>(&p[8]);
     if (ready > 1 || le::get<uint32_t>(&p[12]) != 0) return bad("ring ready has bad flags");
+    if (le::get<uint64_t>(&p[0]) > kMaxGeneration) return bad("ring ready announces a generation beyond 2^40");
     return RingReady{le::get<uint64_t>(&p[0]), ready == 1};
 }
 
@@ -228,6 +239,7 @@ Result<uint64_t> decode_ring_start(std::span<const uint8_t> p) {
     if (auto s = expect_size(p, 8, "ring start"); !s) return s.error();
     const uint64_t g = le::get<uint64_t>(&p[0]);
     if (g == 0) return bad("ring start with generation 0");
+    if (g > kMaxGeneration) return bad("ring start with a generation beyond 2^40");
     return g;
 }
 

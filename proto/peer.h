@@ -68,15 +68,25 @@ struct PeerHello {
 inline constexpr size_t kPeerHelloBytes = 3 * kNameBytes + 16 + kNonceBytes;  // the fixed part
 inline constexpr size_t kPeerHelloV7Bytes = kDigestBytes + kConfigVersionBytes + 2 * kKeyIdBytes + 8;  // then this
 inline constexpr size_t kMaxDomainBytes = 3072;
+// The largest ring generation a host may announce (hello, accept, RingReady, RingStart): a
+// generation counts ring formations, and agreed incarnations are generation << 24 | counter.
+// Beyond it the frame is refused (a corrupt state file or a forged value would otherwise wrap
+// the counter, and a ring could never form again).
+inline constexpr uint64_t kMaxGeneration = uint64_t{1} << 40;
 
-// The listener's answer: the generation it has seen, and from version 7 what it runs.
+// The listener's answer: the generation it has seen, and from version 7 what it runs, under a
+// MAC: HMAC(secret, "ringd accept" | hello | the fields before the MAC | nonce_l) (zero without a
+// secret), so that nothing in it can be changed on the way (version 6's accept has none).
 struct PeerAccept {
     uint64_t generation = 0;
     uint16_t version = kPeerProtocolVersion;
     HostsDigest hosts{};
     std::string config_version;
     uint64_t instance = 0;
+    Mac mac{};
 };
+// What the accept's MAC covers of it (version 7): its fields before the MAC, as sent.
+Bytes peer_accept_fields(const PeerAccept &a);
 
 struct PeerChallenge {
     Nonce nonce{};

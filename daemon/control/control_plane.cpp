@@ -323,10 +323,15 @@ void ControlPlane::on_conn(uint64_t id, uint32_t events) {
     }
     if (c.state == ConnState::Handshaking) {
         const auto st = c.hs->advance();
-        if (st == PeerHandshake::State::Failed && c.dialer && c.hs->error().code == -EPROTONOSUPPORT &&
-            c.hs->hello().version > proto::kPeerProtocolOldest) {
-            // An older ringd (a rolling upgrade): dialed again at once, one version lower.
+        // An older ringd (a rolling upgrade): it said so, or closed two hellos of this version in a
+        // row (one close may be a host that died meanwhile, or the cap on handshakes in progress).
+        const bool older = st == PeerHandshake::State::Failed && c.dialer && c.hs->error().code == -EPROTONOSUPPORT &&
+                           c.hs->hello().version > proto::kPeerProtocolOldest &&
+                           (!c.hs->closed_at_hello() || ++peers_[c.peer].hello_closes >= 2);
+        if (older) {
+            // Dialed again at once, one version lower.
             Peer &p = peers_[c.peer];
+            p.hello_closes = 0;
             const uint16_t before = p.speaks;
             p.speaks = std::min<uint16_t>(p.speaks, c.hs->hello().version - 1);
             if (p.speaks != before)  // once per peer, not once per stream that was dialing
@@ -489,6 +494,7 @@ void ControlPlane::promote_up(Conn &c, const proto::PeerHello &h, uint64_t peer_
         }
         p.control = id;
         p.dialing = false;
+        p.hello_closes = 0;
         p.protocol = runs.version;
         p.down_since = Clock::time_point::max();
         if (peer < peer_ready_.size()) peer_ready_[peer] = 0;  // it says so again on this connection
@@ -641,6 +647,12 @@ void ControlPlane::conn_failed(uint64_t id, const std::string &why) {
     spdlog::log(repeat ? spdlog::level::debug : spdlog::level::warn, "{}{} connection {} {}: {}", label(),
                 c.dialer || c.state == ConnState::Up ? kind_name(c.kind) : "peer", c.dialer ? "to" : "from", who, why);
     if (c.dialer && c.kind == proto::ConnKind::Control) {
+        if (!c.hs || !c.hs->closed_at_hello()) {
+            // Not an older ringd's way of refusing: the version is tried afresh (a host that
+            // was down may come back upgraded; one that fell back by mistake gets 7 again).
+            peers_[c.peer].hello_closes = 0;
+            peers_[c.peer].speaks = proto::kPeerProtocolVersion;
+        }
         peers_[c.peer].last_error = why;
         peers_[c.peer].next_dial = Clock::now() + kRedial;
         set_state(c.peer, "failed");
@@ -737,6 +749,8 @@ void ControlPlane::heartbeat_now(uint64_t generation) {
 
 void ControlPlane::tick(Clock::time_point now) {
     if (n_ == 1) return;
+    for (auto &p : peers_)  // the clock of hosts_down() starts when this plane runs
+        if (!p.control && p.down_since == Clock::time_point{}) p.down_since = now;
     if (pending_link_failure_ && now >= pending_link_failure_->first) {
         const std::string why = std::move(pending_link_failure_->second);  // abort_ring resets the optional
         abort_ring(why);
@@ -886,8 +900,12 @@ std::vector<std::pair<std::string, std::string>> ControlPlane::hosts_down(Clock:
     std::vector<std::pair<std::string, std::string>> v;
     for (uint32_t i = 0; i < n_; ++i) {
         const Peer &p = peers_[i];
-        if (i == self_ || p.control || p.down_since == Clock::time_point::max() || now - p.down_since < kDownAfter) continue;
-        v.emplace_back(p.host.name, p.last_error.empty() ? (i < self_ ? "it has not connected" : "no answer") : p.last_error);
+        if (i == self_ || p.control || p.down_since == Clock::time_point{} || p.down_since == Clock::time_point::max()) continue;
+        const bool dialed = i > self_;  // the earlier host dials the control connection
+        const Clock::duration after =
+            dialed ? Clock::duration(kDownAfter) : std::max<Clock::duration>(kDownAfter, kMissedHeartbeats * config_.timeouts.heartbeat);
+        if (now - p.down_since < after || (dialed && p.last_error.empty())) continue;
+        v.emplace_back(p.host.name, p.last_error.empty() ? "it has not connected" : p.last_error);
     }
     return v;
 }

@@ -106,9 +106,11 @@ public:
     // none): what the ring runs at; and the peers whose host list differs from this host's.
     uint16_t protocol() const;
     std::vector<std::string> hosts_differ() const;
-    // The hosts of this domain known to be down: no control connection for kDownAfter (since it
-    // ended, or since this plane was made), each with what was last seen of it. A live ringd
-    // dials or answers within that time; one that does not cannot take part in an op.
+    // The hosts of this domain known to be down, each with what was last seen of it: no control
+    // connection (since it ended, or since this plane's first tick) for kDownAfter and a dial to
+    // it failed since (a host this one dials), or for three heartbeats (a host that dials this
+    // one: it redials every half second). A live ringd dials or answers within that time; one that
+    // does not cannot take part in an op.
     static constexpr auto kDownAfter = std::chrono::seconds(1);
     std::vector<std::pair<std::string, std::string>> hosts_down(Clock::time_point now) const;
     // Ring domains on this host: the cap on handshakes per source address scales with them.
@@ -186,10 +188,11 @@ private:
         // The version to dial it at: the newest, until it refused a hello of it (an older ringd);
         // the newest again once its control connection ended (it may come back upgraded).
         uint16_t speaks = proto::kPeerProtocolVersion;
+        uint32_t hello_closes = 0;  // hellos of `speaks` it closed in a row (twice: an older ringd)
         uint16_t protocol = 0;  // its control connection's, once up
         std::string config_version;
         bool hosts_differ = false;
-        Clock::time_point down_since = Clock::now();  // without a control connection since
+        Clock::time_point down_since{};  // without a control connection since ({}: not yet looked)
         uint64_t instance = 0;
     };
     // What the peer said it runs, from its handshake.

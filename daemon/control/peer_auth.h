@@ -34,6 +34,9 @@ public:
 
     // `next` becomes the secret; this one is accepted until `previous_until`.
     void rotate(PeerSecret next, Clock::time_point previous_until);
+    // One of the secrets alone (a handshake keeps the one it chose: a reload meanwhile changes
+    // nothing of it).
+    PeerSecret only(int which) const { return from_bytes(key(which)); }
     // Whether the previous secret is still accepted (its grace has not ended).
     bool has_previous(Clock::time_point now = Clock::now()) const {
         return !previous_.empty() && now < previous_until_;

@@ -9,6 +9,13 @@ namespace {
 
 constexpr std::string_view kDialerRole = "ringd dialer";
 constexpr std::string_view kListenerRole = "ringd listener";
+constexpr std::string_view kAcceptRole = "ringd accept";
+
+proto::Bytes cat(const proto::Bytes &a, const proto::Bytes &b) {
+    proto::Bytes v = a;
+    v.insert(v.end(), b.begin(), b.end());
+    return v;
+}
 
 }  // namespace
 
@@ -71,10 +78,13 @@ PeerHandshake::State PeerHandshake::advance() {
             return fail(f.error().code, f.error().message);
         }
         if (!f && f.error().code == -ECONNRESET && state_ == State::WaitChallenge &&
-            hello_.version > proto::kPeerProtocolOldest)
-            // What a ringd of 6 does with a hello of a later version: it closes the connection.
+            hello_.version > proto::kPeerProtocolOldest) {
+            // What a ringd of 6 does with a hello of a later version: it closes the connection
+            // (so does a host that was killed meanwhile: the caller wants it twice in a row).
+            closed_at_hello_ = true;
             return fail(-EPROTONOSUPPORT, hello_.to + " closed the connection at a version " +
                                               std::to_string(hello_.version) + " hello (a ringd of an older release?)");
+        }
         if (!f) return fail(f.error().code, f.error().message);
         if (!*f) break;
         on_frame(**f);
@@ -121,8 +131,9 @@ PeerHandshake::State PeerHandshake::on_frame(const Frame &f) {
                 return fail(-EACCES, why);
             }
         }
+        chosen_ = secret.only(which_);
         nonce_l_ = random_nonce();
-        const proto::PeerChallenge c{nonce_l_, secret.mac(kListenerRole, hello_payload_, nonce_l_, which_)};
+        const proto::PeerChallenge c{nonce_l_, chosen_.mac(kListenerRole, hello_payload_, nonce_l_)};
         if (auto s = send_all(fd_.get(), proto::encode_peer_challenge(c)); !s) return fail(s.error().code, s.error().message);
         state_ = State::WaitAuth;
         return state_;
@@ -131,12 +142,13 @@ PeerHandshake::State PeerHandshake::on_frame(const Frame &f) {
         if (f.type != proto::FrameType::PeerAuth) return fail(-EPROTO, "expected peer auth");
         auto m = proto::decode_peer_auth(f.payload);
         if (!m) return fail(m.error().code, m.error().message);
-        if (secret.verify(*m, kDialerRole, hello_payload_, nonce_l_) != which_) {
+        if (chosen_.verify(*m, kDialerRole, hello_payload_, nonce_l_) != 0) {
             (void)send_all(fd_.get(), proto::encode_error({-EACCES, "authentication failed"}));
             return fail(-EACCES, "authentication failed: " + hello_.from + " does not prove the shared secret " +
                                      (secret.enabled() ? "(wrong auth.secret_file?)" : "(it has one; this host has none)"));
         }
-        const proto::PeerAccept a{me_.generation, hello_.version, me_.hosts, me_.config_version, me_.instance};
+        proto::PeerAccept a{me_.generation, hello_.version, me_.hosts, me_.config_version, me_.instance, {}};
+        if (a.version >= 7) a.mac = chosen_.mac(kAcceptRole, cat(hello_payload_, proto::peer_accept_fields(a)), nonce_l_);
         if (auto s = send_all(fd_.get(), proto::encode_peer_accept(a)); !s) return fail(s.error().code, s.error().message);
         peer_hosts_ = hello_.hosts;
         peer_config_version_ = hello_.config_version;
@@ -149,11 +161,12 @@ PeerHandshake::State PeerHandshake::on_frame(const Frame &f) {
         auto c = proto::decode_peer_challenge(f.payload);
         if (!c) return fail(c.error().code, c.error().message);
         which_ = secret.verify(c->mac, kListenerRole, hello_payload_, c->nonce);
+        if (which_ >= 0) chosen_ = secret.only(which_);
         if (which_ < 0)
             return fail(-EACCES, "authentication failed: " + hello_.to + " does not prove the shared secret " +
                                      (secret.enabled() ? "(wrong auth.secret_file?)" : "(it has one; this host has none)"));
         nonce_l_ = c->nonce;
-        if (auto s = send_all(fd_.get(), proto::encode_peer_auth(secret.mac(kDialerRole, hello_payload_, nonce_l_, which_))); !s)
+        if (auto s = send_all(fd_.get(), proto::encode_peer_auth(chosen_.mac(kDialerRole, hello_payload_, nonce_l_))); !s)
             return fail(s.error().code, s.error().message);
         state_ = State::WaitAccept;
         return state_;
@@ -165,6 +178,8 @@ PeerHandshake::State PeerHandshake::on_frame(const Frame &f) {
                                      std::to_string(hello_.version));
         auto g = proto::decode_peer_accept(f.payload, f.version);
         if (!g) return fail(g.error().code, g.error().message);
+        if (g->version >= 7 && chosen_.verify(g->mac, kAcceptRole, cat(hello_payload_, proto::peer_accept_fields(*g)), nonce_l_) != 0)
+            return fail(-EACCES, "the peer accept from " + hello_.to + " fails its MAC check (changed on the way?)");
         peer_generation_ = g->generation;
         peer_hosts_ = g->hosts;
         peer_config_version_ = g->config_version;
@@ -180,7 +195,7 @@ PeerHandshake::State PeerHandshake::on_frame(const Frame &f) {
 
 SessionKeys PeerHandshake::keys() const {
     if (state_ != State::Up) return {};
-    return me_.secret->session_keys(dialer_, hello_payload_, nonce_l_, which_);
+    return chosen_.session_keys(dialer_, hello_payload_, nonce_l_);
 }
 
 const char *handshake_state_name(PeerHandshake::State s) {

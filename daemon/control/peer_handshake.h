@@ -64,6 +64,9 @@ public:
     const proto::HostsDigest &peer_hosts() const { return peer_hosts_; }
     const std::string &peer_config_version() const { return peer_config_version_; }
     uint64_t peer_instance() const { return peer_instance_; }
+    // Failed with -EPROTONOSUPPORT because the listener closed the connection at the hello (what
+    // a ringd of an older version does), not because it said so in an Error frame.
+    bool closed_at_hello() const { return closed_at_hello_; }
     UniqueFd take_fd() { return std::move(fd_); }
     // What the reader holds beyond the handshake (a listener may send right after its accept):
     // the connection's reader takes it over.
@@ -87,10 +90,12 @@ private:
     proto::Bytes hello_payload_;  // exact bytes the MACs cover
     proto::Nonce nonce_l_{};
     uint64_t peer_generation_ = 0;
-    int which_ = 0;  // the secret the handshake proved (PeerSecret: 0, or 1 the previous one)
+    int which_ = 0;      // the secret the handshake proved (PeerSecret: 0, or 1 the previous one)
+    PeerSecret chosen_;  // that secret alone (none without auth)
     proto::HostsDigest peer_hosts_{};
     std::string peer_config_version_;
     uint64_t peer_instance_ = 0;
+    bool closed_at_hello_ = false;
 };
 
 const char *handshake_state_name(PeerHandshake::State s);

@@ -100,6 +100,17 @@ TEST_CASE("after every host restarted, the ring's generations go on from where t
     }
     cl = connect_all(c, "after", 1, kSlot);
     run_steps(cl, 7);
+    // A state file that does not hold a generation (here one that would wrap the counter) is
+    // said so and ignored: the ring forms as ever.
+    cl.clear();
+    REQUIRE(c.d[1]->stop() == 0);
+    std::ofstream(c.d[1]->dir() + "/state/generation", std::ios::trunc) << "18446744073709551615\n";
+    c.d[1]->start();
+    REQUIRE(c.d[1]->ready());
+    REQUIRE(c.wait_up({before + 2, before + 2, before + 2}));
+    CHECK_THAT(c.d[1]->log(), Catch::Contains("not a generation number (0 to 2^40); ring generations start afresh"));
+    cl = connect_all(c, "again", 1, kSlot);
+    run_steps(cl, 9);
 }
 
 TEST_CASE("a job restarted on one host only fails clearly on every host and works once the whole job restarted",

@@ -108,7 +108,9 @@ TEST_CASE("the secret rotates host by host while a job runs: no op fails, groups
     steps(after, 200);
 }
 
-TEST_CASE("a reload that cannot read the new secret changes nothing and says why", "[operations][auth]") {
+TEST_CASE("a reload that cannot read the new secret changes nothing and says why; a third secret during a "
+          "rotation's grace is refused, going back to the previous one is not",
+          "[operations][auth]") {
     const std::string dir = make_temp_dir(), secret = dir + "/secret";
     write_secret(secret, "0123456789abcdef-the-secret");
     TestCluster c(2, ClusterOptions{"10s", "", "auth: {secret_file: " + secret + "}\n", "64MiB"});
@@ -124,6 +126,22 @@ TEST_CASE("a reload that cannot read the new secret changes nothing and says why
     CHECK(st["secret"]["previous_key_id"] == "");
     auto cl = connect_all(c, "g", 1, kSlot);
     steps(cl, 1);
+
+    const std::string ringctl = env_or("RINGCTL_BIN", "build/client/ringctl") + " --socket " + c.d[0]->socket();
+    write_secret(secret, "0123456789abcdef-the-second-one");
+    REQUIRE(run_command(ringctl + " reload").exit_code == 0);
+    const std::string second = c.status(0)["secret"]["key_id"].get<std::string>();
+    CHECK(c.status(0)["secret"]["previous_key_id"] == id);
+    write_secret(secret, "0123456789abcdef-a-third-one");
+    auto r = run_command(ringctl + " reload 2>&1");
+    CHECK(r.exit_code == 1);
+    CHECK_THAT(r.output, Catch::Contains("holds a third secret") && Catch::Contains("is in its grace"));
+    CHECK(c.status(0)["secret"]["key_id"] == second);
+    write_secret(secret, "0123456789abcdef-the-secret");  // back to the first: allowed
+    CHECK(run_command(ringctl + " reload").exit_code == 0);
+    CHECK(c.status(0)["secret"]["key_id"] == id);
+    CHECK(c.status(0)["secret"]["previous_key_id"] == second);
+    steps(cl, 5);
 }
 
 TEST_CASE("hosts whose host lists differ say so and name each other", "[operations]") {

@@ -580,9 +580,11 @@ TEST_CASE("peer frame bytes are pinned", "[proto]") {
     std::memset(&bad[kPeerHelloBytes + 8], 'z', kConfigVersionBytes);
     CHECK_THAT(decode_peer_hello(bad, 7).error().message, Catch::Contains("NUL"));
 
-    const PeerAccept a{7, 7, v7.hosts, "0123456789ab", 99};
+    PeerAccept a{7, 7, v7.hosts, "0123456789ab", 99, {}};
+    a.mac[0] = 0xEE;
     const Bytes af = encode_peer_accept(a);
-    REQUIRE(af.size() == kFrameHeaderBytes + 40);
+    REQUIRE(af.size() == kFrameHeaderBytes + 72);
+    CHECK(Bytes(af.begin() + kFrameHeaderBytes, af.begin() + kFrameHeaderBytes + 40) == peer_accept_fields(a));
     CHECK(af[4] == 7);
     auto a7 = decode_peer_accept(payload_of(af), 7);
     REQUIRE(a7.ok());
@@ -590,6 +592,7 @@ TEST_CASE("peer frame bytes are pinned", "[proto]") {
     CHECK(a7->hosts == v7.hosts);
     CHECK(a7->config_version == "0123456789ab");
     CHECK(a7->instance == 99);
+    CHECK(a7->mac == a.mac);
     CHECK(decode_peer_accept(payload_of(encode_peer_accept(7)), 6)->generation == 7);
     CHECK_FALSE(decode_peer_accept(payload_of(af), 6).ok());
 }

@@ -250,3 +250,98 @@ TEST_CASE("sealed control frames: forged, replayed, reordered or cross-connectio
         CHECK_FALSE(open_frame(l.recv, bare).ok());
     }
 }
+
+TEST_CASE("secret rotation: whichever end reloaded, both ends choose one secret they share and derive the same "
+          "keys; a secret the other end does not have is refused naming both key ids",
+          "[handshake]") {
+    const PeerSecret old_only = PeerSecret::from_bytes("0123456789abcdef-the-old-secret");
+    PeerSecret rotated = PeerSecret::from_bytes("0123456789abcdef-the-old-secret");
+    rotated.rotate(PeerSecret::from_bytes("fedcba9876543210-the-new-secret"), Clock::now() + std::chrono::hours(1));
+    const PeerSecret new_only = PeerSecret::from_bytes("fedcba9876543210-the-new-secret");
+    const PeerSecret third = PeerSecret::from_bytes("a-third-secret-nobody-else-has");
+    struct Case {
+        const char *name;
+        const PeerSecret *ds, *ls;
+        uint16_t version;
+        bool up;
+    };
+    const Case cases[] = {
+        {"the listener reloaded", &old_only, &rotated, 7, true},
+        {"the dialer reloaded", &rotated, &old_only, 7, true},
+        {"both reloaded", &rotated, &rotated, 7, true},
+        {"a restarted dialer with the new one only", &new_only, &rotated, 7, true},
+        {"a restarted listener with the new one only", &rotated, &new_only, 7, true},
+        {"after the grace: old against new", &old_only, &new_only, 7, false},
+        {"a third secret", &third, &rotated, 7, false},
+        {"a hello of 6 (no key ids): the listener's current secret", &rotated, &rotated, 6, true},
+    };
+    for (const Case &k : cases) {
+        INFO(k.name);
+        auto [c, s] = test::tcp_pair(true);
+        PeerIdentity a{"demo", "node0", 1, k.ds, {}}, b{"demo", "node1", 1, k.ls, {}};
+        auto d = PeerHandshake::dial(std::move(c), a, "node1", proto::ConnKind::Control, 0, k.version);
+        auto l = PeerHandshake::listen(std::move(s), b, accept_node0);
+        drive(d, l);
+        CHECK((d.state() == State::Up) == k.up);
+        CHECK((l.state() == State::Up) == k.up);
+        if (k.up) {
+            CHECK(d.version() == k.version);
+            const SessionKeys dk = d.keys(), lk = l.keys();
+            CHECK(dk.send == lk.recv);
+            CHECK(dk.recv == lk.send);
+        } else {
+            CHECK_THAT(l.error().message, Catch::Contains("has another secret (its key id " + key_id_hex(k.ds->key_id(0))));
+            CHECK_THAT(d.error().message, Catch::Contains("has another secret (key id " + key_id_hex(k.ls->key_id(0))));
+        }
+    }
+}
+
+TEST_CASE("a version-7 accept changed on the way fails its MAC check at the dialer", "[handshake]") {
+    const PeerSecret secret = PeerSecret::from_bytes("0123456789abcdef0123456789abcdef");
+    for (const bool tamper : {false, true}) {
+        INFO("tampered: " << tamper);
+        auto [c, s] = test::tcp_pair(true);
+        PeerIdentity a{"demo", "node0", 1, &secret, {}};
+        auto d = PeerHandshake::dial(std::move(c), a, "node1", proto::ConnKind::Control, 0);
+        // The listener's side by hand: the hello, a correct challenge, the auth, then the accept.
+        FrameReader r;
+        auto next = [&]() -> Frame {
+            const auto deadline = Clock::now() + std::chrono::seconds(5);
+            pollfd p{s.get(), POLLIN, 0};
+            while (Clock::now() < deadline) {
+                auto f = r.read(s.get(), proto::kMaxPeerPayload);
+                REQUIRE(f.ok());
+                if (*f) return std::move(**f);
+                ::poll(&p, 1, 100);
+                if (d.state() != State::Up && d.state() != State::Failed) d.advance();
+            }
+            FAIL("no frame");
+            return {};
+        };
+        const Frame hello = next();
+        const proto::Nonce nonce_l{};
+        REQUIRE(send_all(s.get(), proto::encode_peer_challenge({nonce_l, secret.mac("ringd listener", hello.payload, nonce_l)})).ok());
+        (void)next();  // the dialer's auth
+        proto::PeerAccept acc{9, 7, {}, "abc", 5, {}};
+        proto::Bytes covered = hello.payload;
+        const proto::Bytes fields = proto::peer_accept_fields(acc);
+        covered.insert(covered.end(), fields.begin(), fields.end());
+        acc.mac = secret.mac("ringd accept", covered, nonce_l);
+        if (tamper) acc.generation = 1ull << 39;  // what a man in the middle would plant
+        REQUIRE(send_all(s.get(), proto::encode_peer_accept(acc)).ok());
+        const auto deadline = Clock::now() + std::chrono::seconds(5);
+        while (d.state() != State::Up && d.state() != State::Failed && Clock::now() < deadline) {
+            pollfd p{d.fd(), POLLIN, 0};
+            ::poll(&p, 1, 100);
+            d.advance();
+        }
+        if (tamper) {
+            CHECK(d.state() == State::Failed);
+            CHECK_THAT(d.error().message, Catch::Contains("fails its MAC check"));
+        } else {
+            CHECK(d.state() == State::Up);
+            CHECK(d.peer_generation() == 9);
+            CHECK(d.peer_instance() == 5);
+        }
+    }
+}
