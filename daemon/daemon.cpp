@@ -532,6 +532,17 @@ void Daemon::reload() {
         }
     }
     for (const auto &k : changed) {
+        if (k == "hosts") {
+            const bool differs = !(fresh->hosts.size() == config_.hosts.size() &&
+                                   std::equal(fresh->hosts.begin(), fresh->hosts.end(), config_.hosts.begin(),
+                                              [](const HostEntry &a, const HostEntry &b) {
+                                                  return a.name == b.name && a.address == b.address && a.port == b.port;
+                                              }));
+            if (!differs) continue;  // applied by an earlier reload
+            if (const std::string why = apply_hosts(fresh->hosts); why.empty()) applied.push_back("hosts");
+            else pending.push_back("hosts (" + why + ")");
+            continue;
+        }
         if (k == "auth") {
             // The secret (above), and the grace of the next rotation; auth.insecure and
             // auth.data change the connections: at a restart.

@@ -138,6 +138,8 @@ private:
     // The newest ring generation run here, and where it is kept across restarts (daemon_domains.cpp).
     void load_generation();
     void keep_generation(uint64_t g);
+    // A reload's host list (daemon_domains.cpp): "" when applied, else why it waits for a restart.
+    std::string apply_hosts(const std::vector<HostEntry> &next);
     uint64_t generation_kept_ = 0;
     std::string generation_file_;
     bool generation_write_failed_ = false;

@@ -109,6 +109,100 @@ void Daemon::keep_generation(uint64_t g) {
     }
 }
 
+// A reload's host list, applied while ringd runs. Ring domains whose hosts are all still there,
+// at the same addresses and ports and in the same order, keep running (their groups' ops never
+// notice); a domain with a host that left or moved ends, and its groups' ops fail once, naming the
+// change (their ranks reconnect to start them again). The whole ring is made anew over the new
+// list; the groups over every host end as well (their run was agreed over the old hosts), and
+// run over the new list from their ranks' next start. What cannot change this way waits for a
+// restart: this host's own address or port, and a change between one host and several.
+std::string Daemon::apply_hosts(const std::vector<HostEntry> &next) {
+    const std::vector<HostEntry> old = config_.hosts;
+    auto same = [](const HostEntry &a, const HostEntry &b) { return a.name == b.name && a.address == b.address && a.port == b.port; };
+    if (std::equal(old.begin(), old.end(), next.begin(), next.end(), same)) return {};
+    if (old.size() <= 1 && next.size() <= 1) return "a ring of one host takes its host list at a restart";
+    if (old.size() <= 1 || next.size() <= 1) return "a change between one host and several";
+    uint32_t self_new = 0;
+    for (uint32_t j = 0; j < next.size(); ++j)
+        if (next[j].name == host_) self_new = j;
+    if (next[self_new].address != old[self_index_].address || next[self_new].port != old[self_index_].port)
+        return "this host's own address or port";
+    // Old index -> new index for the hosts still there as they were; why each other one is not.
+    std::vector<std::optional<uint32_t>> to(old.size());
+    std::vector<std::string> gone(old.size());
+    for (uint32_t i = 0; i < old.size(); ++i) {
+        gone[i] = "host " + old[i].name + " left the host list";
+        for (uint32_t j = 0; j < next.size(); ++j) {
+            if (next[j].name != old[i].name) continue;
+            if (next[j].address == old[i].address && next[j].port == old[i].port) to[i] = j;
+            else gone[i] = "host " + old[i].name + " moved to " + next[j].address + ":" + std::to_string(next[j].port);
+        }
+    }
+    // Whether a host set (old indices, ring order) is still there, in the same order; why not.
+    auto kept = [&](const std::vector<uint32_t> &hosts, std::vector<uint32_t> &out) -> std::string {
+        out.clear();
+        for (uint32_t i : hosts) {
+            if (!to[i]) return gone[i];
+            if (!out.empty() && *to[i] < out.back()) return "the order of its hosts changed";
+            out.push_back(*to[i]);
+        }
+        return {};
+    };
+    const std::string head = "the host list changed (a reload on host " + host_ + ", config version " + config_version_ + ")";
+    // The domains over part of the ring first: kept (indices remapped below) or ended.
+    std::vector<std::pair<RingDomain *, std::vector<uint32_t>>> keep;
+    std::map<RingDomain *, std::string> ended;
+    for (size_t k = 1; k < domains_.size(); ++k) {
+        if (!domains_[k]) continue;
+        std::vector<uint32_t> m;
+        const std::string why = kept(domains_[k]->members(), m);
+        if (why.empty()) keep.emplace_back(domains_[k].get(), std::move(m));
+        else ended[domains_[k].get()] = head + ": " + why;
+    }
+    if (!domains_.empty() && domains_.front())
+        ended[domains_.front().get()] = head + ": groups over every host run on the new list once their ranks start again";
+    // Their progress threads stop before their groups' ops are failed (nothing writes a slot after).
+    for (auto &[d, why] : ended) {
+        spdlog::warn("ring domain {}: ended: {}", d->key().empty() ? "(every host)" : d->key(), why);
+        unwatch_domain(*d);
+        d->shutdown();
+    }
+    for (const auto &[group, hosts] : groups_.group_hosts()) {
+        auto e = ended.find(domain_of(group));
+        if (e != ended.end()) groups_.end_group(group, e->second, done_);
+    }
+    for (auto it = group_domain_.begin(); it != group_domain_.end();)
+        it = ended.count(it->second) ? group_domain_.erase(it) : std::next(it);
+    for (size_t k = 0; k < domains_.size(); ++k)
+        if (domains_[k] && ended.count(domains_[k].get())) domains_[k].reset();
+    // The new list, and every index into it.
+    std::vector<uint32_t> map(old.size(), UINT32_MAX);
+    for (uint32_t i = 0; i < old.size(); ++i)
+        if (to[i]) map[i] = *to[i];
+    groups_.remap_hosts(map);
+    config_.hosts = next;
+    self_index_ = self_new;
+    gateway_->set_self(self_index_);
+    for (auto &[d, m] : keep) d->hosts_changed(std::move(m));
+    // The whole ring over the new list, in its place ([0]), listening on this host's port again.
+    std::vector<uint32_t> all(next.size());
+    for (uint32_t i = 0; i < all.size(); ++i) all[i] = i;
+    auto d = RingDomain::create(shared_, all);
+    if (!d) {
+        spdlog::critical("reload: cannot make the ring over the new host list: {}", d.error().message);
+        return {};  // the host list is applied; the ring is what failed (status and log say why)
+    }
+    if (domains_.empty()) domains_.emplace_back();
+    if (auto s = watch_domain(**d, 0); !s) spdlog::critical("reload: {}", s.error().message);
+    domains_[0] = std::move(*d);
+    size_t live = 0;
+    for (auto &x : domains_) live += x != nullptr;
+    domains_.front()->control().set_domains(live);
+    spdlog::warn("reload: the host list is now {} host(s) ({} kept ring domain(s), {} ended)", next.size(), keep.size(),
+                 ended.size());
+    return {};
+}
+
 Result<RingDomain *> Daemon::domain_for(const std::vector<uint32_t> &hosts) {
     if (RingDomain *d = find_domain(hosts)) return d;
     size_t live = 0;

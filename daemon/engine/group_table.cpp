@@ -288,6 +288,38 @@ void GroupTable::finished(uint64_t op_id, int32_t status, const std::string &mes
     }
 }
 
+void GroupTable::remap_hosts(const std::vector<uint32_t> &to) {
+    for (auto &[name, g] : groups_) {
+        std::vector<uint32_t> hosts;
+        for (uint32_t h : g.hosts)  // a host gone (an ended group's) is dropped
+            if (h < to.size() && to[h] != UINT32_MAX) hosts.push_back(to[h]);
+        g.hosts = std::move(hosts);
+    }
+}
+
+void GroupTable::end_group(const std::string &group, const std::string &message, std::vector<Completion> &out) {
+    auto git = groups_.find(group);
+    if (git == groups_.end()) return;
+    Group &g = git->second;
+    while (!g.pending.empty()) {
+        const uint64_t seq = g.pending.begin()->first;
+        fail_seq(g, seq, -ECONNABORTED, "group " + g.name + " op " + std::to_string(seq) + ": " + message, out);
+    }
+    for (auto &[op_id, r] : g.running) {
+        for (MemberId m : r.members) out.push_back({m, r.seq, -ECONNABORTED, "group " + g.name + " op " + std::to_string(r.seq) + ": " + message});
+        ++g.ops_failed;
+        ++totals_.ops_failed;
+    }
+    g.running.clear();
+    if (g.broken.empty()) g.broken = message + "; every rank of the group must reconnect";
+}
+
+std::vector<std::pair<std::string, std::vector<uint32_t>>> GroupTable::group_hosts() const {
+    std::vector<std::pair<std::string, std::vector<uint32_t>>> v;
+    for (const auto &[name, g] : groups_) v.emplace_back(name, g.hosts);
+    return v;
+}
+
 void GroupTable::fail_everything(const std::string &message, std::vector<Completion> &out) {
     for (auto &[name, g] : groups_) {
         while (!g.pending.empty()) fail_seq(g, g.pending.begin()->first, -ESHUTDOWN, message, out);

@@ -120,6 +120,15 @@ public:
     const OpMetrics &op_metrics() const { return metrics_; }
     // Shutdown: every pending and running op fails with `message`.
     void fail_everything(const std::string &message, std::vector<Completion> &out);
+    // A reload changed the host list (Daemon::apply_hosts). remap_hosts: every group's hosts as
+    // indices into the new list (`to[i]`: old index i's new one, UINT32_MAX: gone, dropped from
+    // the group's hosts; the caller ends the groups that had one). end_group: the group's pending and running ops (their ring
+    // domain is gone, its progress thread stopped) fail with `message`, and it refuses new ops
+    // until its ranks reconnect, as after a departure.
+    void remap_hosts(const std::vector<uint32_t> &to);
+    void end_group(const std::string &group, const std::string &message, std::vector<Completion> &out);
+    // Every group here with its hosts (config indices; empty: every host).
+    std::vector<std::pair<std::string, std::vector<uint32_t>>> group_hosts() const;
 
     std::vector<GroupSummary> summaries() const;
     std::vector<MatchingOp> matching(Clock::time_point now) const;

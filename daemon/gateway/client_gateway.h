@@ -34,6 +34,8 @@ public:
     // ringctl drain: the host takes no new groups (joins that would start one are refused, naming
     // the drain); groups running here go on.
     bool drained() const { return drained_; }
+    // This host's index in the config's host list (a reload may move it).
+    void set_self(uint32_t self) { self_ = self; }
     struct Hooks {
         // Watch fd for input; `doorbell` tells a client's doorbell from its socket.
         std::function<Status(int fd, MemberId id, bool doorbell)> watch;

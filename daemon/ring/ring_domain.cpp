@@ -626,6 +626,11 @@ void RingDomain::tick(Clock::time_point now) {
     }
 }
 
+void RingDomain::hosts_changed(std::vector<uint32_t> members) {
+    members_ = std::move(members);
+    control_->set_identity(hosts_digest(sh_.config->hosts), sh_.config_version, sh_.instance);
+}
+
 void RingDomain::shutdown() {
     for (auto &l : lanes_) {
         l->engine->ring_down(local_generation_);  // a ring op in progress returns at once

@@ -90,6 +90,9 @@ public:
 
     const std::string &key() const { return key_; }  // PeerHello::domain: "" for the whole ring
     const std::vector<uint32_t> &members() const { return members_; }
+    // A reload changed the host list but not this domain's hosts: their indices in the new list
+    // (the same hosts, in the same order), and what the handshakes say this host runs.
+    void hosts_changed(std::vector<uint32_t> members);
     bool whole_ring() const { return key_.empty(); }
     int control_fd() const { return control_->fd(); }
     uint32_t lanes() const { return static_cast<uint32_t>(lanes_.size()); }

@@ -59,7 +59,7 @@ nlohmann::json Daemon::status_doc(uint32_t viewer) const {
         json v = json::array();
         if (hosts.empty())
             for (const auto &h : config_.hosts) v.push_back(h.name);
-        for (uint32_t i : hosts) v.push_back(config_.hosts[i].name);
+        for (uint32_t i : hosts) v.push_back(i < config_.hosts.size() ? config_.hosts[i].name : "?");
         return v;
     };
     std::set<std::string> mine;  // the groups `viewer` may see

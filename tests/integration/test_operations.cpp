@@ -167,3 +167,106 @@ TEST_CASE("hosts whose host lists differ say so and name each other", "[operatio
         run_command(env_or("RINGCTL_BIN", "build/client/ringctl") + " --socket " + c.d[0]->socket() + " status").output;
     CHECK_THAT(human, Catch::Contains("HOST LISTS DIFFER: the hosts: of node2 differ from this host's"));
 }
+
+namespace {
+
+// The `hosts:` block of a config file replaced by `hosts` (name, port on 127.0.0.1).
+void set_hosts(const std::string &config, const std::vector<std::pair<std::string, int>> &hosts) {
+    std::string text = read_file(config), block = "hosts:\n";
+    for (const auto &[name, port] : hosts) block += "  - {name: " + name + ", address: 127.0.0.1, port: " + std::to_string(port) + "}\n";
+    const size_t at = text.find("hosts:\n");
+    size_t end = at + 7;
+    while (text.compare(end, 4, "  - ") == 0) end = text.find('\n', end) + 1;
+    std::ofstream(config, std::ios::trunc) << text.replace(at, end - at, block);
+}
+
+json reload_host(Daemon &d) {
+    const auto r = run_command(env_or("RINGCTL_BIN", "build/client/ringctl") + " --socket " + d.socket() + " reload 2>&1");
+    INFO(r.output);
+    CHECK(r.exit_code == 0);
+    return json::parse(*fetch_status(d.socket()));
+}
+
+}  // namespace
+
+TEST_CASE("host lists change by reload: a host added joins the ring while a job on two others runs; a host "
+          "removed ends its groups, named, and nobody else's",
+          "[operations][hosts]") {
+    const std::string dir = make_temp_dir(), secret = dir + "/secret";
+    write_secret(secret, "0123456789abcdef-hosts-secret");
+    const std::string auth = "auth: {secret_file: " + secret + "}\n";
+    TestCluster c(3, ClusterOptions{"10s", "", auth, "64MiB"});
+    REQUIRE(c.wait_up());
+    const auto port = [&](int i) { return c.port(static_cast<uint32_t>(i)); };
+    std::vector<std::pair<std::string, int>> four = {{"node0", port(0)}, {"node1", port(1)}, {"node2", port(2)}, {"node3", port(3)}};
+    // node3 comes with the list of four; the others learn of it by reload.
+    DaemonOptions o3;
+    o3.host = "node3";
+    o3.hosts_yaml = "hosts:\n";
+    for (const auto &[name, p] : four) o3.hosts_yaml += "  - {name: " + name + ", address: 127.0.0.1, port: " + std::to_string(p) + "}\n";
+    o3.op_timeout = "10s";
+    o3.extra_yaml = "tcp: {streams: 2}\n" + auth;
+    auto node3 = std::make_unique<Daemon>(o3);
+    REQUIRE(node3->ready());
+
+    auto pair = connect_on(c, "pair01", {0, 1}, {1, 1}, "node0,node1", kSlot);  // runs throughout
+    auto pair12 = connect_on(c, "pair12", {1, 2}, {1, 1}, "node1,node2", kSlot);
+    auto all3 = connect_all(c, "all3", 1, kSlot);
+    steps(pair, 1);
+    steps(pair12, 3);
+    steps(all3, 5);
+    uint64_t seed = 10;
+    for (uint32_t h = 0; h < 3; ++h) {
+        INFO("reload on node" << h);
+        set_hosts(c.d[h]->dir() + "/ringd.yaml", four);
+        const json st = reload_host(*c.d[h]);
+        CHECK_THAT(st["config"]["last_reload"].get<std::string>(), Catch::Contains("applied: hosts"));
+        CHECK(st["config"]["pending_restart"].empty());
+        steps(pair, seed += 10);
+    }
+    // The ring of four forms; the group over every host of the old ring ended, named.
+    Clients four_ranks;
+    for (int i = 0; i < 200; ++i) {
+        bool up = node3->alive();
+        for (uint32_t h = 0; h < 3; ++h) up = up && c.status(h)["ring"]["state"] == "up" && c.status(h)["ring"]["size"] == 4;
+        if (up) break;
+        std::this_thread::sleep_for(50ms);
+    }
+    for (uint32_t h = 0; h < 3; ++h) CHECK(c.status(h)["ring"]["size"] == 4);
+    {
+        const uint64_t t = all3[0]->submit(bench::kGuardBytes, 1000, RINGD_F32, RINGD_SUM);
+        CHECK(ringd_wait(all3[0]->get(), t, 10000) != 0);
+        CHECK_THAT(std::string(ringd_last_error(all3[0]->get())),
+                   Catch::Contains("the host list changed (a reload on host node0"));
+    }
+    all3.clear();
+    for (uint32_t h = 0; h < 3; ++h)
+        four_ranks.push_back(std::make_unique<Client>(c.d[h]->socket(), "all4", 0, 1, kSlot, ""));
+    four_ranks.push_back(std::make_unique<Client>(node3->socket(), "all4", 0, 1, kSlot, ""));
+    steps(four_ranks, 50);
+    steps(pair, 60);
+    steps(pair12, 70);  // its hosts kept their places
+    auto pair03 = connect_on(c, "pair13", {1}, {1}, "node1,node3", kSlot);
+    pair03.push_back(std::make_unique<Client>(node3->socket(), "pair13", 0, 1, kSlot, "node1,node3"));
+    steps(pair03, 80);
+
+    // node2 leaves the list: its groups end on the others, named; node3 moves from index 3 to 2,
+    // and the group over node1 and node3 goes on.
+    four_ranks.clear();
+    const std::vector<std::pair<std::string, int>> three = {{"node0", port(0)}, {"node1", port(1)}, {"node3", port(3)}};
+    for (Daemon *d : {c.d[0].get(), c.d[1].get(), node3.get()}) {
+        set_hosts(d->dir() + "/ringd.yaml", three);
+        reload_host(*d);
+        steps(pair, seed += 10);
+        steps(pair03, seed += 10);
+    }
+    const uint64_t t = pair12[0]->submit(bench::kGuardBytes, 1000, RINGD_F32, RINGD_SUM);
+    CHECK(ringd_wait(pair12[0]->get(), t, 10000) != 0);
+    CHECK_THAT(std::string(ringd_last_error(pair12[0]->get())), Catch::Contains("host node2 left the host list"));
+    for (uint32_t h : {0u, 1u}) CHECK(c.group(h, "pair01")["ops_failed"] == 0);
+    CHECK(c.group(1, "pair13")["ops_failed"] == 0);
+    Clients again;
+    for (uint32_t h = 0; h < 2; ++h) again.push_back(std::make_unique<Client>(c.d[h]->socket(), "all-after", 0, 1, kSlot, ""));
+    again.push_back(std::make_unique<Client>(node3->socket(), "all-after", 0, 1, kSlot, ""));
+    steps(again, 90);
+}

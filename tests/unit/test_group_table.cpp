@@ -220,3 +220,32 @@ TEST_CASE_METHOD(Fixture, "a started op that ends without a path is counted as '
     CHECK(table.op_metrics().series("g", "none")->failed == 1);
     CHECK_FALSE(table.op_metrics().durations().count("none"));
 }
+
+TEST_CASE_METHOD(Fixture, "a reload's host list: groups' hosts remapped, a gone host dropped; an ended group fails its "
+                          "pending and running ops with the reason and refuses new ones until its ranks reconnect",
+                 "[group]") {
+    REQUIRE(table.join(1, "kept", 0, 1, 0, {1, 3}).ok());
+    REQUIRE(table.join(2, "ended", 0, 2, 0, {1, 2}).ok());
+    REQUIRE(table.join(3, "ended", 1, 2, 0, {1, 2}).ok());
+    // A running op (both ranks submitted) and a pending one (one rank).
+    table.submit(2, sub(1), t0, out, ready);
+    table.submit(3, sub(1, 16, DType::F32, ReduceOp::Sum, 64), t0, out, ready);
+    REQUIRE(ready.size() == 1);
+    table.submit(2, sub(2), t0, out, ready);
+    table.remap_hosts({0, 1, UINT32_MAX, 2});  // host 2 left, host 3 is now 2
+    CHECK(*table.hosts_of("kept") == std::vector<uint32_t>{1, 2});
+    CHECK(*table.hosts_of("ended") == std::vector<uint32_t>{1});
+    table.end_group("ended", "the host list changed: host c left the host list", out);
+    // Op 1 on both ranks, op 2 on the rank that submitted it.
+    REQUIRE(out.size() == 3);
+    for (const auto &c : out) {
+        CHECK(c.status == -ECONNABORTED);
+        CHECK_THAT(c.message, Catch::Contains("the host list changed: host c left the host list"));
+    }
+    out.clear();
+    table.submit(3, sub(2, 16, DType::F32, ReduceOp::Sum, 64), t0, out, ready);
+    REQUIRE(out.size() == 1);
+    CHECK_THAT(out[0].message, Catch::Contains("the host list changed") && Catch::Contains("every rank of the group must reconnect"));
+    table.finished(ready[0].op_id, 0, "", out);  // its domain is gone: a late result changes nothing
+    CHECK(table.summaries().size() == 2);
+}
