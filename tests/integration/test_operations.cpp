@@ -52,8 +52,9 @@ TEST_CASE("the secret rotates host by host while a job runs: no op fails, groups
     REQUIRE(c.wait_up());
     for (uint32_t h = 0; h < c.n; ++h) CHECK(c.status(h)["ring"]["protocol"] == 7);
     const std::string old_id = c.status(0)["secret"]["key_id"].get<std::string>();
-    auto job = connect_all(c, "steady", 1, kSlot);
-    steps(job, 1);
+    // The job over every host loops on its own thread through the whole rotation.
+    LoopingJob job(connect_all(c, "steady", 1, kSlot));
+    REQUIRE(job_moves(job));
 
     // The new secret is written on every host (one file here), then the hosts reload one by one.
     write_secret(secret, new_secret);
@@ -68,7 +69,7 @@ TEST_CASE("the secret rotates host by host while a job runs: no op fails, groups
         CHECK(st["secret"]["key_id"] != old_id);
         // The job's connections stay; a group over two hosts makes new ones, whose handshakes
         // need a secret both hosts accept (until the last reload, the old one).
-        steps(job, seed += 10);
+        REQUIRE(job_moves(job));
         const uint32_t a = pair == "node1,node2" ? 1 : 0, b = pair == "node0,node1" ? 1 : 2;
         auto pairwise = connect_on(c, "pair" + std::to_string(h), {a, b}, {1, 1}, pair, kSlot);
         allreduce_checked(pairwise, DType::F64, ReduceOp::Sum, 300000, seed + 5);
@@ -89,8 +90,12 @@ TEST_CASE("the secret rotates host by host while a job runs: no op fails, groups
     // comes back with the old one is refused by both others, named with the key ids.
     std::this_thread::sleep_for(6500ms);
     for (uint32_t h = 0; h < c.n; ++h) CHECK(c.status(h)["secret"]["previous_key_id"] == "");
-    steps(job, 100);
-    job.clear();
+    REQUIRE(job_moves(job));
+    const LoopingJob::Counts k = job.stop();
+    INFO(k.last_error);
+    CHECK(k.failed == 0);
+    CHECK(k.wrong == 0);
+    CHECK(k.guard == 0);
     REQUIRE(c.d[2]->stop() == 0);
     write_secret(secret, old_secret);
     c.d[2]->start();
@@ -209,12 +214,13 @@ TEST_CASE("host lists change by reload: a host added joins the ring while a job 
     auto node3 = std::make_unique<Daemon>(o3);
     REQUIRE(node3->ready());
 
-    auto pair = connect_on(c, "pair01", {0, 1}, {1, 1}, "node0,node1", kSlot);  // runs throughout
+    // The job over node0 and node1 loops on its own thread through every reload below.
+    LoopingJob pair(connect_on(c, "pair01", {0, 1}, {1, 1}, "node0,node1", kSlot));
     auto pair12 = connect_on(c, "pair12", {1, 2}, {1, 1}, "node1,node2", kSlot);
     auto all3 = connect_all(c, "all3", 1, kSlot);
-    steps(pair, 1);
     steps(pair12, 3);
     steps(all3, 5);
+    REQUIRE(job_moves(pair));
     uint64_t seed = 10;
     for (uint32_t h = 0; h < 3; ++h) {
         INFO("reload on node" << h);
@@ -222,7 +228,7 @@ TEST_CASE("host lists change by reload: a host added joins the ring while a job 
         const json st = reload_host(*c.d[h]);
         CHECK_THAT(st["config"]["last_reload"].get<std::string>(), Catch::Contains("applied: hosts"));
         CHECK(st["config"]["pending_restart"].empty());
-        steps(pair, seed += 10);
+        REQUIRE(job_moves(pair));
     }
     // The ring of four forms; the group over every host of the old ring ended, named.
     Clients four_ranks;
@@ -244,7 +250,7 @@ TEST_CASE("host lists change by reload: a host added joins the ring while a job 
         four_ranks.push_back(std::make_unique<Client>(c.d[h]->socket(), "all4", 0, 1, kSlot, ""));
     four_ranks.push_back(std::make_unique<Client>(node3->socket(), "all4", 0, 1, kSlot, ""));
     steps(four_ranks, 50);
-    steps(pair, 60);
+    REQUIRE(job_moves(pair));
     steps(pair12, 70);  // its hosts kept their places
     auto pair03 = connect_on(c, "pair13", {1}, {1}, "node1,node3", kSlot);
     pair03.push_back(std::make_unique<Client>(node3->socket(), "pair13", 0, 1, kSlot, "node1,node3"));
@@ -257,12 +263,18 @@ TEST_CASE("host lists change by reload: a host added joins the ring while a job 
     for (Daemon *d : {c.d[0].get(), c.d[1].get(), node3.get()}) {
         set_hosts(d->dir() + "/ringd.yaml", three);
         reload_host(*d);
-        steps(pair, seed += 10);
+        REQUIRE(job_moves(pair));
         steps(pair03, seed += 10);
     }
     const uint64_t t = pair12[0]->submit(bench::kGuardBytes, 1000, RINGD_F32, RINGD_SUM);
     CHECK(ringd_wait(pair12[0]->get(), t, 10000) != 0);
     CHECK_THAT(std::string(ringd_last_error(pair12[0]->get())), Catch::Contains("host node2 left the host list"));
+    const LoopingJob::Counts k = pair.stop();
+    INFO(k.last_error);
+    CHECK(k.ops >= 30);
+    CHECK(k.failed == 0);  // not one op of the job on the untouched hosts failed
+    CHECK(k.wrong == 0);
+    CHECK(k.guard == 0);
     for (uint32_t h : {0u, 1u}) CHECK(c.group(h, "pair01")["ops_failed"] == 0);
     CHECK(c.group(1, "pair13")["ops_failed"] == 0);
     Clients again;

@@ -242,6 +242,73 @@ inline void allreduce_checked(Clients &cl, DType t, ReduceOp op, size_t count, u
     wait_checked(cl, submit_checked(cl, t, op, count, seed));
 }
 
+// A job that loops on a thread of its own while the test changes the ring under it: a ring op
+// (600 000 f32) and a direct one (1000 f32) after another, every value and the guard bytes of
+// every rank checked here. It counts instead of asserting (Catch is not thread-safe); the test
+// checks the counts once it stopped the job.
+class LoopingJob {
+public:
+    struct Counts {
+        uint64_t ops = 0, failed = 0, wrong = 0, guard = 0;
+        std::string last_error;
+    };
+    explicit LoopingJob(Clients cl) : cl_(std::move(cl)), thread_([this] { run(); }) {}
+    ~LoopingJob() { (void)stop(); }
+    LoopingJob(const LoopingJob &) = delete;
+    LoopingJob &operator=(const LoopingJob &) = delete;
+    // Ends the op under way, then the loop; what it counted.
+    Counts stop() {
+        stop_ = true;
+        if (thread_.joinable()) thread_.join();
+        return counts_;
+    }
+    uint64_t ops() const { return ops_.load(); }
+
+private:
+    void run() {
+        for (uint64_t seed = 1; !stop_; ++seed)
+            for (const size_t count : {size_t{600000}, size_t{1000}}) {
+                const size_t n = cl_.size();
+                std::vector<bench::GuardedRange> range(n);
+                std::vector<uint64_t> tickets(n);
+                for (size_t g = 0; g < n; ++g) {
+                    range[g] = rank_range(*cl_[g], g, DType::F32, count, seed);
+                    range[g].prepare(cl_[g]->slot().data(), g);
+                }
+                for (size_t g = 0; g < n; ++g) tickets[g] = cl_[g]->submit(range[g].offset, count, RINGD_F32, RINGD_SUM);
+                bool ok = true;
+                for (size_t g = 0; g < n; ++g)
+                    if (ringd_wait(cl_[g]->get(), tickets[g], 20000) != 0) {
+                        ok = false;
+                        ++counts_.failed;
+                        counts_.last_error = ringd_last_error(cl_[g]->get());
+                    }
+                if (ok)
+                    for (size_t g = 0; g < n; ++g) {
+                        const auto v = range[g].check(cl_[g]->slot().data(), ReduceOp::Sum, n);
+                        counts_.wrong += v.wrong;
+                        counts_.guard += v.guard;
+                    }
+                ++counts_.ops;
+                ++ops_;
+                if (!ok) return;  // its ranks must reconnect; the test says what it expected
+            }
+    }
+    Clients cl_;
+    Counts counts_;
+    std::atomic<bool> stop_{false};
+    std::atomic<uint64_t> ops_{0};
+    std::thread thread_;
+};
+
+// Waits until a looping job ran `more` ops after now (it goes on while the ring changes).
+inline bool job_moves(const LoopingJob &job, uint64_t more = 4, std::chrono::milliseconds limit = 20s) {
+    const uint64_t target = job.ops() + more;
+    const auto deadline = Clock::now() + limit;
+    while (job.ops() < target && Clock::now() < deadline) std::this_thread::sleep_for(5ms);
+    return job.ops() >= target;
+}
+
 // A large op's progress seen from one rank's slot: the input at sample positions, and how many
 // of them hold something else (the ring writes partial and final results into the slot as
 // chunks arrive). Reads race with the daemon on purpose; only whether a value changed counts.
