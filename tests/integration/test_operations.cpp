@@ -31,6 +31,13 @@ void steps(Clients &cl, uint64_t seed) {
     allreduce_checked(cl, DType::I32, ReduceOp::Max, 1000, seed + 1);
 }
 
+// Namespace hosts where this machine allows them (root), else 127.0.0.1 with a port each.
+std::unique_ptr<NetnsHosts> namespace_hosts(uint32_t n) {
+    if (NetnsHosts::available()) return std::make_unique<NetnsHosts>(n);
+    WARN("no network namespaces here (not root?): hosts on 127.0.0.1");
+    return nullptr;
+}
+
 bool log_has(TestCluster &c, uint32_t h, const std::string &text, std::chrono::milliseconds limit = 5s) {
     const auto deadline = Clock::now() + limit;
     while (Clock::now() < deadline) {
@@ -48,7 +55,10 @@ TEST_CASE("the secret rotates host by host while a job runs: no op fails, groups
     const std::string dir = make_temp_dir(), secret = dir + "/secret";
     const std::string old_secret = "0123456789abcdef-old-secret", new_secret = "fedcba9876543210-new-secret";
     write_secret(secret, old_secret);
-    TestCluster c(3, ClusterOptions{"10s", "", "auth: {secret_file: " + secret + ", rotation_grace: 6s}\n", "64MiB"});
+    const auto hosts = namespace_hosts(3);
+    ClusterOptions o{"10s", "", "auth: {secret_file: " + secret + ", rotation_grace: 6s}\n", "64MiB"};
+    o.netns = hosts.get();
+    TestCluster c(3, o);
     REQUIRE(c.wait_up());
     for (uint32_t h = 0; h < c.n; ++h) CHECK(c.status(h)["ring"]["protocol"] == 7);
     const std::string old_id = c.status(0)["secret"]["key_id"].get<std::string>();
@@ -175,10 +185,24 @@ TEST_CASE("hosts whose host lists differ say so and name each other", "[operatio
 
 namespace {
 
-// The `hosts:` block of a config file replaced by `hosts` (name, port on 127.0.0.1).
-void set_hosts(const std::string &config, const std::vector<std::pair<std::string, int>> &hosts) {
-    std::string text = read_file(config), block = "hosts:\n";
-    for (const auto &[name, port] : hosts) block += "  - {name: " + name + ", address: 127.0.0.1, port: " + std::to_string(port) + "}\n";
+// A host of a list: name, address, port (TestCluster's host i, also one it does not run).
+struct Entry {
+    std::string name, address;
+    int port = 0;
+};
+Entry entry(const TestCluster &c, uint32_t i) {
+    return {"node" + std::to_string(i), c.netns ? c.netns->address(i) : "127.0.0.1", c.netns ? 7400 : c.base_port + static_cast<int>(i)};
+}
+std::string hosts_block(const std::vector<Entry> &hosts) {
+    std::string block = "hosts:\n";
+    for (const auto &h : hosts)
+        block += "  - {name: " + h.name + ", address: " + h.address + ", port: " + std::to_string(h.port) + "}\n";
+    return block;
+}
+
+// The `hosts:` block of a config file replaced by `hosts`.
+void set_hosts(const std::string &config, const std::vector<Entry> &hosts) {
+    std::string text = read_file(config), block = hosts_block(hosts);
     const size_t at = text.find("hosts:\n");
     size_t end = at + 7;
     while (text.compare(end, 4, "  - ") == 0) end = text.find('\n', end) + 1;
@@ -200,16 +224,18 @@ TEST_CASE("host lists change by reload: a host added joins the ring while a job 
     const std::string dir = make_temp_dir(), secret = dir + "/secret";
     write_secret(secret, "0123456789abcdef-hosts-secret");
     const std::string auth = "auth: {secret_file: " + secret + "}\n";
-    TestCluster c(3, ClusterOptions{"10s", "", auth, "64MiB"});
+    const auto hosts = namespace_hosts(4);  // node3's is there from the start, unused until it runs
+    ClusterOptions co{"10s", "", auth, "64MiB"};
+    co.netns = hosts.get();
+    TestCluster c(3, co);
     REQUIRE(c.wait_up());
-    const auto port = [&](int i) { return c.port(static_cast<uint32_t>(i)); };
-    std::vector<std::pair<std::string, int>> four = {{"node0", port(0)}, {"node1", port(1)}, {"node2", port(2)}, {"node3", port(3)}};
+    const std::vector<Entry> four = {entry(c, 0), entry(c, 1), entry(c, 2), entry(c, 3)};
     // node3 comes with the list of four; the others learn of it by reload.
     DaemonOptions o3;
     o3.host = "node3";
-    o3.hosts_yaml = "hosts:\n";
-    for (const auto &[name, p] : four) o3.hosts_yaml += "  - {name: " + name + ", address: 127.0.0.1, port: " + std::to_string(p) + "}\n";
+    o3.hosts_yaml = hosts_block(four);
     o3.op_timeout = "10s";
+    if (hosts) o3.netns = hosts->ns(3);
     o3.extra_yaml = "tcp: {streams: 2}\n" + auth;
     auto node3 = std::make_unique<Daemon>(o3);
     REQUIRE(node3->ready());
@@ -259,7 +285,7 @@ TEST_CASE("host lists change by reload: a host added joins the ring while a job 
     // node2 leaves the list: its groups end on the others, named; node3 moves from index 3 to 2,
     // and the group over node1 and node3 goes on.
     four_ranks.clear();
-    const std::vector<std::pair<std::string, int>> three = {{"node0", port(0)}, {"node1", port(1)}, {"node3", port(3)}};
+    const std::vector<Entry> three = {entry(c, 0), entry(c, 1), entry(c, 3)};
     for (Daemon *d : {c.d[0].get(), c.d[1].get(), node3.get()}) {
         set_hosts(d->dir() + "/ringd.yaml", three);
         reload_host(*d);

@@ -16,6 +16,7 @@
 #include "common/status_client.h"
 #include "ringd/ringd.hpp"
 #include "tests/support/harness.h"
+#include "tests/support/netns.h"
 
 namespace ringd::test {
 
@@ -36,6 +37,9 @@ struct ClusterOptions {
     uint32_t relayed = UINT32_MAX;
     int relay_port = 0;
     std::string bin{};  // the ringd every host runs; empty: $RINGD_BIN
+    // Hosts as network namespaces (its first n hosts), each ringd at its own address, port 7400;
+    // null: 127.0.0.1, a port each.
+    const NetnsHosts *netns = nullptr;
 };
 
 struct TestCluster {
@@ -47,10 +51,12 @@ struct TestCluster {
         base_port = 10000 + static_cast<int>((::getpid() * 17) % 20000);  // below the ephemeral range
         // One secret for the cluster (multi-host daemons need one), unless the test sets auth itself.
         const std::string auth = o.extra_yaml.find("auth:") == std::string::npos ? secret_yaml(o.uid, o.gid) : "";
+        netns = o.netns;
+        if (netns) REQUIRE(netns->size() >= n);
         auto hosts_yaml = [&](uint32_t self) {
             std::string yaml = "hosts:\n";
             for (uint32_t i = 0; i < n; ++i)
-                yaml += "  - {name: node" + std::to_string(i) + ", address: 127.0.0.1, port: " +
+                yaml += "  - {name: node" + std::to_string(i) + ", address: " + address(i) + ", port: " +
                         std::to_string(i == o.relayed && i != self ? o.relay_port : port(i)) + "}\n";
             return yaml;
         };
@@ -64,6 +70,7 @@ struct TestCluster {
             opt.uid = o.uid;
             opt.gid = o.gid;
             opt.bin = o.bin;
+            if (netns) opt.netns = netns->ns(i);
             opt.extra_yaml = "tcp: {streams: 2}\n" + auth + o.extra_yaml;
             d.push_back(std::make_unique<Daemon>(opt));
             REQUIRE(d.back()->ready());
@@ -72,7 +79,10 @@ struct TestCluster {
     TestCluster(uint32_t hosts, const std::string &op_timeout, const std::string &extra_yaml = "")
         : TestCluster(hosts, ClusterOptions{op_timeout, "", extra_yaml, "64MiB"}) {}
 
-    int port(uint32_t i) const { return base_port + static_cast<int>(i); }
+    const NetnsHosts *netns = nullptr;
+    // Where host i listens: its namespace's address and port 7400, or 127.0.0.1 and a port of its own.
+    int port(uint32_t i) const { return netns ? 7400 : base_port + static_cast<int>(i); }
+    std::string address(uint32_t i) const { return netns ? netns->address(i) : "127.0.0.1"; }
 
     json status(uint32_t i) {
         auto s = fetch_status(d[i]->socket());

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <fcntl.h>
+#include <sched.h>
 #include <grp.h>
 #include <poll.h>
 #include <signal.h>
@@ -163,6 +164,7 @@ struct DaemonOptions {
     uid_t uid = 0;                  // run the daemon as this uid/gid (no supplementary groups); 0: as the test
     gid_t gid = 0;
     std::string bin;                // the ringd to run; empty: $RINGD_BIN
+    std::string netns;              // the network namespace it runs in (tests/support/netns.h); empty: this one
 };
 
 class Daemon {
@@ -183,6 +185,7 @@ public:
                                << o.extra_yaml;
         env_ = o.env;
         bin_ = o.bin;
+        netns_ = o.netns;
         // Its state directory, as the unit's StateDirectory= gives it (kept across restarts).
         std::filesystem::create_directory(dir_ + "/state");
         env_.push_back("STATE_DIRECTORY=" + dir_ + "/state");
@@ -234,6 +237,11 @@ public:
                 if (::setgroups(0, nullptr) != 0 || ::setgid(gid_) != 0 || ::setuid(uid_) != 0) ::_exit(126);
             }
             ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // again: a change of credentials clears it
+            if (!netns_.empty()) {  // its host: a network namespace (ip netns's bind mount)
+                const int ns = ::open(("/run/netns/" + netns_).c_str(), O_RDONLY | O_CLOEXEC);
+                if (ns < 0 || ::setns(ns, CLONE_NEWNET) != 0) ::_exit(125);
+                ::close(ns);
+            }
             ::setenv("NOTIFY_SOCKET", notify_->path().c_str(), 1);
             for (const auto &kv : env_) ::putenv(const_cast<char *>(kv.c_str()));
             if (nofile_ > 0) {
@@ -265,7 +273,7 @@ public:
 
 private:
     std::string dir_, socket_, config_, log_, host_;
-    std::string bin_;
+    std::string bin_, netns_;
     std::vector<std::string> env_;
     int nofile_ = 0;
     uid_t uid_ = 0;

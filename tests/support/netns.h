@@ -1,0 +1,75 @@
+// Test hosts as network namespaces (root): ringd-t<pid>-<k>-<i>, each with a veth (eth0) on a
+// bridge that lives in a namespace of its own (…-sw), addresses 10.251.<k>.(i+1)/24 that exist
+// only inside them and no route out, as bench/cluster makes them. A ringd runs in its host's
+// namespace (DaemonOptions::netns); trainers reach it through its Unix socket, which namespaces
+// do not separate. Torn down with the object (and anything still running in them).
+#pragma once
+
+#include <fcntl.h>
+#include <sched.h>
+#include <unistd.h>
+
+#include <string>
+#include <vector>
+
+#include <catch2/catch.hpp>
+
+#include "tests/support/harness.h"
+
+namespace ringd::test {
+
+class NetnsHosts {
+public:
+    explicit NetnsHosts(uint32_t n) {
+        static int made = 0;
+        k_ = made++;
+        tag_ = "ringd-t" + std::to_string(::getpid()) + "-" + std::to_string(k_);
+        sh("ip netns add " + tag_ + "-sw");
+        names_.push_back(tag_ + "-sw");
+        sh("ip -n " + tag_ + "-sw link add br0 type bridge && ip -n " + tag_ + "-sw link set br0 up");
+        for (uint32_t i = 0; i < n; ++i) add();
+    }
+    ~NetnsHosts() {
+        for (const auto &ns : names_)
+            (void)run_command("ip netns pids " + ns + " 2>/dev/null | xargs -r kill -9 2>/dev/null; ip netns del " + ns +
+                              " 2>/dev/null");
+    }
+    NetnsHosts(const NetnsHosts &) = delete;
+    NetnsHosts &operator=(const NetnsHosts &) = delete;
+
+    // One more host on the bridge; its index.
+    uint32_t add() {
+        const uint32_t i = static_cast<uint32_t>(hosts_.size());
+        const std::string ns = tag_ + "-" + std::to_string(i);
+        const std::string h = "rt" + std::to_string(::getpid() % 100000) + "x" + std::to_string(k_) + "h" + std::to_string(i);
+        const std::string s = "rt" + std::to_string(::getpid() % 100000) + "x" + std::to_string(k_) + "s" + std::to_string(i);
+        sh("ip netns add " + ns);
+        names_.push_back(ns);
+        sh("ip link add " + h + " type veth peer name " + s + " && ip link set " + h + " netns " + ns + " name eth0 && ip link set " +
+           s + " netns " + tag_ + "-sw && ip -n " + tag_ + "-sw link set " + s + " master br0 up && ip -n " + ns + " addr add " +
+           address(i) + "/24 dev eth0 && ip -n " + ns + " link set eth0 up && ip -n " + ns + " link set lo up");
+        hosts_.push_back(ns);
+        return i;
+    }
+    size_t size() const { return hosts_.size(); }
+    const std::string &ns(uint32_t i) const { return hosts_.at(i); }
+    std::string address(uint32_t i) const { return "10.251." + std::to_string(k_ % 250) + "." + std::to_string(i + 1); }
+
+    // Whether this machine lets a test make them (root, iproute2, network namespaces).
+    static bool available() {
+        return ::geteuid() == 0 && run_command("ip netns list >/dev/null 2>&1").exit_code == 0;
+    }
+
+private:
+    static void sh(const std::string &cmd) {
+        const auto r = run_command("(" + cmd + ") 2>&1");
+        INFO(cmd << ": " << r.output);
+        REQUIRE(r.exit_code == 0);
+    }
+    int k_ = 0;
+    std::string tag_;
+    std::vector<std::string> names_;  // every namespace made, the switch's first
+    std::vector<std::string> hosts_;
+};
+
+}  // namespace ringd::test
