@@ -308,3 +308,44 @@ TEST_CASE("host lists change by reload: a host added joins the ring while a job 
     again.push_back(std::make_unique<Client>(node3->socket(), "all-after", 0, 1, kSlot, ""));
     steps(again, 90);
 }
+
+TEST_CASE("a drained host of a ring refuses new groups naming the drain while the job over it loops on; drain "
+          "--wait returns once that job ended; undrain takes new groups again",
+          "[operations][drain]") {
+    const auto hosts = namespace_hosts(3);
+    ClusterOptions o{"10s", "", "", "64MiB"};
+    o.netns = hosts.get();
+    TestCluster c(3, o);
+    REQUIRE(c.wait_up());
+    const std::string ringctl = env_or("RINGCTL_BIN", "build/client/ringctl") + " --socket " + c.d[1]->socket();
+    auto job = std::make_unique<LoopingJob>(connect_all(c, "running", 1, kSlot));
+    REQUIRE(job_moves(*job));
+    REQUIRE(run_command(ringctl + " drain").exit_code == 0);
+    CHECK(c.status(1)["drained"] == true);
+    // A new group over the drained host is refused there, naming the drain.
+    char err[256] = "";
+    CHECK(ringd_connect(c.d[1]->socket().c_str(), "new-job", 0, 1, kSlot, err, sizeof err) == nullptr);
+    CHECK_THAT(err, Catch::Contains("host node1 is drained (ringctl drain)") && Catch::Contains("new-job"));
+    REQUIRE(job_moves(*job));  // the running job goes on
+    // drain --wait returns once the job has ended (its ranks leave after a second).
+    const auto t0 = Clock::now();
+    LoopingJob::Counts k;
+    std::thread end_job([&] {
+        std::this_thread::sleep_for(1s);
+        k = job->stop();
+        job.reset();  // its clients disconnect
+    });
+    const auto w = run_command(ringctl + " drain --wait --timeout 20 2>&1");
+    end_job.join();
+    INFO(k.last_error);
+    CHECK(k.ops > 0);
+    CHECK(k.failed == 0);
+    CHECK(k.wrong == 0);
+    CHECK(k.guard == 0);
+    CHECK(w.exit_code == 0);
+    CHECK_THAT(w.output, Catch::Contains("no group runs here any more"));
+    CHECK(Clock::now() - t0 >= 900ms);
+    REQUIRE(run_command(ringctl + " undrain").exit_code == 0);
+    auto after = connect_all(c, "new-job", 1, kSlot);
+    steps(after, 7);
+}
