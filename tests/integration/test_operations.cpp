@@ -292,6 +292,20 @@ TEST_CASE("host lists change by reload: a host added joins the ring while a job 
         REQUIRE(job_moves(pair));
         steps(pair03, seed += 10);
     }
+    // A reload with a bad key changes nothing (the job goes on): refused by name, the running
+    // config and its version stay.
+    {
+        const std::string path = c.d[0]->dir() + "/ringd.yaml", good = read_file(path);
+        const std::string version = c.status(0)["config"]["version"].get<std::string>();
+        std::ofstream(path, std::ios::trunc) << good << "tuning: {no_such_key: 1}\n";
+        const auto r = run_command(env_or("RINGCTL_BIN", "build/client/ringctl") + " --socket " + c.d[0]->socket() + " reload 2>&1");
+        CHECK(r.exit_code == 1);
+        CHECK_THAT(r.output, Catch::Contains("refused") && Catch::Contains("no_such_key"));
+        CHECK(c.status(0)["config"]["version"] == version);
+        CHECK(c.status(0)["ring"]["size"] == 3);
+        std::ofstream(path, std::ios::trunc) << good;
+        REQUIRE(job_moves(pair));
+    }
     const uint64_t t = pair12[0]->submit(bench::kGuardBytes, 1000, RINGD_F32, RINGD_SUM);
     CHECK(ringd_wait(pair12[0]->get(), t, 10000) != 0);
     CHECK_THAT(std::string(ringd_last_error(pair12[0]->get())), Catch::Contains("host node2 left the host list"));
