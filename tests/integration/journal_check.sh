@@ -35,19 +35,26 @@ mount -t tmpfs tmpfs /run/systemd
 mount -t tmpfs tmpfs /run/log
 mkdir -p /run/systemd/journal
 
-# First no journal at all: log.journal: on must not lose ringd's lines (they go to stderr, after
-# one warning saying why).
-cat >"$work/nojournal.yaml" <<EOF
+# start_ringd NAME: a ringd with log.journal: on, its config, socket and stderr named NAME in
+# $work; rpid is its pid once its socket is there.
+start_ringd() {
+    cat >"$work/$1.yaml" <<EOF
 cluster: journaled
 hosts:
   - {name: a, address: 127.0.0.1, port: 7400}
-socket: $work/nojournal.sock
+socket: $work/$1.sock
 memory: {slot_bytes: 1MiB, max_slots: 4}
 log: {level: info, journal: on}
 EOF
-"$ringd" --config "$work/nojournal.yaml" --host a >"$work/nojournal.stderr" 2>&1 &
-rpid=$!
-for _ in $(seq 100); do [ -S "$work/nojournal.sock" ] && break; sleep 0.05; done
+    "$ringd" --config "$work/$1.yaml" --host a >"$work/$1.stderr" 2>&1 &
+    rpid=$!
+    for _ in $(seq 100); do [ -S "$work/$1.sock" ] && break; sleep 0.05; done
+    [ -S "$work/$1.sock" ] || { echo "FAIL: ringd did not start"; cat "$work/$1.stderr"; exit 1; }
+}
+
+# First no journal at all: log.journal: on must not lose ringd's lines (they go to stderr, after
+# one warning saying why).
+start_ringd nojournal
 "$ringctl" --socket "$work/nojournal.sock" status >/dev/null
 kill "$rpid"; wait "$rpid" 2>/dev/null || true; rpid=""
 grep -q "log.journal is on, but no journal listens at /run/systemd/journal/socket: logging to stderr" "$work/nojournal.stderr" ||
@@ -61,18 +68,7 @@ jpid=$!
 for _ in $(seq 100); do [ -S /run/systemd/journal/socket ] && break; sleep 0.05; done
 [ -S /run/systemd/journal/socket ] || { echo "FAIL: systemd-journald did not start"; cat "$work/journald.log"; exit 1; }
 
-cat >"$work/ringd.yaml" <<EOF
-cluster: journaled
-hosts:
-  - {name: a, address: 127.0.0.1, port: 7400}
-socket: $work/ringd.sock
-memory: {slot_bytes: 1MiB, max_slots: 4}
-log: {level: info, journal: on}
-EOF
-"$ringd" --config "$work/ringd.yaml" --host a >"$work/ringd.stderr" 2>&1 &
-rpid=$!
-for _ in $(seq 100); do [ -S "$work/ringd.sock" ] && break; sleep 0.05; done
-[ -S "$work/ringd.sock" ] || { echo "FAIL: ringd did not start"; cat "$work/ringd.stderr"; exit 1; }
+start_ringd ringd
 
 # The storm: op k of group "storm" is 16 floats on local rank 0 and 17 on local rank 1.
 "${RINGD_STORM_BIN:?}" "$work/ringd.sock" 40

@@ -108,6 +108,24 @@ void check_untouched(const Clients &cl, std::initializer_list<uint32_t> ranks) {
     }
 }
 
+// The next ops of ranks 0 and 1 (a direct one, then a ring one) while host 2 cannot take part:
+// each fails with ECONNABORTED within `limit` seconds, its message matching `why`.
+template <typename Matcher>
+void next_ops_fail(Clients &cl, const Matcher &why, double limit) {
+    for (const size_t count : {size_t{5000}, size_t{200000}}) {
+        const auto t0 = cl[0]->submit(bench::kGuardBytes, count, RINGD_F32, RINGD_SUM);
+        const auto t1 = cl[1]->submit(bench::kGuardBytes, count, RINGD_F32, RINGD_SUM);
+        const auto submitted = Clock::now();
+        for (auto [cli, t] : {std::pair{cl[0].get(), t0}, {cl[1].get(), t1}}) {
+            const Failure f = wait_failed(*cli, t, submitted);
+            INFO(f.message << " after " << f.after_s << " s (count " << count << ")");
+            CHECK(f.rc == -ECONNABORTED);
+            CHECK_THAT(f.message, why);
+            CHECK(f.after_s < limit);
+        }
+    }
+}
+
 }  // namespace
 
 TEST_CASE("a host SIGKILLed while a large ring op moves data: the others fail within a second on its "
@@ -286,22 +304,15 @@ TEST_CASE("ops submitted while a host of their ring is down fail within about a 
     allreduce_checked(cl, DType::F32, ReduceOp::Sum, 1000, 1);
     // node2's ringd dies between two ops: the ring ends; the next op of the others needs it.
     ::kill(c.d[2]->pid(), SIGKILL);
-    std::this_thread::sleep_for(200ms);
-    for (const size_t count : {size_t{5000}, size_t{200000}}) {  // direct exchange, then the ring
-        const auto t0 = cl[0]->submit(bench::kGuardBytes, count, RINGD_F32, RINGD_SUM);
-        const auto t1 = cl[1]->submit(bench::kGuardBytes, count, RINGD_F32, RINGD_SUM);
-        const auto submitted = Clock::now();
-        for (auto [cli, t] : {std::pair{cl[0].get(), t0}, {cl[1].get(), t1}}) {
-            const Failure f = wait_failed(*cli, t, submitted);
-            INFO(f.message << " after " << f.after_s << " s");
-            CHECK(f.rc == -ECONNABORTED);
-            // The host, what its redials found, and how the ring ended.
-            CHECK_THAT(f.message, Catch::Contains("the ring is not up: host node2 is down (connect to 127.0.0.1:") &&
-                                      Catch::Contains("Connection refused); ring generation") &&
-                                      Catch::Contains("aborted: host node2: connection closed"));
-            CHECK(f.after_s < 2.5);  // ControlPlane::kDownAfter and a tick, not timeouts.op (30 s)
-        }
-    }
+    for (int i = 0; i < 200 && c.status(0)["ring"]["state"] == "up"; ++i) std::this_thread::sleep_for(10ms);
+    // The host, what its redials found, and how the ring ended; ControlPlane::kDownAfter and a
+    // tick, not timeouts.op (30 s).
+    // (Catch's && keeps references: the matchers it combines must outlive it.)
+    const auto named = Catch::Contains("the ring is not up: host node2 is down (connect to 127.0.0.1:");
+    const auto redials = Catch::Contains("Connection refused); ring generation");
+    const auto ended = Catch::Contains("aborted: host node2: connection closed");
+    const auto down = named && redials && ended;
+    next_ops_fail(cl, down, 2.5);
     c.d[2]->start();
     REQUIRE(c.d[2]->ready());
     const uint64_t gen = c.status(0)["ring"]["generation"].get<uint64_t>();
@@ -324,18 +335,7 @@ TEST_CASE("a host's ringd SIGKILLed and restarted before the others' next op: th
     REQUIRE(c.d[2]->ready());
     REQUIRE(c.wait_up({gen + 1, gen + 1, 1}));
     // node2's trainer went with its ringd; the others' next op cannot pair with anything.
-    for (const size_t count : {size_t{5000}, size_t{200000}}) {
-        const auto t0 = cl[0]->submit(bench::kGuardBytes, count, RINGD_F32, RINGD_SUM);
-        const auto t1 = cl[1]->submit(bench::kGuardBytes, count, RINGD_F32, RINGD_SUM);
-        const auto submitted = Clock::now();
-        for (auto [cli, t] : {std::pair{cl[0].get(), t0}, {cl[1].get(), t1}}) {
-            const Failure f = wait_failed(*cli, t, submitted);
-            INFO(f.message << " after " << f.after_s << " s");
-            CHECK(f.rc == -ECONNABORTED);
-            CHECK_THAT(f.message, Catch::Contains("the ringd of host node2 restarted since this run of the group began"));
-            CHECK(f.after_s < 2.0);
-        }
-    }
+    next_ops_fail(cl, Catch::Contains("the ringd of host node2 restarted since this run of the group began"), 2.0);
     // The job restarts on every host and runs exact.
     cl.clear();
     cl = connect_all(c, "quick", 1);

@@ -101,11 +101,7 @@ TEST_CASE("the secret rotates host by host while a job runs: no op fails, groups
     std::this_thread::sleep_for(6500ms);
     for (uint32_t h = 0; h < c.n; ++h) CHECK(c.status(h)["secret"]["previous_key_id"] == "");
     REQUIRE(job_moves(job));
-    const LoopingJob::Counts k = job.stop();
-    INFO(k.last_error);
-    CHECK(k.failed == 0);
-    CHECK(k.wrong == 0);
-    CHECK(k.guard == 0);
+    check_clean(job.stop());
     REQUIRE(c.d[2]->stop() == 0);
     write_secret(secret, old_secret);
     c.d[2]->start();
@@ -309,12 +305,7 @@ TEST_CASE("host lists change by reload: a host added joins the ring while a job 
     const uint64_t t = pair12[0]->submit(bench::kGuardBytes, 1000, RINGD_F32, RINGD_SUM);
     CHECK(ringd_wait(pair12[0]->get(), t, 10000) != 0);
     CHECK_THAT(std::string(ringd_last_error(pair12[0]->get())), Catch::Contains("host node2 left the host list"));
-    const LoopingJob::Counts k = pair.stop();
-    INFO(k.last_error);
-    CHECK(k.ops >= 30);
-    CHECK(k.failed == 0);  // not one op of the job on the untouched hosts failed
-    CHECK(k.wrong == 0);
-    CHECK(k.guard == 0);
+    check_clean(pair.stop(), 30);  // not one op of the job on the untouched hosts failed
     for (uint32_t h : {0u, 1u}) CHECK(c.group(h, "pair01")["ops_failed"] == 0);
     CHECK(c.group(1, "pair13")["ops_failed"] == 0);
     Clients again;
@@ -351,11 +342,7 @@ TEST_CASE("a drained host of a ring refuses new groups naming the drain while th
     });
     const auto w = run_command(ringctl + " drain --wait --timeout 20 2>&1");
     end_job.join();
-    INFO(k.last_error);
-    CHECK(k.ops > 0);
-    CHECK(k.failed == 0);
-    CHECK(k.wrong == 0);
-    CHECK(k.guard == 0);
+    check_clean(k);
     CHECK(w.exit_code == 0);
     CHECK_THAT(w.output, Catch::Contains("no group runs here any more"));
     CHECK(Clock::now() - t0 >= 900ms);

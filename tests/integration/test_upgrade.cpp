@@ -74,11 +74,7 @@ TEST_CASE("a rolling upgrade from the previous release: a ring of both runs at p
         ++generation;
         REQUIRE(c.wait_up({generation, generation, generation}));
         REQUIRE(job_moves(pair));
-        const LoopingJob::Counts k = pair.stop();
-        INFO(k.last_error);
-        CHECK(k.failed == 0);
-        CHECK(k.wrong == 0);
-        CHECK(k.guard == 0);
+        check_clean(pair.stop());
         for (uint32_t x : {a, b}) CHECK(c.group(x, group)["ops_failed"] == 0);
         all = connect_all(c, "all", 1, kSlot);
         step(all, seed += 10);

@@ -311,6 +311,16 @@ private:
     std::thread thread_;
 };
 
+// What a looping job that must never have failed counted: ops, none failed, every value and
+// guard byte right (at least `min_ops` ops).
+inline void check_clean(const LoopingJob::Counts &k, uint64_t min_ops = 1) {
+    INFO("the job's last error: " << k.last_error);
+    CHECK(k.ops >= min_ops);
+    CHECK(k.failed == 0);
+    CHECK(k.wrong == 0);
+    CHECK(k.guard == 0);
+}
+
 // Waits until a looping job ran `more` ops after now (it goes on while the ring changes).
 inline bool job_moves(const LoopingJob &job, uint64_t more = 4, std::chrono::milliseconds limit = 20s) {
     const uint64_t target = job.ops() + more;
