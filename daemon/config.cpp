@@ -225,7 +225,8 @@ Config parse_root(const YAML::Node &root) {
         c.poll = p == "event" ? PollMode::Event : p == "busy" ? PollMode::Busy : PollMode::Adaptive;
     }
     if (auto n = root["tuning"]) {
-        check_keys(n, "tuning", {"direct_max_bytes", "hop_latency_us", "link_mbit", "chunk_bytes", "depth", "lanes", "control_spin_us"});
+        check_keys(n, "tuning", {"direct_max_bytes", "hop_latency_us", "link_mbit", "chunk_bytes", "depth", "lanes", "control_spin_us",
+                        "message_us", "algorithm"});
         if (n["lanes"]) c.tuning.lanes = static_cast<uint32_t>(get_uint(n["lanes"], "tuning.lanes", 1, 8));
         if (n["direct_max_bytes"]) {
             c.tuning.direct_max_bytes = get_size(n["direct_max_bytes"], "tuning.direct_max_bytes");
@@ -233,6 +234,15 @@ Config parse_root(const YAML::Node &root) {
         }
         if (n["hop_latency_us"])
             c.tuning.hop_latency_us = static_cast<uint32_t>(get_uint(n["hop_latency_us"], "tuning.hop_latency_us", 1, 1'000'000));
+        if (n["message_us"])
+            c.tuning.message_us = static_cast<uint32_t>(get_uint(n["message_us"], "tuning.message_us", 0, 1'000'000));
+        if (n["algorithm"]) {
+            static const char *const names[] = {"ring", "one-shot", "two-shot", "doubling", "halving-doubling"};
+            const std::string a = get_choice(n["algorithm"], "tuning.algorithm",
+                                             {"auto", names[0], names[1], names[2], names[3], names[4]});
+            for (uint32_t i = 0; i < 5; ++i)
+                if (a == names[i]) c.tuning.algorithm = i;
+        }
         if (n["control_spin_us"])
             c.tuning.control_spin_us = static_cast<uint32_t>(get_uint(n["control_spin_us"], "tuning.control_spin_us", 0, 10'000));
         if (n["link_mbit"]) c.tuning.link_mbit = get_uint(n["link_mbit"], "tuning.link_mbit", 1, 100'000'000);

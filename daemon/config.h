@@ -85,6 +85,9 @@ struct Config {
     struct Tuning {
         uint64_t direct_max_bytes = 256 << 10;  // 0: always the ring
         uint32_t hop_latency_us = 100;        // one message's latency, wake-ups included
+        // A host's cost per message it sends or takes (frame, MAC, syscalls, its share of the
+        // wake-ups): what makes one-shot's n - 1 messages per host dearer than doubling's log2 n.
+        uint32_t message_us = 40;
         uint64_t link_mbit = 10'000;          // what one host can send per second
         uint64_t chunk_bytes = 2 << 20;       // the ring's pipeline: its largest chunk
         uint32_t depth = 4;                   // and staging slots of it (smaller chunks: more)
@@ -94,6 +97,10 @@ struct Config {
         // How long the control thread looks for more work after its last (yielding between
         // looks) before it blocks in epoll; 0: at once (docs/design.md, Threads).
         uint32_t control_spin_us = 200;
+        // tuning.algorithm: kAuto (the cost model), else an Algorithm (daemon/engine/tuner.h)
+        // every op up to direct_max_bytes takes.
+        static constexpr uint32_t kAuto = UINT32_MAX;
+        uint32_t algorithm = kAuto;
     } tuning;
     std::string secret_file;  // auth.secret_file; empty: no authentication
     // How long a reload that found a new secret still accepts the previous one.

@@ -28,7 +28,11 @@ inline constexpr uint16_t kProtocolVersion = 1;      // frames between trainers/
 //   6: TCP ring ops of 32 MiB and more end with the delivery marker (daemon/engine/ring_allreduce.h).
 //   7: the handshake carries each host's host-list digest, config version and secret key ids
 //      (secrets rotate with a grace period; hosts whose host lists differ say so).
-inline constexpr uint16_t kPeerProtocolVersion = 7;
+//   8: small ops by recursive doubling and recursive halving-doubling (OpData kinds 4-8), whose
+//      hosts report an op to the coordinator only when it stalls or its partners' data does not
+//      match (OpReport flags kReportDeferred, kReportDone). A ring domain uses them only while every
+//      one of its hosts speaks 8; the frames' layouts are version 6's.
+inline constexpr uint16_t kPeerProtocolVersion = 8;
 inline constexpr uint16_t kPeerProtocolOldest = 6;
 inline constexpr uint16_t kPeerBaseVersion = 6;  // the layout version of every peer frame but the handshake's
 inline constexpr size_t kFrameHeaderBytes = 16;

@@ -290,10 +290,11 @@ void put_report_fixed(uint8_t *p, const OpReport &r) {
     le::put<int32_t>(&p[100], r.status);
     le::put<uint64_t>(&p[104], r.incarnation);
     le::put<uint32_t>(&p[112], r.remaining_ms);
-    le::put<uint32_t>(&p[116], r.flags);
+    // A deferred report names its algorithm (bits 8-15 of the flags word).
+    le::put<uint32_t>(&p[116], r.flags | ((r.flags & kReportDeferred) ? (r.algorithm & 0xff) << 8 : 0));
 }
 
-Result<OpReport> get_report_fixed(std::span<const uint8_t> p) {
+Result<OpReport> get_report_fixed(std::span<const uint8_t> p, uint32_t max_ranks = kMaxLocalSize) {
     if (p.size() < kOpReportFixed) return bad("op report is too short");
     OpReport r;
     r.generation = le::get<uint64_t>(&p[0]);
@@ -309,13 +310,20 @@ Result<OpReport> get_report_fixed(std::span<const uint8_t> p) {
     r.incarnation = le::get<uint64_t>(&p[104]);
     r.remaining_ms = le::get<uint32_t>(&p[112]);
     r.flags = le::get<uint32_t>(&p[116]);
-    if ((r.flags & ~kReportAhead) != 0) return bad("op report has unknown flags");
+    if (r.flags & kReportDeferred) {
+        r.algorithm = (r.flags >> 8) & 0xff;
+        r.flags &= ~0xff00u;
+        if (r.algorithm != 3 && r.algorithm != 4) return bad("a deferred op report names algorithm " + std::to_string(r.algorithm));
+    }
+    if ((r.flags & ~(kReportAhead | kReportDeferred | kReportDone)) != 0) return bad("op report has unknown flags");
+    if ((r.flags & kReportDone) && (r.status != 0 || !(r.flags & kReportDeferred)))
+        return bad("a done report must be a deferred report of status 0");
     if ((r.flags & kReportAhead) && r.status == 0) return bad("an op report for an op ahead must be a failure");
     if (r.incarnation == 0) return bad("op report without an incarnation");
     if (r.status > 0) return bad("op report status must be 0 or a negative errno");
     if (r.status == 0) {
         if (r.dtype >= kDTypeCount || r.op >= kReduceOpCount) return bad("op report has an unknown dtype or op");
-        if (r.local_size == 0 || r.local_size > kMaxLocalSize) return bad("op report has a bad local_size");
+        if (r.local_size == 0 || r.local_size > max_ranks) return bad("op report has a bad local_size");
     }
     return r;
 }
@@ -391,35 +399,55 @@ Result<OpReport> decode_op_report(std::span<const uint8_t> p) {
 
 static_assert(kOpDataHeaderBytes == kOpReportFixed + 8);
 
-Bytes encode_op_data(const OpReport &r, OpDataKind kind, uint64_t data_bytes) {
+Bytes encode_op_data(const OpReport &r, OpDataKind kind, uint64_t data_bytes, uint32_t step) {
     Bytes frame(kFrameHeaderBytes + kOpDataHeaderBytes + data_bytes, 0);
     put_frame_header(frame.data(), FrameType::OpData, static_cast<uint32_t>(kOpDataHeaderBytes + data_bytes));
     OpReport ready = r;  // (the message does not come along)
     ready.status = 0;
+    ready.flags = 0;
     put_report_fixed(&frame[kFrameHeaderBytes], ready);
     le::put<uint32_t>(&frame[kFrameHeaderBytes + kOpReportFixed], static_cast<uint32_t>(kind));
+    if (kind >= OpDataKind::Doubling)
+        le::put<uint32_t>(&frame[kFrameHeaderBytes + kOpReportFixed + 4], (r.algorithm << 16) | (step & 0xffff));
     return frame;
 }
 
 Result<OpData> decode_op_data(std::span<const uint8_t> p) {
     if (p.size() < kOpDataHeaderBytes) return bad("op data is too short");
-    auto r = get_report_fixed(p);
+    // Kinds 4-8 carry in local_size the ranks their partial result or result holds (hosts' folded
+    // together).
+    const bool log_kind = le::get<uint32_t>(&p[kOpReportFixed]) >= static_cast<uint32_t>(OpDataKind::Doubling);
+    auto r = get_report_fixed(p, log_kind ? kMaxLocalSize << 20 : kMaxLocalSize);
     if (!r) return r.error();
     if (r->status != 0) return bad("op data must carry status 0");
+    r->flags = 0;  // (never set by a sender)
     const auto kind = le::get<uint32_t>(&p[kOpReportFixed]);
-    if (kind < 1 || kind > 3) return bad("op data has an unknown kind " + std::to_string(kind));
-    if (le::get<uint32_t>(&p[kOpReportFixed + 4]) != 0) return bad("op data's reserved field is not zero");
-    const uint64_t have = p.size() - kOpDataHeaderBytes;
+    if (kind < 1 || kind > kOpDataKinds) return bad("op data has an unknown kind " + std::to_string(kind));
     const auto k = static_cast<OpDataKind>(kind);
+    const uint32_t word = le::get<uint32_t>(&p[kOpReportFixed + 4]);
+    uint32_t step = 0;
+    if (k < OpDataKind::Doubling) {
+        if (word != 0) return bad("op data's reserved field is not zero");
+        r->algorithm = k == OpDataKind::OneShot ? 1 : 2;
+    } else {
+        r->algorithm = word >> 16;
+        step = word & 0xffff;
+        const bool doubling = k == OpDataKind::Doubling, halving = k == OpDataKind::Halving || k == OpDataKind::Gather;
+        if (r->algorithm != 3 && r->algorithm != 4) return bad("op data has an unknown algorithm " + std::to_string(r->algorithm));
+        if ((doubling && r->algorithm != 3) || (halving && r->algorithm != 4))
+            return bad("op data of kind " + std::to_string(kind) + " is not of algorithm " + std::to_string(r->algorithm));
+        if (step >= 64) return bad("op data has step " + std::to_string(step));
+    }
+    const uint64_t have = p.size() - kOpDataHeaderBytes;
     // Contributions and parts are partial results (f32 for f16/bf16 sum/avg), results the dtype.
     const auto dtype = static_cast<DType>(r->dtype);
-    const uint64_t es = k == OpDataKind::TwoShotResult ? dtype_size(dtype)
-                                                       : dtype_size(partial_dtype(dtype, static_cast<ReduceOp>(r->op)));
+    const bool result = k == OpDataKind::TwoShotResult || k == OpDataKind::Gather || k == OpDataKind::FoldOut;
+    const uint64_t es = result ? dtype_size(dtype) : dtype_size(partial_dtype(dtype, static_cast<ReduceOp>(r->op)));
     const uint64_t whole = r->count * es;
-    if (r->count > (uint64_t{1} << 40) || have > whole || (k == OpDataKind::OneShot && have != whole))
+    const bool exact = k == OpDataKind::OneShot || k == OpDataKind::Doubling || k == OpDataKind::FoldIn || k == OpDataKind::FoldOut;
+    if (r->count > (uint64_t{1} << 40) || have > whole || (exact && have != whole))
         return bad("op data has " + std::to_string(have) + " data bytes for " + std::to_string(r->count) + " elements");
-    r->algorithm = k == OpDataKind::OneShot ? 1 : 2;
-    return OpData{std::move(*r), k, p.subspan(kOpDataHeaderBytes)};
+    return OpData{std::move(*r), k, step, p.subspan(kOpDataHeaderBytes)};
 }
 
 Bytes encode_ring_abort(const RingAbort &a) {

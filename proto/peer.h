@@ -137,7 +137,8 @@ struct OpReport {
     uint32_t local_size = 0;
     int32_t status = 0;   // 0: ready; negative errno: the op failed on this host
     std::string message;  // why, when status != 0 (at most kMaxErrorMessage bytes)
-    // Not on the wire: how the op runs (0 = ring; else the OpData kind it came with, see below).
+    // How the op runs (0 = ring; else the OpData kind it came with, see below): on the wire only
+    // in a deferred report (bits 8-15 of the flags word).
     uint32_t algorithm = 0;
     uint64_t incarnation = 0;  // agreed (GroupIncarnation)
     // Milliseconds left until the op's deadline on this host (its first local submission +
@@ -146,9 +147,18 @@ struct OpReport {
     // kReportAhead: the reporting host has not reached this op; one of its bounds failed it (its
     // backlog of the op's data from hosts that are ahead). The op fails everywhere, but the report
     // says nothing of how far the host got.
+    // kReportDeferred (protocol 8): an op of recursive doubling or halving-doubling, which hosts
+    // report only when it has not completed after a while here, or when a partner's data does not
+    // match this host's op: the coordinator then decides it like any other (mismatch, timeout
+    // naming the hosts that did not report), but the report says nothing of the progress of hosts
+    // that did not send one (they may be past the op, having completed it).
+    // kReportDone (protocol 8): a deferred op this host reported has completed here (status 0): every
+    // host contributed, and the coordinator forgets it.
     uint32_t flags = 0;
 };
 inline constexpr uint32_t kReportAhead = 1;
+inline constexpr uint32_t kReportDeferred = 2;
+inline constexpr uint32_t kReportDone = 4;
 struct OpStart {
     uint64_t generation = 0;
     std::string group;
@@ -182,20 +192,49 @@ struct OpFail {
 // host's OneShot or TwoShotPart frame as its report; it stays the one that fails an op
 // (mismatch, a host's local failure, a host that does not report in time) with OpFail, and
 // otherwise decides it without a message.
-enum class OpDataKind : uint32_t { OneShot = 1, TwoShotPart = 2, TwoShotResult = 3 };
-inline constexpr size_t kOpDataHeaderBytes = 120 + 8;  // the OpReport fields, kind, reserved
+//
+// Protocol 8 adds two algorithms whose step count grows like log2 n (daemon/exchange/), with p the
+// largest power of two <= n; the first 2(n - p) hosts pair up and the odd one of each pair folds
+// its contribution into the even one first (FoldIn) and gets the result back at the end
+// (FoldOut), so that p hosts run the steps:
+//   doubling          log2 p steps; in step k a host and the host 2^k away (among the p) swap their
+//                     whole partial results (Doubling) and combine them, the lower host's first, so
+//                     that both hold the same bits.
+//   halving-doubling  a reduce-scatter by recursive halving (Halving: in step k half of what is left
+//                     to the host 2^(log2 p - 1 - k) away) leaves host j of the p with the reduced
+//                     block j; an allgather by recursive doubling (Gather, in the dtype) spreads it.
+// Their OpData carries the step and the algorithm in the field that is reserved for kinds 1-3
+// (step in the low 16 bits, the algorithm, 3 or 4, in the high 16), their local_size is the ranks
+// the data holds (every rank of the hosts folded into it so far: avg divides by their sum), and
+// their reports go to the coordinator only when needed (kReportDeferred). Doubling, Halving and FoldIn data are partial
+// results; Gather and FoldOut data are in the dtype.
+enum class OpDataKind : uint32_t {
+    OneShot = 1,
+    TwoShotPart = 2,
+    TwoShotResult = 3,
+    Doubling = 4,
+    Halving = 5,
+    Gather = 6,
+    FoldIn = 7,
+    FoldOut = 8
+};
+inline constexpr uint32_t kOpDataKinds = 8;
+inline constexpr size_t kOpDataHeaderBytes = 120 + 8;  // the OpReport fields, kind, step/algorithm
 struct OpData {
-    OpReport report;                // status 0, algorithm = 1 (one-shot) or 2 (two-shot)
+    OpReport report;                // status 0, algorithm = 1 (one-shot) ... 4 (halving-doubling)
     OpDataKind kind = OpDataKind::OneShot;
+    uint32_t step = 0;              // kinds 4-8
     std::span<const uint8_t> data;  // into the decoded payload
 };
 // A whole OpData frame with `data_bytes` zero bytes of data at op_data_offset(), to be filled
 // in place (the local ranks are reduced straight into the frame).
-Bytes encode_op_data(const OpReport &r, OpDataKind kind, uint64_t data_bytes);
+// Kinds 4-8 carry `step` and r.algorithm.
+Bytes encode_op_data(const OpReport &r, OpDataKind kind, uint64_t data_bytes, uint32_t step = 0);
 inline constexpr size_t op_data_offset() { return kFrameHeaderBytes + kOpDataHeaderBytes; }
 // Checks the report and that the data is no longer than count elements (of partial_dtype for
-// OneShot and TwoShotPart, of the dtype for TwoShotResult; exactly count for OneShot); the
-// receiver checks a segment's exact length.
+// OneShot, TwoShotPart, Doubling, Halving and FoldIn, of the dtype for TwoShotResult, Gather and
+// FoldOut; exactly count for OneShot, Doubling, FoldIn and FoldOut); the receiver checks a
+// segment's exact length.
 Result<OpData> decode_op_data(std::span<const uint8_t> payload);
 
 // Ring generations are agreed: a host whose links of the next ring (control connections to

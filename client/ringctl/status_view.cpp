@@ -88,8 +88,9 @@ void print_status(const nlohmann::json &j) {
             std::printf("  HOST LISTS DIFFER: the hosts: of %s differ from this host's (docs/operations.md)\n", names.c_str());
         }
         if (ring.at("members").size() > 1)
-            std::printf("  ops by algorithm: ring %llu, one-shot %llu, two-shot %llu\n", ring.value("ops_ring", 0ull),
-                        ring.value("ops_one_shot", 0ull), ring.value("ops_two_shot", 0ull));
+            std::printf("  ops by algorithm: ring %llu, one-shot %llu, two-shot %llu, doubling %llu, halving-doubling %llu\n",
+                        ring.value("ops_ring", 0ull), ring.value("ops_one_shot", 0ull), ring.value("ops_two_shot", 0ull),
+                        ring.value("ops_doubling", 0ull), ring.value("ops_halving_doubling", 0ull));
         if (ring.contains("coordinator")) {
             const json &c = ring.at("coordinator");
             std::printf("  coordinator: %s%s\n", c.at("host").get<std::string>().c_str(), c.value("here", false) ? " (this host)" : "");

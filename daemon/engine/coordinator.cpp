@@ -173,6 +173,7 @@ void Coordinator::fail_skipped(const Key &k, Decisions &out) {
     std::vector<std::pair<Key, uint32_t>> doomed;
     for (auto it = pending_.lower_bound(Key{group, incarnation, 0});
          it != pending_.end() && std::get<0>(it->first) == group && std::get<1>(it->first) == incarnation; ++it) {
+        if (it->second.deferred) continue;  // the hosts that did not report it may have completed it
         for (uint32_t h = 0; h < hosts_.size(); ++h) {
             if (it->second.by_host[h] || inc->max_seq[h] <= std::get<2>(it->first)) continue;
             doomed.emplace_back(it->first, h);
@@ -214,7 +215,17 @@ void Coordinator::report(uint32_t host, const proto::OpReport &r, Clock::time_po
         fail(k, r.status, r.message, out);
         return;
     }
-    if (r.seq > inc->max_seq[host]) inc->max_seq[host] = r.seq;
+    const bool deferred = (r.flags & proto::kReportDeferred) != 0;
+    if (r.flags & proto::kReportDone) {
+        // A doubling/halving-doubling op completed on a host: every host contributed to it.
+        pending_.erase(k);
+        decide(k, std::nullopt);
+        return;
+    }
+    // A deferred report says nothing of how far the hosts that sent none got (they may be past
+    // the op, having completed it): it is not the reporting host's progress either, since that
+    // host reported none of the ops before it that completed.
+    if (r.seq > inc->max_seq[host] && !deferred) inc->max_seq[host] = r.seq;
     if (r.status != 0) {
         auto [it, fresh] = pending_.try_emplace(k);
         if (fresh) it->second.by_host.resize(hosts_.size());
@@ -229,6 +240,7 @@ void Coordinator::report(uint32_t host, const proto::OpReport &r, Clock::time_po
         p.by_host.resize(hosts_.size());
         p.deadline = now + op_timeout_;
     }
+    p.deferred |= deferred;
     if (p.by_host[host]) return;  // duplicate
     // Decided by the earliest deadline of the hosts that submitted it.
     p.deadline = std::min(p.deadline, now + std::chrono::milliseconds(r.remaining_ms));

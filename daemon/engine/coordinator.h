@@ -18,7 +18,10 @@
 // (OpStart::lane), the least used by the groups' current incarnations: lanes run side by side on
 // every host, each in this order. Ops that skip the ring (reports
 // with an `algorithm`: one-shot or two-shot) need no start: when all hosts reported them alike
-// they are decided silently.
+// they are decided silently. Doubling and halving-doubling ops (protocol 8) are reported only by
+// hosts where they stall or meet a partner's data that does not match (kReportDeferred): most never
+// reach the coordinator; one that does is failed like any (mismatch, timeout naming the hosts
+// that did not report), or forgotten when a host says it completed (kReportDone).
 //
 // Pure bookkeeping (no I/O, the caller passes `now`), called by the control thread.
 #pragma once
@@ -84,6 +87,7 @@ private:
     struct Pending {
         std::vector<std::optional<proto::OpReport>> by_host;
         Clock::time_point deadline;
+        bool deferred = false;  // reported by hosts where it stalled (doubling, halving-doubling)
     };
     struct Incarnation {
         std::string group;

@@ -1,45 +1,100 @@
 // Tuner: which algorithm an allreduce of S bytes over n hosts takes. A cost model in the manner
-// of NCCL's tuner — a hop latency a and a link rate B from the configuration:
-//   one-shot  a + (n-1) S / B          every host sends its whole contribution to every host
-//   two-shot  2a + 2(n-1)/n S / B      direct reduce-scatter, then direct allgather
-//   ring      2n a + 2(n-1)/n S / B    2(n-1) ring steps plus the coordinator's report and start
-// One- and two-shot run on the control thread over the control connections and hold the whole
-// op in memory, so they are used only up to tuning.direct_max_bytes; above it the ring runs on
-// the data path (registered memory, pipelined chunks). Every host computes the same answer from
-// the same configuration and op.
+// of NCCL's tuner — a hop latency a, a host's cost per message it sends or takes m, and a link
+// rate B from the configuration; p is the largest power of two <= n, L = log2 p, and f = 1 when
+// n is not a power of two (the extra hosts fold in before the steps and get the result after):
+//   one-shot          a + (n-1)(m + S/B)                   every host sends its whole
+//                                                          contribution to every host
+//   two-shot          2a + 2(n-1) m + 2(n-1)/n S/B         direct reduce-scatter, then allgather
+//   doubling          (L + 2f)(a + m + S/B)                recursive doubling: L swaps of the whole
+//                                                          partial result
+//   halving-doubling  (2L + 2f)(a + m) + 2(p-1)/p S/B      recursive halving, then doubling: the
+//                       + 2f S/B                           ring's bytes in 2L steps
+//   ring              2n a + 2(n-1)/n S/B                  2(n-1) ring steps plus the
+//                                                          coordinator's report and start
+// One-/two-shot, doubling and halving-doubling run on the control thread over the control
+// connections and hold the whole op in memory, so they are used only up to
+// tuning.direct_max_bytes; above it the ring runs on the data path (registered memory, pipelined
+// chunks). Doubling and halving-doubling need every host of the ring domain to speak peer protocol
+// 8. Every host computes the same answer from the same configuration, op and protocol.
+// tuning.algorithm forces one (within those limits: over the cap or below protocol 8 the model
+// chooses among the others).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #include "daemon/config.h"
 
 namespace ringd {
 
-enum class Algorithm : uint32_t { Ring = 0, OneShot = 1, TwoShot = 2 };
+enum class Algorithm : uint32_t { Ring = 0, OneShot = 1, TwoShot = 2, Doubling = 3, HalvingDoubling = 4 };
+inline constexpr uint32_t kAlgorithms = 5;
+inline constexpr uint16_t kLogAlgorithmsProtocol = 8;  // the peer protocol doubling and halving-doubling need
+
+// Those whose hosts report an op to the coordinator only when it stalls (proto::kReportDeferred).
+inline bool deferred_reports(Algorithm a) { return a == Algorithm::Doubling || a == Algorithm::HalvingDoubling; }
 
 struct AlgorithmCost {
-    double ring_us = 0, one_shot_us = 0, two_shot_us = 0;
+    double ring_us = 0, one_shot_us = 0, two_shot_us = 0, doubling_us = 0, halving_doubling_us = 0;
+    double of(Algorithm a) const {
+        switch (a) {
+        case Algorithm::OneShot: return one_shot_us;
+        case Algorithm::TwoShot: return two_shot_us;
+        case Algorithm::Doubling: return doubling_us;
+        case Algorithm::HalvingDoubling: return halving_doubling_us;
+        default: return ring_us;
+        }
+    }
 };
 
+// The largest power of two <= n (n >= 1).
+inline uint32_t power_of_two_below(uint32_t n) {
+    uint32_t p = 1;
+    while (p * 2 <= n) p *= 2;
+    return p;
+}
+
 inline AlgorithmCost algorithm_cost(uint64_t bytes, uint32_t hosts, const Config::Tuning &t) {
-    const double n = hosts, alpha = t.hop_latency_us, s = static_cast<double>(bytes);
+    const double n = hosts, a = t.hop_latency_us, m = t.message_us, s = static_cast<double>(bytes);
     const double us_per_byte = 8.0 / static_cast<double>(t.link_mbit);  // Mbit/s = bit/us
+    const double sb = s * us_per_byte;
+    const double p = power_of_two_below(hosts), L = std::log2(p), f = hosts == p ? 0 : 1;
     AlgorithmCost c;
-    c.one_shot_us = alpha + (n - 1) * s * us_per_byte;
-    c.two_shot_us = 2 * alpha + 2 * (n - 1) / n * s * us_per_byte;
-    c.ring_us = 2 * n * alpha + 2 * (n - 1) / n * s * us_per_byte;
+    c.one_shot_us = a + (n - 1) * (m + sb);
+    c.two_shot_us = 2 * a + 2 * (n - 1) * m + 2 * (n - 1) / n * sb;
+    c.doubling_us = (L + 2 * f) * (a + m + sb);
+    c.halving_doubling_us = (2 * L + 2 * f) * (a + m) + 2 * (p - 1) / p * sb + 2 * f * sb;
+    c.ring_us = 2 * n * a + 2 * (n - 1) / n * sb;
     return c;
 }
 
-inline Algorithm choose_algorithm(uint64_t bytes, uint32_t hosts, const Config::Tuning &t) {
+// `protocol`: the oldest peer protocol among the ring domain's hosts.
+inline Algorithm choose_algorithm(uint64_t bytes, uint32_t hosts, const Config::Tuning &t,
+                                  uint16_t protocol = kLogAlgorithmsProtocol) {
     if (hosts < 2 || bytes > t.direct_max_bytes) return Algorithm::Ring;
+    const bool log_ok = protocol >= kLogAlgorithmsProtocol;
+    if (t.algorithm != Config::Tuning::kAuto) {
+        const auto forced = static_cast<Algorithm>(t.algorithm);
+        if (log_ok || !deferred_reports(forced)) return forced;
+    }
     const AlgorithmCost c = algorithm_cost(bytes, hosts, t);
-    if (c.one_shot_us <= c.two_shot_us && c.one_shot_us <= c.ring_us) return Algorithm::OneShot;
-    return c.two_shot_us <= c.ring_us ? Algorithm::TwoShot : Algorithm::Ring;
+    // Ties go to the one listed first (on two hosts doubling is one-shot: the same frames).
+    Algorithm best = Algorithm::OneShot;
+    for (Algorithm a : {Algorithm::TwoShot, Algorithm::Doubling, Algorithm::HalvingDoubling, Algorithm::Ring}) {
+        if (deferred_reports(a) && !log_ok) continue;
+        if (c.of(a) < c.of(best)) best = a;
+    }
+    return best;
 }
 
 inline const char *algorithm_name(Algorithm a) {
-    return a == Algorithm::OneShot ? "one-shot" : a == Algorithm::TwoShot ? "two-shot" : "ring";
+    switch (a) {
+    case Algorithm::OneShot: return "one-shot";
+    case Algorithm::TwoShot: return "two-shot";
+    case Algorithm::Doubling: return "doubling";
+    case Algorithm::HalvingDoubling: return "halving-doubling";
+    default: return "ring";
+    }
 }
 
 }  // namespace ringd

@@ -22,8 +22,41 @@ uint32_t avg_shift(uint32_t hosts) { return avg_shift_for(uint64_t{hosts} * prot
 }  // namespace
 
 DirectExchange::DirectExchange(uint32_t self, std::vector<std::string> hosts, Send send, Queued queued)
-    : self_(self), n_(static_cast<uint32_t>(hosts.size())), hosts_(std::move(hosts)), send_(std::move(send)),
-      queued_(std::move(queued)), peer_bytes_(n_, 0) {}
+    : self_(self), n_(static_cast<uint32_t>(hosts.size())), sched_(schedule_of(self, n_)), hosts_(std::move(hosts)),
+      send_(std::move(send)), queued_(std::move(queued)), peer_bytes_(n_, 0) {}
+
+DirectExchange::Schedule DirectExchange::schedule_of(uint32_t self, uint32_t n) {
+    Schedule s;
+    s.p = power_of_two_below(std::max<uint32_t>(n, 1));
+    while ((1u << s.steps) < s.p) ++s.steps;
+    const uint32_t extra = n - s.p;
+    if (self < 2 * extra) {
+        if (self % 2 == 1) {
+            s.folds_into = self - 1;
+        } else {
+            s.folded_from = self + 1;
+            s.v = self / 2;
+        }
+    } else {
+        s.v = self - extra;
+    }
+    return s;
+}
+
+uint32_t DirectExchange::host_of(uint32_t v) const {
+    const uint32_t extra = n_ - sched_.p;
+    return v < extra ? 2 * v : v + extra;
+}
+
+uint32_t DirectExchange::sender_of(proto::OpDataKind kind, uint32_t step) const {
+    using K = proto::OpDataKind;
+    if (kind == K::FoldIn) return step == 0 && sched_.folded_from != UINT32_MAX ? sched_.folded_from : n_;
+    if (kind == K::FoldOut) return step == 0 && sched_.folds_into != UINT32_MAX ? sched_.folds_into : n_;
+    if (sched_.folds_into != UINT32_MAX || step >= sched_.steps) return n_;  // an extra host takes no step
+    // Doubling and the allgather pair up at distance 2^k, the halving at p / 2^(k+1).
+    const uint32_t dist = kind == K::Halving ? sched_.p >> (step + 1) : 1u << step;
+    return host_of(sched_.v ^ dist);
+}
 
 std::string DirectExchange::send_over_bound(const proto::OpReport &r, DType dtype, ReduceOp op, Algorithm algorithm) const {
     const uint64_t ps = dtype_size(partial_dtype(dtype, op));
@@ -63,6 +96,16 @@ void DirectExchange::local_reduce_into(const HostOp &op, void *dst, uint64_t beg
 void DirectExchange::contribute(const HostOp &op, const proto::OpReport &r) {
     const size_t ps = dtype_size(partial_dtype(op.run.dtype, op.run.op));  // contributions are partial results
     const uint64_t count = op.run.count;
+    if (deferred_reports(op.algorithm)) {
+        // Doubling, halving-doubling: this host's partial result, sent step by step (progress).
+        State &st = ops_[Key{r.generation, r.group, r.incarnation, r.seq}];
+        st.contributed = true;
+        st.report = r;
+        st.ranks = r.local_size;
+        st.work.resize(count * ps);
+        local_reduce_into(op, st.work.data(), 0, count);
+        return;
+    }
     const bool one_shot = op.algorithm == Algorithm::OneShot;
     proto::Bytes own;
     if (one_shot) {
@@ -85,7 +128,21 @@ void DirectExchange::contribute(const HostOp &op, const proto::OpReport &r) {
     add(self_, r, std::move(own), proto::op_data_offset());
 }
 
-bool DirectExchange::take_part(uint32_t host, const proto::OpData &d, proto::Bytes payload, std::string &over_bound) {
+// Why this host cannot keep `size` more bytes of host `host`'s data of op `r`, which it has not
+// reached, or "".
+std::string DirectExchange::over_bound(uint32_t host, const proto::OpReport &r, uint64_t size) const {
+    auto g = group_bytes_.find(r.group);
+    const uint64_t group_bytes = g == group_bytes_.end() ? 0 : g->second;
+    const bool peer_over = peer_bytes_[host] + size > kMaxPeerBacklog;
+    if (!peer_over && group_bytes + size <= kMaxGroupBacklog) return {};
+    return "group " + r.group + " op " + std::to_string(r.seq) + ": host " + hosts_[self_] +
+           " holds more one-/two-shot data of ops it has not reached than its bound of " +
+           std::to_string((peer_over ? kMaxPeerBacklog : kMaxGroupBacklog) >> 20) + " MiB " +
+           (peer_over ? "per peer" : "per group") + " (host " + hosts_[host] + " is that far ahead)";
+}
+
+bool DirectExchange::take_part(uint32_t host, const proto::OpData &d, proto::Bytes payload, std::string &over_bound_why) {
+    if (d.kind >= proto::OpDataKind::Doubling) return take_step(host, d, std::move(payload), over_bound_why);
     const proto::OpReport &r = d.report;
     const uint64_t ps = dtype_size(partial_dtype(static_cast<DType>(r.dtype), static_cast<ReduceOp>(r.op)));
     if (d.kind == proto::OpDataKind::TwoShotPart &&
@@ -95,18 +152,15 @@ bool DirectExchange::take_part(uint32_t host, const proto::OpData &d, proto::Byt
         return false;
     }
     auto it = ops_.find(Key{r.generation, r.group, r.incarnation, r.seq});
-    if (it == ops_.end() || !it->second.parts[self_]) {
+    if (it != ops_.end() && it->second.contributed) {
+        // This host runs the op by doubling or halving-doubling: the algorithms differ.
+        it->second.mismatch = true;
+        return false;
+    }
+    if (it == ops_.end() || it->second.parts.size() <= self_ || !it->second.parts[self_]) {
         // Data of an op this host has not reached: within its bounds, or the op fails by name.
-        auto g = group_bytes_.find(r.group);
-        const uint64_t size = payload.size(), group_bytes = g == group_bytes_.end() ? 0 : g->second;
-        const bool peer_over = peer_bytes_[host] + size > kMaxPeerBacklog;
-        if (peer_over || group_bytes + size > kMaxGroupBacklog) {
-            over_bound = "group " + r.group + " op " + std::to_string(r.seq) + ": host " + hosts_[self_] +
-                         " holds more one-/two-shot data of ops it has not reached than its bound of " +
-                         std::to_string((peer_over ? kMaxPeerBacklog : kMaxGroupBacklog) >> 20) + " MiB " +
-                         (peer_over ? "per peer" : "per group") + " (host " + hosts_[host] + " is that far ahead)";
-            return false;
-        }
+        over_bound_why = over_bound(host, r, payload.size());
+        if (!over_bound_why.empty()) return false;
     }
     add(host, r, std::move(payload), proto::kOpDataHeaderBytes);
     return true;
@@ -133,6 +187,7 @@ bool DirectExchange::progress(uint64_t generation, const OpKey &key, const HostO
     auto it = ops_.find(key_of(generation, key));
     if (it == ops_.end()) return false;
     State &st = it->second;
+    if (deferred_reports(op.algorithm)) return st.contributed && progress_log(st, op);
     const size_t es = dtype_size(op.run.dtype);
     const bool two_shot = op.algorithm == Algorithm::TwoShot;
     if (!st.reduced) {
@@ -176,6 +231,200 @@ bool DirectExchange::progress(uint64_t generation, const OpKey &key, const HostO
     return !two_shot || st.results == n_;
 }
 
+// A partner's step of a doubling or halving-doubling op: kept once, from the one host that sends
+// this host that step.
+bool DirectExchange::take_step(uint32_t host, const proto::OpData &d, proto::Bytes payload, std::string &over_bound_why) {
+    const proto::OpReport &r = d.report;
+    if (sender_of(d.kind, d.step) != host) {
+        spdlog::warn("host {}: group {} op {}: data of kind {} step {} that host {} does not get from it", hosts_[host], r.group,
+                     r.seq, static_cast<uint32_t>(d.kind), d.step, hosts_[self_]);
+        return false;
+    }
+    const uint64_t ps = dtype_size(partial_dtype(static_cast<DType>(r.dtype), static_cast<ReduceOp>(r.op)));
+    const uint64_t es = dtype_size(static_cast<DType>(r.dtype));
+    if (d.kind == proto::OpDataKind::Halving || d.kind == proto::OpDataKind::Gather) {
+        // The partner's half of what is left to this host (halving), or the blocks the partner
+        // holds (gather), by the sender's own count.
+        const uint32_t k = d.step, v = sched_.v;
+        uint64_t lo, hi;
+        if (d.kind == proto::OpDataKind::Halving) {
+            const uint32_t span = sched_.p >> (k + 1);  // this host keeps the `span` blocks around v
+            lo = v & ~(span - 1);
+            hi = lo + span;
+        } else {
+            const uint32_t span = 1u << k;  // the partner's blocks
+            lo = (v ^ span) & ~(span - 1);
+            hi = lo + span;
+        }
+        const uint64_t want = (block_begin(r.count, static_cast<uint32_t>(hi)) - block_begin(r.count, static_cast<uint32_t>(lo))) *
+                              (d.kind == proto::OpDataKind::Halving ? ps : es);
+        if (d.data.size() != want) {
+            spdlog::warn("host {}: group {} op {}: step {} has {} bytes, not {}", hosts_[host], r.group, r.seq, d.step,
+                         d.data.size(), want);
+            return false;
+        }
+    }
+    State &st = ops_[Key{r.generation, r.group, r.incarnation, r.seq}];
+    if (!st.contributed) {
+        over_bound_why = over_bound(host, r, payload.size());
+        if (!over_bound_why.empty()) {
+            if (st.steps.empty()) ops_.erase(Key{r.generation, r.group, r.incarnation, r.seq});
+            return false;
+        }
+    }
+    const uint32_t id = static_cast<uint32_t>(d.kind) << 16 | d.step;
+    if (st.steps.count(id)) return false;  // a duplicate
+    peer_bytes_[host] += payload.size();
+    group_bytes_[r.group] += payload.size();
+    st.steps.emplace(id, Part{r, std::move(payload), proto::kOpDataHeaderBytes});
+    return true;
+}
+
+void DirectExchange::send_step(State &st, proto::OpDataKind kind, uint32_t step, uint32_t to, const void *data, uint64_t bytes) {
+    proto::OpReport r = st.report;
+    r.local_size = st.ranks;
+    proto::Bytes f = proto::encode_op_data(r, kind, bytes, step);
+    if (bytes) std::memcpy(f.data() + proto::op_data_offset(), data, bytes);
+    send_(to, f);
+}
+
+// Doubling and halving-doubling, as far as the partners' data allows:
+//   an extra host: FoldIn to its partner, then FoldOut back into the slots;
+//   the others: FoldIn from the extra host (if any), the steps (doubling: swap the whole partial
+//   result; halving: keep half of what is left, send the other half), the result into the slots
+//   (halving-doubling: this host's block, then the allgather's steps), FoldOut to the extra host.
+bool DirectExchange::progress_log(State &st, const HostOp &op) {
+    using K = proto::OpDataKind;
+    if (st.done) return true;
+    if (st.mismatch) return false;
+    const DType dtype = op.run.dtype;
+    const ReduceOp rop = op.run.op;
+    const size_t ps = dtype_size(partial_dtype(dtype, rop)), es = dtype_size(dtype);
+    const uint64_t count = op.run.count;
+    const bool halving = op.algorithm == Algorithm::HalvingDoubling;
+    const uint32_t L = sched_.steps, v = sched_.v;
+    auto slot_at = [&](size_t i, uint64_t elem) { return op.slots[i]->data() + op.run.offsets[i] + elem * es; };
+    // The partner's data of (kind, step) if it came and matches this host's op; else nullptr.
+    auto input = [&](K kind, uint32_t step) -> Part * {
+        auto it = st.steps.find(static_cast<uint32_t>(kind) << 16 | step);
+        if (it == st.steps.end()) return nullptr;
+        const proto::OpReport &r = it->second.report;
+        if (r.count != count || r.dtype != static_cast<uint32_t>(dtype) || r.op != static_cast<uint32_t>(rop) ||
+            r.algorithm != static_cast<uint32_t>(op.algorithm)) {
+            st.mismatch = true;
+            return nullptr;
+        }
+        return &it->second;
+    };
+    auto used = [&](K kind, uint32_t step) {
+        auto it = st.steps.find(static_cast<uint32_t>(kind) << 16 | step);
+        release(op.run.group, sender_of(kind, step), it->second);
+    };
+    // dst = lower (op) higher over `elems` partial elements, the lower host's first.
+    auto combine = [&](void *dst, const void *lower, const void *higher, uint64_t elems) {
+        if (elems == 0) return;
+        const void *in[2] = {lower, higher};
+        ReduceArgs a{dtype, rop, nullptr, 0, nullptr, 0, elems, 1};
+        a.partials = in;
+        a.npartial = 2;
+        a.partial_out = dst;
+        a.avg_shift = avg_shift(n_);
+        reduce(a);
+    };
+    // The partial result over [b, e) into every local slot, final (avg: divided by every rank).
+    auto finish = [&](uint64_t b, uint64_t e) {
+        if (e == b) return;
+        dsts_.clear();
+        for (size_t i = 0; i < op.slots.size(); ++i) dsts_.push_back(slot_at(i, b));
+        const void *in = st.work.data() + b * ps;
+        ReduceArgs a{dtype, rop, nullptr, 0, dsts_.data(), dsts_.size(), e - b, st.ranks};
+        a.partials = &in;
+        a.npartial = 1;
+        a.avg_shift = avg_shift(n_);
+        reduce(a);
+    };
+    auto copy_in = [&](uint64_t b, uint64_t e, const uint8_t *data) {
+        if (e > b)
+            for (size_t i = 0; i < op.slots.size(); ++i) std::memcpy(slot_at(i, b), data, (e - b) * es);
+    };
+
+    if (sched_.folds_into != UINT32_MAX) {  // an extra host
+        if (st.sent != 0) {
+            send_step(st, K::FoldIn, 0, sched_.folds_into, st.work.data(), count * ps);
+            st.sent = 0;
+        }
+        Part *in = input(K::FoldOut, 0);
+        if (!in) return false;
+        copy_in(0, count, in->buf.data() + in->offset);
+        used(K::FoldOut, 0);
+        return st.done = true;
+    }
+    for (;;) {
+        const uint32_t phase = st.phase;
+        if (phase == 0) {  // the extra host's contribution (it is the higher one)
+            if (sched_.folded_from != UINT32_MAX) {
+                Part *in = input(K::FoldIn, 0);
+                if (!in) return false;
+                combine(st.work.data(), st.work.data(), in->buf.data() + in->offset, count);
+                st.ranks += in->report.local_size;
+                used(K::FoldIn, 0);
+            }
+            st.phase = 1;
+        } else if (phase <= L) {  // reduce steps
+            const uint32_t k = phase - 1;
+            const K kind = halving ? K::Halving : K::Doubling;
+            uint64_t keep_b = 0, keep_e = count;  // what this host combines in this step
+            if (halving) {
+                const uint32_t span = sched_.p >> (k + 1), lo = v & ~(span - 1);
+                const uint32_t plo = (v ^ span) & ~(span - 1);  // the blocks the partner keeps
+                keep_b = block_begin(count, lo);
+                keep_e = block_begin(count, lo + span);
+                const uint64_t sb = block_begin(count, plo), se = block_begin(count, plo + span);
+                if (st.sent != phase) send_step(st, kind, k, sender_of(kind, k), st.work.data() + sb * ps, (se - sb) * ps);
+            } else if (st.sent != phase) {
+                send_step(st, kind, k, sender_of(kind, k), st.work.data(), count * ps);
+            }
+            st.sent = phase;
+            Part *in = input(kind, k);
+            if (!in) return false;
+            const uint32_t partner_v = halving ? v ^ (sched_.p >> (k + 1)) : v ^ (1u << k);
+            uint8_t *mine = st.work.data() + keep_b * ps;
+            const uint8_t *theirs = in->buf.data() + in->offset;
+            if (v < partner_v) combine(mine, mine, theirs, keep_e - keep_b);
+            else combine(mine, theirs, mine, keep_e - keep_b);
+            st.ranks += in->report.local_size;
+            used(kind, k);
+            st.phase = phase + 1;
+        } else if (phase == L + 1) {  // the result: the whole op, or this host's block
+            if (halving) finish(block_begin(count, v), block_begin(count, v + 1));
+            else finish(0, count);
+            st.work = {};
+            st.phase = halving ? L + 2 : 2 * L + 2;
+        } else if (phase < 2 * L + 2) {  // halving-doubling's allgather
+            const uint32_t k = phase - (L + 2), span = 1u << k;
+            const uint32_t lo = v & ~(span - 1), plo = (v ^ span) & ~(span - 1);
+            if (st.sent != phase) {
+                const uint64_t b = block_begin(count, lo), e = block_begin(count, lo + span);
+                send_step(st, K::Gather, k, sender_of(K::Gather, k), slot_at(0, b), (e - b) * es);
+                st.sent = phase;
+            }
+            Part *in = input(K::Gather, k);
+            if (!in) return false;
+            copy_in(block_begin(count, plo), block_begin(count, plo + span), in->buf.data() + in->offset);
+            used(K::Gather, k);
+            st.phase = phase + 1;
+        } else {
+            if (sched_.folded_from != UINT32_MAX) send_step(st, K::FoldOut, 0, sched_.folded_from, slot_at(0, 0), count * es);
+            return st.done = true;
+        }
+    }
+}
+
+bool DirectExchange::mismatched(uint64_t generation, const OpKey &key) const {
+    auto it = ops_.find(key_of(generation, key));
+    return it != ops_.end() && it->second.mismatch;
+}
+
 bool DirectExchange::has(uint64_t generation, const OpKey &key) const { return ops_.count(key_of(generation, key)) != 0; }
 
 void DirectExchange::drop(uint64_t generation, const OpKey &key) {
@@ -213,6 +462,8 @@ void DirectExchange::release(const std::string &group, uint32_t host, Part &p) {
 void DirectExchange::erase(std::map<Key, State>::iterator it) {
     for (uint32_t h = 0; h < it->second.parts.size(); ++h)
         if (it->second.parts[h]) release(std::get<1>(it->first), h, *it->second.parts[h]);
+    for (auto &[id, part] : it->second.steps)
+        release(std::get<1>(it->first), sender_of(static_cast<proto::OpDataKind>(id >> 16), id & 0xffff), part);
     ops_.erase(it);
 }
 

@@ -1,8 +1,11 @@
-// DirectExchange: the data of one- and two-shot ops (small ops, daemon/engine/tuner.h) between
-// the hosts of a ring, on the control thread. One-shot: every host sends its contribution (its
-// local ranks reduced) to every other host and reduces them all itself, in ring order, so every
-// host gets the same bits. Two-shot: host j gets segment j of every contribution, reduces it and
-// sends the result to every other host, straight into their slots.
+// DirectExchange: the data of the ops that skip the ring (small ops, daemon/engine/tuner.h)
+// between the hosts of a ring, on the control thread. One-shot: every host sends its contribution
+// (its local ranks reduced) to every other host and reduces them all itself, in ring order, so
+// every host gets the same bits. Two-shot: host j gets segment j of every contribution, reduces it
+// and sends the result to every other host, straight into their slots. Doubling and
+// halving-doubling (proto/peer.h): log2 n steps with one partner each, the extra hosts of a count
+// that is not a power of two folded in first; partners combine in the same order (the lower
+// host's first), so every host gets the same bits too.
 //
 // Contributions of peers that are ahead of this host are kept, within bounds per peer and per
 // group; this host's own data goes out only while its queue to each peer is under a bound. Over
@@ -51,6 +54,10 @@ public:
     // and sends this host's segment to the others). True when the op is complete on this host.
     bool progress(uint64_t generation, const OpKey &key, const HostOp &op);
 
+    // Doubling and halving-doubling: a partner's data of the op does not match this host's op
+    // (count, dtype, op or algorithm): it stops here, for the coordinator to decide.
+    bool mismatched(uint64_t generation, const OpKey &key) const;
+
     bool has(uint64_t generation, const OpKey &key) const;
     void drop(uint64_t generation, const OpKey &key);
     void drop_before(uint64_t generation);  // everything of generations before this one
@@ -68,7 +75,34 @@ private:
         bool reduced = false;
         std::vector<uint8_t> got_result;  // two-shot, by host
         uint32_t results = 0;
+        // Doubling and halving-doubling.
+        std::map<uint32_t, Part> steps;  // peers' data by (kind << 16 | step)
+        bool contributed = false;
+        proto::OpReport report;          // this host's
+        std::vector<uint8_t> work;       // this host's partial result, the whole op (partial dtype)
+        uint32_t ranks = 0;              // the ranks in it
+        uint32_t phase = 0, sent = UINT32_MAX;  // where this host is in the schedule
+        bool mismatch = false, done = false;
     };
+    // This host's place in doubling and halving-doubling: p = the largest power of two <= n hosts
+    // run the steps as virtual hosts 0..p-1; of the first 2(n - p) hosts each odd one folds into
+    // the even one before it.
+    struct Schedule {
+        uint32_t p = 1, steps = 0;       // steps = log2 p
+        uint32_t v = 0;                  // this host's virtual index (kept hosts)
+        uint32_t folds_into = UINT32_MAX;   // this host is an extra one: the host it folds into
+        uint32_t folded_from = UINT32_MAX;  // the extra host that folds into this one
+    };
+    static Schedule schedule_of(uint32_t self, uint32_t n);
+    uint32_t host_of(uint32_t v) const;  // virtual -> real
+    // The host that sends this host data of `kind` at `step`, or n_ when none does.
+    uint32_t sender_of(proto::OpDataKind kind, uint32_t step) const;
+    // Halving-doubling's blocks [lo, hi) of virtual hosts -> elements.
+    uint64_t block_begin(uint64_t count, uint32_t b) const { return static_cast<uint64_t>((static_cast<unsigned __int128>(count) * b) / sched_.p); }
+    bool take_step(uint32_t host, const proto::OpData &d, proto::Bytes payload, std::string &over_bound);
+    std::string over_bound(uint32_t host, const proto::OpReport &r, uint64_t size) const;
+    bool progress_log(State &st, const HostOp &op);
+    void send_step(State &st, proto::OpDataKind kind, uint32_t step, uint32_t to, const void *data, uint64_t bytes);
     static Key key_of(uint64_t generation, const OpKey &k) {
         return {generation, std::get<0>(k), std::get<1>(k), std::get<2>(k)};
     }
@@ -78,6 +112,7 @@ private:
     void local_reduce_into(const HostOp &op, void *dst, uint64_t begin, uint64_t elems);
 
     uint32_t self_, n_;
+    Schedule sched_;
     std::vector<std::string> hosts_;
     Send send_;
     Queued queued_;

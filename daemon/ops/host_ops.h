@@ -45,8 +45,12 @@ struct HostOp {
     int32_t status = 0;  // non-zero: failed on this host, queued only to be reported
     std::string message;
     Clock::time_point deadline;
-    Algorithm algorithm = Algorithm::Ring;  // one-/two-shot: completes here, by OpData
+    Algorithm algorithm = Algorithm::Ring;  // one-/two-shot, doubling, halving-doubling: completes here, by OpData
     OpState state = OpState::Queued;
+    // Doubling, halving-doubling (reported to the coordinator only when needed): when this host
+    // reports it if it has not completed by then, and whether it did.
+    Clock::time_point stall_at{};
+    bool told_coordinator = false;
 };
 
 class HostOps {
@@ -73,6 +77,10 @@ public:
     // Queued -> Reported.
     HostOp &reported(const OpKey &key, HostOp op);
     HostOp *find_reported(const OpKey &key);
+    template <typename F>
+    void for_each_reported(F f) {
+        for (auto &[key, op] : reported_) f(key, op);
+    }
     // Reported -> out of the table (started, decided, or completed by direct exchange).
     std::optional<HostOp> take_reported(const OpKey &key);
 

@@ -126,7 +126,9 @@ void RingDomain::on_ring_up(uint64_t generation, DataSockets to_next, DataSocket
         }
         lanes_[k]->engine->ring_up(std::move(l));
     }
-    // The generation is agreed: every host reports ops in it from now on.
+    // The generation is agreed: every host reports ops in it from now on. Its hosts and their
+    // protocol versions stay as they are until it ends, so every host chooses algorithms alike.
+    generation_protocol_ = control_->protocol();
     coord_generation_ = generation;
     coord_known_ = true;
     if (coordinator_) coordinator_->reset(generation, control_->instances());
@@ -304,7 +306,7 @@ bool RingDomain::flush_reports_now() {
                 std::chrono::duration_cast<std::chrono::milliseconds>(op.deadline - Clock::now()).count(), 0, UINT32_MAX));
             const uint64_t bytes = op.run.count * dtype_size(op.run.dtype);
             const Algorithm algorithm =
-                choose_algorithm(bytes, static_cast<uint32_t>(config_.hosts.size()), config_.tuning);
+                choose_algorithm(bytes, static_cast<uint32_t>(config_.hosts.size()), config_.tuning, generation_protocol_);
             if (op.status == 0) sh_.groups->set_algorithm(op.run.op_id, algorithm_name(algorithm));
             if (op.status == 0 && algorithm != Algorithm::Ring) {
                 if (std::string why = exchange_->send_over_bound(r, op.run.dtype, op.run.op, algorithm); !why.empty()) {
@@ -351,13 +353,39 @@ void RingDomain::on_group_incarnation(const proto::GroupIncarnation &g) {
 
 // One-/two-shot (DirectExchange): this host's data goes to the others with its report; the
 // coordinator gets the report (on its own host, through the inbox).
+// Doubling and halving-doubling: nobody hears of the op but this host's partners, unless it has
+// not completed within kStallReport, or a partner's data does not match (tell_coordinator).
 void RingDomain::report_direct(HostOp op, proto::OpReport r, Algorithm algorithm) {
     r.algorithm = static_cast<uint32_t>(algorithm);
     op.algorithm = algorithm;
     const OpKey key{r.group, r.incarnation, r.seq};
+    const bool deferred = deferred_reports(algorithm);
+    if (deferred) op.stall_at = Clock::now() + kStallReport;
     exchange_->contribute(ops_.reported(key, std::move(op)), r);
-    if (self_index_ == kCoordinator) self_inbox_.push_back({Frame{}, r});  // in order with the other frames
+    if (!deferred && self_index_ == kCoordinator) self_inbox_.push_back({Frame{}, r});  // in order with the other frames
     try_progress_direct(key);
+}
+
+// A doubling or halving-doubling op's report, sent when it is needed: the op stalls here, a
+// partner's data does not match it, or (kReportDone) it completed after this host reported it.
+void RingDomain::tell_coordinator(const OpKey &key, HostOp &op, uint32_t flags) {
+    if (op.told_coordinator && !(flags & proto::kReportDone)) return;
+    op.told_coordinator = true;
+    ++deferred_reports_;
+    proto::OpReport r;
+    r.generation = coord_generation_;
+    r.group = std::get<0>(key);
+    r.incarnation = std::get<1>(key);
+    r.seq = std::get<2>(key);
+    r.count = op.run.count;
+    r.dtype = static_cast<uint32_t>(op.run.dtype);
+    r.op = static_cast<uint32_t>(op.run.op);
+    r.local_size = static_cast<uint32_t>(op.run.members.size());
+    r.algorithm = static_cast<uint32_t>(op.algorithm);
+    r.remaining_ms = static_cast<uint32_t>(std::clamp<int64_t>(
+        std::chrono::duration_cast<std::chrono::milliseconds>(op.deadline - Clock::now()).count(), 0, UINT32_MAX));
+    r.flags = proto::kReportDeferred | flags;
+    send_to_coordinator(proto::encode_op_report(r));
 }
 
 // This host cannot keep a peer's data of an op it has not reached: the op fails on every host
@@ -407,15 +435,27 @@ void RingDomain::on_op_data(uint32_t host, Frame &frame) {
         keep = exchange_->take_part(host, *d, std::move(frame.payload), over_bound);
         if (!over_bound.empty()) fail_ahead(report, -ENOBUFS, over_bound);
     }
-    if (coordinator_) on_report(host, report);  // checked like any report (an OpFail drops the data again)
-    if (keep && coord_known_ && report.generation == coord_generation_) try_progress_direct(key);
+    // One-/two-shot data is the sender's report, checked like any (an OpFail drops the data again).
+    if (coordinator_ && d->kind < proto::OpDataKind::Doubling) on_report(host, report);
+    if (coord_known_ && report.generation == coord_generation_) try_progress_direct(key);
 }
 
 // Completes a one- or two-shot op here once this host reported it and every part it needs is in.
 void RingDomain::try_progress_direct(const OpKey &key) {
-    const HostOp *op = ops_.find_reported(key);
-    if (!op || op->algorithm == Algorithm::Ring || !exchange_->progress(coord_generation_, key, *op)) return;
-    ++(op->algorithm == Algorithm::OneShot ? ops_one_shot_ : ops_two_shot_);
+    HostOp *op = ops_.find_reported(key);
+    if (!op || op->algorithm == Algorithm::Ring) return;
+    if (!exchange_->progress(coord_generation_, key, *op)) {
+        // A partner's data does not match: the coordinator decides (a mismatch naming both hosts).
+        if (exchange_->mismatched(coord_generation_, key)) tell_coordinator(key, *op, 0);
+        return;
+    }
+    switch (op->algorithm) {
+    case Algorithm::OneShot: ++ops_one_shot_; break;
+    case Algorithm::TwoShot: ++ops_two_shot_; break;
+    case Algorithm::Doubling: ++ops_doubling_; break;
+    default: ++ops_halving_doubling_; break;
+    }
+    if (op->told_coordinator) tell_coordinator(key, *op, proto::kReportDone);  // it may forget the op
     sh_.groups->finished(op->run.op_id, 0, {}, *sh_.done);
     (void)ops_.take_reported(key);
     exchange_->drop(coord_generation_, key);
@@ -613,6 +653,10 @@ void RingDomain::on_engine_results(uint32_t lane) {
 
 void RingDomain::tick(Clock::time_point now) {
     control_->tick(now);
+    if (coord_known_)  // doubling/halving-doubling ops that have not completed yet: the coordinator hears of them
+        ops_.for_each_reported([&](const OpKey &key, HostOp &op) {
+            if (deferred_reports(op.algorithm) && !op.told_coordinator && op.stall_at <= now) tell_coordinator(key, op, 0);
+        });
     expire_host_ops(now);
     forget_gone_runs();  // also while the ring is down (settle_step reports only while it is up)
     const double dt = std::chrono::duration<double>(now - rate_at_).count();
@@ -693,6 +737,9 @@ nlohmann::json RingDomain::status() const {
             {"ops_ring", ops_ring_},
             {"ops_one_shot", ops_one_shot_},
             {"ops_two_shot", ops_two_shot_},
+            {"ops_doubling", ops_doubling_},
+            {"ops_halving_doubling", ops_halving_doubling_},
+            {"deferred_reports", deferred_reports_},
             {"size", n},
             {"lanes", lanes_.size()},
             {"hosts", hosts},

@@ -138,6 +138,9 @@ private:
     void on_peer_message(uint32_t host, Frame &frame);
     void on_op_data(uint32_t host, Frame &frame);
     void report_direct(HostOp op, proto::OpReport r, Algorithm algorithm);
+    void tell_coordinator(const OpKey &key, HostOp &op, uint32_t flags);
+    // How long a doubling or halving-doubling op may take here before the coordinator hears of it.
+    static constexpr auto kStallReport = std::chrono::milliseconds(250);
     void try_progress_direct(const OpKey &key);
     void fail_ahead(const proto::OpReport &data, int32_t code, const std::string &why);
     bool flush_reports_now();
@@ -176,7 +179,9 @@ private:
     std::map<OpKey, std::pair<int32_t, std::string>> failed_ahead_;  // OpFails for ops not reported yet
     // One- and two-shot ops' data (daemon/exchange/direct_exchange.h).
     std::unique_ptr<DirectExchange> exchange_;
-    uint64_t ops_one_shot_ = 0, ops_two_shot_ = 0, ops_ring_ = 0;
+    uint64_t ops_one_shot_ = 0, ops_two_shot_ = 0, ops_ring_ = 0, ops_doubling_ = 0, ops_halving_doubling_ = 0;
+    uint16_t generation_protocol_ = proto::kPeerBaseVersion;  // the oldest of the generation's hosts
+    uint64_t deferred_reports_ = 0;  // doubling/halving-doubling ops this host had to report
     uint64_t local_generation_ = 0;
     uint64_t coord_generation_ = 0;   // the coordinator's generation we report in
     uint64_t coord_generation_used_ = 0;

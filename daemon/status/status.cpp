@@ -46,7 +46,7 @@ nlohmann::json Daemon::status_doc(uint32_t viewer) const {
             members.push_back({{"name", h.name}, {"address", h.address}, {"port", h.port}, {"self", true},
                                {"link", "self"}, {"last_error", ""}, {"last_heard_s", -1}, {"next", true}, {"prev", true}});
         j["ring"] = {{"generation", 1}, {"state", "up"}, {"last_abort", ""}, {"ops_ring", 0}, {"ops_one_shot", 0},
-                     {"ops_two_shot", 0}, {"size", n}, {"members", members}, {"auth", "one host"}, {"handshakes_refused", 0}, {"frames_rejected", 0}};
+                     {"ops_two_shot", 0}, {"ops_doubling", 0}, {"ops_halving_doubling", 0}, {"size", n}, {"members", members}, {"auth", "one host"}, {"handshakes_refused", 0}, {"frames_rejected", 0}};
     }
     // The other ring domains: the host sets of groups over part of the ring, each a ring of its
     // own (same fields as "ring", plus "hosts").

@@ -29,10 +29,13 @@ struct Algo {
     const char *tuning;
     const char *counter;  // the status counter of ring.* that counts its ops
 };
-// Each forced through the cost model's inputs (daemon/engine/tuner.h) on 3 hosts.
+// Each forced (tuning.algorithm, daemon/engine/tuner.h) on 3 hosts: doubling and halving-doubling
+// with host 2 folded into host 0 (3 is not a power of two).
 const Algo kAlgos[] = {
-    {"one-shot", "tuning: {direct_max_bytes: 16MiB, hop_latency_us: 1000000, link_mbit: 100000000}\n", "ops_one_shot"},
-    {"two-shot", "tuning: {direct_max_bytes: 16MiB, hop_latency_us: 1, link_mbit: 1}\n", "ops_two_shot"},
+    {"one-shot", "tuning: {direct_max_bytes: 16MiB, algorithm: one-shot}\n", "ops_one_shot"},
+    {"two-shot", "tuning: {direct_max_bytes: 16MiB, algorithm: two-shot}\n", "ops_two_shot"},
+    {"doubling", "tuning: {direct_max_bytes: 16MiB, algorithm: doubling}\n", "ops_doubling"},
+    {"halving-doubling", "tuning: {direct_max_bytes: 16MiB, algorithm: halving-doubling}\n", "ops_halving_doubling"},
     {"ring", "tuning: {direct_max_bytes: 0}\n", "ops_ring"},
 };
 
@@ -61,7 +64,11 @@ std::string ringd_start_failure(const std::string &extra) {
 TEST_CASE("every dtype x op on each algorithm and transport, 1 and 2 local ranks: every value and guard byte exact",
           "[cluster]") {
     const bool ibverbs = GENERATE(false, true);
-    const Algo &algo = kAlgos[GENERATE(0, 1, 2)];
+    const size_t a = GENERATE(0, 1, 2, 3, 4);
+    const Algo &algo = kAlgos[a];
+    // Doubling and halving-doubling go over the control connections (TCP) like one-/two-shot,
+    // which the ibverbs run covers already.
+    if (ibverbs && (a == 2 || a == 3)) return;
     INFO((ibverbs ? "ibverbs" : "tcp") << ", " << algo.name);
     TestCluster c(3, "10s", std::string(ibverbs ? kIbverbsYaml : "") + algo.tuning);
     REQUIRE(c.wait_up());
@@ -95,7 +102,7 @@ TEST_CASE("every dtype x op on each algorithm and transport, 1 and 2 local ranks
         CHECK(j["ring"]["generation"] == 1);
         CHECK(j["ops"]["failed"] == 0);
         CHECK(j["ops"]["completed"] == ops);  // per op on this host, whatever its local size
-        for (const char *counter : {"ops_one_shot", "ops_two_shot", "ops_ring"})
+        for (const char *counter : {"ops_one_shot", "ops_two_shot", "ops_doubling", "ops_halving_doubling", "ops_ring"})
             CHECK(j["ring"][counter].get<uint64_t>() == (std::string(counter) == algo.counter ? ops : 0));
         CHECK(j["memory"]["registrations"].get<int>() <= 4);  // 3 slots + the ring's staging, never per op
         if (ibverbs)
@@ -106,7 +113,7 @@ TEST_CASE("every dtype x op on each algorithm and transport, 1 and 2 local ranks
 TEST_CASE("avg of values near the largest finite one on each algorithm never overflows: f16 and bf16 exactly the mean, "
           "f32 and f64 within the documented bound",
           "[cluster][avg]") {
-    const Algo &algo = kAlgos[GENERATE(0, 1, 2)];
+    const Algo &algo = kAlgos[GENERATE(0, 1, 2, 3, 4)];
     const bool ibverbs = GENERATE(false, true);
     const bool ring = std::string(algo.name) == "ring";
     if (ibverbs && !ring) return;  // direct exchange goes over the control connections: TCP either way
@@ -202,7 +209,13 @@ TEST_CASE("a TCP congestion control the kernel lacks stops ringd at start naming
                    Catch::Contains("tcp.congestion: system"));
 }
 
-TEST_CASE("a count/dtype/op mismatch between hosts fails every rank naming both hosts", "[cluster]") {
+TEST_CASE("a count/dtype/op mismatch between hosts fails every rank naming both hosts (the cost model's "
+          "algorithms, doubling, halving-doubling)",
+          "[cluster]") {
+    // Doubling and halving-doubling on 3 hosts: node1 folds into node0, which sees its data differ
+    // and reports it; node1 reports it when it stalls (DirectExchange, kReportDeferred).
+    const char *tuning = GENERATE("", "tuning: {algorithm: doubling}\n", "tuning: {algorithm: halving-doubling}\n");
+    INFO(tuning);
     struct Case {
         const char *what;
         size_t count;  // node0's and node2's; node1 differs in one thing
@@ -219,12 +232,13 @@ TEST_CASE("a count/dtype/op mismatch between hosts fails every rank naming both 
         {"dtype (ring)", 200000, RINGD_F64, RINGD_SUM, 0, "host node1 submitted 200000 x double sum"},
         {"op (ring)", 200000, RINGD_F32, RINGD_MIN, 0, "host node1 submitted 200000 x float min"},
     };
-    TestCluster c(3);
+    TestCluster c(3, "5s", tuning);
     REQUIRE(c.wait_up());
     auto cl = connect_all(c, "m", 1, 4 << 20);
     uint64_t seed = 9;
     for (const Case &k : cases) {
         INFO(k.what);
+        if (*tuning && k.count > 1000) continue;  // the ring: the same either way
         const auto a = cl[0]->submit(0, k.count, RINGD_F32, RINGD_SUM);
         const auto b = cl[1]->submit(0, k.count + static_cast<size_t>(k.extra), k.t1, k.o1);
         const auto d = cl[2]->submit(0, k.count, RINGD_F32, RINGD_SUM);
@@ -242,11 +256,16 @@ TEST_CASE("a count/dtype/op mismatch between hosts fails every rank naming both 
     CHECK(c.status(0)["ring"]["generation"] == 1);
 }
 
-TEST_CASE("a host that submits after the coordinator failed the op gets the failure at once", "[cluster]") {
-    TestCluster c(3, "20s");
+TEST_CASE("a host that submits after the coordinator failed the op gets the failure at once (the cost model's "
+          "algorithms, doubling)",
+          "[cluster]") {
+    const char *tuning = GENERATE("", "tuning: {algorithm: doubling}\n");
+    INFO(tuning);
+    TestCluster c(3, "20s", tuning);
     REQUIRE(c.wait_up());
     auto cl = connect_all(c, "late", 1);
     for (const size_t count : {size_t{100}, size_t{200000}}) {  // direct exchange, then the ring
+        if (*tuning && count > 1000) continue;
         const auto a = cl[0]->submit(0, count, RINGD_F32, RINGD_SUM);
         const auto b = cl[1]->submit(0, count + 1, RINGD_F32, RINGD_SUM);
         for (auto [cli, t] : {std::pair{cl[0].get(), a}, {cl[1].get(), b}}) {

@@ -571,7 +571,8 @@ TEST_CASE("peer frame bytes are pinned", "[proto]") {
     CHECK(h7->instance == 0x0102030405060708);
     // Read as the other version, the bytes are something else: the header's version decides.
     CHECK(decode_peer_hello(payload_of(g), 6).ok() == false);
-    CHECK(decode_peer_hello(payload_of(g), 8).error().code == -EPROTONOSUPPORT);
+    CHECK(decode_peer_hello(payload_of(g), 8).ok());  // 8 keeps 7's handshake
+    CHECK(decode_peer_hello(payload_of(g), 9).error().code == -EPROTONOSUPPORT);
     // A config version must be printable and end with a NUL.
     Bytes bad(g.begin() + kFrameHeaderBytes, g.end());
     bad[kPeerHelloBytes + 8 + 3] = 0x01;
@@ -597,19 +598,21 @@ TEST_CASE("peer frame bytes are pinned", "[proto]") {
     CHECK_FALSE(decode_peer_accept(payload_of(af), 6).ok());
 }
 
-TEST_CASE("peer frame headers: versions 6 and 7 are read, others refused naming both", "[proto]") {
+TEST_CASE("peer frame headers: versions 6 to 8 are read, others refused naming both", "[proto]") {
     Bytes h = header_bytes(20, 16);
     CHECK(decode_frame_header(h, 4096).ok());  // 6
-    h[4] = 7;
-    auto d = decode_frame_header(h, 4096);
-    REQUIRE(d.ok());
-    CHECK(d->version == 7);
-    for (uint8_t v : {5, 8}) {
+    for (uint8_t v : {7, 8}) {
+        h[4] = v;
+        auto d = decode_frame_header(h, 4096);
+        REQUIRE(d.ok());
+        CHECK(d->version == v);
+    }
+    for (uint8_t v : {5, 9}) {
         h[4] = v;
         auto e = decode_frame_header(h, 4096);
         REQUIRE_FALSE(e.ok());
         CHECK(e.error().code == -EPROTONOSUPPORT);
-        CHECK_THAT(e.error().message, Catch::Contains("speaks 6 to 7"));
+        CHECK_THAT(e.error().message, Catch::Contains("speaks 6 to 8"));
     }
 }
 
@@ -684,8 +687,22 @@ TEST_CASE("op negotiation frames round-trip and are validated", "[proto]") {
     q = p;
     q[116] = 1;  // flags: kReportAhead on a report that is not a failure
     CHECK_THAT(decode_op_report(q).error().message, Catch::Contains("must be a failure"));
-    q[116] = 2;  // an unknown flag
+    q[116] = 8;  // an unknown flag
     CHECK_THAT(decode_op_report(q).error().message, Catch::Contains("unknown flags"));
+    // Deferred reports (doubling, halving-doubling) name their algorithm; a done report is one.
+    OpReport deferred = r;
+    deferred.flags = kReportDeferred | kReportDone;
+    deferred.algorithm = 4;
+    auto dd = decode_op_report(payload_of(encode_op_report(deferred)));
+    REQUIRE(dd.ok());
+    CHECK(dd->flags == (kReportDeferred | kReportDone));
+    CHECK(dd->algorithm == 4);
+    { const Bytes f = encode_op_report(deferred); q.assign(f.begin() + kFrameHeaderBytes, f.end()); }
+    q[117] = 1;  // algorithm 1: one-shot is never deferred
+    CHECK_THAT(decode_op_report(q).error().message, Catch::Contains("names algorithm 1"));
+    q[116] = kReportDone;  // done without deferred
+    q[117] = 0;
+    CHECK_THAT(decode_op_report(q).error().message, Catch::Contains("a done report must be a deferred report"));
     OpReport ahead = r;
     ahead.status = -ENOBUFS;
     ahead.message = "over a bound";

@@ -322,7 +322,7 @@ TEST_CASE("a version-7 accept changed on the way fails its MAC check at the dial
         const proto::Nonce nonce_l{};
         REQUIRE(send_all(s.get(), proto::encode_peer_challenge({nonce_l, secret.mac("ringd listener", hello.payload, nonce_l)})).ok());
         (void)next();  // the dialer's auth
-        proto::PeerAccept acc{9, 7, {}, "abc", 5, {}};
+        proto::PeerAccept acc{9, proto::kPeerProtocolVersion, {}, "abc", 5, {}};
         proto::Bytes covered = hello.payload;
         const proto::Bytes fields = proto::peer_accept_fields(acc);
         covered.insert(covered.end(), fields.begin(), fields.end());
