@@ -97,7 +97,11 @@ Status RingDomain::setup() {
     for (const auto &h : config_.hosts) names.push_back(h.name);
     if (self_index_ == kCoordinator) coordinator_.emplace(names, config_.timeouts.op, lanes());
     exchange_ = std::make_unique<DirectExchange>(
-        self_index_, std::move(names), [this](uint32_t h, const proto::Bytes &f) { (void)control_->send(h, f); },
+        self_index_, std::move(names),
+        [this](uint32_t h, const proto::Bytes &f) {
+            ++frames_.data_sent;
+            (void)control_->send(h, f);
+        },
         [this](uint32_t h) { return control_->queued_bytes(h); });
     if (!whole_ring()) spdlog::info("ring domain {}: made (this host is {} of {})", key_, self_index_, members_.size());
     return Ok{};
@@ -209,7 +213,7 @@ bool RingDomain::has_group_state(const std::string &group) const {
 // (deliver_self_frames), like a frame from a peer.
 void RingDomain::send_to_coordinator(const proto::Bytes &frame) {
     if (self_index_ != kCoordinator) {
-        (void)control_->send(kCoordinator, frame);
+        send_control(kCoordinator, frame);
         return;
     }
     Frame f;
@@ -462,6 +466,8 @@ void RingDomain::try_progress_direct(const OpKey &key) {
 }
 
 void RingDomain::on_peer_message(uint32_t host, Frame &frame) {
+    if (host != self_index_ && frame.type != proto::FrameType::Heartbeat)
+        ++(frame.type == proto::FrameType::OpData ? frames_.data_received : frames_.control_received);
     switch (frame.type) {
     case proto::FrameType::Heartbeat: return;
     case proto::FrameType::OpReport: {
@@ -505,25 +511,32 @@ void RingDomain::on_peer_message(uint32_t host, Frame &frame) {
 }
 
 void RingDomain::on_report(uint32_t host, const proto::OpReport &r) {
+    ++coordinator_reports_;
     Coordinator::Decisions d;
     coordinator_->report(host, r, Clock::now(), d);
     broadcast(d);
+}
+
+// A coordination frame (report, join, decision) to another host, counted.
+void RingDomain::send_control(uint32_t host, const proto::Bytes &frame) {
+    ++frames_.control_sent;
+    (void)control_->send(host, frame);
 }
 
 void RingDomain::broadcast(const Coordinator::Decisions &d) {
     for (const auto &s : d.starts) {
         const proto::Bytes frame = proto::encode_op_start(s);
         for (uint32_t h = 0; h < config_.hosts.size(); ++h)
-            if (h != self_index_) (void)control_->send(h, frame);
+            if (h != self_index_) send_control(h, frame);
         on_start(s);
     }
     for (const auto &[h, f] : d.fails) {
         if (h == self_index_) on_fail(f);
-        else (void)control_->send(h, proto::encode_op_fail(f));
+        else send_control(h, proto::encode_op_fail(f));
     }
     for (const auto &[h, g] : d.groups) {
         if (h == self_index_) on_group_incarnation(g);
-        else (void)control_->send(h, proto::encode_group_incarnation(g));
+        else send_control(h, proto::encode_group_incarnation(g));
     }
 }
 
@@ -740,6 +753,16 @@ nlohmann::json RingDomain::status() const {
             {"ops_doubling", ops_doubling_},
             {"ops_halving_doubling", ops_halving_doubling_},
             {"deferred_reports", deferred_reports_},
+            // Frames of this ring domain since it was made, heartbeats and ring formation aside:
+            // coordination (reports, joins, decisions) and op data (one-/two-shot, doubling,
+            // halving-doubling); and the reports this host's coordinator handled (one-/two-shot data
+            // counts as its sender's report).
+            {"frames",
+             {{"control_sent", frames_.control_sent},
+              {"control_received", frames_.control_received},
+              {"data_sent", frames_.data_sent},
+              {"data_received", frames_.data_received}}},
+            {"coordinator_reports", coordinator_reports_},
             {"size", n},
             {"lanes", lanes_.size()},
             {"hosts", hosts},

@@ -139,6 +139,7 @@ private:
     void on_op_data(uint32_t host, Frame &frame);
     void report_direct(HostOp op, proto::OpReport r, Algorithm algorithm);
     void tell_coordinator(const OpKey &key, HostOp &op, uint32_t flags);
+    void send_control(uint32_t host, const proto::Bytes &frame);
     // How long a doubling or halving-doubling op may take here before the coordinator hears of it.
     static constexpr auto kStallReport = std::chrono::milliseconds(250);
     void try_progress_direct(const OpKey &key);
@@ -182,6 +183,10 @@ private:
     uint64_t ops_one_shot_ = 0, ops_two_shot_ = 0, ops_ring_ = 0, ops_doubling_ = 0, ops_halving_doubling_ = 0;
     uint16_t generation_protocol_ = proto::kPeerBaseVersion;  // the oldest of the generation's hosts
     uint64_t deferred_reports_ = 0;  // doubling/halving-doubling ops this host had to report
+    struct Frames {
+        uint64_t control_sent = 0, control_received = 0, data_sent = 0, data_received = 0;
+    } frames_;
+    uint64_t coordinator_reports_ = 0;  // reports this host's coordinator handled
     uint64_t local_generation_ = 0;
     uint64_t coord_generation_ = 0;   // the coordinator's generation we report in
     uint64_t coord_generation_used_ = 0;
