@@ -15,7 +15,9 @@
 // connections and hold the whole op in memory, so they are used only up to
 // tuning.direct_max_bytes; above it the ring runs on the data path (registered memory, pipelined
 // chunks). Doubling and halving-doubling need every host of the ring domain to speak peer protocol
-// 8. Every host computes the same answer from the same configuration, op and protocol.
+// 8. Every host computes the same answer from the same configuration, op and protocol; below
+// protocol 8 the model is the one the releases of protocol 7 use (no message term), so that a ring
+// in a rolling upgrade chooses alike on its old and new hosts.
 // tuning.algorithm forces one (within those limits: over the cap or below protocol 8 the model
 // chooses among the others).
 #pragma once
@@ -54,8 +56,10 @@ inline uint32_t power_of_two_below(uint32_t n) {
     return p;
 }
 
-inline AlgorithmCost algorithm_cost(uint64_t bytes, uint32_t hosts, const Config::Tuning &t) {
-    const double n = hosts, a = t.hop_latency_us, m = t.message_us, s = static_cast<double>(bytes);
+inline AlgorithmCost algorithm_cost(uint64_t bytes, uint32_t hosts, const Config::Tuning &t,
+                                    uint16_t protocol = kLogAlgorithmsProtocol) {
+    const double n = hosts, a = t.hop_latency_us, s = static_cast<double>(bytes);
+    const double m = protocol >= kLogAlgorithmsProtocol ? t.message_us : 0;
     const double us_per_byte = 8.0 / static_cast<double>(t.link_mbit);  // Mbit/s = bit/us
     const double sb = s * us_per_byte;
     const double p = power_of_two_below(hosts), L = std::log2(p), f = hosts == p ? 0 : 1;
@@ -77,7 +81,7 @@ inline Algorithm choose_algorithm(uint64_t bytes, uint32_t hosts, const Config::
         const auto forced = static_cast<Algorithm>(t.algorithm);
         if (log_ok || !deferred_reports(forced)) return forced;
     }
-    const AlgorithmCost c = algorithm_cost(bytes, hosts, t);
+    const AlgorithmCost c = algorithm_cost(bytes, hosts, t, protocol);
     // Ties go to the one listed first (on two hosts doubling is one-shot: the same frames).
     Algorithm best = Algorithm::OneShot;
     for (Algorithm a : {Algorithm::TwoShot, Algorithm::Doubling, Algorithm::HalvingDoubling, Algorithm::Ring}) {

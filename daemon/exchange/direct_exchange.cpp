@@ -62,7 +62,9 @@ std::string DirectExchange::send_over_bound(const proto::OpReport &r, DType dtyp
     const uint64_t ps = dtype_size(partial_dtype(dtype, op));
     for (uint32_t h = 0; h < n_; ++h) {
         if (h == self_) continue;
-        const uint64_t elems = algorithm == Algorithm::OneShot ? r.count : seg_begin(r.count, n_, h + 1) - seg_begin(r.count, n_, h);
+        // One-shot, doubling and halving-doubling send a peer up to the whole op (doubling to each
+        // partner, halving half of it at first), two-shot segment h.
+        const uint64_t elems = algorithm == Algorithm::TwoShot ? seg_begin(r.count, n_, h + 1) - seg_begin(r.count, n_, h) : r.count;
         const uint64_t queued = queued_(h);
         if (queued + elems * ps > kMaxSendBacklog)
             return "group " + r.group + " op " + std::to_string(r.seq) + ": host " + hosts_[self_] + "'s queue to host " +
@@ -264,14 +266,17 @@ bool DirectExchange::take_step(uint32_t host, const proto::OpData &d, proto::Byt
             return false;
         }
     }
-    State &st = ops_[Key{r.generation, r.group, r.incarnation, r.seq}];
-    if (!st.contributed) {
+    const Key key{r.generation, r.group, r.incarnation, r.seq};
+    auto it = ops_.find(key);
+    // Reached here: this host runs the op (by this algorithm, or by another: its own part is in).
+    const bool reached = it != ops_.end() && (it->second.contributed ||
+                                              (it->second.parts.size() > self_ && it->second.parts[self_]));
+    if (!reached) {
         over_bound_why = over_bound(host, r, payload.size());
-        if (!over_bound_why.empty()) {
-            if (st.steps.empty()) ops_.erase(Key{r.generation, r.group, r.incarnation, r.seq});
-            return false;
-        }
+        if (!over_bound_why.empty()) return false;
     }
+    State &st = it != ops_.end() ? it->second : ops_[key];
+    if (!st.contributed && st.parts.size() > self_ && st.parts[self_]) st.mismatch = true;  // it runs another algorithm here
     const uint32_t id = static_cast<uint32_t>(d.kind) << 16 | d.step;
     if (st.steps.count(id)) return false;  // a duplicate
     peer_bytes_[host] += payload.size();

@@ -364,7 +364,7 @@ void RingDomain::report_direct(HostOp op, proto::OpReport r, Algorithm algorithm
     op.algorithm = algorithm;
     const OpKey key{r.group, r.incarnation, r.seq};
     const bool deferred = deferred_reports(algorithm);
-    if (deferred) op.stall_at = Clock::now() + kStallReport;
+    if (deferred) op.stall_at = Clock::now() + std::min<Clock::duration>(kStallReport, (op.deadline - Clock::now()) / 4);
     exchange_->contribute(ops_.reported(key, std::move(op)), r);
     if (!deferred && self_index_ == kCoordinator) self_inbox_.push_back({Frame{}, r});  // in order with the other frames
     try_progress_direct(key);
@@ -373,7 +373,8 @@ void RingDomain::report_direct(HostOp op, proto::OpReport r, Algorithm algorithm
 // A doubling or halving-doubling op's report, sent when it is needed: the op stalls here, a
 // partner's data does not match it, or (kReportDone) it completed after this host reported it.
 void RingDomain::tell_coordinator(const OpKey &key, HostOp &op, uint32_t flags) {
-    if (op.told_coordinator && !(flags & proto::kReportDone)) return;
+    // (One-/two-shot ops were reported with their data: the coordinator sees any difference.)
+    if (!deferred_reports(op.algorithm) || (op.told_coordinator && !(flags & proto::kReportDone))) return;
     op.told_coordinator = true;
     ++deferred_reports_;
     proto::OpReport r;
@@ -409,6 +410,25 @@ void RingDomain::fail_ahead(const proto::OpReport &data, int32_t code, const std
     send_to_coordinator(proto::encode_op_report(r));
 }
 
+// A partner runs a doubling/halving-doubling op that ended here already (this host's trainers
+// failed it in an earlier ring generation, say, and went on): nobody will send it this host's
+// part, so it fails on every host now, through the coordinator, naming this host (the deferred
+// reports of the others say nothing of how far this host got).
+void RingDomain::past_it(uint32_t host, const proto::OpReport &data) {
+    const OpKey key{data.group, data.incarnation, data.seq};
+    if (!past_told_.insert(key).second) return;
+    if (past_told_.size() > kMaxFailedAhead) past_told_.erase(past_told_.begin());
+    proto::OpReport r;
+    r.generation = data.generation;
+    r.group = data.group;
+    r.incarnation = data.incarnation;
+    r.seq = data.seq;
+    r.status = -ECONNABORTED;
+    r.message = "group " + data.group + " op " + std::to_string(data.seq) + ": host " + config_.hosts[self_index_].name +
+                " is past it (the op ended there before host " + config_.hosts[host].name + " got to it)";
+    send_to_coordinator(proto::encode_op_report(r));
+}
+
 void RingDomain::on_op_data(uint32_t host, Frame &frame) {
     auto d = proto::decode_op_data(frame.payload);
     if (!d) {
@@ -434,6 +454,8 @@ void RingDomain::on_op_data(uint32_t host, Frame &frame) {
     bool keep = !((coord_known_ && report.generation < coord_generation_) ||
                   (!coord_known_ && report.generation <= coord_generation_used_)) &&
                 !failed_ahead_.count(key) && !ended_here;
+    if (ended_here && d->kind >= proto::OpDataKind::Doubling && coord_known_ && report.generation == coord_generation_)
+        past_it(host, report);
     if (keep) {
         std::string over_bound;
         keep = exchange_->take_part(host, *d, std::move(frame.payload), over_bound);

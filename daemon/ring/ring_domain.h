@@ -35,6 +35,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -140,6 +141,8 @@ private:
     void report_direct(HostOp op, proto::OpReport r, Algorithm algorithm);
     void tell_coordinator(const OpKey &key, HostOp &op, uint32_t flags);
     void send_control(uint32_t host, const proto::Bytes &frame);
+    void past_it(uint32_t host, const proto::OpReport &data);
+    std::set<OpKey> past_told_;  // ops this host said it is past (bounded like failed_ahead_)
     // How long a doubling or halving-doubling op may take here before the coordinator hears of it.
     static constexpr auto kStallReport = std::chrono::milliseconds(250);
     void try_progress_direct(const OpKey &key);

@@ -22,10 +22,12 @@ namespace {
 
 constexpr size_t kSlot = 4 << 20;
 
-// A step of a job: the ring (a large op) and direct exchange (a small one), every value checked.
+// A step of a job: the ring (a large op) and direct exchange (small ones: one-shot, and 200 KB,
+// which both releases' models send by two-shot below protocol 8), every value checked.
 void step(Clients &cl, uint64_t seed) {
     allreduce_checked(cl, DType::F32, ReduceOp::Sum, 600000, seed);
     allreduce_checked(cl, DType::BF16, ReduceOp::Avg, 777, seed + 1);
+    allreduce_checked(cl, DType::F32, ReduceOp::Sum, 50000, seed + 2);
 }
 
 std::string pair_of(uint32_t a, uint32_t b) { return "node" + std::to_string(a) + ",node" + std::to_string(b); }

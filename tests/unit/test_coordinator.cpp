@@ -391,3 +391,69 @@ TEST_CASE("a run agreed with a ringd that has restarted since ends at the next g
     for (uint32_t h = 0; h < 3; ++h) c.join(h, {10, "g", (h + 1) * 100 + 1, fresh}, d);
     for (const auto &[h, g] : d.groups) CHECK(g.incarnation == fresh);
 }
+
+namespace {
+
+// A doubling op's report from a host where it stalled (proto::kReportDeferred).
+proto::OpReport deferred(uint64_t inc, uint64_t seq, uint64_t count = 100, uint32_t flags = 0) {
+    proto::OpReport r = ready(inc, seq, count);
+    r.algorithm = 3;
+    r.flags = proto::kReportDeferred | flags;
+    return r;
+}
+
+}  // namespace
+
+TEST_CASE("deferred reports (doubling, halving-doubling): decided like any when they differ or a host never "
+          "reports; a done report forgets the op; they are not a host's progress",
+          "[coordinator]") {
+    Coordinator c({"a", "b", "c"}, 1000ms);
+    c.reset(7);
+    const uint64_t inc = agree(c, 3);
+    const auto t0 = Clock::now();
+    Coordinator::Decisions d;
+
+    // Two hosts stalled on op 1 with different counts: a mismatch naming both, at once.
+    c.report(0, deferred(inc, 1, 100), t0, d);
+    c.report(1, deferred(inc, 1, 101), t0, d);
+    REQUIRE(d.fails.size() == 3);
+    CHECK(d.fails[0].second.code == -EINVAL);
+    CHECK_THAT(d.fails[0].second.message, Catch::Contains("mismatch: host a submitted 100") &&
+                                              Catch::Contains("host b submitted 101"));
+
+    // Op 2 stalled on a and b; c reported a later ring op (3) before its own doubling op 2, which
+    // it completed without a word: c is not taken for a host past op 2.
+    d = {};
+    c.report(0, deferred(inc, 2), t0, d);
+    c.report(1, deferred(inc, 2), t0, d);
+    c.report(2, ready(inc, 3), t0, d);
+    CHECK(d.fails.empty());
+    CHECK(c.pending() == 2);
+    // A done report: every host contributed; the coordinator forgets it, and a late report of it
+    // is a duplicate.
+    c.report(1, deferred(inc, 2, 100, proto::kReportDone), t0, d);
+    CHECK(c.pending() == 1);  // op 3
+    c.report(2, deferred(inc, 2), t0, d);
+    CHECK(d.fails.empty());
+    c.expire(t0 + 2s, d);  // op 3 (a ring op) times out; op 2 is gone
+    REQUIRE(d.fails.size() == 3);
+    CHECK(d.fails[0].second.seq == 3);
+
+    // Op 4 stalled on a and b, never submitted on c: at the deadline it fails naming c.
+    d = {};
+    c.report(0, deferred(inc, 4), t0 + 2s, d);
+    c.report(1, deferred(inc, 4), t0 + 2s, d);
+    c.expire(t0 + 4s, d);
+    REQUIRE(d.fails.size() == 3);
+    CHECK_THAT(d.fails[0].second.message, Catch::Contains("host(s) c did not submit it"));
+
+    // Op 5 stalled on a; b says it is past it (its trainers failed op 5 and went on): every host
+    // fails it now, naming b.
+    d = {};
+    c.report(0, deferred(inc, 5), t0 + 4s, d);
+    proto::OpReport past = failed(inc, 5, "group g op 5: host b is past it (the op ended there before host a got to it)");
+    c.report(1, past, t0 + 4s, d);
+    REQUIRE(d.fails.size() == 3);
+    CHECK_THAT(d.fails[0].second.message, Catch::Contains("host b is past it"));
+    CHECK(c.pending() == 0);
+}
