@@ -281,6 +281,7 @@ bool DirectExchange::take_step(uint32_t host, const proto::OpData &d, proto::Byt
     if (st.steps.count(id)) return false;  // a duplicate
     peer_bytes_[host] += payload.size();
     group_bytes_[r.group] += payload.size();
+    note_deadline(st, host, r);
     st.steps.emplace(id, Part{r, std::move(payload), proto::kOpDataHeaderBytes});
     return true;
 }
@@ -425,6 +426,23 @@ bool DirectExchange::progress_log(State &st, const HostOp &op) {
     }
 }
 
+// A peer's data says how long its host had left (remaining_ms when it sent it): the op's deadline
+// there, as seen here (a little later than the true one, by the transit).
+void DirectExchange::note_deadline(State &st, uint32_t host, const proto::OpReport &r) {
+    const Clock::time_point d = Clock::now() + std::chrono::milliseconds(r.remaining_ms);
+    if (st.earliest_host == UINT32_MAX || d < st.earliest) {
+        st.earliest = d;
+        st.earliest_host = host;
+    }
+}
+
+std::optional<std::pair<Clock::time_point, uint32_t>> DirectExchange::earliest_deadline(uint64_t generation,
+                                                                                         const OpKey &key) const {
+    auto it = ops_.find(key_of(generation, key));
+    if (it == ops_.end() || it->second.earliest_host == UINT32_MAX) return std::nullopt;
+    return std::pair{it->second.earliest, it->second.earliest_host};
+}
+
 bool DirectExchange::mismatched(uint64_t generation, const OpKey &key) const {
     auto it = ops_.find(key_of(generation, key));
     return it != ops_.end() && it->second.mismatch;
@@ -448,6 +466,7 @@ void DirectExchange::add(uint32_t host, const proto::OpReport &r, proto::Bytes b
     if (host != self_) {  // the bounds count peers' data
         peer_bytes_[host] += buf.size();
         group_bytes_[r.group] += buf.size();
+        note_deadline(st, host, r);
     }
     st.parts[host] = Part{r, std::move(buf), offset};
 }

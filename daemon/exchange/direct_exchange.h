@@ -57,6 +57,9 @@ public:
     // Doubling and halving-doubling: a partner's data of the op does not match this host's op
     // (count, dtype, op or algorithm): it stops here, for the coordinator to decide.
     bool mismatched(uint64_t generation, const OpKey &key) const;
+    // The earliest deadline of the peers whose data of the op is here (their first submission +
+    // timeouts.op, from the remaining_ms their data carried), and whose it is; nullopt: none here.
+    std::optional<std::pair<Clock::time_point, uint32_t>> earliest_deadline(uint64_t generation, const OpKey &key) const;
 
     bool has(uint64_t generation, const OpKey &key) const;
     void drop(uint64_t generation, const OpKey &key);
@@ -83,6 +86,8 @@ private:
         uint32_t ranks = 0;              // the ranks in it
         uint32_t phase = 0, sent = UINT32_MAX;  // where this host is in the schedule
         bool mismatch = false, done = false;
+        Clock::time_point earliest{};      // the earliest deadline of the peers' data here
+        uint32_t earliest_host = UINT32_MAX;
     };
     // This host's place in doubling and halving-doubling: p = the largest power of two <= n hosts
     // run the steps as virtual hosts 0..p-1; of the first 2(n - p) hosts each odd one folds into
@@ -100,6 +105,7 @@ private:
     // Halving-doubling's blocks [lo, hi) of virtual hosts -> elements.
     uint64_t block_begin(uint64_t count, uint32_t b) const { return static_cast<uint64_t>((static_cast<unsigned __int128>(count) * b) / sched_.p); }
     bool take_step(uint32_t host, const proto::OpData &d, proto::Bytes payload, std::string &over_bound);
+    void note_deadline(State &st, uint32_t host, const proto::OpReport &r);
     std::string over_bound(uint32_t host, const proto::OpReport &r, uint64_t size) const;
     bool progress_log(State &st, const HostOp &op);
     void send_step(State &st, proto::OpDataKind kind, uint32_t step, uint32_t to, const void *data, uint64_t bytes);

@@ -313,6 +313,24 @@ bool RingDomain::flush_reports_now() {
                 choose_algorithm(bytes, static_cast<uint32_t>(config_.hosts.size()), config_.tuning, generation_protocol_);
             if (op.status == 0) sh_.groups->set_algorithm(op.run.op_id, algorithm_name(algorithm));
             if (op.status == 0 && algorithm != Algorithm::Ring) {
+                // Peers' data of the op is here already and their deadline has passed: this host
+                // got there too late. It fails here and is reported as this host's failure, without
+                // its data, so that no host completes the op (the coordinator fails it everywhere,
+                // if it has not already, rather than waiting for a decision that crosses the data
+                // still queued to this host).
+                const auto late = exchange_->earliest_deadline(coord_generation_, OpKey{group, r.incarnation, r.seq});
+                if (late && late->first <= Clock::now()) {
+                    const std::string why = "group " + group + " op " + std::to_string(op.run.seq) + " timed out after " +
+                                            std::to_string(config_.timeouts.op.count()) + " ms: host(s) " +
+                                            config_.hosts[self_index_].name + " did not submit it by host " +
+                                            config_.hosts[late->second].name + "'s deadline (it got there later)";
+                    sh_.groups->finished(op.run.op_id, -ETIMEDOUT, why, *sh_.done);
+                    exchange_->drop(coord_generation_, OpKey{group, r.incarnation, r.seq});
+                    r.status = -ETIMEDOUT;
+                    r.message = why;
+                    send_to_coordinator(proto::encode_op_report(r));
+                    continue;
+                }
                 if (std::string why = exchange_->send_over_bound(r, op.run.dtype, op.run.op, algorithm); !why.empty()) {
                     // Reported as this host's failure: it fails on every host, named.
                     sh_.groups->finished(op.run.op_id, -ENOBUFS, why, *sh_.done);

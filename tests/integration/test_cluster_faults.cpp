@@ -624,3 +624,31 @@ TEST_CASE("SIGTERM on one host while the others wait on a ring op it never joine
     }
     CHECK_THAT(c.d[1]->log(), Catch::Contains("shutting down"));
 }
+
+TEST_CASE("a host that gets to a direct op after the deadline its peer's data carries fails it there without "
+          "its data, even before the coordinator's decision arrives; the op fails on every host",
+          "[cluster][faults]") {
+    // node0 (the coordinator) submits and sends its data, then stops before its deadline passes:
+    // its OpFail cannot come. node1's trainer submits after that deadline: with node0's data here
+    // it could complete the op alone, while node0 fails it once it runs again.
+    TestCluster c(2, options("1s", "1s"));
+    REQUIRE(c.wait_up());
+    auto cl = connect_all(c, "late", 1);
+    const auto t0 = Clock::now();
+    const auto a = cl[0]->submit(0, 1000, RINGD_F32, RINGD_SUM);
+    std::this_thread::sleep_for(200ms);  // node0's data on its way to node1
+    REQUIRE(::kill(c.d[0]->pid(), SIGSTOP) == 0);
+    std::this_thread::sleep_for(1300ms);  // past node0's deadline, within three heartbeats
+    const auto late = Clock::now();
+    const auto b = cl[1]->submit(0, 1000, RINGD_F32, RINGD_SUM);
+    const Failure f = wait_failed(*cl[1], b, late, 5000);
+    REQUIRE(::kill(c.d[0]->pid(), SIGCONT) == 0);
+    INFO(f.message << " after " << f.after_s << " s");
+    CHECK(f.rc == -ETIMEDOUT);
+    CHECK_THAT(f.message, Catch::Contains("host(s) node1 did not submit it by host node0's deadline"));
+    CHECK(f.after_s < 0.5);
+    const Failure g = wait_failed(*cl[0], a, t0, 10000);
+    INFO("node0: " << g.message);
+    CHECK(g.rc == -ETIMEDOUT);
+    allreduce_checked(cl, DType::F32, ReduceOp::Sum, 1000, 5);  // the group goes on
+}
