@@ -634,11 +634,16 @@ TEST_CASE("a host that gets to a direct op after the deadline its peer's data ca
     TestCluster c(2, options("1s", "1s"));
     REQUIRE(c.wait_up());
     auto cl = connect_all(c, "late", 1);
+    const uint64_t before = c.status(1)["ring"]["frames"]["data_received"].get<uint64_t>();
     const auto t0 = Clock::now();
     const auto a = cl[0]->submit(0, 1000, RINGD_F32, RINGD_SUM);
-    std::this_thread::sleep_for(200ms);  // node0's data on its way to node1
+    // node0's data is at node1 (its op-data frames counted there), then node0 stops.
+    while (c.status(1)["ring"]["frames"]["data_received"].get<uint64_t>() == before && seconds_since(t0) < 0.8)
+        std::this_thread::sleep_for(5ms);
+    REQUIRE(c.status(1)["ring"]["frames"]["data_received"].get<uint64_t>() > before);
     REQUIRE(::kill(c.d[0]->pid(), SIGSTOP) == 0);
-    std::this_thread::sleep_for(1300ms);  // past node0's deadline, within three heartbeats
+    // Past node0's deadline (t0 + 1 s), well within three heartbeats: a clock, nothing to wait on.
+    std::this_thread::sleep_until(t0 + 1300ms);
     const auto late = Clock::now();
     const auto b = cl[1]->submit(0, 1000, RINGD_F32, RINGD_SUM);
     const Failure f = wait_failed(*cl[1], b, late, 5000);
