@@ -170,13 +170,16 @@ void RingDomain::on_ring_down(const std::string &why) {
 // local order.
 void RingDomain::take_failure(const LocalFailure &f) {
     if (f.seq == proto::kIncarnationEnds) {
-        // Its ranks left while the hosts were agreeing on it: withdrawn at once, so that the
-        // coordinator does not agree on it with the others' next run.
+        // A rank left: this local incarnation is over, whatever its other ranks still do. Not
+        // agreed yet, it is withdrawn at once and never asks again, so that the coordinator does
+        // not agree on it with the others' next run (whose first op its end would fail).
         auto run = runs_.find(f.group);
-        if (run != runs_.end() && run->second.local_id == f.local_id && run->second.join_sent && !run->second.agreed &&
-            coord_known_) {
-            run->second.join_sent = false;
-            send_to_coordinator(proto::encode_group_join({coord_generation_, f.group, f.local_id, proto::kIncarnationEnds}));
+        if (run != runs_.end() && run->second.local_id == f.local_id) {
+            run->second.withdrawn = true;
+            if (run->second.join_sent && !run->second.agreed && coord_known_) {
+                run->second.join_sent = false;
+                send_to_coordinator(proto::encode_group_join({coord_generation_, f.group, f.local_id, proto::kIncarnationEnds}));
+            }
         }
     }
     HostOp op;
@@ -240,8 +243,11 @@ bool RingDomain::join_groups() {
         const HostOp *next = ops_.next_queued(group);
         if (next && next->run.local_id != local_id) return;  // an earlier incarnation's reports first
         GroupRun &run = runs_[group];
-        if (run.local_id != local_id) run = GroupRun{local_id, 0, 0, false, 0, 0, {}};
-        if (run.agreed || run.join_sent || run.refused_code != 0) return;
+        if (run.local_id != local_id) {
+            run = GroupRun{};
+            run.local_id = local_id;
+        }
+        if (run.agreed || run.join_sent || run.withdrawn || run.refused_code != 0) return;
         run.join_sent = true;
         sent = true;
         send_to_coordinator(proto::encode_group_join({coord_generation_, group, run.local_id, run.previous}));
@@ -260,15 +266,24 @@ bool RingDomain::flush_reports_now() {
     for (const std::string &group : ops_.queued_groups()) {
         while (const HostOp *next = ops_.next_queued(group)) {
             GroupRun &run = runs_[group];
-            if (run.local_id != next->run.local_id) run = GroupRun{next->run.local_id, 0, 0, false, 0, 0, {}};  // a new local incarnation
+            if (run.local_id != next->run.local_id) {  // a new local incarnation
+                run = GroupRun{};
+                run.local_id = next->run.local_id;
+            }
             // A newer local incarnation is there: this one's ranks all left.
             const uint64_t now_local = sh_.groups->local_id(group);
             const bool superseded = now_local != 0 && now_local != run.local_id;
-            if (run.refused_code != 0 ||
-                (!run.agreed && (superseded || (!run.join_sent && next->run.seq == proto::kIncarnationEnds)))) {
-                // Refused by the coordinator: its ops fail here. Never agreed and superseded
-                // (or ended before this host asked for an agreement in this generation): nobody
-                // else ran any of it, and the newer one's GroupJoin ends it at the coordinator.
+            // Every local rank of it is gone, or one left: it never asks for an agreement again.
+            const bool over = superseded || now_local == 0 || run.withdrawn;
+            if (run.refused_code != 0 || (!run.agreed && (over || (!run.join_sent && next->run.seq == proto::kIncarnationEnds)))) {
+                // Refused by the coordinator: its ops fail here. Not agreed in this generation and
+                // over here: nobody else runs any of it in this generation. Agreed in an earlier
+                // one, the coordinator hears that it ended here (its ranks left), once; a newer
+                // local incarnation's GroupJoin would end it there too.
+                if (run.refused_code == 0 && !run.agreed && over && !superseded && run.previous != 0 && !run.join_sent) {
+                    run.join_sent = true;  // said: it is not said again in this generation
+                    send_to_coordinator(proto::encode_group_join({coord_generation_, group, run.local_id, proto::kIncarnationEnds}));
+                }
                 HostOp op = ops_.take_queued(group);
                 moved = true;
                 if (op.status != 0) continue;
