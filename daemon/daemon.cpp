@@ -187,6 +187,7 @@ Status Daemon::setup() {
         if (!d) return d.error();
         return Ok{};
     };
+    hooks.before_welcome = [this] { hand_over_failures(); };
     gateway_ = std::make_unique<ClientGateway>(config_, self_index_, *transport_, groups_, cuda_.get(), no_cuda_,
                                                std::move(hooks), done_, ready_);
     shared_.gateway = gateway_.get();
@@ -312,6 +313,18 @@ void Daemon::settle() {
     }
 }
 
+// This host's local failures go to the other hosts of their groups (groups on this host alone:
+// nobody else needs to hear of them). Returns whether there were any.
+bool Daemon::hand_over_failures() {
+    bool any = false;
+    for (const LocalFailure &f : groups_.take_failures()) {
+        any = true;
+        // The incarnation's own hosts: a group of the same name may have joined since over others.
+        if (RingDomain *d = find_domain(f.hosts)) d->take_failure(f);
+    }
+    return any;
+}
+
 // Completions to the clients; ops every local rank submitted go on to the other hosts (several
 // hosts) or to the engine (one host). Returns whether anything moved.
 bool Daemon::complete_and_start() {
@@ -324,13 +337,7 @@ bool Daemon::complete_and_start() {
         record_error(m);
     }
     bool moved = gateway_->complete(completions);
-    // This host's local failures go to the other hosts of their groups (groups on this host
-    // alone: nobody else needs to hear of them).
-    for (const LocalFailure &f : groups_.take_failures()) {
-        moved = true;
-        // The incarnation's own hosts: a group of the same name may have joined since over others.
-        if (RingDomain *d = find_domain(f.hosts)) d->take_failure(f);
-    }
+    moved |= hand_over_failures();
     if (ready_.empty()) return moved;
     for (auto &run : std::exchange(ready_, {})) {
         if (RingDomain *d = domain_of(run.group)) {

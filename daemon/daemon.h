@@ -58,6 +58,7 @@ private:
     void on_timer();
     void settle();
     bool complete_and_start();
+    bool hand_over_failures();
     static std::string run_left(const OpRun &run);
     void record_error(const std::string &message);
     // SIGHUP (systemctl reload): the config file read again; what may change while ringd runs is

@@ -385,6 +385,11 @@ uint64_t GroupTable::local_id(const std::string &group) const {
     return it == groups_.end() ? 0 : it->second.local_id;
 }
 
+bool GroupTable::broken(const std::string &group) const {
+    auto it = groups_.find(group);
+    return it != groups_.end() && !it->second.broken.empty();
+}
+
 size_t GroupTable::running_ops() const {
     size_t n = draining_.size();
     for (const auto &[name, g] : groups_) n += g.running.size();

@@ -144,6 +144,8 @@ public:
     size_t running_ops() const;
     // The local incarnation of a group with this name now; 0 when there is none.
     uint64_t local_id(const std::string &group) const;
+    // Whether a rank of the group's local incarnation left (it refuses ops until all are gone).
+    bool broken(const std::string &group) const;
     // Calls f(name, local incarnation) for every group there is now (f must not change the table).
     template <class F>
     void for_each_local_id(F &&f) const {

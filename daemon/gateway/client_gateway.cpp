@@ -287,6 +287,7 @@ void ClientGateway::handle_hello(ClientConn &c, const proto::Hello &h) {
         drop(id, make_error(-errno, "eventfd: " + errno_string(errno)), true);
         return;
     }
+    if (hooks_.before_welcome) hooks_.before_welcome();
     const auto &geo = (*slot)->geometry();
     proto::Welcome w;
     w.client_id = id;

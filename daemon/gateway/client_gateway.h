@@ -45,6 +45,9 @@ public:
         std::function<void(const std::string &)> record_error;
         // Before a group's first join here: its hosts' ring domain exists, or why it cannot.
         std::function<Status(const std::vector<uint32_t> &hosts)> open_domain;
+        // Before a trainer is welcomed: the local failures so far go to the ring domains (a run
+        // of its group that ended here is withdrawn before a new one can be agreed).
+        std::function<void()> before_welcome;
     };
 
     // `cuda`: the trainers' device memory, or null with `no_cuda` saying why there is none.

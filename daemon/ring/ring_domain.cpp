@@ -170,16 +170,16 @@ void RingDomain::on_ring_down(const std::string &why) {
 // local order.
 void RingDomain::take_failure(const LocalFailure &f) {
     if (f.seq == proto::kIncarnationEnds) {
-        // A rank left: this local incarnation is over, whatever its other ranks still do. Not
-        // agreed yet, it is withdrawn at once and never asks again, so that the coordinator does
-        // not agree on it with the others' next run (whose first op its end would fail).
+        // A rank left: this local incarnation is over, whatever its other ranks still do. Asked
+        // for but not agreed yet, it is withdrawn at once (and never asks again: join_groups),
+        // so that the coordinator does not agree on it with the others' next run, whose first op
+        // its end would fail. (The gateway hands failures over before it welcomes a new trainer,
+        // so this goes out before a new run of the group here can be agreed.)
         auto run = runs_.find(f.group);
-        if (run != runs_.end() && run->second.local_id == f.local_id) {
-            run->second.withdrawn = true;
-            if (run->second.join_sent && !run->second.agreed && coord_known_) {
-                run->second.join_sent = false;
-                send_to_coordinator(proto::encode_group_join({coord_generation_, f.group, f.local_id, proto::kIncarnationEnds}));
-            }
+        if (run != runs_.end() && run->second.local_id == f.local_id && run->second.join_sent && !run->second.agreed &&
+            coord_known_) {
+            run->second.join_sent = false;
+            send_to_coordinator(proto::encode_group_join({coord_generation_, f.group, f.local_id, proto::kIncarnationEnds}));
         }
     }
     HostOp op;
@@ -247,7 +247,8 @@ bool RingDomain::join_groups() {
             run = GroupRun{};
             run.local_id = local_id;
         }
-        if (run.agreed || run.join_sent || run.withdrawn || run.refused_code != 0) return;
+        // A local incarnation a rank left never asks: it is over here (take_failure).
+        if (run.agreed || run.join_sent || run.refused_code != 0 || sh_.groups->broken(group)) return;
         run.join_sent = true;
         sent = true;
         send_to_coordinator(proto::encode_group_join({coord_generation_, group, run.local_id, run.previous}));
@@ -270,17 +271,16 @@ bool RingDomain::flush_reports_now() {
                 run = GroupRun{};
                 run.local_id = next->run.local_id;
             }
-            // A newer local incarnation is there: this one's ranks all left.
+            // Every local rank of it is gone (none is there, or a newer local incarnation), or one
+            // left: it never asks for an agreement again.
             const uint64_t now_local = sh_.groups->local_id(group);
-            const bool superseded = now_local != 0 && now_local != run.local_id;
-            // Every local rank of it is gone, or one left: it never asks for an agreement again.
-            const bool over = superseded || now_local == 0 || run.withdrawn;
+            const bool over = now_local != run.local_id || sh_.groups->broken(group);
             if (run.refused_code != 0 || (!run.agreed && (over || (!run.join_sent && next->run.seq == proto::kIncarnationEnds)))) {
                 // Refused by the coordinator: its ops fail here. Not agreed in this generation and
                 // over here: nobody else runs any of it in this generation. Agreed in an earlier
-                // one, the coordinator hears that it ended here (its ranks left), once; a newer
-                // local incarnation's GroupJoin would end it there too.
-                if (run.refused_code == 0 && !run.agreed && over && !superseded && run.previous != 0 && !run.join_sent) {
+                // one, the coordinator hears that it ended here (its ranks left), once (it ends
+                // the incarnation only while this is this host's part of it).
+                if (run.refused_code == 0 && !run.agreed && over && run.previous != 0 && !run.join_sent) {
                     run.join_sent = true;  // said: it is not said again in this generation
                     send_to_coordinator(proto::encode_group_join({coord_generation_, group, run.local_id, proto::kIncarnationEnds}));
                 }

@@ -176,9 +176,6 @@ private:
         uint64_t previous = 0;  // agreed in an earlier generation (sent with GroupJoin)
         bool join_sent = false;
         uint64_t last_seq = 0;  // the highest seq reported
-        // A local rank left this local incarnation: it never asks for an agreement again (the
-        // coordinator would agree on it with the others' next run, which its end would then fail).
-        bool withdrawn = false;
         int32_t refused_code = 0;  // the coordinator refused this local incarnation: its ops fail
         std::string refused;
     };

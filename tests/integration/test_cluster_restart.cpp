@@ -175,6 +175,19 @@ TEST_CASE("a run that ended on one host before the hosts agreed on it does not f
         CHECK_THAT(o.message, Catch::Contains("local ranks 1 of host node1 did not submit it"));
         r0.reset();
     }
+    SECTION("one of its ranks left while the ring was down; the other stayed until the ring was back") {
+        const uint64_t gen = c.status(1)["ring"]["generation"].get<uint64_t>();
+        REQUIRE(c.d[0]->stop() == 0);
+        auto r0 = std::make_unique<Client>(c.d[1]->socket(), "job", 0, 2, kSlot);
+        auto r1 = std::make_unique<Client>(c.d[1]->socket(), "job", 1, 2, kSlot);
+        r1.reset();
+        std::this_thread::sleep_for(100ms);
+        c.d[0]->start();
+        REQUIRE(c.d[0]->ready());
+        REQUIRE(c.wait_up({gen + 1, gen + 1}));
+        std::this_thread::sleep_for(300ms);  // node1 goes on with the group a while, the ring up
+        r0.reset();
+    }
     std::this_thread::sleep_for(200ms);
     // The whole job starts again, node0 first: every op exact, none failed.
     auto cl = connect_all(c, "job", 2, kSlot);
