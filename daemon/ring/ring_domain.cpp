@@ -236,8 +236,25 @@ bool RingDomain::deliver_self_frames() {
 
 // Every group there is here asks the coordinator to agree on its incarnation as soon as it
 // exists (and again in each ring generation), before its first op. Returns whether it sent any.
-bool RingDomain::join_groups() {
+// A run agreed in an earlier ring generation, not agreed again in this one, and over here (its
+// ranks left, or one did): the coordinator hears it once, which ends it for the other hosts, whose
+// ranks then fail at once naming this host instead of waiting for it to join. Kept until then
+// (forget_gone_runs), also while the ring is down.
+bool RingDomain::tell_ended_runs() {
     bool sent = false;
+    for (auto &[group, run] : runs_) {
+        if (run.agreed || run.previous == 0 || run.end_told || run.refused_code != 0) continue;
+        if (sh_.groups->local_id(group) == run.local_id && !sh_.groups->broken(group)) continue;  // goes on
+        run.end_told = true;
+        run.join_sent = true;  // it never asks again
+        sent = true;
+        send_to_coordinator(proto::encode_group_join({coord_generation_, group, run.local_id, proto::kIncarnationEnds}));
+    }
+    return sent;
+}
+
+bool RingDomain::join_groups() {
+    bool sent = tell_ended_runs();
     sh_.groups->for_each_local_id([&](const std::string &group, uint64_t local_id) {
         if (sh_.domain_of(group) != this) return;  // another domain's group
         const HostOp *next = ops_.next_queued(group);
@@ -277,13 +294,8 @@ bool RingDomain::flush_reports_now() {
             const bool over = now_local != run.local_id || sh_.groups->broken(group);
             if (run.refused_code != 0 || (!run.agreed && (over || (!run.join_sent && next->run.seq == proto::kIncarnationEnds)))) {
                 // Refused by the coordinator: its ops fail here. Not agreed in this generation and
-                // over here: nobody else runs any of it in this generation. Agreed in an earlier
-                // one, the coordinator hears that it ended here (its ranks left), once (it ends
-                // the incarnation only while this is this host's part of it).
-                if (run.refused_code == 0 && !run.agreed && over && run.previous != 0 && !run.join_sent) {
-                    run.join_sent = true;  // said: it is not said again in this generation
-                    send_to_coordinator(proto::encode_group_join({coord_generation_, group, run.local_id, proto::kIncarnationEnds}));
-                }
+                // over here: nobody else runs any of it in this generation (agreed in an earlier
+                // one, the coordinator was told it ended: tell_ended_runs).
                 HostOp op = ops_.take_queued(group);
                 moved = true;
                 if (op.status != 0) continue;
@@ -368,7 +380,9 @@ bool RingDomain::flush_reports_now() {
 // A group gone here with nothing left to report is forgotten.
 void RingDomain::forget_gone_runs() {
     for (auto run = runs_.begin(); run != runs_.end();) {
-        if (!ops_.has_queued(run->first) && sh_.groups->local_id(run->first) != run->second.local_id) run = runs_.erase(run);
+        const GroupRun &r = run->second;
+        const bool untold = !r.agreed && r.previous != 0 && !r.end_told && r.refused_code == 0;  // tell_ended_runs
+        if (!ops_.has_queued(run->first) && sh_.groups->local_id(run->first) != r.local_id && !untold) run = runs_.erase(run);
         else ++run;
     }
 }

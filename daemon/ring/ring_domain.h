@@ -151,6 +151,7 @@ private:
     void forget_gone_runs();
     bool deliver_self_frames();
     bool join_groups();
+    bool tell_ended_runs();
     void send_to_coordinator(const proto::Bytes &frame);
     void on_group_incarnation(const proto::GroupIncarnation &g);
     void on_report(uint32_t host, const proto::OpReport &r);
@@ -176,6 +177,7 @@ private:
         uint64_t previous = 0;  // agreed in an earlier generation (sent with GroupJoin)
         bool join_sent = false;
         uint64_t last_seq = 0;  // the highest seq reported
+        bool end_told = false;  // over here: the coordinator was told it ended (tell_ended_runs)
         int32_t refused_code = 0;  // the coordinator refused this local incarnation: its ops fail
         std::string refused;
     };

@@ -8,6 +8,8 @@
 #include <thread>
 
 #include "tests/support/cluster.h"
+#include "tests/support/netns.h"
+#include "tests/support/skip.h"
 
 using namespace ringd;
 using namespace ringd::test;
@@ -193,4 +195,44 @@ TEST_CASE("a run that ended on one host before the hosts agreed on it does not f
     auto cl = connect_all(c, "job", 2, kSlot);
     run_steps(cl, 77);
     for (uint32_t h = 0; h < c.n; ++h) CHECK(c.group(h, "job")["ops_failed"].get<int>() == 0);
+}
+
+// A run the hosts agreed on, whose trainer on one host leaves while that host is cut off (its
+// link down: the ring is down there, its peers count as down, its queued reports are dropped):
+// once the link and the ring are back, that host tells the coordinator the run ended there, and
+// the other hosts' trainers fail at once naming it, instead of waiting their op timeout for it to
+// join again.
+TEST_CASE("a trainer that left while its host was cut off ends its run for the others once the ring is back",
+          "[cluster][restart]") {
+    if (!NetnsHosts::available()) RINGD_SKIP("network namespaces are needed to take a host's link down");
+    NetnsHosts hosts(3);
+    ClusterOptions o;
+    o.op_timeout = "20s";
+    o.heartbeat = "300ms";
+    o.netns = &hosts;
+    TestCluster c(3, o);
+    REQUIRE(c.wait_up());
+    auto cl = connect_all(c, "job", 1, kSlot);
+    run_steps(cl, 3);
+    const uint64_t gen = c.status(0)["ring"]["generation"].get<uint64_t>();
+    REQUIRE(run_command("ip -n " + hosts.ns(1) + " link set eth0 down").exit_code == 0);
+    const auto deadline = Clock::now() + 5s;
+    while (c.status(1)["ring"]["state"] == "up" && Clock::now() < deadline) std::this_thread::sleep_for(20ms);
+    REQUIRE(c.status(1)["ring"]["state"] == "forming");
+    std::this_thread::sleep_for(300ms);  // node1's dials fail: its peers are down as it sees them
+    cl[1].reset();                        // node1's trainer leaves
+    std::this_thread::sleep_for(500ms);
+    REQUIRE(run_command("ip -n " + hosts.ns(1) + " link set eth0 up").exit_code == 0);
+    REQUIRE(c.wait_up({gen + 1, gen + 1, gen + 1}));
+    const auto start = Clock::now();
+    for (int g : {0, 2}) {
+        const Outcome o2 = wait_outcome(*cl[g], cl[g]->submit(bench::kGuardBytes, 1000, RINGD_F32, RINGD_SUM));
+        INFO("rank " << g << ": " << o2.message << " after " << seconds_since(start) << " s");
+        CHECK(o2.rc == -ECONNABORTED);
+        CHECK_THAT(o2.message, Catch::Contains("host node1"));
+        CHECK(seconds_since(start) < 2.0);  // at once, not at the op timeout
+    }
+    cl.clear();
+    cl = connect_all(c, "job", 1, kSlot);
+    run_steps(cl, 30);
 }
