@@ -921,11 +921,13 @@ TEST_CASE("a ringd that owes a result past timeouts.op + the margin makes the cl
         start = Clock::now();
         lines.put(outcome(ringd_submit(c0.get(), 0, 16, RINGD_F32, RINGD_SUM, &t), start, c0.get()));
         // c1 and c2 submit 1 s after c0's op 1: their deadlines come 1000 + 2000 ms from now.
+        // (Timed from before c1's submission, the start of its contract: a submit that lost the
+        // core for a moment must not make the wait look short.)
         uint64_t t1 = 0, t2 = 0;
+        const auto submitted = Clock::now();
         if (ringd_submit(c1.get(), 0, 16, RINGD_F32, RINGD_SUM, &t1) != 0 ||
             ringd_submit(c2.get(), 0, 16, RINGD_F32, RINGD_SUM, &t2) != 0)
             return 4;
-        const auto submitted = Clock::now();
         // 2. A wait longer than the deadline is cut there.
         lines.put(outcome(ringd_wait(c1.get(), t1, 60000), submitted, c1.get()));
         // 3. timeout_ms < 0 counts from the submission: starting late does not extend it.
