@@ -313,7 +313,9 @@ Result<OpReport> get_report_fixed(std::span<const uint8_t> p, uint32_t max_ranks
     if (r.flags & kReportDeferred) {
         r.algorithm = (r.flags >> 8) & 0xff;
         r.flags &= ~0xff00u;
-        if (r.algorithm != 3 && r.algorithm != 4) return bad("a deferred op report names algorithm " + std::to_string(r.algorithm));
+        // One-/two-shot (1, 2) from protocol 8 on, doubling and halving-doubling (3, 4); the ring
+        // (0) is never deferred.
+        if (r.algorithm < 1 || r.algorithm > 4) return bad("a deferred op report names algorithm " + std::to_string(r.algorithm));
     }
     if ((r.flags & ~(kReportAhead | kReportDeferred | kReportDone)) != 0) return bad("op report has unknown flags");
     if ((r.flags & kReportDone) && (r.status != 0 || !(r.flags & kReportDeferred)))

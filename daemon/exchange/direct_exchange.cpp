@@ -195,12 +195,14 @@ bool DirectExchange::progress(uint64_t generation, const OpKey &key, const HostO
     if (!st.reduced) {
         uint32_t total = 0;
         for (const auto &c : st.parts) {
-            // A part that does not match is left to the coordinator, which sees the same reports
-            // and answers with OpFail.
+            // A part that does not match stops the op here, for the coordinator to decide (it
+            // sees the reports: as data below protocol 8, from the hosts that tell it above).
             if (!c) return false;
             if (c->report.count != op.run.count || c->report.dtype != static_cast<uint32_t>(op.run.dtype) ||
-                c->report.op != static_cast<uint32_t>(op.run.op) || c->report.algorithm != static_cast<uint32_t>(op.algorithm))
+                c->report.op != static_cast<uint32_t>(op.run.op) || c->report.algorithm != static_cast<uint32_t>(op.algorithm)) {
+                st.mismatch = true;
                 return false;
+            }
             total += c->report.local_size;
         }
         // Every host's part is in: reduce them in ring order (one-shot: the same bits on every

@@ -410,7 +410,7 @@ void RingDomain::report_direct(HostOp op, proto::OpReport r, Algorithm algorithm
     r.algorithm = static_cast<uint32_t>(algorithm);
     op.algorithm = algorithm;
     const OpKey key{r.group, r.incarnation, r.seq};
-    const bool deferred = deferred_reports(algorithm);
+    const bool deferred = this->deferred(algorithm);
     if (deferred) op.stall_at = Clock::now() + std::min<Clock::duration>(kStallReport, (op.deadline - Clock::now()) / 4);
     exchange_->contribute(ops_.reported(key, std::move(op)), r);
     if (!deferred && self_index_ == kCoordinator) self_inbox_.push_back({Frame{}, r});  // in order with the other frames
@@ -421,7 +421,7 @@ void RingDomain::report_direct(HostOp op, proto::OpReport r, Algorithm algorithm
 // partner's data does not match it, or (kReportDone) it completed after this host reported it.
 void RingDomain::tell_coordinator(const OpKey &key, HostOp &op, uint32_t flags) {
     // (One-/two-shot ops were reported with their data: the coordinator sees any difference.)
-    if (!deferred_reports(op.algorithm) || (op.told_coordinator && !(flags & proto::kReportDone))) return;
+    if (!deferred(op.algorithm) || (op.told_coordinator && !(flags & proto::kReportDone))) return;
     op.told_coordinator = true;
     ++deferred_reports_;
     proto::OpReport r;
@@ -501,15 +501,17 @@ void RingDomain::on_op_data(uint32_t host, Frame &frame) {
     bool keep = !((coord_known_ && report.generation < coord_generation_) ||
                   (!coord_known_ && report.generation <= coord_generation_used_)) &&
                 !failed_ahead_.count(key) && !ended_here;
-    if (ended_here && d->kind >= proto::OpDataKind::Doubling && coord_known_ && report.generation == coord_generation_)
-        past_it(host, report);
+    // (Deferred ops' data is no report: the coordinator would not hear that this host is past it.)
+    const bool data_deferred = d->kind >= proto::OpDataKind::Doubling || generation_protocol_ >= kLogAlgorithmsProtocol;
+    if (ended_here && data_deferred && coord_known_ && report.generation == coord_generation_) past_it(host, report);
     if (keep) {
         std::string over_bound;
         keep = exchange_->take_part(host, *d, std::move(frame.payload), over_bound);
         if (!over_bound.empty()) fail_ahead(report, -ENOBUFS, over_bound);
     }
-    // One-/two-shot data is the sender's report, checked like any (an OpFail drops the data again).
-    if (coordinator_ && d->kind < proto::OpDataKind::Doubling) on_report(host, report);
+    // Below protocol 8, one-/two-shot data is the sender's report, checked like any (an OpFail
+    // drops the data again).
+    if (coordinator_ && !data_deferred) on_report(host, report);
     if (coord_known_ && report.generation == coord_generation_) try_progress_direct(key);
 }
 
@@ -737,7 +739,7 @@ void RingDomain::tick(Clock::time_point now) {
     control_->tick(now);
     if (coord_known_)  // doubling/halving-doubling ops that have not completed yet: the coordinator hears of them
         ops_.for_each_reported([&](const OpKey &key, HostOp &op) {
-            if (deferred_reports(op.algorithm) && !op.told_coordinator && op.stall_at <= now) tell_coordinator(key, op, 0);
+            if (deferred(op.algorithm) && !op.told_coordinator && op.stall_at <= now) tell_coordinator(key, op, 0);
         });
     expire_host_ops(now);
     forget_gone_runs();  // also while the ring is down (settle_step reports only while it is up)

@@ -187,6 +187,12 @@ private:
     std::unique_ptr<DirectExchange> exchange_;
     uint64_t ops_one_shot_ = 0, ops_two_shot_ = 0, ops_ring_ = 0, ops_doubling_ = 0, ops_halving_doubling_ = 0;
     uint16_t generation_protocol_ = proto::kPeerBaseVersion;  // the oldest of the generation's hosts
+    // Whether ops of `a` are reported to the coordinator only when they stall or differ (their
+    // data checked by the hosts): doubling and halving-doubling; one-/two-shot too from protocol 8
+    // on (below it their data is their sender's report, as the previous release expects).
+    bool deferred(Algorithm a) const {
+        return deferred_reports(a) || (a != Algorithm::Ring && generation_protocol_ >= kLogAlgorithmsProtocol);
+    }
     uint64_t deferred_reports_ = 0;  // doubling/halving-doubling ops this host had to report
     struct Frames {
         uint64_t control_sent = 0, control_received = 0, data_sent = 0, data_received = 0;

@@ -689,7 +689,8 @@ TEST_CASE("op negotiation frames round-trip and are validated", "[proto]") {
     CHECK_THAT(decode_op_report(q).error().message, Catch::Contains("must be a failure"));
     q[116] = 8;  // an unknown flag
     CHECK_THAT(decode_op_report(q).error().message, Catch::Contains("unknown flags"));
-    // Deferred reports (doubling, halving-doubling) name their algorithm; a done report is one.
+    // Deferred reports (the direct algorithms: one-/two-shot, doubling, halving-doubling) name
+    // their algorithm; a done report is one.
     OpReport deferred = r;
     deferred.flags = kReportDeferred | kReportDone;
     deferred.algorithm = 4;
@@ -698,8 +699,13 @@ TEST_CASE("op negotiation frames round-trip and are validated", "[proto]") {
     CHECK(dd->flags == (kReportDeferred | kReportDone));
     CHECK(dd->algorithm == 4);
     { const Bytes f = encode_op_report(deferred); q.assign(f.begin() + kFrameHeaderBytes, f.end()); }
-    q[117] = 1;  // algorithm 1: one-shot is never deferred
-    CHECK_THAT(decode_op_report(q).error().message, Catch::Contains("names algorithm 1"));
+    q[117] = 1;  // one-shot
+    REQUIRE(decode_op_report(q).ok());
+    CHECK(decode_op_report(q)->algorithm == 1);
+    q[117] = 0;  // the ring is never deferred
+    CHECK_THAT(decode_op_report(q).error().message, Catch::Contains("names algorithm 0"));
+    q[117] = 5;
+    CHECK_THAT(decode_op_report(q).error().message, Catch::Contains("names algorithm 5"));
     q[116] = kReportDone;  // done without deferred
     q[117] = 0;
     CHECK_THAT(decode_op_report(q).error().message, Catch::Contains("a done report must be a deferred report"));
