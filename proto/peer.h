@@ -149,9 +149,10 @@ struct OpReport {
     // says nothing of how far the host got.
     // kReportDeferred (protocol 8): an op of a direct algorithm (one-/two-shot, recursive doubling
     // or halving-doubling: the algorithm in bits 8-15), which hosts report only when it has not
-    // completed after a while here, or when a peer's data does not match this host's op: the coordinator then decides it like any other (mismatch, timeout
-    // naming the hosts that did not report), but the report says nothing of the progress of hosts
-    // that did not send one (they may be past the op, having completed it).
+    // completed after a while here, or when a peer's data does not match this host's op: the
+    // coordinator then decides it like any other (mismatch, timeout naming the hosts that did not
+    // report), but the report says nothing of the progress of hosts that did not send one (they
+    // may be past the op, having completed it).
     // kReportDone (protocol 8): a deferred op this host reported has completed here (status 0): every
     // host contributed, and the coordinator forgets it.
     uint32_t flags = 0;

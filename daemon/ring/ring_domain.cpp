@@ -420,7 +420,8 @@ void RingDomain::report_direct(HostOp op, proto::OpReport r, Algorithm algorithm
 // A doubling or halving-doubling op's report, sent when it is needed: the op stalls here, a
 // partner's data does not match it, or (kReportDone) it completed after this host reported it.
 void RingDomain::tell_coordinator(const OpKey &key, HostOp &op, uint32_t flags) {
-    // (One-/two-shot ops were reported with their data: the coordinator sees any difference.)
+    // (Below protocol 8, one-/two-shot ops were reported with their data: the coordinator sees
+    // any difference.)
     if (!deferred(op.algorithm) || (op.told_coordinator && !(flags & proto::kReportDone))) return;
     op.told_coordinator = true;
     ++deferred_reports_;
@@ -737,7 +738,7 @@ void RingDomain::on_engine_results(uint32_t lane) {
 
 void RingDomain::tick(Clock::time_point now) {
     control_->tick(now);
-    if (coord_known_)  // doubling/halving-doubling ops that have not completed yet: the coordinator hears of them
+    if (coord_known_)  // deferred direct ops that have not completed yet: the coordinator hears of them
         ops_.for_each_reported([&](const OpKey &key, HostOp &op) {
             if (deferred(op.algorithm) && !op.told_coordinator && op.stall_at <= now) tell_coordinator(key, op, 0);
         });

@@ -193,7 +193,7 @@ private:
     bool deferred(Algorithm a) const {
         return deferred_reports(a) || (a != Algorithm::Ring && generation_protocol_ >= kLogAlgorithmsProtocol);
     }
-    uint64_t deferred_reports_ = 0;  // doubling/halving-doubling ops this host had to report
+    uint64_t deferred_reports_ = 0;  // deferred direct ops this host had to report (stalled, differed)
     struct Frames {
         uint64_t control_sent = 0, control_received = 0, data_sent = 0, data_received = 0;
     } frames_;

@@ -210,11 +210,14 @@ TEST_CASE("a TCP congestion control the kernel lacks stops ringd at start naming
 }
 
 TEST_CASE("a count/dtype/op mismatch between hosts fails every rank naming both hosts (the cost model's "
-          "algorithms, doubling, halving-doubling)",
+          "algorithms, two-shot, doubling, halving-doubling)",
           "[cluster]") {
-    // Doubling and halving-doubling on 3 hosts: node1 folds into node0, which sees its data differ
-    // and reports it; node1 reports it when it stalls (DirectExchange, kReportDeferred).
-    const char *tuning = GENERATE("", "tuning: {algorithm: doubling}\n", "tuning: {algorithm: halving-doubling}\n");
+    // Every direct algorithm is deferred (kReportDeferred): the hosts that see a peer's data differ
+    // report it, the others when they stall. One-shot (the model's, 3 hosts): every host sees
+    // node1's data. Two-shot: each segment's owner sees node1's part. Doubling and
+    // halving-doubling on 3 hosts: node1 folds into node0, which sees its data differ.
+    const char *tuning = GENERATE("", "tuning: {algorithm: two-shot}\n", "tuning: {algorithm: doubling}\n",
+                                  "tuning: {algorithm: halving-doubling}\n");
     INFO(tuning);
     struct Case {
         const char *what;

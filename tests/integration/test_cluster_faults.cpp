@@ -445,9 +445,9 @@ TEST_CASE("a data connection reset ends the generation everywhere, by RingAbort;
 
 TEST_CASE("a host whose trainer never submits: the others fail at the op timeout naming it; when it "
           "submits late it gets that failure at once and the group goes on (the cost model's algorithms, "
-          "halving-doubling: its hosts report the op only once it stalls)",
+          "two-shot, halving-doubling: their hosts report the op only once it stalls)",
           "[cluster][faults]") {
-    const char *tuning = GENERATE("", "tuning: {algorithm: halving-doubling}\n");
+    const char *tuning = GENERATE("", "tuning: {algorithm: two-shot}\n", "tuning: {algorithm: halving-doubling}\n");
     INFO(tuning);
     TestCluster c(3, options("2s", "", tuning));
     REQUIRE(c.wait_up());
