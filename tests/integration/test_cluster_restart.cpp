@@ -40,6 +40,14 @@ void run_steps(Clients &cl, uint64_t seed) {
     allreduce_checked(cl, DType::F16, ReduceOp::Sum, 5000, seed + 4);
 }
 
+// Waits until daemon `h` says of `group` what `pred` wants (its summary, null when it has none).
+template <class Pred>
+bool wait_group(TestCluster &c, uint32_t h, const std::string &group, Pred pred) {
+    for (const auto until = Clock::now() + 5s; Clock::now() < until; std::this_thread::sleep_for(5ms))
+        if (pred(c.group(h, group))) return true;
+    return false;
+}
+
 }  // namespace
 
 TEST_CASE("a job restarted with the same group name after a trainer died starts clean on every host",
@@ -183,15 +191,16 @@ TEST_CASE("a run that ended on one host before the hosts agreed on it does not f
         auto r0 = std::make_unique<Client>(c.d[1]->socket(), "job", 0, 2, kSlot);
         auto r1 = std::make_unique<Client>(c.d[1]->socket(), "job", 1, 2, kSlot);
         r1.reset();
-        std::this_thread::sleep_for(100ms);
+        REQUIRE(wait_group(c, 1, "job", [](const json &g) { return !g.is_null() && g["state"] == "broken"; }));
         c.d[0]->start();
         REQUIRE(c.d[0]->ready());
         REQUIRE(c.wait_up({gen + 1, gen + 1}));
         std::this_thread::sleep_for(300ms);  // node1 goes on with the group a while, the ring up
         r0.reset();
     }
-    std::this_thread::sleep_for(200ms);
-    // The whole job starts again, node0 first: every op exact, none failed.
+    // Once node1 let the run go (its ranks' departures handled), the whole job starts again,
+    // node0 first: every op exact, none failed.
+    REQUIRE(wait_group(c, 1, "job", [](const json &g) { return g.is_null(); }));
     auto cl = connect_all(c, "job", 2, kSlot);
     run_steps(cl, 77);
     for (uint32_t h = 0; h < c.n; ++h) CHECK(c.group(h, "job")["ops_failed"].get<int>() == 0);
@@ -219,9 +228,13 @@ TEST_CASE("a trainer that left while its host was cut off ends its run for the o
     const auto deadline = Clock::now() + 5s;
     while (c.status(1)["ring"]["state"] == "up" && Clock::now() < deadline) std::this_thread::sleep_for(20ms);
     REQUIRE(c.status(1)["ring"]["state"] == "forming");
-    std::this_thread::sleep_for(300ms);  // node1's dials fail: its peers are down as it sees them
-    cl[1].reset();                        // node1's trainer leaves
-    std::this_thread::sleep_for(500ms);
+    cl[1].reset();  // node1's trainer leaves
+    REQUIRE(wait_group(c, 1, "job", [](const json &g) { return g.is_null(); }));
+    // Its queued failures fail with the ring once its dials fail (its peers are down as it sees
+    // them): nothing is left queued there.
+    const auto drained = Clock::now() + 5s;
+    while (c.status(1)["op_states"]["queued"].get<int>() != 0 && Clock::now() < drained) std::this_thread::sleep_for(5ms);
+    REQUIRE(c.status(1)["op_states"]["queued"].get<int>() == 0);
     REQUIRE(run_command("ip -n " + hosts.ns(1) + " link set eth0 up").exit_code == 0);
     REQUIRE(c.wait_up({gen + 1, gen + 1, gen + 1}));
     const auto start = Clock::now();
