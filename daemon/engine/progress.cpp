@@ -3,6 +3,7 @@
 #include <poll.h>
 #include <sys/eventfd.h>
 
+#include <algorithm>
 #include <array>
 #include <cstring>
 
@@ -86,6 +87,22 @@ void ProgressEngine::ring_down(uint64_t generation) {
     Item i;
     i.kind = Item::Kind::Down;
     i.generation = generation;
+    enqueue(std::move(i));
+}
+
+void ProgressEngine::cancel(uint32_t op_tag) {
+    std::lock_guard lock(mu_);
+    if (std::find(cancelled_.begin(), cancelled_.end(), op_tag) == cancelled_.end()) {
+        cancelled_.push_back(op_tag);
+        if (cancelled_.size() > kMaxCancelled) cancelled_.pop_front();
+    }
+    if (running_tag_ == op_tag) cancel_running_.store(true, std::memory_order_release);
+}
+
+void ProgressEngine::skip_to(uint32_t op_tag) {
+    Item i;
+    i.kind = Item::Kind::Floor;
+    i.floor = op_tag;
     enqueue(std::move(i));
 }
 
@@ -186,6 +203,9 @@ void ProgressEngine::run() {
         case Item::Kind::Down:
             if (item.generation >= generation_) drop_links();
             break;
+        case Item::Kind::Floor:
+            if (prev_) prev_->set_floor(item.floor);
+            break;
         }
     }
 }
@@ -221,6 +241,30 @@ EngineResult ProgressEngine::execute_ring(EngineWork &w) {
     // and written out by the ring itself, chunk by chunk.
     locals_.clear();
     for (size_t r = 1; r < w.slots.size(); ++r) locals_.push_back(w.slots[r]->data() + w.offsets[r]);
+    const bool solo = solo_tag(w.op_tag);
+    if (solo) {
+        std::lock_guard lock(mu_);
+        // Cancels of ops before this one are spent (the lane runs its ops in order): a tag comes
+        // round again after 2^16 ops of an incarnation.
+        std::erase_if(cancelled_, [&](uint32_t t) { return solo_tag(t) && solo_tag_before(t, w.op_tag); });
+        if (std::find(cancelled_.begin(), cancelled_.end(), w.op_tag) != cancelled_.end()) {
+            prev_->set_floor(solo_tag_next(w.op_tag));
+            return done(-ECANCELED, "the op was cancelled", false);
+        }
+        running_tag_ = w.op_tag;
+        cancel_running_.store(false, std::memory_order_relaxed);
+    }
+    struct NotRunning {
+        ProgressEngine *e;
+        bool solo;
+        ~NotRunning() {
+            if (!solo) return;
+            std::lock_guard lock(e->mu_);
+            e->running_tag_ = 0;
+        }
+    } not_running{this, solo};
+    // Whatever the previous host still sends of the solo ops before this one ended here.
+    if (solo) prev_->set_floor(w.op_tag);
     RingOp op;
     op.dtype = w.dtype;
     op.op = w.op;
@@ -234,11 +278,20 @@ EngineResult ProgressEngine::execute_ring(EngineWork &w) {
     op.aborted_generation = &aborted_generation_;
     op.generation = w.generation;
     op.beat_ns = &beat_ns_;
+    op.cancelled = solo ? &cancel_running_ : nullptr;
     const uint64_t sent0 = next_->bytes_sent(), recv0 = prev_->bytes_received(), ref0 = next_->bytes_sent_by_reference();
     Status s = ring_->run(pos_, op, w.deadline != std::chrono::steady_clock::time_point{} ? w.deadline : Clock::now() + op_timeout_);
     bytes_to_next_ += next_->bytes_sent() - sent0;
     bytes_from_prev_ += prev_->bytes_received() - recv0;
     bytes_by_reference_ += next_->bytes_sent_by_reference() - ref0;
+    if (!s && s.error().code == -ECANCELED && solo) {
+        if (drain_cancelled(w.op_tag)) return done(-ECANCELED, s.error().message, false);
+        link_failure_reported_ = true;
+        drop_links();
+        return done(-ECANCELED, "the cancelled op's messages did not leave within " +
+                                    std::to_string(std::chrono::duration_cast<std::chrono::seconds>(kCancelDrain).count()) +
+                                    " s: the link to " + pos_.next->peer() + " is treated as broken", true);
+    }
     if (!s) {
         // The ring returns -ECONNABORTED when the control thread aborted the generation; a link
         // can fail with the same code (a socket aborted by the kernel), and that is a link failure.
@@ -253,6 +306,21 @@ EngineResult ProgressEngine::execute_ring(EngineWork &w) {
         return done(s.error().code, s.error().message, link);
     }
     return done(0, {}, false);
+}
+
+bool ProgressEngine::drain_cancelled(uint32_t op_tag) {
+    prev_->cancel_receives(op_tag);
+    prev_->set_floor(solo_tag_next(op_tag));
+    const auto until = Clock::now() + kCancelDrain;
+    std::vector<LinkEvent> events;
+    while (next_->sending(op_tag)) {
+        if (next_->error() || prev_->error() || Clock::now() >= until) return false;
+        if (aborted_generation_.load(std::memory_order_acquire) >= generation_) return false;
+        beat_ns_.store(now_ns(), std::memory_order_relaxed);
+        events.clear();
+        if (!transport_->poll(events, 10)) return false;
+    }
+    return !next_->error() && !prev_->error();
 }
 
 }  // namespace ringd

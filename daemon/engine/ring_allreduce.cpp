@@ -15,6 +15,7 @@ constexpr uint32_t kMaxSteps = 1u << 11;
 Status wait_turn(const RingOp &op) {
     if (op.aborted_generation && op.aborted_generation->load(std::memory_order_acquire) >= op.generation)
         return make_error(-ECONNABORTED, "ring generation " + std::to_string(op.generation) + " was aborted");
+    if (op.cancelled && op.cancelled->load(std::memory_order_acquire)) return make_error(-ECANCELED, "the op was cancelled");
     if (op.beat_ns)
         op.beat_ns->store(std::chrono::duration_cast<std::chrono::nanoseconds>(
                               std::chrono::steady_clock::now().time_since_epoch()).count(),

@@ -102,6 +102,9 @@ struct RingOp {
     uint32_t op_tag = 0;       // distinguishes this op's messages from any other's
     // Set by another thread when the ring generation is over: run() returns promptly.
     const std::atomic<uint64_t> *aborted_generation = nullptr;
+    // Set by the progress thread when the control thread cancels this op (a solo lane's op that
+    // not every host will run): run() returns -ECANCELED promptly, its sends still queued.
+    const std::atomic<bool> *cancelled = nullptr;
     // Stored (steady clock, ns) on every turn of the wait: the progress thread is alive.
     std::atomic<int64_t> *beat_ns = nullptr;
     uint64_t generation = 0;

@@ -89,6 +89,20 @@ public:
     virtual bool delivered_at_send_done() const { return true; }
     // Receives the message `tag` (exactly `bytes` long) into [region.base + offset, +bytes).
     virtual Status post_recv(const RegionHandle &region, uint64_t offset, uint64_t bytes, uint64_t tag) = 0;
+    // Ending one op on a live link (lanes whose ops start without the coordinator, solo op tags
+    // below). Transports that cannot keep a link usable after an op that not every host ran say
+    // false, and such a lane's ops then wait for the coordinator's start.
+    virtual bool can_cancel() const { return false; }
+    // Messages of solo op tags before `op_tag` (solo_tag_before) are read and dropped, now and
+    // whenever they arrive: ops this host ran, cancelled or skipped. Both ends run a lane's ops in
+    // the same order, so such a message can only be left over from an op that ended here.
+    virtual void set_floor(uint32_t op_tag) { (void)op_tag; }
+    // The op is cancelled on the receiving side: its posted receives are withdrawn, and one that
+    // is being filled has the rest of its message dropped (its memory is not written again).
+    virtual void cancel_receives(uint32_t op_tag) { (void)op_tag; }
+    // Whether sends of the op are still queued: their memory must stay as it is until they are
+    // out (a sealed message cannot be dropped without breaking the stream's MAC sequence).
+    virtual bool sending(uint32_t op_tag) const { (void)op_tag; return false; }
     // The first error on this link; once set, every post fails and every pending op has failed.
     const std::optional<Error> &error() const { return error_; }
     uint64_t bytes_sent() const { return bytes_sent_; }
@@ -110,6 +124,22 @@ private:
     std::string peer_;
     std::optional<Error> error_;
 };
+
+// Op tags of a solo lane (a lane one group incarnation has alone, whose ops every host starts by
+// itself in the group's order): bit 31 set, the lane's grant epoch in bits 24-30, a digest of the
+// op's count, dtype and op in bits 16-23 (a host whose op differs sends messages no receive of
+// the others matches: the op stalls and the coordinator names the difference), its seq in bits
+// 0-15. They are ordered by (epoch, seq), each modulo its width, within half of it.
+inline constexpr uint32_t kSoloTag = 1u << 31;
+inline bool solo_tag(uint32_t op_tag) { return (op_tag & kSoloTag) != 0; }
+inline bool solo_tag_before(uint32_t a, uint32_t b) {
+    const uint32_t ea = (a >> 24) & 0x7f, eb = (b >> 24) & 0x7f;
+    if (ea != eb) return ((eb - ea) & 0x7f) < 64;
+    const uint32_t sa = a & 0xffff, sb = b & 0xffff;
+    return sa != sb && ((sb - sa) & 0xffff) < 0x8000;
+}
+// The tag of the op after `op_tag` in its lane (digest 0: the order ignores it).
+inline uint32_t solo_tag_next(uint32_t op_tag) { return (op_tag & 0xff000000u) | ((op_tag + 1) & 0xffff); }
 
 class Transport {
 public:

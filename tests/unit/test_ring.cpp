@@ -454,6 +454,97 @@ TEST_CASE("a peer that disappears mid-op fails its neighbours with an error nami
     }
 }
 
+// What the progress thread does with a cancelled solo op (ProgressEngine::drain_cancelled): its
+// receives withdrawn, the previous host's messages of it dropped, its own sends let out.
+bool drain_cancelled(Transport &t, const RingPosition &pos, uint32_t op_tag) {
+    pos.prev->cancel_receives(op_tag);
+    pos.prev->set_floor(solo_tag_next(op_tag));
+    const auto until = std::chrono::steady_clock::now() + 5s;
+    std::vector<LinkEvent> events;
+    while (pos.next->sending(op_tag)) {
+        if (pos.next->error() || std::chrono::steady_clock::now() >= until) return false;
+        events.clear();
+        if (!t.poll(events, 10)) return false;
+    }
+    return !pos.next->error() && !pos.prev->error();
+}
+
+TEST_CASE("a solo op that one host never runs is cancelled on the others; the links carry the next op exact",
+          "[ring][tcp]") {
+    const int streams = GENERATE(1, 3);
+    // When the host that skips the op says so: before the others' cancel, or after it (their sends
+    // to it wait until then).
+    const auto skip_after = GENERATE(0ms, 300ms);
+    Ring ring(3, "tcp", streams);
+    const uint32_t epoch = 5, seq = 41;
+    const uint32_t a_tag = kSoloTag | (epoch << 24) | (0x3cu << 16) | seq;
+    const uint64_t count = 1 << 20;  // 4 MiB: more than the socket buffers take
+    RingOptions opt{64 << 10, 4};
+    std::vector<HostBuffers> bufs(3);
+    for (uint32_t r = 0; r < 3; ++r) {
+        bufs[r].data.assign(count * 4, std::byte{1});
+        bufs[r].staging.resize(RingAllreduce::staging_bytes(opt));
+        bufs[r].data_reg = RegisteredRegion(ring.transports[r].get(), *ring.transports[r]->register_region(bufs[r].data.data(), bufs[r].data.size()));
+        bufs[r].staging_reg = RegisteredRegion(ring.transports[r].get(), *ring.transports[r]->register_region(bufs[r].staging.data(), bufs[r].staging.size()));
+    }
+    std::atomic<bool> cancel{false};
+    std::vector<Status> results(3, Ok{});
+    std::vector<bool> drained(3, true);
+    const auto start = std::chrono::steady_clock::now();
+    std::vector<std::thread> threads;
+    for (uint32_t r = 0; r < 2; ++r) {
+        threads.emplace_back([&, r] {
+            RingAllreduce ar(*ring.transports[r], opt);
+            RingOp o;
+            o.count = count;
+            o.data = bufs[r].data_reg.handle();
+            o.staging = bufs[r].staging_reg.handle();
+            o.op_tag = a_tag;
+            o.cancelled = &cancel;
+            ring.pos[r].prev->set_floor(a_tag);
+            results[r] = ar.run(ring.pos[r], o, start + 20s);
+            if (!results[r].ok() && results[r].error().code == -ECANCELED)
+                drained[r] = drain_cancelled(*ring.transports[r], ring.pos[r], a_tag);
+        });
+    }
+    std::this_thread::sleep_for(100ms);
+    cancel = true;
+    for (auto &th : threads) th.join();
+    threads.clear();
+    for (uint32_t r = 0; r < 2; ++r) {
+        INFO("host " << r);
+        REQUIRE_FALSE(results[r].ok());
+        CHECK(results[r].error().code == -ECANCELED);
+    }
+    // Host 2 skips it (this host failed it, say) in its lane order; until then the messages of
+    // it that host 1 sent wait in its streams, and host 1's drain waits for them to leave.
+    std::this_thread::sleep_for(skip_after);
+    ring.pos[2].prev->set_floor(solo_tag_next(a_tag));
+    for (uint32_t r = 0; r < 3; ++r) {
+        INFO("host " << r);
+        CHECK(drained[r]);
+    }
+    CHECK(std::chrono::steady_clock::now() - start < 5s);
+    // The next op of the lane, on the same links: every value exact, guards intact.
+    const uint32_t b_tag = kSoloTag | (epoch << 24) | (0x11u << 16) | (seq + 1);
+    for (const DType t : {DType::F32, DType::I64})
+        allreduce_and_check(ring, t, ReduceOp::Sum, 300001, opt, b_tag);
+}
+
+TEST_CASE("solo op tags order by epoch, then seq, across their wrap; the digest does not order", "[ring]") {
+    auto tag = [](uint32_t epoch, uint32_t seq, uint32_t digest = 0) {
+        return kSoloTag | ((epoch & 0x7f) << 24) | ((digest & 0xff) << 16) | (seq & 0xffff);
+    };
+    CHECK(solo_tag_before(tag(1, 5), tag(1, 6)));
+    CHECK_FALSE(solo_tag_before(tag(1, 6), tag(1, 5)));
+    CHECK_FALSE(solo_tag_before(tag(1, 6, 1), tag(1, 6, 2)));
+    CHECK(solo_tag_before(tag(1, 60000), tag(2, 1)));
+    CHECK(solo_tag_before(tag(1, 0xffff), tag(1, 0)));  // the seq wraps
+    CHECK(solo_tag_before(tag(127, 9), tag(0, 1)));     // and the epoch
+    CHECK(solo_tag_next(tag(3, 0xffff, 7)) == tag(3, 0));
+    CHECK(solo_tag_next(tag(3, 8, 7)) == tag(3, 9));
+}
+
 TEST_CASE("a peer that never answers ends in a timeout naming it, not a hang", "[ring]") {
     Ring ring(2, "tcp");
     std::vector<std::byte> data(1 << 16), staging(4096 * 2);

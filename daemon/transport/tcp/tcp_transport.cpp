@@ -361,6 +361,10 @@ void TcpLink::read_some(Stream &s) {
             s.bytes = proto::le::get<uint64_t>(&s.header[16]);
             s.got = 0;
             s.have_header = true;
+            if (dropped(s.tag)) {
+                if (!start_discard(s)) return;
+                continue;
+            }
             auto it = posted_.find(s.tag);
             if (it == posted_.end()) return;  // stall until post_recv(tag)
             if (it->second.bytes != s.bytes)
@@ -386,12 +390,60 @@ void TcpLink::read_some(Stream &s) {
                 return fail(-EACCES, "data message " + std::to_string(s.tag) + " from " + peer() +
                                          " fails its MAC check (forged, replayed, reordered or corrupted)");
         }
-        bytes_received_ += s.bytes;
-        t_.complete({this, LinkEvent::Kind::RecvDone, s.tag, {}});
+        if (!s.discard) {
+            bytes_received_ += s.bytes;
+            t_.complete({this, LinkEvent::Kind::RecvDone, s.tag, {}});
+        }
+        s.discard = false;
         s.cur.reset();
         s.have_header = false;
         s.header_got = 0;
     }
+}
+
+bool TcpLink::start_discard(Stream &s) {
+    if (s.bytes > kMaxDiscardBytes) {
+        fail(-EPROTO, "message " + std::to_string(s.tag) + " of a cancelled op has " + std::to_string(s.bytes) +
+                          " bytes, more than a ring message can");
+        return false;
+    }
+    if (s.scratch.size() < s.bytes) s.scratch.resize(s.bytes);
+    if (s.cur && s.got) std::memcpy(s.scratch.data(), s.cur->data, s.got);
+    s.cur = RecvOp{s.scratch.data(), s.bytes};
+    s.discard = true;
+    return true;
+}
+
+void TcpLink::set_floor(uint32_t op_tag) {
+    if (error()) return;
+    if (has_floor_ && !solo_tag_before(floor_, op_tag)) return;
+    has_floor_ = true;
+    floor_ = op_tag;
+    for (auto &sp : streams_) {
+        Stream &s = *sp;
+        if (!s.have_header || s.cur || !dropped(s.tag)) continue;
+        if (!start_discard(s)) return;
+        read_some(s);
+        if (error()) return;
+        update_interest(s);
+    }
+}
+
+void TcpLink::cancel_receives(uint32_t op_tag) {
+    if (error()) return;
+    for (auto it = posted_.begin(); it != posted_.end();)
+        it = static_cast<uint32_t>(it->first >> 32) == op_tag ? posted_.erase(it) : std::next(it);
+    for (auto &sp : streams_) {
+        Stream &s = *sp;
+        if (s.cur && !s.discard && static_cast<uint32_t>(s.tag >> 32) == op_tag && !start_discard(s)) return;
+    }
+}
+
+bool TcpLink::sending(uint32_t op_tag) const {
+    for (const auto &sp : streams_)
+        for (const auto &op : sp->sendq)
+            if (static_cast<uint32_t>(op.tag >> 32) == op_tag) return true;
+    return false;
 }
 
 void TcpLink::update_interest(Stream &s) {

@@ -53,6 +53,10 @@ public:
     Status post_send_stable(const RegionHandle &region, uint64_t offset, uint64_t bytes, uint64_t tag) override;
     bool delivered_at_send_done() const override { return false; }
     Status post_recv(const RegionHandle &region, uint64_t offset, uint64_t bytes, uint64_t tag) override;
+    bool can_cancel() const override { return true; }
+    void set_floor(uint32_t op_tag) override;
+    void cancel_receives(uint32_t op_tag) override;
+    bool sending(uint32_t op_tag) const override;
 
 private:
     static constexpr uint32_t kFlagTagged = 1;  // the message's tag follows its payload
@@ -90,7 +94,14 @@ private:
         Tag mac_in{};
         size_t mac_got = 0;
         int rcvlowat = 1;           // SO_RCVLOWAT as last set (see wake_at)
+        // The message being read is dropped (set_floor, cancel_receives): `cur` points into
+        // `scratch`, which holds all of it for the MAC check, and no RecvDone comes of it.
+        bool discard = false;
+        std::vector<std::byte> scratch;
     };
+    // Messages of cancelled ops larger than this fail the link instead of being read to drop
+    // (a ring message is a chunk: tuning.chunk_bytes at most).
+    static constexpr uint64_t kMaxDiscardBytes = 256ull << 20;
 
     Status add_stream(UniqueFd fd, const SessionKeys &keys);
     Status post(const RegionHandle &region, uint64_t offset, uint64_t bytes, uint64_t tag, bool by_reference);
@@ -107,11 +118,20 @@ private:
     static constexpr size_t kMaxWakeBytes = 256 << 10;
     void update_interest(Stream &s);
     void fail(int code, const std::string &why);
+    bool dropped(uint64_t tag) const {
+        const uint32_t op = static_cast<uint32_t>(tag >> 32);
+        return has_floor_ && solo_tag(op) && solo_tag_before(op, floor_);
+    }
+    // The rest of the message the stream is in goes to its scratch (what came in already is
+    // copied there from `cur`, for the MAC); false when it is too large (the link failed).
+    bool start_discard(Stream &s);
 
     TcpTransport &t_;
     std::vector<std::unique_ptr<Stream>> streams_;
     size_t next_stream_ = 0;
     std::unordered_map<uint64_t, RecvOp> posted_;
+    bool has_floor_ = false;
+    uint32_t floor_ = 0;  // set_floor
     std::string late_congestion_;  // a stream connected under another congestion control, and what came of it ("": none)
 };
 
