@@ -277,6 +277,7 @@ constexpr size_t kOpStartBytes = 8 + kGroupNameBytes + 8 + 8 + 4 + 4 + 8;
 constexpr size_t kOpFailFixed = 8 + kGroupNameBytes + 8 + 4 + 4 + 8;
 constexpr size_t kGroupJoinBytes = 8 + kGroupNameBytes + 8 + 8;
 constexpr size_t kGroupIncarnationFixed = 8 + kGroupNameBytes + 8 + 8 + 4 + 4;
+constexpr size_t kSoloLaneBytes = 12;  // lane, solo_epoch, total_ranks
 
 // The fixed fields of a report (OpReport and OpData share them), and their checks.
 void put_report_fixed(uint8_t *p, const OpReport &r) {
@@ -313,9 +314,9 @@ Result<OpReport> get_report_fixed(std::span<const uint8_t> p, uint32_t max_ranks
     if (r.flags & kReportDeferred) {
         r.algorithm = (r.flags >> 8) & 0xff;
         r.flags &= ~0xff00u;
-        // One-/two-shot (1, 2) from protocol 8 on, doubling and halving-doubling (3, 4); the ring
-        // (0) is never deferred.
-        if (r.algorithm < 1 || r.algorithm > 4) return bad("a deferred op report names algorithm " + std::to_string(r.algorithm));
+        // One-/two-shot (1, 2) from protocol 8 on, doubling and halving-doubling (3, 4), and the
+        // ring (0) in a solo lane.
+        if (r.algorithm > 4) return bad("a deferred op report names algorithm " + std::to_string(r.algorithm));
     }
     if ((r.flags & ~(kReportAhead | kReportDeferred | kReportDone)) != 0) return bad("op report has unknown flags");
     if ((r.flags & kReportDone) && (r.status != 0 || !(r.flags & kReportDeferred)))
@@ -333,16 +334,18 @@ Result<OpReport> get_report_fixed(std::span<const uint8_t> p, uint32_t max_ranks
 }  // namespace
 
 Bytes encode_group_join(const GroupJoin &j) {
-    uint8_t p[kGroupJoinBytes] = {};
+    uint8_t p[kGroupJoinBytes + 4] = {};
     le::put<uint64_t>(&p[0], j.generation);
     put_name(&p[8], j.group);
     le::put<uint64_t>(&p[72], j.local_id);
     le::put<uint64_t>(&p[80], j.previous);
-    return encode_frame(FrameType::GroupJoin, p);
+    le::put<uint32_t>(&p[kGroupJoinBytes], j.local_size);
+    return encode_frame(FrameType::GroupJoin, std::span<const uint8_t>(p, j.local_size ? sizeof p : kGroupJoinBytes));
 }
 
 Result<GroupJoin> decode_group_join(std::span<const uint8_t> p) {
-    if (auto s = expect_size(p, kGroupJoinBytes, "group join"); !s) return s.error();
+    if (p.size() != kGroupJoinBytes + 4)
+        if (auto s = expect_size(p, kGroupJoinBytes, "group join"); !s) return s.error();
     GroupJoin j;
     j.generation = le::get<uint64_t>(&p[0]);
     auto g = get_group(&p[8]);
@@ -350,6 +353,7 @@ Result<GroupJoin> decode_group_join(std::span<const uint8_t> p) {
     j.group = *g;
     j.local_id = le::get<uint64_t>(&p[72]);
     j.previous = le::get<uint64_t>(&p[80]);
+    if (p.size() > kGroupJoinBytes) j.local_size = le::get<uint32_t>(&p[kGroupJoinBytes]);
     if (j.local_id == 0) return bad("group join without a local incarnation");
     return j;
 }
@@ -362,6 +366,13 @@ Bytes encode_group_incarnation(const GroupIncarnation &g) {
     le::put<uint64_t>(&p[80], g.incarnation);
     le::put<int32_t>(&p[88], g.code);
     put_message(p, g.message);
+    if (g.solo_epoch != 0) {
+        const size_t at = p.size();
+        p.resize(at + kSoloLaneBytes);
+        le::put<uint32_t>(&p[at], g.lane);
+        le::put<uint32_t>(&p[at + 4], g.solo_epoch);
+        le::put<uint32_t>(&p[at + 8], g.total_ranks);
+    }
     return encode_frame(FrameType::GroupIncarnation, p);
 }
 
@@ -377,7 +388,18 @@ Result<GroupIncarnation> decode_group_incarnation(std::span<const uint8_t> p) {
     g.code = le::get<int32_t>(&p[88]);
     if (g.code > 0) return bad("group incarnation code must be 0 or a negative errno");
     if ((g.code == 0) != (g.incarnation != 0)) return bad("group incarnation must carry an incarnation or an error");
-    auto m = get_message(p.subspan(kGroupIncarnationFixed));
+    auto rest = p.subspan(kGroupIncarnationFixed);
+    // The message, then a solo lane's fields when there is one.
+    if (rest.size() >= 4 + kSoloLaneBytes && le::get<uint32_t>(rest.data()) == rest.size() - 4 - kSoloLaneBytes) {
+        const uint8_t *x = rest.data() + rest.size() - kSoloLaneBytes;
+        g.lane = le::get<uint32_t>(x);
+        g.solo_epoch = le::get<uint32_t>(x + 4);
+        g.total_ranks = le::get<uint32_t>(x + 8);
+        if (g.solo_epoch == 0 || g.solo_epoch > 127 || g.total_ranks == 0 || g.incarnation == 0)
+            return bad("group incarnation has a solo lane without an epoch (1-127), its ranks or an incarnation");
+        rest = rest.first(rest.size() - kSoloLaneBytes);
+    }
+    auto m = get_message(rest);
     if (!m) return m.error();
     g.message = *m;
     return g;

@@ -115,6 +115,10 @@ struct GroupJoin {
     uint64_t local_id = 0;  // this host's incarnation of the group (unique on the host)
     uint64_t previous = 0;  // the agreed incarnation it ran as in an earlier generation; 0: fresh
                             // kIncarnationEnds: withdrawn, its ranks left before it was agreed
+    // Its local ranks (0: not said). Sent, after the fields above, only in a ring generation whose
+    // every host speaks protocol 8: the coordinator needs every host's to give an incarnation a
+    // solo lane (GroupIncarnation::solo_epoch), whose ops need no OpStart to learn avg's divisor.
+    uint32_t local_size = 0;
 };
 struct GroupIncarnation {
     uint64_t generation = 0;
@@ -123,6 +127,13 @@ struct GroupIncarnation {
     uint64_t incarnation = 0;  // agreed, unique in the cluster; 0 when refused
     int32_t code = 0;          // 0, or a negative errno: this local incarnation cannot run
     std::string message;
+    // A solo lane (protocol 8; after the message, only when solo_epoch != 0): the incarnation has
+    // lane `lane` alone and every host starts its ring ops there by itself, in seq order, without
+    // reporting them (daemon/transport/transport.h, solo op tags; the epoch, 1-127, is the lane's
+    // grant, in those tags). total_ranks: avg's divisor, every host's local ranks.
+    uint32_t lane = 0;
+    uint32_t solo_epoch = 0;
+    uint32_t total_ranks = 0;
 };
 // seq of an OpReport with a non-zero status that ends the incarnation here (its local ranks
 // left): every op of the incarnation that is pending or reported later fails with its message.

@@ -19,8 +19,12 @@ std::string at(const std::string &group, uint64_t seq) { return "group " + group
 
 }  // namespace
 
-void Coordinator::reset(uint64_t generation, std::vector<uint64_t> instances) {
+void Coordinator::reset(uint64_t generation, std::vector<uint64_t> instances, bool solo) {
     generation_ = generation;
+    solo_ = solo && lanes_ >= 2;
+    // An incarnation that goes on in a generation without solo lanes has its ops started here.
+    if (!solo_)
+        for (auto &[id, inc] : incarnations_) inc.solo_epoch = 0;
     instances_ = std::move(instances);
     instances_.resize(hosts_.size(), 0);
     for (auto &[id, inc] : incarnations_) {
@@ -67,8 +71,8 @@ void Coordinator::join(uint32_t host, const proto::GroupJoin &j, Decisions &out)
     if (Incarnation *cur = find(run.current); cur && cur->end_code == 0) {
         if (cur->local_ids[host] == j.local_id) {
             // Part of it already (a repeat, or a new ring generation of the same coordinator):
-            // the same incarnation goes on.
-            out.groups.push_back({host, {generation_, j.group, j.local_id, run.current, 0, {}}});
+            // the same incarnation goes on, in the same lane.
+            out.groups.push_back({host, answer(host, j.group, j.local_id, run.current)});
             return;
         }
         if (cur->local_ids[host] != j.local_id)
@@ -81,7 +85,7 @@ void Coordinator::join(uint32_t host, const proto::GroupJoin &j, Decisions &out)
         if (const Incarnation *prev = find(j.previous); prev && prev->end_code != 0)
             return refuse(host, j.group, j.local_id, prev->end_message, out);
     }
-    run.joins[host] = Join{j.local_id, j.previous};
+    run.joins[host] = Join{j.local_id, j.previous, j.local_size};
     // All fresh, or all going on with the same incarnation; a host that goes on while another
     // started afresh still runs what the others left.
     std::optional<uint32_t> fresh;
@@ -107,20 +111,18 @@ void Coordinator::join(uint32_t host, const proto::GroupJoin &j, Decisions &out)
     inc.group = j.group;
     inc.max_seq.assign(n, 0);
     inc.instances = instances_;
-    // The lane the fewest of the other groups' running incarnations use (the lowest of those).
-    std::vector<uint32_t> use(lanes_, 0);
-    for (const auto &[name, g] : groups_) {
-        if (name == j.group || !g.current) continue;
-        if (const Incarnation *other = find(g.current); other && other->end_code == 0) ++use[other->lane % lanes_];
-    }
-    inc.lane = static_cast<uint32_t>(std::min_element(use.begin(), use.end()) - use.begin());
+    bool sizes_known = true;
     for (uint32_t h = 0; h < n; ++h) {
         inc.local_ids.push_back(run.joins[h]->local_id);
-        out.groups.push_back({h, {generation_, j.group, run.joins[h]->local_id, id, 0, {}}});
+        inc.total_ranks += run.joins[h]->local_size;
+        sizes_known &= run.joins[h]->local_size != 0;
     }
-    run.joins.assign(n, std::nullopt);
+    if (!sizes_known) inc.total_ranks = 0;
+    place(inc, j.group);
     run.current = id;
     incarnations_[id] = std::move(inc);
+    for (uint32_t h = 0; h < n; ++h) out.groups.push_back({h, answer(h, j.group, run.joins[h]->local_id, id)});
+    run.joins.assign(n, std::nullopt);
     incarnation_order_.push_back(id);
     while (incarnation_order_.size() > kIncarnationMemory) {
         const uint64_t old = incarnation_order_.front();
@@ -130,6 +132,47 @@ void Coordinator::join(uint32_t host, const proto::GroupJoin &j, Decisions &out)
         if (auto g = groups_.find(it->second.group); g != groups_.end() && g->second.current == old) groups_.erase(g);
         incarnations_.erase(it);
     }
+}
+
+void Coordinator::place(Incarnation &inc, const std::string &group) {
+    // What the other groups' running incarnations use.
+    std::vector<uint32_t> use(lanes_, 0);
+    std::vector<bool> solo_taken(lanes_, false);
+    for (const auto &[name, g] : groups_) {
+        if (name == group || !g.current) continue;
+        const Incarnation *other = find(g.current);
+        if (!other || other->end_code != 0) continue;
+        ++use[other->lane % lanes_];
+        if (other->solo_epoch) solo_taken[other->lane % lanes_] = true;
+    }
+    inc.solo_epoch = 0;
+    if (solo_ && inc.total_ranks) {
+        for (uint32_t l = 0; l + 1 < lanes_; ++l) {
+            if (solo_taken[l] || use[l]) continue;
+            inc.lane = l;
+            solo_epoch_ = solo_epoch_ % 127 + 1;
+            inc.solo_epoch = solo_epoch_;
+            return;
+        }
+    }
+    // Shared: the lane the fewest of them use (the lowest of those), never one that an
+    // incarnation has alone; with solo lanes, the last lane.
+    uint32_t best = solo_ ? lanes_ - 1 : 0;
+    if (!solo_)
+        for (uint32_t l = 1; l < lanes_; ++l)
+            if (use[l] < use[best]) best = l;
+    inc.lane = best;
+}
+
+proto::GroupIncarnation Coordinator::answer(uint32_t host, const std::string &group, uint64_t local_id, uint64_t id) const {
+    (void)host;
+    proto::GroupIncarnation g{generation_, group, local_id, id, 0, {}};
+    if (auto it = incarnations_.find(id); it != incarnations_.end() && it->second.solo_epoch) {
+        g.lane = it->second.lane;
+        g.solo_epoch = it->second.solo_epoch;
+        g.total_ranks = it->second.total_ranks;
+    }
+    return g;
 }
 
 void Coordinator::decide(const Key &k, std::optional<std::pair<int32_t, std::string>> failure) {
@@ -272,6 +315,9 @@ void Coordinator::report(uint32_t host, const proto::OpReport &r, Clock::time_po
         total += b->local_size;
     }
     // A one- or two-shot op completes on every host by itself; a ring op starts now, in this order.
+    // A solo lane's op that stalls on every host stays pending: it fails at its deadline (every
+    // host cancels it), unless a host says it completed.
+    if (r.algorithm == 0 && again->second.deferred) return;
     if (r.algorithm == 0) {
         const Incarnation *inc = find(r.incarnation);
         out.starts.push_back({generation_, r.group, r.seq, next_op_id_++, total, r.incarnation, inc ? inc->lane : 0});

@@ -59,7 +59,11 @@ public:
     // while a host ran another instance ends here: that ringd restarted, and the group's ranks
     // there went with it, so the others' joins are refused at once (they would wait for ranks
     // that are gone until timeouts.op).
-    void reset(uint64_t generation, std::vector<uint64_t> instances = {});
+    // `solo`: the generation's hosts can run solo lanes (every one speaks protocol 8, and the
+    // transport cancels one op on a live link): the first tuning.lanes - 1 incarnations that are
+    // running at once get a lane each to themselves (GroupIncarnation::solo_epoch), whose ring ops
+    // every host starts by itself; the last lane stays shared, its ops started here, in order.
+    void reset(uint64_t generation, std::vector<uint64_t> instances = {}, bool solo = false);
     uint64_t generation() const { return generation_; }
 
     void join(uint32_t host, const proto::GroupJoin &j, Decisions &out);
@@ -96,12 +100,19 @@ private:
         int32_t end_code = 0;             // non-zero once it ended; later ops fail with end_message
         std::string end_message;
         uint32_t lane = 0;
+        uint32_t solo_epoch = 0;   // non-zero: it has its lane alone (a solo lane)
+        uint32_t total_ranks = 0;  // every host's local ranks (0: not known)
         std::vector<uint64_t> instances;  // by host: the ringd instances it was agreed with
     };
     struct Join {
         uint64_t local_id = 0;
         uint64_t previous = 0;
+        uint32_t local_size = 0;
     };
+    // The lane of a newly agreed incarnation: a solo lane when one is free, else the least used of
+    // the shared ones. Sets inc.lane and inc.solo_epoch.
+    void place(Incarnation &inc, const std::string &group);
+    proto::GroupIncarnation answer(uint32_t host, const std::string &group, uint64_t local_id, uint64_t id) const;
     struct GroupRun {
         uint64_t current = 0;  // the agreed incarnation, 0 before the first agreement
         std::vector<std::optional<Join>> joins;  // by host, towards the next agreement
@@ -117,6 +128,8 @@ private:
     std::vector<std::string> hosts_;
     std::chrono::milliseconds op_timeout_;
     uint32_t lanes_ = 1;
+    bool solo_ = false;
+    uint32_t solo_epoch_ = 0;  // the last one given (1-127, round)
     uint64_t generation_ = 0;
     std::vector<uint64_t> instances_;  // by host, this generation's (0: unknown)
     uint64_t next_op_id_ = 1;

@@ -147,6 +147,11 @@ public:
     // Whether a rank of the group's local incarnation left (it refuses ops until all are gone).
     bool broken(const std::string &group) const;
     // Calls f(name, local incarnation) for every group there is now (f must not change the table).
+    // The local ranks a group has on this host (0: no such group).
+    uint32_t local_size(const std::string &group) const {
+        auto it = groups_.find(group);
+        return it == groups_.end() ? 0 : it->second.local_size;
+    }
     template <class F>
     void for_each_local_id(F &&f) const {
         for (const auto &[name, g] : groups_) f(name, g.local_id);

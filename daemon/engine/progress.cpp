@@ -279,6 +279,8 @@ EngineResult ProgressEngine::execute_ring(EngineWork &w) {
     op.generation = w.generation;
     op.beat_ns = &beat_ns_;
     op.cancelled = solo ? &cancel_running_ : nullptr;
+    op.progress_ns = &progress_ns_;
+    progress_ns_.store(now_ns(), std::memory_order_relaxed);
     const uint64_t sent0 = next_->bytes_sent(), recv0 = prev_->bytes_received(), ref0 = next_->bytes_sent_by_reference();
     Status s = ring_->run(pos_, op, w.deadline != std::chrono::steady_clock::time_point{} ? w.deadline : Clock::now() + op_timeout_);
     bytes_to_next_ += next_->bytes_sent() - sent0;

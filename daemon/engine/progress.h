@@ -98,6 +98,11 @@ public:
     // ring's link set-up is bounded by 10 s).
     static constexpr auto kStuckAfter = std::chrono::seconds(15);
     std::chrono::steady_clock::duration stalled_for(std::chrono::steady_clock::time_point now) const;
+    // When a ring op last moved here (a message of it sent or received, or an op started).
+    std::chrono::steady_clock::time_point last_progress() const {
+        return std::chrono::steady_clock::time_point{std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+            std::chrono::nanoseconds(progress_ns_.load(std::memory_order_relaxed)))};
+    }
     // Names the thread (pthread_setname_np, at most 15 characters), for ps, top and gdb.
     void set_name(const std::string &name);
     uint64_t bytes_to_next() const { return bytes_to_next_.load(std::memory_order_relaxed); }
@@ -141,6 +146,7 @@ private:
     size_t in_flight_ = 0;  // control thread only
     std::chrono::steady_clock::time_point last_post_{};  // control thread only
     std::atomic<int64_t> beat_ns_{0};  // the progress thread's last beat (steady clock)
+    std::atomic<int64_t> progress_ns_{0};  // last_progress()
     std::atomic<uint64_t> aborted_generation_{0};
     // Cancelled solo ops (under mu_, bounded), the solo op running now (0: none) and whether it
     // is cancelled (RingOp::cancelled).

@@ -282,6 +282,9 @@ Status RingAllreduce::run_window(const RingPosition &pos, const RingOp &op, uint
             const auto number = static_cast<uint32_t>(e.tag & (kMaxChunks - 1));
             if (number < chunk_base_) continue;  // an earlier window's (cannot happen: it ended first)
             const uint32_t chunk = number - chunk_base_;
+            if (op.progress_ns)
+                op.progress_ns->store(std::chrono::duration_cast<std::chrono::nanoseconds>(last_progress.time_since_epoch()).count(),
+                                      std::memory_order_relaxed);
             if (e.kind == LinkEvent::Kind::SendDone && e.link == pos.next) {
                 Msg &m = sends_[index(send_base_, p, step, chunk)];
                 if (m.done) continue;

@@ -105,6 +105,8 @@ struct RingOp {
     // Set by the progress thread when the control thread cancels this op (a solo lane's op that
     // not every host will run): run() returns -ECANCELED promptly, its sends still queued.
     const std::atomic<bool> *cancelled = nullptr;
+    // Stored (steady clock, ns) whenever a message of the op is sent or received: it moves.
+    std::atomic<int64_t> *progress_ns = nullptr;
     // Stored (steady clock, ns) on every turn of the wait: the progress thread is alive.
     std::atomic<int64_t> *beat_ns = nullptr;
     uint64_t generation = 0;

@@ -135,7 +135,7 @@ void RingDomain::on_ring_up(uint64_t generation, DataSockets to_next, DataSocket
     generation_protocol_ = control_->protocol();
     coord_generation_ = generation;
     coord_known_ = true;
-    if (coordinator_) coordinator_->reset(generation, control_->instances());
+    if (coordinator_) coordinator_->reset(generation, control_->instances(), solo_lanes());
     control_->heartbeat_now(generation);
     if (!whole_ring()) {
         spdlog::info("ring domain {}: generation {} is up ({} hosts)", key_, generation, n);
@@ -162,6 +162,7 @@ void RingDomain::on_ring_down(const std::string &why) {
         if (run.agreed) run.previous = run.agreed;
         run.agreed = 0;
         run.join_sent = false;
+        run.solo_epoch = 0;  // the next generation's links and grants
     }
     exchange_->drop_before(coord_generation_used_ + 1);
 }
@@ -268,7 +269,9 @@ bool RingDomain::join_groups() {
         if (run.agreed || run.join_sent || run.refused_code != 0 || sh_.groups->broken(group)) return;
         run.join_sent = true;
         sent = true;
-        send_to_coordinator(proto::encode_group_join({coord_generation_, group, run.local_id, run.previous}));
+        send_to_coordinator(proto::encode_group_join(
+            {coord_generation_, group, run.local_id, run.previous,
+             generation_protocol_ >= kLogAlgorithmsProtocol ? sh_.groups->local_size(group) : 0}));
     });
     return sent;
 }
@@ -309,19 +312,38 @@ bool RingDomain::flush_reports_now() {
                 if (!run.join_sent) {
                     run.join_sent = true;
                     moved = true;
-                    send_to_coordinator(proto::encode_group_join({coord_generation_, group, run.local_id, run.previous}));
+                    send_to_coordinator(proto::encode_group_join(
+                        {coord_generation_, group, run.local_id, run.previous,
+                         generation_protocol_ >= kLogAlgorithmsProtocol ? static_cast<uint32_t>(next->run.members.size()) : 0}));
                 }
                 break;  // until GroupIncarnation comes
             }
             HostOp op = ops_.take_queued(group);
             moved = true;
             if (op.run.seq != proto::kIncarnationEnds) run.last_seq = std::max(run.last_seq, op.run.seq);
+            // A solo lane's op that does not run here is skipped there in its order, so that the
+            // previous host's messages of it are dropped; the end of the incarnation here skips
+            // the rest of its grant.
+            auto skip_solo = [&] {
+                if (!run.solo_epoch) return;
+                lanes_[run.lane % lanes_.size()]->engine->skip_to(
+                    op.run.seq == proto::kIncarnationEnds ? kSoloTag | (((run.solo_epoch + 1) & 0x7f) << 24)
+                                                          : solo_tag_next(solo_op_tag(run.solo_epoch, op.run.seq, nullptr)));
+            };
             if (auto ahead = failed_ahead_.find(OpKey{group, run.agreed, op.run.seq}); ahead != failed_ahead_.end()) {
                 // The coordinator failed it already: no report is needed.
                 if (op.status == 0) sh_.groups->finished(op.run.op_id, ahead->second.first, ahead->second.second, *sh_.done);
                 failed_ahead_.erase(ahead);
+                skip_solo();
                 continue;
             }
+            if (run.solo_epoch && op.status == 0 && op.run.seq != proto::kIncarnationEnds &&
+                choose_algorithm(op.run.count * dtype_size(op.run.dtype), static_cast<uint32_t>(config_.hosts.size()),
+                                 config_.tuning, generation_protocol_) == Algorithm::Ring) {
+                start_solo(run, std::move(op));
+                continue;
+            }
+            if (op.status != 0) skip_solo();
             proto::OpReport r;
             r.generation = coord_generation_;
             r.group = group;
@@ -387,6 +409,81 @@ void RingDomain::forget_gone_runs() {
     }
 }
 
+bool RingDomain::solo_lanes() const {
+    return generation_protocol_ >= kLogAlgorithmsProtocol && lanes_.size() >= 2 && lanes_[0]->transport &&
+           lanes_[0]->transport->name() == "tcp";
+}
+
+uint32_t RingDomain::solo_op_tag(uint32_t epoch, uint64_t seq, const OpRun *op) {
+    uint32_t digest = 0;
+    if (op) {
+        // count, dtype and op, folded to a byte: hosts whose ops differ send messages that no
+        // receive of the others matches.
+        uint64_t h = op->count * 0x9e3779b97f4a7c15ull ^ (uint64_t{static_cast<uint32_t>(op->dtype)} << 8 | static_cast<uint32_t>(op->op));
+        h ^= h >> 29;
+        h *= 0xbf58476d1ce4e5b9ull;
+        h ^= h >> 32;
+        digest = static_cast<uint32_t>(h & 0xff);
+    }
+    return kSoloTag | ((epoch & 0x7f) << 24) | (digest << 16) | static_cast<uint32_t>(seq & 0xffff);
+}
+
+// A solo lane's ring op goes to its lane's progress thread at once: every host starts it by
+// itself, in the group's order, and the coordinator hears of it only if it stalls here.
+void RingDomain::start_solo(GroupRun &run, HostOp op) {
+    const OpKey key{op.run.group, run.agreed, op.run.seq};
+    ++ops_ring_;
+    ++ops_solo_;
+    sh_.groups->set_algorithm(op.run.op_id, algorithm_name(Algorithm::Ring));
+    SoloOp so;
+    so.key = key;
+    so.lane = run.lane % static_cast<uint32_t>(lanes_.size());
+    so.op_tag = solo_op_tag(run.solo_epoch, op.run.seq, &op.run);
+    so.count = op.run.count;
+    so.dtype = op.run.dtype;
+    so.op = op.run.op;
+    so.local_size = static_cast<uint32_t>(op.run.members.size());
+    so.deadline = op.deadline;
+    so.posted = Clock::now();
+    EngineWork w;
+    w.op_id = op.run.op_id;
+    w.dtype = op.run.dtype;
+    w.op = op.run.op;
+    w.count = op.run.count;
+    w.avg_divisor = run.total_ranks;
+    w.offsets = op.run.offsets;
+    w.slots = std::move(op.slots);
+    w.ring = true;
+    w.generation = local_generation_;
+    w.op_tag = so.op_tag;
+    // The coordinator's decision (at the earliest deadline of the hosts that reported it) comes
+    // before the ring's own timeout, which would end the generation.
+    w.deadline = op.deadline + HostOps::kDecisionGrace;
+    ops_.running(w.op_id, local_generation_, w.deadline, key, op.run.submitted);
+    solo_ops_[w.op_id] = std::move(so);
+    lanes_[run.lane % lanes_.size()]->engine->post(std::move(w));
+}
+
+void RingDomain::tell_solo(SoloOp &s, uint32_t flags) {
+    if (s.told && !(flags & proto::kReportDone)) return;
+    s.told = true;
+    ++deferred_reports_;
+    proto::OpReport r;
+    r.generation = coord_generation_;
+    r.group = std::get<0>(s.key);
+    r.incarnation = std::get<1>(s.key);
+    r.seq = std::get<2>(s.key);
+    r.count = s.count;
+    r.dtype = static_cast<uint32_t>(s.dtype);
+    r.op = static_cast<uint32_t>(s.op);
+    r.local_size = s.local_size;
+    r.algorithm = 0;
+    r.remaining_ms = static_cast<uint32_t>(std::clamp<int64_t>(
+        std::chrono::duration_cast<std::chrono::milliseconds>(s.deadline - Clock::now()).count(), 0, UINT32_MAX));
+    r.flags = proto::kReportDeferred | flags;
+    send_to_coordinator(proto::encode_op_report(r));
+}
+
 void RingDomain::on_group_incarnation(const proto::GroupIncarnation &g) {
     if (!coord_known_ || g.generation != coord_generation_) return;
     auto it = runs_.find(g.group);
@@ -399,6 +496,9 @@ void RingDomain::on_group_incarnation(const proto::GroupIncarnation &g) {
         run.refused = g.message;
     } else {
         run.agreed = g.incarnation;
+        run.lane = g.lane;
+        run.solo_epoch = solo_lanes() && g.lane < lanes_.size() ? g.solo_epoch : 0;
+        run.total_ranks = g.total_ranks;
     }
 }
 
@@ -498,7 +598,7 @@ void RingDomain::on_op_data(uint32_t host, Frame &frame) {
     // or over a bound (the op fails everywhere, named).
     auto run = runs_.find(report.group);
     const bool ended_here = run != runs_.end() && run->second.agreed == report.incarnation &&
-                            report.seq <= run->second.last_seq && !ops_.find_reported(key);
+                            report.seq <= run->second.last_seq && !ops_.find_reported(key) && !solo_running(key);
     bool keep = !((coord_known_ && report.generation < coord_generation_) ||
                   (!coord_known_ && report.generation <= coord_generation_used_)) &&
                 !failed_ahead_.count(key) && !ended_here;
@@ -644,12 +744,29 @@ void RingDomain::on_start(const proto::OpStart &s) {
 
 void RingDomain::on_fail(const proto::OpFail &f) {
     if (!coord_known_ || f.generation != coord_generation_) return;
+    const OpKey fkey{f.group, f.incarnation, f.seq};
+    for (auto &[id, so] : solo_ops_) {
+        if (so.key != fkey) continue;
+        // Running here (or queued for its lane): the lane cancels it and goes on; its trainers
+        // get the coordinator's reason.
+        if (!so.fail_code) {
+            so.fail_code = f.code;
+            so.fail_message = f.message;
+            lanes_[so.lane]->engine->cancel(so.op_tag);
+        }
+        return;
+    }
     exchange_->drop(f.generation, OpKey{f.group, f.incarnation, f.seq});
     auto op = ops_.take_reported(OpKey{f.group, f.incarnation, f.seq});
     if (!op) {
         // Decided before this host got that far (a mismatch between two other hosts, say):
         // kept for when its ranks get there. Ops it reported already ended here.
         auto run = runs_.find(f.group);
+        // Past it here (it went another way here: a mismatch), in a solo lane: the previous
+        // host's messages of it are dropped. Every op of the lane up to it is there already.
+        if (run != runs_.end() && run->second.agreed == f.incarnation && run->second.solo_epoch && f.seq <= run->second.last_seq)
+            lanes_[run->second.lane % lanes_.size()]->engine->skip_to(
+                solo_tag_next(solo_op_tag(run->second.solo_epoch, f.seq, nullptr)));
         if (run != runs_.end() && run->second.agreed == f.incarnation && f.seq > run->second.last_seq) {
             if (failed_ahead_.size() >= kMaxFailedAhead) failed_ahead_.erase(failed_ahead_.begin());
             failed_ahead_[OpKey{f.group, f.incarnation, f.seq}] = {f.code, f.message};
@@ -726,6 +843,15 @@ void RingDomain::on_engine_results(uint32_t lane) {
             link_code = r.status;
         }
         if (r.op_id == 0) continue;
+        if (auto so = solo_ops_.find(r.op_id); so != solo_ops_.end()) {
+            if (r.status == -ECANCELED && so->second.fail_code) {
+                r.status = so->second.fail_code;
+                r.message = so->second.fail_message;
+            } else if (r.status == 0 && so->second.told && coord_known_) {
+                tell_solo(so->second, proto::kReportDone);  // the coordinator may forget it
+            }
+            solo_ops_.erase(so);
+        }
         // A ring op that ended with its link stays until the generation's end fails it with the
         // reason that names the host at fault (HostOps::returned).
         ops_.returned(r.op_id, r.status, r.message, ring_ending && coord_known_);
@@ -742,6 +868,14 @@ void RingDomain::tick(Clock::time_point now) {
         ops_.for_each_reported([&](const OpKey &key, HostOp &op) {
             if (deferred(op.algorithm) && !op.told_coordinator && op.stall_at <= now) tell_coordinator(key, op, 0);
         });
+    // Solo lanes' ops whose lane has not moved for a while: the coordinator hears of them (a host
+    // that never runs one, or whose op differs, leaves them all waiting).
+    if (coord_known_)
+        for (auto &[id, so] : solo_ops_) {
+            if (so.told || so.fail_code) continue;
+            const auto quiet = now - std::max(so.posted, lanes_[so.lane]->engine->last_progress());
+            if (quiet >= std::min<Clock::duration>(kStallReport, (so.deadline - so.posted) / 4)) tell_solo(so, 0);
+        }
     expire_host_ops(now);
     forget_gone_runs();  // also while the ring is down (settle_step reports only while it is up)
     const double dt = std::chrono::duration<double>(now - rate_at_).count();
@@ -820,6 +954,7 @@ nlohmann::json RingDomain::status() const {
             {"hosts_differ", control_->hosts_differ()},
             {"last_abort", last_abort_},
             {"ops_ring", ops_ring_},
+            {"ops_ring_solo", ops_solo_},
             {"ops_one_shot", ops_one_shot_},
             {"ops_two_shot", ops_two_shot_},
             {"ops_doubling", ops_doubling_},

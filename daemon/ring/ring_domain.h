@@ -180,7 +180,36 @@ private:
         bool end_told = false;  // over here: the coordinator was told it ended (tell_ended_runs)
         int32_t refused_code = 0;  // the coordinator refused this local incarnation: its ops fail
         std::string refused;
+        // A solo lane (GroupIncarnation::solo_epoch, 0: none): its ring ops start here without the
+        // coordinator, in seq order, on lane `lane`.
+        uint32_t lane = 0, solo_epoch = 0, total_ranks = 0;
     };
+    // A solo lane's ring op on the progress thread: what the coordinator is told if it stalls,
+    // and the coordinator's reason once it cancels it.
+    struct SoloOp {
+        OpKey key;
+        uint32_t lane = 0, op_tag = 0;
+        uint64_t count = 0;
+        DType dtype = DType::F32;
+        ReduceOp op = ReduceOp::Sum;
+        uint32_t local_size = 0;
+        Clock::time_point deadline, posted;
+        bool told = false;
+        int32_t fail_code = 0;
+        std::string fail_message;
+    };
+    std::map<uint64_t, SoloOp> solo_ops_;  // by local op id
+    uint64_t ops_solo_ = 0;                // ring ops started here without the coordinator
+    // Whether this generation's ring ops may run in solo lanes (Coordinator::reset).
+    bool solo_lanes() const;
+    static uint32_t solo_op_tag(uint32_t epoch, uint64_t seq, const OpRun *op);
+    void start_solo(GroupRun &run, HostOp op);
+    void tell_solo(SoloOp &s, uint32_t flags);
+    bool solo_running(const OpKey &key) const {
+        for (const auto &[id, so] : solo_ops_)
+            if (so.key == key) return true;
+        return false;
+    }
     std::map<std::string, GroupRun> runs_;
     std::map<OpKey, std::pair<int32_t, std::string>> failed_ahead_;  // OpFails for ops not reported yet
     // One- and two-shot ops' data (daemon/exchange/direct_exchange.h).

@@ -702,8 +702,9 @@ TEST_CASE("op negotiation frames round-trip and are validated", "[proto]") {
     q[117] = 1;  // one-shot
     REQUIRE(decode_op_report(q).ok());
     CHECK(decode_op_report(q)->algorithm == 1);
-    q[117] = 0;  // the ring is never deferred
-    CHECK_THAT(decode_op_report(q).error().message, Catch::Contains("names algorithm 0"));
+    q[117] = 0;  // the ring, in a solo lane
+    REQUIRE(decode_op_report(q).ok());
+    CHECK(decode_op_report(q)->algorithm == 0);
     q[117] = 5;
     CHECK_THAT(decode_op_report(q).error().message, Catch::Contains("names algorithm 5"));
     q[116] = kReportDone;  // done without deferred
@@ -749,6 +750,24 @@ TEST_CASE("op negotiation frames round-trip and are validated", "[proto]") {
     CHECK(gi->message == "refused");
     CHECK_FALSE(decode_group_incarnation(payload_of(encode_group_incarnation({3, "grp", 0xabc, 0, 0, ""}))).ok());
     CHECK_FALSE(decode_group_incarnation(payload_of(encode_group_incarnation({3, "grp", 0xabc, 5, -5, "x"}))).ok());
+    // Protocol 8: a join says its local ranks, and an incarnation its solo lane; without them the
+    // frames are version 6's, byte for byte.
+    CHECK(payload_of(encode_group_join({3, "grp", 0xabc, 77})).size() == 88);
+    auto js = decode_group_join(payload_of(encode_group_join({3, "grp", 0xabc, 77, 3})));
+    REQUIRE(js.ok());
+    CHECK(js->local_size == 3);
+    CHECK(js->previous == 77);
+    CHECK(payload_of(encode_group_incarnation({3, "grp", 0xabc, 5, 0, ""})).size() == 100);
+    for (const std::string m : {"", "a message of some length"}) {
+        auto solo = decode_group_incarnation(payload_of(encode_group_incarnation({3, "grp", 0xabc, 5, 0, m, 1, 9, 6})));
+        REQUIRE(solo.ok());
+        CHECK(solo->message == m);
+        CHECK(solo->lane == 1);
+        CHECK(solo->solo_epoch == 9);
+        CHECK(solo->total_ranks == 6);
+    }
+    CHECK_FALSE(decode_group_incarnation(payload_of(encode_group_incarnation({3, "grp", 0xabc, 5, 0, "", 1, 200, 6}))).ok());
+    CHECK_FALSE(decode_group_incarnation(payload_of(encode_group_incarnation({3, "grp", 0xabc, 5, 0, "", 1, 9, 0}))).ok());
     auto a = decode_ring_abort(payload_of(encode_ring_abort({4, "host c: connection closed"})));
     REQUIRE(a.ok());
     CHECK(a->generation == 4);
