@@ -767,6 +767,13 @@ void RingDomain::on_fail(const proto::OpFail &f) {
         if (run != runs_.end() && run->second.agreed == f.incarnation && run->second.solo_epoch && f.seq <= run->second.last_seq)
             lanes_[run->second.lane % lanes_.size()]->engine->skip_to(
                 solo_tag_next(solo_op_tag(run->second.solo_epoch, f.seq, nullptr)));
+        // Its next op in a solo lane, not here yet (its ranks are late, or never submit it): the
+        // lane skips it now, so that the previous host, which cancelled it, can let out what it
+        // sent of it.
+        if (run != runs_.end() && run->second.agreed == f.incarnation && run->second.solo_epoch &&
+            f.seq == run->second.last_seq + 1)
+            lanes_[run->second.lane % lanes_.size()]->engine->skip_to(
+                solo_tag_next(solo_op_tag(run->second.solo_epoch, f.seq, nullptr)));
         if (run != runs_.end() && run->second.agreed == f.incarnation && f.seq > run->second.last_seq) {
             if (failed_ahead_.size() >= kMaxFailedAhead) failed_ahead_.erase(failed_ahead_.begin());
             failed_ahead_[OpKey{f.group, f.incarnation, f.seq}] = {f.code, f.message};
@@ -1068,7 +1075,20 @@ nlohmann::json RingDomain::pending_ops(Clock::time_point now) const {
                       " (the coordinator, " + coord + ", names the hosts that have not submitted it)";
             }
             break;
-        case OpState::Running: why = "the ring: its data is moving"; break;
+        case OpState::Running:
+            if (auto w = waiting.find({v.group, v.incarnation, v.seq}); w != waiting.end()) {
+                // A solo lane's op that stalled: the coordinator knows which hosts have not run it.
+                e["missing_hosts"] = names(w->second->missing);
+                e["fails_in_s"] = w->second->fails_in_s;
+                why = "host(s) " + join(e["missing_hosts"]) + " to submit it (reported by " + join(names(w->second->reported)) + ")";
+            } else if (solo_running({v.group, v.incarnation, v.seq}) &&
+                       now - lanes_.at(solo_lane({v.group, v.incarnation, v.seq}))->engine->last_progress() >= kStallReport) {
+                why = "the other hosts to start it (a solo lane; the coordinator, " + coord +
+                      ", names the hosts that have not submitted it)";
+            } else {
+                why = "the ring: its data is moving";
+            }
+            break;
         case OpState::Releasing: why = "the progress thread to give it back (its ring generation ended)"; break;
         }
         e["waiting_for"] = why;

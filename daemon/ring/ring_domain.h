@@ -205,6 +205,11 @@ private:
     static uint32_t solo_op_tag(uint32_t epoch, uint64_t seq, const OpRun *op);
     void start_solo(GroupRun &run, HostOp op);
     void tell_solo(SoloOp &s, uint32_t flags);
+    uint32_t solo_lane(const OpKey &key) const {
+        for (const auto &[id, so] : solo_ops_)
+            if (so.key == key) return so.lane;
+        return 0;
+    }
     bool solo_running(const OpKey &key) const {
         for (const auto &[id, so] : solo_ops_)
             if (so.key == key) return true;

@@ -586,3 +586,39 @@ TEST_CASE("an address that cannot be bound stops ringd at start with a clear err
     CHECK(r.exit_code != 0);
     CHECK_THAT(r.output, Catch::Contains("cannot listen on 192.0.2.1:7400") && Catch::Contains("configured on this machine"));
 }
+
+TEST_CASE("solo lane: a group's ring ops start on every host without the coordinator, which handles none of them; "
+          "a second group runs beside it on the shared lane, each exact",
+          "[cluster][solo]") {
+    TestCluster c(3, "10s", "tuning: {direct_max_bytes: 64KiB}\n");
+    REQUIRE(c.wait_up());
+    auto a = connect_all(c, "a", 2, 4 << 20);
+    allreduce_checked(a, DType::F32, ReduceOp::Avg, 200000, 1);  // agreed first: the solo lane
+    auto b = connect_all(c, "b", 1, 4 << 20);
+    allreduce_checked(b, DType::F32, ReduceOp::Sum, 200000, 2);  // the shared lane
+    const auto reports = [&] { return c.status(0)["ring"]["coordinator_reports"].get<uint64_t>(); };
+    const uint64_t before = reports();
+    const DType types[] = {DType::F32, DType::F64, DType::BF16, DType::I32, DType::I64, DType::F16};
+    const ReduceOp ops[] = {ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min};
+    uint64_t seed = 10;
+    for (int k = 0; k < 24; ++k, ++seed) {
+        INFO("op " << k);
+        const DType t = types[k % 6];
+        const bool integer = t == DType::I32 || t == DType::I64;
+        const ReduceOp op = integer && ops[(k / 6) % 4] == ReduceOp::Avg ? ReduceOp::Sum : ops[(k / 6) % 4];
+        auto x = submit_checked(a, t, op, 100000 + 4099 * k, seed);
+        if (k % 4 == 0) {  // b's op beside it, on its own lane
+            auto y = submit_checked(b, DType::F32, ReduceOp::Sum, 150001, seed + 1000);
+            wait_checked(b, y);
+        }
+        wait_checked(a, x);
+    }
+    // Only b's ring ops were reported: one report per host and op.
+    CHECK(reports() - before == 3 * 6);
+    for (uint32_t h = 0; h < 3; ++h) {
+        const auto j = c.status(h);
+        CHECK(j["ring"]["ops_ring_solo"] == 25);
+        CHECK(j["ring"]["ops_ring"] == 25 + 7);
+        CHECK(j["ops"]["failed"] == 0);
+    }
+}

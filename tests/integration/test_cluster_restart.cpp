@@ -249,3 +249,59 @@ TEST_CASE("a trainer that left while its host was cut off ends its run for the o
     cl = connect_all(c, "job", 1, kSlot);
     run_steps(cl, 30);
 }
+
+// Solo lanes (docs/design.md, Ring domains): the first group agreed over these hosts has a lane
+// to itself and every host starts its ring ops there without the coordinator. An op there that
+// not every host runs is cancelled on the hosts that started it, on live links: the others' ops
+// and the ring generation go on.
+TEST_CASE("a solo lane's ring op that not every host runs fails at once, named; the generation and another group's ops "
+          "go on; the lane carries the next ops exact",
+          "[cluster][restart][solo]") {
+    TestCluster c(3, "5s", "tuning: {direct_max_bytes: 64KiB}\n");
+    REQUIRE(c.wait_up());
+    constexpr size_t kBig = 8 << 20;
+    auto a = connect_all(c, "a", 1, kBig);
+    allreduce_checked(a, DType::F32, ReduceOp::Sum, 200000, 1);  // agreed first: the solo lane
+    for (uint32_t h = 0; h < 3; ++h) CHECK(c.status(h)["ring"]["ops_ring_solo"] == 1);
+    // Another group over the same hosts, looping on the shared lane (its ring ops started by the
+    // coordinator) all along.
+    LoopingJob job(connect_all(c, "b", 1, kBig));
+    REQUIRE(job_moves(job));
+    const uint64_t generation = c.status(0)["ring"]["generation"].get<uint64_t>();
+    const size_t count = 1 << 20;  // 4 MiB: more than the links' socket buffers hold
+    SECTION("a trainer leaves before the op: the others' op fails at once, naming its host; the job restarts exact") {
+        const auto s = Clock::now();
+        const uint64_t t0 = a[0]->submit(bench::kGuardBytes, count, RINGD_F32, RINGD_SUM);
+        const uint64_t t2 = a[2]->submit(bench::kGuardBytes, count, RINGD_F32, RINGD_SUM);
+        REQUIRE(c.wait_taken(0, "a"));
+        REQUIRE(c.wait_taken(2, "a"));
+        a[1].reset();
+        for (auto [g, t] : {std::pair{0, t0}, {2, t2}}) {
+            const Outcome o = wait_outcome(*a[g], t);
+            INFO("rank " << g << ": " << o.message);
+            CHECK(o.rc == -ECONNABORTED);
+            CHECK_THAT(o.message, Catch::Contains("node1") && Catch::Contains("left"));
+        }
+        CHECK(Clock::now() - s < 3s);  // not the op timeout (5 s)
+        a.clear();
+        a = connect_all(c, "a", 1, kBig);
+    }
+    SECTION("one host's op differs: every host fails it as a mismatch naming the hosts; the group goes on") {
+        const uint64_t t0 = a[0]->submit(bench::kGuardBytes, count, RINGD_F32, RINGD_SUM);
+        const uint64_t t1 = a[1]->submit(bench::kGuardBytes, count / 2, RINGD_F32, RINGD_SUM);
+        const uint64_t t2 = a[2]->submit(bench::kGuardBytes, count, RINGD_F32, RINGD_SUM);
+        for (auto [g, t] : {std::pair{0, t0}, {1, t1}, {2, t2}}) {
+            const Outcome o = wait_outcome(*a[g], t);
+            INFO("rank " << g << ": " << o.message);
+            CHECK(o.rc == -EINVAL);
+            CHECK_THAT(o.message, Catch::Contains("mismatch") && Catch::Contains("host node1 submitted 524288 x float sum"));
+        }
+    }
+    // The lane's next ops, on the same links: every value and guard byte exact.
+    for (uint64_t seed = 10; seed < 14; ++seed)
+        allreduce_checked(a, seed % 2 ? DType::F64 : DType::I32, seed % 2 ? ReduceOp::Avg : ReduceOp::Max,
+                          300000 + seed, seed);
+    CHECK(c.status(0)["ring"]["generation"].get<uint64_t>() == generation);  // no ring generation ended
+    REQUIRE(job_moves(job));
+    check_clean(job.stop());
+}

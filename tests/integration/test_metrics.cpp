@@ -289,7 +289,8 @@ TEST_CASE("ringctl status explains a stalled op: the missing local rank on its h
     auto ctl = [&](uint32_t h, const std::string &args) {
         return run_command(ringctl + " --socket " + c.d[h]->socket() + " " + args + " 2>&1");
     };
-    // node0 (the coordinator) has the op reported and waits for node1; node1 waits for its rank 1.
+    // node0 (the coordinator) runs the op (a solo lane: it started it by itself), which stalls and
+    // is reported, and waits for node1; node1 waits for its rank 1.
     auto pending_of = [&](uint32_t h) {
         const auto r = ctl(h, "status --json");
         REQUIRE(r.exit_code == 0);
@@ -300,14 +301,15 @@ TEST_CASE("ringctl status explains a stalled op: the missing local rank on its h
     while (Clock::now() < deadline) {
         p0 = pending_of(0);
         p1 = pending_of(1);
-        if (p0.size() == 1 && p0[0]["state"] == "reported" && !p0[0]["missing_hosts"].empty() && p1.size() == 1) break;
+        if (p0.size() == 1 && p0[0]["state"] == "running" && !p0[0]["missing_hosts"].empty() && p1.size() == 1) break;
         std::this_thread::sleep_for(50ms);
     }
     INFO("node0 " << p0.dump() << "\nnode1 " << p1.dump());
     REQUIRE(p0.size() == 1);
     CHECK(p0[0]["group"] == "stall");
     CHECK(p0[0]["seq"] == o.tickets[0]);
-    CHECK(p0[0]["state"] == "reported");
+    CHECK(p0[0]["state"] == "running");
+    CHECK(p0[0]["algorithm"] == "ring");
     CHECK(p0[0]["missing_hosts"] == json::array({"node1"}));
     CHECK(p0[0]["fails_in_s"].get<double>() > 0);
     REQUIRE(p1.size() == 1);
