@@ -30,8 +30,11 @@ inline constexpr uint16_t kProtocolVersion = 1;      // frames between trainers/
 //      (secrets rotate with a grace period; hosts whose host lists differ say so).
 //   8: small ops by recursive doubling and recursive halving-doubling (OpData kinds 4-8), whose
 //      hosts report an op to the coordinator only when it stalls or its partners' data does not
-//      match (OpReport flags kReportDeferred, kReportDone). A ring domain uses them only while every
-//      one of its hosts speaks 8; the frames' layouts are version 6's.
+//      match (OpReport flags kReportDeferred, kReportDone). Solo lanes over TCP: GroupJoin says the
+//      host's local ranks and GroupIncarnation the lane, grant epoch and total ranks (each after
+//      version 6's fields), and a solo lane's ring ops are reported deferred (algorithm 0). A ring
+//      domain uses them only while every one of its hosts speaks 8; without them the frames are
+//      version 6's, byte for byte.
 inline constexpr uint16_t kPeerProtocolVersion = 8;
 inline constexpr uint16_t kPeerProtocolOldest = 6;
 inline constexpr uint16_t kPeerBaseVersion = 6;  // the layout version of every peer frame but the handshake's

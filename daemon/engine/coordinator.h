@@ -16,7 +16,10 @@
 // runs ring ops in — so no two hosts ever wait on each other's different ops. Fails go to every
 // host, and again to one that reports the op later. Each agreed incarnation gets a lane
 // (OpStart::lane), the least used by the groups' current incarnations: lanes run side by side on
-// every host, each in this order. Ops that skip the ring (reports
+// every host, each in this order. With solo lanes (reset) the first lanes - 1 incarnations running
+// at once get one each to themselves (GroupIncarnation::solo_epoch): their ring ops are started by
+// every host on its own and reported only when they stall (deferred, algorithm 0), and no OpStart
+// goes out for them. Ops that skip the ring (reports
 // with an `algorithm`: one-shot or two-shot) need no start: when all hosts reported them alike
 // they are decided silently. Doubling and halving-doubling ops (protocol 8) are reported only by
 // hosts where they stall or meet a partner's data that does not match (kReportDeferred): most never

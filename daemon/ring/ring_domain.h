@@ -11,8 +11,10 @@
 // domain never sees its frames, a member's failure ends that domain's generation only, and the
 // ring ops of different domains run at the same time, each on its own links, sharing the network
 // as their TCP flows (or QPs) do. Within a domain each group runs in a lane the coordinator gives
-// it (the least used), so groups of the same hosts run side by side too; within a lane ring ops
-// run one at a time in the coordinator's order.
+// it, so groups of the same hosts run side by side too; within a lane ring ops run one at a time,
+// in the coordinator's order (OpStart) on a shared lane, in the group's seq order on a solo lane,
+// where every host starts them by itself and the coordinator hears of one only when it stalls
+// (start_solo; docs/design.md, Ring domains).
 //
 // An op of a group goes: ready on this host (all local ranks submitted it) -> once the hosts
 // agreed on the group's incarnation in this generation (GroupJoin / GroupIncarnation, see
