@@ -354,6 +354,7 @@ Result<GroupJoin> decode_group_join(std::span<const uint8_t> p) {
     j.local_id = le::get<uint64_t>(&p[72]);
     j.previous = le::get<uint64_t>(&p[80]);
     if (p.size() > kGroupJoinBytes) j.local_size = le::get<uint32_t>(&p[kGroupJoinBytes]);
+    if (j.local_size > kMaxLocalSize) return bad("group join says " + std::to_string(j.local_size) + " local ranks");
     if (j.local_id == 0) return bad("group join without a local incarnation");
     return j;
 }
@@ -395,7 +396,7 @@ Result<GroupIncarnation> decode_group_incarnation(std::span<const uint8_t> p) {
         g.lane = le::get<uint32_t>(x);
         g.solo_epoch = le::get<uint32_t>(x + 4);
         g.total_ranks = le::get<uint32_t>(x + 8);
-        if (g.solo_epoch == 0 || g.solo_epoch > 127 || g.total_ranks == 0 || g.incarnation == 0)
+        if (g.solo_epoch == 0 || g.solo_epoch > 127 || g.total_ranks == 0 || g.total_ranks > (1u << 24) || g.incarnation == 0)
             return bad("group incarnation has a solo lane without an epoch (1-127), its ranks or an incarnation");
         rest = rest.first(rest.size() - kSoloLaneBytes);
     }

@@ -150,8 +150,9 @@ void Coordinator::place(Incarnation &inc, const std::string &group) {
         for (uint32_t l = 0; l + 1 < lanes_; ++l) {
             if (solo_taken[l] || use[l]) continue;
             inc.lane = l;
-            solo_epoch_ = solo_epoch_ % 127 + 1;
-            inc.solo_epoch = solo_epoch_;
+            solo_epoch_.resize(lanes_, 0);
+            solo_epoch_[l] = solo_epoch_[l] % 127 + 1;
+            inc.solo_epoch = solo_epoch_[l];
             return;
         }
     }
@@ -335,7 +336,9 @@ void Coordinator::expire(Clock::time_point now, Decisions &out) {
             if (!pending_[k].by_host[h]) missing += (missing.empty() ? "" : ", ") + hosts_[h];
         fail(k, -ETIMEDOUT,
              "group " + std::get<0>(k) + " op " + std::to_string(std::get<2>(k)) + " timed out after " +
-                 std::to_string(op_timeout_.count()) + " ms: host(s) " + missing + " did not submit it",
+                 std::to_string(op_timeout_.count()) + " ms: " +
+                 (missing.empty() ? std::string("every host ran it, and its data stopped moving")
+                                  : "host(s) " + missing + " did not submit it"),
              out);
     }
 }

@@ -132,7 +132,9 @@ private:
     std::chrono::milliseconds op_timeout_;
     uint32_t lanes_ = 1;
     bool solo_ = false;
-    uint32_t solo_epoch_ = 0;  // the last one given (1-127, round)
+    // The last epoch given per lane (1-127, round): a link compares a lane's epochs modulo 128,
+    // so consecutive grants of a lane differ by one.
+    std::vector<uint32_t> solo_epoch_;
     uint64_t generation_ = 0;
     std::vector<uint64_t> instances_;  // by host, this generation's (0: unknown)
     uint64_t next_op_id_ = 1;

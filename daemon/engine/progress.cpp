@@ -90,13 +90,16 @@ void ProgressEngine::ring_down(uint64_t generation) {
     enqueue(std::move(i));
 }
 
-void ProgressEngine::cancel(uint32_t op_tag) {
+void ProgressEngine::cancel(uint64_t op_id) {
     std::lock_guard lock(mu_);
-    if (std::find(cancelled_.begin(), cancelled_.end(), op_tag) == cancelled_.end()) {
-        cancelled_.push_back(op_tag);
+    if (running_op_ == op_id) {
+        cancel_running_.store(true, std::memory_order_release);
+        return;
+    }
+    if (std::find(cancelled_.begin(), cancelled_.end(), op_id) == cancelled_.end()) {
+        cancelled_.push_back(op_id);
         if (cancelled_.size() > kMaxCancelled) cancelled_.pop_front();
     }
-    if (running_tag_ == op_tag) cancel_running_.store(true, std::memory_order_release);
 }
 
 void ProgressEngine::skip_to(uint32_t op_tag) {
@@ -244,14 +247,13 @@ EngineResult ProgressEngine::execute_ring(EngineWork &w) {
     const bool solo = solo_tag(w.op_tag);
     if (solo) {
         std::lock_guard lock(mu_);
-        // Cancels of ops before this one are spent (the lane runs its ops in order): a tag comes
-        // round again after 2^16 ops of an incarnation.
-        std::erase_if(cancelled_, [&](uint32_t t) { return solo_tag(t) && solo_tag_before(t, w.op_tag); });
-        if (std::find(cancelled_.begin(), cancelled_.end(), w.op_tag) != cancelled_.end()) {
+        if (auto it = std::find(cancelled_.begin(), cancelled_.end(), w.op_id); it != cancelled_.end()) {
+            cancelled_.erase(it);
             prev_->set_floor(solo_tag_next(w.op_tag));
+            next_->set_floor(solo_tag_next(w.op_tag));
             return done(-ECANCELED, "the op was cancelled", false);
         }
-        running_tag_ = w.op_tag;
+        running_op_ = w.op_id;
         cancel_running_.store(false, std::memory_order_relaxed);
     }
     struct NotRunning {
@@ -260,11 +262,15 @@ EngineResult ProgressEngine::execute_ring(EngineWork &w) {
         ~NotRunning() {
             if (!solo) return;
             std::lock_guard lock(e->mu_);
-            e->running_tag_ = 0;
+            e->running_op_ = 0;
         }
     } not_running{this, solo};
-    // Whatever the previous host still sends of the solo ops before this one ended here.
-    if (solo) prev_->set_floor(w.op_tag);
+    // Whatever the neighbours still send of the solo ops before this one ended here (the previous
+    // host's data, the next host's delivery markers).
+    if (solo) {
+        prev_->set_floor(w.op_tag);
+        next_->set_floor(w.op_tag);
+    }
     RingOp op;
     op.dtype = w.dtype;
     op.op = w.op;
@@ -287,12 +293,15 @@ EngineResult ProgressEngine::execute_ring(EngineWork &w) {
     bytes_from_prev_ += prev_->bytes_received() - recv0;
     bytes_by_reference_ += next_->bytes_sent_by_reference() - ref0;
     if (!s && s.error().code == -ECANCELED && solo) {
-        if (drain_cancelled(w.op_tag)) return done(-ECANCELED, s.error().message, false);
+        // (An op this large may have sent from the trainer's slot by reference: ring_allreduce.h.)
+        const bool by_reference = w.count * dtype_size(w.dtype) >= RingAllreduce::kConfirmBytes && !next_->delivered_at_send_done();
+        if (drain_cancelled(w.op_tag, by_reference)) return done(-ECANCELED, s.error().message, false);
+        const std::string peer = next_->peer();  // (the link goes with drop_links)
         link_failure_reported_ = true;
         drop_links();
         return done(-ECANCELED, "the cancelled op's messages did not leave within " +
                                     std::to_string(std::chrono::duration_cast<std::chrono::seconds>(kCancelDrain).count()) +
-                                    " s: the link to " + pos_.next->peer() + " is treated as broken", true);
+                                    " s: the link to " + peer + " is treated as broken", true);
     }
     if (!s) {
         // The ring returns -ECONNABORTED when the control thread aborted the generation; a link
@@ -310,9 +319,15 @@ EngineResult ProgressEngine::execute_ring(EngineWork &w) {
     return done(0, {}, false);
 }
 
-bool ProgressEngine::drain_cancelled(uint32_t op_tag) {
+bool ProgressEngine::drain_cancelled(uint32_t op_tag, bool by_reference) {
+    // Receives from both neighbours: the previous host's data and the next host's delivery marker.
     prev_->cancel_receives(op_tag);
     prev_->set_floor(solo_tag_next(op_tag));
+    next_->cancel_receives(op_tag);
+    next_->set_floor(solo_tag_next(op_tag));
+    // Pages sent by reference stay the trainer's until the next host has read them (or dropped
+    // them): a fence behind them comes back once it has.
+    if (by_reference) next_->fence(op_tag);
     const auto until = Clock::now() + kCancelDrain;
     std::vector<LinkEvent> events;
     while (next_->sending(op_tag)) {

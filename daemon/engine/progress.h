@@ -78,11 +78,11 @@ public:
     void ring_up(RingLinks links);
     // Effective at once for the op in progress (it fails), then the links are dropped.
     void ring_down(uint64_t generation);
-    // Solo lanes (transport.h, solo op tags): the op `op_tag` will not run on every host. If it
-    // runs here it ends with -ECANCELED once its sends are out (the next host drops them), its
-    // receives withdrawn; if it is still queued it ends so without running. Either way the
+    // Solo lanes (transport.h, solo op tags): the op `op_id` (posted here) will not run on every
+    // host. If it runs it ends with -ECANCELED once its sends are out (the next host drops them),
+    // its receives withdrawn; if it is still queued it ends so without running. Either way the
     // previous host's messages of it are dropped. The link stays up for the ops after it.
-    void cancel(uint32_t op_tag);
+    void cancel(uint64_t op_id);
     // In order with the ops posted: messages from the previous host of solo ops before `op_tag`
     // are dropped from here on (ops this host skips: failed here, or of an incarnation over here).
     void skip_to(uint32_t op_tag);
@@ -127,7 +127,7 @@ private:
     ProgressEngine() = default;
     // A cancelled op's sends are out (the next host drops them) and its receives are withdrawn;
     // false: not within kCancelDrain (the link is then treated as broken).
-    bool drain_cancelled(uint32_t op_tag);
+    bool drain_cancelled(uint32_t op_tag, bool by_reference);
     static constexpr auto kCancelDrain = std::chrono::seconds(5);
     static constexpr size_t kMaxCancelled = 4096;
     void run();
@@ -148,10 +148,10 @@ private:
     std::atomic<int64_t> beat_ns_{0};  // the progress thread's last beat (steady clock)
     std::atomic<int64_t> progress_ns_{0};  // last_progress()
     std::atomic<uint64_t> aborted_generation_{0};
-    // Cancelled solo ops (under mu_, bounded), the solo op running now (0: none) and whether it
-    // is cancelled (RingOp::cancelled).
-    std::deque<uint32_t> cancelled_;
-    uint32_t running_tag_ = 0;
+    // Cancelled solo ops by local op id (under mu_, bounded; op ids never repeat), the solo op
+    // running now (0: none) and whether it is cancelled (RingOp::cancelled).
+    std::deque<uint64_t> cancelled_;
+    uint64_t running_op_ = 0;
     std::atomic<bool> cancel_running_{false};
     std::atomic<uint64_t> bytes_to_next_{0}, bytes_from_prev_{0}, bytes_by_reference_{0};
 

@@ -314,7 +314,7 @@ bool RingDomain::flush_reports_now() {
                     moved = true;
                     send_to_coordinator(proto::encode_group_join(
                         {coord_generation_, group, run.local_id, run.previous,
-                         generation_protocol_ >= kLogAlgorithmsProtocol ? static_cast<uint32_t>(next->run.members.size()) : 0}));
+                         generation_protocol_ >= kLogAlgorithmsProtocol ? sh_.groups->local_size(group) : 0}));
                 }
                 break;  // until GroupIncarnation comes
             }
@@ -335,6 +335,13 @@ bool RingDomain::flush_reports_now() {
                 if (op.status == 0) sh_.groups->finished(op.run.op_id, ahead->second.first, ahead->second.second, *sh_.done);
                 failed_ahead_.erase(ahead);
                 skip_solo();
+                continue;
+            }
+            if (run.solo_epoch && op.status == 0 && op.run.seq != proto::kIncarnationEnds && op.run.seq <= run.skipped) {
+                // Its lane is past it already (failed by the coordinator; the failure was forgotten).
+                sh_.groups->finished(op.run.op_id, -ECONNABORTED,
+                                     "group " + group + " op " + std::to_string(op.run.seq) + ": the coordinator failed it before this host got to it",
+                                     *sh_.done);
                 continue;
             }
             if (run.solo_epoch && op.status == 0 && op.run.seq != proto::kIncarnationEnds &&
@@ -752,12 +759,18 @@ void RingDomain::on_fail(const proto::OpFail &f) {
         if (!so.fail_code) {
             so.fail_code = f.code;
             so.fail_message = f.message;
-            lanes_[so.lane]->engine->cancel(so.op_tag);
+            lanes_[so.lane]->engine->cancel(id);
         }
         return;
     }
     exchange_->drop(f.generation, OpKey{f.group, f.incarnation, f.seq});
     auto op = ops_.take_reported(OpKey{f.group, f.incarnation, f.seq});
+    auto solo_run = runs_.find(f.group);
+    if (solo_run != runs_.end() && (solo_run->second.agreed != f.incarnation || !solo_run->second.solo_epoch))
+        solo_run = runs_.end();
+    if (op && solo_run != runs_.end())  // it went another way here (a mismatch): past it in the lane too
+        lanes_[solo_run->second.lane % lanes_.size()]->engine->skip_to(
+            solo_tag_next(solo_op_tag(solo_run->second.solo_epoch, f.seq, nullptr)));
     if (!op) {
         // Decided before this host got that far (a mismatch between two other hosts, say):
         // kept for when its ranks get there. Ops it reported already ended here.
@@ -767,16 +780,21 @@ void RingDomain::on_fail(const proto::OpFail &f) {
         if (run != runs_.end() && run->second.agreed == f.incarnation && run->second.solo_epoch && f.seq <= run->second.last_seq)
             lanes_[run->second.lane % lanes_.size()]->engine->skip_to(
                 solo_tag_next(solo_op_tag(run->second.solo_epoch, f.seq, nullptr)));
-        // Its next op in a solo lane, not here yet (its ranks are late, or never submit it): the
-        // lane skips it now, so that the previous host, which cancelled it, can let out what it
-        // sent of it.
-        if (run != runs_.end() && run->second.agreed == f.incarnation && run->second.solo_epoch &&
-            f.seq == run->second.last_seq + 1)
-            lanes_[run->second.lane % lanes_.size()]->engine->skip_to(
-                solo_tag_next(solo_op_tag(run->second.solo_epoch, f.seq, nullptr)));
         if (run != runs_.end() && run->second.agreed == f.incarnation && f.seq > run->second.last_seq) {
             if (failed_ahead_.size() >= kMaxFailedAhead) failed_ahead_.erase(failed_ahead_.begin());
             failed_ahead_[OpKey{f.group, f.incarnation, f.seq}] = {f.code, f.message};
+        }
+        // The next ops of a solo lane, not here yet (its ranks are late, or never submit them),
+        // that the coordinator failed, in a row: the lane skips them now, so that the previous
+        // host, which cancelled them, can let out what it sent of them.
+        if (solo_run != runs_.end()) {
+            GroupRun &r = solo_run->second;
+            uint64_t frontier = std::max(r.last_seq, r.skipped);
+            while (failed_ahead_.count(OpKey{f.group, f.incarnation, frontier + 1})) ++frontier;
+            if (frontier > std::max(r.last_seq, r.skipped)) {
+                r.skipped = frontier;
+                lanes_[r.lane % lanes_.size()]->engine->skip_to(solo_tag_next(solo_op_tag(r.solo_epoch, frontier, nullptr)));
+            }
         }
         return;
     }

@@ -185,6 +185,7 @@ private:
         // A solo lane (GroupIncarnation::solo_epoch, 0: none): its ring ops start here without the
         // coordinator, in seq order, on lane `lane`.
         uint32_t lane = 0, solo_epoch = 0, total_ranks = 0;
+        uint64_t skipped = 0;  // the lane is past every seq up to this (ops the coordinator failed ahead)
     };
     // A solo lane's ring op on the progress thread: what the coordinator is told if it stalls,
     // and the coordinator's reason once it cancels it.

@@ -101,8 +101,12 @@ public:
     // is being filled has the rest of its message dropped (its memory is not written again).
     virtual void cancel_receives(uint32_t op_tag) { (void)op_tag; }
     // Whether sends of the op are still queued: their memory must stay as it is until they are
-    // out (a sealed message cannot be dropped without breaking the stream's MAC sequence).
+    // out (a sealed message cannot be dropped without breaking the stream's MAC sequence); or, after
+    // fence(), until the peer has read (or dropped) every message of the op sent before it.
     virtual bool sending(uint32_t op_tag) const { (void)op_tag; return false; }
+    // For an op that sent by reference (post_send_stable), cancelled: the peer answers once it has
+    // read everything of the op this link sent (sending() stays true until then).
+    virtual void fence(uint32_t op_tag) { (void)op_tag; }
     // The first error on this link; once set, every post fails and every pending op has failed.
     const std::optional<Error> &error() const { return error_; }
     uint64_t bytes_sent() const { return bytes_sent_; }

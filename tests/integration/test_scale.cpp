@@ -1,7 +1,8 @@
 // 16 hosts x 1 rank on namespace hosts (127.0.0.1 where namespaces are not allowed): the small ops
 // go by doubling and halving-doubling (the cost model's choice at 16 hosts on 1 Gbit/s links),
 // every value and guard byte checked; in the steady state the coordinator handles no message per
-// op and each host sends log2 16 frames per doubling op; a ringd SIGKILLed and restarted is back,
+// op and each host sends log2 16 frames per doubling op, nor for ring ops in the group's solo lane;
+// a ringd SIGKILLed and restarted is back,
 // the ring re-formed and an op exact, within 3 s.
 #include <catch2/catch.hpp>
 
@@ -47,7 +48,7 @@ TEST_CASE("16 hosts: doubling and halving-doubling exact, no coordinator message
     o.netns = hosts.get();
     TestCluster c(kHosts, o);
     REQUIRE(c.wait_up());
-    auto cl = connect_all(c, "scale", 1, 1 << 20);
+    auto cl = connect_all(c, "scale", 1, 2 << 20);
     uint64_t seed = 1;
     // 4 KiB by doubling, 64 KiB by halving-doubling, one of each dtype family.
     allreduce_checked(cl, DType::F32, ReduceOp::Sum, 1024, seed++);
@@ -70,6 +71,15 @@ TEST_CASE("16 hosts: doubling and halving-doubling exact, no coordinator message
     CHECK(stalled < 20 * kHosts);  // not one per op and host
     CHECK(sum_over_hosts(c, "frames", "data_sent") - data_sent == 20 * kHosts * 4);
     CHECK(sum_over_hosts(c, "frames", "data_received") - data_received == 20 * kHosts * 4);
+
+    // Ring ops (1.2 MB) in the group's solo lane: every host starts them by itself; the
+    // coordinator handles no message for them but stall reports.
+    const uint64_t reports2 = sum_over_hosts(c, "coordinator_reports"), deferred2 = sum_over_hosts(c, "deferred_reports");
+    for (int i = 0; i < 4; ++i) allreduce_checked(cl, i % 2 ? DType::F32 : DType::BF16, ReduceOp::Avg, 300000 + i, seed++);
+    const uint64_t stalled2 = sum_over_hosts(c, "deferred_reports") - deferred2;
+    CHECK(sum_over_hosts(c, "ops_ring_solo") == 4 * kHosts);
+    CHECK(sum_over_hosts(c, "coordinator_reports") - reports2 == stalled2);
+    CHECK(stalled2 < 4 * kHosts);
 
     // A ringd killed and restarted: its trainer goes with it; the job restarts everywhere and runs
     // exact within 3 s of the restart.

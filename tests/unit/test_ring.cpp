@@ -454,11 +454,31 @@ TEST_CASE("a peer that disappears mid-op fails its neighbours with an error nami
     }
 }
 
+// A trainer's slot as ringd has it: shared memory in a memfd, mapped.
+struct MemfdBuffer {
+    UniqueFd fd;
+    std::byte *p = nullptr;
+    size_t bytes = 0;
+    explicit MemfdBuffer(size_t n) : fd(::memfd_create("test-slot", MFD_CLOEXEC)), bytes(n) {
+        REQUIRE(fd);
+        REQUIRE(::ftruncate(fd.get(), static_cast<off_t>(n)) == 0);
+        void *m = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
+        REQUIRE(m != MAP_FAILED);
+        p = static_cast<std::byte *>(m);
+    }
+    ~MemfdBuffer() {
+        if (p) ::munmap(p, bytes);
+    }
+};
+
 // What the progress thread does with a cancelled solo op (ProgressEngine::drain_cancelled): its
 // receives withdrawn, the previous host's messages of it dropped, its own sends let out.
-bool drain_cancelled(Transport &t, const RingPosition &pos, uint32_t op_tag) {
+bool drain_cancelled(Transport &t, const RingPosition &pos, uint32_t op_tag, bool by_reference = false) {
     pos.prev->cancel_receives(op_tag);
     pos.prev->set_floor(solo_tag_next(op_tag));
+    pos.next->cancel_receives(op_tag);
+    pos.next->set_floor(solo_tag_next(op_tag));
+    if (by_reference) pos.next->fence(op_tag);
     const auto until = std::chrono::steady_clock::now() + 5s;
     std::vector<LinkEvent> events;
     while (pos.next->sending(op_tag)) {
@@ -529,6 +549,73 @@ TEST_CASE("a solo op that one host never runs is cancelled on the others; the li
     const uint32_t b_tag = kSoloTag | (epoch << 24) | (0x11u << 16) | (seq + 1);
     for (const DType t : {DType::F32, DType::I64})
         allreduce_and_check(ring, t, ReduceOp::Sum, 300001, opt, b_tag);
+}
+
+TEST_CASE("a cancelled solo op that sent by reference gives the buffer back only once the next host has read or "
+          "dropped what it sent",
+          "[ring][tcp]") {
+    // Host 1's step-0 sends to host 2 (11 MiB over 3 streams) go by reference; host 2 reads them
+    // only once it skips the op, 300 ms after the cancel. Host 1 ends its op after that: its queued
+    // sends, then its fences, wait for host 2.
+    Ring ring(3, "tcp", 3);
+    const uint32_t a_tag = kSoloTag | (9u << 24) | (0x51u << 16) | 7;
+    const uint64_t count = RingAllreduce::kConfirmBytes / 4 + 1024;
+    RingOptions opt{1 << 20, 4};
+    std::vector<std::unique_ptr<MemfdBuffer>> data(3);
+    std::vector<std::vector<std::byte>> staging(3);
+    std::vector<RegisteredRegion> data_reg(3), staging_reg(3);
+    for (uint32_t r = 0; r < 3; ++r) {
+        data[r] = std::make_unique<MemfdBuffer>(count * 4);
+        std::memset(data[r]->p, 1, data[r]->bytes);
+        staging[r].resize(RingAllreduce::staging_bytes(opt));
+        data_reg[r] = RegisteredRegion(ring.transports[r].get(),
+                                       *ring.transports[r]->register_region(data[r]->p, data[r]->bytes, data[r]->fd.get(), 0));
+        staging_reg[r] = RegisteredRegion(ring.transports[r].get(),
+                                          *ring.transports[r]->register_region(staging[r].data(), staging[r].size()));
+    }
+    std::atomic<bool> cancel{false};
+    std::vector<Status> results(2, Ok{});
+    std::vector<bool> drained(2, false);
+    std::vector<std::chrono::steady_clock::time_point> back(2);
+    std::vector<std::thread> threads;
+    const auto start = std::chrono::steady_clock::now();
+    for (uint32_t r = 0; r < 2; ++r) {
+        threads.emplace_back([&, r] {
+            RingAllreduce ar(*ring.transports[r], opt);
+            RingOp o;
+            o.count = count;
+            o.data = data_reg[r].handle();
+            o.staging = staging_reg[r].handle();
+            o.op_tag = a_tag;
+            o.cancelled = &cancel;
+            results[r] = ar.run(ring.pos[r], o, start + 20s);
+            drained[r] = drain_cancelled(*ring.transports[r], ring.pos[r], a_tag, true);
+            back[r] = std::chrono::steady_clock::now();  // the trainer has its buffer back
+        });
+    }
+    std::this_thread::sleep_for(200ms);
+    cancel = true;
+    std::this_thread::sleep_for(300ms);
+    // Host 2 gets to it only now: until its link has read host 1's messages, host 1 keeps its
+    // buffer (the kernel may still send those pages).
+    const auto skipped = std::chrono::steady_clock::now();
+    ring.pos[2].prev->set_floor(solo_tag_next(a_tag));
+    std::vector<LinkEvent> events;
+    while (ring.pos[2].prev->sending(a_tag) || std::chrono::steady_clock::now() - skipped < 1s) {
+        events.clear();
+        REQUIRE(ring.transports[2]->poll(events, 10).ok());  // host 2's thread reads (and drops)
+    }
+    for (auto &th : threads) th.join();
+    for (uint32_t r = 0; r < 2; ++r) {
+        INFO("host " << r);
+        REQUIRE_FALSE(results[r].ok());
+        CHECK(results[r].error().code == -ECANCELED);
+        CHECK(drained[r]);
+    }
+    CHECK(ring.pos[1].next->bytes_sent_by_reference() > 0);
+    CHECK(back[1] >= skipped);
+    // The next op on the same links is exact.
+    allreduce_and_check(ring, DType::F32, ReduceOp::Sum, 100003, opt, solo_tag_next(a_tag) | (0x22u << 16));
 }
 
 TEST_CASE("solo op tags order by epoch, then seq, across their wrap; the digest does not order", "[ring]") {
@@ -629,22 +716,6 @@ TEST_CASE("partial results forwarded from their staging slot or from the data re
     }
 }
 
-// A trainer's slot as ringd has it: shared memory in a memfd, mapped.
-struct MemfdBuffer {
-    UniqueFd fd;
-    std::byte *p = nullptr;
-    size_t bytes = 0;
-    explicit MemfdBuffer(size_t n) : fd(::memfd_create("test-slot", MFD_CLOEXEC)), bytes(n) {
-        REQUIRE(fd);
-        REQUIRE(::ftruncate(fd.get(), static_cast<off_t>(n)) == 0);
-        void *m = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
-        REQUIRE(m != MAP_FAILED);
-        p = static_cast<std::byte *>(m);
-    }
-    ~MemfdBuffer() {
-        if (p) ::munmap(p, bytes);
-    }
-};
 
 TEST_CASE("ops of 32 MiB and more over TCP send the data region by reference and end once the next host has it; "
           "every host overwrites its buffer as its op ends, and every result is exact",

@@ -215,16 +215,21 @@ Status TcpLink::post(const RegionHandle &region, uint64_t offset, uint64_t bytes
     if (offset > region.bytes || bytes > region.bytes - offset)
         return make_error(-ERANGE, "send outside its registered region");
     Stream &s = *streams_[next_stream_++ % streams_.size()];
+    enqueue(s, region.base + offset, bytes, tag, 0, by_reference ? region.fd : -1, by_reference ? region.fd_offset + offset : 0);
+    return Ok{};
+}
+
+void TcpLink::enqueue(Stream &s, const std::byte *data, uint64_t bytes, uint64_t tag, uint32_t flags, int fd,
+                      uint64_t fd_offset) {
     SendOp op;
     op.tag = tag;
-    op.data = region.base + offset;
+    op.data = data;
     op.bytes = bytes;
-    if (by_reference) {
-        op.fd = region.fd;
-        op.fd_offset = region.fd_offset + offset;
-    }
+    op.fd = fd;
+    op.fd_offset = fd_offset;
+    op.transport_own = flags != 0;
     proto::le::put<uint32_t>(&op.header[0], kDataMagic);
-    proto::le::put<uint32_t>(&op.header[4], s.mac.enabled() ? kFlagTagged : 0);
+    proto::le::put<uint32_t>(&op.header[4], (s.mac.enabled() ? kFlagTagged : 0) | flags);
     proto::le::put<uint64_t>(&op.header[8], tag);
     proto::le::put<uint64_t>(&op.header[16], bytes);
     if (s.mac.enabled()) {
@@ -236,7 +241,15 @@ Status TcpLink::post(const RegionHandle &region, uint64_t offset, uint64_t bytes
     s.sendq.push_back(op);
     if (s.sendq.size() == 1) write_some(s);  // opportunistic: most sends leave right away
     if (!error()) update_interest(s);
-    return Ok{};
+}
+
+void TcpLink::fence(uint32_t op_tag) {
+    if (error()) return;
+    fences_[op_tag] += static_cast<uint32_t>(streams_.size());
+    for (auto &sp : streams_) {
+        enqueue(*sp, nullptr, 0, uint64_t{op_tag} << 32, kFlagFence, -1, 0);
+        if (error()) return;
+    }
 }
 
 Status TcpLink::post_recv(const RegionHandle &region, uint64_t offset, uint64_t bytes, uint64_t tag) {
@@ -317,7 +330,7 @@ void TcpLink::write_some(Stream &s) {
         if (op.done < kHeaderBytes + op.bytes + op.mac_bytes) continue;
         bytes_sent_ += op.bytes;
         if (op.fd >= 0) bytes_by_reference_ += op.bytes;
-        t_.complete({this, LinkEvent::Kind::SendDone, op.tag, {}});
+        if (!op.transport_own) t_.complete({this, LinkEvent::Kind::SendDone, op.tag, {}});
         s.sendq.pop_front();
     }
 }
@@ -353,14 +366,23 @@ void TcpLink::read_some(Stream &s) {
                 return fail(-EPROTO, "bad data header (not a ringd peer, or a corrupted stream)");
             const uint32_t flags = proto::le::get<uint32_t>(&s.header[4]);
             const uint32_t want = s.mac.enabled() ? kFlagTagged : 0;
-            if (flags != want)
-                return fail(-EPROTO, flags & ~kFlagTagged ? "bad data header flags (not a ringd peer, or a corrupted stream)"
+            s.in_flags = flags & (kFlagFence | kFlagFenceAck);
+            if ((flags & ~(kFlagFence | kFlagFenceAck)) != want || s.in_flags == (kFlagFence | kFlagFenceAck))
+                return fail(-EPROTO, flags & ~(kFlagTagged | kFlagFence | kFlagFenceAck) || s.in_flags == (kFlagFence | kFlagFenceAck)
+                                         ? "bad data header flags (not a ringd peer, or a corrupted stream)"
                                      : want ? "data without MACs from a host that should tag it (auth.data must be the same on every host)"
                                             : "data with MACs from a host configured otherwise (auth.data must be the same on every host)");
             s.tag = proto::le::get<uint64_t>(&s.header[8]);
             s.bytes = proto::le::get<uint64_t>(&s.header[16]);
             s.got = 0;
             s.have_header = true;
+            if (s.in_flags) {
+                // A fence or its ack: empty, read whatever is posted or dropped.
+                if (s.bytes != 0) return fail(-EPROTO, "a fence with a payload (not a ringd peer, or a corrupted stream)");
+                s.cur = RecvOp{s.scratch.data(), 0};
+                s.discard = true;
+                continue;
+            }
             if (dropped(s.tag)) {
                 if (!start_discard(s)) return;
                 continue;
@@ -394,10 +416,20 @@ void TcpLink::read_some(Stream &s) {
             bytes_received_ += s.bytes;
             t_.complete({this, LinkEvent::Kind::RecvDone, s.tag, {}});
         }
+        const uint32_t in_flags = std::exchange(s.in_flags, 0);
+        const uint64_t in_tag = s.tag;
         s.discard = false;
         s.cur.reset();
         s.have_header = false;
         s.header_got = 0;
+        if (in_flags == kFlagFence) {
+            // Everything of the op the peer sent on this stream before its fence is read here.
+            enqueue(s, nullptr, 0, in_tag, kFlagFenceAck, -1, 0);
+            if (error()) return;
+        } else if (in_flags == kFlagFenceAck) {
+            auto f = fences_.find(static_cast<uint32_t>(in_tag >> 32));
+            if (f != fences_.end() && --f->second == 0) fences_.erase(f);
+        }
     }
 }
 
@@ -440,6 +472,7 @@ void TcpLink::cancel_receives(uint32_t op_tag) {
 }
 
 bool TcpLink::sending(uint32_t op_tag) const {
+    if (fences_.count(op_tag)) return true;
     for (const auto &sp : streams_)
         for (const auto &op : sp->sendq)
             if (static_cast<uint32_t>(op.tag >> 32) == op_tag) return true;

@@ -57,9 +57,14 @@ public:
     void set_floor(uint32_t op_tag) override;
     void cancel_receives(uint32_t op_tag) override;
     bool sending(uint32_t op_tag) const override;
+    void fence(uint32_t op_tag) override;
 
 private:
     static constexpr uint32_t kFlagTagged = 1;  // the message's tag follows its payload
+    // Empty messages of the transport itself (fence()): a fence travels behind a cancelled op's
+    // messages on every stream; the peer answers each with a fence ack on the same stream once it
+    // has read it, so everything before it.
+    static constexpr uint32_t kFlagFence = 2, kFlagFenceAck = 4;
     friend class TcpTransport;
     static constexpr size_t kHeaderBytes = 24;
     struct SendOp {
@@ -72,6 +77,7 @@ private:
         size_t mac_bytes = 0;  // kTagBytes when tagged
         int fd = -1;           // >= 0: the payload goes by reference, sendfile from fd at fd_offset
         uint64_t fd_offset = 0;
+        bool transport_own = false;  // a fence or fence ack: no SendDone
     };
     // Stable sends of at least this go by reference (sendfile); smaller ones are not worth the
     // header's own system call.
@@ -98,7 +104,10 @@ private:
         // `scratch`, which holds all of it for the MAC check, and no RecvDone comes of it.
         bool discard = false;
         std::vector<std::byte> scratch;
+        uint32_t in_flags = 0;  // the header flags of the message being read (fence, fence ack)
     };
+    // Queues a message on `s` (post(); fences and their acks: empty, with their flag).
+    void enqueue(Stream &s, const std::byte *data, uint64_t bytes, uint64_t tag, uint32_t flags, int fd, uint64_t fd_offset);
     // Messages of cancelled ops larger than this fail the link instead of being read to drop
     // (a ring message is a chunk: tuning.chunk_bytes at most).
     static constexpr uint64_t kMaxDiscardBytes = 256ull << 20;
@@ -132,6 +141,7 @@ private:
     std::unordered_map<uint64_t, RecvOp> posted_;
     bool has_floor_ = false;
     uint32_t floor_ = 0;  // set_floor
+    std::unordered_map<uint32_t, uint32_t> fences_;  // op tag -> fence acks still to come
     std::string late_congestion_;  // a stream connected under another congestion control, and what came of it ("": none)
 };
 
