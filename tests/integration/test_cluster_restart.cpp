@@ -305,3 +305,45 @@ TEST_CASE("a solo lane's ring op that not every host runs fails at once, named; 
     REQUIRE(job_moves(job));
     check_clean(job.stop());
 }
+
+TEST_CASE("a solo lane whose rank on one host never submits: each op the others queued fails at its deadline naming "
+          "the host, on live links; the late rank's ops fail at once; then the group runs exact",
+          "[cluster][restart][solo]") {
+    TestCluster c(3, "1s", "tuning: {direct_max_bytes: 64KiB}\n");
+    REQUIRE(c.wait_up());
+    constexpr size_t kBig = 56 << 20;
+    auto a = connect_all(c, "a", 1, kBig);
+    allreduce_checked(a, DType::F32, ReduceOp::Sum, 200000, 1);  // agreed first: the solo lane
+    LoopingJob job(connect_all(c, "b", 1, kBig));
+    REQUIRE(job_moves(job));
+    const uint64_t generation = c.status(0)["ring"]["generation"].get<uint64_t>();
+    // node0 and node2 run three 24 MiB ops (more than the links' socket buffers hold), each after
+    // the last one failed, and one pair more queued together; node1's rank is there but submits
+    // nothing. Each op starts and sends on node0 and node2, while node1 is ever further behind.
+    const size_t count = 6 << 20;
+    for (int k = 0; k < 4; ++k) {
+        std::vector<std::pair<int, uint64_t>> tickets;
+        for (int j = k; j < (k < 3 ? k + 1 : k + 2); ++j)
+            for (int g : {0, 2})
+                tickets.emplace_back(g, a[g]->submit(bench::kGuardBytes + 4 * count * (j % 2), count, RINGD_F32, RINGD_SUM));
+        for (auto [g, t] : tickets) {
+            const Outcome o = wait_outcome(*a[g], t);
+            INFO("op " << k << ", rank " << g << ": " << o.message);
+            CHECK(o.rc == -ETIMEDOUT);
+            CHECK_THAT(o.message, Catch::Contains("host(s) node1 did not submit it"));
+        }
+    }
+    // node1's rank gets there: decided already, they fail at once.
+    for (int k = 0; k < 5; ++k) {
+        const auto s = Clock::now();
+        const Outcome o = wait_outcome(*a[1], a[1]->submit(bench::kGuardBytes, count, RINGD_F32, RINGD_SUM));
+        INFO("node1 op " << k << ": " << o.message);
+        CHECK(o.rc == -ETIMEDOUT);
+        CHECK(Clock::now() - s < 500ms);
+    }
+    for (uint64_t seed = 20; seed < 23; ++seed) allreduce_checked(a, DType::F32, ReduceOp::Avg, 700001 + seed, seed);
+    allreduce_checked(a, DType::F32, ReduceOp::Sum, count, 30);
+    CHECK(c.status(0)["ring"]["generation"].get<uint64_t>() == generation);  // no ring generation ended
+    REQUIRE(job_moves(job));
+    check_clean(job.stop());
+}
