@@ -206,6 +206,11 @@ void Coordinator::end(uint64_t incarnation, int32_t code, const std::string &mes
     for (auto it = lo; it != pending_.end() && std::get<0>(it->first) == group && std::get<1>(it->first) == incarnation; ++it)
         doomed.push_back(it->first);
     for (const Key &k : doomed) fail(k, code, message, out);
+    // A solo lane's hosts start its ops without reporting them: every host hears of the end at once
+    // (an OpFail of seq kIncarnationEnds), and cancels what it runs of it.
+    if (inc->solo_epoch)
+        for (uint32_t h = 0; h < hosts_.size(); ++h)
+            out.fails.push_back({h, {generation_, group, proto::kIncarnationEnds, code, message, incarnation}});
 }
 
 // Ops of the incarnation that a host is past (it reported a later seq, so it failed them

@@ -751,6 +751,7 @@ void RingDomain::on_start(const proto::OpStart &s) {
 
 void RingDomain::on_fail(const proto::OpFail &f) {
     if (!coord_known_ || f.generation != coord_generation_) return;
+    if (f.seq == proto::kIncarnationEnds) return on_incarnation_ended(f);
     const OpKey fkey{f.group, f.incarnation, f.seq};
     for (auto &[id, so] : solo_ops_) {
         if (so.key != fkey) continue;
@@ -799,6 +800,29 @@ void RingDomain::on_fail(const proto::OpFail &f) {
         return;
     }
     sh_.groups->finished(op->run.op_id, f.code, f.message, *sh_.done);
+}
+
+// The coordinator ended a solo lane's incarnation (its ranks left on a host, it started anew
+// there, its ringd restarted): what runs of it here is cancelled with the reason, its ops still to
+// come fail here at once, and the lane skips the rest of its grant.
+void RingDomain::on_incarnation_ended(const proto::OpFail &f) {
+    for (auto &[id, so] : solo_ops_) {
+        if (std::get<0>(so.key) != f.group || std::get<1>(so.key) != f.incarnation || so.fail_code) continue;
+        so.fail_code = f.code;
+        so.fail_message = "group " + f.group + " op " + std::to_string(std::get<2>(so.key)) + ": " + f.message;
+        lanes_[so.lane]->engine->cancel(id);
+    }
+    auto run = runs_.find(f.group);
+    if (run == runs_.end() || run->second.agreed != f.incarnation) return;
+    GroupRun &r = run->second;
+    if (r.refused_code == 0) {
+        r.refused_code = f.code;
+        r.refused = f.message;
+    }
+    if (r.solo_epoch) {
+        lanes_[r.lane % lanes_.size()]->engine->skip_to(kSoloTag | (((r.solo_epoch + 1) & 0x7f) << 24));
+        r.solo_epoch = 0;  // (its ops fail here from now on)
+    }
 }
 
 void RingDomain::expire_host_ops(Clock::time_point now) {
@@ -899,7 +923,7 @@ void RingDomain::tick(Clock::time_point now) {
         for (auto &[id, so] : solo_ops_) {
             if (so.told || so.fail_code) continue;
             const auto quiet = now - std::max(so.posted, lanes_[so.lane]->engine->last_progress());
-            if (quiet >= std::min<Clock::duration>(kStallReport, (so.deadline - so.posted) / 4)) tell_solo(so, 0);
+            if (quiet >= std::min<Clock::duration>(kSoloStallReport, (so.deadline - so.posted) / 4)) tell_solo(so, 0);
         }
     expire_host_ops(now);
     forget_gone_runs();  // also while the ring is down (settle_step reports only while it is up)
@@ -1100,7 +1124,7 @@ nlohmann::json RingDomain::pending_ops(Clock::time_point now) const {
                 e["fails_in_s"] = w->second->fails_in_s;
                 why = "host(s) " + join(e["missing_hosts"]) + " to submit it (reported by " + join(names(w->second->reported)) + ")";
             } else if (solo_running({v.group, v.incarnation, v.seq}) &&
-                       now - lanes_.at(solo_lane({v.group, v.incarnation, v.seq}))->engine->last_progress() >= kStallReport) {
+                       now - lanes_.at(solo_lane({v.group, v.incarnation, v.seq}))->engine->last_progress() >= kSoloStallReport) {
                 why = "the other hosts to start it (a solo lane; the coordinator, " + coord +
                       ", names the hosts that have not submitted it)";
             } else {

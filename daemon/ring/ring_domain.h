@@ -208,6 +208,12 @@ private:
     static uint32_t solo_op_tag(uint32_t epoch, uint64_t seq, const OpRun *op);
     void start_solo(GroupRun &run, HostOp op);
     void tell_solo(SoloOp &s, uint32_t flags);
+    void on_incarnation_ended(const proto::OpFail &f);
+    // How long a solo lane's op may wait here without moving before the coordinator hears of it
+    // (or a quarter of the time left to it, if less): a host whose trainers lag further than this
+    // sends one report. The end of an incarnation comes without it (Coordinator::end); what is
+    // left for it is an op that differs between hosts, and one a host never submits.
+    static constexpr auto kSoloStallReport = std::chrono::seconds(1);
     uint32_t solo_lane(const OpKey &key) const {
         for (const auto &[id, so] : solo_ops_)
             if (so.key == key) return so.lane;

@@ -457,3 +457,82 @@ TEST_CASE("deferred reports (doubling, halving-doubling): decided like any when 
     CHECK_THAT(d.fails[0].second.message, Catch::Contains("host b is past it"));
     CHECK(c.pending() == 0);
 }
+
+TEST_CASE("solo lanes: the first lanes - 1 running incarnations get one each with their total ranks; the rest share "
+          "the last; a solo op is reported only when it stalls, never started; an end reaches every host",
+          "[coordinator]") {
+    Coordinator c({"a", "b", "c"}, 1000ms, 3);
+    c.reset(7, {}, true);
+    auto join = [&](const std::string &g, uint64_t run, uint32_t local) {
+        Coordinator::Decisions d;
+        for (uint32_t h = 0; h < 3; ++h) c.join(h, {c.generation(), g, (h + 1) * 100 + run, 0, local + h}, d);
+        REQUIRE(d.groups.size() == 3);
+        return d.groups;
+    };
+    const auto g1 = join("g1", 1, 1), g2 = join("g2", 2, 2), g3 = join("g3", 3, 1);
+    for (const auto &[h, gi] : g1) {
+        CHECK(gi.lane == 0);
+        CHECK(gi.solo_epoch == 1);
+        CHECK(gi.total_ranks == 1 + 2 + 3);
+    }
+    for (const auto &[h, gi] : g2) {
+        CHECK(gi.lane == 1);
+        CHECK(gi.solo_epoch == 1);  // per lane
+        CHECK(gi.total_ranks == 2 + 3 + 4);
+    }
+    for (const auto &[h, gi] : g3) CHECK(gi.solo_epoch == 0);
+    {  // the shared lane: its ops started here, in lane 2
+        Coordinator::Decisions d;
+        for (uint32_t h = 0; h < 3; ++h) c.report(h, ready(g3[0].second.incarnation, 1, 100, DType::F32, ReduceOp::Sum, 1, "g3"), Clock::now(), d);
+        REQUIRE(d.starts.size() == 1);
+        CHECK(d.starts[0].lane == 2);
+    }
+    // A solo op stalled on every host: pending, never started; done on one host: forgotten.
+    const uint64_t inc1 = g1[0].second.incarnation;
+    Coordinator::Decisions d;
+    const auto t0 = Clock::now();
+    for (uint32_t h = 0; h < 3; ++h) {
+        proto::OpReport r = ready(inc1, 5, 100, DType::F32, ReduceOp::Sum, 1, "g1");
+        r.flags = proto::kReportDeferred;
+        c.report(h, r, t0, d);
+    }
+    CHECK(d.starts.empty());
+    CHECK(c.pending() == 1);
+    proto::OpReport done = ready(inc1, 5, 100, DType::F32, ReduceOp::Sum, 1, "g1");
+    done.flags = proto::kReportDeferred | proto::kReportDone;
+    c.report(1, done, t0, d);
+    CHECK(c.pending() == 0);
+    CHECK(d.fails.empty());
+    // Stalled everywhere and never done: it fails at its deadline, saying the data stopped moving.
+    for (uint32_t h = 0; h < 3; ++h) {
+        proto::OpReport r = ready(inc1, 6, 100, DType::F32, ReduceOp::Sum, 1, "g1");
+        r.flags = proto::kReportDeferred;
+        c.report(h, r, t0, d);
+    }
+    c.expire(t0 + 2s, d);
+    REQUIRE(d.fails.size() == 3);
+    CHECK_THAT(d.fails[0].second.message, Catch::Contains("every host ran it, and its data stopped moving"));
+    // Its ranks leave on host b: every host hears that the incarnation ended (seq kIncarnationEnds).
+    d = {};
+    c.report(1, {7, "g1", proto::kIncarnationEnds, 0, 0, 0, 0, -ECONNABORTED, "host b: local rank 0 left", 0, inc1, 0}, t0, d);
+    REQUIRE(d.fails.size() == 3);
+    for (uint32_t h = 0; h < 3; ++h) {
+        CHECK(d.fails[h].first == h);
+        CHECK(d.fails[h].second.seq == proto::kIncarnationEnds);
+        CHECK(d.fails[h].second.incarnation == inc1);
+    }
+    // Its lane is free again: the next solo grant of lane 0 is epoch 2.
+    const auto g4 = join("g4", 4, 1);
+    CHECK(g4[0].second.lane == 0);
+    CHECK(g4[0].second.solo_epoch == 2);
+    // A generation without solo lanes (a host of protocol 7): every incarnation is started here.
+    c.reset(8, {}, false);
+    Coordinator::Decisions d2;
+    for (uint32_t h = 0; h < 3; ++h) c.join(h, {c.generation(), "g2", (h + 1) * 100 + 2, 0, 1}, d2);
+    REQUIRE(d2.groups.size() == 3);
+    CHECK(d2.groups[0].second.solo_epoch == 0);
+    // A host that did not say its local ranks (host a says 0): no solo lane, avg's divisor unknown.
+    c.reset(9, {}, true);
+    const auto g5 = join("g5", 5, 0);
+    CHECK(g5[0].second.solo_epoch == 0);
+}
