@@ -803,14 +803,15 @@ void RingDomain::on_fail(const proto::OpFail &f) {
 }
 
 // The coordinator ended a solo lane's incarnation (its ranks left on a host, it started anew
-// there, its ringd restarted): what runs of it here is cancelled with the reason, its ops still to
-// come fail here at once, and the lane skips the rest of its grant.
+// there): its ops still to come fail here at once, and the lane skips the rest of its grant. What
+// runs of it here may be an op every host ran (the host that ended it ran it before its ranks
+// left; the end can overtake its last messages): it is cancelled with the reason only once its
+// lane stops moving (tick).
 void RingDomain::on_incarnation_ended(const proto::OpFail &f) {
     for (auto &[id, so] : solo_ops_) {
-        if (std::get<0>(so.key) != f.group || std::get<1>(so.key) != f.incarnation || so.fail_code) continue;
-        so.fail_code = f.code;
-        so.fail_message = "group " + f.group + " op " + std::to_string(std::get<2>(so.key)) + ": " + f.message;
-        lanes_[so.lane]->engine->cancel(id);
+        if (std::get<0>(so.key) != f.group || std::get<1>(so.key) != f.incarnation || so.fail_code || so.ended_code) continue;
+        so.ended_code = f.code;
+        so.ended_message = "group " + f.group + " op " + std::to_string(std::get<2>(so.key)) + ": " + f.message;
     }
     auto run = runs_.find(f.group);
     if (run == runs_.end() || run->second.agreed != f.incarnation) return;
@@ -921,8 +922,15 @@ void RingDomain::tick(Clock::time_point now) {
     // that never runs one, or whose op differs, leaves them all waiting).
     if (coord_known_)
         for (auto &[id, so] : solo_ops_) {
-            if (so.told || so.fail_code) continue;
+            if (so.fail_code) continue;
             const auto quiet = now - std::max(so.posted, lanes_[so.lane]->engine->last_progress());
+            if (so.ended_code && quiet >= kStallReport) {  // its incarnation ended, and it does not move
+                so.fail_code = so.ended_code;
+                so.fail_message = so.ended_message;
+                lanes_[so.lane]->engine->cancel(id);
+                continue;
+            }
+            if (so.told) continue;
             if (quiet >= std::min<Clock::duration>(kSoloStallReport, (so.deadline - so.posted) / 4)) tell_solo(so, 0);
         }
     expire_host_ops(now);

@@ -200,6 +200,9 @@ private:
         bool told = false;
         int32_t fail_code = 0;
         std::string fail_message;
+        // Its incarnation ended (on_incarnation_ended): cancelled with this if it stops moving.
+        int32_t ended_code = 0;
+        std::string ended_message;
     };
     std::map<uint64_t, SoloOp> solo_ops_;  // by local op id
     uint64_t ops_solo_ = 0;                // ring ops started here without the coordinator
