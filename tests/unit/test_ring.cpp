@@ -509,7 +509,7 @@ TEST_CASE("a solo op that one host never runs is cancelled on the others; the li
     }
     std::atomic<bool> cancel{false};
     std::vector<Status> results(3, Ok{});
-    std::vector<bool> drained(3, true);
+    std::vector<int> drained(3, true);
     const auto start = std::chrono::steady_clock::now();
     std::vector<std::thread> threads;
     for (uint32_t r = 0; r < 2; ++r) {
@@ -575,7 +575,7 @@ TEST_CASE("a cancelled solo op that sent by reference gives the buffer back only
     }
     std::atomic<bool> cancel{false};
     std::vector<Status> results(2, Ok{});
-    std::vector<bool> drained(2, false);
+    std::vector<int> drained(2, false);
     std::vector<std::chrono::steady_clock::time_point> back(2);
     std::vector<std::thread> threads;
     const auto start = std::chrono::steady_clock::now();
