@@ -435,6 +435,22 @@ uint32_t RingDomain::solo_op_tag(uint32_t epoch, uint64_t seq, const OpRun *op) 
     return kSoloTag | ((epoch & 0x7f) << 24) | (digest << 16) | static_cast<uint32_t>(seq & 0xffff);
 }
 
+// A ring op for the progress thread (its slots move into it).
+EngineWork RingDomain::ring_work(HostOp &op, uint32_t total_ranks, uint32_t op_tag) const {
+    EngineWork w;
+    w.op_id = op.run.op_id;
+    w.dtype = op.run.dtype;
+    w.op = op.run.op;
+    w.count = op.run.count;
+    w.avg_divisor = total_ranks;
+    w.offsets = op.run.offsets;
+    w.slots = std::move(op.slots);
+    w.ring = true;
+    w.generation = local_generation_;
+    w.op_tag = op_tag;
+    return w;
+}
+
 // A solo lane's ring op goes to its lane's progress thread at once: every host starts it by
 // itself, in the group's order, and the coordinator hears of it only if it stalls here.
 void RingDomain::start_solo(GroupRun &run, HostOp op) {
@@ -452,17 +468,7 @@ void RingDomain::start_solo(GroupRun &run, HostOp op) {
     so.local_size = static_cast<uint32_t>(op.run.members.size());
     so.deadline = op.deadline;
     so.posted = Clock::now();
-    EngineWork w;
-    w.op_id = op.run.op_id;
-    w.dtype = op.run.dtype;
-    w.op = op.run.op;
-    w.count = op.run.count;
-    w.avg_divisor = run.total_ranks;
-    w.offsets = op.run.offsets;
-    w.slots = std::move(op.slots);
-    w.ring = true;
-    w.generation = local_generation_;
-    w.op_tag = so.op_tag;
+    EngineWork w = ring_work(op, run.total_ranks, so.op_tag);
     // The coordinator's decision (at the earliest deadline of the hosts that reported it) comes
     // before the ring's own timeout, which would end the generation.
     w.deadline = op.deadline + HostOps::kDecisionGrace;
@@ -733,17 +739,7 @@ void RingDomain::on_start(const proto::OpStart &s) {
     }
     HostOp op = std::move(*ops_.take_reported(key));
     ++ops_ring_;
-    EngineWork w;
-    w.op_id = op.run.op_id;
-    w.dtype = op.run.dtype;
-    w.op = op.run.op;
-    w.count = op.run.count;
-    w.avg_divisor = s.total_ranks;
-    w.offsets = op.run.offsets;
-    w.slots = std::move(op.slots);
-    w.ring = true;
-    w.generation = local_generation_;
-    w.op_tag = static_cast<uint32_t>(s.op_id);
+    EngineWork w = ring_work(op, s.total_ranks, static_cast<uint32_t>(s.op_id));
     w.deadline = op.deadline;
     ops_.running(w.op_id, local_generation_, w.deadline, key, op.run.submitted);
     lanes_[s.lane % lanes_.size()]->engine->post(std::move(w));

@@ -210,6 +210,7 @@ private:
     bool solo_lanes() const;
     static uint32_t solo_op_tag(uint32_t epoch, uint64_t seq, const OpRun *op);
     void start_solo(GroupRun &run, HostOp op);
+    EngineWork ring_work(HostOp &op, uint32_t total_ranks, uint32_t op_tag) const;
     void tell_solo(SoloOp &s, uint32_t flags);
     void on_incarnation_ended(const proto::OpFail &f);
     // How long a solo lane's op may wait here without moving before the coordinator hears of it
