@@ -54,7 +54,10 @@ Result<FrameHeader> decode_frame_header(std::span<const uint8_t> h, uint32_t max
     }
     const auto version = le::get<uint16_t>(&h[4]);
     const auto type = le::get<uint16_t>(&h[6]);
-    if (peer_type(type) && (version < kPeerProtocolOldest || version > kPeerProtocolVersion))
+    // Every peer frame but the handshake's says the layout version it has kept since 6; a hello
+    // says the version its connection is to run at, which must be one this ringd speaks.
+    const uint16_t lowest = type == static_cast<uint16_t>(FrameType::PeerHello) ? kPeerProtocolOldest : kPeerBaseVersion;
+    if (peer_type(type) && (version < lowest || version > kPeerProtocolVersion))
         return make_error(-EPROTONOSUPPORT, "peer protocol version " + std::to_string(version) +
                                                 " is not supported (this ringd speaks " + std::to_string(kPeerProtocolOldest) +
                                                 " to " + std::to_string(kPeerProtocolVersion) +

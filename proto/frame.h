@@ -35,8 +35,15 @@ inline constexpr uint16_t kProtocolVersion = 1;      // frames between trainers/
 //      version 6's fields), and a solo lane's ring ops are reported deferred (algorithm 0). A ring
 //      domain uses them only while every one of its hosts speaks 8; without them the frames are
 //      version 6's, byte for byte.
-inline constexpr uint16_t kPeerProtocolVersion = 8;
-inline constexpr uint16_t kPeerProtocolOldest = 6;
+//   9: the generation's protocol is agreed: RingReady says the oldest version of the sender's
+//      control connections, RingStart the oldest of all, which every host of the generation uses
+//      (proto/peer.h). Both after version 6's fields, only on connections of 9.
+// A ringd of 6 (before 0.2.0) is no longer spoken to: it closed the connection at a hello it could
+// not read, which a dialer cannot tell from a host that died. Every release since refuses with an
+// Error frame, and only that refusal makes a dialer try an older version.
+inline constexpr uint16_t kPeerProtocolVersion = 9;
+inline constexpr uint16_t kPeerProtocolOldest = 7;
+inline constexpr uint16_t kGenerationProtocolVersion = 9;  // RingReady / RingStart carry the protocol
 inline constexpr uint16_t kPeerBaseVersion = 6;  // the layout version of every peer frame but the handshake's
 inline constexpr size_t kFrameHeaderBytes = 16;
 

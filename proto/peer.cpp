@@ -85,7 +85,9 @@ Result<std::string> get_config_version(const uint8_t *p) {
 }  // namespace
 
 Result<PeerHello> decode_peer_hello(std::span<const uint8_t> p, uint16_t version) {
-    if (version < kPeerProtocolOldest || version > kPeerProtocolVersion)
+    // The layouts from 6 on (a hello of 6 is refused before this, by its frame header: no ringd
+    // of 6 is spoken to any more).
+    if (version < kPeerBaseVersion || version > kPeerProtocolVersion)
         return make_error(-EPROTONOSUPPORT, "peer hello of version " + std::to_string(version));
     const size_t fixed = kPeerHelloBytes + (version >= 7 ? kPeerHelloV7Bytes : 0);
     if (p.size() < fixed || p.size() > fixed + kMaxDomainBytes)
@@ -215,32 +217,53 @@ Result<Heartbeat> decode_heartbeat(std::span<const uint8_t> p) {
 }
 
 Bytes encode_ring_ready(const RingReady &r) {
-    uint8_t p[16] = {};
+    uint8_t p[20] = {};
     le::put<uint64_t>(&p[0], r.generation);
     le::put<uint32_t>(&p[8], r.ready ? 1 : 0);
-    return encode_frame(FrameType::RingReady, p);
+    le::put<uint32_t>(&p[16], r.protocol);
+    return encode_frame(FrameType::RingReady, std::span<const uint8_t>(p, r.protocol ? 20 : 16));
 }
 
+namespace {
+
+// A generation's protocol as RingReady and RingStart say it (after version 6's layout, 9 on).
+Result<uint16_t> trailing_protocol(std::span<const uint8_t> p, size_t at, const char *what) {
+    if (p.size() == at) return uint16_t{0};
+    if (p.size() != at + 4) return bad(std::string(what) + " of " + std::to_string(p.size()) + " bytes");
+    const uint32_t v = le::get<uint32_t>(&p[at]);
+    if (v < kPeerProtocolOldest || v > kPeerProtocolVersion)
+        return bad(std::string(what) + " says protocol " + std::to_string(v) + " (this ringd speaks " +
+                   std::to_string(kPeerProtocolOldest) + " to " + std::to_string(kPeerProtocolVersion) + ")");
+    return static_cast<uint16_t>(v);
+}
+
+}  // namespace
+
 Result<RingReady> decode_ring_ready(std::span<const uint8_t> p) {
-    if (auto s = expect_size(p, 16, "ring ready"); !s) return s.error();
+    if (p.size() < 16) return bad("ring ready of " + std::to_string(p.size()) + " bytes");
     const uint32_t ready = le::get<uint32_t>(&p[8]);
     if (ready > 1 || le::get<uint32_t>(&p[12]) != 0) return bad("ring ready has bad flags");
     if (le::get<uint64_t>(&p[0]) > kMaxGeneration) return bad("ring ready announces a generation beyond 2^40");
-    return RingReady{le::get<uint64_t>(&p[0]), ready == 1};
+    auto v = trailing_protocol(p, 16, "ring ready");
+    if (!v) return v.error();
+    return RingReady{le::get<uint64_t>(&p[0]), ready == 1, *v};
 }
 
-Bytes encode_ring_start(uint64_t generation) {
-    uint8_t p[8];
-    le::put<uint64_t>(&p[0], generation);
-    return encode_frame(FrameType::RingStart, p);
+Bytes encode_ring_start(const RingStart &s) {
+    uint8_t p[12] = {};
+    le::put<uint64_t>(&p[0], s.generation);
+    le::put<uint32_t>(&p[8], s.protocol);
+    return encode_frame(FrameType::RingStart, std::span<const uint8_t>(p, s.protocol ? 12 : 8));
 }
 
-Result<uint64_t> decode_ring_start(std::span<const uint8_t> p) {
-    if (auto s = expect_size(p, 8, "ring start"); !s) return s.error();
+Result<RingStart> decode_ring_start(std::span<const uint8_t> p) {
+    if (p.size() < 8) return bad("ring start of " + std::to_string(p.size()) + " bytes");
     const uint64_t g = le::get<uint64_t>(&p[0]);
     if (g == 0) return bad("ring start with generation 0");
     if (g > kMaxGeneration) return bad("ring start with a generation beyond 2^40");
-    return g;
+    auto v = trailing_protocol(p, 8, "ring start");
+    if (!v) return v.error();
+    return RingStart{g, *v};
 }
 
 namespace {

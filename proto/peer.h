@@ -257,14 +257,25 @@ Result<OpData> decode_op_data(std::span<const uint8_t> payload);
 // thread as that generation. A host whose links are no longer up when RingStart comes ends that
 // generation at once (RingAbort). So every host runs the same generation number, and a host
 // never waits in a ring the others are not in.
+//
+// From protocol 9 on the generation's protocol is agreed the same way: a host's RingReady says the
+// oldest version of its control connections (what it can run the generation at), the coordinator
+// takes the oldest of every host's and its own, and RingStart says it. Every host then chooses
+// algorithms, solo lanes and frame layouts by that one value. The field trails version 6's layout,
+// and only on a connection of 9 or later (0 = not said: a ringd of 8 sends none and reads none).
 struct RingReady {
     uint64_t generation = 0;  // the newest generation this host has seen
     bool ready = false;
+    uint16_t protocol = 0;    // the oldest version of this host's control connections; 0 = not said
 };
 Bytes encode_ring_ready(const RingReady &r);
 Result<RingReady> decode_ring_ready(std::span<const uint8_t> payload);
-Bytes encode_ring_start(uint64_t generation);
-Result<uint64_t> decode_ring_start(std::span<const uint8_t> payload);
+struct RingStart {
+    uint64_t generation = 0;
+    uint16_t protocol = 0;  // the generation's protocol; 0 = not said (a coordinator of 8)
+};
+Bytes encode_ring_start(const RingStart &s);
+Result<RingStart> decode_ring_start(std::span<const uint8_t> payload);
 
 // Sent to every peer by a host that ends the ring generation, before its data links close, so
 // that every host fails its ops with the reason that names the culprit host.

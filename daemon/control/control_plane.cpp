@@ -323,15 +323,14 @@ void ControlPlane::on_conn(uint64_t id, uint32_t events) {
     }
     if (c.state == ConnState::Handshaking) {
         const auto st = c.hs->advance();
-        // An older ringd (a rolling upgrade): it said so, or closed two hellos of this version in a
-        // row (one close may be a host that died meanwhile, or the cap on handshakes in progress).
-        const bool older = st == PeerHandshake::State::Failed && c.dialer && c.hs->error().code == -EPROTONOSUPPORT &&
-                           c.hs->hello().version > proto::kPeerProtocolOldest &&
-                           (!c.hs->closed_at_hello() || ++peers_[c.peer].hello_closes >= 2);
+        // An older ringd (a rolling upgrade): it said so in an Error frame. Nothing else lowers
+        // the version a host is dialed at (a close or reset at the hello is a host that died or
+        // restarted meanwhile, or the cap on handshakes in progress: an ordinary failed dial).
+        const bool older = st == PeerHandshake::State::Failed && c.dialer && c.hs->refused_version() &&
+                           c.hs->hello().version > proto::kPeerProtocolOldest;
         if (older) {
             // Dialed again at once, one version lower.
             Peer &p = peers_[c.peer];
-            p.hello_closes = 0;
             const uint16_t before = p.speaks;
             p.speaks = std::min<uint16_t>(p.speaks, c.hs->hello().version - 1);
             if (p.speaks != before)  // once per peer, not once per stream that was dialing
@@ -400,7 +399,7 @@ void ControlPlane::on_conn(uint64_t id, uint32_t events) {
         if ((*f)->type == proto::FrameType::RingStart) {
             auto g = proto::decode_ring_start((*f)->payload);
             if (!g || c.peer != 0) return peer_failed(c.peer, g ? "ring start from a host that does not coordinate" : g.error().message);
-            on_ring_start(*g);
+            on_ring_start(g->generation, g->protocol ? g->protocol : protocol());
             if (conns_.find(id) == conns_.end()) return;
             continue;
         }
@@ -494,7 +493,6 @@ void ControlPlane::promote_up(Conn &c, const proto::PeerHello &h, uint64_t peer_
         }
         p.control = id;
         p.dialing = false;
-        p.hello_closes = 0;
         p.protocol = runs.version;
         p.down_since = Clock::time_point::max();
         if (peer < peer_ready_.size()) peer_ready_[peer] = 0;  // it says so again on this connection
@@ -535,37 +533,48 @@ void ControlPlane::maybe_ring_up() {
 
 void ControlPlane::tell_ready() {
     next_ready_ = Clock::now() + std::chrono::milliseconds(200);
-    const proto::RingReady r{announced_generation(), links_ready_};
     if (self_ == 0) return maybe_start();
-    if (peers_[0].control) (void)send(0, proto::encode_ring_ready(r));
+    if (!peers_[0].control) return;
+    // What this host can run the generation at, to a coordinator that reads it (9 on).
+    const uint16_t says = peers_[0].protocol >= proto::kGenerationProtocolVersion ? protocol() : 0;
+    (void)send(0, proto::encode_ring_ready({announced_generation(), links_ready_, says}));
 }
 
 void ControlPlane::on_ring_ready(uint32_t peer, const proto::RingReady &r) {
     peer_ready_.resize(n_, 0);
     peer_seen_.resize(n_, 0);
+    peer_protocol_.resize(n_, 0);
     peer_ready_[peer] = r.ready;
     peer_seen_[peer] = std::max(peer_seen_[peer], r.generation);
+    // A host of 8 does not say: it runs at most its connection to this one's version.
+    peer_protocol_[peer] = r.protocol ? std::min(r.protocol, peers_[peer].protocol) : peers_[peer].protocol;
     maybe_start();
 }
 
 // The coordinator starts the ring once every host's links are up, as a generation newer than
-// any a host has seen.
+// any a host has seen, at the oldest protocol any of its hosts runs a connection at.
 void ControlPlane::maybe_start() {
     if (self_ != 0 || ring_up_ || !links_ready_) return;
     peer_ready_.resize(n_, 0);
     peer_seen_.resize(n_, 0);
+    peer_protocol_.resize(n_, 0);
     uint64_t newest = announced_generation();
+    uint16_t protocol = this->protocol();
     for (uint32_t i = 1; i < n_; ++i) {
         if (!peer_ready_[i]) return;
         newest = std::max(newest, peer_seen_[i]);
+        protocol = std::min(protocol, peer_protocol_[i]);
     }
     const uint64_t g = newest + 1;
     peer_ready_.assign(n_, 0);  // used up: a host says so again for the next generation
-    send_to_all(proto::encode_ring_start(g));
-    on_ring_start(g);
+    for (uint32_t i = 1; i < n_; ++i)
+        if (peers_[i].control)
+            (void)send(i, proto::encode_ring_start({g, peers_[i].protocol >= proto::kGenerationProtocolVersion ? protocol
+                                                                                                                : uint16_t{0}}));
+    on_ring_start(g, protocol);
 }
 
-void ControlPlane::on_ring_start(uint64_t g) {
+void ControlPlane::on_ring_start(uint64_t g, uint16_t protocol) {
     if (ring_up_ && g == generation_) return;
     if (ring_up_) abort_ring("the coordinator started ring generation " + std::to_string(g));
     if (g <= aborted_max_) return;  // a host ended it already (its RingAbort came first)
@@ -596,7 +605,8 @@ void ControlPlane::on_ring_start(uint64_t g) {
     ring_up_ = true;
     links_ready_ = false;
     generation_ = g;
-    spdlog::info("{}ring up: generation {}, {} hosts", label(), generation_, n_);
+    generation_protocol_ = protocol;
+    spdlog::info("{}ring up: generation {}, {} hosts, protocol {}", label(), generation_, n_, protocol);
     Event e;
     e.kind = Event::Kind::RingUp;
     e.generation = generation_;
@@ -647,12 +657,9 @@ void ControlPlane::conn_failed(uint64_t id, const std::string &why) {
     spdlog::log(repeat ? spdlog::level::debug : spdlog::level::warn, "{}{} connection {} {}: {}", label(),
                 c.dialer || c.state == ConnState::Up ? kind_name(c.kind) : "peer", c.dialer ? "to" : "from", who, why);
     if (c.dialer && c.kind == proto::ConnKind::Control) {
-        if (!c.hs || !c.hs->closed_at_hello()) {
-            // Not an older ringd's way of refusing: the version is tried afresh (a host that
-            // was down may come back upgraded; one that fell back by mistake gets 7 again).
-            peers_[c.peer].hello_closes = 0;
-            peers_[c.peer].speaks = proto::kPeerProtocolVersion;
-        }
+        // The version is learnt afresh on the next connection (a host that was down may come
+        // back upgraded; one that refused a version may have been restarted on a newer one).
+        peers_[c.peer].speaks = proto::kPeerProtocolVersion;
         peers_[c.peer].last_error = why;
         peers_[c.peer].next_dial = Clock::now() + kRedial;
         set_state(c.peer, "failed");

@@ -102,9 +102,14 @@ public:
     // Every host's ringd instance as its last handshake said (this host's own; 0: unknown, a
     // ringd of 6), by host index.
     std::vector<uint64_t> instances() const;
-    // The oldest protocol version of the ring's up control connections (this host's own when
-    // none): what the ring runs at; and the peers whose host list differs from this host's.
+    // The oldest protocol version of this host's up control connections (its own when none):
+    // what this host can run a generation at, and what its RingReady says; and the peers whose
+    // host list differs from this host's.
     uint16_t protocol() const;
+    // What the running generation runs at: the oldest any of its hosts can, as the coordinator
+    // decided it and its RingStart said (a coordinator of 8 says nothing: this host's own
+    // protocol()). Algorithms, solo lanes and frame layouts follow it, alike on every host.
+    uint16_t generation_protocol() const { return generation_protocol_; }
     std::vector<std::string> hosts_differ() const;
     // The hosts of this domain known to be down, each with what was last seen of it: no control
     // connection (since it ended, or since this plane's first tick) for kDownAfter and a dial to
@@ -185,10 +190,10 @@ private:
         std::string last_error;
         Clock::time_point last_heard{}, next_dial{};
         uint64_t heartbeat_seq = 0;
-        // The version to dial it at: the newest, until it refused a hello of it (an older ringd);
-        // the newest again once its control connection ended (it may come back upgraded).
+        // The version to dial it at: the newest, until it refused a hello of it in an Error frame
+        // (an older ringd); the newest again once a connection to it failed or its control
+        // connection ended (it may come back upgraded or restarted).
         uint16_t speaks = proto::kPeerProtocolVersion;
-        uint32_t hello_closes = 0;  // hellos of `speaks` it closed in a row (twice: an older ringd)
         uint16_t protocol = 0;  // its control connection's, once up
         std::string config_version;
         bool hosts_differ = false;
@@ -226,7 +231,7 @@ private:
     void tell_ready();
     void on_ring_ready(uint32_t peer, const proto::RingReady &r);
     void maybe_start();
-    void on_ring_start(uint64_t generation);
+    void on_ring_start(uint64_t generation, uint16_t protocol);
     void on_ring_abort(const proto::RingAbort &a);
     void send_to_all(const proto::Bytes &frame);
     void set_state(uint32_t peer, const std::string &state);
@@ -276,6 +281,8 @@ private:
     Clock::time_point next_ready_{};    // RingReady is repeated while the ring forms
     std::vector<uint8_t> peer_ready_;   // coordinator: which hosts' links are up
     std::vector<uint64_t> peer_seen_;   // coordinator: the newest generation each host saw
+    std::vector<uint16_t> peer_protocol_;  // coordinator: the protocol each host can run (RingReady)
+    uint16_t generation_protocol_ = 0;     // the running generation's, as its RingStart said
     Clock::time_point next_heartbeat_{};
     uint64_t heartbeat_generation_ = 0;
     std::optional<std::pair<Clock::time_point, std::string>> pending_link_failure_;

@@ -77,14 +77,6 @@ PeerHandshake::State PeerHandshake::advance() {
             (void)send_all(fd_.get(), proto::encode_error({-EPROTONOSUPPORT, f.error().message}));
             return fail(f.error().code, f.error().message);
         }
-        if (!f && f.error().code == -ECONNRESET && state_ == State::WaitChallenge &&
-            hello_.version > proto::kPeerProtocolOldest) {
-            // What a ringd of 6 does with a hello of a later version: it closes the connection
-            // (so does a host that was killed meanwhile: the caller wants it twice in a row).
-            closed_at_hello_ = true;
-            return fail(-EPROTONOSUPPORT, hello_.to + " closed the connection at a version " +
-                                              std::to_string(hello_.version) + " hello (a ringd of an older release?)");
-        }
         if (!f) return fail(f.error().code, f.error().message);
         if (!*f) break;
         on_frame(**f);
@@ -95,6 +87,7 @@ PeerHandshake::State PeerHandshake::advance() {
 PeerHandshake::State PeerHandshake::on_frame(const Frame &f) {
     if (f.type == proto::FrameType::Error) {
         auto e = proto::decode_error(f.payload);
+        refused_version_ = e && e->code == -EPROTONOSUPPORT && dialer_ && state_ == State::WaitChallenge;
         return fail(e ? e->code : -EPROTO, e ? "peer refused: " + e->message : "bad error frame: " + e.error().message);
     }
     const PeerSecret &secret = *me_.secret;

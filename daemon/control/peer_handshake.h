@@ -44,8 +44,8 @@ public:
 
     // Sends the hello at once (the socket is fresh, so this does not block).
     // `version`: the hello's (the newest this host speaks, or an older one a peer is known to
-    // speak at most). A listener that does not speak it fails the handshake with -EPROTONOSUPPORT
-    // (its Error frame, or a ringd of 6 closing the connection at the hello).
+    // speak at most). A listener that does not speak it refuses it in an Error frame: the
+    // handshake fails with -EPROTONOSUPPORT and refused_version().
     static PeerHandshake dial(UniqueFd fd, const PeerIdentity &me, const std::string &peer, proto::ConnKind kind,
                               uint32_t stream, uint16_t version = proto::kPeerProtocolVersion);
     static PeerHandshake listen(UniqueFd fd, const PeerIdentity &me, HelloCheck check);
@@ -64,9 +64,10 @@ public:
     const proto::HostsDigest &peer_hosts() const { return peer_hosts_; }
     const std::string &peer_config_version() const { return peer_config_version_; }
     uint64_t peer_instance() const { return peer_instance_; }
-    // Failed with -EPROTONOSUPPORT because the listener closed the connection at the hello (what
-    // a ringd of an older version does), not because it said so in an Error frame.
-    bool closed_at_hello() const { return closed_at_hello_; }
+    // Failed because the peer said, in an Error frame, that it does not speak the hello's version:
+    // the one answer that tells a dialer to try an older one. A connection closed or reset at
+    // the hello says nothing of the peer's version (a host being killed or restarted does that).
+    bool refused_version() const { return refused_version_; }
     UniqueFd take_fd() { return std::move(fd_); }
     // What the reader holds beyond the handshake (a listener may send right after its accept):
     // the connection's reader takes it over.
@@ -95,7 +96,7 @@ private:
     proto::HostsDigest peer_hosts_{};
     std::string peer_config_version_;
     uint64_t peer_instance_ = 0;
-    bool closed_at_hello_ = false;
+    bool refused_version_ = false;
 };
 
 const char *handshake_state_name(PeerHandshake::State s);

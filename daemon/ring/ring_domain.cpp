@@ -130,9 +130,9 @@ void RingDomain::on_ring_up(uint64_t generation, DataSockets to_next, DataSocket
         }
         lanes_[k]->engine->ring_up(std::move(l));
     }
-    // The generation is agreed: every host reports ops in it from now on. Its hosts and their
-    // protocol versions stay as they are until it ends, so every host chooses algorithms alike.
-    generation_protocol_ = control_->protocol();
+    // The generation is agreed: every host reports ops in it from now on, at the one protocol the
+    // coordinator chose for all of its hosts, so every host chooses algorithms alike.
+    generation_protocol_ = control_->generation_protocol();
     coord_generation_ = generation;
     coord_known_ = true;
     if (coordinator_) coordinator_->reset(generation, control_->instances(), solo_lanes());
@@ -1001,8 +1001,9 @@ nlohmann::json RingDomain::status() const {
     const HostOps::Counts oc = ops_.counts();
     return {{"generation", control_->generation()},
             {"state", control_->ring_up() ? "up" : "forming"},
-            // The version the ring runs at: the oldest of its hosts' (a rolling upgrade).
-            {"protocol", control_->protocol()},
+            // The version the ring's generation runs at, as its coordinator decided it for every
+            // host (the oldest any of them can: a rolling upgrade); while it forms, this host's.
+            {"protocol", control_->ring_up() ? control_->generation_protocol() : control_->protocol()},
             // Hosts whose host list differs from this host's: a ring cannot form with them.
             {"hosts_differ", control_->hosts_differ()},
             {"last_abort", last_abort_},

@@ -69,7 +69,7 @@ int main(int argc, char **argv) {
     write(peer, "ops", cat({encode_heartbeat({5, 9}), encode_group_join({1, "g", 9, 0}),
                             encode_group_incarnation({1, "g", 9, 5, 0, ""}), encode_op_report({1, "g", 2, 100, 0, 1, 2, 0, "", 0, 5}),
                             encode_op_start({1, "g", 2, 7, 8, 5, 1}), encode_op_fail({1, "g", 2, -22, "mismatch: host node1", 5}),
-                            encode_ring_ready({4, true}), encode_ring_start(5), encode_ring_abort({3, "host node2: no heartbeat"})}));
+                            encode_ring_ready({4, true}), encode_ring_start({5, 0}), encode_ring_start({6, 9}), encode_ring_ready({4, true, 8}), encode_ring_abort({3, "host node2: no heartbeat"})}));
     Bytes data = encode_op_data({1, "g", 2, 4, 0, 1, 2, 0, "", 0, 5}, OpDataKind::OneShot, 16);
     data.resize(data.size() + 16, 0x3f);
     write(peer, "op-data", data);

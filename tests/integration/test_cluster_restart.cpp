@@ -5,6 +5,14 @@
 // the whole job restarts.
 #include <catch2/catch.hpp>
 
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sched.h>
+#include <sys/socket.h>
+
+#include <csignal>
 #include <thread>
 
 #include "tests/support/cluster.h"
@@ -346,4 +354,138 @@ TEST_CASE("a solo lane whose rank on one host never submits: each op the others 
     CHECK(c.status(0)["ring"]["generation"].get<uint64_t>() == generation);  // no ring generation ended
     REQUIRE(job_moves(job));
     check_clean(job.stop());
+}
+
+namespace {
+
+// Every host's ring is up at one protocol: its generation's, the same on every host, with every
+// control connection at it too (this build on every host: the newest it speaks).
+void check_one_protocol(TestCluster &c) {
+    const json s0 = c.status(0);
+    uint64_t newest = 0;
+    for (const auto &m : s0["ring"]["members"])
+        if (m["self"].get<bool>()) newest = m["protocol"].get<uint64_t>();
+    for (uint32_t h = 0; h < c.n; ++h) {
+        INFO("host " << h);
+        const json s = c.status(h);
+        CHECK(s["ring"]["state"] == "up");
+        CHECK(s["ring"]["protocol"].get<uint64_t>() == newest);
+        for (const auto &m : s["ring"]["members"]) {
+            INFO("member " << m["name"]);
+            CHECK(m["protocol"].get<uint64_t>() == newest);
+        }
+    }
+}
+
+// Accepts every connection to `address`:7400 in network namespace `ns` for `how_long`, reads the
+// first bytes of each hello and resets the connection (SO_LINGER 0): a host that dies in the
+// middle of a handshake, again and again. Returns how many it reset.
+int reset_hellos(const std::string &ns, const std::string &address, std::chrono::milliseconds how_long) {
+    int resets = -1;
+    std::thread t([&] {
+        const int nsfd = ::open(("/run/netns/" + ns).c_str(), O_RDONLY | O_CLOEXEC);
+        if (nsfd < 0 || ::setns(nsfd, CLONE_NEWNET) != 0) return;  // this thread only
+        ::close(nsfd);
+        UniqueFd l(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+        const int one = 1;
+        ::setsockopt(l.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+        sockaddr_in a{};
+        a.sin_family = AF_INET;
+        a.sin_port = htons(7400);
+        ::inet_pton(AF_INET, address.c_str(), &a.sin_addr);
+        if (::bind(l.get(), reinterpret_cast<sockaddr *>(&a), sizeof a) != 0 || ::listen(l.get(), 16) != 0) return;
+        resets = 0;
+        for (const auto until = Clock::now() + how_long; Clock::now() < until;) {
+            pollfd p{l.get(), POLLIN, 0};
+            if (::poll(&p, 1, 50) <= 0) continue;
+            UniqueFd s(::accept4(l.get(), nullptr, nullptr, SOCK_CLOEXEC));
+            if (!s) continue;
+            pollfd q{s.get(), POLLIN, 0};
+            uint8_t part[20];
+            if (::poll(&q, 1, 1000) == 1) (void)::recv(s.get(), part, sizeof part, 0);  // half a hello at most
+            const linger rst{1, 0};
+            ::setsockopt(s.get(), SOL_SOCKET, SO_LINGER, &rst, sizeof rst);
+            ++resets;
+        }
+    });
+    t.join();
+    return resets;
+}
+
+}  // namespace
+
+// A hung ringd that an operator kills and starts again: while it was stopped its peers' dials
+// queued in its listen backlog, and its kill reset them all in the middle of their hellos. A reset
+// says nothing of a peer's version: no host may take it for an older release's refusal, and the
+// generation's protocol is one value, decided by the coordinator for every host, so the hosts
+// never choose algorithms by different protocols.
+TEST_CASE("a host that hung and was killed and restarted, or reset its peers' hellos, leaves every host on one "
+          "protocol, the ring back and exact within 3 s",
+          "[cluster][restart][protocol]") {
+    if (!NetnsHosts::available()) RINGD_SKIP("network namespaces are needed for hosts of their own");
+    NetnsHosts hosts(3);
+    ClusterOptions o;
+    o.op_timeout = "10s";
+    o.netns = &hosts;
+    TestCluster c(3, o);
+    REQUIRE(c.wait_up());
+    check_one_protocol(c);
+    uint64_t seed = 1;
+    auto back_within = [&](const char *what) {
+        INFO(what);
+        const auto t0 = Clock::now();
+        // Up on every host, and a new job's ops exact (small ones by the protocol's algorithms,
+        // one on the ring).
+        const auto deadline = t0 + 3s;
+        bool up = false;
+        while (!up && Clock::now() < deadline) {
+            up = true;
+            for (uint32_t h = 0; h < c.n; ++h) up = up && c.status(h)["ring"]["state"] == "up";
+            if (!up) std::this_thread::sleep_for(10ms);
+        }
+        REQUIRE(up);
+        auto cl = connect_all(c, std::string("after-") + std::to_string(seed), 1, kSlot);
+        run_steps(cl, seed += 10);
+        const double took = seconds_since(t0);
+        INFO("back and exact after " << took << " s");
+        CHECK(took < 3.0);
+        check_one_protocol(c);
+        for (uint32_t h = 0; h < c.n; ++h) {
+            INFO("host " << h);
+            const std::string log = c.d[h]->log();
+            const size_t at = log.find("does not speak protocol");
+            CHECK((at == std::string::npos ? "" : log.substr(at, std::min<size_t>(log.find('\n', at) - at, 120))) == "");
+        }
+    };
+    for (int round = 0; round < 2; ++round) {
+        INFO("round " << round);
+        // node1 hangs: every other host ends the ring naming it (missed heartbeats) and keeps
+        // dialing it, its dials queued in the stopped ringd's listen backlog.
+        auto job = connect_all(c, "job" + std::to_string(round), 1, kSlot);
+        run_steps(job, seed += 10);
+        c.d[1]->signal(SIGSTOP);
+        for (uint32_t h : {0u, 2u}) {
+            INFO("host " << h);
+            const auto until = Clock::now() + 10s;
+            while (c.status(h)["ring"]["last_abort"].get<std::string>().find("node1") == std::string::npos &&
+                   Clock::now() < until)
+                std::this_thread::sleep_for(50ms);
+            CHECK_THAT(c.status(h)["ring"]["last_abort"].get<std::string>(), Catch::Contains("node1"));
+        }
+        std::this_thread::sleep_for(1500ms);  // more dials queue
+        job.clear();
+        c.d[1]->signal(SIGCONT);
+        c.d[1]->kill();
+        c.d[1]->start();
+        REQUIRE(c.d[1]->ready());
+        back_within("node1 hung, was killed and restarted");
+    }
+    // node1's address answers every dial and resets it in the middle of the hello for 2 s (a
+    // host that dies as it is dialed, again and again), then node1's ringd starts there again.
+    REQUIRE(c.d[1]->stop() == 0);
+    const int resets = reset_hellos(hosts.ns(1), hosts.address(1), 2s);
+    CHECK(resets >= 2);
+    c.d[1]->start();
+    REQUIRE(c.d[1]->ready());
+    back_within("node1's address reset every hello for 2 s");
 }

@@ -1,8 +1,9 @@
 // A rolling upgrade (docs/operations.md, Upgrading): a ring of the previous release's ringd (its
 // tag, built by ./dev build into build-previous/) is restarted host by host on this build. The
-// two speak protocol 7 with each other (this build speaks 8 down to 6; the dialer falls back when
-// the older host refuses its hello), so a ring of both forms and runs, without doubling and
-// halving-doubling (protocol 8) until every host has been upgraded. Jobs over the hosts that are
+// two speak protocol 8 with each other (this build speaks 9 down to 7; the dialer falls back when
+// the older host refuses its hello in an Error frame), so a ring of both forms and runs, its
+// generation at 8 on every host (the coordinator decides it for all from protocol 9 on) until
+// every host has been upgraded. Jobs over the hosts that are
 // not being restarted loop through every restart without one failed op, every value checked; the
 // job over every host fails only while a host of it restarts, and runs exact once it is back.
 // Skips (77) when the previous release was not built (a clone without the tag).
@@ -34,7 +35,7 @@ std::string pair_of(uint32_t a, uint32_t b) { return "node" + std::to_string(a) 
 
 }  // namespace
 
-TEST_CASE("a rolling upgrade from the previous release: a ring of both runs at protocol 7, jobs on other hosts "
+TEST_CASE("a rolling upgrade from the previous release: a ring of both runs at protocol 8, jobs on other hosts "
           "never fail, every value exact",
           "[upgrade]") {
     const std::string previous = env_or("RINGD_PREVIOUS_BIN", "build-previous/build/daemon/ringd");
@@ -53,7 +54,7 @@ TEST_CASE("a rolling upgrade from the previous release: a ring of both runs at p
     o.netns = hosts.get();
     TestCluster c(3, o);
     REQUIRE(c.wait_up());
-    CHECK(c.status(0)["version"] == "0.2.0");
+    CHECK(c.status(0)["version"] == "0.3.0");
     uint64_t seed = 1;
     auto all = connect_all(c, "all", 1, kSlot);
     step(all, seed += 10);
@@ -81,19 +82,22 @@ TEST_CASE("a rolling upgrade from the previous release: a ring of both runs at p
         for (uint32_t x : {a, b}) CHECK(c.group(x, group)["ops_failed"] == 0);
         all = connect_all(c, "all", 1, kSlot);
         step(all, seed += 10);
-        // The upgraded host runs the ring at the oldest version of its peers: 7 until the last.
-        const json s = c.status(h);
-        CHECK(s["ring"]["protocol"] == (h == 1 ? 8 : 7));
-        CHECK(s["version"] == "0.3.0");
+        // Every host runs the generation at the oldest version of its hosts: 8 until the last,
+        // the same on every host whichever of them coordinates.
+        for (uint32_t x = 0; x < c.n; ++x) {
+            INFO("host " << x);
+            CHECK(c.status(x)["ring"]["protocol"] == (h == 1 ? 9 : 8));
+        }
+        CHECK(c.status(h)["version"] == "0.4.0");
         // It found an older peer by the hello it refused (node1 last: no older peer was left).
-        if (h == 1) CHECK_THAT(c.d[h]->log(), !Catch::Contains("does not speak protocol 8"));
-        else CHECK_THAT(c.d[h]->log(), Catch::Contains("does not speak protocol 8"));
+        const bool found = c.d[h]->log().find("does not speak protocol 9") != std::string::npos;
+        CHECK(found == (h != 1));
     }
-    // Every host runs this build now: protocol 8, and the handshakes carry what each host runs.
+    // Every host runs this build now: protocol 9, and the handshakes carry what each host runs.
     for (uint32_t h = 0; h < c.n; ++h) {
         INFO("host " << h);
         const json s = c.status(h);
-        CHECK(s["ring"]["protocol"] == 8);
+        CHECK(s["ring"]["protocol"] == 9);
         CHECK(s["ring"]["hosts_differ"].empty());
         for (const auto &m : s["ring"]["members"]) CHECK(m["config_version"].get<std::string>().size() == 12);
     }

@@ -263,6 +263,14 @@ public:
     NotifySocket &notify() { return *notify_; }
     bool alive() const { return pid_ > 0 && ::kill(pid_, 0) == 0 && ::waitpid(pid_, nullptr, WNOHANG) == 0; }
 
+    // A signal to it (SIGSTOP, SIGCONT: a host that hangs and comes back).
+    void signal(int sig) const { ::kill(pid_, sig); }
+    // SIGKILL and wait (what an operator does with a hung daemon); start() runs it again.
+    void kill() {
+        ::kill(pid_, SIGKILL);
+        if (wait_child(pid_, std::chrono::seconds(10)) != -1) pid_ = -1;
+    }
+
     // SIGTERM and wait; returns the wait status (or -1 on timeout).
     int stop(std::chrono::milliseconds timeout = std::chrono::seconds(10)) {
         ::kill(pid_, SIGTERM);

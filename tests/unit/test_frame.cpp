@@ -26,6 +26,7 @@ Bytes cat(Bytes a, const Bytes &b) {
 }
 
 std::span<const uint8_t> payload_of(const Bytes &frame) { return std::span(frame).subspan(kFrameHeaderBytes); }
+Bytes body_of(const Bytes &frame) { return Bytes(frame.begin() + kFrameHeaderBytes, frame.end()); }
 
 RdmaLinkInfo sample_link_info() {
     RdmaLinkInfo i;
@@ -398,7 +399,7 @@ TEST_CASE("decoders survive random mutations of valid frames", "[proto]") {
                                       encode_op_report({1, "g", 2, 100, 0, 1, 2, 0, "", 0, 5}),
                                       encode_op_report({1, "g", 3, 0, 0, 0, 0, -5, "host a: local rank 1 left", 0, 5}),
                                       encode_op_start({1, "g", 2, 7, 8, 5, 1}), encode_op_fail({1, "g", 2, -22, "mismatch", 5}),
-                                      encode_group_join({1, "g", 9, 0}), encode_ring_ready({4, true}), encode_ring_start(5), encode_group_incarnation({1, "g", 9, 5, 0, ""}),
+                                      encode_group_join({1, "g", 9, 0}), encode_ring_ready({4, true}), encode_ring_start({5, 0}), encode_ring_start({6, 9}), encode_ring_ready({4, true, 8}), encode_group_incarnation({1, "g", 9, 5, 0, ""}),
                                       encode_group_incarnation({1, "g", 9, 0, -103, "host b started it anew"}),
                                       encode_ring_abort({3, "host b: no heartbeat"}),
                                       encode_op_data({1, "g", 2, 3, 0, 1, 2, 0, "", 0, 5}, OpDataKind::OneShot, 12),
@@ -571,8 +572,9 @@ TEST_CASE("peer frame bytes are pinned", "[proto]") {
     CHECK(h7->instance == 0x0102030405060708);
     // Read as the other version, the bytes are something else: the header's version decides.
     CHECK(decode_peer_hello(payload_of(g), 6).ok() == false);
-    CHECK(decode_peer_hello(payload_of(g), 8).ok());  // 8 keeps 7's handshake
-    CHECK(decode_peer_hello(payload_of(g), 9).error().code == -EPROTONOSUPPORT);
+    CHECK(decode_peer_hello(payload_of(g), 8).ok());  // 8 and 9 keep 7's handshake
+    CHECK(decode_peer_hello(payload_of(g), 9).ok());
+    CHECK(decode_peer_hello(payload_of(g), 10).error().code == -EPROTONOSUPPORT);
     // A config version must be printable and end with a NUL.
     Bytes bad(g.begin() + kFrameHeaderBytes, g.end());
     bad[kPeerHelloBytes + 8 + 3] = 0x01;
@@ -598,22 +600,69 @@ TEST_CASE("peer frame bytes are pinned", "[proto]") {
     CHECK_FALSE(decode_peer_accept(payload_of(af), 6).ok());
 }
 
-TEST_CASE("peer frame headers: versions 6 to 8 are read, others refused naming both", "[proto]") {
+TEST_CASE("peer frame headers: versions 6 to 9 are read, others refused naming both; a hello of 6 is refused", "[proto]") {
     Bytes h = header_bytes(20, 16);
     CHECK(decode_frame_header(h, 4096).ok());  // 6
-    for (uint8_t v : {7, 8}) {
+    for (uint8_t v : {7, 8, 9}) {
         h[4] = v;
         auto d = decode_frame_header(h, 4096);
         REQUIRE(d.ok());
         CHECK(d->version == v);
     }
-    for (uint8_t v : {5, 9}) {
+    for (uint8_t v : {5, 10}) {
         h[4] = v;
         auto e = decode_frame_header(h, 4096);
         REQUIRE_FALSE(e.ok());
         CHECK(e.error().code == -EPROTONOSUPPORT);
-        CHECK_THAT(e.error().message, Catch::Contains("speaks 6 to 8"));
+        CHECK_THAT(e.error().message, Catch::Contains("speaks 7 to 9"));
     }
+    // A hello says the version its connection runs at: 7 is the oldest spoken (a ringd of 6
+    // closed the connection at a newer hello, which a dialer cannot tell from a host that died).
+    Bytes hello = header_bytes(16, 16);
+    for (uint8_t v : {7, 8, 9}) {
+        hello[4] = v;
+        CHECK(decode_frame_header(hello, 4096).ok());
+    }
+    hello[4] = 6;
+    auto e = decode_frame_header(hello, 4096);
+    REQUIRE_FALSE(e.ok());
+    CHECK(e.error().code == -EPROTONOSUPPORT);
+}
+
+TEST_CASE("ring ready and ring start: the generation's protocol after version 6's fields, from 9 on", "[proto]") {
+    // Without it, version 6's layout byte for byte (what a ringd of 8 sends and reads).
+    CHECK(encode_ring_ready({4, true}).size() == kFrameHeaderBytes + 16);
+    CHECK(encode_ring_start({5, 0}).size() == kFrameHeaderBytes + 8);
+    auto r = decode_ring_ready(payload_of(encode_ring_ready({4, true, 9})));
+    REQUIRE(r.ok());
+    CHECK(r->generation == 4);
+    CHECK(r->ready);
+    CHECK(r->protocol == 9);
+    CHECK(decode_ring_ready(payload_of(encode_ring_ready({4, false}))).value().protocol == 0);
+    auto s = decode_ring_start(payload_of(encode_ring_start({5, 9})));
+    REQUIRE(s.ok());
+    CHECK(s->generation == 5);
+    CHECK(s->protocol == 9);
+    CHECK(decode_ring_start(payload_of(encode_ring_start({5, 0}))).value().protocol == 0);
+    // A generation of a ring that still has a host of 8 runs at 8 (or 7): said from 9 on too.
+    CHECK(decode_ring_start(payload_of(encode_ring_start({5, 7}))).value().protocol == 7);
+    CHECK(decode_ring_ready(payload_of(encode_ring_ready({4, true, 8}))).value().protocol == 8);
+    // A protocol this ringd does not run a generation at, or a field cut short, is refused.
+    for (uint32_t v : {1u, 6u, 10u, 0x10009u}) {
+        CAPTURE(v);
+        Bytes p = body_of(encode_ring_start({5, 9}));
+        std::memcpy(&p[8], &v, 4);  // little-endian here
+        CHECK_THAT(decode_ring_start(p).error().message, Catch::Contains("says protocol"));
+        Bytes q = body_of(encode_ring_ready({4, true, 9}));
+        std::memcpy(&q[16], &v, 4);
+        CHECK_THAT(decode_ring_ready(q).error().message, Catch::Contains("says protocol"));
+    }
+    Bytes p = body_of(encode_ring_start({5, 9}));
+    p.pop_back();
+    CHECK_FALSE(decode_ring_start(p).ok());
+    Bytes q = body_of(encode_ring_ready({4, true, 9}));
+    q.push_back(0);
+    CHECK_FALSE(decode_ring_ready(q).ok());
 }
 
 TEST_CASE("peer hellos are validated", "[proto]") {

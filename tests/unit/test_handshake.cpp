@@ -119,6 +119,7 @@ TEST_CASE("a listener refuses wrong versions, garbage and oversize frames", "[ha
     CHECK_THAT(attempt(hello), Catch::Contains("peer protocol version 1 is not supported"));
     CHECK_THAT(attempt(proto::Bytes(64, 0x5A)), Catch::Contains("magic"));
     auto big = proto::encode_frame(proto::FrameType::PeerHello, {});
+    big[4] = 7;
     big[8] = big[9] = big[10] = 0xFF;
     CHECK_THAT(attempt(big), Catch::Contains("exceeds the limit"));
     CHECK_THAT(attempt(proto::encode_peer_auth(proto::Mac{})), Catch::Contains("expected a peer hello"));
@@ -273,7 +274,7 @@ TEST_CASE("secret rotation: whichever end reloaded, both ends choose one secret 
         {"a restarted listener with the new one only", &rotated, &new_only, 7, true},
         {"after the grace: old against new", &old_only, &new_only, 7, false},
         {"a third secret", &third, &rotated, 7, false},
-        {"a hello of 6 (no key ids): the listener's current secret", &rotated, &rotated, 6, true},
+        {"a hello of 9 (7's handshake)", &rotated, &rotated, 9, true},
     };
     for (const Case &k : cases) {
         INFO(k.name);
@@ -343,5 +344,66 @@ TEST_CASE("a version-7 accept changed on the way fails its MAC check at the dial
             CHECK(d.peer_generation() == 9);
             CHECK(d.peer_instance() == 5);
         }
+    }
+}
+
+// Only the peer's own word lowers the version a dialer tries: an Error frame saying it does not
+// speak the hello's version. A listener that closes or resets the connection at the hello (a
+// host being killed, restarted, or over its cap on handshakes) says nothing of its version.
+TEST_CASE("a dialer learns an older peer only from its refusal, never from a close or reset at the hello",
+          "[handshake]") {
+    const PeerSecret none;
+    PeerIdentity a{"demo", "node0", 1, &none, {}}, b{"demo", "node1", 1, &none, {}};
+    const auto dial_until_done = [](PeerHandshake &d) {
+        pollfd p{d.fd(), POLLIN, 0};
+        const auto deadline = Clock::now() + std::chrono::seconds(5);
+        while (!terminal(d.state()) && ::poll(&p, 1, ms_until(deadline)) > 0) d.advance();
+        REQUIRE(d.state() == State::Failed);
+    };
+    SECTION("a real listener refuses a hello of 6 in an Error frame: a refusal") {
+        auto [c, s] = test::tcp_pair(true);
+        auto d = PeerHandshake::dial(std::move(c), a, "node1", proto::ConnKind::Control, 0, 6);
+        auto l = PeerHandshake::listen(std::move(s), b, accept_node0);
+        drive(d, l);
+        REQUIRE(d.state() == State::Failed);
+        CHECK(d.refused_version());
+        CHECK(d.error().code == -EPROTONOSUPPORT);
+        CHECK_THAT(d.error().message, Catch::Contains("speaks 7 to 9"));
+    }
+    SECTION("a peer of an older release says so (its Error frame): a refusal") {
+        auto [c, s] = test::tcp_pair(true);
+        auto d = PeerHandshake::dial(std::move(c), a, "node1", proto::ConnKind::Control, 0);
+        REQUIRE(send_all(s.get(), proto::encode_error({-EPROTONOSUPPORT, "peer protocol version 9 is not supported"})).ok());
+        dial_until_done(d);
+        CHECK(d.refused_version());
+    }
+    SECTION("a peer closes at the hello: a failed dial, not a refusal") {
+        auto [c, s] = test::tcp_pair(true);
+        auto d = PeerHandshake::dial(std::move(c), a, "node1", proto::ConnKind::Control, 0);
+        s.reset();
+        dial_until_done(d);
+        CHECK_FALSE(d.refused_version());
+    }
+    SECTION("a peer resets the connection in the middle of the hello: a failed dial, not a refusal") {
+        auto [c, s] = test::tcp_pair(true);
+        auto d = PeerHandshake::dial(std::move(c), a, "node1", proto::ConnKind::Control, 0);
+        uint8_t part[20];
+        pollfd p{s.get(), POLLIN, 0};
+        REQUIRE(::poll(&p, 1, 5000) == 1);
+        REQUIRE(::recv(s.get(), part, sizeof part, 0) == sizeof part);  // the header and a little of the hello
+        const linger rst{1, 0};
+        REQUIRE(::setsockopt(s.get(), SOL_SOCKET, SO_LINGER, &rst, sizeof rst) == 0);
+        s.reset();
+        dial_until_done(d);
+        CHECK_FALSE(d.refused_version());
+    }
+    SECTION("another refusal (a wrong cluster) is not one of version") {
+        auto [c, s] = test::tcp_pair(true);
+        PeerIdentity other{"other", "node0", 1, &none, {}};
+        auto d = PeerHandshake::dial(std::move(c), other, "node1", proto::ConnKind::Control, 0);
+        auto l = PeerHandshake::listen(std::move(s), b, accept_node0);
+        drive(d, l);
+        REQUIRE(d.state() == State::Failed);
+        CHECK_FALSE(d.refused_version());
     }
 }
