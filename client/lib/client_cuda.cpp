@@ -32,11 +32,19 @@ constexpr size_t kDoneOffset = offsetof(proto::SlotHeader, cuda_done);
 constexpr size_t kProbeOffset = offsetof(proto::SlotHeader, cuda_probe);
 constexpr auto kCloseBound = std::chrono::seconds(10);  // ringd_close waits this long for queued GPU work
 constexpr uint64_t kPartBytes = 16 << 20;  // device ops larger than this go as parts (pipelined)
+constexpr uint64_t kMinDefaultPart = 64 << 10;
 constexpr uint64_t kMaxRanges = 16;         // staging ranges of one device op (its parts cycle through them)
 // While parts wait for a staging range and the caller holds the client (a call that may return
 // and leave the client to the watcher), the watcher looks again this often: not a spin while the
 // caller waits in ringd_wait, which hands parts over itself.
 constexpr int kPumpRetryMs = 5;
+
+// The part size when none was set: a quarter of the staging room, in whole pages (one part copied
+// in, one on the ring, one copied out, one spare, as ringd.torch sizes them), at least 64 KiB and
+// at most 16 MiB. A function of the slot alone, so ranks with slots of one size cut alike.
+uint64_t default_part_bytes(uint64_t room) {
+    return std::min(kPartBytes, std::max(kMinDefaultPart, room / 4 / 4096 * 4096));
+}
 
 std::string hex(uint64_t v) {
     char b[32];
@@ -52,7 +60,9 @@ struct ringd_client_detail::CudaClient {
     CUcontext ctx = nullptr;  // the device's primary context (retained)
     uint8_t uuid[16] = {};
     bool memops = true;       // stream write/wait value ops (else host functions)
-    uint64_t part_bytes = kPartBytes;  // RINGD_CUDA_PART_BYTES: a device op is cut into parts of this
+    // RINGD_CUDA_PART_BYTES or ringd_set_cuda_part_bytes: a device op is cut into parts of this;
+    // 0: default_part_bytes of the staging room.
+    uint64_t part_bytes = 0;
     CUdeviceptr sync = 0;     // the slot header, registered with the driver in this process
     bool host_registered = false;
     // Per queue entry: the seq of the device op that last used it (ringd_stream_wait checks).
@@ -800,12 +810,12 @@ int ringd_submit_cuda(ringd_client *c, void *dev_ptr, size_t count, ringd_dtype 
         // (count, dtype) the same way. The parts cycle through a staging window of at most
         // kMaxRanges part-sized ranges of the slot, so an op of any size streams through it.
         const uint64_t esize = dtype_size(static_cast<DType>(dtype));
-        const uint64_t per = std::max<uint64_t>(1, cc.part_bytes / esize);
-        const uint64_t parts = count == 0 ? 1 : (count + per - 1) / per;
-        const uint64_t part_bytes = parts == 1 ? bytes : per * esize;
         // The window is placed when the op is next to go to ringd (cuda_pump): as many ranges as
         // the slot then has room for beside the ops in flight, at least one.
         const uint64_t room = c->staging_end() - c->cuda_staging_offset;
+        const uint64_t per = std::max<uint64_t>(1, (cc.part_bytes ? cc.part_bytes : default_part_bytes(room)) / esize);
+        const uint64_t parts = count == 0 ? 1 : (count + per - 1) / per;
+        const uint64_t part_bytes = parts == 1 ? bytes : per * esize;
         const uint64_t ranges = std::min<uint64_t>({parts, kMaxRanges, room / std::max<uint64_t>(part_bytes, 1)});
         if (part_bytes > room || ranges == 0)
             return c->fail(-E2BIG, (parts == 1 ? "a device op of " + std::to_string(bytes) + " bytes"
@@ -896,7 +906,7 @@ int ringd_set_cuda_part_bytes(ringd_client *c, size_t bytes) {
         // 0: back to the value the client started with (RINGD_CUDA_PART_BYTES, checked then).
         const char *v = std::getenv("RINGD_CUDA_PART_BYTES");
         const unsigned long long env = v && *v ? std::strtoull(v, nullptr, 10) : 0;
-        c->cuda->part_bytes = bytes ? bytes : env >= 4096 ? env : kPartBytes;
+        c->cuda->part_bytes = bytes ? bytes : env >= 4096 ? env : 0;
     }
     c->last_error.clear();
     return 0;

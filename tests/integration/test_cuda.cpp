@@ -370,7 +370,8 @@ TEST_CASE("a device op 16 times the slot streams through it, the next op behind 
     use_device();
     TestCluster c(2, cuda_cluster("30s", cuda_yaml()));
     REQUIRE(c.wait_up());
-    // 512 MiB through a 32 MiB slot: 32 parts of 16 MiB (the default) cycling through 2 ranges.
+    // 512 MiB through a 32 MiB slot: 64 parts of 8 MiB (the default: a quarter of the slot)
+    // cycling through 4 ranges.
     constexpr size_t kCount = size_t{128} << 20;
     Clients cl = connect_all(c, "stream", 1, 32 << 20);
     std::vector<std::unique_ptr<DeviceBuf>> big, small;
@@ -398,7 +399,7 @@ TEST_CASE("a device op 16 times the slot streams through it, the next op behind 
         CHECK(v.wrong == 0);
         CHECK(v.guard == 0);
     }
-    for (auto &d : c.d) CHECK(status_of(*d)["ops_staged"].get<uint64_t>() == 32 + 1);
+    for (auto &d : c.d) CHECK(status_of(*d)["ops_staged"].get<uint64_t>() == 64 + 1);
     // A part larger than the slot is refused before anything is queued.
     Clients one = connect_all(c, "stream-refused", 1, 32 << 20);
     DeviceBuf b(one[0]->get(), (64 << 20) + 4096, true);
@@ -407,6 +408,37 @@ TEST_CASE("a device op 16 times the slot streams through it, the next op behind 
     uint64_t t = 0;
     CHECK(ringd_submit_cuda(one[0]->get(), b.at(0), (64 << 20) / 4 + 1, RINGD_F32, RINGD_SUM, nullptr, &t) == -E2BIG);
     CHECK(std::string(ringd_last_error(one[0]->get())).find("RINGD_CUDA_PART_BYTES") != std::string::npos);
+}
+
+// Many trainers per host connect with small slots: the default part follows the slot (a quarter of
+// it), so a device op of any size streams through it; only a part the caller set too large for
+// the slot is refused, naming both sizes.
+TEST_CASE("a 64 MiB device op through a 4 MiB slot on 2 hosts x 2 ranks goes as parts the slot holds, exact", "[cuda]") {
+    NEED_CUDA();
+    use_device();
+    TestCluster c(2, cuda_cluster("30s", cuda_yaml()));
+    REQUIRE(c.wait_up());
+    constexpr size_t kCount = size_t{16} << 20;  // 64 MiB of f32
+    Clients cl = connect_all(c, "small-slot", 2, 4 << 20);
+    std::vector<std::unique_ptr<DeviceBuf>> bufs;
+    for (size_t g = 0; g < cl.size(); ++g)
+        bufs.push_back(std::make_unique<DeviceBuf>(cl[g]->get(), kCount * 4 + (64 << 10), g % 2 == 0));
+    for (uint64_t seed : {1101u, 1102u}) {
+        DeviceOp o = prepare(bufs, seed == 1101 ? DType::F32 : DType::BF16, ReduceOp::Sum, seed == 1101 ? kCount : 2 * kCount, seed);
+        upload(bufs, o);
+        submit(bufs, o);
+        wait_and_check(bufs, o);
+    }
+    // 1 MiB parts: 64 of each op for each of a host's two ranks.
+    for (auto &d : c.d) CHECK(status_of(*d)["ops_staged"].get<uint64_t>() == 2 * 2 * 64);
+    // A part set larger than the slot holds is refused before anything is queued, naming both.
+    REQUIRE(ringd_set_cuda_part_bytes(cl[0]->get(), 16 << 20) == 0);
+    uint64_t t = 0;
+    CHECK(ringd_submit_cuda(cl[0]->get(), bufs[0]->at(0), kCount, RINGD_F32, RINGD_SUM, nullptr, &t) == -E2BIG);
+    const std::string why = ringd_last_error(cl[0]->get());
+    CHECK_THAT(why, Catch::Contains("a part of 16777216 bytes does not fit the 4194304 bytes of the slot"));
+    // Back to the default: the same op goes again.
+    REQUIRE(ringd_set_cuda_part_bytes(cl[0]->get(), 0) == 0);
 }
 
 TEST_CASE("device ops queued in the client: completion room, a slot op behind a window, registrations in use", "[cuda]") {
@@ -553,13 +585,14 @@ TEST_CASE("device buffer errors go to their client only", "[cuda]") {
         CHECK(ringd_submit_cuda(cc, reinterpret_cast<void *>(stray), 16, RINGD_F32, RINGD_SUM, nullptr, &t) == -ENOENT);
         CHECK_THAT(ringd_last_error(cc), Catch::Contains("no registration"));
     }
-    SECTION("a range past its registration, an op larger than the slot") {
+    SECTION("a range past its registration, a part set larger than the slot") {
         uint64_t reg = 0;
         REQUIRE(ringd_register_cuda(cc, reinterpret_cast<void *>(stray), 4096, &reg) == 0);
         CHECK(ringd_submit_cuda(cc, reinterpret_cast<void *>(stray + 4000), 100, RINGD_F32, RINGD_SUM, nullptr, &t) == -ENOENT);
         CHECK(ringd_register_cuda(cc, reinterpret_cast<void *>(stray), (1 << 20) + 1, &reg) == -ERANGE);
         void *big = nullptr;
         REQUIRE(ringd_cuda_alloc(cc, 4 << 20, &big) == 0);
+        REQUIRE(ringd_set_cuda_part_bytes(cc, 2 << 20) == 0);
         CHECK(ringd_submit_cuda(cc, big, 1 << 19, RINGD_F32, RINGD_SUM, nullptr, &t) == -E2BIG);  // 2 MiB, slot 1 MiB
         CHECK(ringd_cuda_free(cc, big) == 0);
         CHECK(ringd_cuda_free(cc, big) == -ENOENT);

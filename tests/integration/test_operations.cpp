@@ -10,6 +10,7 @@
 #include <sys/stat.h>
 
 #include "tests/support/cluster.h"
+#include "proto/frame.h"
 
 using namespace ringd;
 using namespace ringd::test;
@@ -60,7 +61,7 @@ TEST_CASE("the secret rotates host by host while a job runs: no op fails, groups
     o.netns = hosts.get();
     TestCluster c(3, o);
     REQUIRE(c.wait_up());
-    for (uint32_t h = 0; h < c.n; ++h) CHECK(c.status(h)["ring"]["protocol"] == 8);  // this build's peer protocol
+    for (uint32_t h = 0; h < c.n; ++h) CHECK(c.status(h)["ring"]["protocol"] == proto::kPeerProtocolVersion);  // this build's peer protocol
     const std::string old_id = c.status(0)["secret"]["key_id"].get<std::string>();
     // The job over every host loops on its own thread through the whole rotation.
     LoopingJob job(connect_all(c, "steady", 1, kSlot));

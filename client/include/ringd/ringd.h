@@ -110,7 +110,8 @@ RINGD_API void ringd_close(ringd_client *c);
  * An op on a device buffer is staged through the slot, placed by the library beside the ops in
  * flight (a slot op that would overlap it gets -EBUSY; a client that also runs slot ops must have
  * read their results before it submits a device op, whose staging may reuse those bytes). An op
- * larger than a part (16 MiB, RINGD_CUDA_PART_BYTES, ringd_set_cuda_part_bytes) goes to ringd as
+ * larger than a part (by default a quarter of the slot's staging room, 64 KiB to 16 MiB;
+ * RINGD_CUDA_PART_BYTES, ringd_set_cuda_part_bytes) goes to ringd as
  * parts of consecutive sequence numbers that stream through a window of at most 16 part-sized
  * ranges of the slot, so it may be any number of times the slot's size; the library hands the later
  * parts over as earlier ones end (its own thread does it while the caller is elsewhere). Ops
@@ -129,9 +130,10 @@ RINGD_API int ringd_unregister_cuda(ringd_client *c, uint64_t reg);
 RINGD_API int ringd_submit_cuda(ringd_client *c, void *dev_ptr, size_t count, ringd_dtype dtype,
                                 ringd_op op, struct CUstream_st *stream, uint64_t *ticket);
 RINGD_API int ringd_stream_wait(ringd_client *c, uint64_t ticket, struct CUstream_st *stream);
-/* The part size of this client's device ops from now on (0: RINGD_CUDA_PART_BYTES, else 16 MiB;
- * at least 4096). It decides how an op is cut into ringd ops, so every rank of a group must use the
- * same; the slot must hold at least one part. */
+/* The part size of this client's device ops from now on (0: RINGD_CUDA_PART_BYTES, else a quarter
+ * of the staging room in whole pages, 64 KiB to 16 MiB; at least 4096). It decides how an op is cut
+ * into ringd ops, so every rank of a group must use the same (by default, the same slot size); the
+ * slot must hold at least one part: a part that does not fit is refused (-E2BIG) naming both sizes. */
 RINGD_API int ringd_set_cuda_part_bytes(ringd_client *c, size_t bytes);
 /* Device ops of this client are staged in [offset, offset + bytes) of the slot only (bytes 0: the
  * whole slot, the default), e.g. so that a caller that places its own slot ops keeps them apart.
