@@ -12,9 +12,10 @@
 //
 // Versions (proto/frame.h). The dialer sends its hello at the newest version it speaks for that
 // peer; a listener that speaks it answers in it, and the connection runs at it. A listener that
-// does not refuses with an Error frame (from version 7 on; a ringd of 6 just closes): the dialer
-// then dials again one version lower, down to kPeerProtocolOldest, and keeps to that version for
-// the host until its control connection ends (the host may come back upgraded). Version 7 adds
+// does not refuses with an Error frame: the dialer then dials again one version lower, down to
+// kPeerProtocolOldest, and keeps to that version for the host until a connection to it fails or
+// its control connection ends (the host may come back upgraded). Only that Error frame lowers it:
+// a close or reset at the hello is a host that died or restarted, an ordinary failed dial. Version 7 adds
 // to the hello and the accept what each host runs: a digest of its host list, its config version
 // (ringctl status), its ringd instance (a restart shows: the coordinator ends the runs of groups
 // that had ranks on a ringd that restarted), and in the hello the key ids of the dialer's secrets — the one it uses and
