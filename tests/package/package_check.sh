@@ -272,6 +272,8 @@ hosts:
   - {name: $HOSTNAME_, address: 127.0.0.1, port: $port}
 memory: {slot_bytes: 64MiB, max_slots: 16}
 timeouts: {op: 10s}
+# No GPU here: the package's software CUDA device stands in for the driver.
+cuda: {provider: emulated}
 YAML
 cp /etc/ringd/ringd.yaml "$TMP/operator.yaml"
 
@@ -389,6 +391,43 @@ wait "${CHILDREN[0]}" || { cat "$TMP/py0.log" >&2; fail "the Python package's al
 CHILDREN=()
 sed 's/^/  /' "$TMP/py0.log" "$TMP/py1.log"
 ok "the installed Python package allreduced with 2 local ranks through the default socket"
+
+# ---- a device op: the packages carry the CUDA path (the software CUDA device they ship stands in
+# for a GPU's driver here), 2 ranks, device memory from cuda_alloc, a 4 MiB slot (the op goes as
+# parts that fit it) ----
+EMU=$(dpkg -L ringd | grep '/ringd/libringd-cuda-emulated\.so\.0$' || true)
+[ -n "$EMU" ] || fail "ringd ships no software CUDA device (libringd-cuda-emulated.so.0)"
+cuda_rank() {
+    env -i PATH=/usr/bin:/bin HOME="$TMP" RINGD_CUDA_PROVIDER=emulated timeout 60 "${AS_TRAINER[@]}" /usr/bin/python3 -c "
+import array, ctypes, os, ringd, sys
+rank, n = int(sys.argv[1]), 3 << 20  # 12 MiB of f32 through a 4 MiB slot
+c = ringd.Client('pkg-cuda', rank, 2, 4 << 20)
+p = c.cuda_alloc(n * 4)
+src = array.array('f', [float(rank + 1)]) * n
+ctypes.memmove(p, src.buffer_info()[0], n * 4)  # the software device's memory is host-addressable
+t = c.submit_cuda(p, n, 'float32', 'sum')
+c.stream_wait(t)
+c.wait(t, 20000)
+got = (ctypes.c_float * n).from_address(p)
+bad = sum(1 for i in range(0, n, 997) if got[i] != 3.0) + (got[n - 1] != 3.0)
+assert not bad, f'{bad} wrong values'
+maps = {os.path.realpath(l.split()[-1]) for l in open('/proc/self/maps') if 'libringd' in l}
+assert os.path.realpath('$EMU') in maps, maps
+c.cuda_free(p)
+c.close()
+print('device rank', rank, 'ok:', n, 'f32 summed from device memory through a 4 MiB slot, device', '$EMU')
+" "$1"
+}
+read -r before_ok _ < <(completed)
+cuda_rank 0 >"$TMP/cuda0.log" 2>&1 &
+CHILDREN+=($!)
+cuda_rank 1 >"$TMP/cuda1.log" 2>&1 || { cat "$TMP/cuda0.log" "$TMP/cuda1.log" "$TMP/ringd.log" >&2; fail "a device op through the installed packages (rank 1)"; }
+wait "${CHILDREN[0]}" || { cat "$TMP/cuda0.log" "$TMP/ringd.log" >&2; fail "a device op through the installed packages (rank 0)"; }
+CHILDREN=()
+read -r after_ok _ < <(completed)
+[ "$after_ok" -ge $((before_ok + 12)) ] || fail "the device op did not go through ringd as 12 parts of 1 MiB (ops completed: $before_ok -> $after_ok)"
+sed 's/^/  /' "$TMP/cuda0.log" "$TMP/cuda1.log"
+ok "a device op through the installed packages: 12 MiB f32 from device memory of 2 ranks in $((after_ok - before_ok)) parts, exact"
 
 # ---- ringd.torch (python3-torch is a Recommends: checked where it is installed) ----
 if [ "$(pkg_state python3-torch)" = installed ]; then
