@@ -214,8 +214,12 @@ Config parse_root(const YAML::Node &root) {
     if (c.limits.slots_per_uid == 0) c.limits.slots_per_uid = c.memory.max_slots;
     if (c.limits.connections_per_uid == 0) c.limits.connections_per_uid = c.memory.max_slots + 16;
     if (auto n = root["timeouts"]) {
-        check_keys(n, "timeouts", {"op", "connect", "heartbeat"});
+        check_keys(n, "timeouts", {"op", "op_max", "connect", "heartbeat"});
         if (n["op"]) c.timeouts.op = get_duration(n["op"], "timeouts.op");
+        if (n["op_max"]) c.timeouts.op_max = get_duration(n["op_max"], "timeouts.op_max");
+        else c.timeouts.op_max = std::max(c.timeouts.op_max, c.timeouts.op);
+        if (c.timeouts.op_max > std::chrono::hours(24)) fail("timeouts.op_max", "must be at most 24h");
+        if (c.timeouts.op_max < c.timeouts.op) fail("timeouts.op_max", "must be at least timeouts.op");
         if (n["connect"]) c.timeouts.connect = get_duration(n["connect"], "timeouts.connect");
         if (n["heartbeat"]) c.timeouts.heartbeat = get_duration(n["heartbeat"], "timeouts.heartbeat");
         if (c.timeouts.op > std::chrono::hours(24)) fail("timeouts.op", "must be at most 24h");

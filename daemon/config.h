@@ -67,7 +67,8 @@ struct Config {
         uint32_t connections_per_uid = 0;  // client connections of one uid (default: max_slots + 16)
     } limits;
     struct Timeouts {
-        std::chrono::milliseconds op{30'000};
+        std::chrono::milliseconds op{30'000};       // an op's deadline, for groups that ask for none
+        std::chrono::milliseconds op_max{3'600'000};  // the longest a group may ask for (ringd_options)
         std::chrono::milliseconds connect{60'000};
         std::chrono::milliseconds heartbeat{1'000};
     } timeouts;

@@ -92,7 +92,7 @@ Bytes encode_hello(const Hello &h) {
     le::put<uint32_t>(&p[4], h.local_size);
     le::put<uint64_t>(&p[8], h.slot_bytes);
     std::memcpy(&p[16], h.group.data(), std::min(h.group.size(), kGroupNameBytes - 1));
-    if (h.hosts.empty() && h.share_with == 0) return encode_frame(FrameType::Hello, p);
+    if (h.hosts.empty() && h.share_with == 0 && h.op_timeout_ms == 0) return encode_frame(FrameType::Hello, p);
     std::vector<uint8_t> v;
     if (h.share_with != 0) {
         v.resize(4);
@@ -100,6 +100,11 @@ Bytes encode_hello(const Hello &h) {
     }
     v.insert(v.end(), p, p + kHelloBytes);
     v.insert(v.end(), h.hosts.begin(), h.hosts.begin() + static_cast<std::ptrdiff_t>(std::min(h.hosts.size(), kMaxHelloHostsBytes)));
+    if (h.op_timeout_ms != 0) {
+        uint8_t t[kHelloTimeoutBytes] = {};
+        le::put<uint32_t>(&t[1], h.op_timeout_ms);
+        v.insert(v.end(), t, t + kHelloTimeoutBytes);
+    }
     return encode_frame(h.share_with != 0 ? FrameType::HelloShared : FrameType::Hello, v);
 }
 
@@ -113,11 +118,19 @@ Result<Hello> decode_hello_shared(std::span<const uint8_t> p) {
 }
 
 Result<Hello> decode_hello(std::span<const uint8_t> p) {
-    if (p.size() < kHelloBytes || p.size() > kHelloBytes + kMaxHelloHostsBytes)
+    if (p.size() < kHelloBytes || p.size() > kHelloBytes + kMaxHelloHostsBytes + kHelloTimeoutBytes)
         return bad("hello has " + std::to_string(p.size()) + " bytes, expected " + std::to_string(kHelloBytes) + " to " +
-                   std::to_string(kHelloBytes + kMaxHelloHostsBytes));
+                   std::to_string(kHelloBytes + kMaxHelloHostsBytes + kHelloTimeoutBytes));
     Hello h;
-    h.hosts.assign(reinterpret_cast<const char *>(p.data()) + kHelloBytes, p.size() - kHelloBytes);
+    size_t hosts_end = p.size();
+    if (p.size() >= kHelloBytes + kHelloTimeoutBytes && p[p.size() - kHelloTimeoutBytes] == 0) {
+        hosts_end = p.size() - kHelloTimeoutBytes;
+        h.op_timeout_ms = le::get<uint32_t>(&p[hosts_end + 1]);
+        if (h.op_timeout_ms == 0) return make_error(-EINVAL, "the hello's op timeout is 0 ms (leave it out for ringd's timeouts.op)");
+    }
+    if (hosts_end - kHelloBytes > kMaxHelloHostsBytes)
+        return bad("the hello's hosts list is longer than " + std::to_string(kMaxHelloHostsBytes) + " bytes");
+    h.hosts.assign(reinterpret_cast<const char *>(p.data()) + kHelloBytes, hosts_end - kHelloBytes);
     for (char ch : h.hosts)
         if (!(std::isalnum(static_cast<unsigned char>(ch)) || ch == '.' || ch == '_' || ch == '-' || ch == ',' || ch == ' '))
             return make_error(-EINVAL, "the hosts list may contain only host names (letters, digits, '.', '_', '-'), "

@@ -104,9 +104,14 @@ struct Hello {
     // Non-zero: the client id (its Welcome's) of a joined client of the same process whose slot
     // data area this one uses too (HelloShared); slot_bytes is then not used.
     uint32_t share_with = 0;
+    // Non-zero: the op timeout this trainer's group asks for (ms; ringd clamps it to
+    // timeouts.op_max), else ringd's timeouts.op. On the wire after the hosts: a NUL, then a u32
+    // (a hello without it is the layout before, byte for byte).
+    uint32_t op_timeout_ms = 0;
 };
 inline constexpr size_t kHelloBytes = 16 + kGroupNameBytes;
 inline constexpr size_t kMaxHelloHostsBytes = 3072;
+inline constexpr size_t kHelloTimeoutBytes = 5;  // the NUL and the u32 after the hosts
 
 struct Welcome {
     uint32_t client_id = 0;

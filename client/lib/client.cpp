@@ -170,7 +170,8 @@ extern "C" {
 namespace {
 
 ringd_client *connect_client(const char *socket_path, const char *group, int local_rank, int local_size,
-                             size_t slot_bytes, const char *hosts, const ringd_client *share, char *err, size_t err_len) {
+                             size_t slot_bytes, const char *hosts, const ringd_client *share, char *err, size_t err_len,
+                             uint32_t op_timeout_ms) {
     auto report = [&](const std::string &m) -> ringd_client * {
         if (err && err_len) std::snprintf(err, err_len, "%s", m.c_str());
         return nullptr;
@@ -204,7 +205,7 @@ ringd_client *connect_client(const char *socket_path, const char *group, int loc
         if (share && !share->data_map) return report("share_slot_of: that client has no slot");
         proto::Hello hello{group, static_cast<uint32_t>(local_rank), static_cast<uint32_t>(local_size),
                            share ? share->welcome.data_bytes : slot_bytes, hosts ? hosts : "",
-                           share ? share->welcome.client_id : 0};
+                           share ? share->welcome.client_id : 0, op_timeout_ms};
         // ringd refuses a connection (allow_uids/allow_gids, too many connections) with an error
         // frame and closes at once, so the hello may meet a closed socket (EPIPE) while the
         // reason waits unread: read the reply before reporting the failed send.
@@ -261,7 +262,7 @@ ringd_client *connect_client(const char *socket_path, const char *group, int loc
 
 ringd_client *ringd_connect(const char *socket_path, const char *group, int local_rank, int local_size,
                             size_t slot_bytes, char *err, size_t err_len) {
-    return connect_client(socket_path, group, local_rank, local_size, slot_bytes, nullptr, nullptr, err, err_len);
+    return connect_client(socket_path, group, local_rank, local_size, slot_bytes, nullptr, nullptr, err, err_len, 0);
 }
 
 ringd_client *ringd_connect_opts(const ringd_options *opts, char *err, size_t err_len) {
@@ -287,8 +288,11 @@ ringd_client *ringd_connect_opts(const ringd_options *opts, char *err, size_t er
     const ringd_client *share = opts->struct_size >= offsetof(ringd_options, share_slot_of) + sizeof(opts->share_slot_of)
                                     ? opts->share_slot_of
                                     : nullptr;
+    // op_timeout_ms came after share_slot_of.
+    const uint32_t op_timeout_ms =
+        opts->struct_size >= offsetof(ringd_options, op_timeout_ms) + sizeof(opts->op_timeout_ms) ? opts->op_timeout_ms : 0;
     return connect_client(socket_path, opts->group, opts->local_rank, opts->local_size, opts->slot_bytes,
-                          opts->hosts && *opts->hosts ? opts->hosts : nullptr, share, err, err_len);
+                          opts->hosts && *opts->hosts ? opts->hosts : nullptr, share, err, err_len, op_timeout_ms);
 }
 
 void *ringd_slot(ringd_client *c, size_t *bytes) {

@@ -341,7 +341,7 @@ void Coordinator::expire(Clock::time_point now, Decisions &out) {
             if (!pending_[k].by_host[h]) missing += (missing.empty() ? "" : ", ") + hosts_[h];
         fail(k, -ETIMEDOUT,
              "group " + std::get<0>(k) + " op " + std::to_string(std::get<2>(k)) + " timed out after " +
-                 std::to_string(op_timeout_.count()) + " ms: " +
+                 std::to_string((timeout_of_ ? timeout_of_(std::get<0>(k)) : op_timeout_).count()) + " ms: " +
                  (missing.empty() ? std::string("every host ran it, and its data stopped moving")
                                   : "host(s) " + missing + " did not submit it"),
              out);

@@ -30,6 +30,7 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <deque>
 #include <map>
 #include <optional>
@@ -47,8 +48,15 @@ class Coordinator {
 public:
     // `lanes` (tuning.lanes): each agreed incarnation runs its ring ops in one of them, the one
     // fewest running incarnations use, so that groups of the same hosts run side by side.
-    Coordinator(std::vector<std::string> hosts, std::chrono::milliseconds op_timeout, uint32_t lanes = 1)
-        : hosts_(std::move(hosts)), op_timeout_(op_timeout), lanes_(std::max<uint32_t>(1, lanes)) {}
+    // `op_timeout`: the longest an op waits for every host's report (timeouts.op_max): each
+    // report carries what is left of its host's deadline (the group's op timeout from its first
+    // submission there), and the earliest decides. `timeout_of` names a group's op timeout in the
+    // timeout's message (none: op_timeout).
+    using TimeoutOf = std::function<std::chrono::milliseconds(const std::string &group)>;
+    Coordinator(std::vector<std::string> hosts, std::chrono::milliseconds op_timeout, uint32_t lanes = 1,
+                TimeoutOf timeout_of = {})
+        : hosts_(std::move(hosts)), op_timeout_(op_timeout), lanes_(std::max<uint32_t>(1, lanes)),
+          timeout_of_(std::move(timeout_of)) {}
 
     struct Decisions {
         std::vector<proto::OpStart> starts;                                  // to every host
@@ -130,6 +138,7 @@ private:
 
     std::vector<std::string> hosts_;
     std::chrono::milliseconds op_timeout_;
+    TimeoutOf timeout_of_;
     uint32_t lanes_ = 1;
     bool solo_ = false;
     // The last epoch given per lane (1-127, round): a link compares a lane's epochs modulo 128,

@@ -22,7 +22,8 @@ size_t GroupTable::Group::joined() const {
     return static_cast<size_t>(std::count_if(members.begin(), members.end(), [](const auto &m) { return m.has_value(); }));
 }
 
-Status GroupTable::check_join(const std::string &name, uint32_t rank, uint32_t size, uint32_t uid) const {
+Status GroupTable::check_join(const std::string &name, uint32_t rank, uint32_t size, uint32_t uid,
+                              std::chrono::milliseconds op_timeout) const {
     auto it = groups_.find(name);
     if (it == groups_.end()) return Ok{};
     const Group &g = it->second;
@@ -37,7 +38,16 @@ Status GroupTable::check_join(const std::string &name, uint32_t rank, uint32_t s
                                        ", this trainer asked for " + std::to_string(size));
     if (g.members[rank])
         return make_error(-EADDRINUSE, "group " + name + " local rank " + std::to_string(rank) + " is already joined");
+    if (const auto t = op_timeout.count() ? op_timeout : op_timeout_; t != g.op_timeout)
+        return make_error(-EINVAL, "group " + name + "'s trainers on host " + host_ + " ask for different op timeouts: " +
+                                       std::to_string(g.op_timeout.count()) + " ms (the first one), this one " +
+                                       std::to_string(t.count()) + " ms; every rank of a group passes the same timeout");
     return Ok{};
+}
+
+std::chrono::milliseconds GroupTable::op_timeout(const std::string &group) const {
+    auto it = groups_.find(group);
+    return it == groups_.end() ? op_timeout_ : it->second.op_timeout;
 }
 
 const std::vector<uint32_t> *GroupTable::hosts_of(const std::string &group) const {
@@ -46,9 +56,9 @@ const std::vector<uint32_t> *GroupTable::hosts_of(const std::string &group) cons
 }
 
 Status GroupTable::join(MemberId id, const std::string &name, uint32_t rank, uint32_t size, uint32_t uid,
-                        std::vector<uint32_t> hosts) {
+                        std::vector<uint32_t> hosts, std::chrono::milliseconds op_timeout) {
     if (members_.count(id)) return make_error(-EALREADY, "this connection already joined a group");
-    if (auto ok = check_join(name, rank, size, uid); !ok) return ok;
+    if (auto ok = check_join(name, rank, size, uid, op_timeout); !ok) return ok;
     auto it = groups_.find(name);
     if (it == groups_.end()) {
         Group g;
@@ -57,6 +67,7 @@ Status GroupTable::join(MemberId id, const std::string &name, uint32_t rank, uin
         next_local_id_ += 2;  // odd, never 0
         g.local_size = size;
         g.owner_uid = uid;
+        g.op_timeout = op_timeout.count() ? op_timeout : op_timeout_;
         g.hosts = std::move(hosts);
         g.members.resize(size);
         it = groups_.emplace(name, std::move(g)).first;
@@ -122,7 +133,7 @@ void GroupTable::submit(MemberId id, const proto::Submission &s, Clock::time_poi
     Pending &p = pit->second;
     if (fresh) {
         p.by_rank.resize(g.local_size);
-        p.deadline = now + op_timeout_;
+        p.deadline = now + g.op_timeout;
     }
     if (p.by_rank[rank]) {
         out.push_back({id, s.seq, -EINVAL, at + "submitted twice by local rank " + std::to_string(rank)});
@@ -154,7 +165,7 @@ void GroupTable::submit(MemberId id, const proto::Submission &s, Clock::time_poi
     run.dtype = s.dtype;
     run.op = s.op;
     run.deadline = p.deadline;
-    run.submitted = p.deadline - op_timeout_;
+    run.submitted = p.deadline - g.op_timeout;
     for (uint32_t r = 0; r < g.local_size; ++r) {
         run.members.push_back(*g.members[r]);
         run.offsets.push_back(p.by_rank[r]->offset);
@@ -218,7 +229,7 @@ void GroupTable::expire(Clock::time_point now, std::vector<Completion> &out) {
                 if (!g.pending[seq].by_rank[r]) missing += (missing.empty() ? "" : ",") + std::to_string(r);
             fail_seq(g, seq, -ETIMEDOUT,
                      "group " + name + " op " + std::to_string(seq) + " timed out after " +
-                         std::to_string(op_timeout_.count()) + " ms: local ranks " + missing + " of host " + host_ +
+                         std::to_string(g.op_timeout.count()) + " ms: local ranks " + missing + " of host " + host_ +
                          " did not submit it",
                      out);
         }
@@ -339,7 +350,7 @@ std::vector<MatchingOp> GroupTable::matching(Clock::time_point now) const {
     std::vector<MatchingOp> v;
     for (const auto &[name, g] : groups_)
         for (const auto &[seq, p] : g.pending) {
-            MatchingOp m{name, seq, std::chrono::duration<double>(now - (p.deadline - op_timeout_)).count(), g.local_size, {}};
+            MatchingOp m{name, seq, std::chrono::duration<double>(now - (p.deadline - g.op_timeout)).count(), g.local_size, {}};
             for (uint32_t r = 0; r < g.local_size; ++r)
                 if (!p.by_rank[r]) m.missing_ranks.push_back(r);
             v.push_back(std::move(m));
@@ -368,6 +379,7 @@ std::vector<GroupSummary> GroupTable::summaries() const {
         for (uint32_t r = 0; r < g.local_size; ++r)
             if (g.members[r]) s.joined_ranks.push_back(r);
         s.owner_uid = g.owner_uid;
+        s.op_timeout_ms = static_cast<uint64_t>(g.op_timeout.count());
         s.hosts = g.hosts;
         s.broken = g.broken;
         s.ops_completed = g.ops_completed;

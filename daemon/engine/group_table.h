@@ -72,6 +72,7 @@ struct GroupSummary {
     uint32_t local_size = 0;
     std::vector<uint32_t> joined_ranks;
     uint32_t owner_uid = 0;  // the uid of its first member
+    uint64_t op_timeout_ms = 0;  // its ops' deadline from their first submission here
     std::vector<uint32_t> hosts;  // config indices, ring order; empty: every host
     std::string broken;  // why the group refuses ops, empty when healthy
     uint64_t ops_completed = 0;
@@ -92,8 +93,12 @@ public:
     // is refused (EACCES, naming the owner); root (uid 0) may join any group.
     // `hosts`: the group's hosts (config indices in ring order) its first member declared; the
     // caller checks later members against hosts_of(). Empty: every host.
+    // `op_timeout`: the group's (0: the table's default, timeouts.op), the same for every local
+    // rank: every op of the group fails within it of its first local submission.
     Status join(MemberId id, const std::string &group, uint32_t local_rank, uint32_t local_size, uint32_t uid,
-                std::vector<uint32_t> hosts = {});
+                std::vector<uint32_t> hosts = {}, std::chrono::milliseconds op_timeout = {});
+    // The group's op timeout here (the default when there is no such group).
+    std::chrono::milliseconds op_timeout(const std::string &group) const;
     // The hosts the group's first member declared, or null when there is no such group here.
     const std::vector<uint32_t> *hosts_of(const std::string &group) const;
     void submit(MemberId id, const proto::Submission &s, Clock::time_point now, std::vector<Completion> &out,
@@ -140,7 +145,8 @@ public:
     };
     const Totals &totals() const { return totals_; }
     // Whether join() would accept this member, without joining.
-    Status check_join(const std::string &group, uint32_t local_rank, uint32_t local_size, uint32_t uid) const;
+    Status check_join(const std::string &group, uint32_t local_rank, uint32_t local_size, uint32_t uid,
+                      std::chrono::milliseconds op_timeout = {}) const;
     size_t running_ops() const;
     // The local incarnation of a group with this name now; 0 when there is none.
     uint64_t local_id(const std::string &group) const;
@@ -184,6 +190,7 @@ private:
         uint64_t local_id = 0;
         uint32_t local_size = 0;
         uint32_t owner_uid = 0;
+        std::chrono::milliseconds op_timeout{};
         std::vector<uint32_t> hosts;
         std::vector<std::optional<MemberId>> members;  // by rank
         std::string broken;

@@ -248,7 +248,18 @@ void ClientGateway::handle_hello(ClientConn &c, const proto::Hello &h) {
                                          "for ringctl undrain"), true);
         return;
     }
-    if (auto ok = groups_.check_join(h.group, h.local_rank, h.local_size, c.cred().uid); !ok) {
+    // The group's op timeout: what its trainers ask for, up to timeouts.op_max (said once per
+    // group and timeout: a long job's ranks reconnect often).
+    std::chrono::milliseconds op_timeout = h.op_timeout_ms ? std::chrono::milliseconds(h.op_timeout_ms) : config_.timeouts.op;
+    if (op_timeout > config_.timeouts.op_max) {
+        op_timeout = config_.timeouts.op_max;
+        if (clamp_told_.insert(h.group + "/" + std::to_string(h.op_timeout_ms)).second) {
+            if (clamp_told_.size() > 4096) clamp_told_.clear();
+            spdlog::warn("group {} asks for an op timeout of {} ms, more than timeouts.op_max: its ops run with {} ms",
+                         h.group, h.op_timeout_ms, op_timeout.count());
+        }
+    }
+    if (auto ok = groups_.check_join(h.group, h.local_rank, h.local_size, c.cred().uid, op_timeout); !ok) {
         drop(id, ok.error(), true);
         return;
     }
@@ -293,7 +304,7 @@ void ClientGateway::handle_hello(ClientConn &c, const proto::Hello &h) {
     w.client_id = id;
     w.sq_depth = geo.sq_depth;
     w.cq_depth = geo.cq_depth;
-    w.op_timeout_ms = static_cast<uint32_t>(std::min<int64_t>(config_.timeouts.op.count(), UINT32_MAX));
+    w.op_timeout_ms = static_cast<uint32_t>(std::min<int64_t>(op_timeout.count(), UINT32_MAX));  // the group's
     w.map_bytes = geo.map_bytes;
     w.data_offset = geo.data_offset;
     w.data_bytes = geo.data_bytes;
@@ -306,7 +317,7 @@ void ClientGateway::handle_hello(ClientConn &c, const proto::Hello &h) {
         drop(id, s.error(), true);
         return;
     }
-    (void)groups_.join(id, h.group, h.local_rank, h.local_size, c.cred().uid, *hosts);  // checked above, same thread
+    (void)groups_.join(id, h.group, h.local_rank, h.local_size, c.cred().uid, *hosts, op_timeout);  // checked above, same thread
     if (!lease) {
         // The host's slot count: until the last client using this data area is gone.
         ++*live_slots_;

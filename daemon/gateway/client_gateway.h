@@ -122,6 +122,7 @@ private:
     bool shutting_down_ = false;
     bool drained_ = false;  // ringctl drain: no new groups here
     std::set<MemberId> credit_waiters_;  // clients whose submissions wait for credits freed by completions
+    std::set<std::string> clamp_told_;  // group/timeout pairs whose clamp to timeouts.op_max was logged
 };
 
 }  // namespace ringd

@@ -95,7 +95,9 @@ Status RingDomain::setup() {
     control_->set_identity(hosts_digest(sh_.config->hosts), sh_.config_version, sh_.instance);
     std::vector<std::string> names;
     for (const auto &h : config_.hosts) names.push_back(h.name);
-    if (self_index_ == kCoordinator) coordinator_.emplace(names, config_.timeouts.op, lanes());
+    if (self_index_ == kCoordinator)
+        coordinator_.emplace(names, config_.timeouts.op_max, lanes(),
+                             [groups = sh_.groups](const std::string &g) { return groups->op_timeout(g); });
     exchange_ = std::make_unique<DirectExchange>(
         self_index_, std::move(names),
         [this](uint32_t h, const proto::Bytes &f) {
@@ -377,7 +379,7 @@ bool RingDomain::flush_reports_now() {
                 const auto late = exchange_->earliest_deadline(coord_generation_, OpKey{group, r.incarnation, r.seq});
                 if (late && late->first <= Clock::now()) {
                     const std::string why = "group " + group + " op " + std::to_string(op.run.seq) + " timed out after " +
-                                            std::to_string(config_.timeouts.op.count()) + " ms: host(s) " +
+                                            std::to_string(sh_.groups->op_timeout(group).count()) + " ms: host(s) " +
                                             config_.hosts[self_index_].name + " did not submit it by host " +
                                             config_.hosts[late->second].name + "'s deadline (it got there later)";
                     sh_.groups->finished(op.run.op_id, -ETIMEDOUT, why, *sh_.done);
@@ -849,7 +851,7 @@ void RingDomain::expire_host_ops(Clock::time_point now) {
     // Every op of this host past its state's deadline (daemon/ops/host_ops.h).
     const auto e = ops_.expire(now, [&](const HostOp &op) {
         const std::string head = "group " + op.run.group + " op " + std::to_string(op.run.seq) + " timed out after " +
-                                 std::to_string(config_.timeouts.op.count()) + " ms: ";
+                                 std::to_string(sh_.groups->op_timeout(op.run.group).count()) + " ms: ";
         if (op.state == OpState::Reported)
             return head + "no decision from the coordinating host " + config_.hosts[kCoordinator].name;
         return head + (coord_known_ ? "not every host joined this incarnation of the group (a job must start or "

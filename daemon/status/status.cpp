@@ -77,6 +77,8 @@ nlohmann::json Daemon::status_doc(uint32_t viewer) const {
                           {"local_size", g.local_size},
                           {"joined_ranks", g.joined_ranks},
                           {"owner_uid", g.owner_uid},
+                          // Its ops' deadline (timeouts.op, or what its trainers asked for).
+                          {"op_timeout_ms", g.op_timeout_ms},
                           // The group's hosts in ring order (the hosts its trainers declared).
                           {"hosts", names_of(g.hosts)},
                           {"state", g.broken.empty() ? "ok" : "broken"},

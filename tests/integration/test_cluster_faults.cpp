@@ -657,3 +657,77 @@ TEST_CASE("a host that gets to a direct op after the deadline its peer's data ca
     CHECK(g.rc == -ETIMEDOUT);
     allreduce_checked(cl, DType::F32, ReduceOp::Sum, 1000, 5);  // the group goes on
 }
+
+// A rank that is alive but late (a checkpoint, an evaluation, a compilation on rank 0) must not
+// kill the job: an op's deadline is its group's op timeout (ringd_options.op_timeout_ms; the
+// process group's timeout through ringd.torch), timeouts.op only the default and timeouts.op_max
+// the ceiling. A dead or hung host is still found by heartbeats within seconds.
+TEST_CASE("a group's op timeout: a rank late by more than timeouts.op runs clean within it, fails naming the "
+          "host past it, is clamped to timeouts.op_max; a host killed during a long wait is named within the "
+          "heartbeat bound",
+          "[cluster][faults][timeout]") {
+    TestCluster c(2, options("1s, op_max: 4s", ""));
+    REQUIRE(c.wait_up());
+    // node0's rank is 2 s late every step (twice timeouts.op), inside the group's 3 s.
+    auto patient = connect_all(c, "patient", 1, 4 << 20, "", 3000);
+    CHECK(c.group(0, "patient")["op_timeout_ms"] == 3000);
+    for (const size_t count : {size_t{1000}, size_t{300000}}) {  // direct exchange, then the ring
+        for (uint64_t step = 0; step < 2; ++step) {
+            INFO("count " << count << " step " << step);
+            CheckedOp o = prepare_checked(patient, DType::F32, ReduceOp::Sum, count, 40 + step);
+            for (size_t g : {1u, 0u}) {
+                if (g == 0) std::this_thread::sleep_for(2s);
+                o.tickets[g] = patient[g]->submit(o.range[g].offset, o.count, RINGD_F32, RINGD_SUM);
+            }
+            wait_checked(patient, o);
+        }
+    }
+    for (uint32_t h = 0; h < c.n; ++h) CHECK(c.group(h, "patient")["ops_failed"] == 0);
+    patient.clear();
+
+    // The same lateness with a group timeout below it: the op fails at the group's deadline,
+    // naming the host whose rank did not submit it.
+    auto hasty = connect_all(c, "hasty", 1, 4 << 20, "", 1500);
+    {
+        const auto start = Clock::now();
+        const auto t = hasty[1]->submit(0, 1000, RINGD_F32, RINGD_SUM);
+        const Failure f = wait_failed(*hasty[1], t, start);
+        INFO(f.message << " after " << f.after_s << " s");
+        CHECK(f.rc == -ETIMEDOUT);
+        CHECK_THAT(f.message, Catch::Contains("timed out after 1500 ms: host(s) node0 did not submit it"));
+        CHECK(f.after_s >= 1.4);
+        CHECK(f.after_s < 2.5);
+    }
+    hasty.clear();
+
+    // Above timeouts.op_max: clamped to it, said once in the log (however many ranks ask).
+    auto greedy = connect_all(c, "greedy", 1, 4 << 20, "", 600000);
+    for (uint32_t h = 0; h < c.n; ++h) {
+        INFO("host " << h);
+        CHECK(c.group(h, "greedy")["op_timeout_ms"] == 4000);
+        const std::string log = c.d[h]->log();
+        const std::string said = "group greedy asks for an op timeout of 600000 ms, more than timeouts.op_max: its ops run with 4000 ms";
+        const size_t at = log.find(said);
+        CHECK(at != std::string::npos);
+        CHECK(log.find(said, at + 1) == std::string::npos);
+    }
+    allreduce_checked(greedy, DType::F32, ReduceOp::Avg, 1000, 5);
+    // Every local rank of a group passes the same timeout: another is refused, naming both.
+    {
+        auto first = std::make_unique<Client>(c.d[0]->socket(), "mixed", 0, 2, 1 << 20, "", 2000);
+        CHECK_THROWS_WITH(Client(c.d[0]->socket(), "mixed", 1, 2, 1 << 20, "", 3000),
+                          Catch::Contains("ask for different op timeouts: 2000 ms (the first one), this one 3000 ms"));
+    }
+
+    // A host killed while the other's rank waits in a long op: named by the heartbeats within
+    // seconds, not at the group's deadline.
+    const auto t = greedy[0]->submit(0, 300000, RINGD_F32, RINGD_SUM);
+    std::this_thread::sleep_for(300ms);
+    const auto killed = Clock::now();
+    c.d[1]->kill();
+    const Failure f = wait_failed(*greedy[0], t, killed);
+    INFO(f.message << " after " << f.after_s << " s");
+    CHECK(f.rc != 0);
+    CHECK_THAT(f.message, Catch::Contains("node1"));
+    CHECK(f.after_s < 3.5);  // the group's deadline was 4 s after the submission
+}

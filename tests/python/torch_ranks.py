@@ -286,7 +286,8 @@ def scenario_groups():
     layouts = {"cross-a": [0, 2], "cross-b": [1, 3], "uneven": [0, 2, 3], "host0": [0, 1], "host1": [2, 3]}
     groups = {}
     for name, ranks in layouts.items():  # every rank creates every group, in the same order
-        groups[name] = dist.new_group(ranks)
+        # A group's timeout is its ringd group's op timeout (the default group's: init's 60 s).
+        groups[name] = dist.new_group(ranks, timeout=datetime.timedelta(seconds=45)) if name == "uneven" else dist.new_group(ranks)
     for k, (name, ranks) in enumerate(layouts.items()):
         if RANK not in ranks:
             continue
@@ -311,11 +312,17 @@ def scenario_groups():
         check(len(mine) == 1 and mine[0]["ops_completed"] >= 4 and mine[0]["local_size"] == local,
               f"group {name} on ringd: {mine}")
         check(set(mine[0]["hosts"]) == set(pg.ringd_hosts), f"group {name}'s hosts: {mine[0]['hosts']}")
+        if name == "uneven":
+            check(mine[0]["op_timeout_ms"] == 45000, f"group {name}'s timeout=45 s reached ringd: {mine[0]['op_timeout_ms']} ms")
         check(len(pg.ringd_hosts) == (1 if name.startswith("host") else 2), f"group {name}: hosts {pg.ringd_hosts}")
-    # The default group still works next to them.
+    # The default group still works next to them, with init's timeout as its op timeout.
     t = torch.full((10,), 1.0)
     dist.all_reduce(t)
     check(bool((t == WORLD).all()), "the default group after the others")
+    world = dist.distributed_c10d._get_default_group()
+    name = getattr(world, "ringd_group", None)
+    mine = [g for g in ringd.status()["groups"] if g["name"] == name]
+    check(len(mine) == 1 and mine[0]["op_timeout_ms"] == 60000, f"the default group's timeout=60 s reached ringd: {mine}")
 
 
 def scenario_refused():

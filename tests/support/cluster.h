@@ -135,12 +135,12 @@ using Clients = std::vector<std::unique_ptr<Client>>;  // index = host * L + loc
 
 // `hosts`: what every trainer declares as the group's hosts ("" = every host).
 inline Clients connect_all(TestCluster &c, const std::string &group, uint32_t local, size_t slot_bytes = 1 << 20,
-                           const std::string &hosts = "") {
+                           const std::string &hosts = "", unsigned op_timeout_ms = 0) {
     Clients v;
     for (uint32_t h = 0; h < c.n; ++h)
         for (uint32_t r = 0; r < local; ++r)
             v.push_back(std::make_unique<Client>(c.d[h]->socket(), group, static_cast<int>(r), static_cast<int>(local),
-                                                 slot_bytes, hosts));
+                                                 slot_bytes, hosts, op_timeout_ms));
     return v;
 }
 

@@ -83,6 +83,8 @@ TEST_CASE("a hello may carry the group's hosts after its fixed part", "[proto]")
     CHECK_FALSE(decode_hello(bad).ok());
     Bytes big = payload;
     big.resize(kHelloBytes + kMaxHelloHostsBytes + 1, 'a');
+    CHECK_THAT(decode_hello(big).error().message, Catch::Contains("hosts list is longer than"));
+    big.resize(kHelloBytes + kMaxHelloHostsBytes + kHelloTimeoutBytes + 1, 'a');
     CHECK_THAT(decode_hello(big).error().message, Catch::Contains("hello has"));
 }
 

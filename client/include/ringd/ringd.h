@@ -12,7 +12,8 @@
  * Several ops in flight, waited for by an event loop: submit them, poll ringd_fd() (readable when
  * a result may have arrived or ringd went away), then ringd_test() each ticket.
  *
- * Deadlines: ringd ends every op it accepted within its op timeout (timeouts.op) of the op's
+ * Deadlines: ringd ends every op it accepted within its group's op timeout (timeouts.op, or the
+ * group's ringd_options.op_timeout_ms up to timeouts.op_max; the Welcome says which) of the op's
  * submission, plus about a second. The client allows each op its op timeout + a margin (10 s;
  * the environment variable RINGD_WAIT_MARGIN_MS, read by ringd_connect, sets it in milliseconds,
  * at least 2000) from its submission, however late the wait starts: timeout_ms < 0 waits until
@@ -59,6 +60,12 @@ typedef struct ringd_options {
        (memory.max_slots) for all of them, until the last of them is closed; the caller shares its
        ranges out between the clients. For processes in several groups at once (torch new_group). */
     const struct ringd_client *share_slot_of;
+    /* The op timeout of the group (ms): every op of it ends within this of its first submission
+       on a host, success or error. 0: ringd's timeouts.op; more than timeouts.op_max is clamped to
+       it (ringd says so once in its log). Every rank of a group on a host passes the same one. A
+       dead or hung host is found by heartbeats within seconds whatever it is: the timeout is for
+       ranks that are alive but late (a checkpoint, an evaluation, a compilation). */
+    unsigned int op_timeout_ms;
 } ringd_options;
 RINGD_API ringd_client *ringd_connect_opts(const ringd_options *opts, char *err, size_t err_len);
 /* The slot's data area; *bytes receives its size (if bytes is not NULL). */

@@ -25,9 +25,10 @@ private:
 
 class Client {
 public:
-    // hosts: the group's hosts, comma-separated; "" = every host of the ring.
+    // hosts: the group's hosts, comma-separated; "" = every host of the ring. op_timeout_ms: the
+    // group's op timeout (ringd_options.op_timeout_ms; 0: ringd's timeouts.op).
     Client(const std::string &socket, const std::string &group, int local_rank, int local_size, size_t slot_bytes,
-           const std::string &hosts = "") {
+           const std::string &hosts = "", unsigned op_timeout_ms = 0) {
         char err[512] = "";
         ringd_options o{};
         o.struct_size = sizeof o;
@@ -37,6 +38,7 @@ public:
         o.local_size = local_size;
         o.slot_bytes = slot_bytes;
         o.hosts = hosts.c_str();
+        o.op_timeout_ms = op_timeout_ms;
         c_ = ringd_connect_opts(&o, err, sizeof err);
         if (!c_) throw ClientError(-ECONNREFUSED, err);
     }

@@ -88,7 +88,7 @@ class _Options(ctypes.Structure):
     """ringd_options (ringd.h)."""
     _fields_ = [("struct_size", ctypes.c_size_t), ("socket_path", ctypes.c_char_p), ("group", ctypes.c_char_p),
                 ("local_rank", ctypes.c_int), ("local_size", ctypes.c_int), ("slot_bytes", ctypes.c_size_t),
-                ("hosts", ctypes.c_char_p), ("share_slot_of", ctypes.c_void_p)]
+                ("hosts", ctypes.c_char_p), ("share_slot_of", ctypes.c_void_p), ("op_timeout_ms", ctypes.c_uint)]
 
 
 def _declare(lib):
@@ -174,11 +174,13 @@ class Client:
     host, with a shared-memory slot of `slot_bytes`. `hosts`: the group's hosts (names as in ringd's
     config, a list or a comma-separated string); None = every host of the ring. `share_slot_of`:
     another Client of this process whose slot this one uses too (the same memory at the same
-    address; slot_bytes is not used; ringd counts one slot for all of them). Not for two threads
+    address; slot_bytes is not used; ringd counts one slot for all of them). `op_timeout_ms`: the
+    group's op timeout (every op ends within it of its first submission on a host; None: ringd's
+    timeouts.op; above timeouts.op_max it is clamped). Not for two threads
     at once, except that fileno() may be polled by one thread while another calls in (see ringd.h)."""
 
     def __init__(self, group, local_rank=0, local_size=1, slot_bytes=1 << 20, socket=None, hosts=None,
-                 share_slot_of=None):
+                 share_slot_of=None, op_timeout_ms=None):
         lib = _load()
         socket = socket or os.environ.get("RINGD_SOCKET") or DEFAULT_SOCKET
         if hosts is not None and not isinstance(hosts, str):
@@ -186,7 +188,8 @@ class Client:
         err = ctypes.create_string_buffer(512)
         opts = _Options(ctypes.sizeof(_Options), socket.encode(), str(group).encode(), int(local_rank),
                         int(local_size), int(slot_bytes), hosts.encode() if hosts else None,
-                        share_slot_of._handle() if share_slot_of is not None else None)
+                        share_slot_of._handle() if share_slot_of is not None else None,
+                        max(0, min(int(op_timeout_ms or 0), 0xFFFFFFFF)))
         handle = lib.ringd_connect_opts(ctypes.byref(opts), err, len(err))
         if not handle:
             raise RingdError(-errno.ECONNREFUSED, err.value.decode(errors="replace"))

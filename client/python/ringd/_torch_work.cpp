@@ -21,7 +21,7 @@ public:
     bool isSuccess() const override { return fut_->completed() && !fut_->hasError(); }
     std::exception_ptr exception() const override { return fut_->completed() ? fut_->exception_ptr() : nullptr; }
     std::vector<at::Tensor> result() override { return result_; }
-    // ringd bounds every op by its own timeouts.op: the wait always ends; `timeout` adds nothing.
+    // ringd bounds every op by its group's op timeout (the process group's): the wait always ends; `timeout` adds nothing.
     bool wait(std::chrono::milliseconds) override {
         fut_->wait();
         if (fut_->hasError()) std::rethrow_exception(fut_->exception_ptr());

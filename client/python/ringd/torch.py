@@ -14,8 +14,10 @@ each new_group) is a ringd group over the hosts of its ranks (all of the ring's,
 its ranks on a host ordered by LOCAL_RANK (torchrun sets it; default 0).
 RINGD_SOCKET (default /run/ringd/ringd.sock) and RINGD_SLOT_BYTES (default 256 MiB, at most
 ringd's memory.slot_bytes) configure the client.
-Any ringd error is a RuntimeError with ringd's message; ringd bounds every op by its own
-timeouts.op, not by the process group's timeout.
+Any ringd error is a RuntimeError with ringd's message. The process group's timeout
+(init_process_group(timeout=...), new_group(timeout=...)) is its ringd group's op timeout: every op
+ends within it of its first submission on a host (clamped to ringd's timeouts.op_max); a dead or
+hung host is found by ringd's heartbeats within seconds whatever it is.
 """
 import collections
 import datetime
@@ -232,14 +234,22 @@ _process_slots = {}  # socket path -> _ProcessSlot
 _process_slots_lock = threading.Lock()
 
 
-def _connect(group, local_rank, local_size, slot_bytes, socket, hosts):
-    """A client of `group` on this process's slot of that ringd (made by the first group)."""
+def _timeout_ms(timeout):
+    """A process group's timeout (a timedelta, or None) as a ringd op timeout in ms (0: ringd's)."""
+    if timeout is None:
+        return 0
+    return max(1, min(int(timeout.total_seconds() * 1000), 0xFFFFFFFF))
+
+
+def _connect(group, local_rank, local_size, slot_bytes, socket, hosts, timeout=None):
+    """A client of `group` on this process's slot of that ringd (made by the first group); its
+    ops bounded by the process group's `timeout`."""
     with _process_slots_lock:
         ps = _process_slots.get(socket)
         if ps is not None:
             try:
                 client = _ringd.Client(group, local_rank, local_size, slot_bytes, socket, hosts=hosts,
-                                       share_slot_of=ps.clients[0])
+                                       share_slot_of=ps.clients[0], op_timeout_ms=_timeout_ms(timeout))
                 if client.slot_address != ps.clients[0].slot_address or client.slot_bytes != ps.bytes:
                     # A client library that does not know share_slot_of gave it a slot of its own.
                     client.close()
@@ -250,7 +260,8 @@ def _connect(group, local_rank, local_size, slot_bytes, socket, hosts):
                 if "slot" not in str(e) and "frame type" not in str(e):
                     raise
                 # A ringd that does not share slots (older), or whose sharing refused: a slot of its own.
-        client = _ringd.Client(group, local_rank, local_size, slot_bytes, socket, hosts=hosts)
+        client = _ringd.Client(group, local_rank, local_size, slot_bytes, socket, hosts=hosts,
+                               op_timeout_ms=_timeout_ms(timeout))
         ps = _ProcessSlot(client)
         if socket not in _process_slots:
             _process_slots[socket] = ps
@@ -284,7 +295,7 @@ class _Engine:
     so a callback may submit again."""
 
     def __init__(self, group, local_rank, local_size, slot_bytes, socket, timeout, hosts=None, max_chunk=None):
-        self.client, self.ps = _connect(group, local_rank, local_size, slot_bytes, socket, hosts)
+        self.client, self.ps = _connect(group, local_rank, local_size, slot_bytes, socket, hosts, timeout)
         self.socket = socket
         self.group = group
         self.timeout = timeout
