@@ -21,10 +21,17 @@ int main(int argc, char **argv) {
     // journald adds its own timestamps; keep ours for runs outside systemd.
     spdlog::set_pattern(std::getenv("JOURNAL_STREAM") ? "[%l] %v" : "%Y-%m-%d %H:%M:%S.%e [%l] %v");
 
+    // A config that cannot run (unreadable, invalid, or without this host) exits with EX_CONFIG,
+    // which ringd.service does not restart: only an edit of the file helps.
+    constexpr int kExitConfig = 78;
     auto config = ringd::load_config(config_path);
     if (!config) {
         spdlog::critical("{}", config.error().message);
-        return 2;
+        return kExitConfig;
+    }
+    if (auto self = ringd::find_host(*config, host); !self) {
+        spdlog::critical("{}: {} (set hosts: and cluster: in it, or --host)", config_path, self.error().message);
+        return kExitConfig;
     }
     spdlog::set_level(spdlog::level::from_str(config->log_level));
     // The journal with fields when systemd connected stderr to it (or log.journal: on), stderr

@@ -173,7 +173,7 @@ unit_value() { unit_values "$1" | tail -n 1; }
 APPLIED=" Type ExecStart User Group CapabilityBoundingSet AmbientCapabilities NoNewPrivileges LimitMEMLOCK LimitNOFILE
           RuntimeDirectory RuntimeDirectoryMode StateDirectory StateDirectoryMode WatchdogSec KillSignal TimeoutStopSec "
 # Manager behaviour and sandboxing that only takes away: not needed for ringd to run as it would.
-NOT_APPLIED=" ExecReload Restart RestartSec ProtectSystem ProtectHome PrivateTmp PrivateDevices DevicePolicy DeviceAllow
+NOT_APPLIED=" ExecReload Restart RestartSec RestartPreventExitStatus ProtectSystem ProtectHome PrivateTmp PrivateDevices DevicePolicy DeviceAllow
           ProtectKernelTunables ProtectKernelModules ProtectControlGroups RestrictAddressFamilies RestrictNamespaces
           RestrictRealtime LockPersonality "
 while read -r key; do
