@@ -138,8 +138,8 @@ private:
 
     std::vector<std::string> hosts_;
     std::chrono::milliseconds op_timeout_;
-    TimeoutOf timeout_of_;
     uint32_t lanes_ = 1;
+    TimeoutOf timeout_of_;
     bool solo_ = false;
     // The last epoch given per lane (1-127, round): a link compares a lane's epochs modulo 128,
     // so consecutive grants of a lane differ by one.
