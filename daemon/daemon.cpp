@@ -538,38 +538,32 @@ void Daemon::reload() {
             applied.push_back("auth.secret_file (a new secret; the previous one accepted for auth.rotation_grace)");
         }
     }
+    // What a reload applies is compared with what runs (an earlier reload may have applied it, and
+    // a later one may go back to what ringd started with); the rest with the file it started with.
+    const bool hosts_differ = !std::equal(fresh->hosts.begin(), fresh->hosts.end(), config_.hosts.begin(), config_.hosts.end(),
+                                          [](const HostEntry &a, const HostEntry &b) {
+                                              return a.name == b.name && a.address == b.address && a.port == b.port;
+                                          });
+    if (hosts_differ) {
+        if (const std::string why = apply_hosts(fresh->hosts); why.empty()) applied.push_back("hosts");
+        else pending.push_back("hosts (" + why + ")");
+    }
+    // The secret (above), and the grace of the next rotation; auth.insecure and auth.data change
+    // the connections: at a restart.
+    if (fresh->insecure != config_.insecure) pending.push_back("auth.insecure");
+    if (fresh->data_mac != config_.data_mac) pending.push_back("auth.data");
+    if (fresh->rotation_grace != config_.rotation_grace) {
+        config_.rotation_grace = fresh->rotation_grace;
+        applied.push_back("auth.rotation_grace");
+    }
+    if (fresh->log_journal != config_.log_journal) pending.push_back("log.journal");
+    if (fresh->log_level != config_.log_level) {
+        spdlog::set_level(spdlog::level::from_str(fresh->log_level));
+        config_.log_level = fresh->log_level;
+        applied.push_back("log.level");
+    }
     for (const auto &k : changed) {
-        if (k == "hosts") {
-            const bool differs = !(fresh->hosts.size() == config_.hosts.size() &&
-                                   std::equal(fresh->hosts.begin(), fresh->hosts.end(), config_.hosts.begin(),
-                                              [](const HostEntry &a, const HostEntry &b) {
-                                                  return a.name == b.name && a.address == b.address && a.port == b.port;
-                                              }));
-            if (!differs) continue;  // applied by an earlier reload
-            if (const std::string why = apply_hosts(fresh->hosts); why.empty()) applied.push_back("hosts");
-            else pending.push_back("hosts (" + why + ")");
-            continue;
-        }
-        if (k == "auth") {
-            // The secret (above), and the grace of the next rotation; auth.insecure and
-            // auth.data change the connections: at a restart.
-            if (fresh->insecure != config_.insecure) pending.push_back("auth.insecure");
-            if (fresh->data_mac != config_.data_mac) pending.push_back("auth.data");
-            if (fresh->rotation_grace != config_.rotation_grace) {
-                config_.rotation_grace = fresh->rotation_grace;
-                applied.push_back("auth.rotation_grace");
-            }
-            continue;
-        }
-        if (k == "log") {
-            if (fresh->log_journal != config_.log_journal) pending.push_back("log.journal");
-            if (fresh->log_level != config_.log_level) {
-                spdlog::set_level(spdlog::level::from_str(fresh->log_level));
-                config_.log_level = fresh->log_level;
-                applied.push_back("log.level");
-            }
-            continue;
-        }
+        if (k == "hosts" || k == "auth" || k == "log") continue;  // above
         pending.push_back(k);
     }
     config_text_ = text;

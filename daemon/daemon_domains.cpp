@@ -111,11 +111,15 @@ void Daemon::keep_generation(uint64_t g) {
 
 // A reload's host list, applied while ringd runs. Ring domains whose hosts are all still there,
 // at the same addresses and ports and in the same order, keep running (their groups' ops never
-// notice); a domain with a host that left or moved ends, and its groups' ops fail once, naming the
-// change (their ranks reconnect to start them again). The whole ring is made anew over the new
-// list; the groups over every host end as well (their run was agreed over the old hosts), and
-// run over the new list from their ranks' next start. What cannot change this way waits for a
-// restart: this host's own address or port, and a change between one host and several.
+// notice), the whole ring's included: a list that only adds hosts leaves the old whole ring running
+// as a domain over part of the new one, named by its hosts, for the groups whose runs were agreed
+// over it (every group keeps the hosts it joined with; a group over every host runs over the new
+// list from its ranks' next start), while the whole ring is made anew over the new list, on the
+// listening socket handed over. A list that removes hosts may make a domain over part of the
+// ring the whole of it: that one goes on as the whole ring. A domain with a host that left or
+// moved ends, and its groups' ops fail once, naming the change (their ranks reconnect to start
+// them again). What cannot change this way waits for a restart: this host's own address or port,
+// and a change between one host and several.
 std::string Daemon::apply_hosts(const std::vector<HostEntry> &next) {
     const std::vector<HostEntry> old = config_.hosts;
     auto same = [](const HostEntry &a, const HostEntry &b) { return a.name == b.name && a.address == b.address && a.port == b.port; };
@@ -149,18 +153,30 @@ std::string Daemon::apply_hosts(const std::vector<HostEntry> &next) {
         return {};
     };
     const std::string head = "the host list changed (a reload on host " + host_ + ", config version " + config_version_ + ")";
-    // The domains over part of the ring first: kept (indices remapped below) or ended.
+    // The listening socket goes from the old whole ring to the new one: it never closes.
+    UniqueFd listener = domains_.empty() || !domains_.front() ? UniqueFd{} : domains_.front()->release_listener();
+    // Every domain, the whole ring's first: kept (indices remapped below) or ended. A kept one
+    // over every host of the new list is the new whole ring.
     std::vector<std::pair<RingDomain *, std::vector<uint32_t>>> keep;
     std::map<RingDomain *, std::string> ended;
-    for (size_t k = 1; k < domains_.size(); ++k) {
+    RingDomain *whole = nullptr, *old_whole = nullptr;
+    for (size_t k = 0; k < domains_.size(); ++k) {
         if (!domains_[k]) continue;
         std::vector<uint32_t> m;
-        const std::string why = kept(domains_[k]->members(), m);
-        if (why.empty()) keep.emplace_back(domains_[k].get(), std::move(m));
-        else ended[domains_[k].get()] = head + ": " + why;
+        std::string why = kept(domains_[k]->members(), m);
+        if (why.empty() && k == 0) {
+            size_t bytes = m.size() - 1;
+            for (uint32_t j : m) bytes += next[j].name.size();
+            if (bytes > proto::kMaxDomainBytes) why = "the names of its hosts are too long for a ring domain's";
+        }
+        if (!why.empty()) {
+            ended[domains_[k].get()] = head + ": " + why;
+            continue;
+        }
+        if (k == 0) old_whole = domains_[k].get();
+        else if (m.size() == next.size()) whole = domains_[k].get();
+        keep.emplace_back(domains_[k].get(), std::move(m));
     }
-    if (!domains_.empty() && domains_.front())
-        ended[domains_.front().get()] = head + ": groups over every host run on the new list once their ranks start again";
     // Their progress threads stop before their groups' ops are failed (nothing writes a slot after).
     for (auto &[d, why] : ended) {
         spdlog::warn("ring domain {}: ended: {}", d->key().empty() ? "(every host)" : d->key(), why);
@@ -173,8 +189,6 @@ std::string Daemon::apply_hosts(const std::vector<HostEntry> &next) {
     }
     for (auto it = group_domain_.begin(); it != group_domain_.end();)
         it = ended.count(it->second) ? group_domain_.erase(it) : std::next(it);
-    for (size_t k = 0; k < domains_.size(); ++k)
-        if (domains_[k] && ended.count(domains_[k].get())) domains_[k].reset();
     // The new list, and every index into it.
     std::vector<uint32_t> map(old.size(), UINT32_MAX);
     for (uint32_t i = 0; i < old.size(); ++i)
@@ -183,23 +197,59 @@ std::string Daemon::apply_hosts(const std::vector<HostEntry> &next) {
     config_.hosts = next;
     self_index_ = self_new;
     gateway_->set_self(self_index_);
-    for (auto &[d, m] : keep) d->hosts_changed(std::move(m));
-    // The whole ring over the new list, in its place ([0]), listening on this host's port again.
-    std::vector<uint32_t> all(next.size());
-    for (uint32_t i = 0; i < all.size(); ++i) all[i] = i;
-    auto d = RingDomain::create(shared_, all);
-    if (!d) {
-        spdlog::critical("reload: cannot make the ring over the new host list: {}", d.error().message);
-        return {};  // the host list is applied; the ring is what failed (status and log say why)
+    // The domains' places (their fds are watched by place): the others keep theirs; [0] is the
+    // whole ring's (a kept domain that is the whole ring now moves there); the old whole ring, if
+    // it goes on, moves to the first free one.
+    std::vector<std::unique_ptr<RingDomain>> places(std::max<size_t>(1, domains_.size()));
+    std::unique_ptr<RingDomain> moving_old, moving_whole;
+    for (size_t k = 0; k < domains_.size(); ++k) {
+        auto &x = domains_[k];
+        if (!x) continue;
+        if (ended.count(x.get())) x.reset();  // its thread stopped above
+        else if (x.get() == old_whole) moving_old = std::move(x);
+        else if (x.get() == whole) moving_whole = std::move(x);
+        else places[k] = std::move(x);
     }
-    if (domains_.empty()) domains_.emplace_back();
-    if (auto s = watch_domain(**d, 0); !s) spdlog::critical("reload: {}", s.error().message);
-    domains_[0] = std::move(*d);
+    domains_ = std::move(places);
+    for (auto &[d, m] : keep) {
+        if (d == old_whole) d->to_part_of_ring(std::move(m));
+        else if (d == whole) {
+            if (auto s = d->to_whole_ring(std::move(m), std::move(listener)); !s)
+                spdlog::critical("reload: ring domain {} as the whole ring: {}", d->key(), s.error().message);
+        } else {
+            d->hosts_changed(std::move(m));
+        }
+    }
+    if (moving_whole) {
+        unwatch_domain(*moving_whole);
+        if (auto s = watch_domain(*moving_whole, 0); !s) spdlog::critical("reload: {}", s.error().message);
+        domains_[0] = std::move(moving_whole);
+    }
+    if (moving_old) {
+        size_t at = 1;
+        while (at < domains_.size() && domains_[at]) ++at;
+        if (at == domains_.size()) domains_.emplace_back();
+        unwatch_domain(*moving_old);
+        if (auto s = watch_domain(*moving_old, static_cast<uint32_t>(at)); !s) spdlog::critical("reload: {}", s.error().message);
+        domains_[at] = std::move(moving_old);
+    }
+    if (!whole) {
+        // The whole ring over the new list, in its place ([0]), on the listening socket.
+        std::vector<uint32_t> all(next.size());
+        for (uint32_t i = 0; i < all.size(); ++i) all[i] = i;
+        auto d = RingDomain::create(shared_, all, std::move(listener));
+        if (!d) {
+            spdlog::critical("reload: cannot make the ring over the new host list: {}", d.error().message);
+            return {};  // the host list is applied; the ring is what failed (status and log say why)
+        }
+        if (auto s = watch_domain(**d, 0); !s) spdlog::critical("reload: {}", s.error().message);
+        domains_[0] = std::move(*d);
+    }
     size_t live = 0;
     for (auto &x : domains_) live += x != nullptr;
     domains_.front()->control().set_domains(live);
-    spdlog::warn("reload: the host list is now {} host(s) ({} kept ring domain(s), {} ended)", next.size(), keep.size(),
-                 ended.size());
+    spdlog::warn("reload: the host list is now {} host(s) ({} kept ring domain(s){}, {} ended)", next.size(), keep.size(),
+                 old_whole ? ", the whole ring's before among them" : "", ended.size());
     return {};
 }
 

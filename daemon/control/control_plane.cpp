@@ -76,7 +76,7 @@ const char *kind_name(proto::ConnKind k) { return k == proto::ConnKind::Control 
 
 Result<std::unique_ptr<ControlPlane>> ControlPlane::create(const Config &config, size_t self_index,
                                                            const PeerSecret *secret, Callbacks callbacks,
-                                                           std::string domain, bool listen) {
+                                                           std::string domain, bool listen, UniqueFd listener) {
     std::unique_ptr<ControlPlane> cp(new ControlPlane());
     cp->config_ = config;
     cp->domain_ = std::move(domain);
@@ -107,8 +107,11 @@ Result<std::unique_ptr<ControlPlane>> ControlPlane::create(const Config &config,
     cp->data_in_.assign(streams, 0);
     cp->epoll_ = UniqueFd(::epoll_create1(EPOLL_CLOEXEC));
     if (!cp->epoll_) return make_error(-errno, "epoll_create1: " + errno_string(errno));
-    if (listen)
+    if (listen && listener) {
+        if (auto s = cp->take_listener(std::move(listener)); !s) return s.error();
+    } else if (listen) {
         if (auto s = cp->listen(); !s) return s.error();
+    }
     if (cp->n_ == 1) {
         // A ring of one host is up from the start; nothing crosses a network.
         cp->ring_up_ = true;
@@ -127,6 +130,28 @@ Status ControlPlane::watch(int fd, uint64_t id, uint32_t events) {
         (errno != EEXIST || ::epoll_ctl(epoll_.get(), EPOLL_CTL_MOD, fd, &ev) != 0))
         return make_error(-errno, "epoll_ctl: " + errno_string(errno));
     return Ok{};
+}
+
+UniqueFd ControlPlane::release_listener() {
+    if (!listener_) return {};
+    ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, listener_.get(), nullptr);
+    std::vector<uint64_t> accepting;
+    for (const auto &[id, c] : conns_)
+        if (!c->dialer && c->state == ConnState::Handshaking) accepting.push_back(id);
+    for (uint64_t id : accepting) close_conn(id);
+    return std::move(listener_);
+}
+
+Status ControlPlane::take_listener(UniqueFd listener) {
+    listener_ = std::move(listener);
+    return watch(listener_.get(), kListenerId, EPOLLIN);
+}
+
+void ControlPlane::rename(std::string domain, std::function<Status(const proto::PeerHello &)> foreign_check,
+                          std::function<void(UniqueFd, const proto::PeerHello &, const std::string &, const SessionKeys &)> adopt) {
+    domain_ = std::move(domain);
+    cb_.foreign_check = std::move(foreign_check);
+    cb_.adopt = std::move(adopt);
 }
 
 Status ControlPlane::listen() {
@@ -219,7 +244,10 @@ void ControlPlane::accept_all() {
         // An honest peer's hello follows at once: an idle connection is not kept long.
         c->deadline = Clock::now() + std::min<Clock::duration>(config_.timeouts.connect, std::chrono::seconds(5));
         c->hs.emplace(PeerHandshake::listen(std::move(fd), identity(), [this, ip](const proto::PeerHello &h) -> Status {
-            if (h.domain == domain_) return check_hello(h, ip);
+            if (h.domain == domain_) {
+                if (auto ok = check_hello(h, ip); !ok) return ok;
+                return check_runs_on(h);
+            }
             // Another ring domain's: a configured host at its address, then the domain's own
             // checks once its plane has the connection.
             for (uint32_t i = 0; i < n_; ++i) {
@@ -256,6 +284,27 @@ Status ControlPlane::check_hello(const proto::PeerHello &h, const std::string &i
         return Ok{};
     }
     return make_error(-EACCES, "host '" + h.from + "' is not in " + (domain_.empty() ? "this ring's config" : "ring domain " + domain_));
+}
+
+// A host whose host list differs from this one's (reloaded there and not yet here, or the other
+// way round) while this host's ring with it runs on the list it had: its connection would take
+// the place of the one this ring runs on (a peer that connects again is taken for one that
+// restarted) and end the generation whose ops run on it. It is refused until the lists agree (a
+// reload on the other host), or until the connection it would replace is gone.
+Status ControlPlane::check_runs_on(const proto::PeerHello &h) const {
+    if (h.version < 7 || h.hosts == hosts_digest_) return Ok{};
+    for (uint32_t i = 0; i < n_; ++i) {
+        if (peers_[i].host.name != h.from) continue;
+        const bool runs = peers_[i].control != 0 ||
+                          (h.kind == proto::ConnKind::Data && h.stream < data_in_.size() && data_in_[h.stream] != 0);
+        if (!runs) return Ok{};
+        return make_error(-EAGAIN, "host " + h.from + "'s host list (config version " +
+                                       (h.config_version.empty() ? "?" : h.config_version) + ") differs from this host's (" +
+                                       (config_version_ && !config_version_->empty() ? *config_version_ : "?") +
+                                       "), and their ring runs on over this host's: the hosts: of both must be the same "
+                                       "(a reload on the other) before a ring over the new list forms");
+    }
+    return Ok{};
 }
 
 void ControlPlane::adopt(UniqueFd fd, const proto::PeerHello &h, const std::string &ip, const SessionKeys &keys) {

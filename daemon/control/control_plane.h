@@ -86,8 +86,23 @@ public:
     // of a group over part of the ring) and `domain` their names as PeerHello carries them (""
     // for every host). Only the whole ring's plane listens (`listen`): a connection for another
     // domain is handed over, authenticated, through Callbacks::adopt.
+    // `listener`: a socket that already listens on this host's port (the previous whole ring's,
+    // handed over at a reload: see release_listener), used instead of binding a new one.
     static Result<std::unique_ptr<ControlPlane>> create(const Config &config, size_t self_index, const PeerSecret *secret,
-                                                        Callbacks callbacks, std::string domain = {}, bool listen = true);
+                                                        Callbacks callbacks, std::string domain = {}, bool listen = true,
+                                                        UniqueFd listener = {});
+    // A reload that changes which hosts the whole ring has (Daemon::apply_hosts): the listening
+    // plane gives up its listener for the next whole ring's, closing the connections it accepted
+    // that are still in their handshake (their dialers dial again, and the new listener's plane
+    // takes them); its up connections stay. take_listener: the other side of it.
+    UniqueFd release_listener();
+    Status take_listener(UniqueFd listener);
+    // The domain's name in the hellos this plane sends from now on (its up connections stay), and
+    // whether it hands other domains' connections over (the whole ring's: `foreign_check` and
+    // `adopt` set) or not (empty functions). A whole ring that a reload made part of a bigger one
+    // goes on under its hosts' names; a domain that a reload made the whole ring goes on as "".
+    void rename(std::string domain, std::function<Status(const proto::PeerHello &)> foreign_check,
+                std::function<void(UniqueFd, const proto::PeerHello &, const std::string &, const SessionKeys &)> adopt);
     // A connection for this domain that the listening plane accepted and authenticated; refused
     // (closed, logged) unless it is one this plane wants.
     void adopt(UniqueFd fd, const proto::PeerHello &hello, const std::string &ip, const SessionKeys &keys);
@@ -211,6 +226,7 @@ private:
 
     ControlPlane() = default;
     Status listen();
+    Status check_runs_on(const proto::PeerHello &h) const;
     void accept_all();
     void dial(uint32_t peer, proto::ConnKind kind, uint32_t stream);
     void on_conn(uint64_t id, uint32_t events);

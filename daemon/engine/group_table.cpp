@@ -50,13 +50,18 @@ std::chrono::milliseconds GroupTable::op_timeout(const std::string &group) const
     return it == groups_.end() ? op_timeout_ : it->second.op_timeout;
 }
 
+bool GroupTable::every_host(const std::string &group) const {
+    auto it = groups_.find(group);
+    return it != groups_.end() && it->second.every_host;
+}
+
 const std::vector<uint32_t> *GroupTable::hosts_of(const std::string &group) const {
     auto it = groups_.find(group);
     return it == groups_.end() ? nullptr : &it->second.hosts;
 }
 
 Status GroupTable::join(MemberId id, const std::string &name, uint32_t rank, uint32_t size, uint32_t uid,
-                        std::vector<uint32_t> hosts, std::chrono::milliseconds op_timeout) {
+                        std::vector<uint32_t> hosts, std::chrono::milliseconds op_timeout, bool every_host) {
     if (members_.count(id)) return make_error(-EALREADY, "this connection already joined a group");
     if (auto ok = check_join(name, rank, size, uid, op_timeout); !ok) return ok;
     auto it = groups_.find(name);
@@ -69,6 +74,7 @@ Status GroupTable::join(MemberId id, const std::string &name, uint32_t rank, uin
         g.owner_uid = uid;
         g.op_timeout = op_timeout.count() ? op_timeout : op_timeout_;
         g.hosts = std::move(hosts);
+        g.every_host = every_host;
         g.members.resize(size);
         it = groups_.emplace(name, std::move(g)).first;
     }

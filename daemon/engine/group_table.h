@@ -95,8 +95,12 @@ public:
     // caller checks later members against hosts_of(). Empty: every host.
     // `op_timeout`: the group's (0: the table's default, timeouts.op), the same for every local
     // rank: every op of the group fails within it of its first local submission.
+    // `every_host`: the first member named no hosts (every host of the ring then): a reload that
+    // adds hosts leaves the group's hosts as they were (its run was agreed over them), and a
+    // later member that names none joins it there (every_host()).
     Status join(MemberId id, const std::string &group, uint32_t local_rank, uint32_t local_size, uint32_t uid,
-                std::vector<uint32_t> hosts = {}, std::chrono::milliseconds op_timeout = {});
+                std::vector<uint32_t> hosts = {}, std::chrono::milliseconds op_timeout = {}, bool every_host = false);
+    bool every_host(const std::string &group) const;
     // The group's op timeout here (the default when there is no such group).
     std::chrono::milliseconds op_timeout(const std::string &group) const;
     // The hosts the group's first member declared, or null when there is no such group here.
@@ -192,6 +196,7 @@ private:
         uint32_t owner_uid = 0;
         std::chrono::milliseconds op_timeout{};
         std::vector<uint32_t> hosts;
+        bool every_host = false;
         std::vector<std::optional<MemberId>> members;  // by rank
         std::string broken;
         std::map<uint64_t, Pending> pending;  // by seq

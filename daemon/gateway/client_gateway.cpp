@@ -269,6 +269,11 @@ void ClientGateway::handle_hello(ClientConn &c, const proto::Hello &h) {
         drop(id, make_error(hosts.error().code, "group " + h.group + ": " + hosts.error().message), true);
         return;
     }
+    // A group over every host whose hosts a reload grew joins where its run is (its first ranks'
+    // hosts, kept by the reload) when a later rank names none either.
+    const bool every_host = h.hosts.find_first_not_of(' ') == std::string::npos;
+    if (const auto *declared = groups_.hosts_of(h.group); declared && every_host && groups_.every_host(h.group))
+        *hosts = *declared;
     const std::string names = host_names(config_, *hosts);
     if (std::find(hosts->begin(), hosts->end(), self_) == hosts->end()) {
         drop(id, make_error(-EINVAL, "group " + h.group + "'s hosts are " + names + ": host " + config_.hosts[self_].name +
@@ -317,7 +322,7 @@ void ClientGateway::handle_hello(ClientConn &c, const proto::Hello &h) {
         drop(id, s.error(), true);
         return;
     }
-    (void)groups_.join(id, h.group, h.local_rank, h.local_size, c.cred().uid, *hosts, op_timeout);  // checked above, same thread
+    (void)groups_.join(id, h.group, h.local_rank, h.local_size, c.cred().uid, *hosts, op_timeout, every_host);  // checked above
     if (!lease) {
         // The host's slot count: until the last client using this data area is gone.
         ++*live_slots_;

@@ -24,7 +24,7 @@ constexpr size_t kMaxFailedAhead = 4096;
 
 }  // namespace
 
-Result<std::unique_ptr<RingDomain>> RingDomain::create(Shared &shared, std::vector<uint32_t> members) {
+Result<std::unique_ptr<RingDomain>> RingDomain::create(Shared &shared, std::vector<uint32_t> members, UniqueFd listener) {
     std::unique_ptr<RingDomain> d(new RingDomain(shared));
     d->members_ = std::move(members);
     d->config_ = *shared.config;
@@ -39,15 +39,17 @@ Result<std::unique_ptr<RingDomain>> RingDomain::create(Shared &shared, std::vect
     if (d->key_.size() > proto::kMaxDomainBytes)
         return make_error(-E2BIG, "the names of these hosts take " + std::to_string(d->key_.size()) +
                                       " bytes, more than a ring domain's " + std::to_string(proto::kMaxDomainBytes));
-    if (auto s = d->setup(); !s) return s.error();
+    if (auto s = d->setup(std::move(listener)); !s) return s.error();
     return d;
 }
 
 RingDomain::~RingDomain() {
-    for (auto &l : lanes_) l->engine->stop();
+    for (auto &l : lanes_)
+        if (l->engine) l->engine->stop();
+    if (owns_transport_) sh_.transport_taken = false;
 }
 
-Status RingDomain::setup() {
+Status RingDomain::setup(UniqueFd listener) {
     RingOptions ring_options;
     ring_options.chunk_bytes = config_.tuning.chunk_bytes;
     ring_options.depth = config_.tuning.depth;
@@ -55,8 +57,9 @@ Status RingDomain::setup() {
     const uint64_t staging_bytes = RingAllreduce::staging_bytes(ring_options);
     for (uint32_t k = 0; k < std::max<uint32_t>(1, config_.tuning.lanes); ++k) {
         auto l = std::make_unique<Lane>();
-        if (whole_ring() && k == 0) {
+        if (whole_ring() && k == 0 && !sh_.transport_taken) {
             l->transport = sh_.transport;
+            owns_transport_ = sh_.transport_taken = true;
         } else {
             auto t = sh_.transport->sibling();
             if (!t) return t.error();
@@ -88,7 +91,7 @@ Status RingDomain::setup() {
         cb.foreign_check = sh_.foreign_check;
         cb.adopt = sh_.adopt;
     }
-    auto cp = ControlPlane::create(config_, self_index_, sh_.secret, std::move(cb), key_, whole_ring());
+    auto cp = ControlPlane::create(config_, self_index_, sh_.secret, std::move(cb), key_, whole_ring(), std::move(listener));
     if (!cp) return cp.error();
     control_ = std::move(*cp);
     if (sh_.generation_floor) control_->seed_generation(*sh_.generation_floor);
@@ -947,6 +950,24 @@ void RingDomain::tick(Clock::time_point now) {
 void RingDomain::hosts_changed(std::vector<uint32_t> members) {
     members_ = std::move(members);
     control_->set_identity(hosts_digest(sh_.config->hosts), sh_.config_version, sh_.instance);
+}
+
+void RingDomain::to_part_of_ring(std::vector<uint32_t> members) {
+    for (const auto &h : config_.hosts) key_ += (key_.empty() ? "" : ",") + h.name;
+    control_->rename(key_, {}, {});
+    hosts_changed(std::move(members));
+    spdlog::info("ring domain {}: the whole ring before the reload goes on over its hosts (generation {}) for the "
+                 "runs of its groups agreed over them; the whole ring is made anew",
+                 key_, local_generation_);
+}
+
+Status RingDomain::to_whole_ring(std::vector<uint32_t> members, UniqueFd listener) {
+    spdlog::info("ring domain {}: its hosts are the whole ring now; it goes on as the ring of every host (generation {})",
+                 key_, local_generation_);
+    key_.clear();
+    control_->rename(key_, sh_.foreign_check, sh_.adopt);
+    hosts_changed(std::move(members));
+    return control_->take_listener(std::move(listener));
 }
 
 void RingDomain::shutdown() {

@@ -85,10 +85,16 @@ public:
         const std::string *config_version = nullptr;
         uint64_t instance = 0;  // this ringd process's, random at start (handshakes say it)
         std::function<void(uint64_t generation)> generation_seen;
+        // Whether a domain's first lane runs on `transport` itself (the whole ring's, made at
+        // start); every other lane, and a whole ring made while that one still runs (a reload),
+        // runs on a sibling of it: one progress thread per transport.
+        bool transport_taken = false;
     };
 
     // `members`: config indices in ring order, this host among them (every host: the whole ring).
-    static Result<std::unique_ptr<RingDomain>> create(Shared &shared, std::vector<uint32_t> members);
+    // `listener`: the whole ring's listening socket, handed over from the one before (a reload).
+    static Result<std::unique_ptr<RingDomain>> create(Shared &shared, std::vector<uint32_t> members,
+                                                      UniqueFd listener = {});
     ~RingDomain();
 
     const std::string &key() const { return key_; }  // PeerHello::domain: "" for the whole ring
@@ -96,6 +102,13 @@ public:
     // A reload changed the host list but not this domain's hosts: their indices in the new list
     // (the same hosts, in the same order), and what the handshakes say this host runs.
     void hosts_changed(std::vector<uint32_t> members);
+    // A reload that adds hosts: the whole ring goes on as a domain over part of the new one, named
+    // by its hosts (its current generation and links, its groups' runs), and gives its listener up
+    // for the new whole ring's (release_listener, first). One that removes hosts may make a domain over part of the ring the
+    // whole of it: it takes the listener and goes on as "". `members`: its hosts' new indices.
+    void to_part_of_ring(std::vector<uint32_t> members);
+    Status to_whole_ring(std::vector<uint32_t> members, UniqueFd listener);
+    UniqueFd release_listener() { return control_->release_listener(); }
     bool whole_ring() const { return key_.empty(); }
     int control_fd() const { return control_->fd(); }
     uint32_t lanes() const { return static_cast<uint32_t>(lanes_.size()); }
@@ -135,7 +148,7 @@ public:
 
 private:
     RingDomain(Shared &shared) : sh_(shared), ops_(*shared.groups, *shared.done) {}
-    Status setup();
+    Status setup(UniqueFd listener);
     void on_ring_up(uint64_t generation, DataSockets to_next, DataSockets from_prev);
     void on_ring_down(const std::string &why);
     void on_peer_message(uint32_t host, Frame &frame);
@@ -165,6 +178,7 @@ private:
     std::string run_left(const OpRun &run) const;
 
     Shared &sh_;
+    bool owns_transport_ = false;  // lane 0 runs on sh_.transport (Shared::transport_taken)
     Config config_;  // the daemon's, with hosts = this domain's hosts in ring order
     std::string key_;
     std::vector<uint32_t> members_;

@@ -215,7 +215,7 @@ json reload_host(Daemon &d) {
 
 }  // namespace
 
-TEST_CASE("host lists change by reload: a host added joins the ring while a job on two others runs; a host "
+TEST_CASE("host lists change by reload: a host added joins the ring while jobs on the others run on; a host "
           "removed ends its groups, named, and nobody else's",
           "[operations][hosts]") {
     const std::string dir = make_temp_dir(), secret = dir + "/secret";
@@ -253,7 +253,7 @@ TEST_CASE("host lists change by reload: a host added joins the ring while a job 
         CHECK(st["config"]["pending_restart"].empty());
         REQUIRE(job_moves(pair));
     }
-    // The ring of four forms; the group over every host of the old ring ended, named.
+    // The ring of four forms; the group over every host of the old ring runs on over its three.
     Clients four_ranks;
     for (int i = 0; i < 200; ++i) {
         bool up = node3->alive();
@@ -262,12 +262,8 @@ TEST_CASE("host lists change by reload: a host added joins the ring while a job 
         std::this_thread::sleep_for(50ms);
     }
     for (uint32_t h = 0; h < 3; ++h) CHECK(c.status(h)["ring"]["size"] == 4);
-    {
-        const uint64_t t = all3[0]->submit(bench::kGuardBytes, 1000, RINGD_F32, RINGD_SUM);
-        CHECK(ringd_wait(all3[0]->get(), t, 10000) != 0);
-        CHECK_THAT(std::string(ringd_last_error(all3[0]->get())),
-                   Catch::Contains("the host list changed (a reload on host node0"));
-    }
+    steps(all3, 7);
+    for (uint32_t h = 0; h < 3; ++h) CHECK(c.group(h, "all3")["ops_failed"] == 0);
     all3.clear();
     for (uint32_t h = 0; h < 3; ++h)
         four_ranks.push_back(std::make_unique<Client>(c.d[h]->socket(), "all4", 0, 1, kSlot, ""));
@@ -313,6 +309,97 @@ TEST_CASE("host lists change by reload: a host added joins the ring while a job 
     for (uint32_t h = 0; h < 2; ++h) again.push_back(std::make_unique<Client>(c.d[h]->socket(), "all-after", 0, 1, kSlot, ""));
     again.push_back(std::make_unique<Client>(node3->socket(), "all-after", 0, 1, kSlot, ""));
     steps(again, 90);
+}
+
+TEST_CASE("a host added by reload fails no op of the jobs over the whole ring, named or not; removed again, "
+          "only the group over it ends, once, named",
+          "[operations][hosts]") {
+    const std::string dir = make_temp_dir(), secret = dir + "/secret";
+    write_secret(secret, "0123456789abcdef-grow-secret");
+    const std::string auth = "auth: {secret_file: " + secret + "}\n";
+    const auto hosts = namespace_hosts(3);  // node2's is there from the start, unused until it runs
+    ClusterOptions co{"10s", "", auth, "64MiB"};
+    co.netns = hosts.get();
+    TestCluster c(2, co);
+    REQUIRE(c.wait_up());
+    // Both jobs span the whole ring of two: one names its hosts, one names none (every host).
+    LoopingJob named(connect_on(c, "named", {0, 1}, {1, 1}, "node0,node1", kSlot));
+    auto every = std::make_unique<LoopingJob>(connect_all(c, "every", 1, kSlot));
+    REQUIRE(job_moves(named));
+    REQUIRE(job_moves(*every));
+
+    const std::vector<Entry> three = {entry(c, 0), entry(c, 1), entry(c, 2)}, two = {entry(c, 0), entry(c, 1)};
+    DaemonOptions o2;
+    o2.host = "node2";
+    o2.hosts_yaml = hosts_block(three);
+    o2.op_timeout = "10s";
+    if (hosts) o2.netns = hosts->ns(2);
+    o2.extra_yaml = "tcp: {streams: 2}\n" + auth;
+    auto node2 = std::make_unique<Daemon>(o2);
+    REQUIRE(node2->ready());
+    for (uint32_t h = 0; h < 2; ++h) {
+        INFO("reload on node" << h);
+        set_hosts(c.d[h]->dir() + "/ringd.yaml", three);
+        const json st = reload_host(*c.d[h]);
+        CHECK_THAT(st["config"]["last_reload"].get<std::string>(), Catch::Contains("applied: hosts"));
+        REQUIRE(job_moves(named));
+        REQUIRE(job_moves(*every));
+    }
+    // The ring of three forms while both jobs run on over the two hosts they were agreed on.
+    bool up = false;
+    for (int i = 0; i < 200 && !up; ++i) {
+        up = json::parse(*fetch_status(node2->socket()))["ring"]["size"] == 3;
+        for (uint32_t h = 0; h < 2; ++h) up = up && c.status(h)["ring"]["state"] == "up" && c.status(h)["ring"]["size"] == 3;
+        if (!up) std::this_thread::sleep_for(50ms);
+    }
+    REQUIRE(up);
+    REQUIRE(job_moves(named));
+    REQUIRE(job_moves(*every));
+    for (uint32_t h = 0; h < 2; ++h) {
+        const json st = c.status(h);
+        bool part = false;  // the ring of two goes on as a domain over part of the ring of three
+        for (const auto &d : st["domains"]) part = part || d["hosts"] == json::array({"node0", "node1"});
+        CHECK(part);
+    }
+    // A new group over the two named hosts runs with them, beside the ring of three.
+    {
+        auto pair = connect_on(c, "pair-after", {0, 1}, {1, 1}, "node0,node1", kSlot);
+        steps(pair, 20);
+    }
+    check_clean(every->stop(), 8);
+    for (uint32_t h = 0; h < 2; ++h) CHECK(c.group(h, "every")["ops_failed"] == 0);
+    every.reset();  // its ranks leave
+    // The unnamed job's next run is over every host of the new list.
+    Clients all3 = connect_all(c, "every", 1, kSlot);
+    all3.push_back(std::make_unique<Client>(node2->socket(), "every", 0, 1, kSlot, ""));
+    steps(all3, 30);
+
+    // node2 leaves the lists again: the group over it ends, once, naming the reload; the named job
+    // runs on (the domain of its two hosts is the whole ring again).
+    for (uint32_t h = 0; h < 2; ++h) {
+        set_hosts(c.d[h]->dir() + "/ringd.yaml", two);
+        const json st = reload_host(*c.d[h]);
+        CHECK_THAT(st["config"]["last_reload"].get<std::string>(), Catch::Contains("applied: hosts"));
+        REQUIRE(job_moves(named));
+    }
+    for (size_t r = 0; r < 2; ++r) {
+        const uint64_t t = all3[r]->submit(bench::kGuardBytes, 1000, RINGD_F32, RINGD_SUM);
+        CHECK(ringd_wait(all3[r]->get(), t, 10000) != 0);
+        CHECK_THAT(std::string(ringd_last_error(all3[r]->get())),
+                   Catch::Contains("the host list changed (a reload on host node") && Catch::Contains("host node2 left the host list"));
+        CHECK(c.group(static_cast<uint32_t>(r), "every")["ops_failed"] == 1);
+    }
+    all3.clear();
+    node2.reset();
+    REQUIRE(job_moves(named));
+    check_clean(named.stop(), 16);
+    for (uint32_t h = 0; h < 2; ++h) CHECK(c.group(h, "named")["ops_failed"] == 0);
+    for (uint32_t h = 0; h < 2; ++h) {
+        CHECK(c.status(h)["ring"]["size"] == 2);
+        CHECK(c.status(h)["ring"]["state"] == "up");
+    }
+    Clients again = connect_all(c, "every-again", 1, kSlot);
+    steps(again, 40);
 }
 
 TEST_CASE("a drained host of a ring refuses new groups naming the drain while the job over it loops on; drain "
