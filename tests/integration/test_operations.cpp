@@ -327,6 +327,10 @@ TEST_CASE("a host added by reload fails no op of the jobs over the whole ring, n
     auto every = std::make_unique<LoopingJob>(connect_all(c, "every", 1, kSlot));
     REQUIRE(job_moves(named));
     REQUIRE(job_moves(*every));
+    // A group over every host whose second rank on node0 comes after the reloads.
+    Clients late;
+    late.push_back(std::make_unique<Client>(c.d[0]->socket(), "late", 0, 2, kSlot, ""));
+    late.push_back(std::make_unique<Client>(c.d[1]->socket(), "late", 0, 1, kSlot, ""));
 
     const std::vector<Entry> three = {entry(c, 0), entry(c, 1), entry(c, 2)}, two = {entry(c, 0), entry(c, 1)};
     DaemonOptions o2;
@@ -361,6 +365,10 @@ TEST_CASE("a host added by reload fails no op of the jobs over the whole ring, n
         for (const auto &d : st["domains"]) part = part || d["hosts"] == json::array({"node0", "node1"});
         CHECK(part);
     }
+    // The late rank joins its group where it runs (over the two hosts of its first ranks).
+    late.insert(late.begin() + 1, std::make_unique<Client>(c.d[0]->socket(), "late", 1, 2, kSlot, ""));
+    steps(late, 25);
+    late.clear();
     // A new group over the two named hosts runs with them, beside the ring of three.
     {
         auto pair = connect_on(c, "pair-after", {0, 1}, {1, 1}, "node0,node1", kSlot);
