@@ -244,10 +244,7 @@ void ControlPlane::accept_all() {
         // An honest peer's hello follows at once: an idle connection is not kept long.
         c->deadline = Clock::now() + std::min<Clock::duration>(config_.timeouts.connect, std::chrono::seconds(5));
         c->hs.emplace(PeerHandshake::listen(std::move(fd), identity(), [this, ip](const proto::PeerHello &h) -> Status {
-            if (h.domain == domain_) {
-                if (auto ok = check_hello(h, ip); !ok) return ok;
-                return check_runs_on(h);
-            }
+            if (h.domain == domain_) return check_hello(h, ip);
             // Another ring domain's: a configured host at its address, then the domain's own
             // checks once its plane has the connection.
             for (uint32_t i = 0; i < n_; ++i) {
@@ -259,7 +256,7 @@ void ControlPlane::accept_all() {
                 return cb_.foreign_check(h);
             }
             return make_error(-EACCES, "host '" + h.from + "' is not in this ring's config");
-        }));
+        }, [this](const proto::PeerHello &h) -> Status { return h.domain == domain_ ? check_runs_on(h) : Status(Ok{}); }));
         const uint64_t id = c->id;
         if (auto s = watch(c->hs->fd(), id, EPOLLIN); !s) continue;
         conns_.emplace(id, std::move(c));
@@ -287,16 +284,18 @@ Status ControlPlane::check_hello(const proto::PeerHello &h, const std::string &i
 }
 
 // A host whose host list differs from this one's (reloaded there and not yet here, or the other
-// way round) while this host's ring with it runs on the list it had: its connection would take
-// the place of the one this ring runs on (a peer that connects again is taken for one that
-// restarted) and end the generation whose ops run on it. It is refused until the lists agree (a
+// way round) while this host's ring with it runs on the list it had: a control connection while
+// this ring has one from it, or a data stream while the ring is up (its links handed over) or has
+// that stream, would take the place of the one it runs on (a peer that connects again is taken for
+// one that restarted, or re-forms its links) and end the generation whose ops run on it. It is refused until the lists agree (a
 // reload on the other host), or until the connection it would replace is gone.
 Status ControlPlane::check_runs_on(const proto::PeerHello &h) const {
     if (h.version < 7 || h.hosts == hosts_digest_) return Ok{};
     for (uint32_t i = 0; i < n_; ++i) {
         if (peers_[i].host.name != h.from) continue;
-        const bool runs = peers_[i].control != 0 ||
-                          (h.kind == proto::ConnKind::Data && h.stream < data_in_.size() && data_in_[h.stream] != 0);
+        const bool runs = h.kind == proto::ConnKind::Control
+                              ? peers_[i].control != 0
+                              : ring_up_ || (h.stream < data_in_.size() && data_in_[h.stream] != 0);
         if (!runs) return Ok{};
         return make_error(-EAGAIN, "host " + h.from + "'s host list (config version " +
                                        (h.config_version.empty() ? "?" : h.config_version) + ") differs from this host's (" +

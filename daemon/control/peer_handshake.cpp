@@ -55,9 +55,10 @@ PeerHandshake PeerHandshake::dial(UniqueFd fd, const PeerIdentity &me, const std
     return h;
 }
 
-PeerHandshake PeerHandshake::listen(UniqueFd fd, const PeerIdentity &me, HelloCheck check) {
+PeerHandshake PeerHandshake::listen(UniqueFd fd, const PeerIdentity &me, HelloCheck check, HelloCheck authenticated) {
     PeerHandshake h(std::move(fd), me);
     h.check_ = std::move(check);
+    h.authenticated_ = std::move(authenticated);
     h.state_ = State::WaitHello;
     return h;
 }
@@ -140,6 +141,11 @@ PeerHandshake::State PeerHandshake::on_frame(const Frame &f) {
             return fail(-EACCES, "authentication failed: " + hello_.from + " does not prove the shared secret " +
                                      (secret.enabled() ? "(wrong auth.secret_file?)" : "(it has one; this host has none)"));
         }
+        if (authenticated_)
+            if (auto ok = authenticated_(hello_); !ok) {
+                (void)send_all(fd_.get(), proto::encode_error({ok.error().code, ok.error().message}));
+                return fail(ok.error().code, ok.error().message);
+            }
         proto::PeerAccept a{me_.generation, hello_.version, me_.hosts, me_.config_version, me_.instance, {}};
         if (a.version >= 7) a.mac = chosen_.mac(kAcceptRole, cat(hello_payload_, proto::peer_accept_fields(a)), nonce_l_);
         if (auto s = send_all(fd_.get(), proto::encode_peer_accept(a)); !s) return fail(s.error().code, s.error().message);

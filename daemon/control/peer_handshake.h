@@ -48,7 +48,10 @@ public:
     // handshake fails with -EPROTONOSUPPORT and refused_version().
     static PeerHandshake dial(UniqueFd fd, const PeerIdentity &me, const std::string &peer, proto::ConnKind kind,
                               uint32_t stream, uint16_t version = proto::kPeerProtocolVersion);
-    static PeerHandshake listen(UniqueFd fd, const PeerIdentity &me, HelloCheck check);
+    // `check`: whether the hello may go on, before the dialer proves anything; `authenticated`:
+    // once it proved the secret (a refusal that depends on what the hello says of the dialer's
+    // state: a stranger learns nothing from it, and cannot cause it).
+    static PeerHandshake listen(UniqueFd fd, const PeerIdentity &me, HelloCheck check, HelloCheck authenticated = {});
 
     // Reads what the socket has and moves on. Returns the state afterwards; Failed comes with
     // error() set.
@@ -82,7 +85,7 @@ private:
 
     UniqueFd fd_;
     PeerIdentity me_;
-    HelloCheck check_;
+    HelloCheck check_, authenticated_;
     bool dialer_ = false;
     State state_ = State::Failed;
     Error error_;
