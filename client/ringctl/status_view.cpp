@@ -81,7 +81,7 @@ void print_status(const nlohmann::json &j) {
                     ring.value("auth", "?").c_str());
         if (!ring.value("last_abort", "").empty()) std::printf("  last abort: %s\n", ring.at("last_abort").get<std::string>().c_str());
         if (ring.contains("protocol") && ring.at("protocol").is_number() && ring.at("members").size() > 1)
-            std::printf("  protocol %d (the oldest its hosts speak)\n", ring.at("protocol").get<int>());
+            std::printf("  protocol %d (this generation's, the oldest any of its hosts speaks: the coordinator decides)\n", ring.at("protocol").get<int>());
         if (ring.contains("hosts_differ") && ring.at("hosts_differ").is_array() && !ring.at("hosts_differ").empty()) {
             std::string names;
             for (const auto &h : ring.at("hosts_differ")) names += (names.empty() ? "" : ", ") + (h.is_string() ? h.get<std::string>() : "?");

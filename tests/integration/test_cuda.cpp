@@ -17,6 +17,7 @@
 #include "common/cuda/cuda_api.h"
 #include "common/status_client.h"
 #include "tests/support/cluster.h"
+#include "tests/support/matrix.h"
 #include "tests/support/skip.h"
 
 using namespace ringd;
@@ -370,10 +371,10 @@ TEST_CASE("a device op 16 times the slot streams through it, the next op behind 
     use_device();
     TestCluster c(2, cuda_cluster("30s", cuda_yaml()));
     REQUIRE(c.wait_up());
-    // 512 MiB through a 32 MiB slot: 64 parts of 8 MiB (the default: a quarter of the slot)
-    // cycling through 4 ranges.
-    constexpr size_t kCount = size_t{128} << 20;
-    Clients cl = connect_all(c, "stream", 1, 32 << 20);
+    // 512 MiB through a 32 MiB slot (the full matrix; else 128 MiB through 8 MiB): 64 parts of
+    // a quarter of the slot (the default) cycling through 4 ranges.
+    const size_t slot = (full_matrix() ? size_t{32} : size_t{8}) << 20, kCount = 16 * slot / 4;
+    Clients cl = connect_all(c, "stream", 1, slot);
     std::vector<std::unique_ptr<DeviceBuf>> big, small;
     for (size_t g = 0; g < cl.size(); ++g) {
         big.push_back(std::make_unique<DeviceBuf>(cl[g]->get(), kCount * 4 + (64 << 10), g % 2 == 0));

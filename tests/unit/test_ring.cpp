@@ -40,6 +40,16 @@ using namespace std::chrono_literals;
 
 namespace {
 
+// ThreadSanitizer runs every access of the data slowly (the TSan suites take minutes on a few
+// large buffers): there, the cases about sizes and values (chunk choice, numerics, staging) run
+// their smaller sizes only; their threads do the same at every size, and the plain and ASan +
+// UBSan suites run them whole.
+#if defined(__SANITIZE_THREAD__)
+constexpr bool kTsan = true;
+#else
+constexpr bool kTsan = false;
+#endif
+
 std::string host(uint32_t r) { return "node" + std::to_string(r); }
 
 // A ring of n hosts in one process.
@@ -668,6 +678,7 @@ TEST_CASE("large ops take chunk_bytes; smaller ones halve it down to 512 KiB wit
     Ring ring(3, "tcp", 2);
     uint32_t op_tag = 1;
     for (uint64_t mib : {3u, 10u, 17u}) {
+        if (kTsan && mib > 3) break;
         INFO(mib << " MiB segments");
         allreduce_and_check(ring, DType::F32, ReduceOp::Sum, 3 * (mib << 20) / 4 + 5, opt, op_tag++);
         allreduce_and_check(ring, DType::BF16, ReduceOp::Avg, 3 * (mib << 20) / 4 + 7, opt, op_tag++, 2);
@@ -689,7 +700,10 @@ TEST_CASE("partial results forwarded from their staging slot or from the data re
     );
     INFO(kind << " x " << streams);
     // Reduced: 4 hosts; the full matrix adds 2.
-    const std::vector<uint32_t> host_counts = full_matrix() ? std::vector<uint32_t>{2, 4} : std::vector<uint32_t>{4};
+    // ThreadSanitizer: 3 hosts.
+    const std::vector<uint32_t> host_counts = full_matrix() ? std::vector<uint32_t>{2, 4}
+                                              : kTsan       ? std::vector<uint32_t>{3}
+                                                            : std::vector<uint32_t>{4};
     for (uint32_t n : host_counts) {
         Ring ring(n, kind, streams);
         uint32_t op_tag = 1;
@@ -705,6 +719,7 @@ TEST_CASE("partial results forwarded from their staging slot or from the data re
         if (kind != "tcp") continue;
         // Chunks of 256 KiB over TCP (each read by several receives), in every dtype family.
         for (uint32_t depth : {1u, 2u, 4u}) {
+            if (kTsan && depth == 2) continue;
             INFO(n << " hosts, " << depth << " slots of 256 KiB");
             const RingOptions opt{256 << 10, depth, 50, 4 << 20};
             allreduce_and_check(ring, DType::F32, ReduceOp::Avg, 3 * n * (64 << 10) + 3, opt, op_tag++);
@@ -978,7 +993,7 @@ TEST_CASE("avg of values near the largest finite one never overflows: f16 and bf
     for (uint32_t local : {1u, 2u}) {
         for (DType t : {DType::F16, DType::BF16, DType::F32, DType::F64}) {
             // Several chunks per segment (the last one short); f16 on the ring: a million elements.
-            const uint64_t count = t == DType::F16 && n > 1 && kind != "ibverbs" ? 1000003 : 3 * 3 * 4096 + 11;
+            const uint64_t count = t == DType::F16 && n > 1 && kind != "ibverbs" && !kTsan ? 1000003 : 3 * 3 * 4096 + 11;
             const double ulps = near_max_avg_and_check(ring, t, count, local, RingOptions{16384, 4}, op_tag++);
             UNSCOPED_INFO(dtype_name(t) << ", " << local << " local: largest deviation " << ulps << " ulp");
         }
