@@ -6,13 +6,39 @@
   it needs no C++ piece at all.
 - Registering the backend: torch 2.1 and later take the devices it serves (cpu and cuda); a
   creator that returns a ProcessGroup is used as the process group itself in every version.
+- torch 2's process-group contract, which a Python ProcessGroup does not get from torch's
+  wrapper (it is the process group itself, read from torch 2.13's distributed_c10d.py,
+  device_mesh.py and fsdp/_fully_shard): the group's name and description live in a C++ backend
+  registered for its devices (ringd's internal Gloo group: what C++ calls that no Python method
+  overrides, such as a functional reduce_scatter, then run there), `_get_backend(device)`
+  answers ringd's own description (RingdBackend), `_start_coalescing` / `_end_coalescing` give
+  one Work for the collectives between them, `shutdown` / `abort` close the ringd connection,
+  and the single-tensor collectives are defined under the one name of each renamed pair that
+  this torch's Python API calls (`all_gather_single` / `reduce_scatter_single` from about 2.13,
+  `_allgather_base` / `_reduce_scatter_base` before).
+- Errors: torch 2 completes a future with an error only from a callback that raises, and puts
+  "Got the following error when running the callback: " and a traceback around the message
+  (twice through two callbacks); ringd_message() takes them off again wherever ringd raises.
 """
 import os
+import re
 
 import torch
 import torch.distributed as dist
 
 TORCH_MAJOR = int(torch.__version__.split(".")[0])
+TORCH_VERSION = torch.__version__.split("+")[0]
+
+_CALLBACK_WRAPPER = re.compile(r"^(?:Got the following error when running the callback: (?:RuntimeError: )?)+")
+
+
+def ringd_message(error):
+    """The text of `error` (an exception or a string) without what torch's future callbacks put
+    around it: ringd's own message."""
+    text = str(error)
+    text = _CALLBACK_WRAPPER.sub("", text)
+    cut = text.find("\n\nAt:\n")
+    return text[:cut] if cut >= 0 else text
 
 
 def _load_work_module():
@@ -90,23 +116,44 @@ if TORCH_MAJOR < 2:
 
     def register_backend(name, creator):
         dist.Backend.register_backend(name, creator)
+
+    # torch 1.13's names of the single-tensor collectives (all_gather_into_tensor,
+    # reduce_scatter_tensor): the ones its Python API calls.
+    ALL_GATHER_SINGLE, REDUCE_SCATTER_SINGLE = "_allgather_base", "_reduce_scatter_base"
+
+    def attach(pg, gloo):
+        """Nothing to attach on 1.13: its Python process group is the whole contract."""
+
+    def install_contract(cls):
+        """ringd's group under 1.13's names."""
+        setattr(cls, ALL_GATHER_SINGLE, cls._all_gather_single)
+        setattr(cls, REDUCE_SCATTER_SINGLE, cls._reduce_scatter_single)
+        return cls
 else:
+    from torch._C._distributed_c10d import ProcessGroup as _ProcessGroup
+
     class _RingdWork(dist._Work):
-        """wait() blocks until the op is done and raises its error (a CUDA op: on_wait orders the
-        current stream after the result instead, without blocking); get_future() is the op's
-        future."""
+        """wait() blocks until the op is done and raises its error with ringd's message (a CUDA op:
+        on_wait orders the current stream after the result instead, without blocking);
+        get_future() is the op's future, which DDP's reducer and FSDP wait on."""
 
         def __init__(self, fut, result, on_wait):
             super().__init__()
             self._fut, self._result, self._on_wait = fut, result, on_wait
 
+        def _raise(self):
+            try:
+                self._fut.wait()
+            except RuntimeError as e:
+                raise RuntimeError(ringd_message(e)) from None
+
         def wait(self, timeout=None):
             if self._on_wait is not None:
                 self._on_wait()
                 if self._fut.done():
-                    self._fut.wait()  # raises the op's error
+                    self._raise()
                 return True
-            self._fut.wait()
+            self._raise()
             return True
 
         def get_future(self):
@@ -127,6 +174,15 @@ else:
             except RuntimeError:
                 return False
 
+        def exception(self):
+            if not self._fut.done():
+                return None
+            try:
+                self._fut.wait()
+                return None
+            except RuntimeError as e:
+                return RuntimeError(ringd_message(e))
+
     def work(fut, result, on_wait=None):
         return _RingdWork(fut, result, on_wait)
 
@@ -136,3 +192,79 @@ else:
             dist.Backend.register_backend(name, creator, devices=["cpu", "cuda"])
         else:  # torch 2.0: no device list; the process group serves every device it gets
             dist.Backend.register_backend(name, creator)
+
+    # Renamed around 2.13 (the _base names became deprecated aliases of the C++ method): the
+    # name of each pair that this torch's dist.all_gather_into_tensor / reduce_scatter_tensor
+    # call. Only that one is defined on ringd's group.
+    if hasattr(_ProcessGroup, "all_gather_single"):
+        ALL_GATHER_SINGLE, REDUCE_SCATTER_SINGLE = "all_gather_single", "reduce_scatter_single"
+    else:
+        ALL_GATHER_SINGLE, REDUCE_SCATTER_SINGLE = "_allgather_base", "_reduce_scatter_base"
+
+    def _devices():
+        devices = [torch.device("cpu")]
+        if torch.cuda.is_available():
+            devices.append(torch.device("cuda"))
+        return devices
+
+    def attach(pg, gloo):
+        """Registers ringd's internal Gloo group as `pg`'s C++ backend for its devices: torch keeps
+        the group's name and description there (FSDP2, DeviceMesh and functional collectives find
+        groups by name), and what C++ calls on the group without a Python override runs there."""
+        kind = _ProcessGroup.BackendType.GLOO
+        for device in _devices():
+            pg._register_backend(device, kind, gloo)
+
+    class RingdBackend:
+        """What `group._get_backend(device)` answers for a ringd group: ringd runs the group on
+        every device it serves; no communicator splitting (torch 2.13 allows split_group only
+        through an accelerator's backend that splits), no coalescing of point-to-point ops, no
+        time estimates, and no tensors allocated for FSDP (supports_tensor_alloc: False)."""
+
+        supports_splitting = False
+        supports_coalescing = False
+        supports_time_estimate = False
+
+        def __init__(self, pg, device):
+            self._pg, self.device = pg, device
+
+        def name(self):
+            return "ringd"
+
+        def rank(self):
+            return self._pg.rank()
+
+        def size(self):
+            return self._pg.size()
+
+        def supports_tensor_alloc(self, device):
+            return False
+
+        def allocate_tensor(self, size, *, dtype, device):
+            raise RuntimeError("ringd: this ringd group allocates no tensors (supports_tensor_alloc is False); "
+                               "leave FSDP's set_allocate_memory_from_process_group_for_comm off")
+
+        def eager_connect_single_device(self, device):
+            pass  # ringd's group is connected when the process group is made
+
+        def shutdown(self):
+            self._pg.shutdown()
+
+        def abort(self):
+            self._pg.abort()
+
+        def __repr__(self):
+            return f"RingdBackend(group {getattr(self._pg, 'ringd_group', '?')}, {self.device})"
+
+    def install_contract(cls):
+        """ringd's group under this torch's names."""
+        setattr(cls, ALL_GATHER_SINGLE, cls._all_gather_single)
+        setattr(cls, REDUCE_SCATTER_SINGLE, cls._reduce_scatter_single)
+        cls._get_backend = lambda self, device: RingdBackend(self, torch.device(device))
+        for name in ("all_gather_single_coalesced", "allgather_into_tensor_coalesced"):
+            if hasattr(_ProcessGroup, name):
+                setattr(cls, name, cls._all_gather_single_coalesced)
+        for name in ("reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced"):
+            if hasattr(_ProcessGroup, name):
+                setattr(cls, name, cls._reduce_scatter_single_coalesced)
+        return cls

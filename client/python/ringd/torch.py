@@ -55,6 +55,33 @@ _FIRST_CHUNK_BYTES = 4 << 20
 _MAX_DEVICE_REGISTRATIONS = 1024
 
 
+def _premul_factor(op):
+    """PREMUL_SUM's factor (a float or a 0-d tensor: FSDP2's gradient divide factor), or None for
+    any other op (torch 1.13 has no factor to read)."""
+    inner = getattr(op, "op", op)
+    if inner != getattr(dist.ReduceOp, "PREMUL_SUM", None) and not (
+            hasattr(dist.ReduceOp, "RedOpType") and inner == getattr(dist.ReduceOp.RedOpType, "PREMUL_SUM", None)):
+        return None
+    try:
+        return op.factor
+    except (AttributeError, RuntimeError):
+        raise RuntimeError("ringd: PREMUL_SUM without a factor; make it with dist.ReduceOp.PREMUL_SUM(factor), or use "
+                           "SUM or AVG") from None
+
+
+def _premultiply(tensor, op):
+    """PREMUL_SUM(f) as SUM of f x each input (NCCL's meaning): `tensor` scaled in place; the op
+    to run."""
+    factor = _premul_factor(op)
+    if factor is None:
+        return op
+    if not tensor.dtype.is_floating_point:
+        raise RuntimeError(f"ringd: PREMUL_SUM of {tensor.dtype} is not defined (a float factor); use SUM")
+    with torch.no_grad():
+        tensor.mul_(factor.to(tensor.device) if isinstance(factor, torch.Tensor) else factor)
+    return dist.ReduceOp.SUM
+
+
 def _op_name(op):
     for name, ref in (("sum", dist.ReduceOp.SUM), ("avg", dist.ReduceOp.AVG), ("min", dist.ReduceOp.MIN),
                       ("max", dist.ReduceOp.MAX)):
@@ -748,18 +775,20 @@ class _Engine:
                 if not rec.future.done():
                     rec.future.set_error(f"ringd: completing the op: {e}")
 
-    def close(self):
+    def close(self, wait=True):
         """Fails what is queued or in flight, stops the threads, then lets the client (and its
-        slot) go."""
+        slot) go. wait: ops in flight get up to 5 s to end in ringd first (destroy_process_group);
+        else they fail at once (abort)."""
         with self.lock:
             if self.closed or self.closing:
                 return
             self.closing = True
-            self.dead = self.dead or f"ringd: the process group of group {self.group} was destroyed"
+            self.dead = self.dead or (f"ringd: the process group of group {self.group} was "
+                                      f"{'destroyed' if wait else 'aborted'}")
             self.room.notify_all()
         # The submitting thread fails the ops queued; those in flight end in ringd (within its op
-        # timeout) or are failed below after 5 s.
-        end = datetime.datetime.now() + datetime.timedelta(seconds=5)
+        # timeout) or are failed below after 5 s (at once when aborted).
+        end = datetime.datetime.now() + datetime.timedelta(seconds=5 if wait else 0)
         while datetime.datetime.now() < end:
             with self.lock:
                 if not self.inflight and not self.pending:
@@ -876,7 +905,9 @@ class ProcessGroupRingd(ProcessGroup):
             store.set(key, f"torch-{uuid.uuid4().hex[:20]}")
         group = store.get(key).decode()
         self._engine = None
+        self._coalesced = None  # the Works since _start_coalescing
         self._gloo = _gloo_group(store, rank, size, timeout)
+        _compat.attach(self, self._gloo)
         self.ringd_group = group
         self.ringd_hosts = hosts
         why = ""
@@ -919,20 +950,31 @@ class ProcessGroupRingd(ProcessGroup):
             raise RuntimeError(f"ringd: AVG of {t.dtype} is not defined (an integer mean); use SUM")
         return name
 
+    def _track(self, work):
+        """`work`, also kept for _end_coalescing while the group coalesces."""
+        if self._coalesced is not None:
+            self._coalesced.append(work)
+        return work
+
     def allreduce(self, tensors, opts=None):
-        if opts is None or isinstance(opts, dist.ReduceOp):
-            op = opts if isinstance(opts, dist.ReduceOp) else dist.ReduceOp.SUM
+        if opts is None or isinstance(opts, (dist.ReduceOp, getattr(dist.ReduceOp, "RedOpType", dist.ReduceOp))):
+            op = dist.ReduceOp.SUM if opts is None else opts
             opts = dist.AllreduceOptions()
             opts.reduceOp = op
+        if _premul_factor(opts.reduceOp) is not None:
+            op = opts.reduceOp
+            opts = dist.AllreduceOptions()
+            for t in tensors:
+                opts.reduceOp = _premultiply(t, op)
         name = self._ringd_op(tensors, opts.reduceOp)
         if name is None:
             if _op_name(opts.reduceOp) == "avg":
                 raise RuntimeError("ringd: AVG needs one float32/float64/float16/bfloat16/int tensor")
-            return self._gloo.allreduce(tensors, opts)
+            return self._track(self._gloo.allreduce(tensors, opts))
         if tensors[0].is_cuda:
-            return self._allreduce_cuda(tensors[0], name, [tensors[0]], tensors)
+            return self._track(self._allreduce_cuda(tensors[0], name, [tensors[0]], tensors))
         fut = self._engine.allreduce(tensors[0], name)
-        return _compat.work(fut, tensors)
+        return self._track(_compat.work(fut, tensors))
 
     def _allreduce_cuda(self, tensor, name, result, tensors):
         """A CUDA tensor's allreduce through ringd's CUDA path, in the order of the current
@@ -969,19 +1011,33 @@ class ProcessGroupRingd(ProcessGroup):
                             on_wait=lambda: torch.cuda.current_stream(tensor.device).wait_event(copied))
 
     def allreduce_coalesced(self, tensors, opts=None):
-        works = [self.allreduce([t], self._coalesced_opts(opts)) for t in tensors]
+        return self._coalesce(lambda: [self.allreduce([t], self._coalesced_opts(opts)) for t in tensors], tensors)
+
+    def _coalesce(self, start, result):
+        """One Work for the Works that start() makes (not kept for _end_coalescing one by one): done
+        when all are, failed with the first one's error."""
+        held, self._coalesced = self._coalesced, None
+        try:
+            works = start()
+        finally:
+            self._coalesced = held
+        return self._track(self._joined(works, result))
+
+    @staticmethod
+    def _joined(works, result):
         fut = torch.futures.collect_all([w.get_future() for w in works])
-        out = _compat.OpFuture(devices=sorted({t.device for t in tensors if t.is_cuda}, key=str) or None)
+        devices = sorted({t.device for t in result if isinstance(t, torch.Tensor) and t.is_cuda}, key=str)
+        out = _compat.OpFuture(devices=devices or None)
 
         def done(f):
             try:
                 for each in f.value():
                     each.value()
-                out.set_result(tensors)
+                out.set_result(result)
             except RuntimeError as e:
-                out.set_error(str(e))
+                out.set_error(_compat.ringd_message(e))
         fut.add_done_callback(done)
-        return _compat.work(out.future, tensors)
+        return _compat.work(out.future, result)
 
     @staticmethod
     def _coalesced_opts(opts):
@@ -989,6 +1045,39 @@ class ProcessGroupRingd(ProcessGroup):
         if opts is not None:
             o.reduceOp = opts.reduceOp
         return o
+
+    # torch 2's coalescing manager (_coalescing_manager(group, device)): the collectives between
+    # the two calls run as they are made; _end_coalescing's Work is done once all of them are.
+    def _start_coalescing(self, device=None):
+        if self._coalesced is not None:
+            raise RuntimeError("ringd: this process group is already coalescing (_start_coalescing twice)")
+        self._coalesced = []
+
+    def _end_coalescing(self, device=None):
+        if self._coalesced is None:
+            raise RuntimeError("ringd: _end_coalescing without _start_coalescing")
+        works, self._coalesced = self._coalesced, None
+        return self._joined(works, [])
+
+    def shutdown(self):
+        """destroy_process_group: the group's ringd connection closes (its ops in flight end
+        within 5 s, then fail), then its Gloo group."""
+        self._close(wait=True)
+
+    def abort(self):
+        """The group's ringd connection closes at once: every op queued or in flight fails with
+        ringd's message; then its Gloo group is aborted."""
+        self._close(wait=False)
+
+    def _close(self, wait):
+        if self._engine is not None:
+            self._engine.close(wait=wait)
+        gloo_end = getattr(self._gloo, "shutdown" if wait else "abort", None)
+        if gloo_end is not None:
+            try:
+                gloo_end()
+            except RuntimeError:
+                pass  # a Gloo group that ended already
 
     def hook_allreduce(self, index, buffer):
         """The comm hook: averages bucket `index` in its own slot range; a Future of the result
@@ -1008,37 +1097,25 @@ class ProcessGroupRingd(ProcessGroup):
             return out.future
         return fut
 
-    # The rest through Gloo (identical results).
-    def broadcast(self, *args, **kwargs):
-        return self._gloo.broadcast(*args, **kwargs)
-
-    def allgather(self, *args, **kwargs):
-        return self._gloo.allgather(*args, **kwargs)
-
-    def _allgather_base(self, output, input, opts=None):
+    def _all_gather_single(self, output, input, opts=None):
         """all_gather_into_tensor: Gloo's allgather into the output's n parts (torch 1.13's Gloo
-        has no _allgather_base)."""
+        has no _allgather_base). Defined under this torch's name (_compat.ALL_GATHER_SINGLE)."""
         n = self.size()
         if input.numel() == 0 and output.numel() == 0:
-            return self._gloo.barrier()  # nothing to gather; the ranks still meet, as for any collective
+            return self._track(self._gloo.barrier())  # nothing to gather; the ranks still meet, as for any collective
         if output.numel() != input.numel() * n or output.dtype != input.dtype or not output.is_contiguous():
             raise RuntimeError(f"ringd: all_gather_into_tensor needs a contiguous output of {n} x the input's "
                                f"{input.numel()} {input.dtype} elements, not {output.numel()} {output.dtype} "
                                f"({'contiguous' if output.is_contiguous() else 'not contiguous'})")
         parts = list(output.view(-1).view(n, -1).unbind(0))
-        return self._gloo.allgather([[p.view(input.shape) for p in parts]], [input])
+        return self._track(self._gloo.allgather([[p.view(input.shape) for p in parts]], [input]))
 
-    def allgather_coalesced(self, *args, **kwargs):
-        return self._gloo.allgather_coalesced(*args, **kwargs)
+    def _all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        return self._coalesce(lambda: [self._all_gather_single(o, i) for o, i in zip(outputs, inputs)], outputs)
 
-    def gather(self, *args, **kwargs):
-        return self._gloo.gather(*args, **kwargs)
-
-    def scatter(self, *args, **kwargs):
-        return self._gloo.scatter(*args, **kwargs)
-
-    def reduce(self, *args, **kwargs):
-        return self._gloo.reduce(*args, **kwargs)
+    def _reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        return self._coalesce(lambda: [self._reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)],
+                              outputs)
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         """reduce_scatter (torch 1.13's Gloo has none): an allreduce of the inputs one after the
@@ -1052,46 +1129,57 @@ class ProcessGroupRingd(ProcessGroup):
                                f"{out.dtype} elements")
         return self._reduce_into(out, torch.cat([t.detach().reshape(-1) for t in ins]), opts, output_tensors)
 
-    def _reduce_scatter_base(self, output, input, opts=None):
-        """reduce_scatter_tensor: as reduce_scatter, from one input of n x the output's elements."""
+    def _reduce_scatter_single(self, output, input, opts=None):
+        """reduce_scatter_tensor: as reduce_scatter, from one input of n x the output's elements.
+        Defined under this torch's name (_compat.REDUCE_SCATTER_SINGLE)."""
         if input.numel() != output.numel() * self.size() or input.dtype != output.dtype:
             raise RuntimeError(f"ringd: reduce_scatter_tensor needs an input of {self.size()} x the output's "
                                f"{output.numel()} {output.dtype} elements, not {input.numel()} {input.dtype}")
         return self._reduce_into(output, input.detach().reshape(-1).clone(), opts, [output])
 
     def _reduce_into(self, out, flat, opts, result):
+        """An allreduce of `flat` (the group's own copy: PREMUL_SUM scales it), then this rank's
+        part of it into `out`."""
         all_opts = dist.AllreduceOptions()
         if opts is not None:
-            all_opts.reduceOp = opts.reduceOp
+            all_opts.reduceOp = _premultiply(flat, opts.reduceOp)
         k, r = out.numel(), self.rank()
+        held, self._coalesced = self._coalesced, None  # the one Work below is what coalescing keeps
+        try:
+            inner = self.allreduce([flat], all_opts)
+        finally:
+            self._coalesced = held
 
         def done(f):
             f.value()  # raises the allreduce's error
             with torch.no_grad():
                 out.copy_(flat[r * k:(r + 1) * k].view(out.shape))
             return result
-        return _compat.work(self.allreduce([flat], all_opts).get_future().then(done), result)
+        return self._track(_compat.work(inner.get_future().then(done), result))
 
-    def alltoall(self, *args, **kwargs):
-        return self._gloo.alltoall(*args, **kwargs)
 
-    def alltoall_base(self, *args, **kwargs):
-        return self._gloo.alltoall_base(*args, **kwargs)
+# The rest through the internal Gloo group (identical results), each under the names this torch has
+# (of a renamed pair only the one its Python API calls: alltoall_base before all_to_all_single).
+_VIA_GLOO = ("broadcast", "allgather", "allgather_coalesced", "gather", "scatter", "reduce", "alltoall",
+             "all_to_all_single", "alltoall_base", "barrier", "monitored_barrier", "send", "recv", "recv_anysource")
 
-    def barrier(self, *args, **kwargs):
-        return self._gloo.barrier(*args, **kwargs)
 
-    def monitored_barrier(self, *args, **kwargs):
-        return self._gloo.monitored_barrier(*args, **kwargs)
+def _via_gloo(name, gloo_name):
+    def collective(self, *args, **kwargs):
+        return self._track(getattr(self._gloo, gloo_name)(*args, **kwargs))
+    collective.__name__ = name
+    collective.__doc__ = f"{name} through the group's internal Gloo group."
+    return collective
 
-    def send(self, *args, **kwargs):
-        return self._gloo.send(*args, **kwargs)
 
-    def recv(self, *args, **kwargs):
-        return self._gloo.recv(*args, **kwargs)
-
-    def recv_anysource(self, *args, **kwargs):
-        return self._gloo.recv_anysource(*args, **kwargs)
+for _name in _VIA_GLOO:
+    if _name == "alltoall_base" and hasattr(ProcessGroup, "all_to_all_single"):
+        continue
+    # Gloo's name of it (its backend may still have only the older name of a renamed pair).
+    _gloo_name = _name if hasattr(dist.ProcessGroupGloo, _name) else {"all_to_all_single": "alltoall_base"}.get(_name)
+    if hasattr(ProcessGroup, _name) and _gloo_name and hasattr(dist.ProcessGroupGloo, _gloo_name):
+        setattr(ProcessGroupRingd, _name, _via_gloo(_name, _gloo_name))
+_compat.install_contract(ProcessGroupRingd)
 
 
 def _chain_first(f, out):
