@@ -509,15 +509,219 @@ def _spawned(rank, method):
     dist.destroy_process_group()
 
 
-SCENARIOS = {"ops": scenario_ops, "slots": scenario_slots, "tensors": scenario_tensors, "spawn": scenario_spawn, "refused": scenario_refused, "async": scenario_async, "ddp": scenario_ddp, "die": scenario_die,
+def scenario_contract():
+    """torch 2's process-group contract (ringd/_compat.py), each item as torch 2.13 calls it."""
+    import torch.distributed.distributed_c10d as c10d
+    from torch._C._distributed_c10d import ProcessGroup
+    init()
+    pg = c10d._get_default_group()
+    cls = type(pg)
+    # Names: the group's, as FSDP2, DeviceMesh and functional collectives look it up.
+    check(pg.group_name and pg.group_desc, f"the group's name {pg.group_name!r} and description {pg.group_desc!r}")
+    sub = dist.new_group(list(range(WORLD)), group_desc="ringd-sub")
+    check(sub.group_name != pg.group_name and sub.group_desc == "ringd-sub", f"a new group's name and description")
+    # _get_backend(device): ringd's own answer.
+    b = pg._get_backend(torch.device("cpu"))
+    check(b.name() == "ringd" and not b.supports_splitting and not b.supports_tensor_alloc(torch.device("cpu")),
+          f"_get_backend: {b}")
+    # Exactly one name of each renamed pair: the one this torch's Python API calls.
+    for new, old in (("all_gather_single", "_allgather_base"), ("reduce_scatter_single", "_reduce_scatter_base"),
+                     ("all_to_all_single", "alltoall_base")):
+        want = new if hasattr(ProcessGroup, new) else old
+        defined = [n for n in (new, old) if n in cls.__dict__]
+        check(defined == [want], f"ringd's group defines {defined} of the pair {new}/{old}, not [{want}]")
+    # The group's timeout reached ringd (init's 60 s).
+    mine = [g for g in ringd.status()["groups"] if g["name"] == pg.ringd_group]
+    check(len(mine) == 1 and mine[0]["op_timeout_ms"] == 60000, f"the group's timeout in ringd: {mine}")
+    # The coalescing manager, with a device (_start_coalescing / _end_coalescing: one Work) and
+    # without (the coalesced collectives), allreduce, all_gather_into_tensor, reduce_scatter_tensor.
+    before = ringd_ops_completed()
+    for device in (torch.device("cpu"), None):
+        ts = [data(RANK, 100 + 50 * k, torch.float32, 800 + k) for k in range(4)]
+        with c10d._coalescing_manager(device=device, async_ops=True) as cm:
+            for t in ts:
+                dist.all_reduce(t)
+        cm.wait()
+        for k, t in enumerate(ts):
+            check(close_to(t, expected(100 + 50 * k, torch.float32, "sum", 800 + k), torch.float32),
+                  f"coalesced allreduce {k} (device {device})")
+        outs = [torch.empty(WORLD * 30, dtype=torch.float64) for _ in range(3)]
+        with c10d._coalescing_manager(device=device, async_ops=True) as cm:
+            for k, o in enumerate(outs):
+                dist.all_gather_into_tensor(o, data(RANK, 30, torch.float64, 810 + k))
+        cm.wait()
+        for k, o in enumerate(outs):
+            check(torch.equal(o, torch.cat([data(r, 30, torch.float64, 810 + k) for r in range(WORLD)])),
+                  f"coalesced all_gather_into_tensor {k} (device {device})")
+        outs = [torch.empty(20, dtype=torch.float64) for _ in range(3)]
+        with c10d._coalescing_manager(device=device, async_ops=True) as cm:
+            for k, o in enumerate(outs):
+                dist.reduce_scatter_tensor(o, data(RANK, 20 * WORLD, torch.float64, 820 + k))
+        cm.wait()
+        for k, o in enumerate(outs):
+            want = sum(data(r, 20 * WORLD, torch.float64, 820 + k) for r in range(WORLD))[RANK * 20:(RANK + 1) * 20]
+            check(torch.equal(o, want), f"coalesced reduce_scatter_tensor {k} (device {device})")
+    ran = ringd_ops_completed() - before
+    check(ran >= 14, f"{ran} ringd ops for the 8 coalesced allreduces and 6 reduce-scatters")
+    # PREMUL_SUM (FSDP2 with a gradient divide factor): the sum of factor x each input, through ringd.
+    if hasattr(dist.ReduceOp.PREMUL_SUM, "__call__"):
+        before = ringd_ops_completed()
+        t = data(RANK, 1000, torch.float32, 830)
+        dist.all_reduce(t, op=dist.ReduceOp.PREMUL_SUM(0.25))
+        check(close_to(t, expected(1000, torch.float32, "sum", 830) * 0.25, torch.float32), "PREMUL_SUM(0.25)")
+        o = torch.empty(10, dtype=torch.float32)
+        dist.reduce_scatter_tensor(o, data(RANK, 10 * WORLD, torch.float32, 831),
+                                   op=dist.ReduceOp.PREMUL_SUM(torch.tensor(0.5)))
+        want = sum(data(r, 10 * WORLD, torch.float64, 831) for r in range(WORLD))[RANK * 10:(RANK + 1) * 10] * 0.5
+        check(close_to(o, want, torch.float32), "reduce_scatter_tensor PREMUL_SUM(tensor 0.5)")
+        check(ringd_ops_completed() - before >= 2, "PREMUL_SUM went through ringd")
+    # ringd's message as the error text, also through a chain of futures (reduce_scatter_tensor
+    # runs an allreduce, then its callback), never torch's "Got the following error ..." wrapper.
+    bad = dist.new_group(list(range(WORLD)))
+    for k, op in enumerate((lambda: dist.all_reduce(torch.ones(300000 if RANK % 2 == 0 else 600000), group=bad),
+                            lambda: dist.reduce_scatter_tensor(torch.empty(5), torch.ones(5 * WORLD), group=bad))):
+        try:
+            op()
+            fail(f"no error from a group whose ranks' ops do not pair ({k})")
+        except RuntimeError as e:
+            check(str(e).startswith("ringd") and "Got the following error" not in str(e) and "\nAt:" not in str(e),
+                  f"error {k} is not ringd's message alone: {e!r}")
+    # shutdown (destroy_process_group of one group): its ringd group ends at once on this host,
+    # while the Python object is still referenced.
+    keep = dist.new_group(list(range(WORLD)))
+    dist.all_reduce(torch.ones(4), group=keep)
+    name = keep.ringd_group
+    dist.destroy_process_group(keep)
+    end = time.monotonic() + 3
+    while any(g.get("name") == name for g in ringd.status().get("groups", [])):
+        check(time.monotonic() < end, f"group {name} still in ringd 3 s after destroy_process_group (shutdown)")
+        time.sleep(0.05)
+    # abort: an op that cannot complete (only the even ranks submit it) fails at once with the
+    # abort's reason; the odd ranks abort only after that (else ringd fails it first: a rank left).
+    stuck = dist.new_group(list(range(WORLD)))
+    if RANK % 2 == 0:
+        w = dist.all_reduce(torch.ones(1000), group=stuck, async_op=True)
+        time.sleep(0.3)
+        start = time.monotonic()
+        stuck.abort()
+        try:
+            w.wait()
+            fail("an op of an aborted group completed")
+        except RuntimeError as e:
+            check("aborted" in str(e) and time.monotonic() - start < 2, f"after abort, {time.monotonic() - start:.1f} s: {e}")
+    dist.barrier()
+    if RANK % 2:
+        stuck.abort()
+    # DeviceMesh over ringd's group.
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (WORLD,))
+    check(mesh.get_group().group_name == pg.group_name, "the mesh's group is the default group")
+    t = torch.full((7,), float(RANK))
+    dist.all_reduce(t, group=mesh.get_group())
+    check(bool((t == sum(range(WORLD))).all()), "an allreduce over the mesh's group")
+
+
+def _transformer():
+    torch.manual_seed(4321)
+    layers = [torch.nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, dropout=0.0, batch_first=True)
+              for _ in range(2)]
+    return torch.nn.Sequential(*layers, torch.nn.Flatten(), torch.nn.Linear(32 * 6, 4))
+
+
+def _batch(step, rank):
+    g = torch.Generator().manual_seed(50000 + 100 * step + rank)
+    return torch.randn(4, 6, 32, generator=g), torch.randn(4, 4, generator=g)
+
+
+def _reference(steps, make_opt):
+    """The same model and data in one process: the global batch (every rank's) each step."""
+    m = _transformer()
+    opt = make_opt(m.parameters())
+    losses = []
+    for step in range(steps):
+        xs, ys = zip(*(_batch(step, r) for r in range(WORLD)))
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(m(torch.cat(xs)), torch.cat(ys))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, [p.detach().clone() for p in m.parameters()]
+
+
+def _train_sharded(m, opt, steps, what):
+    losses = []
+    for step in range(steps):
+        x, y = _batch(step, RANK)
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(m(x), y)
+        loss.backward()
+        opt.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean, op=dist.ReduceOp.AVG)  # the global batch's loss (equal batches)
+        losses.append(mean.item())
+    return losses
+
+
+def _compare(what, losses, ref_losses, params, ref_params):
+    for step, (a, b) in enumerate(zip(losses, ref_losses)):
+        check(abs(a - b) <= 1e-4 * max(abs(b), 1e-6), f"{what} step {step}: loss {a} vs one process's {b}")
+    flat = torch.cat([p.reshape(-1) for p in params])
+    ref = torch.cat([p.reshape(-1) for p in ref_params])
+    check(torch.allclose(flat, ref, rtol=1e-4, atol=1e-5), f"{what}: parameters differ from one process's by "
+          f"{(flat - ref).abs().max().item():.3g}")
+    everyone = [torch.empty_like(flat) for _ in range(WORLD)]
+    dist.all_gather(everyone, flat)
+    for r, other in enumerate(everyone):
+        check(torch.equal(other, flat), f"{what}: rank {r}'s full parameters differ from rank {RANK}'s")
+
+
+def scenario_sharded():
+    """Sharded training on ringd's groups, each against one process on the global batch: FSDP2
+    (fully_shard over init_device_mesh), HSDP (a 2-D mesh: replicas x shards), and
+    ZeroRedundancyOptimizer under DDP. Losses within 1e-4 relative, the full parameters identical
+    on every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    init()
+    steps = 5
+    sgd = lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9)  # noqa: E731
+    ref_losses, ref_params = _reference(steps, sgd)
+    before = ringd_ops_completed()
+    meshes = {"FSDP2": init_device_mesh("cpu", (WORLD,))}
+    if WORLD % 2 == 0 and WORLD > 2:
+        meshes["HSDP"] = init_device_mesh("cpu", (2, WORLD // 2), mesh_dim_names=("replicate", "shard"))
+    for what, mesh in meshes.items():
+        m = _transformer()
+        for layer in list(m)[:2]:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(m, mesh=mesh)
+        losses = _train_sharded(m, sgd(m.parameters()), steps, what)
+        _compare(what, losses, ref_losses, [p.full_tensor().detach() for p in m.parameters()], ref_params)
+    check(ringd_ops_completed() - before >= steps * len(meshes), "the sharded gradients went through ringd")
+    m = _transformer()
+    ddp = torch.nn.parallel.DistributedDataParallel(m)
+    zero = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.SGD, lr=0.05, momentum=0.9)
+    losses = _train_sharded(ddp, zero, steps, "ZeRO")
+    _compare("ZeroRedundancyOptimizer", losses, ref_losses, [p.detach() for p in m.parameters()], ref_params)
+    print(f"torch_ranks: rank {RANK}: losses one process {ref_losses[0]:.6f}..{ref_losses[-1]:.6f}, "
+          f"{', '.join(meshes)} and ZeRO within 1e-4", flush=True)
+
+
+SCENARIOS = {"contract": scenario_contract, "sharded": scenario_sharded, "ops": scenario_ops, "slots": scenario_slots, "tensors": scenario_tensors, "spawn": scenario_spawn, "refused": scenario_refused, "async": scenario_async, "ddp": scenario_ddp, "die": scenario_die,
              "restart": scenario_restart, "groups": scenario_groups, "part": scenario_part}
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2 or sys.argv[1] not in SCENARIOS:
-        sys.exit(f"usage: torch_ranks.py {'|'.join(SCENARIOS)}")
+    names = sys.argv[1].split("+") if len(sys.argv) == 2 else []
+    if not names or any(n not in SCENARIOS for n in names):
+        sys.exit(f"usage: torch_ranks.py SCENARIO[+SCENARIO...] ({'|'.join(SCENARIOS)})")
     # Every wait has a deadline: a hung rank prints where it hangs and fails.
     faulthandler.dump_traceback_later(float(os.environ.get("TORCH_RANKS_DEADLINE_S", "240")), exit=True)
-    SCENARIOS[sys.argv[1]]()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    print(f"torch_ranks: rank {RANK}: {sys.argv[1]} ok", flush=True)
+    base = int(os.environ.get("MASTER_PORT_BASE", "29500"))
+    # Several scenarios in one process (one torch import): each on a store of its own port.
+    for k, name in enumerate(names):
+        os.environ["MASTER_PORT_BASE"] = str(base + 10 * k)
+        SCENARIOS[name]()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        print(f"torch_ranks: rank {RANK}: {name} ok", flush=True)
