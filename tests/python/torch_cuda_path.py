@@ -63,7 +63,11 @@ def check(rc, what):
 
 def worker(rank, sock, group, out):
     import torch
-    import ringd.torch as rt
+    import datetime
+    import ringd.torch  # noqa: F401  (the backend the engine serves)
+    from ringd import _compat
+    from ringd._device import DeviceBuffer
+    from ringd._engine import _Engine
     cu = cuda_driver(os.environ["RINGD_CUDA_EMULATED_LIBRARY"])
     check(cu["cuInit"](0), "cuInit")
     dev, ctx = ctypes.c_int(), ctypes.c_void_p()
@@ -71,7 +75,7 @@ def worker(rank, sock, group, out):
     check(cu["cuDevicePrimaryCtxRetain"](ctypes.byref(ctx), dev), "retain")
     check(cu["cuCtxSetCurrent"](ctx), "set current")
     host, local = divmod(rank, LOCAL)
-    engine = rt._Engine(group, local, LOCAL, SLOT, sock, rt.datetime.timedelta(seconds=30))
+    engine = _Engine(group, local, LOCAL, SLOT, sock, datetime.timedelta(seconds=30))
     report = {"rank": rank, "checks": 0, "failures": []}
 
     def fail(msg):
@@ -115,8 +119,8 @@ def worker(rank, sock, group, out):
             producer["keep"] = staged
             cu["delay"](ctypes.c_void_p(stream), 60000)
             check(cu["cuMemcpyHtoDAsync"](base, ctypes.c_void_p(staged.data_ptr()), nbytes, ctypes.c_void_p(stream)), "h2d")
-        opf = rt._compat.OpFuture()
-        buf = rt.DeviceBuffer(base + GUARD, count, dtype, 0, stream)
+        opf = _compat.OpFuture()
+        buf = DeviceBuffer(base + GUARD, count, dtype, 0, stream)
         ticket, _ = engine.allreduce_device(buf, op, opf, "done")
         return ticket, opf, mem, pattern, esize
 
@@ -167,10 +171,10 @@ def worker(rank, sock, group, out):
     # 2b. a deferred op (the backend's path for a non-contiguous tensor, whose copy back the caller
     # queues after the op): its future completes only once the caller released it
     salt += 1
-    opf = rt._compat.OpFuture()
+    opf = _compat.OpFuture()
     mem = tensor_at(block, 1 << 20)
     mem[GUARD:GUARD + 4000].copy_(values("float32", 1000, rank, salt).view(torch.uint8))
-    ticket, rec = engine.allreduce_device(rt.DeviceBuffer(block + GUARD, 1000, "float32", 0, 0), "sum", opf, "done",
+    ticket, rec = engine.allreduce_device(DeviceBuffer(block + GUARD, 1000, "float32", 0, 0), "sum", opf, "done",
                                           deferred=True)
     until = time.monotonic() + 10
     while time.monotonic() < until:

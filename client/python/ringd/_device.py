@@ -1,0 +1,202 @@
+"""ringd.torch's CUDA path: device buffers allreduced by ringd's CUDA support (registered once per
+driver allocation, copied through the group's staging range of the slot in parts, ordered on the
+caller's stream). DeviceOps is the part of a process group's engine (ringd._engine._Engine) that
+submits them; allreduce_cuda is the process group's allreduce of a CUDA tensor."""
+import collections
+import datetime
+import errno
+
+import torch
+
+import ringd as _ringd
+from ringd import _compat
+from ringd._slot import _DTYPES, _Op, _distinct_elements
+
+
+# Device allocations a group keeps registered with ringd (ringd allows 4096 per client).
+_MAX_DEVICE_REGISTRATIONS = 1024
+
+
+class DeviceBuffer:
+    """What ringd's CUDA path needs of a device tensor: its address, element count, ringd dtype
+    name ("float32", ...), CUDA device index and the stream (cudaStream_t as an int, 0: the legacy
+    default stream) whose queued work produces it. The backend makes one of each CUDA tensor;
+    tests make them of memory of ringd's software CUDA device."""
+
+    __slots__ = ("ptr", "count", "dtype", "device", "stream")
+
+    def __init__(self, ptr, count, dtype, device, stream):
+        self.ptr, self.count, self.dtype, self.device, self.stream = int(ptr), int(count), dtype, device, int(stream)
+
+
+
+class DeviceOps:
+    """The device ops of an _Engine (its lock, room, slot space, client and timeout): submitted in
+    the caller's thread, completed by the engine's completing thread like its other ops."""
+
+    def _device_init(self):
+        # The GPU, part size and staging range (set by the first op), registrations by allocation
+        # base (size, driver buffer id, registration), least recently used first.
+        self.device = None
+        self.device_part = self.staging_bytes = 0
+        self.staging = None
+        self.device_regs = collections.OrderedDict()
+        self.device_ops = self.device_registrations = self.device_last_reg = 0
+
+    def allreduce_device(self, buf, op, opf, result, keep=None, stream=None, deferred=False):
+        """Submits the allreduce of a DeviceBuffer now, in the caller's thread (so that ringd reads
+        it after what buf.stream queued so far); returns (ticket, op record). `opf` (an OpFuture)
+        completes with `result` once the result is in the buffer. The ops queued before it on
+        the copying path go first (one order on every rank). `keep`: kept alive until the op ends.
+        `deferred`: the caller queues more work for the result (on `stream`, a torch stream, where
+        the future's event is then recorded): the future completes only after
+        release_finish(record)."""
+        rec = _Op(None, None, False, opf, result, op, buf.dtype)
+        rec.keep = keep
+        rec.stream = stream
+        rec.deferred = deferred
+        with self.lock:
+            self._wait_locked(lambda: not self.pending, f"ringd: the ops queued before did not go within {self.timeout}")
+            try:
+                self._device_setup_locked(buf.device)
+                reg = self._device_registration_locked(buf)
+                ticket = self._submit_device_locked(buf, op)
+            except BaseException as e:
+                if not self.dead:
+                    self.dead = (f"ringd: a device op of group {self.group} could not be submitted ({e}); this "
+                                 "process group cannot be used any more: restart the job")
+                raise RuntimeError(str(e) if str(e).startswith("ringd") else f"ringd: {e}") from None
+            rec.chunks_left, rec.submitted_all = 1, True
+            self.device_ops += 1
+            self.device_last_reg = reg
+            self.inflight[ticket] = (rec, None, None, None, 0)
+            self.room.notify_all()  # the completion thread waits for work when nothing is in flight
+        return ticket, rec
+
+    def release_finish(self, rec):
+        """The caller queued what follows a deferred op (allreduce_device's `stream`): its future
+        may complete now, or as soon as the op ends."""
+        with self.defer_lock:
+            rec.deferred = False
+            due, rec.finish_due = rec.finish_due, False
+        if due:
+            self._finish(rec)
+
+    def stream_wait(self, ticket, stream):
+        """Makes `stream` wait (without blocking the host) until device op `ticket`'s result is in
+        its buffer, or it failed; never for longer than ringd's op deadline."""
+        with self.lock:
+            try:
+                self.client.stream_wait(ticket, stream)
+            except _ringd.RingdError as e:
+                raise RuntimeError(f"ringd: {e}") from None
+
+    def _device_setup_locked(self, device):
+        """The first device op: the group's part size (the same on every rank: a function of the
+        group's smallest slot) and its own staging range of the process's slot, four parts, so
+        that a part is copied in while one is on the ring and one is copied out."""
+        if self.device is not None:
+            if device != self.device:
+                raise RuntimeError(f"ringd: this process group's ops are on cuda:{self.device}; a process drives "
+                                   f"one GPU per process group (not cuda:{device})")
+            return
+        part = max(64 << 10, self.max_chunk // 4 // 4096 * 4096)
+        # Four parts (one copied in, one on the ring, one copied out, one spare) when the process's
+        # slot has room beside its other groups' ranges; else fewer, at least one (waited for).
+        for staging in (4 * part, 2 * part):
+            rng = self.space.alloc(staging + 256)
+            if rng is not None:
+                break
+        else:
+            staging = part
+            rng = self._alloc_locked(staging + 256)
+        offset = (rng[0] + 255) // 256 * 256
+        try:
+            self.client.set_cuda_part_bytes(part)
+            self.client.set_cuda_staging(offset, staging)
+        except BaseException:
+            self.space.release(*rng)
+            raise
+        self.device, self.device_part, self.staging, self.staging_bytes = device, part, rng, staging
+
+    def _device_registration_locked(self, buf):
+        """The ringd registration of the driver allocation holding the buffer: made once per
+        allocation (torch's caching allocator hands out blocks of a few large ones) and made again
+        only when the allocation at that address is another one (the allocator gave the memory back
+        and got new memory there: the driver's buffer id differs)."""
+        base, size, ident = self.client.cuda_allocation(buf.ptr)
+        hit = self.device_regs.get(base)
+        if hit is not None and hit[0] == size and hit[1] == ident:
+            self.device_regs.move_to_end(base)
+            return hit[2]
+        # Registrations that overlap this allocation are of memory given back: gone too (ringd
+        # would otherwise find the stale one for this pointer).
+        for b, (n, _, reg) in list(self.device_regs.items()):
+            if b < base + size and base < b + n:
+                del self.device_regs[b]
+                self._device_unregister_locked(reg)
+        for b in list(self.device_regs)[:max(0, len(self.device_regs) + 1 - _MAX_DEVICE_REGISTRATIONS)]:
+            if self._device_unregister_locked(self.device_regs[b][2]):
+                del self.device_regs[b]
+        reg = self.client.register_cuda(base, size)
+        self.device_regs[base] = (size, ident, reg)
+        self.device_registrations += 1
+        return reg
+
+    def _device_unregister_locked(self, reg):
+        """False while an op with parts still to go uses it (kept for now)."""
+        try:
+            self.client.unregister_cuda(reg)
+        except _ringd.RingdError as e:
+            if e.code == -errno.EBUSY:
+                return False
+            # Otherwise ringd let go of it already (the connection is gone).
+        return True
+
+    def _submit_device_locked(self, buf, op):
+        end = datetime.datetime.now() + self.timeout
+        while True:
+            if self.dead:
+                raise RuntimeError(self.dead)
+            try:
+                return self.client.submit_cuda(buf.ptr, buf.count, buf.dtype, op, buf.stream)
+            except _ringd.RingdError as e:
+                if e.code != -errno.EAGAIN:  # EAGAIN: too many ops in flight; wait for one to finish
+                    raise
+            if datetime.datetime.now() >= end:
+                raise RuntimeError(f"ringd: too many ops in flight for {self.timeout}")
+            self.room.wait(0.05)
+
+
+def allreduce_cuda(engine, tensor, name, result, tensors):
+    """A CUDA tensor's allreduce through ringd's CUDA path, in the order of the current
+    stream: ringd reads the tensor after what the stream queued so far, Work.wait() makes the
+    current stream wait for the result (the host does not block), and the future completes
+    once the result is in the tensor."""
+    given = tensor.detach()
+    dense = _distinct_elements(given)
+    stream = torch.cuda.current_stream(tensor.device)
+    flat = dense if dense.is_contiguous() else dense.contiguous()  # a copy on the current stream
+    opf = _compat.OpFuture(devices=[tensor.device])
+    buf = DeviceBuffer(flat.data_ptr(), flat.numel(), _DTYPES[tensor.dtype], tensor.device.index, stream.cuda_stream)
+    if buf.count == 0:
+        opf.set_result(result)
+        return _compat.work(opf.future, tensors)
+    if flat is dense:
+        ticket, _ = engine.allreduce_device(buf, name, opf, result)
+        return _compat.work(opf.future, tensors,
+                            on_wait=lambda: engine.stream_wait(ticket, torch.cuda.current_stream(tensor.device).cuda_stream))
+    # Through a contiguous copy: the result goes back into the tensor on the current stream,
+    # after ringd's; the future completes after that copy (its event is recorded on this
+    # stream), and Work.wait() orders the caller's stream after it too.
+    ticket, rec = engine.allreduce_device(buf, name, opf, result, keep=flat, stream=stream, deferred=True)
+    try:
+        engine.stream_wait(ticket, stream.cuda_stream)
+        with torch.no_grad():
+            dense.copy_(flat.view(dense.shape))
+        copied = torch.cuda.Event()
+        copied.record(stream)
+    finally:
+        engine.release_finish(rec)
+    return _compat.work(opf.future, tensors,
+                        on_wait=lambda: torch.cuda.current_stream(tensor.device).wait_event(copied))

@@ -1,0 +1,400 @@
+"""The engine of a ringd.torch process group: one ringd client, its ops queued, copied into the
+process's slot in chunks, submitted, completed and their futures completed on threads of its own."""
+import collections
+import datetime
+import errno
+import select
+import threading
+
+import torch
+
+import ringd as _ringd
+from ringd import _compat
+from ringd._device import DeviceOps
+from ringd._slot import (_DTYPES, _POLL_MS, _WINDOW_BYTES, _Op, _Resident, _chunk_bytes, _chunks, _connect,
+                         _disconnect, _distinct_elements)
+
+
+class _Engine(DeviceOps):
+    """The process's ringd client for one process group. allreduce() (any thread) queues the op
+    and returns its future at once; a submitting thread copies each op's chunks into the slot and
+    submits them, in the order they were queued (the same on every rank), while at most
+    `window` bytes are in flight, so that the copies are spread over the ring's work instead of
+    all taking the CPUs at once; a completing thread polls ringd_fd, tests the tickets in flight
+    and copies results back; futures are completed (and their callbacks run) on a fourth thread,
+    so a callback may submit again."""
+
+    def __init__(self, group, local_rank, local_size, slot_bytes, socket, timeout, hosts=None, max_chunk=None):
+        self.client, self.ps = _connect(group, local_rank, local_size, slot_bytes, socket, hosts, timeout)
+        self.socket = socket
+        self.group = group
+        self.timeout = timeout
+        self.slot = self.ps.tensor
+        # The most bytes of one ringd op: the group's ranks split a tensor the same way whatever
+        # their slots (the smallest rank's, ProcessGroupRingd), a quarter of it (several in flight).
+        self.max_chunk = max_chunk or _chunk_bytes(self.ps.bytes)
+        self.window = max(self.max_chunk, _WINDOW_BYTES)
+        # The client, the slot's ranges, the queue, the ops in flight: the process's lock, for all
+        # its groups (their ranges are of the same memory); `room`: a range, a ticket or window
+        # came free, an op was queued.
+        self.lock, self.room, self.space = self.ps.lock, self.ps.room, self.ps.space
+        self.pending = collections.deque()  # ops queued, not yet wholly submitted (the first one in progress)
+        self.inflight = collections.OrderedDict()  # ticket -> (op, flat slice, slot view, (off, n), bytes)
+        self.inflight_bytes = 0
+        self.resident = {}  # comm hook: (bucket buffer's address, bytes, dtype) -> _Resident
+        self.hook_calls = 0
+        self._device_init()  # device ops (DeviceOps)
+        self.closed = False  # the submitting and completing threads stop
+        self.closing = False
+        self.finisher_stop = False  # the finishing thread stops once nothing is left to finish
+        self.dead = None  # why this group cannot be used any more (nothing new is submitted)
+        # Why the connection to ringd is gone: then no ticket in flight can complete, and they fail
+        # at once. Only then are their slot ranges given back without their results: while ringd
+        # runs an op it may still write its range, which another group of this process could have
+        # taken by then.
+        self.lost = None
+        self.fd = self.client.fileno()
+        self.finished = collections.deque()
+        self.defer_lock = threading.Lock()  # deferred ops' finishing (allreduce_device, release_finish)
+        self.finish_ready = threading.Condition(threading.Lock())
+        self.threads = [threading.Thread(target=self._submit_loop, name=f"ringd-{group}-in", daemon=True),
+                        threading.Thread(target=self._complete_loop, name=f"ringd-{group}", daemon=True),
+                        threading.Thread(target=self._finish_loop, name=f"ringd-{group}-done", daemon=True)]
+        for t in self.threads:
+            t.start()
+
+    # -- queueing (any thread) --
+
+    def allreduce(self, tensor, op):
+        """Allreduce `tensor` in place; returns a torch Future of [tensor]. The tensor must stay
+        as it is until the future completes (as with every backend's async ops)."""
+        dtype = _DTYPES[tensor.dtype]
+        given = tensor.detach()  # ringd's result is not part of any graph (as with every backend)
+        tensor = _distinct_elements(given)  # each memory location once (expanded tensors)
+        contiguous = tensor.is_contiguous()
+        flat = tensor.view(-1) if contiguous else tensor.contiguous().view(-1)
+        opf = _compat.OpFuture()
+        rec = _Op(tensor, flat, not contiguous, opf, [given], op, dtype)
+        if flat.numel() == 0:
+            opf.set_result([given])
+            return opf.future
+        self._queue(rec)
+        return opf.future
+
+    def allreduce_resident(self, buffer, op):
+        """The comm hook's path: the bucket (DDP's buffer, the same storage every step) has its
+        own slot range from one step to the next, and the result is that range itself (no copy
+        back: DDP copies out of it before the bucket's next step). None: the copying path (the
+        range is still busy, or the ranges kept would pass half the slot). Its ringd ops are
+        those of the copying path (max_chunk bytes each), so either path pairs with the other."""
+        nbytes = buffer.numel() * buffer.element_size()
+        key = (buffer.data_ptr(), nbytes, buffer.dtype)
+        with self.lock:
+            self.hook_calls += 1
+            res = self.resident.get(key)
+            if res is None:
+                self._evict_stale()
+                if self.ps.resident_bytes + nbytes > self.ps.bytes // 2:
+                    return None
+                rng = self.space.alloc(nbytes)
+                if rng is None:
+                    return None
+                res = self.resident[key] = _Resident(rng)
+                self.ps.resident_bytes += rng[1]
+            if res.busy:
+                return None
+            res.busy = True
+            res.last_use = self.hook_calls
+        off = res.rng[0]
+        # A tensor of its own over the range (storage offset 0): DDP takes views of the result
+        # with as_strided at offsets from the start of its storage.
+        view = torch.frombuffer(self.ps.view[off:off + nbytes], dtype=buffer.dtype).view(buffer.shape)
+        self.ps.handed_out = True
+        opf = _compat.OpFuture()
+        rec = _Op(view, buffer.detach().view(-1), False, opf, view, op, _DTYPES[buffer.dtype])
+        rec.resident, rec.view = res, view.view(-1)
+        try:
+            self._queue(rec)
+        except BaseException:
+            with self.lock:
+                res.busy = False
+            raise
+        return opf.future
+
+    def _queue(self, rec):
+        with self.lock:
+            if self.dead:
+                raise RuntimeError(self.dead)
+            self.pending.append(rec)
+            self.room.notify_all()
+
+    def _evict_stale(self):
+        """Ranges of buckets DDP no longer has (it rebuilds them after the first step): unused for
+        many hook calls and not busy. Their last result was consumed long ago."""
+        horizon = max(16, 4 * len(self.resident))
+        for key, res in list(self.resident.items()):
+            if not res.busy and self.hook_calls - res.last_use > horizon:
+                self.space.release(*res.rng)
+                self.ps.resident_bytes -= res.rng[1]
+                del self.resident[key]
+
+    # -- submission (its own thread) --
+
+    def _wait_locked(self, ready, what):
+        """Waits (holding the lock, on `room`) until ready() or the group is dead, within the
+        process group's timeout."""
+        end = datetime.datetime.now() + self.timeout
+        while not self.dead and not ready():
+            left = (end - datetime.datetime.now()).total_seconds()
+            if left <= 0:
+                raise RuntimeError(what)
+            self.room.wait(min(left, 1.0))
+        if self.dead:
+            raise RuntimeError(self.dead)
+
+    def _submit_loop(self):
+        while True:
+            with self.lock:
+                while not self.pending and not self.closed:
+                    self.room.wait(1.0)
+                if self.closed:
+                    return
+                rec = self.pending[0]
+            self._submit(rec)
+            with self.lock:
+                self.pending.popleft()
+                self.room.notify_all()
+
+    def _submit(self, rec):
+        esize, total = rec.flat.element_size(), rec.flat.numel()
+        start = 0
+        try:
+            for n in _chunks(total, esize, self.max_chunk):
+                nbytes = n * esize
+                rng = None
+                with self.lock:
+                    self._wait_locked(lambda: not self.inflight_bytes or self.inflight_bytes + nbytes <= self.window,
+                                      f"ringd: the ops in flight did not end within {self.timeout}")
+                    if rec.resident is None:
+                        rng = self._alloc_locked(nbytes)
+                part = rec.flat[start:start + n]
+                try:
+                    if rec.resident is None:
+                        view = self.slot[rng[0]:rng[0] + nbytes].view(rec.flat.dtype)
+                        offset = rng[0]
+                    else:
+                        view = rec.view[start:start + n]
+                        offset = rec.resident.rng[0] + start * esize
+                    with torch.no_grad():
+                        view.copy_(part)
+                    with self.lock:
+                        ticket = self._submit_locked(offset, n, rec.dtype, rec.op)
+                        rec.chunks_left += 1
+                        rec.several = rec.several or n < total
+                        rec.submitted_all = start + n >= total
+                        self.inflight_bytes += nbytes
+                        self.inflight[ticket] = (rec, part if rec.resident is None else None, view, rng, nbytes)
+                        self.room.notify_all()  # the completion thread waits for work when nothing is in flight
+                except BaseException:
+                    if rng is not None:
+                        with self.lock:
+                            self.space.release(*rng)
+                    raise
+                start += n
+        except BaseException as e:
+            with self.lock:
+                self.room.notify_all()
+                rec.submitted_all = True
+                rec.error = rec.error or str(e)
+                if not self.dead:
+                    # This rank skipped the op (or part of it), which the others submitted: its
+                    # next ops would pair with their earlier ones. The group is unusable.
+                    self.dead = (f"ringd: an op of group {self.group} could not be {'wholly ' if start else ''}"
+                                 f"submitted ({e}); this process group cannot be used any more: restart the job")
+                done = rec.chunks_left == 0 and not rec.reported
+                if done:
+                    rec.reported = True
+                    if rec.resident is not None:
+                        rec.resident.busy = False
+            if done:
+                self._finish(rec)
+
+    def _alloc_locked(self, nbytes):
+        """A slot range, waiting for earlier ops to give theirs back (within the timeout)."""
+        got = []
+        self._wait_locked(lambda: got.append(self.space.alloc(nbytes)) or got[-1] is not None,
+                          f"ringd: no room for {nbytes} bytes in the {self.ps.bytes}-byte slot "
+                          f"within {self.timeout} (set RINGD_SLOT_BYTES higher)")
+        return got[-1]
+
+    def _submit_locked(self, offset, count, dtype, op):
+        end = datetime.datetime.now() + self.timeout
+        while True:
+            if self.dead:
+                raise RuntimeError(self.dead)
+            try:
+                return self.client.submit(offset, count, dtype, op)
+            except _ringd.RingdError as e:
+                if e.code != -errno.EAGAIN:  # EAGAIN: too many ops in flight; wait for one to finish
+                    raise RuntimeError(f"ringd: {e}") from None
+            if datetime.datetime.now() >= end:
+                raise RuntimeError(f"ringd: too many ops in flight for {self.timeout}")
+            self.room.wait(0.05)
+
+    # -- completion (its own thread) --
+
+    def _complete_loop(self):
+        poller = select.poll()
+        poller.register(self.fd, select.POLLIN)
+        while True:
+            with self.lock:
+                # Nothing to wait for (or nothing more will come): sleep until an op is submitted,
+                # not on the fd (it stays readable after a late signal or once ringd is gone).
+                while not self.closed and (not self.inflight or self.lost):
+                    if self.lost and self.inflight:
+                        break
+                    self.room.wait(1.0)
+                if self.closed:
+                    return
+            if not self.lost:
+                try:
+                    poller.poll(_POLL_MS)
+                except InterruptedError:
+                    pass
+            while True:  # until a pass finds nothing done: a test drains every result that is in
+                done = []
+                with self.lock:
+                    for ticket in list(self.inflight):
+                        err = self.lost
+                        if not err:
+                            try:
+                                if not self.client.test(ticket):
+                                    continue
+                            except _ringd.RingdError as e:
+                                err = str(e)
+                                if e.code in (-errno.EPROTO, -errno.ECONNRESET, -errno.EPIPE, -errno.EBADF):
+                                    self.lost = self.dead = f"ringd: {e}"
+                        done.append((self.inflight.pop(ticket), err))
+                if not done:
+                    break
+                for (rec, part, view, rng, nbytes), err in done:
+                    try:
+                        if err is None and part is not None:
+                            with torch.no_grad():
+                                part.copy_(view)
+                    except BaseException as e:  # never lose an op: its future fails instead
+                        err = f"copying the result out of the slot: {e}"
+                    if err is not None and rec.error is None:
+                        rec.error = err
+                    with self.lock:
+                        if rng is not None:
+                            self.space.release(*rng)
+                        self.inflight_bytes -= nbytes
+                        rec.chunks_left -= 1
+                        all_done = rec.chunks_left == 0 and rec.submitted_all
+                        if all_done and rec.resident is not None:
+                            rec.resident.busy = False  # its result stays until the bucket's next step
+                        finished = not rec.reported and (all_done or (err is not None and rec.several))
+                        if err is not None and rec.several:
+                            # A piece of a tensor in several ops failed: the op fails now, not
+                            # once its other pieces have waited out ringd's op timeout, and since
+                            # the ranks' pieces may no longer pair (a rank that split the tensor
+                            # otherwise: its other pieces are still to come), the group takes no
+                            # more ops. Also when the piece was this rank's last: the others may
+                            # have more.
+                            self.dead = self.dead or (
+                                f"ringd: a piece of an op of group {self.group} failed ({err}); its ranks' ops "
+                                "may no longer pair: this process group cannot be used any more")
+                        if finished:
+                            rec.reported = True
+                        self.room.notify_all()
+                    if finished:
+                        self._finish(rec)
+
+    def _finish(self, rec):
+        with self.defer_lock:  # not the engine's lock: close() finishes ops holding it
+            if rec.deferred:
+                rec.finish_due = True  # release_finish() queues it
+                return
+        with self.finish_ready:
+            self.finished.append(rec)
+            self.finish_ready.notify()
+
+    def _finish_loop(self):
+        while True:
+            with self.finish_ready:
+                while not self.finished:
+                    if self.finisher_stop:
+                        return
+                    self.finish_ready.wait(1.0)
+                rec = self.finished.popleft()
+            try:
+                if rec.error is not None:
+                    rec.future.set_error(rec.error if rec.error.startswith("ringd") else f"ringd: {rec.error}")
+                    continue
+                if rec.copy_back:
+                    with torch.no_grad():
+                        rec.tensor.copy_(rec.flat.view(rec.tensor.shape))
+                if rec.stream is not None:
+                    # A CUDA result copied back on the caller's stream: the future's waiters are
+                    # ordered after that stream's work (torch records its event there).
+                    with torch.cuda.stream(rec.stream):
+                        rec.future.set_result(rec.result)
+                else:
+                    rec.future.set_result(rec.result)
+            except BaseException as e:  # a callback's error stays with its future; the thread goes on
+                if not rec.future.done():
+                    rec.future.set_error(f"ringd: completing the op: {e}")
+
+    def close(self, wait=True):
+        """Fails what is queued or in flight, stops the threads, then lets the client (and its
+        slot) go. wait: ops in flight get up to 5 s to end in ringd first (destroy_process_group);
+        else they fail at once (abort)."""
+        with self.lock:
+            if self.closed or self.closing:
+                return
+            self.closing = True
+            self.dead = self.dead or (f"ringd: the process group of group {self.group} was "
+                                      f"{'destroyed' if wait else 'aborted'}")
+            self.room.notify_all()
+        # The submitting thread fails the ops queued; those in flight end in ringd (within its op
+        # timeout) or are failed below after 5 s (at once when aborted).
+        end = datetime.datetime.now() + datetime.timedelta(seconds=5 if wait else 0)
+        while datetime.datetime.now() < end:
+            with self.lock:
+                if not self.inflight and not self.pending:
+                    break
+            with self.finish_ready:
+                self.finish_ready.wait(0.05)
+        with self.lock:
+            self.closed = True
+            self.room.notify_all()
+        for t in self.threads[:2]:  # submitting and completing: whatever they hold is queued to finish
+            t.join()
+        with self.lock:
+            # Still queued, or still in ringd: failed, their ranges kept (ringd may still write
+            # them until the connection closes; they go with the slot).
+            left = list(self.pending) + [entry[0] for entry in self.inflight.values()]
+            self.pending.clear()
+            self.inflight.clear()
+            for rec in left:
+                if not rec.reported:
+                    rec.reported = True
+                    rec.error = rec.error or self.dead
+                    self._finish(rec)
+        with self.finish_ready:
+            self.finisher_stop = True  # once every completed op's future is completed
+            self.finish_ready.notify_all()
+        self.threads[2].join()
+        del self.slot
+        with self.lock:
+            for res in self.resident.values():
+                if not res.busy:
+                    self.space.release(*res.rng)
+                    self.ps.resident_bytes -= res.rng[1]
+            if self.staging is not None and not self.lost and not left:
+                # No device op of this group is in ringd any more (none was left in flight).
+                self.space.release(*self.staging)
+                self.staging = None
+        self.resident.clear()
+        _disconnect(self.client, self.ps, self.socket)

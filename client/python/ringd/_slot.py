@@ -1,0 +1,233 @@
+"""The process's shared-memory slot on its ringd, shared by its process groups: connecting a group's
+client to it, its ranges, and what an op of ringd.torch is (its chunks and records). Used by
+ringd._engine and ringd._device; nothing here knows about process groups."""
+import errno
+import os
+import threading
+
+import torch
+
+import ringd as _ringd
+
+
+_DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.float16: "float16",
+           torch.bfloat16: "bfloat16", torch.int32: "int32", torch.int64: "int64"}
+_ALIGN = 64
+_POLL_MS = 200  # the completion thread looks at least this often (ringd's contract deadlines)
+# The bytes of a group's ops in flight at once (at least one op): enough for the next op to be in
+# the slot when the ring finishes one, not so much that every rank copies all its buckets into
+# its slot at once and takes the CPUs from the ring (bench/ddp --allreduce-only --timeline).
+_WINDOW_BYTES = 64 << 20
+# A tensor's first ringd op: the ring starts once every local rank has copied this much, not the
+# whole bucket (8 ranks copying 25 MiB each at once on 2 cores held it back ~30 ms).
+_FIRST_CHUNK_BYTES = 4 << 20
+
+
+def _env_int(name, default):
+    text = os.environ.get(name)
+    if text is None or text == "":
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise RuntimeError(f"ringd: {name}={text!r} is not an integer") from None
+
+
+def _env_bytes(name, default):
+    text = os.environ.get(name)
+    if not text:
+        return default
+    units = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
+    t = text.strip().lower()
+    num = t.rstrip("kmgib")
+    unit = t[len(num):]
+    if not num.isdigit() or unit not in units:
+        raise RuntimeError(f"ringd: {name}={text!r} is not a size (e.g. 268435456 or 256MiB)")
+    return int(num) * units[unit]
+
+
+def _chunk_bytes(slot_bytes):
+    """The largest ringd op of a group whose smallest slot is `slot_bytes`: a quarter of it, so that
+    several ops are in flight at once (DDP's buckets), 64-byte aligned."""
+    return max(_ALIGN, slot_bytes // 4 // _ALIGN * _ALIGN)
+
+
+def _chunks(count, esize, max_chunk):
+    """The element counts of the ringd ops of a tensor of `count` elements (the same on every
+    rank: a function of the count and the group's max_chunk): the first one small, so that the
+    ring starts after a short copy, each next one twice as big, up to max_chunk bytes."""
+    first = _FIRST_CHUNK_BYTES
+    n = max(1, min(first, max_chunk) // esize)
+    while count > 0:
+        take = min(n, count)
+        yield take
+        count -= take
+        n = max(1, min(n * 2 * esize, max_chunk) // esize)
+
+
+def _distinct_elements(t):
+    """A view of `t` with each of its memory locations once: an expanded (stride-0) dimension
+    becomes one element, so that an expanded tensor is reduced as the memory it refers to, and
+    every element of it reads that location's result. Elements that overlap otherwise
+    (as_strided) have no defined result: a RuntimeError, the same on every rank."""
+    if any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride())):
+        t = t[tuple(slice(0, 1) if st == 0 else slice(None) for st in t.stride())]
+    overlap = torch._debug_has_internal_overlap(t)  # 0 no, 1 yes, 2 cannot tell from the strides
+    if overlap == 2 and t.numel() > 1:
+        # Dimensions by stride: none overlaps when each stride passes the farthest element the
+        # smaller ones reach (slices with steps, narrowed dimensions: every non-dense view).
+        reach, overlap = 0, 0
+        for st, n in sorted((abs(st), n) for n, st in zip(t.shape, t.stride()) if n > 1):
+            if st <= reach:
+                overlap = 2
+                break
+            reach += (n - 1) * st
+        if overlap == 2:  # strides that interleave (as_strided): count the distinct locations
+            where = torch.arange(1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())))
+            overlap = int(where.as_strided(t.shape, [abs(st) for st in t.stride()]).unique().numel() != t.numel())
+    if overlap == 1:
+        raise RuntimeError(f"ringd: the tensor's elements overlap in memory (shape {tuple(t.shape)}, strides "
+                           f"{t.stride()}): an allreduce of it has no defined result; reduce a clone()")
+    return t
+
+
+class _SlotSpace:
+    """First-fit ranges of the slot, 64-byte aligned."""
+
+    def __init__(self, size):
+        self.size = size
+        self.free = [(0, size)]  # sorted (offset, length)
+
+    def alloc(self, n):
+        n = (n + _ALIGN - 1) // _ALIGN * _ALIGN or _ALIGN
+        for i, (off, length) in enumerate(self.free):
+            if length >= n:
+                if length == n:
+                    del self.free[i]
+                else:
+                    self.free[i] = (off + n, length - n)
+                return off, n
+        return None
+
+    def release(self, off, n):
+        self.free.append((off, n))
+        self.free.sort()
+        merged = []
+        for o, l in self.free:
+            if merged and merged[-1][0] + merged[-1][1] == o:
+                merged[-1] = (merged[-1][0], merged[-1][1] + l)
+            else:
+                merged.append((o, l))
+        self.free = merged
+
+
+class _Op:
+    """One tensor's allreduce: chunks of at most max_chunk bytes, each a ringd op over a range of
+    the slot (its own, or the comm hook's kept range)."""
+
+    def __init__(self, tensor, flat, copy_back, future, result, op, dtype):
+        self.tensor, self.flat, self.copy_back = tensor, flat, copy_back
+        self.future, self.result = future, result
+        self.op, self.dtype = op, dtype
+        self.chunks_left = 0  # submitted and not yet completed
+        self.error = None
+        self.submitted_all = False
+        self.several = False  # more than one ringd op
+        self.reported = False  # its future is completed (or queued to be): later pieces only clean up
+        self.resident = None  # the comm hook's range record, busy until the op ends
+        self.view = None  # the resident op's whole range (its input is copied there)
+        self.keep = None  # a device op's own buffer (a contiguous copy), alive until it ends
+        self.stream = None  # a device op whose result is copied back on this stream
+        self.deferred = False  # its caller still queues work after it: finishing waits for release_finish
+        self.finish_due = False  # it ended while deferred
+
+
+class _Resident:
+    """A comm hook bucket's slot range, kept from one step to the next."""
+
+    def __init__(self, rng):
+        self.rng = rng
+        self.busy = False
+        self.last_use = 0
+
+
+class _ProcessSlot:
+    """The shared memory of this process on one host's ringd, for all its process groups: the
+    first group's client has the slot, and every other group's client joins with that slot's data
+    area (ringd_options.share_slot_of), so that a process takes one of the host's slots however
+    many groups it is in (new_group, hybrid sharding). Its ranges, the comm hook's kept ranges
+    and one lock (with `room`, the condition of every wait for a range or a ticket) are the
+    process's, for all groups."""
+
+    def __init__(self, client):
+        import ctypes
+        self.clients = [client]
+        self.bytes = client.slot_bytes
+        # Tensors over the slot come from this view, not from a client's own: a group's client can
+        # then close while others use the memory; the last one stays open while they are alive.
+        self.view = memoryview((ctypes.c_char * self.bytes).from_address(client.slot_address)).cast("B")
+        self.tensor = torch.frombuffer(self.view, dtype=torch.uint8)
+        self.space = _SlotSpace(self.bytes)
+        self.resident_bytes = 0
+        self.lock = threading.Lock()
+        self.room = threading.Condition(self.lock)
+        # The mapping outlives the clients: ranges are released only once ringd is done with them,
+        # and the comm hook hands out tensors over the slot (set when it does), which may outlive
+        # the process groups: then the memory stays mapped for the process's life.
+        self.hold, self.unhold = client.hold_slot(), client.unhold_slot
+        self.handed_out = False
+
+
+_process_slots = {}  # socket path -> _ProcessSlot
+_process_slots_lock = threading.Lock()
+
+
+def _timeout_ms(timeout):
+    """A process group's timeout (a timedelta, or None) as a ringd op timeout in ms (0: ringd's)."""
+    if timeout is None:
+        return 0
+    return max(1, min(int(timeout.total_seconds() * 1000), 0xFFFFFFFF))
+
+
+def _connect(group, local_rank, local_size, slot_bytes, socket, hosts, timeout=None):
+    """A client of `group` on this process's slot of that ringd (made by the first group); its
+    ops bounded by the process group's `timeout`."""
+    with _process_slots_lock:
+        ps = _process_slots.get(socket)
+        if ps is not None:
+            try:
+                client = _ringd.Client(group, local_rank, local_size, slot_bytes, socket, hosts=hosts,
+                                       share_slot_of=ps.clients[0], op_timeout_ms=_timeout_ms(timeout))
+                if client.slot_address != ps.clients[0].slot_address or client.slot_bytes != ps.bytes:
+                    # A client library that does not know share_slot_of gave it a slot of its own.
+                    client.close()
+                    raise _ringd.RingdError(-errno.EPROTO, "this libringd-client does not share slots")
+                ps.clients.append(client)
+                return client, ps
+            except _ringd.RingdError as e:
+                if "slot" not in str(e) and "frame type" not in str(e):
+                    raise
+                # A ringd that does not share slots (older), or whose sharing refused: a slot of its own.
+        client = _ringd.Client(group, local_rank, local_size, slot_bytes, socket, hosts=hosts,
+                               op_timeout_ms=_timeout_ms(timeout))
+        ps = _ProcessSlot(client)
+        if socket not in _process_slots:
+            _process_slots[socket] = ps
+        return client, ps
+
+
+def _disconnect(client, ps, socket):
+    """Closes a group's client (it leaves its ringd group). The process's slot stays mapped while
+    another group uses it; after the last one, until the process ends if the comm hook handed out
+    tensors over it (they may still be referenced), else it is unmapped."""
+    with _process_slots_lock:
+        if client in ps.clients:
+            ps.clients.remove(client)
+        last = not ps.clients
+        if last and _process_slots.get(socket) is ps:
+            del _process_slots[socket]
+    client.close()
+    if last and not ps.handed_out and ps.hold:
+        ps.tensor = None
+        ps.unhold(ps.hold)
+        ps.hold = None
