@@ -117,7 +117,7 @@ def worker(rank, sock, group, out):
             staged = pattern.clone()
             staged[GUARD:GUARD + count * esize].copy_(mine.view(torch.uint8))
             producer["keep"] = staged
-            cu["delay"](ctypes.c_void_p(stream), 60000)
+            cu["delay"](ctypes.c_void_p(stream), producer.get("delay_us", 60000))
             check(cu["cuMemcpyHtoDAsync"](base, ctypes.c_void_p(staged.data_ptr()), nbytes, ctypes.c_void_p(stream)), "h2d")
         opf = _compat.OpFuture()
         buf = DeviceBuffer(base + GUARD, count, dtype, 0, stream)
@@ -157,7 +157,10 @@ def worker(rank, sock, group, out):
     # 2. stream_wait: a copy queued after it sees the result; the future is not waited on first
     salt += 1
     count = 50000
-    producer = {}  # holds the host buffer the late copy reads
+    # Holds the host buffer the late copy reads. The other ranks' producers are 340 ms later than
+    # rank 0's, so rank 0's result comes that long after its own data is in: a copy that did not
+    # wait would read rank 0's input.
+    producer = {"delay_us": 60000 if rank == 0 else 400000}
     ticket, opf, mem, pattern, esize = run_op(block, 2 << 20, "float32", "sum", count, salt, s.value, producer)
     engine.stream_wait(ticket, s.value)
     host_copy = torch.empty(2 << 20, dtype=torch.uint8)
