@@ -78,7 +78,7 @@ const std::array kSpecs{
     OpSpec{300007, DType::BF16, ReduceOp::Avg, true},
     OpSpec{131101, DType::F64, ReduceOp::Min, true},
     // 32 MiB and more: over TCP the ring sends the slot by reference and ends with the delivery
-    // marker (daemon/engine/ring_allreduce.h); the next step's inputs overwrite the slot at once.
+    // marker (daemon/engine/ring_engine.h); the next step's inputs overwrite the slot at once.
     OpSpec{8388623, DType::F32, ReduceOp::Sum, true},
 };
 

@@ -25,7 +25,7 @@ inline constexpr uint16_t kProtocolVersion = 1;      // frames between trainers/
 // runs at the newest version both of its hosts speak (proto/peer.h, the handshake). A frame's header carries the version that defined
 // its layout: the PeerHello and PeerAccept of a version-7 handshake say 7, every other peer frame
 // says 6 (their layout is version 6's), so a ringd of 6 reads them all.
-//   6: TCP ring ops of 32 MiB and more end with the delivery marker (daemon/engine/ring_allreduce.h).
+//   6: TCP ring ops of 32 MiB and more end with the delivery marker (daemon/engine/ring_engine.h).
 //   7: the handshake carries each host's host-list digest, config version and secret key ids
 //      (secrets rotate with a grace period; hosts whose host lists differ say so).
 //   8: small ops by recursive doubling and recursive halving-doubling (OpData kinds 4-8), whose

@@ -20,4 +20,10 @@ std::optional<ReduceOp> parse_reduce_op(std::string_view s) {
     return std::nullopt;
 }
 
+std::optional<Collective> parse_collective(std::string_view s) {
+    for (uint32_t i = 0; i < kCollectiveCount; ++i)
+        if (s == collective_name(static_cast<Collective>(i))) return static_cast<Collective>(i);
+    return std::nullopt;
+}
+
 }  // namespace ringd

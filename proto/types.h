@@ -12,6 +12,15 @@ namespace ringd {
 enum class DType : uint32_t { F32 = 0, F64 = 1, F16 = 2, BF16 = 3, I32 = 4, I64 = 5 };
 enum class ReduceOp : uint32_t { Sum = 0, Avg = 1, Min = 2, Max = 3 };
 
+// What an op computes (the submit descriptor's `collective`, the C ABI's ringd_collective):
+//   allreduce       every rank's buffer becomes the reduction of every rank's buffer
+//   reduce_scatter  the input is one block per rank (in the group's rank order), the output one
+//                   block: rank r's output is the reduction of every rank's block r
+//   allgather       the input is one block, the output one block per rank: block r of every
+//                   rank's output is rank r's input
+enum class Collective : uint32_t { Allreduce = 0, ReduceScatter = 1, Allgather = 2 };
+inline constexpr uint32_t kCollectiveCount = 3;
+
 inline constexpr uint32_t kDTypeCount = 6;
 inline constexpr uint32_t kReduceOpCount = 4;
 
@@ -41,6 +50,18 @@ constexpr std::string_view dtype_name(DType t) {
     return "?";
 }
 
+constexpr std::string_view collective_name(Collective c) {
+    switch (c) {
+    case Collective::Allreduce: return "allreduce";
+    case Collective::ReduceScatter: return "reduce_scatter";
+    case Collective::Allgather: return "allgather";
+    }
+    return "?";
+}
+
+// Whether the collective combines values (and so has a reduction op and partial results).
+constexpr bool collective_reduces(Collective c) { return c != Collective::Allgather; }
+
 constexpr std::string_view reduce_op_name(ReduceOp o) {
     switch (o) {
     case ReduceOp::Sum: return "sum";
@@ -63,5 +84,6 @@ constexpr DType partial_dtype(DType t, ReduceOp op) {
 // Accepts the names above and the short forms f32 f64 f16 bf16 i32 i64.
 std::optional<DType> parse_dtype(std::string_view s);
 std::optional<ReduceOp> parse_reduce_op(std::string_view s);
+std::optional<Collective> parse_collective(std::string_view s);
 
 }  // namespace ringd

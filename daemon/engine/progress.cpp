@@ -30,7 +30,7 @@ Result<std::unique_ptr<ProgressEngine>> ProgressEngine::start(NetworkTransport *
     e->staging_ = staging;
     e->ring_options_ = ring_options;
     e->op_timeout_ = op_timeout;
-    if (transport) e->ring_ = std::make_unique<RingAllreduce>(*transport, ring_options);
+    if (transport) e->ring_ = std::make_unique<RingEngine>(*transport, ring_options);
     try {
         e->thread_ = std::thread([p = e.get()] { p->run(); });
     } catch (const std::system_error &err) {
@@ -293,8 +293,8 @@ EngineResult ProgressEngine::execute_ring(EngineWork &w) {
     bytes_from_prev_ += prev_->bytes_received() - recv0;
     bytes_by_reference_ += next_->bytes_sent_by_reference() - ref0;
     if (!s && s.error().code == -ECANCELED && solo) {
-        // (An op this large may have sent from the trainer's slot by reference: ring_allreduce.h.)
-        const bool by_reference = w.count * dtype_size(w.dtype) >= RingAllreduce::kConfirmBytes && !next_->delivered_at_send_done();
+        // (An op this large may have sent from the trainer's slot by reference: ring_engine.h.)
+        const bool by_reference = w.count * dtype_size(w.dtype) >= RingEngine::kConfirmBytes && !next_->delivered_at_send_done();
         if (drain_cancelled(w.op_tag, by_reference)) return done(-ECANCELED, s.error().message, false);
         const std::string peer = next_->peer();  // (the link goes with drop_links)
         link_failure_reported_ = true;

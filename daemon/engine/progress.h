@@ -3,7 +3,7 @@
 // alive, and one atomic: the generation the control thread declared aborted).
 //
 // One host: an op is the reduction of the local ranks' slots, written to every slot.
-// Several hosts: the ring allreduce across hosts (RingAllreduce over the transport's links to the
+// Several hosts: the ring allreduce across hosts (RingEngine over the transport's links to the
 // next and previous host) on local rank 0's slot, folding the other local ranks' slots in and
 // writing the result to them chunk by chunk. Ring ops arrive in the coordinator's order.
 //
@@ -23,7 +23,7 @@
 #include <vector>
 
 #include "common/unique_fd.h"
-#include "daemon/engine/ring_allreduce.h"
+#include "daemon/engine/ring_engine.h"
 #include "proto/result.h"
 #include "proto/types.h"
 
@@ -67,7 +67,7 @@ struct RingLinks {
 
 class ProgressEngine {
 public:
-    // `transport` and `staging` (registered, RingAllreduce::staging_bytes()) for rings of hosts.
+    // `transport` and `staging` (registered, RingEngine::staging_bytes()) for rings of hosts.
     static Result<std::unique_ptr<ProgressEngine>> start(NetworkTransport *transport = nullptr, RegionHandle staging = {},
                                                          RingOptions ring_options = {},
                                                          std::chrono::milliseconds op_timeout = std::chrono::seconds(30));
@@ -160,7 +160,7 @@ private:
     RegionHandle staging_;
     RingOptions ring_options_;
     std::chrono::milliseconds op_timeout_{30000};
-    std::unique_ptr<RingAllreduce> ring_;
+    std::unique_ptr<RingEngine> ring_;
     std::vector<std::byte *> locals_;
     RingPosition pos_;
     uint64_t generation_ = 0;       // of the links below

@@ -54,7 +54,7 @@ Status RingDomain::setup(UniqueFd listener) {
     ring_options.chunk_bytes = config_.tuning.chunk_bytes;
     ring_options.depth = config_.tuning.depth;
     ring_options.spin_us = config_.poll == PollMode::Busy ? -1 : config_.poll == PollMode::Event ? 0 : 50;
-    const uint64_t staging_bytes = RingAllreduce::staging_bytes(ring_options);
+    const uint64_t staging_bytes = RingEngine::staging_bytes(ring_options);
     for (uint32_t k = 0; k < std::max<uint32_t>(1, config_.tuning.lanes); ++k) {
         auto l = std::make_unique<Lane>();
         if (whole_ring() && k == 0 && !sh_.transport_taken) {

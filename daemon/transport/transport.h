@@ -78,7 +78,7 @@ public:
     // message, not only until SendDone: the transport may then send it by reference instead of
     // copying it (TCP: sendfile from the region's file, so the kernel's socket buffers hold the
     // pages themselves and the receiving host copies straight out of them). The caller learns
-    // that the peer has it from the peer (the ring's delivery marker, ring_allreduce.h).
+    // that the peer has it from the peer (the ring's delivery marker, ring_engine.h).
     virtual Status post_send_stable(const RegionHandle &region, uint64_t offset, uint64_t bytes, uint64_t tag) {
         return post_send(region, offset, bytes, tag);
     }

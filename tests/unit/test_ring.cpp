@@ -1,4 +1,4 @@
-// RingAllreduce over every transport that runs here (in-process loopback; TCP over real
+// RingEngine over every transport that runs here (in-process loopback; TCP over real
 // 127.0.0.1 sockets, 1 and 3 streams per link; ibverbs on the software RDMA device, 1 and 2 QPs
 // per link), each host a thread with its own transport: on each, 1..5 hosts with 1 and 3 local
 // ranks, every dtype x op, counts 0, 1, fewer than hosts, not divisible by the host count, several
@@ -21,7 +21,7 @@
 #include "common/fd_io.h"
 #include "proto/le.h"
 #include "daemon/config.h"
-#include "daemon/engine/ring_allreduce.h"
+#include "daemon/engine/ring_engine.h"
 #include "daemon/transport/loopback/loopback_transport.h"
 #include "daemon/transport/tcp/tcp_transport.h"
 #ifdef RINGD_HAVE_IBVERBS
@@ -161,7 +161,7 @@ void allreduce_and_check(Ring &ring, DType t, ReduceOp op, uint64_t count, RingO
         b.range.prepare(b.data.data(), first[r]);
         // The staging area (the chunk slots and the f32 work area) with guards around it (outside
         // its registration).
-        const uint64_t staging_bytes = RingAllreduce::staging_bytes(opt);
+        const uint64_t staging_bytes = RingEngine::staging_bytes(opt);
         b.staging.resize(kG + staging_bytes + kG);
         bench::guard_fill(b.staging.data(), 0, kG, salt | 0xff);
         bench::guard_fill(b.staging.data(), b.staging.size() - kG, b.staging.size(), salt | 0xff);
@@ -180,7 +180,7 @@ void allreduce_and_check(Ring &ring, DType t, ReduceOp op, uint64_t count, RingO
     std::vector<std::thread> threads;
     for (uint32_t r = 0; r < ring.n; ++r) {
         threads.emplace_back([&, r] {
-            RingAllreduce ar(*ring.transports[r], opt);
+            RingEngine ar(*ring.transports[r], opt);
             RingOp o;
             o.dtype = t;
             o.op = op;
@@ -258,7 +258,7 @@ double values_allreduce_and_check(Ring &ring, DType t, ReduceOp op, uint64_t cou
         auto &b = bufs[r];
         b.data.resize(2 * kG + count * es);
         fill(b.data.data(), uint64_t{r} * local, op_tag * 64 + r);
-        b.staging.resize(RingAllreduce(*ring.transports[r], opt).staging_bytes());
+        b.staging.resize(RingEngine(*ring.transports[r], opt).staging_bytes());
         b.data_reg = RegisteredRegion(ring.transports[r].get(), *ring.transports[r]->register_region(b.data.data(), b.data.size()));
         b.staging_reg =
             RegisteredRegion(ring.transports[r].get(), *ring.transports[r]->register_region(b.staging.data(), b.staging.size()));
@@ -272,7 +272,7 @@ double values_allreduce_and_check(Ring &ring, DType t, ReduceOp op, uint64_t cou
     std::vector<std::thread> threads;
     for (uint32_t r = 0; r < ring.n; ++r) {
         threads.emplace_back([&, r] {
-            RingAllreduce ar(*ring.transports[r], opt);
+            RingEngine ar(*ring.transports[r], opt);
             RingOp o;
             o.dtype = t;
             o.op = op;
@@ -440,7 +440,7 @@ TEST_CASE("a peer that disappears mid-op fails its neighbours with an error nami
     const auto start = std::chrono::steady_clock::now();
     for (uint32_t r = 0; r < 2; ++r) {
         threads.emplace_back([&, r] {
-            RingAllreduce ar(*ring.transports[r], RingOptions{4096, 2});
+            RingEngine ar(*ring.transports[r], RingOptions{4096, 2});
             RingOp o;
             o.count = count;
             o.data = bufs[r].data_reg.handle();
@@ -513,7 +513,7 @@ TEST_CASE("a solo op that one host never runs is cancelled on the others; the li
     std::vector<HostBuffers> bufs(3);
     for (uint32_t r = 0; r < 3; ++r) {
         bufs[r].data.assign(count * 4, std::byte{1});
-        bufs[r].staging.resize(RingAllreduce::staging_bytes(opt));
+        bufs[r].staging.resize(RingEngine::staging_bytes(opt));
         bufs[r].data_reg = RegisteredRegion(ring.transports[r].get(), *ring.transports[r]->register_region(bufs[r].data.data(), bufs[r].data.size()));
         bufs[r].staging_reg = RegisteredRegion(ring.transports[r].get(), *ring.transports[r]->register_region(bufs[r].staging.data(), bufs[r].staging.size()));
     }
@@ -524,7 +524,7 @@ TEST_CASE("a solo op that one host never runs is cancelled on the others; the li
     std::vector<std::thread> threads;
     for (uint32_t r = 0; r < 2; ++r) {
         threads.emplace_back([&, r] {
-            RingAllreduce ar(*ring.transports[r], opt);
+            RingEngine ar(*ring.transports[r], opt);
             RingOp o;
             o.count = count;
             o.data = bufs[r].data_reg.handle();
@@ -569,7 +569,7 @@ TEST_CASE("a cancelled solo op that sent by reference gives the buffer back only
     // sends, then its fences, wait for host 2.
     Ring ring(3, "tcp", 3);
     const uint32_t a_tag = kSoloTag | (9u << 24) | (0x51u << 16) | 7;
-    const uint64_t count = RingAllreduce::kConfirmBytes / 4 + 1024;
+    const uint64_t count = RingEngine::kConfirmBytes / 4 + 1024;
     RingOptions opt{1 << 20, 4};
     std::vector<std::unique_ptr<MemfdBuffer>> data(3);
     std::vector<std::vector<std::byte>> staging(3);
@@ -577,7 +577,7 @@ TEST_CASE("a cancelled solo op that sent by reference gives the buffer back only
     for (uint32_t r = 0; r < 3; ++r) {
         data[r] = std::make_unique<MemfdBuffer>(count * 4);
         std::memset(data[r]->p, 1, data[r]->bytes);
-        staging[r].resize(RingAllreduce::staging_bytes(opt));
+        staging[r].resize(RingEngine::staging_bytes(opt));
         data_reg[r] = RegisteredRegion(ring.transports[r].get(),
                                        *ring.transports[r]->register_region(data[r]->p, data[r]->bytes, data[r]->fd.get(), 0));
         staging_reg[r] = RegisteredRegion(ring.transports[r].get(),
@@ -591,7 +591,7 @@ TEST_CASE("a cancelled solo op that sent by reference gives the buffer back only
     const auto start = std::chrono::steady_clock::now();
     for (uint32_t r = 0; r < 2; ++r) {
         threads.emplace_back([&, r] {
-            RingAllreduce ar(*ring.transports[r], opt);
+            RingEngine ar(*ring.transports[r], opt);
             RingOp o;
             o.count = count;
             o.data = data_reg[r].handle();
@@ -647,7 +647,7 @@ TEST_CASE("a peer that never answers ends in a timeout naming it, not a hang", "
     std::vector<std::byte> data(1 << 16), staging(4096 * 2);
     auto dr = *ring.transports[0]->register_region(data.data(), data.size());
     auto sr = *ring.transports[0]->register_region(staging.data(), staging.size());
-    RingAllreduce ar(*ring.transports[0], RingOptions{4096, 2});
+    RingEngine ar(*ring.transports[0], RingOptions{4096, 2});
     RingOp o;
     o.count = data.size() / 4;
     o.data = dr;
@@ -662,16 +662,16 @@ TEST_CASE("a peer that never answers ends in a timeout naming it, not a hang", "
 
 TEST_CASE("large ops take chunk_bytes; smaller ones halve it down to 512 KiB with more slots; all exact", "[ring]") {
     const RingOptions opt{2 << 20, 2};
-    CHECK(RingAllreduce::chunk_for(opt, 64 << 20) == 2u << 20);
-    CHECK(RingAllreduce::chunk_for(opt, 16 << 20) == 2u << 20);
-    CHECK(RingAllreduce::chunk_for(opt, (16 << 20) - 1) == 1u << 20);
-    CHECK(RingAllreduce::chunk_for(opt, 8 << 20) == 1u << 20);
-    CHECK(RingAllreduce::chunk_for(opt, (8 << 20) - 1) == 512u << 10);
-    CHECK(RingAllreduce::chunk_for(opt, 1) == 512u << 10);
+    CHECK(RingEngine::chunk_for(opt, 64 << 20) == 2u << 20);
+    CHECK(RingEngine::chunk_for(opt, 16 << 20) == 2u << 20);
+    CHECK(RingEngine::chunk_for(opt, (16 << 20) - 1) == 1u << 20);
+    CHECK(RingEngine::chunk_for(opt, 8 << 20) == 1u << 20);
+    CHECK(RingEngine::chunk_for(opt, (8 << 20) - 1) == 512u << 10);
+    CHECK(RingEngine::chunk_for(opt, 1) == 512u << 10);
     // Configured chunks of at most 512 KiB are taken as they are.
-    CHECK(RingAllreduce::chunk_for(RingOptions{512 << 10, 8}, 1) == 512u << 10);
-    CHECK(RingAllreduce::chunk_for(RingOptions{4096, 3}, 1) == 4096);
-    CHECK(RingAllreduce::chunk_for(RingOptions{3 << 20, 2}, 1) == 768u << 10);
+    CHECK(RingEngine::chunk_for(RingOptions{512 << 10, 8}, 1) == 512u << 10);
+    CHECK(RingEngine::chunk_for(RingOptions{4096, 3}, 1) == 4096);
+    CHECK(RingEngine::chunk_for(RingOptions{3 << 20, 2}, 1) == 768u << 10);
     // f32 segments of 3, 10 and 17 MiB over 3 hosts: chunks of 512 KiB (8 slots of the 2 x 2 MiB
     // staging), 1 MiB (4 slots) and 2 MiB (2 slots), each with a short last chunk. The bf16
     // averages run in windows of the 32 MiB work area, with each window's own chunk.
@@ -735,7 +735,7 @@ TEST_CASE("partial results forwarded from their staging slot or from the data re
 TEST_CASE("ops of 32 MiB and more over TCP send the data region by reference and end once the next host has it; "
           "every host overwrites its buffer as its op ends, and every result is exact",
           "[ring][tcp]") {
-    constexpr uint64_t kAt = RingAllreduce::kConfirmBytes / 4;  // floats
+    constexpr uint64_t kAt = RingEngine::kConfirmBytes / 4;  // floats
     REQUIRE(kAt == 8u << 20);
     RingOptions opt;
     opt.chunk_bytes = 1 << 20;
@@ -772,7 +772,7 @@ TEST_CASE("ops of 32 MiB and more over TCP send the data region by reference and
                 range[r] = bench::GuardedRange{offset, count, offset + count * 4 + kG, DType::F32, (k << 24) | (r << 8)};
                 data[r] = std::make_unique<MemfdBuffer>(range[r].buf_bytes);
                 range[r].prepare(data[r]->p, r);
-                staging[r].resize(RingAllreduce::staging_bytes(opt));
+                staging[r].resize(RingEngine::staging_bytes(opt));
                 data_reg[r] = RegisteredRegion(ring.transports[r].get(),
                                                *ring.transports[r]->register_region(data[r]->p, data[r]->bytes, data[r]->fd.get(), 0));
                 staging_reg[r] = RegisteredRegion(ring.transports[r].get(),
@@ -781,7 +781,7 @@ TEST_CASE("ops of 32 MiB and more over TCP send the data region by reference and
             std::vector<std::thread> threads;
             for (uint32_t r = 0; r < n; ++r) {
                 threads.emplace_back([&, r] {
-                    RingAllreduce ar(*ring.transports[r], opt);
+                    RingEngine ar(*ring.transports[r], opt);
                     RingOp o;
                     o.dtype = DType::F32;
                     o.op = rop;
@@ -806,7 +806,7 @@ TEST_CASE("ops of 32 MiB and more over TCP send the data region by reference and
                 CHECK(v.wrong == 0);
                 CHECK(v.guard == 0);
                 const uint64_t by_ref = ring.pos[r].next->bytes_sent_by_reference() - by_ref0[r];
-                if (zero_copy && count * 4 >= RingAllreduce::kConfirmBytes) {
+                if (zero_copy && count * 4 >= RingEngine::kConfirmBytes) {
                     // Every send from the data region: step 0 of the reduce-scatter and the
                     // whole allgather, at least n - 1 segments' worth of n - 1.
                     CHECK(by_ref >= (n - 1) * (count / n) * 4 - (uint64_t{1} << 20));

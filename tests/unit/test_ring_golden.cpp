@@ -20,7 +20,7 @@
 #include <thread>
 
 #include "bench/bench_data.h"
-#include "daemon/engine/ring_allreduce.h"
+#include "daemon/engine/ring_engine.h"
 #include "daemon/transport/loopback/loopback_transport.h"
 
 using namespace ringd;
@@ -162,7 +162,7 @@ std::string run_case(const Case &c, uint32_t op_tag) {
         // is never read by the next (every receive is written before it is read).
         static std::vector<std::vector<std::byte>> staging;
         if (staging.size() <= r) staging.resize(r + 1);
-        if (staging[r].size() < RingAllreduce::staging_bytes(c.opt)) staging[r].resize(RingAllreduce::staging_bytes(c.opt));
+        if (staging[r].size() < RingEngine::staging_bytes(c.opt)) staging[r].resize(RingEngine::staging_bytes(c.opt));
         b.data_reg = RegisteredRegion(ts[r].get(), *ts[r]->register_region(b.data.data(), b.data.size()));
         b.staging_reg = RegisteredRegion(ts[r].get(), *ts[r]->register_region(staging[r].data(), staging[r].size()));
         for (uint32_t l = 1; l < c.locals[r]; ++l) {
@@ -174,7 +174,7 @@ std::string run_case(const Case &c, uint32_t op_tag) {
     std::vector<std::thread> threads;
     for (uint32_t r = 0; r < n; ++r)
         threads.emplace_back([&, r] {
-            RingAllreduce ar(*ts[r], c.opt);
+            RingEngine ar(*ts[r], c.opt);
             RingOp o;
             o.dtype = c.dtype;
             o.op = c.op;

@@ -1,17 +1,20 @@
-// RingAllreduce: the cross-host part of an allreduce — ring reduce-scatter, then allgather —
-// over any Transport, written like the algorithm on a whiteboard: post, wait, reduce.
+// RingEngine: the cross-host part of a ring collective, over any Transport. It executes a
+// schedule (ring_schedule.h: per step, the segment sent, the segment received, and the primitive
+// applied to each) chunk by chunk: allreduce is the reduce-scatter schedule followed by the
+// allgather one, reduce_scatter and allgather are each one of them.
 //
-// The host's contribution (already reduced over its local ranks; sums, not averages) lies in a
-// registered data region; it is replaced by the result. The buffer is cut into one segment per
-// host and each segment into chunks; chunks are pipelined: while chunk j of step s is on the
-// wire, chunk j-1 is being reduced and chunk j+1 is being sent. Reduce-scatter receives land in
-// a registered staging area (chunk slots, reused: `depth` of the largest chunk, or as many
-// smaller ones as fit there) and are reduced with the data region's contribution in place, in
-// their slot, and forwarded from it (the slot is free once that send is done; a receive keeps
-// its slot only while another one is free, else its partial goes through the data region). So
-// the data region is only read in the reduce-scatter, but for the last step's result, and the
-// send copies from memory the reduction just wrote. Allgather receives land straight in the
-// data region.
+// The host's contribution (reduced over its local ranks as the ring first touches it) lies in a
+// registered data region, local rank 0's slot. The op's segments are cut into chunks; chunks are
+// pipelined: while chunk j of step s is on the wire, chunk j-1 is being reduced and chunk j+1 is
+// being sent. Reduce-scatter receives land in a registered staging area (chunk slots, reused:
+// `depth` of the largest chunk, or as many smaller ones as fit there) and are reduced with the
+// data region's contribution in place, in their slot, and forwarded from it (the slot is free
+// once that send is done; a receive keeps its slot only while another one is free, else its
+// partial goes through the data region). So the data region is only read in the reduce-scatter,
+// but for the last step's result, and the send copies from memory the reduction just wrote.
+// Allgather receives land straight in the data region's output. reduce_scatter uses its input
+// range as the allreduce uses its buffer: it may hold partial results afterwards (the output
+// range holds the result).
 //
 // avg (reduce.h): every contribution is scaled by 2^-K where the ring first touches it (2^K >=
 // 2 x avg_divisor), so that no partial sum overflows, and the result by 2^K/avg_divisor in the
@@ -23,14 +26,16 @@
 // f16/bf16 sums and averages travel in f32 in the reduce-scatter (partial_dtype, proto/types.h)
 // and are rounded once, in its last step; the allgather carries the rounded result in the dtype.
 // Their partial sums live in an f32 work area (registered, after the staging slots; see
-// work_bytes()); an op larger than it runs as several passes of the ring over windows of the
-// buffer that fit.
+// work_bytes()); an op larger than it runs as several passes of the ring over windows that fit:
+// for allreduce a range of the buffer, for reduce_scatter the same sub-range of every rank's block
+// (so that every host has its share of every window).
 //
 // Several local ranks: their buffers (`locals`, besides the data region, which is local rank
 // 0's) are folded in chunk by chunk where the ring first touches a chunk — before a step-0 send,
 // or in the reduction of a received chunk — and each chunk's final value is written to them as
 // soon as it is known (the last reduce-scatter step, or an allgather receive), so that neither
-// the local reduction nor the copy-out is a pass of its own.
+// the local reduction nor the copy-out is a pass of its own. An allgather gathers its local
+// ranks' inputs the same way, chunk by chunk before its step-0 send.
 //
 // Both ends of a link post its messages in the same canonical order (step-major, then chunk), so
 // a transport may rely on in-order arrival for flow control, and nothing can deadlock.
@@ -38,15 +43,20 @@
 // Sends from the data region go by reference where the transport can (post_send_stable: TCP
 // sends a trainer's memfd slot with sendfile, one copy per byte instead of two), in ops of
 // kConfirmBytes or more on links whose SendDone does not mean delivered. The ring itself keeps
-// those bytes unchanged until the next host has them: a segment sent in the reduce-scatter is
-// next written by the allgather receive of the same segment, whose value the next host's
-// reduction of what it received went into; the allgather's sends are of segments that nothing
-// writes again in the op. What the ring cannot see is the next host's reading of its last
-// messages, so such an op ends with a delivery marker: each host, once it has received all of
-// the op, sends an empty message back to the previous host, and its own op ends only when the
-// next host's marker is in. Until then the trainer does not get its buffer back. One hop of
-// latency, on ops of 32 MiB and more (below that it costs more time than the copy: docs/perf.md); every host decides it from the op's size and the
-// transport, which all hosts share.
+// those bytes unchanged until the next host has them: a segment is sent only after its last
+// write of the op (a reduce-scatter sends a segment the step after it received it and never
+// receives it again; in allreduce its next write is the allgather receive of the same segment,
+// whose value the next host's reduction of what it received went into; an allgather sends
+// segments that nothing writes again in the op). What the ring cannot see is the next host's
+// reading of its last messages, so such an op ends with a delivery marker: each host, once it
+// has received all of the op, sends an empty message back to the previous host, and its own op
+// ends only when the next host's marker is in. Until then the trainer does not get its buffer
+// back. One hop of latency, on ops of 32 MiB and more (below that it costs more time than the
+// copy: docs/perf.md); every host decides it from the op's size and the transport, which all
+// hosts share.
+//
+// The messages of allreduce are those of peer protocol 1's ring (tests/unit/test_ring_golden.cpp
+// pins them): tags, sizes, order and bytes.
 //
 // Called on the progress thread. After a failed run the links must not be reused: receives may
 // still be posted into the caller's memory (the daemon aborts the ring generation).
@@ -59,6 +69,7 @@
 #include <span>
 #include <vector>
 
+#include "daemon/engine/ring_schedule.h"
 #include "daemon/transport/transport.h"
 #include "proto/types.h"
 
@@ -89,16 +100,26 @@ struct RingOptions {
 };
 
 struct RingOp {
+    Collective collective = Collective::Allreduce;
     DType dtype = DType::F32;
-    ReduceOp op = ReduceOp::Sum;
+    ReduceOp op = ReduceOp::Sum;  // not used by allgather
+    // Allreduce: the buffer's elements. reduce_scatter and allgather: one rank's block (the
+    // output, resp. the input); the other buffer has a block per rank of the group.
     uint64_t count = 0;
     uint32_t avg_divisor = 1;  // contributions in total (all ranks of all hosts)
-    RegionHandle data;         // in/out
-    uint64_t data_offset = 0;
+    RegionHandle data;         // local rank 0's input and output
+    uint64_t data_offset = 0;  // the input (allreduce: in/out)
+    uint64_t out_offset = 0;   // reduce_scatter, allgather: the output (may be inside the input)
     RegionHandle staging;      // staging_bytes(): chunk_bytes x depth of slots, then the f32 work area
-    // The other local ranks' buffers (count elements each, not registered: only read and written
-    // here). Their contributions are summed in; the result lands in them too.
+    // The other local ranks' buffers (not registered: only read and written here): their inputs
+    // (allreduce: in/out), and for reduce_scatter and allgather their outputs. Their
+    // contributions are summed in; the result lands in them too.
     std::span<std::byte *const> locals;
+    std::span<std::byte *const> local_outputs;
+    // reduce_scatter, allgather: the group's ranks on each host of the ring (index: ring
+    // position), each host's in local-rank order; block b of the buffer with a block per rank is
+    // rank b's. Every host has the same.
+    std::span<const std::vector<uint32_t>> host_ranks;
     uint32_t op_tag = 0;       // distinguishes this op's messages from any other's
     // Set by another thread when the ring generation is over: run() returns promptly.
     const std::atomic<uint64_t> *aborted_generation = nullptr;
@@ -110,11 +131,19 @@ struct RingOp {
     // Stored (steady clock, ns) on every turn of the wait: the progress thread is alive.
     std::atomic<int64_t> *beat_ns = nullptr;
     uint64_t generation = 0;
+
+    // The ranks of the group (reduce_scatter, allgather), and the elements of the buffer with a
+    // block per rank (allreduce: its buffer).
+    uint64_t ranks() const;
+    uint64_t full_count() const { return collective == Collective::Allreduce ? count : count * ranks(); }
+    // Whether the op's sends from the data region may go by reference on links whose SendDone
+    // does not mean delivered (it then ends with the delivery marker).
+    bool by_reference() const;
 };
 
-class RingAllreduce {
+class RingEngine {
 public:
-    RingAllreduce(Transport &transport, RingOptions options) : t_(transport), opt_(options) {}
+    RingEngine(Transport &transport, RingOptions options) : t_(transport), opt_(options) {}
 
     // The f32 work area's bytes, and the staging bytes run() needs: the chunk slots and the work
     // area (ops that do not widen need only the slots).
@@ -123,7 +152,7 @@ public:
         const uint64_t small = 64 * std::min<uint64_t>(o.chunk_bytes, 512 << 10);
         return std::min<uint64_t>(std::max<uint64_t>(small, 16 * o.chunk_bytes), uint64_t{256} << 20);
     }
-    // The chunk (bytes) of a window whose segments hold `segment_bytes` (partials): every host
+    // The chunk (bytes) of a window whose segments hold `segment_bytes` (partials) on average: every host
     // computes the same from the same options.
     static uint64_t chunk_for(const RingOptions &o, uint64_t segment_bytes) {
         constexpr uint64_t kLeast = 512 << 10, kPerSegment = 8;
@@ -142,13 +171,15 @@ public:
     Status run(const RingPosition &pos, const RingOp &op, std::chrono::steady_clock::time_point deadline);
 
 private:
-    enum Phase : uint32_t { kReduceScatter = 0, kAllgather = 1 };
+    // One message of the op's schedule, sent or received.
     struct Msg {
-        Phase phase;
-        uint32_t step;
-        uint32_t chunk;
-        uint64_t elem_begin;  // into the op's buffer
+        uint32_t entry;  // its step in schedule_
+        uint32_t chunk;  // within the step's segment
+        uint64_t elem;   // into the buffer with a block per rank (allreduce: the buffer)
         uint64_t elems;
+        uint64_t work;      // widened: where its partials are in the work area (elements)
+        uint64_t in_block;  // reduce_scatter, allgather: its offset within its rank's block
+        int32_t owner;      // this host's segment: the local rank whose block it is (else -1)
         bool posted, done;
         // Reduce-scatter: the staging slot a receive lands in; a receive whose partial result is
         // forwarded from that slot keeps it (`forward`) until the send of the next step, which
@@ -156,30 +187,49 @@ private:
         int32_t slot;
         bool forward;
     };
+    // A pass of the ring over part of the op: allreduce, elements [begin, begin + count) of the
+    // buffer; reduce_scatter and allgather, the same elements of every rank's block.
+    struct Window {
+        uint64_t begin, count;
+    };
 
-    // One pass of the ring over elements [begin, begin + count) of the op (a window).
-    Status run_window(const RingPosition &pos, const RingOp &op, uint64_t begin, uint64_t count, uint64_t chunk_bytes,
+    // The local ranks' reduction or gather, for a ring of one host.
+    void run_local(const RingOp &op);
+    Status run_window(const RingPosition &pos, const RingOp &op, Window w, uint64_t chunk_bytes,
                       std::chrono::steady_clock::time_point deadline);
-    void plan(const RingPosition &pos, uint64_t count, uint64_t chunk_elems, uint32_t slots);
+    // The window's segments as pieces of contiguous elements, and the schedule's messages.
+    void segments(const RingPosition &pos, const RingOp &op, Window w);
+    void plan(const RingPosition &pos, const RingOp &op, Window w, uint64_t chunk_elems, uint32_t slots);
+    // The most chunks a segment of the window has (every host computes the same).
+    uint64_t most_chunks(const RingPosition &pos, const RingOp &op, Window w, uint64_t chunk_elems) const;
     // The delivery marker: an empty message to the previous host (tell_prev: all of the op is
     // in) and the next host's (wait_next: it has all we sent), both before the deadline.
     Status confirm_delivery(const RingPosition &pos, const RingOp &op, bool tell_prev, bool wait_next,
                             std::chrono::steady_clock::time_point deadline);
-    size_t index(const std::vector<size_t> &base, Phase p, uint32_t step, uint32_t chunk) const {
-        return base[p * steps_ + step] + chunk;
+    size_t index(const std::vector<size_t> &base, uint32_t entry, uint32_t chunk) const { return base[entry] + chunk; }
+    uint64_t tag(const RingOp &op, uint32_t entry, uint32_t chunk) const {
+        const RingStep &e = schedule_[entry];
+        return (uint64_t{op.op_tag} << 32) | (uint64_t{e.phase} << 31) | (uint64_t{e.step} << 20) | (chunk_base_ + chunk);
     }
-    uint64_t tag(const RingOp &op, Phase p, uint32_t step, uint32_t chunk) const {
-        return (uint64_t{op.op_tag} << 32) | (uint64_t{p} << 31) | (uint64_t{step} << 20) | (chunk_base_ + chunk);
-    }
+
+    struct Piece {
+        uint64_t elem, elems, work, in_block;
+        int32_t owner;
+    };
 
     Transport &t_;
     RingOptions opt_;
-    uint32_t steps_ = 0;
     uint32_t chunk_base_ = 0;  // the window's first chunk number in tags (unique in the op)
     bool stable_ = false;      // the op's sends from the data region may go by reference
-    // Reused from op to op (capacity stays): the schedule of messages sent and received.
+    // Reused from op to op (capacity stays): the schedule, the window's segments (pieces of
+    // segment k: seg_pieces_[seg_base_[k] .. seg_base_[k + 1])), its messages sent and received.
+    std::vector<RingStep> schedule_;
+    // Per step: the earlier step whose send of the segment its receive writes must be done first.
+    std::vector<int32_t> recv_after_send_, last_send_;
+    std::vector<Piece> seg_pieces_;
+    std::vector<size_t> seg_base_;
     std::vector<Msg> sends_, recvs_;
-    std::vector<size_t> send_base_, recv_base_;  // first message of (phase, step)
+    std::vector<size_t> send_base_, recv_base_;  // first message of each step
     std::vector<int32_t> free_slots_;
     std::vector<LinkEvent> events_;
     std::vector<const void *> srcs_;

@@ -1,0 +1,447 @@
+#include "daemon/engine/ring_engine.h"
+
+#include <cstring>
+
+#include "common/fd_io.h"
+#include "daemon/engine/reduce.h"
+
+namespace ringd {
+namespace {
+
+constexpr uint32_t kMaxChunks = 1u << 20;
+constexpr uint32_t kMaxSteps = 1u << 11;
+
+// Every turn of a wait: an aborted generation ends the op; else the progress thread's heartbeat.
+Status wait_turn(const RingOp &op) {
+    if (op.aborted_generation && op.aborted_generation->load(std::memory_order_acquire) >= op.generation)
+        return make_error(-ECONNABORTED, "ring generation " + std::to_string(op.generation) + " was aborted");
+    if (op.cancelled && op.cancelled->load(std::memory_order_acquire)) return make_error(-ECANCELED, "the op was cancelled");
+    if (op.beat_ns)
+        op.beat_ns->store(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                              std::chrono::steady_clock::now().time_since_epoch()).count(),
+                          std::memory_order_relaxed);
+    return Ok{};
+}
+
+// Receives that reduce land in a staging slot; the others in the data region.
+bool lands_in_staging(Prim p) { return p == Prim::RecvReduceSend || p == Prim::RecvReduceCopy || p == Prim::RecvReduceCopySend; }
+
+uint64_t seg_begin(uint64_t count, uint32_t n, uint32_t k) {
+    return static_cast<uint64_t>((static_cast<unsigned __int128>(count) * k) / n);
+}
+
+}  // namespace
+
+uint64_t RingOp::ranks() const {
+    uint64_t n = 0;
+    for (const auto &h : host_ranks) n += h.size();
+    return n;
+}
+
+bool RingOp::by_reference() const { return full_count() * dtype_size(dtype) >= RingEngine::kConfirmBytes; }
+
+void RingEngine::segments(const RingPosition &pos, const RingOp &op, Window w) {
+    const uint32_t n = pos.size;
+    seg_pieces_.clear();
+    seg_base_.assign(n + 1, 0);
+    for (uint32_t k = 0; k < n; ++k) {
+        seg_base_[k] = seg_pieces_.size();
+        if (op.collective == Collective::Allreduce) {
+            // One n-th of the window, each: the ring of peer protocol 1.
+            const uint64_t b = seg_begin(w.count, n, k), e = seg_begin(w.count, n, k + 1);
+            seg_pieces_.push_back({w.begin + b, e - b, b, 0, -1});
+            continue;
+        }
+        // The window's part of the blocks of host k's ranks, in its local-rank order; their
+        // partials are in the work area by rank.
+        const auto &ranks = op.host_ranks[k];
+        for (size_t l = 0; l < ranks.size(); ++l) {
+            const uint64_t b = ranks[l];
+            seg_pieces_.push_back({b * op.count + w.begin, w.count, b * w.count, w.begin,
+                                   k == pos.rank ? static_cast<int32_t>(l) : -1});
+        }
+    }
+    seg_base_[n] = seg_pieces_.size();
+}
+
+uint64_t RingEngine::most_chunks(const RingPosition &pos, const RingOp &op, Window w, uint64_t chunk_elems) const {
+    // Allreduce: the bound of peer protocol 1 (its tags number chunks from it).
+    if (op.collective == Collective::Allreduce) return w.count / pos.size / chunk_elems + 1;
+    uint64_t most = 0;
+    for (const auto &h : op.host_ranks) most = std::max<uint64_t>(most, h.size() * ((w.count + chunk_elems - 1) / chunk_elems));
+    return most + 1;
+}
+
+void RingEngine::plan(const RingPosition &pos, const RingOp &op, Window w, uint64_t chunk_elems, uint32_t slots) {
+    schedule_ = schedule::ring(op.collective, pos.rank, pos.size);
+    segments(pos, op, w);
+    // A receive into the data region waits for an earlier send of the same segment to be done
+    // (allreduce's allgather, over what its reduce-scatter sent).
+    recv_after_send_.assign(schedule_.size(), -1);
+    last_send_.assign(pos.size, -1);
+    for (size_t i = 0; i < schedule_.size(); ++i) {
+        if (!lands_in_staging(schedule_[i].recv)) recv_after_send_[i] = last_send_[schedule_[i].recv_seg];
+        last_send_[schedule_[i].send_seg] = static_cast<int32_t>(i);
+    }
+    sends_.clear();
+    recvs_.clear();
+    send_base_.assign(schedule_.size(), 0);
+    recv_base_.assign(schedule_.size(), 0);
+    auto add = [&](std::vector<Msg> &list, std::vector<size_t> &base, uint32_t entry, uint32_t seg) {
+        base[entry] = list.size();
+        uint32_t j = 0;
+        for (size_t p = seg_base_[seg]; p < seg_base_[seg + 1]; ++p) {
+            const Piece &pc = seg_pieces_[p];
+            for (uint64_t at = 0; at < pc.elems; at += chunk_elems, ++j)
+                list.push_back({entry, j, pc.elem + at, std::min(chunk_elems, pc.elems - at), pc.work + at, pc.in_block + at,
+                                pc.owner, false, false, -1, false});
+        }
+    };
+    for (uint32_t i = 0; i < schedule_.size(); ++i) {
+        add(sends_, send_base_, i, schedule_[i].send_seg);
+        add(recvs_, recv_base_, i, schedule_[i].recv_seg);
+    }
+    free_slots_.clear();
+    for (uint32_t i = 0; i < slots; ++i) free_slots_.push_back(static_cast<int32_t>(slots - 1 - i));
+}
+
+void RingEngine::run_local(const RingOp &op) {
+    const size_t es = dtype_size(op.dtype);
+    std::byte *in = op.data.base + op.data_offset;
+    std::byte *out = op.data.base + op.out_offset;
+    auto input = [&](size_t l) { return l == 0 ? in : op.locals[l - 1]; };
+    auto output = [&](size_t l) { return l == 0 ? out : op.local_outputs[l - 1]; };
+    const size_t locals = op.locals.size() + 1;
+    switch (op.collective) {
+    case Collective::Allreduce:
+        // The local ranks' reduction, written to all of them.
+        srcs_.assign(1, in);
+        dsts_.assign(1, in);
+        for (std::byte *l : op.locals) {
+            srcs_.push_back(l);
+            dsts_.push_back(l);
+        }
+        if (op.count > 0 && (srcs_.size() > 1 || op.op == ReduceOp::Avg))
+            reduce(ReduceArgs{op.dtype, op.op, srcs_.data(), srcs_.size(), dsts_.data(), dsts_.size(), op.count,
+                              op.avg_divisor});
+        return;
+    case Collective::ReduceScatter:
+        // Rank b's block of every local rank's input, reduced into rank b's output.
+        for (size_t l = 0; l < locals && op.count > 0; ++l) {
+            const uint64_t b = op.host_ranks[0][l];
+            srcs_.clear();
+            for (size_t q = 0; q < locals; ++q) srcs_.push_back(input(q) + b * op.count * es);
+            dsts_.assign(1, output(l));
+            reduce(ReduceArgs{op.dtype, op.op, srcs_.data(), srcs_.size(), dsts_.data(), 1, op.count, op.avg_divisor});
+        }
+        return;
+    case Collective::Allgather:
+        // Every local rank's input into its block of every local rank's output.
+        for (size_t q = 0; q < locals && op.count > 0; ++q)
+            for (size_t l = 0; l < locals; ++l) {
+                std::byte *to = output(l) + op.host_ranks[0][q] * op.count * es;
+                if (to != input(q)) std::memmove(to, input(q), op.count * es);
+            }
+        return;
+    }
+}
+
+Status RingEngine::run(const RingPosition &pos, const RingOp &op, std::chrono::steady_clock::time_point deadline) {
+    const size_t es = dtype_size(op.dtype);
+    const bool reduces = collective_reduces(op.collective);
+    const size_t ps = reduces ? dtype_size(partial_dtype(op.dtype, op.op)) : es;
+    const bool widened = ps != es;
+    if (op.collective != Collective::Allreduce && op.count && op.ranks() > UINT64_MAX / op.count / es)
+        return make_error(-E2BIG, "ring op: its buffer's size overflows");
+    const uint64_t full = op.full_count();
+    const uint64_t in_count = op.collective == Collective::Allgather ? op.count : full;
+    const uint64_t out_count = op.collective == Collective::ReduceScatter ? op.count : full;
+    if (op.collective != Collective::Allreduce) {
+        if (op.host_ranks.size() != pos.size) return make_error(-EINVAL, "ring op: the group's ranks name another ring");
+        if (op.host_ranks[pos.rank].size() != op.locals.size() + 1 || op.local_outputs.size() != op.locals.size())
+            return make_error(-EINVAL, "ring op: the group's ranks on this host are not its local ranks");
+    }
+    if (op.data_offset > op.data.bytes || in_count > (op.data.bytes - op.data_offset) / es)
+        return make_error(-ERANGE, "ring op outside its data region");
+    if (op.collective != Collective::Allreduce &&
+        (op.out_offset > op.data.bytes || out_count > (op.data.bytes - op.out_offset) / es))
+        return make_error(-ERANGE, "ring op's output outside its data region");
+    if (pos.size <= 1) {
+        run_local(op);
+        return Ok{};
+    }
+    if (pos.size > kMaxSteps) return make_error(-E2BIG, "ring of more than 2048 hosts");
+    const uint64_t work = widened ? work_bytes(opt_) : 0;
+    if (op.staging.bytes < opt_.chunk_bytes * opt_.depth + work) return make_error(-EINVAL, "ring staging area is too small");
+    if (widened && work < opt_.chunk_bytes) return make_error(-EINVAL, "ring work area is smaller than a chunk");
+    // Widened ops run in windows whose partials fit the work area; the others in one. A
+    // reduce_scatter's window is a sub-range of every block.
+    const uint64_t blocks = op.collective == Collective::Allreduce ? 1 : std::max<uint64_t>(op.ranks(), 1);
+    const uint64_t window = widened ? std::max<uint64_t>(work / ps / blocks, 1) : std::max<uint64_t>(op.count, 1);
+    // The delivery marker (ring_engine.h): from the op's size and the links' kind, which every
+    // host shares.
+    const bool confirm = op.by_reference();
+    const bool tell_prev = confirm && !pos.prev->delivered_at_send_done();
+    const bool wait_next = confirm && !pos.next->delivered_at_send_done();
+    stable_ = wait_next;
+    chunk_base_ = 0;
+    for (uint64_t begin = 0; begin < op.count; begin += window) {
+        const Window w{begin, std::min(window, op.count - begin)};
+        const uint64_t chunk = chunk_for(opt_, (w.count * blocks / pos.size + 1) * ps);
+        const uint64_t chunk_elems = std::max<uint64_t>(1, chunk / ps);
+        const uint64_t chunks = most_chunks(pos, op, w, chunk_elems);
+        if (chunk_base_ + chunks >= kMaxChunks)
+            return make_error(-E2BIG, "ring op has too many chunks; raise the chunk size");
+        if (auto s = run_window(pos, op, w, chunk, deadline); !s) return s;
+        chunk_base_ += static_cast<uint32_t>(chunks);
+    }
+    if (tell_prev || wait_next) return confirm_delivery(pos, op, tell_prev, wait_next, deadline);
+    return Ok{};
+}
+
+Status RingEngine::confirm_delivery(const RingPosition &pos, const RingOp &op, bool tell_prev, bool wait_next,
+                                    std::chrono::steady_clock::time_point deadline) {
+    // A tag no data message has: chunk numbers stay below kMaxChunks - 1 (run()).
+    const uint64_t marker = (uint64_t{op.op_tag} << 32) | (uint64_t{kAllgather} << 31) |
+                            (uint64_t{kMaxSteps - 1} << 20) | (kMaxChunks - 1);
+    bool sent = !tell_prev, got = !wait_next;
+    if (wait_next)
+        if (auto s = pos.next->post_recv(op.staging, 0, 0, marker); !s) return s;
+    if (tell_prev)
+        if (auto s = pos.prev->post_send(op.staging, 0, 0, marker); !s) return s;
+    while (!sent || !got) {
+        if (auto s = wait_turn(op); !s) return s;
+        const int wait_ms = ms_until(deadline);
+        if (wait_ms == 0)
+            return make_error(-ETIMEDOUT, "ring " + std::string(collective_name(op.collective)) + " timed out: waiting for " +
+                                              (!got ? "host " + pos.next->peer() + " to confirm it has the data"
+                                                    : "host " + pos.prev->peer() + " to take the delivery marker"));
+        events_.clear();
+        if (auto s = t_.poll(events_, std::min(wait_ms, 100)); !s) return s;
+        for (const LinkEvent &e : events_) {
+            if (e.kind == LinkEvent::Kind::Failed) {
+                if (e.link == pos.next || e.link == pos.prev) return e.error;
+                continue;
+            }
+            if (e.tag != marker) continue;
+            if (e.kind == LinkEvent::Kind::SendDone && e.link == pos.prev) sent = true;
+            if (e.kind == LinkEvent::Kind::RecvDone && e.link == pos.next) got = true;
+        }
+    }
+    return Ok{};
+}
+
+Status RingEngine::run_window(const RingPosition &pos, const RingOp &op, Window w, uint64_t chunk_bytes,
+                              std::chrono::steady_clock::time_point deadline) {
+    const size_t es = dtype_size(op.dtype);
+    const bool reduces = collective_reduces(op.collective);
+    const size_t ps = reduces ? dtype_size(partial_dtype(op.dtype, op.op)) : es;
+    const bool widened = ps != es;
+    const bool avg = reduces && op.op == ReduceOp::Avg;
+    const bool allreduce = op.collective == Collective::Allreduce;
+    // The buffer with a block per rank (allreduce: its buffer) in the data region: the input of
+    // a reduce_scatter, the output of an allgather; and the local ranks' buffers of the same
+    // shape (their inputs, resp. outputs).
+    const uint64_t full_offset = op.collective == Collective::Allgather ? op.out_offset : op.data_offset;
+    std::byte *full = op.data.base + full_offset;
+    auto local_full = [&](size_t l) { return op.collective == Collective::Allgather ? op.local_outputs[l] : op.locals[l]; };
+    // The other end's buffers: a reduce_scatter's outputs, an allgather's inputs (one block).
+    std::byte *in = op.data.base + op.data_offset;
+    std::byte *out = op.data.base + op.out_offset;
+    const uint64_t work_offset = opt_.chunk_bytes * opt_.depth;
+    std::byte *work = op.staging.base + work_offset;
+    const size_t nlocal = op.locals.size();
+    // Every host has one rank: step 0 carries raw values (no pass over the own segment to scale
+    // it), scaled by the receiver. Every host computes the same answer.
+    const bool raw_step0 = avg && !widened && op.avg_divisor == pos.size && op.locals.empty();
+    // The reductions, over the data region and the other local ranks' buffers (the contributions,
+    // scaled for avg where they first meet), and a received chunk (a partial result, or at step 0
+    // raw values). Not final: the partial result goes to `out_to` (the received chunk's own slot,
+    // in place, when it is forwarded from there), else to the work area (widened) or the data
+    // region in place; final: rounded to the dtype, out to every local rank (allreduce) or to the
+    // block's owner (reduce_scatter).
+    auto fold = [&](const Msg &m, const std::byte *received, bool final, std::byte *out_to = nullptr) {
+        std::byte *d = full + m.elem * es;
+        srcs_.assign(1, d);
+        for (size_t l = 0; l < nlocal; ++l) srcs_.push_back(op.locals[l] + m.elem * es);
+        partials_.clear();
+        const bool step0 = schedule_[m.entry].step == 0;
+        if (received && raw_step0 && step0) srcs_.push_back(received);
+        else if (received) partials_.push_back(received);
+        ReduceArgs a{op.dtype, op.op, srcs_.data(), srcs_.size(), nullptr, 0, m.elems, op.avg_divisor};
+        a.partials = partials_.data();
+        a.npartial = partials_.size();
+        if (final && allreduce) {
+            dsts_.assign(1, d);
+            for (std::byte *l : op.locals) dsts_.push_back(l + m.elem * es);
+            a.dsts = dsts_.data();
+            a.ndst = dsts_.size();
+        } else if (final) {
+            dsts_.assign(1, (m.owner == 0 ? out : op.local_outputs[m.owner - 1]) + m.in_block * es);
+            a.dsts = dsts_.data();
+            a.ndst = 1;
+        } else {
+            a.partial_out = out_to ? static_cast<void *>(out_to)
+                                   : widened ? static_cast<void *>(work + m.work * ps) : static_cast<void *>(d);
+        }
+        reduce(a);
+    };
+    // An allgather's step 0: the block's local rank's input into the output, its own and every
+    // other local rank's.
+    auto gather = [&](const Msg &m) {
+        const std::byte *src = (m.owner == 0 ? in : op.locals[m.owner - 1]) + m.in_block * es;
+        if (full + m.elem * es != src) std::memmove(full + m.elem * es, src, m.elems * es);
+        for (size_t l = 0; l < nlocal; ++l)
+            if (local_full(l) + m.elem * es != src) std::memmove(local_full(l) + m.elem * es, src, m.elems * es);
+    };
+    // A send from the data region: by reference where the op confirms delivery (run()).
+    auto send_data = [&](const Msg &m) {
+        const uint64_t at = full_offset + m.elem * es, bytes = m.elems * es, t = tag(op, m.entry, m.chunk);
+        return stable_ ? pos.next->post_send_stable(op.data, at, bytes, t) : pos.next->post_send(op.data, at, bytes, t);
+    };
+    auto copy_out = [&](const Msg &m) {
+        for (size_t l = 0; l < nlocal; ++l) std::memcpy(local_full(l) + m.elem * es, full + m.elem * es, m.elems * es);
+    };
+    // The staging slots: as many of this window's chunks as fit where depth full ones do.
+    plan(pos, op, w, std::max<uint64_t>(1, chunk_bytes / ps), static_cast<uint32_t>(opt_.chunk_bytes * opt_.depth / chunk_bytes));
+
+    size_t next_send = 0, next_recv = 0, sends_done = 0, recvs_done = 0;
+    auto last_progress = std::chrono::steady_clock::now();
+    bool spin_pays = true;  // adaptive polling: whether spinning has been catching events
+    auto ready_to_send = [&](const Msg &m) {
+        const Prim p = schedule_[m.entry].send;
+        return p != Prim::Forward || recvs_[index(recv_base_, m.entry - 1, m.chunk)].done;
+    };
+    for (;;) {
+        // Receives in canonical order: reducing ones need a staging slot, the others land in
+        // memory that must not still be on its way out (or still to be read).
+        while (next_recv < recvs_.size()) {
+            Msg &m = recvs_[next_recv];
+            Status s = Ok{};
+            if (lands_in_staging(schedule_[m.entry].recv)) {
+                if (free_slots_.empty()) break;
+                m.slot = free_slots_.back();
+                free_slots_.pop_back();
+                s = pos.prev->post_recv(op.staging, static_cast<uint64_t>(m.slot) * chunk_bytes, m.elems * ps,
+                                        tag(op, m.entry, m.chunk));
+            } else {
+                const int32_t after = recv_after_send_[m.entry];
+                if (after >= 0 && !sends_[index(send_base_, static_cast<uint32_t>(after), m.chunk)].done) break;
+                s = pos.prev->post_recv(op.data, full_offset + m.elem * es, m.elems * es, tag(op, m.entry, m.chunk));
+            }
+            if (!s) return s;
+            m.posted = true;
+            ++next_recv;
+        }
+        // Sends in canonical order, each once its data is final for this step.
+        while (next_send < sends_.size() && ready_to_send(sends_[next_send])) {
+            Msg &m = sends_[next_send];
+            const Prim p = schedule_[m.entry].send;
+            Status s = Ok{};
+            if (p == Prim::Send) {
+                // This host's own contribution leaves at step 0: its local ranks are summed in
+                // first (and avg's contributions scaled, widened ones converted to f32).
+                if (widened || !op.locals.empty() || (avg && !raw_step0)) fold(m, nullptr, false);
+                s = widened ? pos.next->post_send(op.staging, work_offset + m.work * ps, m.elems * ps, tag(op, m.entry, m.chunk))
+                            : send_data(m);
+            } else if (p == Prim::CopySend) {
+                gather(m);
+                s = send_data(m);
+            } else if (schedule_[m.entry - 1].recv == Prim::RecvReduceSend) {
+                // A partial result: from its staging slot, or where the reduction left it.
+                const Msg &from = recvs_[index(recv_base_, m.entry - 1, m.chunk)];
+                if (from.forward) {
+                    m.slot = from.slot;  // the partial result stayed in its slot: freed when this is done
+                    s = pos.next->post_send(op.staging, static_cast<uint64_t>(m.slot) * chunk_bytes, m.elems * ps,
+                                            tag(op, m.entry, m.chunk));
+                } else {
+                    s = widened ? pos.next->post_send(op.staging, work_offset + m.work * ps, m.elems * ps,
+                                                      tag(op, m.entry, m.chunk))
+                                : send_data(m);
+                }
+            } else {
+                s = send_data(m);  // a final value, in the data region
+            }
+            if (!s) return s;
+            m.posted = true;
+            ++next_send;
+        }
+        if (sends_done == sends_.size() && recvs_done == recvs_.size()) return Ok{};
+        if (auto s = wait_turn(op); !s) return s;
+        const int wait_ms = ms_until(deadline);
+        if (wait_ms == 0)
+            return make_error(-ETIMEDOUT, "ring " + std::string(collective_name(op.collective)) + " timed out: waiting for " +
+                                              (recvs_done < recvs_.size() ? "data from " + pos.prev->peer()
+                                                                          : "host " + pos.next->peer() + " to take data"));
+        events_.clear();
+        // busy: never block; adaptive: spin for a while after the last progress, then block;
+        // event: block at once. Blocking is bounded so that aborts are seen promptly.
+        // adaptive spins only while it pays: a spin that ran out without an event stops the
+        // spinning, and a block that an event ended within the spin time starts it again — an op
+        // whose events are further apart than that (a link slower than the host) blocks between
+        // them rather than burning a core on every gap; one whose events come close together
+        // (latency-bound, or links faster than the host) spins as before.
+        const auto now = std::chrono::steady_clock::now();
+        const auto spin_for = std::chrono::microseconds(opt_.spin_us);
+        bool spin = opt_.spin_us < 0;
+        if (opt_.spin_us > 0 && spin_pays) {
+            spin = now - last_progress < spin_for;
+            if (!spin) spin_pays = false;  // ran out: block, and until a block ends quickly
+        }
+        if (auto s = t_.poll(events_, spin ? 0 : std::min(wait_ms, 100)); !s) return s;
+        if (!events_.empty()) {
+            last_progress = std::chrono::steady_clock::now();
+            if (!spin && last_progress - now < spin_for) spin_pays = true;
+        }
+        for (const LinkEvent &e : events_) {
+            if (e.kind == LinkEvent::Kind::Failed) {
+                if (e.link == pos.next || e.link == pos.prev) return e.error;
+                continue;
+            }
+            if ((e.tag >> 32) != op.op_tag) continue;  // not this op's (cannot happen on a fresh ring)
+            const auto phase = static_cast<RingPhase>((e.tag >> 31) & 1);
+            const auto step = static_cast<uint32_t>((e.tag >> 20) & (kMaxSteps - 1));
+            const auto number = static_cast<uint32_t>(e.tag & (kMaxChunks - 1));
+            if (number < chunk_base_) continue;  // an earlier window's (cannot happen: it ended first)
+            const uint32_t chunk = number - chunk_base_;
+            // The step in the schedule: the phases' steps follow each other.
+            const uint32_t entry = (phase == kAllgather && allreduce ? pos.size - 1 : 0) + step;
+            if (entry >= schedule_.size() || schedule_[entry].phase != phase) continue;  // not a message of this op
+            if (op.progress_ns)
+                op.progress_ns->store(std::chrono::duration_cast<std::chrono::nanoseconds>(last_progress.time_since_epoch()).count(),
+                                      std::memory_order_relaxed);
+            if (e.kind == LinkEvent::Kind::SendDone && e.link == pos.next) {
+                Msg &m = sends_[index(send_base_, entry, chunk)];
+                if (m.done) continue;
+                ++sends_done;
+                m.done = true;
+                if (m.slot >= 0) free_slots_.push_back(m.slot);
+            } else if (e.kind == LinkEvent::Kind::RecvDone && e.link == pos.prev) {
+                Msg &m = recvs_[index(recv_base_, entry, chunk)];
+                if (m.done) continue;
+                const Prim p = schedule_[entry].recv;
+                if (lands_in_staging(p)) {
+                    // Reduce while the chunk is hot, the local ranks' contributions with it (this
+                    // is the first time the ring touches the chunk); the last step's result is
+                    // final: avg's scaling, rounding to the dtype, and out to the local ranks.
+                    // A partial result is written over the received chunk in its slot and sent on
+                    // from there: the data region is only read (no write-back of a partial that
+                    // nobody reads again) and the send copies from memory that is still hot. The
+                    // slot is kept only while another one stays free for the receives, so that
+                    // the receives in canonical order always progress (slots held by sends wait
+                    // on the next host, which has a free slot of its own for the same reason).
+                    std::byte *slot = op.staging.base + static_cast<uint64_t>(m.slot) * chunk_bytes;
+                    m.forward = p == Prim::RecvReduceSend && !free_slots_.empty();
+                    fold(m, slot, p != Prim::RecvReduceSend, m.forward ? slot : nullptr);
+                    if (!m.forward) free_slots_.push_back(m.slot);
+                } else {
+                    copy_out(m);
+                }
+                m.done = true;
+                ++recvs_done;
+            }
+        }
+    }
+}
+
+}  // namespace ringd

@@ -1,0 +1,82 @@
+// Ring schedules: each collective on a ring of n hosts, written as what host r does at each step
+// with the segment it sends and the one it receives, in the primitives of NCCL's device code
+// (prims_simple.h): the engine (ring_engine.h) executes any schedule chunk by chunk, pipelined.
+//
+// A segment is the part of the op's buffer one host ends with (reduce-scatter) or starts with
+// (allgather): for allreduce one n-th of the buffer; for reduce_scatter and allgather the blocks of
+// that host's ranks, in the group's rank order (so the ranks need not be contiguous per host, and
+// hosts may have different numbers of them). Both ends of every link compute the same schedule.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "proto/types.h"
+
+namespace ringd {
+
+// What a host does with one chunk of a step.
+enum class Prim : uint8_t {
+    // Sending side.
+    Send,      // step 0 of a reduce-scatter: the local ranks' contributions folded, then sent
+    CopySend,  // step 0 of an allgather: the local ranks' inputs gathered into the output, then sent
+    Forward,   // any later step: what the previous step's receive left, sent on
+    // Receiving side.
+    RecvReduceSend,      // reduced with this host's contribution; the partial is sent next step
+    RecvReduceCopy,      // the last reduce-scatter step: final, delivered to the block's owner
+    RecvReduceCopySend,  // allreduce's last reduce-scatter step: final, to every local rank, and
+                         // sent at the allgather's step 0
+    RecvCopySend,        // lands in the output, delivered to every local rank, sent on
+    RecvCopy,            // the last allgather step: lands in the output, delivered
+};
+
+// The two halves of a ring collective; the value is part of a message's tag.
+enum RingPhase : uint32_t { kReduceScatter = 0, kAllgather = 1 };
+
+struct RingStep {
+    RingPhase phase;
+    uint32_t step;      // within the phase
+    uint32_t send_seg;  // segment sent to the next host
+    uint32_t recv_seg;  // segment received from the previous host
+    Prim send, recv;
+};
+
+namespace schedule {
+
+inline uint32_t mod(int64_t x, uint32_t n) { return static_cast<uint32_t>(((x % n) + n) % n); }
+
+// Ring reduce-scatter: host r ends with the whole reduction of segment `end`. At step s it sends
+// the partial of segment end-s-1 and receives that of end-s-2, which it reduces with its own.
+inline void reduce_scatter(std::vector<RingStep> &out, uint32_t n, uint32_t end, Prim last) {
+    for (uint32_t s = 0; s + 1 < n; ++s)
+        out.push_back({kReduceScatter, s, mod(int64_t{end} - s - 1, n), mod(int64_t{end} - s - 2, n),
+                       s == 0 ? Prim::Send : Prim::Forward, s + 2 < n ? Prim::RecvReduceSend : last});
+}
+
+// Ring allgather: host r starts with segment `start`. At step s it sends segment start-s and
+// receives start-s-1. `first`: how step 0's data is ready (gathered here, or left by a
+// reduce-scatter that ended with this segment).
+inline void allgather(std::vector<RingStep> &out, uint32_t n, uint32_t start, Prim first) {
+    for (uint32_t s = 0; s + 1 < n; ++s)
+        out.push_back({kAllgather, s, mod(int64_t{start} - s, n), mod(int64_t{start} - s - 1, n),
+                       s == 0 ? first : Prim::Forward, s + 2 < n ? Prim::RecvCopySend : Prim::RecvCopy});
+}
+
+// The collectives, for host r of n. Allreduce is the reduce-scatter that leaves segment r+1 on
+// host r (the order of peer protocol 1, which every release keeps), then the allgather of it;
+// reduce_scatter leaves the segment of host r's ranks on host r, and allgather starts with it.
+inline std::vector<RingStep> ring(Collective c, uint32_t r, uint32_t n) {
+    std::vector<RingStep> v;
+    switch (c) {
+    case Collective::Allreduce:
+        reduce_scatter(v, n, (r + 1) % n, Prim::RecvReduceCopySend);
+        allgather(v, n, (r + 1) % n, Prim::Forward);
+        break;
+    case Collective::ReduceScatter: reduce_scatter(v, n, r, Prim::RecvReduceCopy); break;
+    case Collective::Allgather: allgather(v, n, r, Prim::CopySend); break;
+    }
+    return v;
+}
+
+}  // namespace schedule
+}  // namespace ringd
