@@ -1,0 +1,102 @@
+// A ring of hosts in one process, for the engine's tests: one transport per host (each driven
+// by its own thread), linked next to previous. kind: loopback | tcp (`streams` per link, real
+// 127.0.0.1 sockets) | ibverbs (the software RDMA device, `streams` QPs per link).
+#pragma once
+
+#include <catch2/catch.hpp>
+
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "daemon/engine/ring_engine.h"
+#include "daemon/transport/loopback/loopback_transport.h"
+#include "daemon/transport/tcp/tcp_transport.h"
+#ifdef RINGD_HAVE_IBVERBS
+#include "daemon/transport/ibverbs/emulated_device.h"
+#include "daemon/transport/ibverbs/ibverbs_transport.h"
+#endif
+#include "tests/support/net.h"
+
+namespace ringd::test {
+
+inline std::string host(uint32_t r) { return "node" + std::to_string(r); }
+
+// A ring of n hosts in one process.
+struct Ring {
+    uint32_t n;
+    std::vector<std::unique_ptr<Transport>> transports;
+    std::vector<RingPosition> pos;
+    std::vector<std::vector<Link *>> links_of;  // every link a rank owns
+
+    // kind: loopback | tcp (`streams` per link) | ibverbs (emulated device, `streams` QPs per link)
+    // zero_copy: TCP's (tcp.zero_copy).
+    Ring(uint32_t hosts, const std::string &kind, int streams = 2, bool zero_copy = true) : n(hosts), pos(hosts), links_of(hosts) {
+        for (uint32_t r = 0; r < n; ++r) {
+            if (kind == "loopback") transports.push_back(std::make_unique<LoopbackTransport>());
+#ifdef RINGD_HAVE_IBVERBS
+            else if (kind == "ibverbs") {
+                IbverbsOptions o;
+                o.provider = "emulated";
+                o.qps_per_link = static_cast<uint32_t>(streams);
+                auto t = IbverbsTransport::create(verbs::emulated_verbs(), o);
+                REQUIRE(t.ok());
+                transports.push_back(std::move(*t));
+            }
+#endif
+            else transports.push_back(std::make_unique<TcpTransport>("", false, 0, zero_copy));
+            pos[r].rank = r;
+            pos[r].size = n;
+        }
+        if (n == 1) return;
+        // Link r -> r+1 (one link per neighbouring pair; with two hosts a single link).
+        const uint32_t pairs = n == 2 ? 1 : n;
+        for (uint32_t r = 0; r < pairs; ++r) {
+            const uint32_t q = (r + 1) % n;
+            Link *a, *b;
+            if (kind == "loopback") {
+                auto [x, y] = LoopbackTransport::connect(static_cast<LoopbackTransport &>(*transports[r]), host(r),
+                                                         static_cast<LoopbackTransport &>(*transports[q]), host(q));
+                a = x;
+                b = y;
+            } else {
+                std::vector<UniqueFd> sa, sb;
+                for (int i = 0; i < streams; ++i) {
+                    auto [c, s] = tcp_pair();
+                    sa.push_back(std::move(c));
+                    sb.push_back(std::move(s));
+                }
+                // Both ends at once: a transport may exchange something first (ibverbs does).
+                const int conns = kind == "ibverbs" ? 1 : streams;
+                sa.resize(static_cast<size_t>(conns));
+                sb.resize(static_cast<size_t>(conns));
+                auto &ta = static_cast<NetworkTransport &>(*transports[r]);
+                auto &tb = static_cast<NetworkTransport &>(*transports[q]);
+                const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+                Result<std::vector<Link *>> la = make_error(-1, ""), lb = make_error(-1, "");
+                std::vector<LinkSetup> ua(1), ub(1);
+                ua[0] = {host(q), std::move(sa)};
+                ub[0] = {host(r), std::move(sb)};
+                std::thread other([&] { lb = tb.add_links(std::move(ub), deadline); });
+                la = ta.add_links(std::move(ua), deadline);
+                other.join();
+                INFO((la.ok() ? std::string() : la.error().message) << " / " << (lb.ok() ? std::string() : lb.error().message));
+                REQUIRE((la.ok() && lb.ok()));
+                a = la->front();
+                b = lb->front();
+            }
+            pos[r].next = a;
+            pos[q].prev = b;
+            links_of[r].push_back(a);
+            links_of[q].push_back(b);
+        }
+        if (n == 2) {
+            pos[0].prev = pos[0].next;
+            pos[1].next = pos[1].prev;
+        }
+    }
+};
+
+
+}  // namespace ringd::test
