@@ -147,6 +147,9 @@ public:
     nlohmann::json coordinator_status() const;
 
 private:
+    static constexpr uint32_t kCoordinator = 0;  // the first host in ring order
+    // OpFails for ops this host has not reached yet, kept at most this many.
+    static constexpr size_t kMaxFailedAhead = 4096;
     RingDomain(Shared &shared) : sh_(shared), ops_(*shared.groups, *shared.done) {}
     Status setup(UniqueFd listener);
     void on_ring_up(uint64_t generation, DataSockets to_next, DataSockets from_prev);
@@ -154,6 +157,12 @@ private:
     void on_peer_message(uint32_t host, Frame &frame);
     void on_op_data(uint32_t host, Frame &frame);
     void report_direct(HostOp op, proto::OpReport r, Algorithm algorithm);
+    // The report of op `key` in this coordinator generation (ring_reports.cpp): what the op is (the
+    // fields the coordinator compares across hosts) and the time left to its deadline here.
+    proto::OpReport op_report(const OpKey &key, uint64_t count, DType dtype, ReduceOp op, uint32_t local_size,
+                              Clock::time_point deadline) const;
+    // A failure, reported for an op this host has not reached (or is past) as `data` names it.
+    static proto::OpReport failure_report(const proto::OpReport &data, int32_t code, std::string why);
     void tell_coordinator(const OpKey &key, HostOp &op, uint32_t flags);
     void send_control(uint32_t host, const proto::Bytes &frame);
     void past_it(uint32_t host, const proto::OpReport &data);

@@ -1,0 +1,276 @@
+// RingDomain (ring_domain.h): this host's ops and failures reported to the coordinator, in local
+// order per group, once the group's incarnation is agreed (GroupJoin / GroupIncarnation).
+#include <systemd/sd-daemon.h>
+
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "daemon/ring/ring_domain.h"
+
+#include <nlohmann/json.hpp>
+
+#include "daemon/gateway/client_gateway.h"
+#include "daemon/engine/reduce.h"
+#include "daemon/engine/tuner.h"
+#include "daemon/ipc/slot.h"
+
+namespace ringd {
+
+// This host's local failures and the ops every local rank submitted, queued for reporting in
+// local order.
+void RingDomain::take_failure(const LocalFailure &f) {
+    if (f.seq == proto::kIncarnationEnds) {
+        // A rank left: this local incarnation is over, whatever its other ranks still do. Asked
+        // for but not agreed yet, it is withdrawn at once (and never asks again: join_groups),
+        // so that the coordinator does not agree on it with the others' next run, whose first op
+        // its end would fail. (The gateway hands failures over before it welcomes a new trainer,
+        // so this goes out before a new run of the group here can be agreed.)
+        auto run = runs_.find(f.group);
+        if (run != runs_.end() && run->second.local_id == f.local_id && run->second.join_sent && !run->second.agreed &&
+            coord_known_) {
+            run->second.join_sent = false;
+            send_to_coordinator(proto::encode_group_join({coord_generation_, f.group, f.local_id, proto::kIncarnationEnds}));
+        }
+    }
+    HostOp op;
+    op.run.group = f.group;
+    op.run.local_id = f.local_id;
+    op.run.seq = f.seq;
+    op.run.submitted = Clock::now();  // its age in status: since it failed here
+    op.status = f.code;
+    op.message = "host " + sh_.host + ": " + f.message;
+    op.deadline = Clock::now() + config_.timeouts.op;
+    ops_.queue(std::move(op));
+}
+
+void RingDomain::take_ready(OpRun run) {
+    HostOp op;
+    if (!sh_.gateway->slots_of(run, op.slots)) {
+        sh_.groups->finished(run.op_id, -ECONNRESET, run_left(run), *sh_.done);
+        return;
+    }
+    op.deadline = run.deadline;  // from the first local submission, whatever comes next
+    op.run = std::move(run);
+    ops_.queue(std::move(op));
+}
+
+// Every group there is here asks the coordinator to agree on its incarnation as soon as it
+// exists (and again in each ring generation), before its first op. Returns whether it sent any.
+// A run agreed in an earlier ring generation, not agreed again in this one, and over here (its
+// ranks left, or one did): the coordinator hears it once, which ends it for the other hosts, whose
+// ranks then fail at once naming this host instead of waiting for it to join. Kept until then
+// (forget_gone_runs), also while the ring is down.
+bool RingDomain::tell_ended_runs() {
+    bool sent = false;
+    for (auto &[group, run] : runs_) {
+        if (run.agreed || run.previous == 0 || run.end_told || run.refused_code != 0) continue;
+        if (sh_.groups->local_id(group) == run.local_id && !sh_.groups->broken(group)) continue;  // goes on
+        run.end_told = true;
+        run.join_sent = true;  // it never asks again
+        sent = true;
+        send_to_coordinator(proto::encode_group_join({coord_generation_, group, run.local_id, proto::kIncarnationEnds}));
+    }
+    return sent;
+}
+
+bool RingDomain::join_groups() {
+    bool sent = tell_ended_runs();
+    sh_.groups->for_each_local_id([&](const std::string &group, uint64_t local_id) {
+        if (sh_.domain_of(group) != this) return;  // another domain's group
+        const HostOp *next = ops_.next_queued(group);
+        if (next && next->run.local_id != local_id) return;  // an earlier incarnation's reports first
+        GroupRun &run = runs_[group];
+        if (run.local_id != local_id) {
+            run = GroupRun{};
+            run.local_id = local_id;
+        }
+        // A local incarnation a rank left never asks: it is over here (take_failure).
+        if (run.agreed || run.join_sent || run.refused_code != 0 || sh_.groups->broken(group)) return;
+        run.join_sent = true;
+        sent = true;
+        send_to_coordinator(proto::encode_group_join(
+            {coord_generation_, group, run.local_id, run.previous,
+             generation_protocol_ >= kLogAlgorithmsProtocol ? sh_.groups->local_size(group) : 0}));
+    });
+    return sent;
+}
+
+// Reports what is ready or failed here, in local order per group, once the group's incarnation
+// is agreed; asks for the agreement first. Returns whether anything moved.
+bool RingDomain::flush_reports_now() {
+    bool moved = join_groups();
+    if (!ops_.any_queued()) {  // the usual case between ops: nothing to report
+        forget_gone_runs();
+        return moved;
+    }
+    for (const std::string &group : ops_.queued_groups()) {
+        while (const HostOp *next = ops_.next_queued(group)) {
+            GroupRun &run = runs_[group];
+            if (run.local_id != next->run.local_id) {  // a new local incarnation
+                run = GroupRun{};
+                run.local_id = next->run.local_id;
+            }
+            // Every local rank of it is gone (none is there, or a newer local incarnation), or one
+            // left: it never asks for an agreement again.
+            const uint64_t now_local = sh_.groups->local_id(group);
+            const bool over = now_local != run.local_id || sh_.groups->broken(group);
+            if (run.refused_code != 0 || (!run.agreed && (over || (!run.join_sent && next->run.seq == proto::kIncarnationEnds)))) {
+                // Refused by the coordinator: its ops fail here. Not agreed in this generation and
+                // over here: nobody else runs any of it in this generation (agreed in an earlier
+                // one, the coordinator was told it ended: tell_ended_runs).
+                HostOp op = ops_.take_queued(group);
+                moved = true;
+                if (op.status != 0) continue;
+                sh_.groups->finished(op.run.op_id, run.refused_code != 0 ? run.refused_code : -ECONNABORTED,
+                                 "group " + group + " op " + std::to_string(op.run.seq) + ": " +
+                                     (run.refused_code != 0 ? run.refused : "its local ranks left"),
+                                 *sh_.done);
+                continue;
+            }
+            if (!run.agreed) {
+                if (!run.join_sent) {
+                    run.join_sent = true;
+                    moved = true;
+                    send_to_coordinator(proto::encode_group_join(
+                        {coord_generation_, group, run.local_id, run.previous,
+                         generation_protocol_ >= kLogAlgorithmsProtocol ? sh_.groups->local_size(group) : 0}));
+                }
+                break;  // until GroupIncarnation comes
+            }
+            HostOp op = ops_.take_queued(group);
+            moved = true;
+            if (op.run.seq != proto::kIncarnationEnds) run.last_seq = std::max(run.last_seq, op.run.seq);
+            // A solo lane's op that does not run here is skipped there in its order, so that the
+            // previous host's messages of it are dropped; the end of the incarnation here skips
+            // the rest of its grant.
+            auto skip_solo = [&] {
+                if (!run.solo_epoch) return;
+                lanes_[run.lane % lanes_.size()]->engine->skip_to(
+                    op.run.seq == proto::kIncarnationEnds ? kSoloTag | (((run.solo_epoch + 1) & 0x7f) << 24)
+                                                          : solo_tag_next(solo_op_tag(run.solo_epoch, op.run.seq, nullptr)));
+            };
+            if (auto ahead = failed_ahead_.find(OpKey{group, run.agreed, op.run.seq}); ahead != failed_ahead_.end()) {
+                // The coordinator failed it already: no report is needed.
+                if (op.status == 0) sh_.groups->finished(op.run.op_id, ahead->second.first, ahead->second.second, *sh_.done);
+                failed_ahead_.erase(ahead);
+                skip_solo();
+                continue;
+            }
+            if (run.solo_epoch && op.status == 0 && op.run.seq != proto::kIncarnationEnds && op.run.seq <= run.skipped) {
+                // Its lane is past it already (failed by the coordinator; the failure was forgotten).
+                sh_.groups->finished(op.run.op_id, -ECONNABORTED,
+                                     "group " + group + " op " + std::to_string(op.run.seq) + ": the coordinator failed it before this host got to it",
+                                     *sh_.done);
+                continue;
+            }
+            if (run.solo_epoch && op.status == 0 && op.run.seq != proto::kIncarnationEnds &&
+                choose_algorithm(op.run.count * dtype_size(op.run.dtype), static_cast<uint32_t>(config_.hosts.size()),
+                                 config_.tuning, generation_protocol_) == Algorithm::Ring) {
+                start_solo(run, std::move(op));
+                continue;
+            }
+            if (op.status != 0) skip_solo();
+            proto::OpReport r = op_report({group, run.agreed, op.run.seq}, op.run.count, op.run.dtype, op.run.op,
+                                          static_cast<uint32_t>(op.run.members.size()), op.deadline);
+            r.status = op.status;
+            r.message = op.message;
+            const uint64_t bytes = op.run.count * dtype_size(op.run.dtype);
+            const Algorithm algorithm =
+                choose_algorithm(bytes, static_cast<uint32_t>(config_.hosts.size()), config_.tuning, generation_protocol_);
+            if (op.status == 0) sh_.groups->set_algorithm(op.run.op_id, algorithm_name(algorithm));
+            if (op.status == 0 && algorithm != Algorithm::Ring) {
+                // Peers' data of the op is here already and their deadline has passed: this host
+                // got there too late. It fails here and is reported as this host's failure, without
+                // its data, so that no host completes the op (the coordinator fails it everywhere,
+                // if it has not already, rather than waiting for a decision that crosses the data
+                // still queued to this host).
+                const auto late = exchange_->earliest_deadline(coord_generation_, OpKey{group, r.incarnation, r.seq});
+                if (late && late->first <= Clock::now()) {
+                    const std::string why = "group " + group + " op " + std::to_string(op.run.seq) + " timed out after " +
+                                            std::to_string(sh_.groups->op_timeout(group).count()) + " ms: host(s) " +
+                                            config_.hosts[self_index_].name + " did not submit it by host " +
+                                            config_.hosts[late->second].name + "'s deadline (it got there later)";
+                    sh_.groups->finished(op.run.op_id, -ETIMEDOUT, why, *sh_.done);
+                    exchange_->drop(coord_generation_, OpKey{group, r.incarnation, r.seq});
+                    r.status = -ETIMEDOUT;
+                    r.message = why;
+                    send_to_coordinator(proto::encode_op_report(r));
+                    continue;
+                }
+                if (std::string why = exchange_->send_over_bound(r, op.run.dtype, op.run.op, algorithm); !why.empty()) {
+                    // Reported as this host's failure: it fails on every host, named.
+                    sh_.groups->finished(op.run.op_id, -ENOBUFS, why, *sh_.done);
+                    r.status = -ENOBUFS;
+                    r.message = why;
+                    send_to_coordinator(proto::encode_op_report(r));
+                    continue;
+                }
+                report_direct(std::move(op), std::move(r), algorithm);
+                continue;
+            }
+            if (op.status == 0) ops_.reported(OpKey{group, r.incarnation, r.seq}, std::move(op));
+            send_to_coordinator(proto::encode_op_report(r));
+        }
+    }
+    forget_gone_runs();
+    return moved;
+}
+
+// A group gone here with nothing left to report is forgotten.
+void RingDomain::forget_gone_runs() {
+    for (auto run = runs_.begin(); run != runs_.end();) {
+        const GroupRun &r = run->second;
+        const bool untold = !r.agreed && r.previous != 0 && !r.end_told && r.refused_code == 0;  // tell_ended_runs
+        if (!ops_.has_queued(run->first) && sh_.groups->local_id(run->first) != r.local_id && !untold) run = runs_.erase(run);
+        else ++run;
+    }
+}
+
+void RingDomain::on_group_incarnation(const proto::GroupIncarnation &g) {
+    if (!coord_known_ || g.generation != coord_generation_) return;
+    auto it = runs_.find(g.group);
+    if (it == runs_.end() || it->second.local_id != g.local_id) return;  // an incarnation that ended here
+    GroupRun &run = it->second;
+    if (g.code != 0) {
+        spdlog::warn("{}", g.message);
+        record_error(g.message);
+        run.refused_code = g.code;
+        run.refused = g.message;
+    } else {
+        run.agreed = g.incarnation;
+        run.lane = g.lane;
+        run.solo_epoch = solo_lanes() && g.lane < lanes_.size() ? g.solo_epoch : 0;
+        run.total_ranks = g.total_ranks;
+    }
+}
+
+proto::OpReport RingDomain::op_report(const OpKey &key, uint64_t count, DType dtype, ReduceOp op, uint32_t local_size,
+                                      Clock::time_point deadline) const {
+    proto::OpReport r;
+    r.generation = coord_generation_;
+    r.group = std::get<0>(key);
+    r.incarnation = std::get<1>(key);
+    r.seq = std::get<2>(key);
+    r.count = count;
+    r.dtype = static_cast<uint32_t>(dtype);
+    r.op = static_cast<uint32_t>(op);
+    r.local_size = local_size;
+    r.remaining_ms = static_cast<uint32_t>(std::clamp<int64_t>(
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count(), 0, UINT32_MAX));
+    return r;
+}
+
+proto::OpReport RingDomain::failure_report(const proto::OpReport &data, int32_t code, std::string why) {
+    proto::OpReport r;
+    r.generation = data.generation;
+    r.group = data.group;
+    r.incarnation = data.incarnation;
+    r.seq = data.seq;
+    r.status = code;
+    r.message = std::move(why);
+    return r;
+}
+
+}  // namespace ringd
