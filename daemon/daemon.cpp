@@ -352,16 +352,24 @@ bool Daemon::complete_and_start() {
         groups_.set_algorithm(run.op_id, "local");
         EngineWork w;
         w.op_id = run.op_id;
-        w.dtype = run.dtype;
-        w.op = run.op;
-        w.count = run.count;
+        w.desc = run.desc;
         w.avg_divisor = static_cast<uint32_t>(run.members.size());
         w.offsets = std::move(run.offsets);
+        w.out_offsets = std::move(run.out_offsets);
+        if (run.desc.collective != Collective::Allreduce) w.host_ranks.push_back(std::move(run.ranks));
+        if (w.desc.collective != Collective::Allreduce && w.host_ranks[0].size() != w.desc.ranks) {
+            groups_.finished(run.op_id, -EINVAL,
+                             "group " + run.group + " op " + std::to_string(run.seq) + ": a " +
+                                 std::string(collective_name(w.desc.collective)) + " over " + std::to_string(w.desc.ranks) +
+                                 " ranks in a group of this host only, which has " + std::to_string(w.host_ranks[0].size()),
+                             done_);
+            continue;
+        }
         if (!gateway_->slots_of(run, w.slots)) {
             groups_.finished(run.op_id, -ECONNRESET, run_left(run), done_);
             continue;
         }
-        const uint64_t total = run.count * dtype_size(run.dtype) * run.members.size();
+        const uint64_t total = std::max(w.desc.in_count(), w.desc.out_count()) * dtype_size(w.desc.dtype) * w.slots.size();
         if (total <= kInlineOpBytes && engine_->in_flight() == 0) {
             // Nothing queued on the progress thread, so this cannot overtake an earlier op.
             EngineResult r = ProgressEngine::execute(w);

@@ -7,6 +7,7 @@
 #include <string_view>
 
 #include "proto/le.h"
+#include "proto/types.h"
 
 namespace ringd::proto {
 namespace {
@@ -92,7 +93,7 @@ Bytes encode_hello(const Hello &h) {
     le::put<uint32_t>(&p[4], h.local_size);
     le::put<uint64_t>(&p[8], h.slot_bytes);
     std::memcpy(&p[16], h.group.data(), std::min(h.group.size(), kGroupNameBytes - 1));
-    if (h.hosts.empty() && h.share_with == 0 && h.op_timeout_ms == 0) return encode_frame(FrameType::Hello, p);
+    if (h.hosts.empty() && h.share_with == 0 && h.op_timeout_ms == 0 && h.ranks == 0) return encode_frame(FrameType::Hello, p);
     std::vector<uint8_t> v;
     if (h.share_with != 0) {
         v.resize(4);
@@ -100,10 +101,12 @@ Bytes encode_hello(const Hello &h) {
     }
     v.insert(v.end(), p, p + kHelloBytes);
     v.insert(v.end(), h.hosts.begin(), h.hosts.begin() + static_cast<std::ptrdiff_t>(std::min(h.hosts.size(), kMaxHelloHostsBytes)));
-    if (h.op_timeout_ms != 0) {
-        uint8_t t[kHelloTimeoutBytes] = {};
+    if (h.op_timeout_ms != 0 || h.ranks != 0) {
+        uint8_t t[kHelloRanksBytes] = {};
         le::put<uint32_t>(&t[1], h.op_timeout_ms);
-        v.insert(v.end(), t, t + kHelloTimeoutBytes);
+        le::put<uint32_t>(&t[5], h.rank);
+        le::put<uint32_t>(&t[9], h.ranks);
+        v.insert(v.end(), t, t + (h.ranks != 0 ? kHelloRanksBytes : kHelloTimeoutBytes));
     }
     return encode_frame(h.share_with != 0 ? FrameType::HelloShared : FrameType::Hello, v);
 }
@@ -118,15 +121,29 @@ Result<Hello> decode_hello_shared(std::span<const uint8_t> p) {
 }
 
 Result<Hello> decode_hello(std::span<const uint8_t> p) {
-    if (p.size() < kHelloBytes || p.size() > kHelloBytes + kMaxHelloHostsBytes + kHelloTimeoutBytes)
+    if (p.size() < kHelloBytes || p.size() > kHelloBytes + kMaxHelloHostsBytes + kHelloRanksBytes)
         return bad("hello has " + std::to_string(p.size()) + " bytes, expected " + std::to_string(kHelloBytes) + " to " +
-                   std::to_string(kHelloBytes + kMaxHelloHostsBytes + kHelloTimeoutBytes));
+                   std::to_string(kHelloBytes + kMaxHelloHostsBytes + kHelloRanksBytes));
     Hello h;
     size_t hosts_end = p.size();
-    if (p.size() >= kHelloBytes + kHelloTimeoutBytes && p[p.size() - kHelloTimeoutBytes] == 0) {
-        hosts_end = p.size() - kHelloTimeoutBytes;
+    for (size_t i = kHelloBytes; i < p.size(); ++i)
+        if (p[i] == 0) {
+            hosts_end = i;
+            break;
+        }
+    if (const size_t trailer = p.size() - hosts_end; trailer == kHelloTimeoutBytes) {
         h.op_timeout_ms = le::get<uint32_t>(&p[hosts_end + 1]);
         if (h.op_timeout_ms == 0) return make_error(-EINVAL, "the hello's op timeout is 0 ms (leave it out for ringd's timeouts.op)");
+    } else if (trailer == kHelloRanksBytes) {
+        h.op_timeout_ms = le::get<uint32_t>(&p[hosts_end + 1]);
+        h.rank = le::get<uint32_t>(&p[hosts_end + 5]);
+        h.ranks = le::get<uint32_t>(&p[hosts_end + 9]);
+        if (h.ranks == 0 || h.ranks > kMaxGroupRanks || h.rank >= h.ranks)
+            return make_error(-EINVAL, "the hello's rank " + std::to_string(h.rank) + " of " + std::to_string(h.ranks) +
+                                           " ranks is not a rank of a group of 1 to " + std::to_string(kMaxGroupRanks));
+    } else if (trailer != 0) {
+        return bad("the hello's trailer after the hosts has " + std::to_string(trailer) + " bytes, expected " +
+                   std::to_string(kHelloTimeoutBytes) + " or " + std::to_string(kHelloRanksBytes));
     }
     if (hosts_end - kHelloBytes > kMaxHelloHostsBytes)
         return bad("the hello's hosts list is longer than " + std::to_string(kMaxHelloHostsBytes) + " bytes");

@@ -38,12 +38,17 @@ inline constexpr uint16_t kProtocolVersion = 1;      // frames between trainers/
 //   9: the generation's protocol is agreed: RingReady says the oldest version of the sender's
 //      control connections, RingStart the oldest of all, which every host of the generation uses
 //      (proto/peer.h). Both after version 6's fields, only on connections of 9.
+//  10: reduce_scatter and allgather: GroupJoin says the group ranks of the host's local ranks,
+//      GroupIncarnation every host's (the rank map every host of the run agreed), OpReport the
+//      collective (bits 16-23 of its flags). Sent only in a generation of 10; an allreduce's frames
+//      are 9's, byte for byte.
 // A ringd of 6 (before 0.2.0) is no longer spoken to: it closed the connection at a hello it could
 // not read, which a dialer cannot tell from a host that died. Every release since refuses with an
 // Error frame, and only that refusal makes a dialer try an older version.
-inline constexpr uint16_t kPeerProtocolVersion = 9;
+inline constexpr uint16_t kPeerProtocolVersion = 10;
 inline constexpr uint16_t kPeerProtocolOldest = 7;
 inline constexpr uint16_t kGenerationProtocolVersion = 9;  // RingReady / RingStart carry the protocol
+inline constexpr uint16_t kCollectivesProtocol = 10;  // reduce_scatter and allgather across hosts
 inline constexpr uint16_t kPeerBaseVersion = 6;  // the layout version of every peer frame but the handshake's
 inline constexpr size_t kFrameHeaderBytes = 16;
 
@@ -108,10 +113,18 @@ struct Hello {
     // timeouts.op_max), else ringd's timeouts.op. On the wire after the hosts: a NUL, then a u32
     // (a hello without it is the layout before, byte for byte).
     uint32_t op_timeout_ms = 0;
+    // The trainer's rank in its group and the group's ranks, as the caller numbers them (torch's
+    // rank in its process group); ranks 0: not said (the group then runs allreduce only). On the
+    // wire after the timeout (0 there: ringd's timeouts.op), a trailer of 13 bytes instead of 5.
+    uint32_t rank = 0;
+    uint32_t ranks = 0;
 };
 inline constexpr size_t kHelloBytes = 16 + kGroupNameBytes;
 inline constexpr size_t kMaxHelloHostsBytes = 3072;
-inline constexpr size_t kHelloTimeoutBytes = 5;  // the NUL and the u32 after the hosts
+// After the hosts (which hold no NUL), a trailer from the first NUL on: the NUL and the u32
+// timeout, then with the ranks, u32 rank and u32 ranks.
+inline constexpr size_t kHelloTimeoutBytes = 5;
+inline constexpr size_t kHelloRanksBytes = 13;
 
 struct Welcome {
     uint32_t client_id = 0;

@@ -301,6 +301,15 @@ constexpr size_t kOpFailFixed = 8 + kGroupNameBytes + 8 + 4 + 4 + 8;
 constexpr size_t kGroupJoinBytes = 8 + kGroupNameBytes + 8 + 8;
 constexpr size_t kGroupIncarnationFixed = 8 + kGroupNameBytes + 8 + 8 + 4 + 4;
 constexpr size_t kSoloLaneBytes = 12;  // lane, solo_epoch, total_ranks
+// Ends a GroupIncarnation's rank map (protocol 10): bytes no message or solo lane ends with (a
+// message is text; a solo lane's total_ranks is below 2^24).
+constexpr uint32_t kRankMapMarker = 0xFE4B4E52;
+
+size_t ranks_block_bytes(const std::vector<std::vector<uint32_t>> &host_ranks) {
+    size_t n = 0;
+    for (const auto &h : host_ranks) n += 4 + 4 * h.size();
+    return n;
+}
 
 // The fixed fields of a report (OpReport and OpData share them), and their checks.
 void put_report_fixed(uint8_t *p, const OpReport &r) {
@@ -315,7 +324,8 @@ void put_report_fixed(uint8_t *p, const OpReport &r) {
     le::put<uint64_t>(&p[104], r.incarnation);
     le::put<uint32_t>(&p[112], r.remaining_ms);
     // A deferred report names its algorithm (bits 8-15 of the flags word).
-    le::put<uint32_t>(&p[116], r.flags | ((r.flags & kReportDeferred) ? (r.algorithm & 0xff) << 8 : 0));
+    le::put<uint32_t>(&p[116], r.flags | ((r.flags & kReportDeferred) ? (r.algorithm & 0xff) << 8 : 0) |
+                                   (r.collective & 0xff) << 16);
 }
 
 Result<OpReport> get_report_fixed(std::span<const uint8_t> p, uint32_t max_ranks = kMaxLocalSize) {
@@ -334,6 +344,9 @@ Result<OpReport> get_report_fixed(std::span<const uint8_t> p, uint32_t max_ranks
     r.incarnation = le::get<uint64_t>(&p[104]);
     r.remaining_ms = le::get<uint32_t>(&p[112]);
     r.flags = le::get<uint32_t>(&p[116]);
+    r.collective = (r.flags >> 16) & 0xff;
+    r.flags &= ~0xff0000u;
+    if (r.collective >= kCollectiveCount) return bad("op report names collective " + std::to_string(r.collective));
     if (r.flags & kReportDeferred) {
         r.algorithm = (r.flags >> 8) & 0xff;
         r.flags &= ~0xff00u;
@@ -357,17 +370,21 @@ Result<OpReport> get_report_fixed(std::span<const uint8_t> p, uint32_t max_ranks
 }  // namespace
 
 Bytes encode_group_join(const GroupJoin &j) {
-    uint8_t p[kGroupJoinBytes + 4] = {};
+    Bytes p(kGroupJoinBytes + (j.local_size ? 4 : 0) + (j.ranks.empty() ? 0 : 4 + 4 * j.ranks.size()), 0);
     le::put<uint64_t>(&p[0], j.generation);
     put_name(&p[8], j.group);
     le::put<uint64_t>(&p[72], j.local_id);
     le::put<uint64_t>(&p[80], j.previous);
-    le::put<uint32_t>(&p[kGroupJoinBytes], j.local_size);
-    return encode_frame(FrameType::GroupJoin, std::span<const uint8_t>(p, j.local_size ? sizeof p : kGroupJoinBytes));
+    if (j.local_size) le::put<uint32_t>(&p[kGroupJoinBytes], j.local_size);
+    if (!j.ranks.empty()) {
+        le::put<uint32_t>(&p[kGroupJoinBytes + 4], j.group_ranks);
+        for (size_t i = 0; i < j.ranks.size(); ++i) le::put<uint32_t>(&p[kGroupJoinBytes + 8 + 4 * i], j.ranks[i]);
+    }
+    return encode_frame(FrameType::GroupJoin, p);
 }
 
 Result<GroupJoin> decode_group_join(std::span<const uint8_t> p) {
-    if (p.size() != kGroupJoinBytes + 4)
+    if (p.size() != kGroupJoinBytes + 4 && p.size() < kGroupJoinBytes + 12)
         if (auto s = expect_size(p, kGroupJoinBytes, "group join"); !s) return s.error();
     GroupJoin j;
     j.generation = le::get<uint64_t>(&p[0]);
@@ -379,6 +396,19 @@ Result<GroupJoin> decode_group_join(std::span<const uint8_t> p) {
     if (p.size() > kGroupJoinBytes) j.local_size = le::get<uint32_t>(&p[kGroupJoinBytes]);
     if (j.local_size > kMaxLocalSize) return bad("group join says " + std::to_string(j.local_size) + " local ranks");
     if (j.local_id == 0) return bad("group join without a local incarnation");
+    if (p.size() > kGroupJoinBytes + 4) {
+        // Protocol 10: the group's ranks, then one rank per local rank.
+        if (p.size() != kGroupJoinBytes + 8 + 4 * size_t{j.local_size})
+            return bad("group join has " + std::to_string(p.size()) + " bytes for " + std::to_string(j.local_size) +
+                       " local ranks");
+        j.group_ranks = le::get<uint32_t>(&p[kGroupJoinBytes + 4]);
+        if (j.group_ranks == 0 || j.group_ranks > kMaxGroupRanks) return bad("group join says a group of " + std::to_string(j.group_ranks) + " ranks");
+        for (uint32_t i = 0; i < j.local_size; ++i) {
+            j.ranks.push_back(le::get<uint32_t>(&p[kGroupJoinBytes + 8 + 4 * i]));
+            if (j.ranks.back() >= j.group_ranks) return bad("group join says rank " + std::to_string(j.ranks.back()) +
+                                                            " of a group of " + std::to_string(j.group_ranks));
+        }
+    }
     return j;
 }
 
@@ -397,6 +427,20 @@ Bytes encode_group_incarnation(const GroupIncarnation &g) {
         le::put<uint32_t>(&p[at + 4], g.solo_epoch);
         le::put<uint32_t>(&p[at + 8], g.total_ranks);
     }
+    if (!g.host_ranks.empty()) {
+        // Protocol 10: every host's ranks, then their hosts' count and a marker, read from the end.
+        for (const auto &h : g.host_ranks) {
+            const size_t at = p.size();
+            p.resize(at + 4 + 4 * h.size());
+            le::put<uint32_t>(&p[at], static_cast<uint32_t>(h.size()));
+            for (size_t i = 0; i < h.size(); ++i) le::put<uint32_t>(&p[at + 4 + 4 * i], h[i]);
+        }
+        const size_t at = p.size();
+        p.resize(at + 12);
+        le::put<uint32_t>(&p[at], static_cast<uint32_t>(g.host_ranks.size()));
+        le::put<uint32_t>(&p[at + 4], static_cast<uint32_t>(ranks_block_bytes(g.host_ranks)));
+        le::put<uint32_t>(&p[at + 8], kRankMapMarker);
+    }
     return encode_frame(FrameType::GroupIncarnation, p);
 }
 
@@ -413,6 +457,32 @@ Result<GroupIncarnation> decode_group_incarnation(std::span<const uint8_t> p) {
     if (g.code > 0) return bad("group incarnation code must be 0 or a negative errno");
     if ((g.code == 0) != (g.incarnation != 0)) return bad("group incarnation must carry an incarnation or an error");
     auto rest = p.subspan(kGroupIncarnationFixed);
+    // Protocol 10's rank map at the end: the hosts' ranks, their count, the block's bytes, the marker.
+    if (rest.size() >= 12 && le::get<uint32_t>(rest.data() + rest.size() - 4) == kRankMapMarker) {
+        const uint32_t hosts = le::get<uint32_t>(rest.data() + rest.size() - 12);
+        const uint32_t bytes = le::get<uint32_t>(rest.data() + rest.size() - 8);
+        if (hosts == 0 || bytes > rest.size() - 12) return bad("group incarnation has a bad rank map");
+        auto block = rest.subspan(rest.size() - 12 - bytes, bytes);
+        size_t at = 0, total = 0;
+        for (uint32_t h = 0; h < hosts; ++h) {
+            if (block.size() - at < 4) return bad("group incarnation's rank map is cut short");
+            const uint32_t n = le::get<uint32_t>(&block[at]);
+            if (n > kMaxLocalSize || block.size() - at - 4 < 4 * size_t{n}) return bad("group incarnation's rank map is cut short");
+            auto &ranks = g.host_ranks.emplace_back();
+            for (uint32_t i = 0; i < n; ++i) ranks.push_back(le::get<uint32_t>(&block[at + 4 + 4 * i]));
+            at += 4 + 4 * size_t{n};
+            total += n;
+        }
+        if (at != block.size()) return bad("group incarnation's rank map has bytes left over");
+        // A permutation of 0 .. total - 1.
+        std::vector<bool> seen(total, false);
+        for (const auto &h : g.host_ranks)
+            for (uint32_t r : h) {
+                if (r >= total || seen[r]) return bad("group incarnation's rank map is not a permutation of its ranks");
+                seen[r] = true;
+            }
+        rest = rest.first(rest.size() - 12 - bytes);
+    }
     // The message, then a solo lane's fields when there is one.
     if (rest.size() >= 4 + kSoloLaneBytes && le::get<uint32_t>(rest.data()) == rest.size() - 4 - kSoloLaneBytes) {
         const uint8_t *x = rest.data() + rest.size() - kSoloLaneBytes;

@@ -120,6 +120,10 @@ struct GroupJoin {
     // every host speaks protocol 8: the coordinator needs every host's to give an incarnation a
     // solo lane (GroupIncarnation::solo_epoch), whose ops need no OpStart to learn avg's divisor.
     uint32_t local_size = 0;
+    // Protocol 10, after local_size, when the group's trainers said their ranks (Hello::ranks):
+    // the group's ranks and the rank of each local rank (index: local rank). Empty: not said.
+    uint32_t group_ranks = 0;
+    std::vector<uint32_t> ranks{};
 };
 struct GroupIncarnation {
     uint64_t generation = 0;
@@ -135,6 +139,9 @@ struct GroupIncarnation {
     uint32_t lane = 0;
     uint32_t solo_epoch = 0;
     uint32_t total_ranks = 0;
+    // Protocol 10, at the end, when every host's join said its ranks: the agreed rank map, each
+    // host's ranks (index: the host's position in the domain's ring order, then local rank).
+    std::vector<std::vector<uint32_t>> host_ranks{};
 };
 // seq of an OpReport with a non-zero status that ends the incarnation here (its local ranks
 // left): every op of the incarnation that is pending or reported later fails with its message.
@@ -168,6 +175,8 @@ struct OpReport {
     // kReportDone (protocol 8): a deferred op this host reported has completed here (status 0): every
     // host contributed, and the coordinator forgets it.
     uint32_t flags = 0;
+    // Collective (protocol 10: bits 16-23 of the flags word; 0, allreduce, is the layout before).
+    uint32_t collective = 0;
 };
 inline constexpr uint32_t kReportAhead = 1;
 inline constexpr uint32_t kReportDeferred = 2;

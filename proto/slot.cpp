@@ -32,19 +32,33 @@ Result<SlotGeometry> slot_geometry(uint64_t data_bytes, uint32_t sq_depth, uint3
 
 Result<Submission> validate_submit(const SubmitDesc &d, uint64_t data_bytes, bool cuda_supported) {
     const std::string at = "op " + std::to_string(d.seq) + ": ";
+    if (d.collective >= kCollectiveCount) return make_error(-EINVAL, at + "unknown collective " + std::to_string(d.collective));
     if (d.dtype >= kDTypeCount) return make_error(-EINVAL, at + "unknown dtype " + std::to_string(d.dtype));
     if (d.op >= kReduceOpCount) return make_error(-EINVAL, at + "unknown reduce op " + std::to_string(d.op));
     if (d.flags != 0) return make_error(-EINVAL, at + "flags must be 0");
     Submission s;
     s.seq = d.seq;
-    s.count = d.count;
-    s.dtype = static_cast<DType>(d.dtype);
-    s.op = static_cast<ReduceOp>(d.op);
+    s.desc.collective = static_cast<Collective>(d.collective);
+    s.desc.count = d.count;
+    s.desc.dtype = static_cast<DType>(d.dtype);
+    s.desc.op = collective_reduces(s.desc.collective) ? static_cast<ReduceOp>(d.op) : ReduceOp::Sum;
     s.offset = d.offset;
-    if (s.op == ReduceOp::Avg && dtype_is_integer(s.dtype))
-        return make_error(-EINVAL, at + "avg is not defined for integer dtype " + std::string(dtype_name(s.dtype)));
+    const std::string cname(collective_name(s.desc.collective));
+    if (s.desc.collective == Collective::Allreduce) {
+        if (d.ranks != 0 || d.out_offset != 0)
+            return make_error(-EINVAL, at + "an allreduce (in place) with ranks or out_offset set");
+    } else {
+        if (d.ranks == 0 || d.ranks > kMaxGroupRanks)
+            return make_error(-EINVAL, at + cname + " over " + std::to_string(d.ranks) + " ranks (1 to " +
+                                           std::to_string(kMaxGroupRanks) + ")");
+        s.desc.ranks = d.ranks;
+    }
+    if (s.desc.op == ReduceOp::Avg && dtype_is_integer(s.desc.dtype))
+        return make_error(-EINVAL, at + "avg is not defined for integer dtype " + std::string(dtype_name(s.desc.dtype)));
     if (d.buffer_kind == static_cast<uint32_t>(BufferKind::Cuda)) {
         if (!cuda_supported) return make_error(-ENOTSUP, at + "this ringd has no CUDA (built without it)");
+        if (s.desc.collective != Collective::Allreduce)
+            return make_error(-ENOTSUP, at + "a " + cname + " of a device buffer (this ringd runs device buffers' allreduce only)");
         s.cuda = true;
         s.cuda_reg = d.cuda_reg;
         s.cuda_offset = d.cuda_offset;
@@ -59,16 +73,34 @@ Result<Submission> validate_submit(const SubmitDesc &d, uint64_t data_bytes, boo
     } else if (d.cuda_reg != 0 || d.cuda_offset != 0 || d.cuda_ready_seq != 0) {
         return make_error(-EINVAL, at + "a slot buffer with CUDA fields set");
     }
-    const uint64_t esize = dtype_size(s.dtype);
-    if (mul_overflows(d.count, esize, &s.bytes))
+    const uint64_t esize = dtype_size(s.desc.dtype);
+    // A range of `count` elements at `offset`, inside the data area.
+    auto range = [&](const char *what, uint64_t offset, uint64_t count, uint64_t *bytes) -> Status {
+        if (mul_overflows(count, esize, bytes))
+            return make_error(-EOVERFLOW, at + "count " + std::to_string(count) + " overflows");
+        if (offset % esize != 0)
+            return make_error(-EINVAL, at + what + "offset " + std::to_string(offset) + " is not a multiple of the " +
+                                           std::to_string(esize) + "-byte element size");
+        uint64_t end = 0;
+        if (add_overflows(offset, *bytes, &end) || end > data_bytes)
+            return make_error(-ERANGE, at + what + "buffer [" + std::to_string(offset) + ", +" + std::to_string(*bytes) +
+                                           ") lies outside the " + std::to_string(data_bytes) + "-byte slot");
+        return Ok{};
+    };
+    uint64_t in_count = 0, out_count = 0;
+    if (mul_overflows(d.count, std::max<uint64_t>(s.desc.ranks, 1), &in_count))
         return make_error(-EOVERFLOW, at + "count " + std::to_string(d.count) + " overflows");
-    if (d.offset % esize != 0)
-        return make_error(-EINVAL, at + "offset " + std::to_string(d.offset) + " is not a multiple of the " +
-                                       std::to_string(esize) + "-byte element size");
-    uint64_t end = 0;
-    if (add_overflows(d.offset, s.bytes, &end) || end > data_bytes)
-        return make_error(-ERANGE, at + "buffer [" + std::to_string(d.offset) + ", +" + std::to_string(s.bytes) +
-                                       ") lies outside the " + std::to_string(data_bytes) + "-byte slot");
+    in_count = s.desc.in_count();
+    out_count = s.desc.out_count();
+    if (auto r = range(s.desc.collective == Collective::Allreduce ? "" : "input ", d.offset, in_count, &s.bytes); !r)
+        return r.error();
+    if (s.desc.collective == Collective::Allreduce) {
+        s.out_offset = s.offset;
+        s.out_bytes = s.bytes;
+    } else {
+        s.out_offset = d.out_offset;
+        if (auto r = range("output ", d.out_offset, out_count, &s.out_bytes); !r) return r.error();
+    }
     return s;
 }
 

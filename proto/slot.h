@@ -26,6 +26,9 @@ inline constexpr uint16_t kSlotVersion = 2;  // 2: CUDA sync words
 // SlotHeader::features: what this ringd understands beyond kSlotVersion (a client checks before
 // it relies on one; an older ringd leaves the field 0).
 inline constexpr uint16_t kSlotFeatureCudaReadySeq = 1;  // SubmitDesc::cuda_ready_seq
+// SubmitDesc::collective, ranks and out_offset: reduce_scatter and allgather. A client never sends
+// them to a ringd without it (an older ringd ignores the reserved bytes and would run an allreduce).
+inline constexpr uint16_t kSlotFeatureCollectives = 2;
 inline constexpr size_t kSlotHeaderBytes = 4096;
 inline constexpr size_t kSlotDataAlign = 4096;
 inline constexpr uint32_t kQueueDepth = 64;
@@ -93,9 +96,14 @@ struct SubmitDesc {
     // a device op larger than its staging window all wait for the word of the op's last part,
     // which the trainer's stream writes once, when the op is submitted.
     uint64_t cuda_ready_seq;
-    uint8_t reserved[256 - 64];
+    // kSlotFeatureCollectives (0 in all three: an allreduce in place, as before them).
+    uint32_t collective;  // Collective
+    uint32_t ranks;       // reduce_scatter, allgather: the group's ranks (the blocks of the larger range)
+    uint64_t out_offset;  // reduce_scatter, allgather: the output's bytes into the slot data area
+    uint8_t reserved[256 - 80];
 };
 static_assert(sizeof(SubmitDesc) == 256);
+static_assert(offsetof(SubmitDesc, collective) == 64 && offsetof(SubmitDesc, out_offset) == 72);
 static_assert(offsetof(SubmitDesc, offset) == 32);
 static_assert(offsetof(SubmitDesc, cuda_reg) == 40);
 static_assert(offsetof(SubmitDesc, cuda_ready_seq) == 56);
@@ -126,20 +134,23 @@ Result<SlotGeometry> slot_geometry(uint64_t data_bytes, uint32_t sq_depth = kQue
 // A submission after validation: the daemon acts only on this copy.
 struct Submission {
     uint64_t seq = 0;
-    uint64_t count = 0;
-    DType dtype = DType::F32;
-    ReduceOp op = ReduceOp::Sum;
-    uint64_t offset = 0;  // into the data area (device buffers: where they are staged)
-    uint64_t bytes = 0;   // count * dtype_size
+    OpDesc desc;
+    uint64_t offset = 0;  // the input, into the data area (device buffers: where they are staged)
+    uint64_t bytes = 0;   // the input's bytes (desc.in_count() elements)
+    // The output: allreduce, the input itself; reduce_scatter and allgather, its own range, which
+    // is either apart from the input or the rank's block of it (in place: GroupTable checks that,
+    // knowing the rank).
+    uint64_t out_offset = 0;
+    uint64_t out_bytes = 0;
     bool cuda = false;    // a device buffer (BufferKind::Cuda), checked against its registration later
     uint64_t cuda_reg = 0;
     uint64_t cuda_offset = 0;
     uint64_t ready_seq = 0;  // cuda: the seq whose ready word marks the buffer produced (>= seq)
 };
 
-// Validates a copied descriptor against the slot's data area: dtype/op/kind known, avg only for
-// floating types, count*size and offset+bytes without overflow and inside `data_bytes`, offset
-// aligned to the element size (for device buffers: the staging range; the device range is the
+// Validates a copied descriptor against the slot's data area: collective/dtype/op/kind known, avg
+// only for floating types, both ranges' sizes and ends without overflow and inside `data_bytes`,
+// offsets aligned to the element size (for device buffers: the staging range; the device range is the
 // CUDA registry's to check). `cuda_supported` says whether this ringd handles device buffers.
 Result<Submission> validate_submit(const SubmitDesc &d, uint64_t data_bytes, bool cuda_supported);
 

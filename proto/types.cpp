@@ -2,6 +2,13 @@
 
 namespace ringd {
 
+std::string describe(const OpDesc &d) {
+    std::string s = std::to_string(d.count) + " x " + std::string(dtype_name(d.dtype));
+    if (collective_reduces(d.collective)) s += " " + std::string(reduce_op_name(d.op));
+    if (d.collective == Collective::Allreduce) return s;
+    return std::string(collective_name(d.collective)) + " of " + s + " over " + std::to_string(d.ranks) + " ranks";
+}
+
 std::optional<DType> parse_dtype(std::string_view s) {
     struct Name { std::string_view a, b; DType t; };
     static constexpr Name names[] = {

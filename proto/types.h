@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <string_view>
 
 namespace ringd {
@@ -20,6 +21,8 @@ enum class ReduceOp : uint32_t { Sum = 0, Avg = 1, Min = 2, Max = 3 };
 //                   rank's output is rank r's input
 enum class Collective : uint32_t { Allreduce = 0, ReduceScatter = 1, Allgather = 2 };
 inline constexpr uint32_t kCollectiveCount = 3;
+// The most ranks a group may have (the blocks of a reduce_scatter's input or an allgather's output).
+inline constexpr uint32_t kMaxGroupRanks = 1u << 20;
 
 inline constexpr uint32_t kDTypeCount = 6;
 inline constexpr uint32_t kReduceOpCount = 4;
@@ -80,6 +83,30 @@ constexpr DType partial_dtype(DType t, ReduceOp op) {
     const bool narrow = t == DType::F16 || t == DType::BF16;
     return narrow && (op == ReduceOp::Sum || op == ReduceOp::Avg) ? DType::F32 : t;
 }
+
+// What an op computes, the one description every layer carries from the submission to the engine
+// (the ranks' buffers are not part of it: each local rank has its own input and output range).
+// Every rank of a group submits the same OpDesc for the same seq; hosts compare it across the ring.
+struct OpDesc {
+    Collective collective = Collective::Allreduce;
+    DType dtype = DType::F32;
+    ReduceOp op = ReduceOp::Sum;  // allgather: always Sum (it combines nothing)
+    // Allreduce: the buffer's elements. reduce_scatter: the output's (one rank's block; the input
+    // has `ranks` blocks). allgather: the input's (the output has `ranks` blocks).
+    uint64_t count = 0;
+    // The group's ranks as the caller counts them (reduce_scatter, allgather); 0 for allreduce,
+    // whose meaning does not depend on them.
+    uint32_t ranks = 0;
+
+    bool operator==(const OpDesc &) const = default;
+    // Elements of the input and of the output range of one rank.
+    uint64_t in_count() const { return collective == Collective::ReduceScatter ? count * ranks : count; }
+    uint64_t out_count() const { return collective == Collective::Allgather ? count * ranks : count; }
+};
+
+// "1000 x float sum" (allreduce, as every release wrote it), "reduce_scatter of 1000 x float sum
+// over 8 ranks", "allgather of 1000 x float over 8 ranks": for error messages.
+std::string describe(const OpDesc &d);
 
 // Accepts the names above and the short forms f32 f64 f16 bf16 i32 i64.
 std::optional<DType> parse_dtype(std::string_view s);

@@ -11,8 +11,10 @@ constexpr size_t kDecidedMemory = 4096;
 constexpr size_t kIncarnationMemory = 4096;
 
 std::string describe(const proto::OpReport &r) {
-    return std::to_string(r.count) + " x " + std::string(dtype_name(static_cast<DType>(r.dtype))) + " " +
-           std::string(reduce_op_name(static_cast<ReduceOp>(r.op)));
+    const std::string s = std::to_string(r.count) + " x " + std::string(dtype_name(static_cast<DType>(r.dtype))) + " " +
+                          std::string(reduce_op_name(static_cast<ReduceOp>(r.op)));
+    if (r.collective == 0) return s;
+    return std::string(collective_name(static_cast<Collective>(r.collective))) + " of " + s;
 }
 
 std::string at(const std::string &group, uint64_t seq) { return "group " + group + " op " + std::to_string(seq) + ": "; }
@@ -85,7 +87,7 @@ void Coordinator::join(uint32_t host, const proto::GroupJoin &j, Decisions &out)
         if (const Incarnation *prev = find(j.previous); prev && prev->end_code != 0)
             return refuse(host, j.group, j.local_id, prev->end_message, out);
     }
-    run.joins[host] = Join{j.local_id, j.previous, j.local_size};
+    run.joins[host] = Join{j.local_id, j.previous, j.local_size, j.group_ranks, j.ranks};
     // All fresh, or all going on with the same incarnation; a host that goes on while another
     // started afresh still runs what the others left.
     std::optional<uint32_t> fresh;
@@ -105,6 +107,13 @@ void Coordinator::join(uint32_t host, const proto::GroupJoin &j, Decisions &out)
     }
     for (const auto &jn : run.joins)
         if (!jn) return;
+    // Ranks two hosts both claim, or a group size they disagree on: the job is wrong everywhere.
+    auto [host_ranks, disagree] = rank_map(j.group, run);
+    if (!disagree.empty()) {
+        for (uint32_t h = 0; h < n; ++h) refuse(h, j.group, run.joins[h]->local_id, disagree, out);
+        run.joins.assign(n, std::nullopt);
+        return;
+    }
     // Every host joined alike: the agreed incarnation, unique in the cluster (generations only grow).
     const uint64_t id = (generation_ << 24) | (next_incarnation_++ & 0xffffff);
     Incarnation inc;
@@ -118,6 +127,7 @@ void Coordinator::join(uint32_t host, const proto::GroupJoin &j, Decisions &out)
         sizes_known &= run.joins[h]->local_size != 0;
     }
     if (!sizes_known) inc.total_ranks = 0;
+    inc.host_ranks = std::move(host_ranks);
     place(inc, j.group);
     run.current = id;
     incarnations_[id] = std::move(inc);
@@ -168,12 +178,50 @@ void Coordinator::place(Incarnation &inc, const std::string &group) {
 proto::GroupIncarnation Coordinator::answer(uint32_t host, const std::string &group, uint64_t local_id, uint64_t id) const {
     (void)host;
     proto::GroupIncarnation g{generation_, group, local_id, id, 0, {}};
-    if (auto it = incarnations_.find(id); it != incarnations_.end() && it->second.solo_epoch) {
+    auto it = incarnations_.find(id);
+    if (it == incarnations_.end()) return g;
+    if (it->second.solo_epoch) {
         g.lane = it->second.lane;
         g.solo_epoch = it->second.solo_epoch;
         g.total_ranks = it->second.total_ranks;
     }
+    g.host_ranks = it->second.host_ranks;
     return g;
+}
+
+std::pair<std::vector<std::vector<uint32_t>>, std::string> Coordinator::rank_map(const std::string &group,
+                                                                                 const GroupRun &run) const {
+    std::vector<std::vector<uint32_t>> map;
+    for (const auto &jn : run.joins)
+        if (jn->ranks.empty()) return {};  // not said everywhere: allreduce only
+    const uint32_t size = run.joins[0]->group_ranks;
+    std::vector<int64_t> where(size, -1);  // the host of each rank
+    uint64_t total = 0;
+    for (uint32_t h = 0; h < run.joins.size(); ++h) {
+        const Join &jn = *run.joins[h];
+        if (jn.group_ranks != size)
+            return {{}, "group " + group + ": host " + hosts_[0] + "'s trainers say a group of " + std::to_string(size) +
+                            " ranks, host " + hosts_[h] + "'s of " + std::to_string(jn.group_ranks) +
+                            "; every rank of the job must say the same group size"};
+        for (uint32_t r : jn.ranks) {
+            if (r >= size) return {{}, "group " + group + ": host " + hosts_[h] + " says rank " + std::to_string(r) +
+                                           " of a group of " + std::to_string(size)};
+            if (where[r] >= 0)
+                return {{}, "group " + group + ": rank " + std::to_string(r) + " is said by trainers on host " +
+                                hosts_[static_cast<size_t>(where[r])] + " and on host " + hosts_[h] +
+                                "; each rank of the job must be one trainer"};
+            where[r] = h;
+        }
+        total += jn.ranks.size();
+        map.push_back(jn.ranks);
+    }
+    if (total != size) {
+        uint32_t missing = 0;
+        while (missing < size && where[missing] >= 0) ++missing;
+        return {{}, "group " + group + ": its trainers say a group of " + std::to_string(size) + " ranks, but its hosts have " +
+                        std::to_string(total) + " (rank " + std::to_string(missing) + " is on none of them)"};
+    }
+    return {std::move(map), {}};
 }
 
 void Coordinator::decide(const Key &k, std::optional<std::pair<int32_t, std::string>> failure) {
@@ -299,7 +347,7 @@ void Coordinator::report(uint32_t host, const proto::OpReport &r, Clock::time_po
         const bool first = h < host;
         const proto::OpReport &a = first ? *p.by_host[h] : r, &b = first ? r : *p.by_host[h];
         const std::string &an = hosts_[first ? h : host], &bn = hosts_[first ? host : h];
-        if (a.count != b.count || a.dtype != b.dtype || a.op != b.op)
+        if (a.count != b.count || a.dtype != b.dtype || a.op != b.op || a.collective != b.collective)
             return fail(k, -EINVAL,
                         at(r.group, r.seq) + "mismatch: host " + an + " submitted " + describe(a) + ", host " + bn +
                             " submitted " + describe(b),

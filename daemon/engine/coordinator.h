@@ -113,12 +113,15 @@ private:
         uint32_t lane = 0;
         uint32_t solo_epoch = 0;   // non-zero: it has its lane alone (a solo lane)
         uint32_t total_ranks = 0;  // every host's local ranks (0: not known)
+        std::vector<std::vector<uint32_t>> host_ranks;  // the agreed rank map (empty: not every host said it)
         std::vector<uint64_t> instances;  // by host: the ringd instances it was agreed with
     };
     struct Join {
         uint64_t local_id = 0;
         uint64_t previous = 0;
         uint32_t local_size = 0;
+        uint32_t group_ranks = 0;     // protocol 10: the group's size its trainers said (0: not said)
+        std::vector<uint32_t> ranks;  // and their ranks, by local rank
     };
     // The lane of a newly agreed incarnation: a solo lane when one is free, else the least used of
     // the shared ones. Sets inc.lane and inc.solo_epoch.
@@ -128,6 +131,8 @@ private:
         uint64_t current = 0;  // the agreed incarnation, 0 before the first agreement
         std::vector<std::optional<Join>> joins;  // by host, towards the next agreement
     };
+    // The agreed rank map of the joins (every host said its ranks), or why they disagree (second).
+    std::pair<std::vector<std::vector<uint32_t>>, std::string> rank_map(const std::string &group, const GroupRun &run) const;
 
     void refuse(uint32_t host, const std::string &group, uint64_t local_id, const std::string &why, Decisions &out);
     void end(uint64_t incarnation, int32_t code, const std::string &message, Decisions &out);

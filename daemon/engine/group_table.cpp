@@ -12,9 +12,10 @@ namespace {
 
 constexpr size_t kFailedMemory = 256;  // failed seqs remembered per group for late submitters
 
-std::string describe(const proto::Submission &s) {
-    return std::to_string(s.count) + " x " + std::string(dtype_name(s.dtype)) + " " + std::string(reduce_op_name(s.op));
-}
+std::string describe(const proto::Submission &s) { return ringd::describe(s.desc); }
+
+// Whether [a, a + an) and [b, b + bn) share a byte.
+bool overlap(uint64_t a, uint64_t an, uint64_t b, uint64_t bn) { return an && bn && a < b + bn && b < a + an; }
 
 }  // namespace
 
@@ -23,7 +24,11 @@ size_t GroupTable::Group::joined() const {
 }
 
 Status GroupTable::check_join(const std::string &name, uint32_t rank, uint32_t size, uint32_t uid,
-                              std::chrono::milliseconds op_timeout) const {
+                              std::chrono::milliseconds op_timeout, GroupRank group_rank) const {
+    if (group_rank.ranks != 0 && (group_rank.rank >= group_rank.ranks || size > group_rank.ranks))
+        return make_error(-EINVAL, "group " + name + ": rank " + std::to_string(group_rank.rank) + " of " +
+                                       std::to_string(group_rank.ranks) + " ranks with " + std::to_string(size) +
+                                       " local ranks on this host");
     auto it = groups_.find(name);
     if (it == groups_.end()) return Ok{};
     const Group &g = it->second;
@@ -42,7 +47,25 @@ Status GroupTable::check_join(const std::string &name, uint32_t rank, uint32_t s
         return make_error(-EINVAL, "group " + name + "'s trainers on host " + host_ + " ask for different op timeouts: " +
                                        std::to_string(g.op_timeout.count()) + " ms (the first one), this one " +
                                        std::to_string(t.count()) + " ms; every rank of a group passes the same timeout");
+    if (g.joined() > 0 && group_rank.ranks != g.group_ranks) {
+        auto said = [](uint32_t n) { return n ? "a group of " + std::to_string(n) + " ranks" : std::string("no rank"); };
+        return make_error(-EINVAL, "group " + name + "'s trainers on host " + host_ + " say different group sizes: " +
+                                       said(g.group_ranks) + " (the first one), this one " + said(group_rank.ranks) +
+                                       "; every rank of a group says its rank in a group of the same size, or none does");
+    }
+    if (group_rank.ranks != 0)
+        for (uint32_t r = 0; r < g.local_size; ++r)
+            if (g.members[r] && g.ranks[r] == group_rank.rank)
+                return make_error(-EADDRINUSE, "group " + name + " rank " + std::to_string(group_rank.rank) +
+                                                   " is already local rank " + std::to_string(r) + " on host " + host_);
     return Ok{};
+}
+
+const std::vector<uint32_t> *GroupTable::group_ranks(const std::string &group, uint32_t *ranks) const {
+    auto it = groups_.find(group);
+    if (it == groups_.end() || it->second.group_ranks == 0 || it->second.joined() != it->second.local_size) return nullptr;
+    if (ranks) *ranks = it->second.group_ranks;
+    return &it->second.ranks;
 }
 
 std::chrono::milliseconds GroupTable::op_timeout(const std::string &group) const {
@@ -61,9 +84,10 @@ const std::vector<uint32_t> *GroupTable::hosts_of(const std::string &group) cons
 }
 
 Status GroupTable::join(MemberId id, const std::string &name, uint32_t rank, uint32_t size, uint32_t uid,
-                        std::vector<uint32_t> hosts, std::chrono::milliseconds op_timeout, bool every_host) {
+                        std::vector<uint32_t> hosts, std::chrono::milliseconds op_timeout, bool every_host,
+                        GroupRank group_rank) {
     if (members_.count(id)) return make_error(-EALREADY, "this connection already joined a group");
-    if (auto ok = check_join(name, rank, size, uid, op_timeout); !ok) return ok;
+    if (auto ok = check_join(name, rank, size, uid, op_timeout, group_rank); !ok) return ok;
     auto it = groups_.find(name);
     if (it == groups_.end()) {
         Group g;
@@ -76,9 +100,12 @@ Status GroupTable::join(MemberId id, const std::string &name, uint32_t rank, uin
         g.hosts = std::move(hosts);
         g.every_host = every_host;
         g.members.resize(size);
+        g.ranks.resize(size);
         it = groups_.emplace(name, std::move(g)).first;
     }
     Group &g = it->second;
+    if (g.joined() == 0) g.group_ranks = group_rank.ranks;
+    g.ranks[rank] = group_rank.rank;
     g.members[rank] = id;
     members_[id] = MemberInfo{name, rank};
     return Ok{};
@@ -145,11 +172,38 @@ void GroupTable::submit(MemberId id, const proto::Submission &s, Clock::time_poi
         out.push_back({id, s.seq, -EINVAL, at + "submitted twice by local rank " + std::to_string(rank)});
         return;
     }
+    if (s.desc.collective != Collective::Allreduce) {
+        // Its blocks are the group's ranks, numbered as the trainers numbered them.
+        std::string why;
+        if (g.group_ranks == 0)
+            why = "a " + std::string(collective_name(s.desc.collective)) +
+                  " needs the group's ranks: every trainer of the group says its rank when it connects "
+                  "(ringd_options.rank and .ranks)";
+        else if (s.desc.ranks != g.group_ranks)
+            why = "a " + std::string(collective_name(s.desc.collective)) + " over " + std::to_string(s.desc.ranks) +
+                  " ranks in a group of " + std::to_string(g.group_ranks);
+        else if (overlap(s.offset, s.bytes, s.out_offset, s.out_bytes)) {
+            // In place: the output is the rank's own block of the input (reduce_scatter) or the
+            // input is its block of the output (allgather); any other overlap is refused.
+            const uint64_t block = s.desc.collective == Collective::ReduceScatter ? s.out_bytes : s.bytes;
+            const uint64_t mine = uint64_t{g.ranks[rank]} * block;
+            const bool in_place = s.desc.collective == Collective::ReduceScatter ? s.out_offset == s.offset + mine
+                                                                                : s.offset == s.out_offset + mine;
+            if (!in_place)
+                why = "the output [" + std::to_string(s.out_offset) + ", +" + std::to_string(s.out_bytes) +
+                      ") overlaps the input [" + std::to_string(s.offset) + ", +" + std::to_string(s.bytes) +
+                      ") other than as rank " + std::to_string(g.ranks[rank]) + "'s block (in place)";
+        }
+        if (!why.empty()) {
+            reject(id, s.seq, -EINVAL, at + why, out);
+            return;
+        }
+    }
     // Compare with the first rank that submitted this seq.
     for (uint32_t r = 0; r < g.local_size; ++r) {
         if (!p.by_rank[r]) continue;
         const auto &o = *p.by_rank[r];
-        if (o.count != s.count || o.dtype != s.dtype || o.op != s.op) {
+        if (o.desc != s.desc) {
             p.by_rank[rank] = s;
             fail_seq(g, s.seq, -EINVAL,
                      at + "mismatch: local rank " + std::to_string(r) + " submitted " + describe(o) + ", local rank " +
@@ -167,15 +221,15 @@ void GroupTable::submit(MemberId id, const proto::Submission &s, Clock::time_poi
     run.group = g.name;
     run.local_id = g.local_id;
     run.seq = s.seq;
-    run.count = s.count;
-    run.dtype = s.dtype;
-    run.op = s.op;
+    run.desc = s.desc;
     run.deadline = p.deadline;
     run.submitted = p.deadline - g.op_timeout;
     for (uint32_t r = 0; r < g.local_size; ++r) {
         run.members.push_back(*g.members[r]);
         run.offsets.push_back(p.by_rank[r]->offset);
+        run.out_offsets.push_back(p.by_rank[r]->out_offset);
     }
+    if (s.desc.collective != Collective::Allreduce) run.ranks = g.ranks;
     g.running[run.op_id] = Running{s.seq, s.bytes, run.members, {}, {}, "none", run.submitted};
     g.pending.erase(pit);
     ready.push_back(std::move(run));

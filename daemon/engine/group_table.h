@@ -37,11 +37,12 @@ struct OpRun {
     std::string group;
     uint64_t local_id = 0;  // the group's incarnation on this host (GroupTable::local_id)
     uint64_t seq = 0;
-    uint64_t count = 0;
-    DType dtype = DType::F32;
-    ReduceOp op = ReduceOp::Sum;
+    OpDesc desc;
     std::vector<MemberId> members;  // index = local rank
-    std::vector<uint64_t> offsets;  // index = local rank
+    std::vector<uint64_t> offsets;  // index = local rank: the input (allreduce: in and out)
+    std::vector<uint64_t> out_offsets;  // index = local rank: the output
+    // reduce_scatter, allgather: each local rank's rank in the group (as its trainer numbered it).
+    std::vector<uint32_t> ranks;
     Clock::time_point deadline;     // the first local rank's submission + timeouts.op
     Clock::time_point submitted;    // the first local rank's submission
 };
@@ -65,6 +66,13 @@ struct MatchingOp {
     double age_s = 0;  // since its first local submission
     uint32_t local_size = 0;
     std::vector<uint32_t> missing_ranks;  // local ranks that have not submitted it
+};
+
+// A trainer's rank in its group as the caller numbers them (torch's rank in its process group);
+// ranks 0: not said (the group then runs allreduce only).
+struct GroupRank {
+    uint32_t rank = 0;
+    uint32_t ranks = 0;
 };
 
 struct GroupSummary {
@@ -98,8 +106,14 @@ public:
     // `every_host`: the first member named no hosts (every host of the ring then): a reload that
     // adds hosts leaves the group's hosts as they were (its run was agreed over them), and a
     // later member that names none joins it there (every_host()).
+    // `group_rank`: the trainer's rank in the group; every local rank says it or none does, each a
+    // rank of its own, all of a group of the same size.
     Status join(MemberId id, const std::string &group, uint32_t local_rank, uint32_t local_size, uint32_t uid,
-                std::vector<uint32_t> hosts = {}, std::chrono::milliseconds op_timeout = {}, bool every_host = false);
+                std::vector<uint32_t> hosts = {}, std::chrono::milliseconds op_timeout = {}, bool every_host = false,
+                GroupRank group_rank = {});
+    // The group's ranks of its local ranks (index: local rank) and the group's size, once every
+    // local rank joined and said its rank; null otherwise.
+    const std::vector<uint32_t> *group_ranks(const std::string &group, uint32_t *ranks) const;
     bool every_host(const std::string &group) const;
     // The group's op timeout here (the default when there is no such group).
     std::chrono::milliseconds op_timeout(const std::string &group) const;
@@ -150,7 +164,7 @@ public:
     const Totals &totals() const { return totals_; }
     // Whether join() would accept this member, without joining.
     Status check_join(const std::string &group, uint32_t local_rank, uint32_t local_size, uint32_t uid,
-                      std::chrono::milliseconds op_timeout = {}) const;
+                      std::chrono::milliseconds op_timeout = {}, GroupRank group_rank = {}) const;
     size_t running_ops() const;
     // The local incarnation of a group with this name now; 0 when there is none.
     uint64_t local_id(const std::string &group) const;
@@ -198,6 +212,8 @@ private:
         std::vector<uint32_t> hosts;
         bool every_host = false;
         std::vector<std::optional<MemberId>> members;  // by rank
+        uint32_t group_ranks = 0;                      // the group's size as its trainers said it; 0: not said
+        std::vector<uint32_t> ranks;                   // by local rank: its group rank (group_ranks != 0)
         std::string broken;
         std::map<uint64_t, Pending> pending;  // by seq
         std::map<uint64_t, Running> running;  // by op id

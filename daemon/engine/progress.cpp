@@ -215,14 +215,40 @@ void ProgressEngine::run() {
 
 EngineResult ProgressEngine::execute(EngineWork &w, std::atomic<int64_t> *beat) {
     const size_t n = w.slots.size();
+    if (w.desc.collective != Collective::Allreduce) {
+        // The local ranks' reduce_scatter or gather (RingEngine's, for a ring of one host).
+        std::vector<std::byte *> locals, outputs;
+        for (size_t r = 1; r < n; ++r) {
+            locals.push_back(w.slots[r]->data() + w.offsets[r]);
+            outputs.push_back(w.slots[r]->data() + w.out_offsets[r]);
+        }
+        RingOp op;
+        op.collective = w.desc.collective;
+        op.dtype = w.desc.dtype;
+        op.op = w.desc.op;
+        op.count = w.desc.count;
+        op.avg_divisor = w.avg_divisor;
+        op.data.base = w.slots[0]->data();
+        op.data.bytes = w.slots[0]->data_bytes();
+        op.data_offset = w.offsets[0];
+        op.out_offset = w.out_offsets[0];
+        op.locals = locals;
+        op.local_outputs = outputs;
+        op.host_ranks = w.host_ranks;
+        RingEngine::run_local(op);
+        if (beat) beat->store(now_ns(), std::memory_order_relaxed);
+        return EngineResult{w.op_id, 0, {}, false, 0, std::move(w.slots)};
+    }
     // One local rank: the input already is the result (avg over one contribution included).
-    if (n > 1 && w.count > 0) {
-        const size_t es = dtype_size(w.dtype);
-        const size_t slice = beat ? std::max<size_t>(1, (16u << 20) / es) : w.count;
+    const uint64_t count = w.desc.count;
+    if (n > 1 && count > 0) {
+        const size_t es = dtype_size(w.desc.dtype);
+        const size_t slice = beat ? std::max<size_t>(1, (16u << 20) / es) : count;
         std::array<void *, proto::kMaxLocalSize> bufs;
-        for (size_t at = 0; at < w.count; at += slice) {
+        for (size_t at = 0; at < count; at += slice) {
             for (size_t r = 0; r < n; ++r) bufs[r] = w.slots[r]->data() + w.offsets[r] + at * es;
-            reduce(ReduceArgs{w.dtype, w.op, bufs.data(), n, bufs.data(), n, std::min(slice, w.count - at), w.avg_divisor});
+            reduce(ReduceArgs{w.desc.dtype, w.desc.op, bufs.data(), n, bufs.data(), n, std::min(slice, count - at),
+                              w.avg_divisor});
             if (beat) beat->store(now_ns(), std::memory_order_relaxed);
         }
     }
@@ -243,7 +269,11 @@ EngineResult ProgressEngine::execute_ring(EngineWork &w) {
     // Local rank 0's slot is the ring's data region; the other local ranks' buffers are folded in
     // and written out by the ring itself, chunk by chunk.
     locals_.clear();
-    for (size_t r = 1; r < w.slots.size(); ++r) locals_.push_back(w.slots[r]->data() + w.offsets[r]);
+    local_outputs_.clear();
+    for (size_t r = 1; r < w.slots.size(); ++r) {
+        locals_.push_back(w.slots[r]->data() + w.offsets[r]);
+        if (w.desc.collective != Collective::Allreduce) local_outputs_.push_back(w.slots[r]->data() + w.out_offsets[r]);
+    }
     const bool solo = solo_tag(w.op_tag);
     if (solo) {
         std::lock_guard lock(mu_);
@@ -272,14 +302,18 @@ EngineResult ProgressEngine::execute_ring(EngineWork &w) {
         next_->set_floor(w.op_tag);
     }
     RingOp op;
-    op.dtype = w.dtype;
-    op.op = w.op;
-    op.count = w.count;
+    op.collective = w.desc.collective;
+    op.dtype = w.desc.dtype;
+    op.op = w.desc.op;
+    op.count = w.desc.count;
     op.avg_divisor = w.avg_divisor;
     op.data = w.slots[0]->region();
     op.data_offset = w.offsets[0];
+    op.out_offset = w.desc.collective == Collective::Allreduce ? w.offsets[0] : w.out_offsets[0];
     op.staging = staging_;
     op.locals = locals_;
+    op.local_outputs = local_outputs_;
+    op.host_ranks = w.host_ranks;
     op.op_tag = w.op_tag;
     op.aborted_generation = &aborted_generation_;
     op.generation = w.generation;
@@ -294,7 +328,7 @@ EngineResult ProgressEngine::execute_ring(EngineWork &w) {
     bytes_by_reference_ += next_->bytes_sent_by_reference() - ref0;
     if (!s && s.error().code == -ECANCELED && solo) {
         // (An op this large may have sent from the trainer's slot by reference: ring_engine.h.)
-        const bool by_reference = w.count * dtype_size(w.dtype) >= RingEngine::kConfirmBytes && !next_->delivered_at_send_done();
+        const bool by_reference = op.by_reference() && !next_->delivered_at_send_done();
         if (drain_cancelled(w.op_tag, by_reference)) return done(-ECANCELED, s.error().message, false);
         const std::string peer = next_->peer();  // (the link goes with drop_links)
         link_failure_reported_ = true;

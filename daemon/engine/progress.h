@@ -34,12 +34,14 @@ class NetworkTransport;
 
 struct EngineWork {
     uint64_t op_id = 0;
-    DType dtype = DType::F32;
-    ReduceOp op = ReduceOp::Sum;
-    uint64_t count = 0;
+    OpDesc desc;
     uint32_t avg_divisor = 1;  // all contributions of the op (local ranks x hosts)
     std::vector<std::shared_ptr<Slot>> slots;  // index = local rank
-    std::vector<uint64_t> offsets;             // byte offsets into each slot's data area
+    std::vector<uint64_t> offsets;             // byte offsets into each slot's data area: the inputs
+    std::vector<uint64_t> out_offsets;         // the outputs (allreduce: the inputs; may be empty then)
+    // reduce_scatter, allgather: the group's ranks on each host, by ring position (one host: its
+    // local ranks' ranks), each in local-rank order.
+    std::vector<std::vector<uint32_t>> host_ranks;
     // Cross-host ops.
     bool ring = false;
     uint64_t generation = 0;
@@ -161,7 +163,7 @@ private:
     RingOptions ring_options_;
     std::chrono::milliseconds op_timeout_{30000};
     std::unique_ptr<RingEngine> ring_;
-    std::vector<std::byte *> locals_;
+    std::vector<std::byte *> locals_, local_outputs_;
     RingPosition pos_;
     uint64_t generation_ = 0;       // of the links below
     bool link_failure_reported_ = false;

@@ -112,27 +112,29 @@ void RingEngine::run_local(const RingOp &op) {
     auto input = [&](size_t l) { return l == 0 ? in : op.locals[l - 1]; };
     auto output = [&](size_t l) { return l == 0 ? out : op.local_outputs[l - 1]; };
     const size_t locals = op.locals.size() + 1;
+    std::vector<const void *> srcs;
+    std::vector<void *> dsts;
     switch (op.collective) {
     case Collective::Allreduce:
         // The local ranks' reduction, written to all of them.
-        srcs_.assign(1, in);
-        dsts_.assign(1, in);
+        srcs.assign(1, in);
+        dsts.assign(1, in);
         for (std::byte *l : op.locals) {
-            srcs_.push_back(l);
-            dsts_.push_back(l);
+            srcs.push_back(l);
+            dsts.push_back(l);
         }
-        if (op.count > 0 && (srcs_.size() > 1 || op.op == ReduceOp::Avg))
-            reduce(ReduceArgs{op.dtype, op.op, srcs_.data(), srcs_.size(), dsts_.data(), dsts_.size(), op.count,
+        if (op.count > 0 && (srcs.size() > 1 || op.op == ReduceOp::Avg))
+            reduce(ReduceArgs{op.dtype, op.op, srcs.data(), srcs.size(), dsts.data(), dsts.size(), op.count,
                               op.avg_divisor});
         return;
     case Collective::ReduceScatter:
         // Rank b's block of every local rank's input, reduced into rank b's output.
         for (size_t l = 0; l < locals && op.count > 0; ++l) {
             const uint64_t b = op.host_ranks[0][l];
-            srcs_.clear();
-            for (size_t q = 0; q < locals; ++q) srcs_.push_back(input(q) + b * op.count * es);
-            dsts_.assign(1, output(l));
-            reduce(ReduceArgs{op.dtype, op.op, srcs_.data(), srcs_.size(), dsts_.data(), 1, op.count, op.avg_divisor});
+            srcs.clear();
+            for (size_t q = 0; q < locals; ++q) srcs.push_back(input(q) + b * op.count * es);
+            dsts.assign(1, output(l));
+            reduce(ReduceArgs{op.dtype, op.op, srcs.data(), srcs.size(), dsts.data(), 1, op.count, op.avg_divisor});
         }
         return;
     case Collective::Allgather:

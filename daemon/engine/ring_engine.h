@@ -166,6 +166,10 @@ public:
     // not mean delivered (TCP), and send from the data region by reference.
     static constexpr uint64_t kConfirmBytes = 32 << 20;
 
+    // The local ranks' reduction or gather, for a ring of one host (also a group on one host: no
+    // transport, no staging). Every buffer is in place and large enough.
+    static void run_local(const RingOp &op);
+
     // Blocks until the result is in place, a link fails (error names the peer), or the deadline
     // passes (error names the peer we were waiting for).
     Status run(const RingPosition &pos, const RingOp &op, std::chrono::steady_clock::time_point deadline);
@@ -193,8 +197,6 @@ private:
         uint64_t begin, count;
     };
 
-    // The local ranks' reduction or gather, for a ring of one host.
-    void run_local(const RingOp &op);
     Status run_window(const RingPosition &pos, const RingOp &op, Window w, uint64_t chunk_bytes,
                       std::chrono::steady_clock::time_point deadline);
     // The window's segments as pieces of contiguous elements, and the schedule's messages.

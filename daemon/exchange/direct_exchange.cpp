@@ -80,14 +80,14 @@ std::string DirectExchange::send_over_bound(const proto::OpReport &r, DType dtyp
 // once, where the hosts' contributions meet).
 void DirectExchange::local_reduce_into(const HostOp &op, void *dst, uint64_t begin, uint64_t elems) {
     if (elems == 0) return;
-    const size_t es = dtype_size(op.run.dtype);
+    const size_t es = dtype_size(op.run.desc.dtype);
     srcs_.clear();
     for (size_t i = 0; i < op.slots.size(); ++i) srcs_.push_back(op.slots[i]->data() + op.run.offsets[i] + begin * es);
-    if (srcs_.size() == 1 && op.run.op != ReduceOp::Avg && partial_dtype(op.run.dtype, op.run.op) == op.run.dtype) {
+    if (srcs_.size() == 1 && op.run.desc.op != ReduceOp::Avg && partial_dtype(op.run.desc.dtype, op.run.desc.op) == op.run.desc.dtype) {
         std::memcpy(dst, srcs_[0], elems * es);
         return;
     }
-    ReduceArgs a{op.run.dtype, op.run.op, srcs_.data(), srcs_.size(), nullptr, 0, elems, 1};
+    ReduceArgs a{op.run.desc.dtype, op.run.desc.op, srcs_.data(), srcs_.size(), nullptr, 0, elems, 1};
     a.partial_out = dst;
     a.avg_shift = avg_shift(n_);
     reduce(a);
@@ -96,8 +96,8 @@ void DirectExchange::local_reduce_into(const HostOp &op, void *dst, uint64_t beg
 // One-shot: this host's contribution goes to every other host. Two-shot: segment j of it goes
 // to host j.
 void DirectExchange::contribute(const HostOp &op, const proto::OpReport &r) {
-    const size_t ps = dtype_size(partial_dtype(op.run.dtype, op.run.op));  // contributions are partial results
-    const uint64_t count = op.run.count;
+    const size_t ps = dtype_size(partial_dtype(op.run.desc.dtype, op.run.desc.op));  // contributions are partial results
+    const uint64_t count = op.run.desc.count;
     if (deferred_reports(op.algorithm)) {
         // Doubling, halving-doubling: this host's partial result, sent step by step (progress).
         State &st = ops_[Key{r.generation, r.group, r.incarnation, r.seq}];
@@ -172,9 +172,9 @@ void DirectExchange::take_result(uint32_t host, uint64_t generation, const OpKey
                                  const proto::OpReport &r, std::span<const uint8_t> data) {
     auto it = ops_.find(key_of(generation, key));
     if (it == ops_.end()) return;  // ended here
-    const size_t es = dtype_size(op.run.dtype);
-    const uint64_t b = seg_begin(op.run.count, n_, host), e = seg_begin(op.run.count, n_, host + 1);
-    if (r.count != op.run.count || r.dtype != static_cast<uint32_t>(op.run.dtype) || data.size() != (e - b) * es ||
+    const size_t es = dtype_size(op.run.desc.dtype);
+    const uint64_t b = seg_begin(op.run.desc.count, n_, host), e = seg_begin(op.run.desc.count, n_, host + 1);
+    if (r.count != op.run.desc.count || r.dtype != static_cast<uint32_t>(op.run.desc.dtype) || data.size() != (e - b) * es ||
         it->second.got_result.size() != n_ || it->second.got_result[host]) {
         spdlog::warn("host {}: unexpected two-shot result for group {} op {}", hosts_[host], r.group, r.seq);
         return;
@@ -190,7 +190,7 @@ bool DirectExchange::progress(uint64_t generation, const OpKey &key, const HostO
     if (it == ops_.end()) return false;
     State &st = it->second;
     if (deferred_reports(op.algorithm)) return st.contributed && progress_log(st, op);
-    const size_t es = dtype_size(op.run.dtype);
+    const size_t es = dtype_size(op.run.desc.dtype);
     const bool two_shot = op.algorithm == Algorithm::TwoShot;
     if (!st.reduced) {
         uint32_t total = 0;
@@ -198,8 +198,8 @@ bool DirectExchange::progress(uint64_t generation, const OpKey &key, const HostO
             // A part that does not match stops the op here, for the coordinator to decide (it
             // sees the reports: as data below protocol 8, from the hosts that tell it above).
             if (!c) return false;
-            if (c->report.count != op.run.count || c->report.dtype != static_cast<uint32_t>(op.run.dtype) ||
-                c->report.op != static_cast<uint32_t>(op.run.op) || c->report.algorithm != static_cast<uint32_t>(op.algorithm)) {
+            if (c->report.count != op.run.desc.count || c->report.dtype != static_cast<uint32_t>(op.run.desc.dtype) ||
+                c->report.op != static_cast<uint32_t>(op.run.desc.op) || c->report.algorithm != static_cast<uint32_t>(op.algorithm)) {
                 st.mismatch = true;
                 return false;
             }
@@ -207,14 +207,14 @@ bool DirectExchange::progress(uint64_t generation, const OpKey &key, const HostO
         }
         // Every host's part is in: reduce them in ring order (one-shot: the same bits on every
         // host). Two-shot: this host's ranks in place, then the other hosts' parts.
-        const uint64_t b = two_shot ? seg_begin(op.run.count, n_, self_) : 0;
-        const uint64_t e = two_shot ? seg_begin(op.run.count, n_, self_ + 1) : op.run.count;
+        const uint64_t b = two_shot ? seg_begin(op.run.desc.count, n_, self_) : 0;
+        const uint64_t e = two_shot ? seg_begin(op.run.desc.count, n_, self_ + 1) : op.run.desc.count;
         srcs_.clear();  // the hosts' parts: partial results
         dsts_.clear();
         for (size_t i = 0; i < op.slots.size(); ++i) dsts_.push_back(op.slots[i]->data() + op.run.offsets[i] + b * es);
         for (uint32_t h = 0; h < n_; ++h)
             if (!two_shot || h != self_) srcs_.push_back(st.parts[h]->buf.data() + st.parts[h]->offset);
-        ReduceArgs a{op.run.dtype, op.run.op, two_shot ? dsts_.data() : nullptr, two_shot ? dsts_.size() : 0,
+        ReduceArgs a{op.run.desc.dtype, op.run.desc.op, two_shot ? dsts_.data() : nullptr, two_shot ? dsts_.size() : 0,
                      dsts_.data(), dsts_.size(), e - b, total};
         a.partials = srcs_.data();
         a.npartial = srcs_.size();
@@ -305,10 +305,10 @@ bool DirectExchange::progress_log(State &st, const HostOp &op) {
     using K = proto::OpDataKind;
     if (st.done) return true;
     if (st.mismatch) return false;
-    const DType dtype = op.run.dtype;
-    const ReduceOp rop = op.run.op;
+    const DType dtype = op.run.desc.dtype;
+    const ReduceOp rop = op.run.desc.op;
     const size_t ps = dtype_size(partial_dtype(dtype, rop)), es = dtype_size(dtype);
-    const uint64_t count = op.run.count;
+    const uint64_t count = op.run.desc.count;
     const bool halving = op.algorithm == Algorithm::HalvingDoubling;
     const uint32_t L = sched_.steps, v = sched_.v;
     auto slot_at = [&](size_t i, uint64_t elem) { return op.slots[i]->data() + op.run.offsets[i] + elem * es; };

@@ -259,7 +259,8 @@ void ClientGateway::handle_hello(ClientConn &c, const proto::Hello &h) {
                          h.group, h.op_timeout_ms, op_timeout.count());
         }
     }
-    if (auto ok = groups_.check_join(h.group, h.local_rank, h.local_size, c.cred().uid, op_timeout); !ok) {
+    if (auto ok = groups_.check_join(h.group, h.local_rank, h.local_size, c.cred().uid, op_timeout, GroupRank{h.rank, h.ranks});
+        !ok) {
         drop(id, ok.error(), true);
         return;
     }
@@ -322,7 +323,8 @@ void ClientGateway::handle_hello(ClientConn &c, const proto::Hello &h) {
         drop(id, s.error(), true);
         return;
     }
-    (void)groups_.join(id, h.group, h.local_rank, h.local_size, c.cred().uid, *hosts, op_timeout, every_host);  // checked above
+    (void)groups_.join(id, h.group, h.local_rank, h.local_size, c.cred().uid, *hosts, op_timeout, every_host,
+                       GroupRank{h.rank, h.ranks});  // checked above
     if (!lease) {
         // The host's slot count: until the last client using this data area is gone.
         ++*live_slots_;

@@ -41,7 +41,7 @@ void RingDomain::tell_coordinator(const OpKey &key, HostOp &op, uint32_t flags) 
     if (!deferred(op.algorithm) || (op.told_coordinator && !(flags & proto::kReportDone))) return;
     op.told_coordinator = true;
     ++deferred_reports_;
-    proto::OpReport r = op_report(key, op.run.count, op.run.dtype, op.run.op, static_cast<uint32_t>(op.run.members.size()),
+    proto::OpReport r = op_report(key, op.run.desc, static_cast<uint32_t>(op.run.members.size()),
                                   op.deadline);
     r.algorithm = static_cast<uint32_t>(op.algorithm);
     r.flags = proto::kReportDeferred | flags;

@@ -287,7 +287,10 @@ void RingDomain::on_start(const proto::OpStart &s) {
     }
     HostOp op = std::move(*ops_.take_reported(key));
     ++ops_ring_;
-    EngineWork w = ring_work(op, s.total_ranks, static_cast<uint32_t>(s.op_id));
+    static const GroupRun kNoRun;
+    auto run = runs_.find(s.group);
+    EngineWork w = ring_work(op, run != runs_.end() && run->second.agreed == s.incarnation ? run->second : kNoRun,
+                             s.total_ranks, static_cast<uint32_t>(s.op_id));
     w.deadline = op.deadline;
     ops_.running(w.op_id, local_generation_, w.deadline, key, op.run.submitted);
     lanes_[s.lane % lanes_.size()]->engine->post(std::move(w));

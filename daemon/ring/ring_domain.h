@@ -159,7 +159,7 @@ private:
     void report_direct(HostOp op, proto::OpReport r, Algorithm algorithm);
     // The report of op `key` in this coordinator generation (ring_reports.cpp): what the op is (the
     // fields the coordinator compares across hosts) and the time left to its deadline here.
-    proto::OpReport op_report(const OpKey &key, uint64_t count, DType dtype, ReduceOp op, uint32_t local_size,
+    proto::OpReport op_report(const OpKey &key, const OpDesc &desc, uint32_t local_size,
                               Clock::time_point deadline) const;
     // A failure, reported for an op this host has not reached (or is past) as `data` names it.
     static proto::OpReport failure_report(const proto::OpReport &data, int32_t code, std::string why);
@@ -208,6 +208,10 @@ private:
         // A solo lane (GroupIncarnation::solo_epoch, 0: none): its ring ops start here without the
         // coordinator, in seq order, on lane `lane`.
         uint32_t lane = 0, solo_epoch = 0, total_ranks = 0;
+        // The group's ranks on each host of the domain (ring order), as the coordinator agreed them
+        // (protocol 10, every host's trainers said their ranks); empty: reduce_scatter and
+        // allgather cannot run.
+        std::vector<std::vector<uint32_t>> host_ranks;
         uint64_t skipped = 0;  // the lane is past every seq up to this (ops the coordinator failed ahead)
     };
     // A solo lane's ring op on the progress thread: what the coordinator is told if it stalls,
@@ -215,9 +219,7 @@ private:
     struct SoloOp {
         OpKey key;
         uint32_t lane = 0, op_tag = 0;
-        uint64_t count = 0;
-        DType dtype = DType::F32;
-        ReduceOp op = ReduceOp::Sum;
+        OpDesc desc;
         uint32_t local_size = 0;
         Clock::time_point deadline, posted;
         bool told = false;
@@ -233,7 +235,12 @@ private:
     bool solo_lanes() const;
     static uint32_t solo_op_tag(uint32_t epoch, uint64_t seq, const OpRun *op);
     void start_solo(GroupRun &run, HostOp op);
-    EngineWork ring_work(HostOp &op, uint32_t total_ranks, uint32_t op_tag) const;
+    EngineWork ring_work(HostOp &op, const GroupRun &run, uint32_t total_ranks, uint32_t op_tag) const;
+    // This host's GroupJoin of the group's run (its local ranks and, from protocol 10, their ranks).
+    proto::Bytes group_join(const std::string &group, const GroupRun &run) const;
+    // Why a reduce_scatter or allgather of the run cannot run in this generation ("" when it can):
+    // a host of the domain speaks a protocol before 10, or not every host's trainers said their ranks.
+    std::string collectives_refused(const GroupRun &run, const OpRun &op) const;
     void tell_solo(SoloOp &s, uint32_t flags);
     void on_incarnation_ended(const proto::OpFail &f);
     // How long a solo lane's op may wait here without moving before the coordinator hears of it

@@ -90,9 +90,7 @@ bool RingDomain::join_groups() {
         if (run.agreed || run.join_sent || run.refused_code != 0 || sh_.groups->broken(group)) return;
         run.join_sent = true;
         sent = true;
-        send_to_coordinator(proto::encode_group_join(
-            {coord_generation_, group, run.local_id, run.previous,
-             generation_protocol_ >= kLogAlgorithmsProtocol ? sh_.groups->local_size(group) : 0}));
+        send_to_coordinator(group_join(group, run));
     });
     return sent;
 }
@@ -133,9 +131,7 @@ bool RingDomain::flush_reports_now() {
                 if (!run.join_sent) {
                     run.join_sent = true;
                     moved = true;
-                    send_to_coordinator(proto::encode_group_join(
-                        {coord_generation_, group, run.local_id, run.previous,
-                         generation_protocol_ >= kLogAlgorithmsProtocol ? sh_.groups->local_size(group) : 0}));
+                    send_to_coordinator(group_join(group, run));
                 }
                 break;  // until GroupIncarnation comes
             }
@@ -165,20 +161,30 @@ bool RingDomain::flush_reports_now() {
                                      *sh_.done);
                 continue;
             }
-            if (run.solo_epoch && op.status == 0 && op.run.seq != proto::kIncarnationEnds &&
-                choose_algorithm(op.run.count * dtype_size(op.run.dtype), static_cast<uint32_t>(config_.hosts.size()),
-                                 config_.tuning, generation_protocol_) == Algorithm::Ring) {
+            if (op.status == 0 && op.run.seq != proto::kIncarnationEnds) {
+                // A reduce_scatter or allgather this generation cannot run fails here, and its
+                // report fails it on every host, naming why.
+                if (std::string why = collectives_refused(run, op.run); !why.empty()) {
+                    op.status = -EPROTONOSUPPORT;
+                    op.message = "group " + group + " op " + std::to_string(op.run.seq) + ": " + why;
+                    sh_.groups->finished(op.run.op_id, op.status, op.message, *sh_.done);
+                }
+            }
+            // reduce_scatter and allgather run on the ring (the direct family is allreduce's).
+            const bool ring_only = op.run.desc.collective != Collective::Allreduce;
+            const uint64_t bytes = op.run.desc.count * dtype_size(op.run.desc.dtype);
+            const Algorithm algorithm =
+                ring_only ? Algorithm::Ring
+                          : choose_algorithm(bytes, static_cast<uint32_t>(config_.hosts.size()), config_.tuning, generation_protocol_);
+            if (run.solo_epoch && op.status == 0 && op.run.seq != proto::kIncarnationEnds && algorithm == Algorithm::Ring) {
                 start_solo(run, std::move(op));
                 continue;
             }
             if (op.status != 0) skip_solo();
-            proto::OpReport r = op_report({group, run.agreed, op.run.seq}, op.run.count, op.run.dtype, op.run.op,
+            proto::OpReport r = op_report({group, run.agreed, op.run.seq}, op.run.desc,
                                           static_cast<uint32_t>(op.run.members.size()), op.deadline);
             r.status = op.status;
             r.message = op.message;
-            const uint64_t bytes = op.run.count * dtype_size(op.run.dtype);
-            const Algorithm algorithm =
-                choose_algorithm(bytes, static_cast<uint32_t>(config_.hosts.size()), config_.tuning, generation_protocol_);
             if (op.status == 0) sh_.groups->set_algorithm(op.run.op_id, algorithm_name(algorithm));
             if (op.status == 0 && algorithm != Algorithm::Ring) {
                 // Peers' data of the op is here already and their deadline has passed: this host
@@ -199,7 +205,7 @@ bool RingDomain::flush_reports_now() {
                     send_to_coordinator(proto::encode_op_report(r));
                     continue;
                 }
-                if (std::string why = exchange_->send_over_bound(r, op.run.dtype, op.run.op, algorithm); !why.empty()) {
+                if (std::string why = exchange_->send_over_bound(r, op.run.desc.dtype, op.run.desc.op, algorithm); !why.empty()) {
                     // Reported as this host's failure: it fails on every host, named.
                     sh_.groups->finished(op.run.op_id, -ENOBUFS, why, *sh_.done);
                     r.status = -ENOBUFS;
@@ -243,19 +249,56 @@ void RingDomain::on_group_incarnation(const proto::GroupIncarnation &g) {
         run.lane = g.lane;
         run.solo_epoch = solo_lanes() && g.lane < lanes_.size() ? g.solo_epoch : 0;
         run.total_ranks = g.total_ranks;
+        run.host_ranks = g.host_ranks;
     }
 }
 
-proto::OpReport RingDomain::op_report(const OpKey &key, uint64_t count, DType dtype, ReduceOp op, uint32_t local_size,
+proto::Bytes RingDomain::group_join(const std::string &group, const GroupRun &run) const {
+    proto::GroupJoin j{coord_generation_, group, run.local_id, run.previous,
+                       generation_protocol_ >= kLogAlgorithmsProtocol ? sh_.groups->local_size(group) : 0};
+    uint32_t ranks = 0;
+    if (const auto *mine = sh_.groups->group_ranks(group, &ranks); mine && generation_protocol_ >= proto::kCollectivesProtocol) {
+        j.group_ranks = ranks;
+        j.ranks = *mine;
+    }
+    return proto::encode_group_join(j);
+}
+
+std::string RingDomain::collectives_refused(const GroupRun &run, const OpRun &op) const {
+    if (op.desc.collective == Collective::Allreduce) return {};
+    const std::string what(collective_name(op.desc.collective));
+    if (generation_protocol_ < proto::kCollectivesProtocol) {
+        std::string old;
+        for (const auto &p : control_->status())
+            if (!p.self && p.protocol != 0 && p.protocol < proto::kCollectivesProtocol)
+                old += (old.empty() ? "" : ", ") + p.name + " (peer protocol " + std::to_string(p.protocol) + ")";
+        return "a " + what + " needs peer protocol " + std::to_string(proto::kCollectivesProtocol) +
+               " on every host of the group, and " + (old.empty() ? "a host of its ring" : "host " + old) +
+               " runs an older ringd; allreduce still runs";
+    }
+    if (run.host_ranks.empty())
+        return "a " + what + " needs every trainer of the group to say its rank when it connects, and the trainers of "
+               "some host did not (ringd_options.rank and .ranks)";
+    uint64_t n = 0;
+    for (const auto &h : run.host_ranks) n += h.size();
+    if (n != op.desc.ranks)
+        return "a " + what + " over " + std::to_string(op.desc.ranks) + " ranks in a group of " + std::to_string(n);
+    return {};
+}
+
+proto::OpReport RingDomain::op_report(const OpKey &key, const OpDesc &desc, uint32_t local_size,
                                       Clock::time_point deadline) const {
     proto::OpReport r;
     r.generation = coord_generation_;
     r.group = std::get<0>(key);
     r.incarnation = std::get<1>(key);
     r.seq = std::get<2>(key);
-    r.count = count;
-    r.dtype = static_cast<uint32_t>(dtype);
-    r.op = static_cast<uint32_t>(op);
+    r.count = desc.count;
+    r.dtype = static_cast<uint32_t>(desc.dtype);
+    r.op = static_cast<uint32_t>(desc.op);
+    // (Not in a generation before protocol 10, whose coordinator refuses the bits: such an op
+    // fails here, collectives_refused.)
+    r.collective = generation_protocol_ >= proto::kCollectivesProtocol ? static_cast<uint32_t>(desc.collective) : 0;
     r.local_size = local_size;
     r.remaining_ms = static_cast<uint32_t>(std::clamp<int64_t>(
         std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count(), 0, UINT32_MAX));

@@ -26,9 +26,12 @@ bool RingDomain::solo_lanes() const {
 uint32_t RingDomain::solo_op_tag(uint32_t epoch, uint64_t seq, const OpRun *op) {
     uint32_t digest = 0;
     if (op) {
-        // count, dtype and op, folded to a byte: hosts whose ops differ send messages that no
-        // receive of the others matches.
-        uint64_t h = op->count * 0x9e3779b97f4a7c15ull ^ (uint64_t{static_cast<uint32_t>(op->dtype)} << 8 | static_cast<uint32_t>(op->op));
+        // The op's description folded to a byte: hosts whose ops differ send messages that no
+        // receive of the others matches. (An allreduce's digest is what it was before collectives.)
+        const OpDesc &d = op->desc;
+        uint64_t h = d.count * 0x9e3779b97f4a7c15ull ^ (uint64_t{static_cast<uint32_t>(d.dtype)} << 8 | static_cast<uint32_t>(d.op));
+        if (d.collective != Collective::Allreduce)
+            h ^= (uint64_t{static_cast<uint32_t>(d.collective)} << 40 | d.ranks) * 0xd6e8feb86659fd93ull;
         h ^= h >> 29;
         h *= 0xbf58476d1ce4e5b9ull;
         h ^= h >> 32;
@@ -38,14 +41,14 @@ uint32_t RingDomain::solo_op_tag(uint32_t epoch, uint64_t seq, const OpRun *op) 
 }
 
 // A ring op for the progress thread (its slots move into it).
-EngineWork RingDomain::ring_work(HostOp &op, uint32_t total_ranks, uint32_t op_tag) const {
+EngineWork RingDomain::ring_work(HostOp &op, const GroupRun &run, uint32_t total_ranks, uint32_t op_tag) const {
     EngineWork w;
     w.op_id = op.run.op_id;
-    w.dtype = op.run.dtype;
-    w.op = op.run.op;
-    w.count = op.run.count;
+    w.desc = op.run.desc;
     w.avg_divisor = total_ranks;
     w.offsets = op.run.offsets;
+    w.out_offsets = op.run.out_offsets;
+    if (op.run.desc.collective != Collective::Allreduce) w.host_ranks = run.host_ranks;
     w.slots = std::move(op.slots);
     w.ring = true;
     w.generation = local_generation_;
@@ -64,13 +67,11 @@ void RingDomain::start_solo(GroupRun &run, HostOp op) {
     so.key = key;
     so.lane = run.lane % static_cast<uint32_t>(lanes_.size());
     so.op_tag = solo_op_tag(run.solo_epoch, op.run.seq, &op.run);
-    so.count = op.run.count;
-    so.dtype = op.run.dtype;
-    so.op = op.run.op;
+    so.desc = op.run.desc;
     so.local_size = static_cast<uint32_t>(op.run.members.size());
     so.deadline = op.deadline;
     so.posted = Clock::now();
-    EngineWork w = ring_work(op, run.total_ranks, so.op_tag);
+    EngineWork w = ring_work(op, run, run.total_ranks, so.op_tag);
     // The coordinator's decision (at the earliest deadline of the hosts that reported it) comes
     // before the ring's own timeout, which would end the generation.
     w.deadline = op.deadline + HostOps::kDecisionGrace;
@@ -83,7 +84,7 @@ void RingDomain::tell_solo(SoloOp &s, uint32_t flags) {
     if (s.told && !(flags & proto::kReportDone)) return;
     s.told = true;
     ++deferred_reports_;
-    proto::OpReport r = op_report(s.key, s.count, s.dtype, s.op, s.local_size, s.deadline);
+    proto::OpReport r = op_report(s.key, s.desc, s.local_size, s.deadline);
     r.flags = proto::kReportDeferred | flags;
     send_to_coordinator(proto::encode_op_report(r));
 }

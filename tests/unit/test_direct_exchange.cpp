@@ -132,9 +132,7 @@ struct Cluster {
             op.algorithm = algo;
             op.run.group = "g";
             op.run.seq = seq;
-            op.run.count = count;
-            op.run.dtype = t;
-            op.run.op = rop;
+            op.run.desc = OpDesc{Collective::Allreduce, t, rop, count, 0};
             for (uint32_t r = 0; r < local; ++r) {
                 auto s = Slot::create("t", count * es + 2 * pad, transport);
                 REQUIRE(s.ok());
@@ -272,7 +270,7 @@ TEST_CASE("doubling: data from a host that is not this step's partner, or of the
     op.algorithm = Algorithm::Doubling;
     op.run.group = "g";
     op.run.seq = 1;
-    op.run.count = 16;
+    op.run.desc.count = 16;
     auto s = Slot::create("t", 64, t);
     REQUIRE(s.ok());
     op.slots.push_back(*s);

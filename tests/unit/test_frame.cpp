@@ -84,7 +84,7 @@ TEST_CASE("a hello may carry the group's hosts after its fixed part", "[proto]")
     Bytes big = payload;
     big.resize(kHelloBytes + kMaxHelloHostsBytes + 1, 'a');
     CHECK_THAT(decode_hello(big).error().message, Catch::Contains("hosts list is longer than"));
-    big.resize(kHelloBytes + kMaxHelloHostsBytes + kHelloTimeoutBytes + 1, 'a');
+    big.resize(kHelloBytes + kMaxHelloHostsBytes + kHelloRanksBytes + 1, 'a');
     CHECK_THAT(decode_hello(big).error().message, Catch::Contains("hello has"));
 }
 
@@ -574,9 +574,10 @@ TEST_CASE("peer frame bytes are pinned", "[proto]") {
     CHECK(h7->instance == 0x0102030405060708);
     // Read as the other version, the bytes are something else: the header's version decides.
     CHECK(decode_peer_hello(payload_of(g), 6).ok() == false);
-    CHECK(decode_peer_hello(payload_of(g), 8).ok());  // 8 and 9 keep 7's handshake
+    CHECK(decode_peer_hello(payload_of(g), 8).ok());  // 8, 9 and 10 keep 7's handshake
     CHECK(decode_peer_hello(payload_of(g), 9).ok());
-    CHECK(decode_peer_hello(payload_of(g), 10).error().code == -EPROTONOSUPPORT);
+    CHECK(decode_peer_hello(payload_of(g), 10).ok());
+    CHECK(decode_peer_hello(payload_of(g), 11).error().code == -EPROTONOSUPPORT);
     // A config version must be printable and end with a NUL.
     Bytes bad(g.begin() + kFrameHeaderBytes, g.end());
     bad[kPeerHelloBytes + 8 + 3] = 0x01;
@@ -602,26 +603,26 @@ TEST_CASE("peer frame bytes are pinned", "[proto]") {
     CHECK_FALSE(decode_peer_accept(payload_of(af), 6).ok());
 }
 
-TEST_CASE("peer frame headers: versions 6 to 9 are read, others refused naming both; a hello of 6 is refused", "[proto]") {
+TEST_CASE("peer frame headers: versions 6 to 10 are read, others refused naming both; a hello of 6 is refused", "[proto]") {
     Bytes h = header_bytes(20, 16);
     CHECK(decode_frame_header(h, 4096).ok());  // 6
-    for (uint8_t v : {7, 8, 9}) {
+    for (uint8_t v : {7, 8, 9, 10}) {
         h[4] = v;
         auto d = decode_frame_header(h, 4096);
         REQUIRE(d.ok());
         CHECK(d->version == v);
     }
-    for (uint8_t v : {5, 10}) {
+    for (uint8_t v : {5, 11}) {
         h[4] = v;
         auto e = decode_frame_header(h, 4096);
         REQUIRE_FALSE(e.ok());
         CHECK(e.error().code == -EPROTONOSUPPORT);
-        CHECK_THAT(e.error().message, Catch::Contains("speaks 7 to 9"));
+        CHECK_THAT(e.error().message, Catch::Contains("speaks 7 to 10"));
     }
     // A hello says the version its connection runs at: 7 is the oldest spoken (a ringd of 6
     // closed the connection at a newer hello, which a dialer cannot tell from a host that died).
     Bytes hello = header_bytes(16, 16);
-    for (uint8_t v : {7, 8, 9}) {
+    for (uint8_t v : {7, 8, 9, 10}) {
         hello[4] = v;
         CHECK(decode_frame_header(hello, 4096).ok());
     }
@@ -650,7 +651,7 @@ TEST_CASE("ring ready and ring start: the generation's protocol after version 6'
     CHECK(decode_ring_start(payload_of(encode_ring_start({5, 7}))).value().protocol == 7);
     CHECK(decode_ring_ready(payload_of(encode_ring_ready({4, true, 8}))).value().protocol == 8);
     // A protocol this ringd does not run a generation at, or a field cut short, is refused.
-    for (uint32_t v : {1u, 6u, 10u, 0x10009u}) {
+    for (uint32_t v : {1u, 6u, 11u, 0x10009u}) {
         CAPTURE(v);
         Bytes p = body_of(encode_ring_start({5, 9}));
         std::memcpy(&p[8], &v, 4);  // little-endian here
@@ -944,4 +945,129 @@ TEST_CASE("RDMA link info is validated", "[proto]") {
     std::memset(&no_fifo[kFrameHeaderBytes + 32], 0, 8);
     CHECK_FALSE(decode_rdma_link_info(payload_of(no_fifo)).ok());
     CHECK_FALSE(decode_rdma_link_info(std::span(payload_of(good)).first(kRdmaLinkInfoBytes - 1)).ok());
+}
+
+TEST_CASE("a hello may say the trainer's rank in its group: a 13-byte trailer after the hosts", "[proto]") {
+    Hello h{"g1", 1, 2, 4096, "a,b", 0, 0, 5, 8};
+    const Bytes f = encode_hello(h);
+    Bytes payload = {1, 0, 0, 0, 2, 0, 0, 0, 0x00, 0x10, 0, 0, 0, 0, 0, 0, 'g', '1'};
+    payload.resize(kHelloBytes, 0);
+    for (char ch : std::string("a,b")) payload.push_back(static_cast<uint8_t>(ch));
+    for (uint8_t b : {0, 0, 0, 0, 0, 5, 0, 0, 0, 8, 0, 0, 0}) payload.push_back(b);  // NUL, timeout 0, rank, ranks
+    CHECK(f == cat(header_bytes(1, static_cast<uint32_t>(payload.size())), payload));
+    auto d = decode_hello(payload_of(f));
+    REQUIRE(d.ok());
+    CHECK(d->hosts == "a,b");
+    CHECK(d->op_timeout_ms == 0);
+    CHECK(d->rank == 5);
+    CHECK(d->ranks == 8);
+    // With a timeout and no hosts; a hello without ranks stays the layout before, byte for byte.
+    auto t = decode_hello(payload_of(encode_hello({"g1", 0, 1, 4096, "", 0, 2500, 0, 1})));
+    REQUIRE(t.ok());
+    CHECK(t->op_timeout_ms == 2500);
+    CHECK(t->ranks == 1);
+    CHECK(encode_hello({"g1", 0, 1, 4096, "", 0, 2500}).size() == kFrameHeaderBytes + kHelloBytes + kHelloTimeoutBytes);
+    // A rank outside the group, a group of none, or a trailer of another length is refused.
+    for (auto [rank, ranks] : {std::pair{8u, 8u}, {0u, 0u}, {0u, kMaxGroupRanks + 1}}) {
+        Bytes p = body_of(encode_hello({"g1", 0, 1, 4096, "", 0, 0, 0, 1}));
+        std::memcpy(&p[p.size() - 8], &rank, 4);
+        std::memcpy(&p[p.size() - 4], &ranks, 4);
+        CHECK_THAT(decode_hello(p).error().message, Catch::Contains("is not a rank of a group"));
+    }
+    Bytes p = body_of(f);
+    p.push_back(0);
+    CHECK_THAT(decode_hello(p).error().message, Catch::Contains("trailer"));
+}
+
+TEST_CASE("reduce_scatter and allgather descriptors: both ranges checked, ranks said, device buffers refused", "[proto]") {
+    SubmitDesc d{};
+    d.seq = 4;
+    d.collective = static_cast<uint32_t>(Collective::ReduceScatter);
+    d.count = 16;  // the output's elements; the input has 4 blocks of them
+    d.ranks = 4;
+    d.dtype = static_cast<uint32_t>(DType::F32);
+    d.offset = 0;
+    d.out_offset = 256;
+    auto s = validate_submit(d, 1024, false);
+    REQUIRE(s.ok());
+    CHECK(s->desc == OpDesc{Collective::ReduceScatter, DType::F32, ReduceOp::Sum, 16, 4});
+    CHECK(s->bytes == 256);
+    CHECK(s->out_bytes == 64);
+    CHECK(s->out_offset == 256);
+    d.offset = 1024 - 255;  // the input past the end (and misaligned)
+    CHECK_FALSE(validate_submit(d, 1024, false).ok());
+    d.offset = 1024 - 256 + 4;
+    CHECK_THAT(validate_submit(d, 1024, false).error().message, Catch::Contains("input buffer"));
+    d.offset = 0;
+    d.out_offset = 1024 - 60;
+    CHECK_THAT(validate_submit(d, 1024, false).error().message, Catch::Contains("output buffer"));
+    d.out_offset = 2;
+    CHECK_THAT(validate_submit(d, 1024, false).error().message, Catch::Contains("output offset"));
+    d.out_offset = 256;
+    d.count = UINT64_MAX / 2;  // count x ranks overflows
+    CHECK(validate_submit(d, 1024, false).error().code == -EOVERFLOW);
+    d.count = 16;
+    d.ranks = 0;
+    CHECK_THAT(validate_submit(d, 1024, false).error().message, Catch::Contains("over 0 ranks"));
+    d.ranks = 4;
+    // An allgather's output has the blocks; its op is not used (any is taken as sum).
+    d.collective = static_cast<uint32_t>(Collective::Allgather);
+    d.op = static_cast<uint32_t>(ReduceOp::Max);
+    d.out_offset = 512;
+    auto g = validate_submit(d, 1024, false);
+    REQUIRE(g.ok());
+    CHECK(g->desc.op == ReduceOp::Sum);
+    CHECK(g->bytes == 64);
+    CHECK(g->out_bytes == 256);
+    d.collective = kCollectiveCount;
+    CHECK_THAT(validate_submit(d, 1024, false).error().message, Catch::Contains("unknown collective"));
+    // An allreduce has no ranks or output of its own; a device buffer's reduce_scatter is refused.
+    d.collective = static_cast<uint32_t>(Collective::Allreduce);
+    CHECK_THAT(validate_submit(d, 1024, false).error().message, Catch::Contains("allreduce (in place)"));
+    d.collective = static_cast<uint32_t>(Collective::ReduceScatter);
+    d.buffer_kind = static_cast<uint32_t>(BufferKind::Cuda);
+    d.out_offset = 256;
+    CHECK(validate_submit(d, 1024, true).error().code == -ENOTSUP);
+}
+
+TEST_CASE("protocol 10: group joins say their ranks, incarnations the rank map, reports the collective", "[proto]") {
+    // A join without ranks is 9's layout, byte for byte.
+    CHECK(encode_group_join({5, "g", 3, 0, 2}).size() == kFrameHeaderBytes + 8 + kGroupNameBytes + 16 + 4);
+    GroupJoin j{5, "g", 3, 0, 2, 8, {6, 1}};
+    auto dj = decode_group_join(payload_of(encode_group_join(j)));
+    REQUIRE(dj.ok());
+    CHECK(dj->group_ranks == 8);
+    CHECK(dj->ranks == std::vector<uint32_t>{6, 1});
+    j.ranks = {6, 8};  // a rank outside the group
+    CHECK_THAT(decode_group_join(payload_of(encode_group_join(j))).error().message, Catch::Contains("rank 8 of a group of 8"));
+    j.ranks = {6};  // fewer ranks than local ranks
+    CHECK_FALSE(decode_group_join(payload_of(encode_group_join(j))).ok());
+
+    // The rank map follows a solo lane's fields and a message alike.
+    for (bool solo : {false, true}) {
+        GroupIncarnation g{5, "g", 3, 0x500001, 0, {}, solo ? 1u : 0u, solo ? 2u : 0u, solo ? 3u : 0u, {{2, 0}, {1}}};
+        auto d = decode_group_incarnation(payload_of(encode_group_incarnation(g)));
+        REQUIRE(d.ok());
+        CHECK(d->host_ranks == std::vector<std::vector<uint32_t>>{{2, 0}, {1}});
+        CHECK(d->solo_epoch == g.solo_epoch);
+        CHECK(d->total_ranks == g.total_ranks);
+        CHECK(d->message.empty());
+        g.host_ranks = {{2, 0}, {0}};  // not a permutation
+        CHECK_THAT(decode_group_incarnation(payload_of(encode_group_incarnation(g))).error().message,
+                   Catch::Contains("not a permutation"));
+    }
+    GroupIncarnation plain{5, "g", 3, 0x500001, 0, {}};
+    CHECK(decode_group_incarnation(payload_of(encode_group_incarnation(plain))).value().host_ranks.empty());
+
+    OpReport r{3, "grp", 9, 1000, 1, 0, 2, 0, "", 0, 0x1234};
+    const Bytes allreduce = encode_op_report(r);
+    r.collective = static_cast<uint32_t>(Collective::Allgather);
+    const Bytes allgather = encode_op_report(r);
+    CHECK(allreduce.size() == allgather.size());
+    CHECK(decode_op_report(payload_of(allgather)).value().collective == 2);
+    CHECK(decode_op_report(payload_of(allgather)).value().flags == 0);
+    CHECK(decode_op_report(payload_of(allreduce)).value().collective == 0);
+    Bytes q = body_of(allgather);
+    q[118] = 3;  // collective 3
+    CHECK_THAT(decode_op_report(q).error().message, Catch::Contains("names collective 3"));
 }

@@ -12,7 +12,12 @@ namespace {
 
 proto::Submission sub(uint64_t seq, uint64_t count = 16, DType t = DType::F32, ReduceOp op = ReduceOp::Sum,
                       uint64_t offset = 0) {
-    return proto::Submission{seq, count, t, op, offset, count * dtype_size(t)};
+    proto::Submission s;
+    s.seq = seq;
+    s.desc = OpDesc{Collective::Allreduce, t, op, count, 0};
+    s.offset = s.out_offset = offset;
+    s.bytes = s.out_bytes = count * dtype_size(t);
+    return s;
 }
 
 struct Fixture {

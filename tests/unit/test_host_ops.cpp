@@ -9,7 +9,13 @@ using namespace std::chrono_literals;
 
 namespace {
 
-proto::Submission sub(uint64_t seq) { return proto::Submission{seq, 16, DType::F32, ReduceOp::Sum, 0, 64}; }
+proto::Submission sub(uint64_t seq) {
+    proto::Submission s;
+    s.seq = seq;
+    s.desc.count = 16;
+    s.bytes = s.out_bytes = 64;
+    return s;
+}
 
 struct Fixture {
     GroupTable table{"h0", 1000ms};
