@@ -171,7 +171,7 @@ namespace {
 
 ringd_client *connect_client(const char *socket_path, const char *group, int local_rank, int local_size,
                              size_t slot_bytes, const char *hosts, const ringd_client *share, char *err, size_t err_len,
-                             uint32_t op_timeout_ms) {
+                             uint32_t op_timeout_ms, int rank = 0, int ranks = 0) {
     auto report = [&](const std::string &m) -> ringd_client * {
         if (err && err_len) std::snprintf(err, err_len, "%s", m.c_str());
         return nullptr;
@@ -183,6 +183,11 @@ ringd_client *connect_client(const char *socket_path, const char *group, int loc
         if (std::strlen(socket_path) >= sizeof(sockaddr_un::sun_path)) return report("socket path is too long");
         if (local_rank < 0 || local_size <= 0) return report("local_rank and local_size must be non-negative/positive");
         if (auto why = proto::check_group_name(group); !why.empty()) return report(why);
+        if (ranks < 0 || static_cast<uint64_t>(ranks) > kMaxGroupRanks || (ranks > 0 && (rank < 0 || rank >= ranks)) ||
+            (ranks == 0 && rank != 0) || (ranks > 0 && local_size > ranks))
+            return report("rank " + std::to_string(rank) + " of " + std::to_string(ranks) + " ranks (local_size " +
+                          std::to_string(local_size) + ") is not a rank of a group of 1 to " +
+                          std::to_string(kMaxGroupRanks) + " (ranks 0: not said)");
         auto margin = kWaitMargin;
         if (const char *v = std::getenv("RINGD_WAIT_MARGIN_MS"); v && *v) {
             uint32_t ms = 0;
@@ -205,7 +210,8 @@ ringd_client *connect_client(const char *socket_path, const char *group, int loc
         if (share && !share->data_map) return report("share_slot_of: that client has no slot");
         proto::Hello hello{group, static_cast<uint32_t>(local_rank), static_cast<uint32_t>(local_size),
                            share ? share->welcome.data_bytes : slot_bytes, hosts ? hosts : "",
-                           share ? share->welcome.client_id : 0, op_timeout_ms};
+                           share ? share->welcome.client_id : 0, op_timeout_ms, static_cast<uint32_t>(rank),
+                           static_cast<uint32_t>(ranks)};
         // ringd refuses a connection (allow_uids/allow_gids, too many connections) with an error
         // frame and closes at once, so the hello may meet a closed socket (EPIPE) while the
         // reason waits unread: read the reply before reporting the failed send.
@@ -241,6 +247,7 @@ ringd_client *connect_client(const char *socket_path, const char *group, int loc
         // A shared slot's memfd has the header and queues only; its data area is `share`'s.
         auto geo = proto::slot_geometry(share ? proto::kSlotDataAlign : w->data_bytes, w->sq_depth, w->cq_depth);
         c->header = reinterpret_cast<proto::SlotHeader *>(c->map->data());
+        c->ranks = static_cast<uint32_t>(ranks);
         if (!geo || geo->data_offset != w->data_offset || c->header->magic != proto::kSlotMagic ||
             c->header->version != proto::kSlotVersion ||
             (share && (w->map_bytes != geo->data_offset || w->data_bytes != 0)))
@@ -291,8 +298,11 @@ ringd_client *ringd_connect_opts(const ringd_options *opts, char *err, size_t er
     // op_timeout_ms came after share_slot_of.
     const uint32_t op_timeout_ms =
         opts->struct_size >= offsetof(ringd_options, op_timeout_ms) + sizeof(opts->op_timeout_ms) ? opts->op_timeout_ms : 0;
+    // rank and ranks came after op_timeout_ms.
+    const bool ranked = opts->struct_size >= offsetof(ringd_options, ranks) + sizeof(opts->ranks);
     return connect_client(socket_path, opts->group, opts->local_rank, opts->local_size, opts->slot_bytes,
-                          opts->hosts && *opts->hosts ? opts->hosts : nullptr, share, err, err_len, op_timeout_ms);
+                          opts->hosts && *opts->hosts ? opts->hosts : nullptr, share, err, err_len, op_timeout_ms,
+                          ranked ? opts->rank : 0, ranked ? opts->ranks : 0);
 }
 
 void *ringd_slot(ringd_client *c, size_t *bytes) {
@@ -330,11 +340,14 @@ bool ringd_client::queue_room(uint64_t n) const {
 int ringd_client::submit_desc(proto::SubmitDesc &d, uint64_t *ticket, bool cuda_op) {
     d.seq = next_seq;
     // The daemon validates again; checking here gives the caller the error without a round trip.
-    if (auto s = proto::validate_submit(d, welcome.data_bytes, true); !s) return fail(s.error().code, s.error().message);
+    auto s = proto::validate_submit(d, welcome.data_bytes, true);
+    if (!s) return fail(s.error().code, s.error().message);
     drain_completions();
-    if (uint64_t busy = 0; !cuda_op && cuda && cuda_staging_overlaps(*this, d.offset, d.count * dtype_size(static_cast<DType>(d.dtype)), &busy))
-        return fail(-EBUSY, "slot bytes [" + std::to_string(d.offset) + ", +" +
-                                std::to_string(d.count * dtype_size(static_cast<DType>(d.dtype))) +
+    // The slot bytes the op uses: its input and output (apart or one inside the other).
+    const uint64_t from = std::min(s->offset, s->out_offset);
+    const uint64_t bytes = std::max(s->offset + s->bytes, s->out_offset + s->out_bytes) - from;
+    if (uint64_t busy = 0; !cuda_op && cuda && cuda_staging_overlaps(*this, from, bytes, &busy))
+        return fail(-EBUSY, "slot bytes [" + std::to_string(from) + ", +" + std::to_string(bytes) +
                                 ") are the staging area of device op " + std::to_string(busy) +
                                 " in flight: wait for it or use other bytes");
     if (int rc = check_room(); rc != 0) return rc;
@@ -344,8 +357,8 @@ int ringd_client::submit_desc(proto::SubmitDesc &d, uint64_t *ticket, bool cuda_
     t.state = TicketState::InFlight;
     t.submitted = Clock::now();
     t.cuda = cuda_op;
-    t.offset = d.offset;
-    t.bytes = d.count * dtype_size(static_cast<DType>(d.dtype));
+    t.offset = from;
+    t.bytes = bytes;
     ++next_seq;
     if (cuda && cuda_backlog(*this)) {  // behind a device op's parts still to go
         t.held = true;
@@ -379,6 +392,38 @@ int ringd_submit(ringd_client *c, size_t offset, size_t count, ringd_dtype dtype
         d.op = static_cast<uint32_t>(op);
         d.buffer_kind = static_cast<uint32_t>(proto::BufferKind::Slot);
         d.offset = offset;
+        return c->submit_desc(d, ticket, false);
+    } catch (const std::exception &e) {
+        return c->fail(-ENOMEM, e.what());
+    }
+}
+
+int ringd_submit_coll(ringd_client *c, const ringd_coll *coll, uint64_t *ticket) {
+    if (!c) return -EINVAL;
+    std::lock_guard lock(c->mu);
+    try {
+        if (c->dead) return c->still_dead();
+        constexpr size_t kFirstVersion = offsetof(ringd_coll, out_offset) + sizeof(size_t);
+        if (!coll || coll->struct_size < kFirstVersion)
+            return c->fail(-EINVAL, "ringd_submit_coll: coll must be a ringd_coll with struct_size = sizeof(ringd_coll)");
+        proto::SubmitDesc d{};
+        d.collective = static_cast<uint32_t>(coll->collective);
+        d.count = coll->count;
+        d.dtype = static_cast<uint32_t>(coll->dtype);
+        d.op = static_cast<uint32_t>(coll->op);
+        d.buffer_kind = static_cast<uint32_t>(proto::BufferKind::Slot);
+        d.offset = coll->in_offset;
+        if (coll->collective != RINGD_ALLREDUCE) {
+            const std::string what(d.collective < kCollectiveCount ? collective_name(static_cast<Collective>(d.collective))
+                                                                   : std::string_view("collective"));
+            if (!(c->header->features & proto::kSlotFeatureCollectives))
+                return c->fail(-ENOTSUP, "this ringd runs allreduce only (an older release): no " + what);
+            if (c->ranks == 0)
+                return c->fail(-EINVAL, "a " + what + " needs this trainer's rank in its group: connect with "
+                                        "ringd_options.rank and .ranks");
+            d.ranks = c->ranks;
+            d.out_offset = coll->out_offset;
+        }
         return c->submit_desc(d, ticket, false);
     } catch (const std::exception &e) {
         return c->fail(-ENOMEM, e.what());

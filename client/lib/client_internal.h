@@ -87,6 +87,7 @@ struct ringd_client {
     proto::SubmitDesc *sq = nullptr;
     const proto::CompletionDesc *cq = nullptr;
     std::byte *data = nullptr;
+    uint32_t ranks = 0;     // the group's ranks this client said (ringd_options.ranks; 0: not said)
     uint64_t next_seq = 1;  // the next seq to give out (device ops' parts take theirs at submission)
     uint64_t sq_tail = 0;
     uint64_t cq_head = 0;

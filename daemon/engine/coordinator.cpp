@@ -11,10 +11,10 @@ constexpr size_t kDecidedMemory = 4096;
 constexpr size_t kIncarnationMemory = 4096;
 
 std::string describe(const proto::OpReport &r) {
-    const std::string s = std::to_string(r.count) + " x " + std::string(dtype_name(static_cast<DType>(r.dtype))) + " " +
-                          std::string(reduce_op_name(static_cast<ReduceOp>(r.op)));
-    if (r.collective == 0) return s;
-    return std::string(collective_name(static_cast<Collective>(r.collective))) + " of " + s;
+    const auto c = static_cast<Collective>(r.collective);
+    std::string s = std::to_string(r.count) + " x " + std::string(dtype_name(static_cast<DType>(r.dtype)));
+    if (collective_reduces(c)) s += " " + std::string(reduce_op_name(static_cast<ReduceOp>(r.op)));
+    return c == Collective::Allreduce ? s : std::string(collective_name(c)) + " of " + s;
 }
 
 std::string at(const std::string &group, uint64_t seq) { return "group " + group + " op " + std::to_string(seq) + ": "; }

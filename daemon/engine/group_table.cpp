@@ -61,6 +61,11 @@ Status GroupTable::check_join(const std::string &name, uint32_t rank, uint32_t s
     return Ok{};
 }
 
+bool GroupTable::awaiting_ranks(const std::string &group) const {
+    auto it = groups_.find(group);
+    return it != groups_.end() && it->second.group_ranks != 0 && it->second.joined() != it->second.local_size;
+}
+
 const std::vector<uint32_t> *GroupTable::group_ranks(const std::string &group, uint32_t *ranks) const {
     auto it = groups_.find(group);
     if (it == groups_.end() || it->second.group_ranks == 0 || it->second.joined() != it->second.local_size) return nullptr;

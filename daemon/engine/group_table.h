@@ -114,6 +114,9 @@ public:
     // The group's ranks of its local ranks (index: local rank) and the group's size, once every
     // local rank joined and said its rank; null otherwise.
     const std::vector<uint32_t> *group_ranks(const std::string &group, uint32_t *ranks) const;
+    // Whether the group's trainers say their ranks and some of its local ranks have not joined
+    // yet: its hosts' agreement waits for them (the rank map needs every one).
+    bool awaiting_ranks(const std::string &group) const;
     bool every_host(const std::string &group) const;
     // The group's op timeout here (the default when there is no such group).
     std::chrono::milliseconds op_timeout(const std::string &group) const;

@@ -88,6 +88,9 @@ bool RingDomain::join_groups() {
         }
         // A local incarnation a rank left never asks: it is over here (take_failure).
         if (run.agreed || run.join_sent || run.refused_code != 0 || sh_.groups->broken(group)) return;
+        // A group whose trainers say their ranks joins once every local rank is here (its ops
+        // cannot start before that either).
+        if (generation_protocol_ >= proto::kCollectivesProtocol && sh_.groups->awaiting_ranks(group)) return;
         run.join_sent = true;
         sent = true;
         send_to_coordinator(group_join(group, run));

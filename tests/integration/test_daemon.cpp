@@ -1248,7 +1248,7 @@ TEST_CASE("a group belongs to its first trainer's uid; per-uid limits on slots a
         // made it has gone (share_slot_of).
         auto join_sharing = [&](const char *group, ringd_client *base) {
             char err[256] = "";
-            ringd_options opts{sizeof(ringd_options), sock.c_str(), group, 0, 1, 4096, nullptr, base, 0};
+            ringd_options opts{sizeof(ringd_options), sock.c_str(), group, 0, 1, 4096, nullptr, base, 0, 0, 0};
             ringd_client *c = ringd_connect_opts(&opts, err, sizeof err);
             e = err;
             return c;
@@ -1282,7 +1282,7 @@ TEST_CASE("a process's clients of several groups share its slot: one of memory.m
     REQUIRE(d.ready());
     char err[256] = "";
     auto connect = [&](const char *group, int rank, ringd_client *share) {
-        ringd_options opts{sizeof(ringd_options), d.socket().c_str(), group, rank, 2, 1 << 20, nullptr, share, 0};
+        ringd_options opts{sizeof(ringd_options), d.socket().c_str(), group, rank, 2, 1 << 20, nullptr, share, 0, 0, 0};
         return ringd_connect_opts(&opts, err, sizeof err);
     };
     // Group a: two ranks, each with its own slot: the host's two.

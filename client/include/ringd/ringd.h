@@ -41,6 +41,13 @@ typedef struct ringd_client ringd_client;
 struct CUstream_st; /* CUstream / cudaStream_t: no CUDA header needed */
 typedef enum { RINGD_F32, RINGD_F64, RINGD_F16, RINGD_BF16, RINGD_I32, RINGD_I64 } ringd_dtype;
 typedef enum { RINGD_SUM, RINGD_AVG, RINGD_MIN, RINGD_MAX } ringd_op;
+/* What an op computes (ringd_submit_coll). Blocks are in the group's rank order (ringd_options.rank):
+ *   RINGD_ALLREDUCE       every rank's buffer becomes the reduction of every rank's buffer
+ *   RINGD_REDUCE_SCATTER  the input has one block per rank; rank r's output (one block) is the
+ *                         reduction of every rank's block r
+ *   RINGD_ALLGATHER       the input is one block; every rank's output has one block per rank, block
+ *                         r being rank r's input */
+typedef enum { RINGD_ALLREDUCE, RINGD_REDUCE_SCATTER, RINGD_ALLGATHER } ringd_collective;
 
 /* Returns NULL on failure with the reason in err (if err_len > 0). */
 RINGD_API ringd_client *ringd_connect(const char *socket_path, const char *group, int local_rank, int local_size,
@@ -66,6 +73,13 @@ typedef struct ringd_options {
        dead or hung host is found by heartbeats within seconds whatever it is: the timeout is for
        ranks that are alive but late (a checkpoint, an evaluation, a compilation). */
     unsigned int op_timeout_ms;
+    /* This trainer's rank in the group and the group's ranks, as the job numbers them (torch's rank
+       in its process group): the order of reduce_scatter's and allgather's blocks, agreed by every
+       host. ranks 0: not said (the group runs allreduce only). Every trainer of the group says them
+       or none does; each rank is one trainer. Needs a ringd of the same release (an older one
+       refuses the hello). */
+    int rank;
+    int ranks;
 } ringd_options;
 RINGD_API ringd_client *ringd_connect_opts(const ringd_options *opts, char *err, size_t err_len);
 /* The slot's data area; *bytes receives its size (if bytes is not NULL). */
@@ -82,6 +96,24 @@ RINGD_API int ringd_allreduce(ringd_client *c, size_t offset, size_t count, ring
 /* Queues an op; *ticket identifies it for ringd_wait. -EAGAIN when too many ops are unwaited
  * (wait for the ticket named in ringd_last_error()). */
 RINGD_API int ringd_submit(ringd_client *c, size_t offset, size_t count, ringd_dtype dtype, ringd_op op, uint64_t *ticket);
+/* Any collective on slot buffers: one description (the struct may grow: struct_size). count is
+ * the elements of the buffer (allreduce, in place at in_offset), of the output block
+ * (reduce_scatter: the input at in_offset has `ranks` such blocks) or of the input block
+ * (allgather: the output at out_offset has `ranks` blocks). The output either lies apart from the
+ * input or is in place: reduce_scatter's output is the rank's own block of its input, allgather's
+ * input is the rank's own block of its output. Every rank of the group submits the same
+ * collective, count, dtype and op for the same op. -ENOTSUP from a ringd without the collective;
+ * -EINVAL for reduce_scatter/allgather on a client that did not say its rank (ringd_options). */
+typedef struct ringd_coll {
+    size_t struct_size; /* sizeof(ringd_coll) */
+    ringd_collective collective;
+    ringd_dtype dtype;
+    ringd_op op; /* not used by allgather */
+    size_t count;
+    size_t in_offset;
+    size_t out_offset; /* not used by allreduce */
+} ringd_coll;
+RINGD_API int ringd_submit_coll(ringd_client *c, const ringd_coll *coll, uint64_t *ticket);
 /* 0 when the op succeeded, -ETIMEDOUT when timeout_ms passed (the ticket may be waited again),
  * -EPROTO when ringd owed the result (see Deadlines), another -errno when it failed. Waiting for a
  * ticket that ringd_allreduce gave up on is fine. */

@@ -70,6 +70,14 @@ public:
     void allreduce(size_t offset, size_t count, ringd_dtype dtype, ringd_op op, int timeout_ms = -1) {
         check(ringd_allreduce(c_, offset, count, dtype, op, timeout_ms));
     }
+    // Any collective (ringd_submit_coll); returns its ticket.
+    uint64_t submit(ringd_collective collective, size_t count, ringd_dtype dtype, ringd_op op, size_t in_offset,
+                    size_t out_offset) {
+        const ringd_coll d{sizeof(ringd_coll), collective, dtype, op, count, in_offset, out_offset};
+        uint64_t t = 0;
+        check(ringd_submit_coll(c_, &d, &t));
+        return t;
+    }
     uint64_t submit(size_t offset, size_t count, ringd_dtype dtype, ringd_op op) {
         uint64_t t = 0;
         check(ringd_submit(c_, offset, count, dtype, op, &t));

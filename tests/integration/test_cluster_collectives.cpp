@@ -1,0 +1,321 @@
+// reduce_scatter and allgather through real daemons: trainers that say their rank in the group
+// (ringd_options.rank, .ranks), ranks numbered unlike the ring's order and uneven per host, every
+// dtype x op, in place and apart, every value and the guard bytes around every range checked here
+// from the inputs (never through ringd); the errors a job meets (no ranks said, a rank said twice,
+// group sizes that differ, hosts whose ops differ), each named.
+#include <catch2/catch.hpp>
+
+#include <cstring>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "ringd/ringd.h"
+#include "tests/support/cluster.h"
+
+using namespace ringd;
+using namespace ringd::test;
+
+namespace {
+
+// One trainer of a ranked group: its client and slot.
+struct Trainer {
+    ClientPtr c{nullptr, ringd_close};
+    std::byte *slot = nullptr;
+    size_t bytes = 0;
+    uint32_t rank = 0;
+};
+
+// The group's trainers: host h runs locals[h] of them, whose ranks are the next ones of `ranks`
+// (the group's rank of each, in host order then local-rank order).
+std::vector<Trainer> join_ranked(TestCluster &c, const std::string &group, const std::vector<uint32_t> &locals,
+                                 const std::vector<uint32_t> &ranks, size_t slot_bytes, std::string *err = nullptr) {
+    std::vector<Trainer> v;
+    size_t next = 0;
+    for (uint32_t h = 0; h < locals.size(); ++h)
+        for (uint32_t l = 0; l < locals[h]; ++l) {
+            ringd_options o{};
+            o.struct_size = sizeof o;
+            o.socket_path = c.d[h]->socket().c_str();
+            o.group = group.c_str();
+            o.local_rank = static_cast<int>(l);
+            o.local_size = static_cast<int>(locals[h]);
+            o.slot_bytes = slot_bytes;
+            o.rank = static_cast<int>(ranks[next]);
+            o.ranks = static_cast<int>(ranks.size());
+            char e[512] = "";
+            Trainer t;
+            t.c = ClientPtr(ringd_connect_opts(&o, e, sizeof e), ringd_close);
+            if (!t.c) {
+                if (err) *err = e;
+                else FAIL("host " << h << " local rank " << l << ": " << e);
+                return {};
+            }
+            t.slot = static_cast<std::byte *>(ringd_slot(t.c.get(), &t.bytes));
+            t.rank = ranks[next++];
+            v.push_back(std::move(t));
+        }
+    return v;
+}
+
+// Where a rank's input and output lie in its slot: apart (each with guard bytes around it), or in
+// place (the output the rank's block of the input, or the input its block of the output).
+struct Placement {
+    size_t in = 0, out = 0;
+    size_t in_count = 0, out_count = 0;
+    size_t span_begin = 0, span_end = 0;  // the bytes the op may write, guards outside them
+};
+
+Placement place(Collective coll, DType t, size_t count, uint32_t ranks, uint32_t rank, bool in_place, uint64_t seed) {
+    const size_t es = dtype_size(t);
+    Placement p;
+    p.in_count = coll == Collective::ReduceScatter ? count * ranks : count;
+    p.out_count = coll == Collective::Allgather ? count * ranks : count;
+    const size_t base = bench::kGuardBytes + ((seed + rank * 7) % 64) * 8;
+    if (!in_place) {
+        p.in = base;
+        p.out = (base + p.in_count * es + 2 * bench::kGuardBytes + 63) / 64 * 64;
+        p.span_begin = p.in;
+        p.span_end = p.out + p.out_count * es;
+    } else if (coll == Collective::ReduceScatter) {
+        p.in = base;
+        p.out = base + size_t{rank} * count * es;
+        p.span_begin = p.in;
+        p.span_end = p.in + p.in_count * es;
+    } else {
+        p.out = base;
+        p.in = base + size_t{rank} * count * es;
+        p.span_begin = p.out;
+        p.span_end = p.out + p.out_count * es;
+    }
+    return p;
+}
+
+struct Verdict {
+    uint64_t wrong = 0, guard = 0, input_changed = 0;
+};
+
+// One reduce_scatter or allgather on every trainer, waited and checked: rank r's input is
+// bench::value(r, i) over the whole input (a reduce_scatter's block b of rank r holds elements
+// b*count.. of it), so rank r's reduce_scatter output is the reduction of element r*count + i over
+// every rank, and an allgather's block b is rank b's input.
+Verdict run_checked(std::vector<Trainer> &tr, Collective coll, DType t, ReduceOp op, size_t count, bool in_place,
+                    uint64_t seed) {
+    const auto ranks = static_cast<uint32_t>(tr.size());
+    const size_t es = dtype_size(t);
+    std::vector<Placement> pl;
+    std::vector<uint64_t> tickets(tr.size());
+    for (auto &x : tr) {
+        const Placement p = place(coll, t, count, ranks, x.rank, in_place, seed);
+        REQUIRE(p.span_end + bench::kGuardBytes <= x.bytes);
+        // Guards everywhere around the ranges (and between them), then the input.
+        bench::guard_fill(x.slot, p.span_begin - bench::kGuardBytes, p.span_end + bench::kGuardBytes, seed);
+        if (coll == Collective::Allgather && in_place) {
+            for (size_t i = 0; i < count; ++i) bench::store(x.slot + p.in, i, t, static_cast<double>(bench::value(x.rank, i)));
+        } else {
+            for (size_t i = 0; i < p.in_count; ++i)
+                bench::store(x.slot + p.in, i, t, static_cast<double>(bench::value(x.rank, i)));
+        }
+        pl.push_back(p);
+    }
+    for (size_t g = 0; g < tr.size(); ++g) {
+        const ringd_coll d{sizeof(ringd_coll), static_cast<ringd_collective>(coll), static_cast<ringd_dtype>(t),
+                           static_cast<ringd_op>(op), count, pl[g].in, pl[g].out};
+        const int rc = ringd_submit_coll(tr[g].c.get(), &d, &tickets[g]);
+        INFO("rank " << tr[g].rank << ": " << ringd_last_error(tr[g].c.get()));
+        REQUIRE(rc == 0);
+    }
+    Verdict v;
+    for (size_t g = 0; g < tr.size(); ++g) {
+        const int rc = ringd_wait(tr[g].c.get(), tickets[g], 20000);
+        INFO("rank " << tr[g].rank << " " << collective_name(coll) << " " << dtype_name(t) << " " << reduce_op_name(op)
+                     << " count " << count << (in_place ? " in place" : "") << ": " << ringd_last_error(tr[g].c.get()));
+        REQUIRE(rc == 0);
+    }
+    const double tol = bench::tolerance(t, op);
+    for (size_t g = 0; g < tr.size(); ++g) {
+        const Trainer &x = tr[g];
+        const Placement &p = pl[g];
+        const std::byte *out = x.slot + p.out;
+        for (size_t i = 0; i < p.out_count; ++i) {
+            double want;
+            if (coll == Collective::ReduceScatter) {
+                want = bench::want(ranks, size_t{x.rank} * count + i, t, op);
+            } else {
+                want = bench::round_to(t, static_cast<double>(bench::value(i / std::max<size_t>(count, 1), i % std::max<size_t>(count, 1))));
+            }
+            const double got = bench::load(out, i, t);
+            if (!(std::fabs(got - want) <= tol * std::fabs(want))) ++v.wrong;
+        }
+        v.guard += bench::guard_damage(x.slot, p.span_begin - bench::kGuardBytes, p.span_begin, seed) +
+                   bench::guard_damage(x.slot, p.span_end, p.span_end + bench::kGuardBytes, seed);
+        if (!in_place) {
+            // Between the ranges: untouched. An allgather's input is left as it was (a
+            // reduce_scatter may leave partial sums in its input: ringd.h).
+            v.guard += bench::guard_damage(x.slot, p.in + p.in_count * es, p.out, seed);
+            if (coll == Collective::Allgather)
+                for (size_t i = 0; i < count; ++i)
+                    if (bench::load(x.slot + p.in, i, t) != bench::round_to(t, static_cast<double>(bench::value(x.rank, i))))
+                        ++v.input_changed;
+        }
+    }
+    return v;
+}
+
+// Every dtype x op of reduce_scatter and every dtype of allgather, at these counts, in place and apart.
+uint64_t sweep(std::vector<Trainer> &tr, const std::vector<size_t> &counts, uint64_t seed = 1) {
+    uint64_t ops = 0;
+    for (uint32_t ti = 0; ti < kDTypeCount; ++ti) {
+        const auto t = static_cast<DType>(ti);
+        for (uint32_t oi = 0; oi <= kReduceOpCount; ++oi) {
+            // oi == kReduceOpCount: the allgather of the dtype.
+            const bool gather = oi == kReduceOpCount;
+            const auto op = gather ? ReduceOp::Sum : static_cast<ReduceOp>(oi);
+            if (op == ReduceOp::Avg && dtype_is_integer(t)) continue;
+            for (size_t count : counts)
+                for (bool in_place : {false, true}) {
+                    const Collective coll = gather ? Collective::Allgather : Collective::ReduceScatter;
+                    INFO(collective_name(coll) << " " << dtype_name(t) << " " << reduce_op_name(op) << " count " << count
+                                               << (in_place ? " in place" : " apart"));
+                    const Verdict v = run_checked(tr, coll, t, op, count, in_place, seed++);
+                    CHECK(v.wrong == 0);
+                    CHECK(v.guard == 0);
+                    CHECK(v.input_changed == 0);
+                    ++ops;
+                }
+        }
+    }
+    return ops;
+}
+
+}  // namespace
+
+TEST_CASE("reduce_scatter, allgather on 3 hosts: ranks 1, 2, 3 per host numbered unlike the ring, every dtype x op, "
+          "in place and apart, every value and guard byte exact",
+          "[cluster][collectives]") {
+    const bool ibverbs = GENERATE(false, true);
+    INFO((ibverbs ? "ibverbs" : "tcp"));
+    TestCluster c(3, "10s", ibverbs ? kIbverbsYaml : "");
+    REQUIRE(c.wait_up());
+    // Host 0 has rank 4; host 1 ranks 0 and 5; host 2 ranks 2, 1 and 3.
+    auto tr = join_ranked(c, "rs-ag", {1, 2, 3}, {4, 0, 5, 2, 1, 3}, 16 << 20);
+    REQUIRE(tr.size() == 6);
+    // 1 element per block; a prime; over several of the ring's chunks per segment (ibverbs: once).
+    const uint64_t ops = sweep(tr, ibverbs ? std::vector<size_t>{37} : std::vector<size_t>{1, 5003});
+    const Verdict big = run_checked(tr, Collective::ReduceScatter, DType::BF16, ReduceOp::Avg, 400003, false, 99);
+    CHECK(big.wrong == 0);
+    CHECK(big.guard == 0);
+    const Verdict big_ag = run_checked(tr, Collective::Allgather, DType::F32, ReduceOp::Sum, 200003, true, 98);
+    CHECK(big_ag.wrong == 0);
+    CHECK(big_ag.guard == 0);
+    // And allreduce still runs in the same group, between them.
+    std::vector<uint64_t> tickets;
+    for (auto &x : tr) {
+        for (size_t i = 0; i < 1000; ++i) bench::store(x.slot, i, DType::F32, static_cast<double>(bench::value(x.rank, i)));
+        uint64_t t = 0;
+        REQUIRE(ringd_submit(x.c.get(), 0, 1000, RINGD_F32, RINGD_SUM, &t) == 0);
+        tickets.push_back(t);
+    }
+    for (size_t g = 0; g < tr.size(); ++g) {
+        REQUIRE(ringd_wait(tr[g].c.get(), tickets[g], 20000) == 0);
+        CHECK(bench::count_wrong(tr[g].slot, 1000, DType::F32, ReduceOp::Sum, 6) == 0);
+    }
+    for (uint32_t h = 0; h < c.n; ++h) {
+        INFO("host " << h);
+        const auto j = c.status(h);
+        CHECK(j["ops"]["failed"] == 0);
+        CHECK(j["ops"]["completed"] == ops + 3);
+        CHECK(j["ring"]["generation"] == 1);
+    }
+}
+
+TEST_CASE("reduce_scatter, allgather on one host: its local ranks, numbered as the trainers say",
+          "[cluster][collectives]") {
+    TestCluster c(1, "10s");
+    auto tr = join_ranked(c, "local", {3}, {2, 0, 1}, 8 << 20);
+    REQUIRE(tr.size() == 3);
+    sweep(tr, {1, 1001});
+}
+
+TEST_CASE("collectives gone wrong: no ranks said, a rank twice, sizes that differ, hosts whose ops differ; each named",
+          "[cluster][collectives]") {
+    TestCluster c(2, "3s");
+    REQUIRE(c.wait_up());
+
+    SECTION("no ranks: a reduce_scatter on a client that did not say its rank is refused") {
+        std::string err;
+        ClientPtr cl = join_opts(c, 0, "plain", 0, 1, "node0", err);
+        REQUIRE(cl);
+        const ringd_coll d{sizeof(ringd_coll), RINGD_REDUCE_SCATTER, RINGD_F32, RINGD_SUM, 4, 0, 64};
+        uint64_t t = 0;
+        CHECK(ringd_submit_coll(cl.get(), &d, &t) == -EINVAL);
+        CHECK_THAT(ringd_last_error(cl.get()), Catch::Contains("ringd_options.rank"));
+    }
+    SECTION("overlap: an output over the input other than as the rank's own block is refused") {
+        auto tr = join_ranked(c, "overlap", {1, 1}, {1, 0}, 1 << 20);
+        REQUIRE(tr.size() == 2);
+        // Rank 1's block is [64, 128) of the input; an output at 32 overlaps it elsewhere.
+        const ringd_coll d{sizeof(ringd_coll), RINGD_REDUCE_SCATTER, RINGD_F32, RINGD_SUM, 16, 0, 32};
+        uint64_t t = 0;
+        REQUIRE(ringd_submit_coll(tr[0].c.get(), &d, &t) == 0);
+        CHECK(ringd_wait(tr[0].c.get(), t, 10000) == -EINVAL);
+        CHECK_THAT(ringd_last_error(tr[0].c.get()), Catch::Contains("overlaps the input") && Catch::Contains("rank 1"));
+    }
+    SECTION("twice: a rank said on two hosts fails the group's ops on both, naming both hosts") {
+        auto tr = join_ranked(c, "twice", {1, 1}, {0, 0}, 1 << 20);
+        REQUIRE(tr.size() == 2);
+        std::vector<uint64_t> tickets(2);
+        for (size_t g = 0; g < 2; ++g) REQUIRE(ringd_submit(tr[g].c.get(), 0, 16, RINGD_F32, RINGD_SUM, &tickets[g]) == 0);
+        for (size_t g = 0; g < 2; ++g) {
+            CHECK(ringd_wait(tr[g].c.get(), tickets[g], 10000) != 0);
+            CHECK_THAT(ringd_last_error(tr[g].c.get()),
+                       Catch::Contains("rank 0 is said by trainers on host node0 and on host node1"));
+        }
+    }
+    SECTION("sizes: group sizes that differ between hosts are refused, naming both") {
+        // (Each host's trainer says a group of its own size: 2 and 3.)
+        std::vector<Trainer> tr;
+        for (uint32_t h = 0; h < 2; ++h) {
+            ringd_options o{};
+            o.struct_size = sizeof o;
+            o.socket_path = c.d[h]->socket().c_str();
+            o.group = "sizes";
+            o.local_rank = 0;
+            o.local_size = 1;
+            o.slot_bytes = 1 << 20;
+            o.rank = static_cast<int>(h);
+            o.ranks = 2 + static_cast<int>(h);
+            char e[256] = "";
+            Trainer t;
+            t.c = ClientPtr(ringd_connect_opts(&o, e, sizeof e), ringd_close);
+            REQUIRE(t.c);
+            tr.push_back(std::move(t));
+        }
+        std::vector<uint64_t> tickets(2);
+        for (size_t g = 0; g < 2; ++g) REQUIRE(ringd_submit(tr[g].c.get(), 0, 16, RINGD_F32, RINGD_SUM, &tickets[g]) == 0);
+        for (size_t g = 0; g < 2; ++g) {
+            CHECK(ringd_wait(tr[g].c.get(), tickets[g], 10000) != 0);
+            CHECK_THAT(ringd_last_error(tr[g].c.get()), Catch::Contains("host node0's trainers say a group of 2 ranks, "
+                                                                        "host node1's of 3"));
+        }
+    }
+    SECTION("mismatch: a reduce_scatter on one host and an allgather on the other, naming both hosts") {
+        auto tr = join_ranked(c, "differ", {1, 1}, {0, 1}, 1 << 20);
+        REQUIRE(tr.size() == 2);
+        std::vector<uint64_t> tickets(2);
+        for (size_t g = 0; g < 2; ++g) {
+            const ringd_coll d{sizeof(ringd_coll), g == 0 ? RINGD_REDUCE_SCATTER : RINGD_ALLGATHER, RINGD_F32, RINGD_SUM,
+                               16, 0, 4096};
+            REQUIRE(ringd_submit_coll(tr[g].c.get(), &d, &tickets[g]) == 0);
+        }
+        for (size_t g = 0; g < 2; ++g) {
+            CHECK(ringd_wait(tr[g].c.get(), tickets[g], 10000) == -EINVAL);
+            CHECK_THAT(ringd_last_error(tr[g].c.get()), Catch::Contains("mismatch: host node0 submitted reduce_scatter of 16 x "
+                                                                        "float sum, host node1 submitted allgather of 16 x float"));
+        }
+        // The group goes on: the next op (the same on both) is exact.
+        const Verdict v = run_checked(tr, Collective::ReduceScatter, DType::F32, ReduceOp::Sum, 100, false, 7);
+        CHECK(v.wrong == 0);
+        CHECK(v.guard == 0);
+    }
+}
