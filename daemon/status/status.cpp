@@ -17,6 +17,8 @@ nlohmann::json Daemon::status_doc(uint32_t viewer) const {
     json j;
     j["schema"] = 1;
     j["version"] = RINGD_VERSION;
+    // What trainers may submit (ringd_submit_coll), so that a client can tell before it relies on one.
+    j["collectives"] = {"allreduce", "reduce_scatter", "allgather"};
     j["host"] = host_;
     j["drained"] = gateway_ && gateway_->drained();
     j["config"] = {{"path", config_path_},

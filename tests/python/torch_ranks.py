@@ -25,6 +25,10 @@ Scenarios:
            alike on every rank
   tensors  expanded (stride-0) and overlapping tensors; reduce_scatter, reduce_scatter_tensor,
            all_gather_into_tensor
+  collectives  reduce_scatter_tensor, reduce_scatter (list), all_gather_into_tensor, all_gather
+           (list) and their coalesced forms through ringd with torch ranks numbered unlike the hosts'
+           order: every dtype x op (and PREMUL_SUM), 1 to 70001 elements a block (several ringd ops),
+           non-contiguous outputs, inputs left as they were; each counted in ringd's status
   spawn    mp.spawn with init_method tcp:// and file:// (one process that spawns two ranks)
   refused  a new_group one rank cannot join: an error on every rank, no rank left waiting; a
            large tensor of another size on some ranks fails every rank at once, and its group then
@@ -708,7 +712,80 @@ def scenario_sharded():
           f"{', '.join(meshes)} and ZeRO within 1e-4", flush=True)
 
 
-SCENARIOS = {"contract": scenario_contract, "sharded": scenario_sharded, "ops": scenario_ops, "slots": scenario_slots, "tensors": scenario_tensors, "spawn": scenario_spawn, "refused": scenario_refused, "async": scenario_async, "ddp": scenario_ddp, "die": scenario_die,
+def scenario_collectives():
+    """reduce_scatter and allgather through ringd, the torch ranks numbered unlike the hosts'
+    order (rank 0 stays where the store is; each host has ranks of both halves), each result
+    checked here from every rank's inputs."""
+    perm = [0] + [WORLD - r for r in range(1, WORLD)]  # this process's torch rank: 0, then reversed
+    me = perm[RANK]
+    os.environ["MASTER_PORT"] = str(int(os.environ.get("MASTER_PORT_BASE", "29500")))
+    dist.init_process_group("ringd", rank=me, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
+    pg = dist.distributed_c10d._get_default_group()
+    check(pg._engine.ranks == WORLD, "the ringd group does not run reduce_scatter and allgather through ringd")
+
+    def mine(n, dtype, salt):
+        return data(me, n, dtype, salt)
+
+    before = ringd_ops_completed()
+    salt, calls = 3000, 0
+    for dtype in DTYPES:
+        for name, op in list(OPS.items()) + [("premul", None)]:
+            if name in ("avg", "premul") and not dtype.is_floating_point:
+                continue
+            for k in (1, 1000, 70001):
+                salt += 1
+                inp = mine(k * WORLD, dtype, salt)
+                keep = inp.clone()
+                want = expected(k * WORLD, dtype, "sum" if name == "premul" else name, salt)[me * k:(me + 1) * k]
+                if name == "premul":
+                    premul = getattr(dist.ReduceOp, "PREMUL_SUM", None)
+                    rop = premul(0.5) if callable(premul) else None  # (torch 2 only)
+                    if rop is None:
+                        continue
+                    want = want * 0.5
+                else:
+                    rop = op
+                if name in ("avg", "premul"):
+                    want = want.to(dtype).to(torch.float64)
+                out = torch.empty(k, dtype=dtype)
+                dist.reduce_scatter_tensor(out, inp, op=rop)
+                check(close_to(out, want, dtype), f"reduce_scatter_tensor {dtype} {name} k={k}: got {out[:4].tolist()}, "
+                                                  f"want {want[:4].tolist()}")
+                check(torch.equal(inp, keep), f"reduce_scatter_tensor {dtype} {name} changed its input")
+                calls += 1
+                if k == 1000 and name != "premul":
+                    # The list form, into a non-contiguous output (a column of a matrix).
+                    ins = list(mine(k * WORLD, dtype, salt).view(WORLD, k).unbind(0))
+                    host = torch.zeros(k, 3, dtype=dtype)
+                    dist.reduce_scatter(host[:, 1], ins, op=op)
+                    check(close_to(host[:, 1], want, dtype), f"reduce_scatter (list) {dtype} {name}")
+                    check(bool((host[:, 0] == 0).all() and (host[:, 2] == 0).all()), "elements around an output changed")
+                    calls += 1
+        for k in (1, 1000, 70001):
+            salt += 1
+            inp = mine(k, dtype, salt)
+            out = torch.empty(k * WORLD, dtype=dtype)
+            dist.all_gather_into_tensor(out, inp)
+            want = torch.cat([data(r, k, dtype, salt) for r in range(WORLD)])
+            check(torch.equal(out, want), f"all_gather_into_tensor {dtype} k={k}")
+            outs = [torch.full((k,), -1, dtype=dtype) for _ in range(WORLD)]
+            dist.all_gather(outs, inp)
+            check(all(torch.equal(o, data(r, k, dtype, salt)) for r, o in enumerate(outs)), f"all_gather (list) {dtype} k={k}")
+            check(torch.equal(inp, mine(k, dtype, salt)), f"all_gather changed its input ({dtype})")
+            calls += 2
+    ran = ringd_ops_completed() - before
+    check(ran >= calls, f"ringd completed {ran} ops for {calls} reduce_scatters and allgathers: some went elsewhere")
+    # Empty tensors: nothing to move, the ranks still meet.
+    dist.all_gather_into_tensor(torch.empty(0), torch.empty(0))
+    dist.reduce_scatter_tensor(torch.empty(0), torch.empty(0))
+    # An allreduce between them, and one after.
+    t = torch.full((10,), float(me))
+    dist.all_reduce(t)
+    check(bool((t == WORLD * (WORLD - 1) / 2).all()), "an allreduce after the collectives")
+    print(f"torch_ranks: rank {RANK}: {calls} reduce_scatters and allgathers through ringd ({ran} ringd ops)", flush=True)
+
+
+SCENARIOS = {"collectives": scenario_collectives, "contract": scenario_contract, "sharded": scenario_sharded, "ops": scenario_ops, "slots": scenario_slots, "tensors": scenario_tensors, "spawn": scenario_spawn, "refused": scenario_refused, "async": scenario_async, "ddp": scenario_ddp, "die": scenario_die,
              "restart": scenario_restart, "groups": scenario_groups, "part": scenario_part}
 
 if __name__ == "__main__":

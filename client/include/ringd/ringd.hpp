@@ -26,9 +26,10 @@ private:
 class Client {
 public:
     // hosts: the group's hosts, comma-separated; "" = every host of the ring. op_timeout_ms: the
-    // group's op timeout (ringd_options.op_timeout_ms; 0: ringd's timeouts.op).
+    // group's op timeout (ringd_options.op_timeout_ms; 0: ringd's timeouts.op). rank of ranks:
+    // this trainer's rank in the group (ringd_options.rank; ranks 0: not said, allreduce only).
     Client(const std::string &socket, const std::string &group, int local_rank, int local_size, size_t slot_bytes,
-           const std::string &hosts = "", unsigned op_timeout_ms = 0) {
+           const std::string &hosts = "", unsigned op_timeout_ms = 0, int rank = 0, int ranks = 0) {
         char err[512] = "";
         ringd_options o{};
         o.struct_size = sizeof o;
@@ -39,6 +40,8 @@ public:
         o.slot_bytes = slot_bytes;
         o.hosts = hosts.c_str();
         o.op_timeout_ms = op_timeout_ms;
+        o.rank = rank;
+        o.ranks = ranks;
         c_ = ringd_connect_opts(&o, err, sizeof err);
         if (!c_) throw ClientError(-ECONNREFUSED, err);
     }

@@ -18,12 +18,14 @@ import errno
 import os
 import threading
 
-__all__ = ["Client", "RingdError", "DTYPES", "OPS", "library_path", "status"]
+__all__ = ["Client", "RingdError", "DTYPES", "OPS", "COLLECTIVES", "library_path", "status"]
 
 # ringd_dtype and ringd_op, in the C enum's order.
 DTYPES = {"float32": 0, "float64": 1, "float16": 2, "bfloat16": 3, "int32": 4, "int64": 5}
 DTYPE_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8}
 OPS = {"sum": 0, "avg": 1, "min": 2, "max": 3}
+# ringd_collective (ringd_submit_coll).
+COLLECTIVES = {"allreduce": 0, "reduce_scatter": 1, "allgather": 2}
 _DTYPE_ALIASES = {"float": "float32", "f32": "float32", "double": "float64", "f64": "float64",
                   "half": "float16", "f16": "float16", "bf16": "bfloat16", "int": "int32",
                   "i32": "int32", "long": "int64", "i64": "int64"}
@@ -88,7 +90,15 @@ class _Options(ctypes.Structure):
     """ringd_options (ringd.h)."""
     _fields_ = [("struct_size", ctypes.c_size_t), ("socket_path", ctypes.c_char_p), ("group", ctypes.c_char_p),
                 ("local_rank", ctypes.c_int), ("local_size", ctypes.c_int), ("slot_bytes", ctypes.c_size_t),
-                ("hosts", ctypes.c_char_p), ("share_slot_of", ctypes.c_void_p), ("op_timeout_ms", ctypes.c_uint)]
+                ("hosts", ctypes.c_char_p), ("share_slot_of", ctypes.c_void_p), ("op_timeout_ms", ctypes.c_uint),
+                ("rank", ctypes.c_int), ("ranks", ctypes.c_int)]
+
+
+class _Coll(ctypes.Structure):
+    """ringd_coll (ringd.h)."""
+    _fields_ = [("struct_size", ctypes.c_size_t), ("collective", ctypes.c_int), ("dtype", ctypes.c_int),
+                ("op", ctypes.c_int), ("count", ctypes.c_size_t), ("in_offset", ctypes.c_size_t),
+                ("out_offset", ctypes.c_size_t)]
 
 
 def _declare(lib):
@@ -104,6 +114,9 @@ def _declare(lib):
                                  ctypes.POINTER(ctypes.c_uint64)]
     lib.ringd_wait.restype = ctypes.c_int
     lib.ringd_wait.argtypes = [c_client, ctypes.c_uint64, ctypes.c_int]
+    if hasattr(lib, "ringd_submit_coll"):  # (a library of an older release has allreduce only)
+        lib.ringd_submit_coll.restype = ctypes.c_int
+        lib.ringd_submit_coll.argtypes = [c_client, ctypes.POINTER(_Coll), ctypes.POINTER(ctypes.c_uint64)]
     lib.ringd_test.restype = ctypes.c_int
     lib.ringd_test.argtypes = [c_client, ctypes.c_uint64]
     lib.ringd_fd.restype = ctypes.c_int
@@ -176,11 +189,13 @@ class Client:
     another Client of this process whose slot this one uses too (the same memory at the same
     address; slot_bytes is not used; ringd counts one slot for all of them). `op_timeout_ms`: the
     group's op timeout (every op ends within it of its first submission on a host; None: ringd's
-    timeouts.op; above timeouts.op_max it is clamped). Not for two threads
+    timeouts.op; above timeouts.op_max it is clamped). `rank` of `ranks`: this trainer's rank in the
+    group as the job numbers them, the order of reduce_scatter's and allgather's blocks (None: not
+    said; the group then runs allreduce only; needs a ringd of this release). Not for two threads
     at once, except that fileno() may be polled by one thread while another calls in (see ringd.h)."""
 
     def __init__(self, group, local_rank=0, local_size=1, slot_bytes=1 << 20, socket=None, hosts=None,
-                 share_slot_of=None, op_timeout_ms=None):
+                 share_slot_of=None, op_timeout_ms=None, rank=None, ranks=None):
         lib = _load()
         socket = socket or os.environ.get("RINGD_SOCKET") or DEFAULT_SOCKET
         if hosts is not None and not isinstance(hosts, str):
@@ -189,7 +204,8 @@ class Client:
         opts = _Options(ctypes.sizeof(_Options), socket.encode(), str(group).encode(), int(local_rank),
                         int(local_size), int(slot_bytes), hosts.encode() if hosts else None,
                         share_slot_of._handle() if share_slot_of is not None else None,
-                        max(0, min(int(op_timeout_ms or 0), 0xFFFFFFFF)))
+                        max(0, min(int(op_timeout_ms or 0), 0xFFFFFFFF)),
+                        int(rank or 0) if ranks else 0, int(ranks or 0))
         handle = lib.ringd_connect_opts(ctypes.byref(opts), err, len(err))
         if not handle:
             raise RingdError(-errno.ECONNREFUSED, err.value.decode(errors="replace"))
@@ -199,6 +215,11 @@ class Client:
         self.slot_address = lib.ringd_slot(self._c, ctypes.byref(size))
         self.slot_bytes = size.value
         self.slot = memoryview((ctypes.c_char * self.slot_bytes).from_address(self.slot_address)).cast("B")
+
+    @staticmethod
+    def has_collectives():
+        """Whether this libringd-client has ringd_submit_coll (reduce_scatter, allgather)."""
+        return hasattr(_load(), "ringd_submit_coll")
 
     def _check(self, rc):
         if rc != 0:
@@ -220,6 +241,17 @@ class Client:
         t = ctypes.c_uint64(0)
         self._check(self._lib.ringd_submit(self._handle(), int(offset), int(count), DTYPES[dtype_name(dtype)],
                                            OPS[op_name(op)], ctypes.byref(t)))
+        return t.value
+
+    def submit_coll(self, collective, count, dtype, op, in_offset, out_offset=0):
+        """Queues any collective (ringd_submit_coll) on slot bytes: `count` elements of the buffer
+        (allreduce, in place at in_offset), of the output block (reduce_scatter: the input has a
+        block per rank) or of the input block (allgather: the output has a block per rank);
+        returns its ticket."""
+        d = _Coll(ctypes.sizeof(_Coll), COLLECTIVES[collective], DTYPES[dtype_name(dtype)], OPS[op_name(op)], int(count),
+                  int(in_offset), int(out_offset))
+        t = ctypes.c_uint64(0)
+        self._check(self._lib.ringd_submit_coll(self._handle(), ctypes.byref(d), ctypes.byref(t)))
         return t.value
 
     def wait(self, ticket, timeout_ms=-1):

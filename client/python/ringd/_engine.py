@@ -24,8 +24,11 @@ class _Engine(DeviceOps):
     and copies results back; futures are completed (and their callbacks run) on a fourth thread,
     so a callback may submit again."""
 
-    def __init__(self, group, local_rank, local_size, slot_bytes, socket, timeout, hosts=None, max_chunk=None):
-        self.client, self.ps = _connect(group, local_rank, local_size, slot_bytes, socket, hosts, timeout)
+    def __init__(self, group, local_rank, local_size, slot_bytes, socket, timeout, hosts=None, max_chunk=None,
+                 rank=None, ranks=None):
+        self.client, self.ps = _connect(group, local_rank, local_size, slot_bytes, socket, hosts, timeout, rank, ranks)
+        # This rank in the group (None: its ringd runs allreduce only; see collective()).
+        self.rank, self.ranks = (rank, ranks) if ranks else (None, None)
         self.socket = socket
         self.group = group
         self.timeout = timeout
@@ -77,6 +80,28 @@ class _Engine(DeviceOps):
         rec = _Op(tensor, flat, not contiguous, opf, [given], op, dtype)
         if flat.numel() == 0:
             opf.set_result([given])
+            return opf.future
+        self._queue(rec)
+        return opf.future
+
+    def collective(self, name, src, out, op, result):
+        """reduce_scatter (`src` has a block per rank, `out` one) or allgather (`src` one block,
+        `out` a block per rank) through ringd, blocks in the group's rank order; `src` is read
+        only. Returns a torch Future of `result`. Each ringd op carries the same part of every
+        block: the group's ranks cut the op alike (from the block's size, the ranks and the
+        group's max_chunk)."""
+        dtype = _DTYPES[out.dtype]
+        given = out.detach()
+        contiguous = given.is_contiguous()
+        flat = given.view(-1) if contiguous else given.contiguous().view(-1)
+        opf = _compat.OpFuture()
+        rec = _Op(given, flat, not contiguous, opf, result, op, dtype)
+        rec.collective = name
+        rec.src = src.detach().reshape(-1)
+        rec.blocks = self.ranks
+        rec.block = flat.numel() if name == "reduce_scatter" else rec.src.numel()
+        if rec.block == 0:
+            opf.set_result(result)
             return opf.future
         self._queue(rec)
         return opf.future
@@ -166,6 +191,8 @@ class _Engine(DeviceOps):
                 self.room.notify_all()
 
     def _submit(self, rec):
+        if rec.collective is not None:
+            return self._submit_blocks(rec)
         esize, total = rec.flat.element_size(), rec.flat.numel()
         start = 0
         try:
@@ -193,7 +220,8 @@ class _Engine(DeviceOps):
                         rec.several = rec.several or n < total
                         rec.submitted_all = start + n >= total
                         self.inflight_bytes += nbytes
-                        self.inflight[ticket] = (rec, part if rec.resident is None else None, view, rng, nbytes)
+                        copy_out = (lambda p=part, v=view: p.copy_(v)) if rec.resident is None else None
+                        self.inflight[ticket] = (rec, copy_out, view, rng, nbytes)
                         self.room.notify_all()  # the completion thread waits for work when nothing is in flight
                 except BaseException:
                     if rng is not None:
@@ -202,22 +230,70 @@ class _Engine(DeviceOps):
                     raise
                 start += n
         except BaseException as e:
-            with self.lock:
-                self.room.notify_all()
-                rec.submitted_all = True
-                rec.error = rec.error or str(e)
-                if not self.dead:
-                    # This rank skipped the op (or part of it), which the others submitted: its
-                    # next ops would pair with their earlier ones. The group is unusable.
-                    self.dead = (f"ringd: an op of group {self.group} could not be {'wholly ' if start else ''}"
-                                 f"submitted ({e}); this process group cannot be used any more: restart the job")
-                done = rec.chunks_left == 0 and not rec.reported
-                if done:
-                    rec.reported = True
-                    if rec.resident is not None:
-                        rec.resident.busy = False
+            self._submit_failed(rec, start, e)
+
+    def _submit_failed(self, rec, start, e):
+        """`rec` could not be wholly submitted: it fails, and so does the group (its ranks' ops no
+        longer pair)."""
+        with self.lock:
+            self.room.notify_all()
+            rec.submitted_all = True
+            rec.error = rec.error or str(e)
+            if not self.dead:
+                # This rank skipped the op (or part of it), which the others submitted: its
+                # next ops would pair with their earlier ones. The group is unusable.
+                self.dead = (f"ringd: an op of group {self.group} could not be {'wholly ' if start else ''}"
+                             f"submitted ({e}); this process group cannot be used any more: restart the job")
+            done = rec.chunks_left == 0 and not rec.reported
             if done:
-                self._finish(rec)
+                rec.reported = True
+                if rec.resident is not None:
+                    rec.resident.busy = False
+        if done:
+            self._finish(rec)
+
+    def _submit_blocks(self, rec):
+        """A reduce_scatter's or allgather's ringd ops: each the same part [a, a + m) of every
+        block, laid out in the slot as blocks of m (the rank's own block in place: the output of a
+        reduce_scatter, the input of an allgather), so that one range holds the op."""
+        esize, n, k, r = rec.flat.element_size(), rec.blocks, rec.block, self.rank
+        src_blocks = rec.src.view(n, k) if rec.collective == "reduce_scatter" else None
+        out_blocks = rec.flat.view(n, k) if rec.collective == "allgather" else None
+        start = 0
+        try:
+            for m in _chunks(k, esize * n, self.max_chunk):
+                nbytes = n * m * esize
+                with self.lock:
+                    self._wait_locked(lambda: not self.inflight_bytes or self.inflight_bytes + nbytes <= self.window,
+                                      f"ringd: the ops in flight did not end within {self.timeout}")
+                    rng = self._alloc_locked(nbytes)
+                try:
+                    view = self.slot[rng[0]:rng[0] + nbytes].view(rec.flat.dtype).view(n, m)
+                    mine = rng[0] + r * m * esize
+                    with torch.no_grad():
+                        if rec.collective == "reduce_scatter":
+                            view.copy_(src_blocks[:, start:start + m])
+                            in_off, out_off = rng[0], mine
+                            copy_out = (lambda p=rec.flat[start:start + m], v=view[r]: p.copy_(v))
+                        else:
+                            view[r].copy_(rec.src[start:start + m])
+                            in_off, out_off = mine, rng[0]
+                            copy_out = (lambda p=out_blocks[:, start:start + m], v=view: p.copy_(v))
+                    with self.lock:
+                        ticket = self._submit_coll_locked(rec.collective, m, rec.dtype, rec.op, in_off, out_off)
+                        rec.chunks_left += 1
+                        rec.several = rec.several or m < k
+                        rec.submitted_all = start + m >= k
+                        self.inflight_bytes += nbytes
+                        self.inflight[ticket] = (rec, copy_out, view, rng, nbytes)
+                        self.room.notify_all()
+                except BaseException:
+                    with self.lock:
+                        self.space.release(*rng)
+                    raise
+                start += m
+        except BaseException as e:
+            self._submit_failed(rec, start, e)
 
     def _alloc_locked(self, nbytes):
         """A slot range, waiting for earlier ops to give theirs back (within the timeout)."""
@@ -228,12 +304,17 @@ class _Engine(DeviceOps):
         return got[-1]
 
     def _submit_locked(self, offset, count, dtype, op):
+        return self._submit_coll_locked("allreduce", count, dtype, op, offset, 0)
+
+    def _submit_coll_locked(self, collective, count, dtype, op, in_offset, out_offset):
         end = datetime.datetime.now() + self.timeout
         while True:
             if self.dead:
                 raise RuntimeError(self.dead)
             try:
-                return self.client.submit(offset, count, dtype, op)
+                if collective == "allreduce":
+                    return self.client.submit(in_offset, count, dtype, op)
+                return self.client.submit_coll(collective, count, dtype, op, in_offset, out_offset)
             except _ringd.RingdError as e:
                 if e.code != -errno.EAGAIN:  # EAGAIN: too many ops in flight; wait for one to finish
                     raise RuntimeError(f"ringd: {e}") from None
@@ -277,11 +358,11 @@ class _Engine(DeviceOps):
                         done.append((self.inflight.pop(ticket), err))
                 if not done:
                     break
-                for (rec, part, view, rng, nbytes), err in done:
+                for (rec, copy_out, view, rng, nbytes), err in done:
                     try:
-                        if err is None and part is not None:
+                        if err is None and copy_out is not None:
                             with torch.no_grad():
-                                part.copy_(view)
+                                copy_out()
                     except BaseException as e:  # never lose an op: its future fails instead
                         err = f"copying the result out of the slot: {e}"
                     if err is not None and rec.error is None:

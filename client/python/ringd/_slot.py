@@ -140,6 +140,11 @@ class _Op:
         self.stream = None  # a device op whose result is copied back on this stream
         self.deferred = False  # its caller still queues work after it: finishing waits for release_finish
         self.finish_due = False  # it ended while deferred
+        # reduce_scatter / allgather (None: allreduce): `flat` is then the output, `src` the
+        # input (flat, contiguous), `blocks` x `block` elements the larger of them.
+        self.collective = None
+        self.src = None
+        self.blocks = self.block = 0
 
 
 class _Resident:
@@ -189,15 +194,17 @@ def _timeout_ms(timeout):
     return max(1, min(int(timeout.total_seconds() * 1000), 0xFFFFFFFF))
 
 
-def _connect(group, local_rank, local_size, slot_bytes, socket, hosts, timeout=None):
+def _connect(group, local_rank, local_size, slot_bytes, socket, hosts, timeout=None, rank=None, ranks=None):
     """A client of `group` on this process's slot of that ringd (made by the first group); its
-    ops bounded by the process group's `timeout`."""
+    ops bounded by the process group's `timeout`; `rank` of `ranks`: its rank in the group (None:
+    not said, allreduce only)."""
     with _process_slots_lock:
         ps = _process_slots.get(socket)
         if ps is not None:
             try:
                 client = _ringd.Client(group, local_rank, local_size, slot_bytes, socket, hosts=hosts,
-                                       share_slot_of=ps.clients[0], op_timeout_ms=_timeout_ms(timeout))
+                                       share_slot_of=ps.clients[0], op_timeout_ms=_timeout_ms(timeout), rank=rank,
+                                       ranks=ranks)
                 if client.slot_address != ps.clients[0].slot_address or client.slot_bytes != ps.bytes:
                     # A client library that does not know share_slot_of gave it a slot of its own.
                     client.close()
@@ -209,7 +216,7 @@ def _connect(group, local_rank, local_size, slot_bytes, socket, hosts, timeout=N
                     raise
                 # A ringd that does not share slots (older), or whose sharing refused: a slot of its own.
         client = _ringd.Client(group, local_rank, local_size, slot_bytes, socket, hosts=hosts,
-                               op_timeout_ms=_timeout_ms(timeout))
+                               op_timeout_ms=_timeout_ms(timeout), rank=rank, ranks=ranks)
         ps = _ProcessSlot(client)
         if socket not in _process_slots:
             _process_slots[socket] = ps

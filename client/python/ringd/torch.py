@@ -5,11 +5,16 @@
     model = DistributedDataParallel(model)  # gradients are allreduced by the host's ringd
     model.register_comm_hook(None, ringd.torch.allreduce_hook)   # optional: fewer copies
 
-allreduce of float32/float64/float16/bfloat16/int32/int64 tensors with SUM, AVG, MIN and MAX goes
-through ringd: the tensor is copied into this process's shared-memory slot, reduced there with
-every rank's (the local ranks on the host, then across hosts), and copied back. Everything else
-(broadcast, allgather, barrier, reduce_scatter, other dtypes and ops) goes through a Gloo group
-built from the same store, which gives the same result. Every process group (the default one and
+allreduce, reduce_scatter (reduce_scatter_tensor and the list form) and allgather
+(all_gather_into_tensor and the list form), and their coalesced forms, of
+float32/float64/float16/bfloat16/int32/int64 tensors with SUM, AVG, MIN, MAX and PREMUL_SUM go
+through ringd: the tensor is copied into this process's shared-memory slot, reduced or gathered
+there with every rank's (the local ranks on the host, then across hosts), and copied back;
+reduce_scatter's and allgather's blocks are in the process group's rank order, whatever the
+hosts' order. (reduce_scatter and allgather of CUDA tensors, and with a ringd of an older release
+anywhere in the group, take the earlier paths: an allreduce, or Gloo.) Everything else (broadcast,
+barrier, all_to_all, other dtypes and ops) goes through a Gloo group built from the same store,
+which gives the same result. Every process group (the default one and
 each new_group) is a ringd group over the hosts of its ranks (all of the ring's, or part of them),
 its ranks on a host ordered by LOCAL_RANK (torchrun sets it; default 0).
 RINGD_SOCKET (default /run/ringd/ringd.sock) and RINGD_SLOT_BYTES (default 256 MiB, at most
@@ -131,15 +136,19 @@ class ProcessGroupRingd(ProcessGroup):
         # rank (by the smallest slot of the group), whatever RINGD_SLOT_BYTES or memory.slot_bytes
         # each has, or the ranks' ops would not pair.
         me = (st.get("host", ""), _env_int("LOCAL_RANK", 0))
-        store.set(f"ringd/member/{rank}", f"{me[0]}:{me[1]}:{slot_bytes}")
-        members, smallest_slot = [], slot_bytes
+        # And whether its ringd runs reduce_scatter and allgather: the group runs them through
+        # ringd only if every rank's does (the ranks must all take the same path).
+        mine = int("reduce_scatter" in st.get("collectives", ()) and _ringd.Client.has_collectives())
+        store.set(f"ringd/member/{rank}", f"{me[0]}:{me[1]}:{slot_bytes}:{mine}")
+        members, smallest_slot, collectives = [], slot_bytes, True
         for r in range(size):
             entry = store.get(f"ringd/member/{r}").decode()
             if entry.startswith("!"):
                 raise RuntimeError(f"ringd: rank {r} of this process group could not reach its ringd: {entry[1:]}")
-            host, local, slot = entry.rsplit(":", 2)
+            host, local, slot, theirs = entry.rsplit(":", 3)
             members.append((host, int(local), r))
             smallest_slot = min(smallest_slot, int(slot))
+            collectives = collectives and theirs == "1"
         on_my_host = sorted(m for m in members if m[0] == me[0])
         local_rank = [m[2] for m in on_my_host].index(rank)
         local_size = len(on_my_host)
@@ -162,7 +171,8 @@ class ProcessGroupRingd(ProcessGroup):
             # part of it: those hosts, a group of ringd's over part of the ring.
             self._engine = _Engine(group, local_rank, local_size, slot_bytes, socket, timeout,
                                    hosts=None if set(hosts) == set(ring_hosts) else ",".join(hosts),
-                                   max_chunk=_chunk_bytes(smallest_slot))
+                                   max_chunk=_chunk_bytes(smallest_slot),
+                                   rank=rank if collectives else None, ranks=size if collectives else None)
         except _ringd.RingdError as e:
             why = f"ringd: {e}"
         # Every rank learns whether every other one joined: a group refused on one rank fails on
@@ -309,9 +319,28 @@ class ProcessGroupRingd(ProcessGroup):
             return out.future
         return fut
 
+    def _through_ringd(self, *tensors):
+        """Whether a reduce_scatter or allgather of these tensors goes through ringd: CPU tensors
+        of a ringd dtype, in a group whose every rank's ringd runs them."""
+        if self._engine is None or self._engine.ranks is None:
+            return False
+        for t in tensors:
+            if t.device.type not in ("cpu", "cuda"):
+                raise RuntimeError(f"ringd: {t.device.type} tensors are not supported (CPU and CUDA tensors are)")
+            if t.is_cuda or t.is_sparse or t.dtype not in _DTYPES:
+                return False
+        return True
+
+    def _ringd_collective(self, name, src, out, op, result):
+        """reduce_scatter or allgather through ringd (the engine's threads); a Work of `result`."""
+        if name == "reduce_scatter" and _op_name(op) == "avg" and not out.dtype.is_floating_point:
+            raise RuntimeError(f"ringd: AVG of {out.dtype} is not defined (an integer mean); use SUM")
+        return self._track(_compat.work(self._ringd_collective_untracked(name, src, out, op, result), result))
+
     def _all_gather_single(self, output, input, opts=None):
-        """all_gather_into_tensor: Gloo's allgather into the output's n parts (torch 1.13's Gloo
-        has no _allgather_base). Defined under this torch's name (_compat.ALL_GATHER_SINGLE)."""
+        """all_gather_into_tensor: through ringd (blocks in rank order), else Gloo's allgather into
+        the output's n parts (torch 1.13's Gloo has no _allgather_base). Defined under this torch's
+        name (_compat.ALL_GATHER_SINGLE)."""
         n = self.size()
         if input.numel() == 0 and output.numel() == 0:
             return self._track(self._gloo.barrier())  # nothing to gather; the ranks still meet, as for any collective
@@ -319,8 +348,36 @@ class ProcessGroupRingd(ProcessGroup):
             raise RuntimeError(f"ringd: all_gather_into_tensor needs a contiguous output of {n} x the input's "
                                f"{input.numel()} {input.dtype} elements, not {output.numel()} {output.dtype} "
                                f"({'contiguous' if output.is_contiguous() else 'not contiguous'})")
+        if self._through_ringd(output, input):
+            return self._ringd_collective("allgather", input, output, None, [output])
         parts = list(output.view(-1).view(n, -1).unbind(0))
         return self._track(self._gloo.allgather([[p.view(input.shape) for p in parts]], [input]))
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        """allgather's list form: through ringd into one buffer of n blocks, then into each output
+        (where ringd can take the tensors), else through Gloo."""
+        n = self.size()
+        if (len(input_tensors) == 1 and len(output_tensors) == 1 and len(output_tensors[0]) == n and
+                all(o.numel() == input_tensors[0].numel() and o.dtype == input_tensors[0].dtype
+                    for o in output_tensors[0]) and self._through_ringd(input_tensors[0], *output_tensors[0])):
+            inp, outs = input_tensors[0], output_tensors[0]
+            if inp.numel() == 0:
+                return self._track(self._gloo.barrier())
+            flat = torch.empty(n * inp.numel(), dtype=inp.dtype)
+            work = self._ringd_collective_untracked("allgather", inp, flat, None, output_tensors)
+
+            def done(f):
+                f.value()  # raises ringd's error
+                with torch.no_grad():
+                    for o, part in zip(outs, flat.view(n, -1).unbind(0)):
+                        o.copy_(part.view(o.shape))
+                return output_tensors
+            return self._track(_compat.work(work.then(done), output_tensors))
+        return self._track(self._gloo.allgather(output_tensors, input_tensors, opts or dist.AllgatherOptions()))
+
+    def _ringd_collective_untracked(self, name, src, out, op, result):
+        """The Future of a reduce_scatter or allgather through ringd, not kept for coalescing."""
+        return self._engine.collective(name, src, out, _op_name(op) if name == "reduce_scatter" else "sum", result)
 
     def _all_gather_single_coalesced(self, outputs, inputs, opts=None):
         return self._coalesce(lambda: [self._all_gather_single(o, i) for o, i in zip(outputs, inputs)], outputs)
@@ -339,7 +396,11 @@ class ProcessGroupRingd(ProcessGroup):
         if any(t.numel() != out.numel() or t.dtype != out.dtype for t in ins):
             raise RuntimeError(f"ringd: reduce_scatter's inputs must each have the output's {out.numel()} "
                                f"{out.dtype} elements")
-        return self._reduce_into(out, torch.cat([t.detach().reshape(-1) for t in ins]), opts, output_tensors)
+        flat = torch.cat([t.detach().reshape(-1) for t in ins])  # the group's own copy: PREMUL_SUM scales it
+        if self._through_ringd(out, *ins):
+            op = _premultiply(flat, opts.reduceOp) if opts is not None else dist.ReduceOp.SUM
+            return self._ringd_collective("reduce_scatter", flat, out, op, output_tensors)
+        return self._reduce_into(out, flat, opts, output_tensors)
 
     def _reduce_scatter_single(self, output, input, opts=None):
         """reduce_scatter_tensor: as reduce_scatter, from one input of n x the output's elements.
@@ -347,6 +408,13 @@ class ProcessGroupRingd(ProcessGroup):
         if input.numel() != output.numel() * self.size() or input.dtype != output.dtype:
             raise RuntimeError(f"ringd: reduce_scatter_tensor needs an input of {self.size()} x the output's "
                                f"{output.numel()} {output.dtype} elements, not {input.numel()} {input.dtype}")
+        if self._through_ringd(output, input):
+            op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+            src = input
+            if _premul_factor(op) is not None:
+                src = input.detach().reshape(-1).clone()  # scaled here, never the caller's input
+                op = _premultiply(src, op)
+            return self._ringd_collective("reduce_scatter", src, output, op, [output])
         return self._reduce_into(output, input.detach().reshape(-1).clone(), opts, [output])
 
     def _reduce_into(self, out, flat, opts, result):
@@ -372,7 +440,7 @@ class ProcessGroupRingd(ProcessGroup):
 
 # The rest through the internal Gloo group (identical results), each under the names this torch has
 # (of a renamed pair only the one its Python API calls: alltoall_base before all_to_all_single).
-_VIA_GLOO = ("broadcast", "allgather", "allgather_coalesced", "gather", "scatter", "reduce", "alltoall",
+_VIA_GLOO = ("broadcast", "allgather_coalesced", "gather", "scatter", "reduce", "alltoall",
              "all_to_all_single", "alltoall_base", "barrier", "monitored_barrier", "send", "recv", "recv_anysource")
 
 
