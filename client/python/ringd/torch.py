@@ -364,15 +364,16 @@ class ProcessGroupRingd(ProcessGroup):
             if inp.numel() == 0:
                 return self._track(self._gloo.barrier())
             flat = torch.empty(n * inp.numel(), dtype=inp.dtype)
-            work = self._ringd_collective_untracked("allgather", inp, flat, None, output_tensors)
+            fut = self._ringd_collective_untracked("allgather", inp, flat, None, [flat])
 
             def done(f):
                 f.value()  # raises ringd's error
                 with torch.no_grad():
                     for o, part in zip(outs, flat.view(n, -1).unbind(0)):
                         o.copy_(part.view(o.shape))
-                return output_tensors
-            return self._track(_compat.work(work.then(done), output_tensors))
+                return list(outs)
+            # (The Work's result is the outputs, flat: torch 1.13's Work takes a list of tensors.)
+            return self._track(_compat.work(fut.then(done), list(outs)))
         return self._track(self._gloo.allgather(output_tensors, input_tensors, opts or dist.AllgatherOptions()))
 
     def _ringd_collective_untracked(self, name, src, out, op, result):
