@@ -122,6 +122,18 @@ inline uint64_t count_wrong(const void *buf, size_t count, DType t, ReduceOp op,
     return wrong;
 }
 
+// count_wrong for elements [first, first + count) of the allreduce, at buf (a reduce_scatter's block).
+inline uint64_t count_wrong_at(const void *buf, size_t count, DType t, ReduceOp op, uint64_t nranks, size_t first) {
+    uint64_t wrong = 0;
+    const double tol = tolerance(t, op);
+    for (size_t i = 0; i < count; ++i) {
+        const double w = want(nranks, first + i, t, op);
+        const double got = load(buf, i, t);
+        if (!(std::fabs(got - w) <= tol * std::fabs(w))) ++wrong;
+    }
+    return wrong;
+}
+
 // avg of values near the largest finite value of a dtype, where any sum of two contributions is
 // out of its range: element i of rank g of n is v_i + (2g - (n-1)) * ulp, with v_i = 2^E (1 + m_i
 // 2^-P) a value of the dtype (f16 32768..65504, bf16 and f32 1.7e38..3.4e38, f64 9e307..1.8e308)

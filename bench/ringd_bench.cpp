@@ -1,5 +1,10 @@
-// ringd-bench: a trainer that measures allreduce through ringd, nccl-tests style.
-// Every local rank runs it; local rank 0 prints the table. Timing covers only the timed loop;
+// ringd-bench: a trainer that measures a collective through ringd (--coll: allreduce,
+// reduce_scatter, allgather), nccl-tests style: size is the larger buffer (reduce_scatter's
+// input, allgather's output), algbw = size / time, busbw = algbw x 2(n-1)/n (allreduce) or
+// (n-1)/n (the others), n counting ranks. Since ringd reduces a host's ranks before the network,
+// what bounds it is each host's NIC: hostbw is the bytes each host sends per second (allreduce
+// 2(H-1)/H x size, the others (H-1)/H x size, H hosts), and with --link-mbit, xfloor is the
+// time over that link's floor for them. Every local rank runs it; local rank 0 prints the table. Timing covers only the timed loop;
 // the correctness check runs afterwards on freshly filled data and is not timed.
 //
 // Every rank checks its own result (every value, and guard bytes before and after the op's
@@ -39,6 +44,8 @@ struct Options {
     int iters = 20, warmup = 5, check = 1;
     int timeout_ms = -1;
     bool latency = false;
+    std::string coll = "allreduce";
+    double link_mbit = 0;  // each host's link rate, for xfloor (0: not printed)
 };
 
 int fail(const Options &o, const std::string &msg) {
@@ -65,6 +72,9 @@ int main(int argc, char **argv) {
     app.add_option("-w,--warmup_iters", o.warmup, "untimed iterations first")->capture_default_str()->check(CLI::Range(0, 1 << 20));
     app.add_option("-c,--check", o.check, "check results (0|1)")->capture_default_str()->check(CLI::Range(0, 1));
     app.add_option("--timeout-ms", o.timeout_ms, "per-op deadline (default: ringd's op timeout + 10 s)");
+    app.add_option("--coll", o.coll, "allreduce reduce_scatter allgather")->capture_default_str();
+    app.add_option("--link-mbit", o.link_mbit, "each host's link rate (Mbit/s): print each size's time over its floor")
+        ->check(CLI::PositiveNumber);
     app.add_flag("--latency", o.latency, "also print each size's op latency percentiles (p50 p90 p99 max, us)");
     CLI11_PARSE(app, argc, argv);
 
@@ -73,6 +83,8 @@ int main(int argc, char **argv) {
     const auto min_b = parse_size(o.min_bytes), max_b = parse_size(o.max_bytes);
     if (!dtype) return fail(o, "unknown dtype " + o.dtype);
     if (!op) return fail(o, "unknown op " + o.op);
+    const auto coll = parse_collective(o.coll);
+    if (!coll) return fail(o, "unknown collective " + o.coll + " (allreduce, reduce_scatter, allgather)");
     if (!min_b || !max_b || *min_b > *max_b) return fail(o, "bad size range " + o.min_bytes + ".." + o.max_bytes);
     const size_t esize = dtype_size(*dtype);
 
@@ -119,8 +131,11 @@ int main(int argc, char **argv) {
                              "size %zu): set memory.slot_bytes to at least %zu for full guards\n",
                      room, static_cast<unsigned long long>(slot_limit), largest, largest + 2 * bench::kGuardBytes);
     char err[512] = "";
+    // reduce_scatter and allgather: the group's ranks in ring order, local ranks in order.
+    const bool blocks = *coll != Collective::Allreduce;
     ringd_client *c = bench::connect_group(o.socket, o.group, o.local_rank, o.local_size, slot_bytes, o.group_hosts, err,
-                                           sizeof err);
+                                           sizeof err, blocks ? static_cast<int>(global_rank) : 0,
+                                           blocks ? static_cast<int>(nranks) : 0);
     if (!c) return fail(o, err);
     size_t have = 0;
     void *buf = ringd_slot(c, &have);
@@ -130,18 +145,34 @@ int main(int argc, char **argv) {
     }
     const auto cdt = static_cast<ringd_dtype>(*dtype);
     const auto cop = static_cast<ringd_op>(*op);
-    auto run = [&](size_t count) { return ringd_allreduce(c, op_offset, count, cdt, cop, o.timeout_ms); };
+    // `count`: the larger buffer's elements (a whole number of blocks for reduce_scatter and
+    // allgather). In place: a reduce_scatter's output is this rank's block of the input, an
+    // allgather's input its block of the output, so the op's range is the guarded one.
+    auto run = [&](size_t count) {
+        if (!blocks) return ringd_allreduce(c, op_offset, count, cdt, cop, o.timeout_ms);
+        const size_t block = count / nranks;
+        const size_t mine = op_offset + global_rank * block * esize;
+        const ringd_coll d{sizeof(ringd_coll), static_cast<ringd_collective>(*coll), cdt, cop, block,
+                           *coll == Collective::ReduceScatter ? op_offset : mine,
+                           *coll == Collective::ReduceScatter ? mine : op_offset};
+        uint64_t t = 0;
+        if (int rc = ringd_submit_coll(c, &d, &t); rc != 0) return rc;
+        return ringd_wait(c, t, o.timeout_ms);
+    };
 
     const bool printer = o.local_rank == 0;
     if (printer) {
-        std::printf("# ringd-bench: %llu host(s) x %d local rank(s) = %llu ranks, group %s, %s %s, %d iters (+%d warm-up)\n",
-                    static_cast<unsigned long long>(hosts), o.local_size, static_cast<unsigned long long>(nranks),
+        std::printf("# ringd-bench: %s, %llu host(s) x %d local rank(s) = %llu ranks, group %s, %s %s, %d iters (+%d "
+                    "warm-up)\n",
+                    o.coll.c_str(), static_cast<unsigned long long>(hosts), o.local_size, static_cast<unsigned long long>(nranks),
                     o.group.c_str(), std::string(dtype_name(*dtype)).c_str(), std::string(reduce_op_name(*op)).c_str(),
                     o.iters, o.warmup);
+        std::printf("# hostbw: bytes each host's NIC sends per second; xfloor: time over that at --link-mbit%s\n",
+                    o.link_mbit > 0 ? "" : " (not given: N/A)");
         std::printf("# #wrong: rank %llu's own wrong values; every rank checks its own result and prints its verdict\n",
                     static_cast<unsigned long long>(global_rank));
-        std::printf("#\n# %12s %12s %8s %6s %11s %12s %12s %8s\n", "size(B)", "count", "type", "redop", "time(us)",
-                    "algbw(GB/s)", "busbw(GB/s)", "#wrong");
+        std::printf("#\n# %12s %12s %8s %6s %11s %12s %12s %8s %13s %7s\n", "size(B)", "count", "type", "redop", "time(us)",
+                    "algbw(GB/s)", "busbw(GB/s)", "#wrong", "hostbw(GB/s)", "xfloor");
         std::fflush(stdout);
     }
     // Read around each timed loop by rank 0 of the group (the counter covers every host).
@@ -152,7 +183,9 @@ int main(int argc, char **argv) {
     uint64_t wrong_total = 0, guard_total = 0;
     int rc = 0;
     for (uint64_t size = *min_b; size <= *max_b; size *= static_cast<uint64_t>(o.factor)) {
-        const size_t count = size / esize;
+        size_t count = size / esize;
+        if (blocks) count = count / nranks * nranks;  // whole blocks
+        if (count == 0) continue;
         // Guards salted per rank and size: bytes copied from another rank's slot or an earlier size do not match.
         const bench::GuardedRange range{op_offset, count, have, *dtype, bench::mix64(global_rank * 0x10001 + size)};
         range.prepare(buf, global_rank);
@@ -185,21 +218,51 @@ int main(int argc, char **argv) {
         if (o.check) {
             range.prepare(buf, global_rank);
             if ((rc = run(count)) != 0) break;
-            const auto v = range.check(buf, *op, nranks);
-            wrong = v.wrong;
-            guard_total += v.guard;
+            if (!blocks) {
+                const auto v = range.check(buf, *op, nranks);
+                wrong = v.wrong;
+                guard_total += v.guard;
+            } else {
+                // Here, from every rank's inputs: rank g filled element i of the range with
+                // value(g, i) (prepare); a reduce_scatter's block r is then the reduction of
+                // element r*block + i, and an allgather's block b is rank b's own block of its
+                // range, value(b, b*block + i).
+                const size_t block = count / nranks;
+                const auto *base = static_cast<const unsigned char *>(buf);
+                if (*coll == Collective::ReduceScatter) {
+                    wrong = bench::count_wrong_at(base + op_offset + global_rank * block * esize, block, *dtype, *op,
+                                                  nranks, global_rank * block);
+                } else {
+                    for (uint64_t b = 0; b < nranks; ++b)
+                        for (size_t i = 0; i < block; ++i)
+                            if (bench::load(base + op_offset + b * block * esize, i, *dtype) !=
+                                bench::round_to(*dtype, static_cast<double>(bench::value(b, b * block + i))))
+                                ++wrong;
+                }
+                guard_total += bench::guard_damage(buf, range.guard_begin(), op_offset, range.salt) +
+                               bench::guard_damage(buf, op_offset + range.bytes(), range.guard_end(), range.salt);
+            }
         }
         wrong_total += wrong;
         const double algbw = static_cast<double>(count * esize) / (us * 1e3);
-        const double busbw = algbw * 2.0 * static_cast<double>(nranks - 1) / static_cast<double>(nranks);
+        const double share = (blocks ? 1.0 : 2.0) * static_cast<double>(nranks - 1) / static_cast<double>(nranks);
+        const double busbw = algbw * share;
+        // Each host's NIC: the ring over hosts moves (H-1)/H of the buffer per pass.
+        const double host_bytes = (blocks ? 1.0 : 2.0) * static_cast<double>(hosts - 1) / static_cast<double>(hosts) *
+                                  static_cast<double>(count * esize);
+        const double hostbw = host_bytes / (us * 1e3);
+        char floor_s[32] = "N/A";
+        if (o.link_mbit > 0 && hosts > 1)
+            std::snprintf(floor_s, sizeof floor_s, "%.3f", us * 1e-6 / (host_bytes * 8 / (o.link_mbit * 1e6)));
         busbw_sum += busbw;
         ++rows;
         if (printer) {
             char wrong_s[32];
             std::snprintf(wrong_s, sizeof wrong_s, "%llu", static_cast<unsigned long long>(wrong));
-            std::printf("  %12llu %12zu %8s %6s %11.2f %12.3f %12.3f %8s\n", static_cast<unsigned long long>(count * esize),
-                        count, std::string(dtype_name(*dtype)).c_str(), std::string(reduce_op_name(*op)).c_str(), us, algbw,
-                        busbw, o.check ? wrong_s : "N/A");
+            std::printf("  %12llu %12zu %8s %6s %11.2f %12.3f %12.3f %8s %13.3f %7s\n",
+                        static_cast<unsigned long long>(count * esize), count, std::string(dtype_name(*dtype)).c_str(),
+                        std::string(reduce_op_name(*op)).c_str(), us, algbw, busbw, o.check ? wrong_s : "N/A", hostbw,
+                        floor_s);
             std::fflush(stdout);
             bench::ClusterCpu::print(count * esize, o.iters, cpu0, cpu1);
         }
