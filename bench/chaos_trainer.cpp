@@ -2,8 +2,9 @@
 //
 // One process is one attempt of one rank (as under torchrun): connect (retrying until a deadline
 // while this host's ringd is down), then run steps until an op fails or the stop file appears.
-// A step is a few ops of mixed size (direct and ring paths), dtype and op, drawn from (seed,
-// step) so that every rank of the job submits the same sequence; they are submitted together
+// A step is a few ops of mixed size (direct and ring paths), collective (allreduce,
+// reduce_scatter, allgather: the trainer says its rank, host-major), dtype and op, drawn from
+// (seed, step) so that every rank of the job submits the same sequence; they are submitted together
 // (in flight at once, like gradient buckets) and waited for. After the first error the trainer
 // submits nothing more, waits for what is in flight and exits 1; the driver then restarts every
 // rank of the job with the same group name.
@@ -12,7 +13,8 @@
 // bytes around every op's range; nothing of the check goes through ringd. Every op becomes one
 // line on stdout for the driver to aggregate (times are CLOCK_MONOTONIC seconds, the clock the
 // driver reads too):
-//   op step=S idx=I bytes=B count=C dtype=D op=O submit=T end=T rc=RC wrong=W guard=G msg=TEXT
+//   op step=S idx=I bytes=B count=C dtype=D op=O coll=K submit=T end=T rc=RC wrong=W guard=G msg=TEXT
+// (reduce_scatter and allgather run in place over count x ranks elements: bytes is that range's.)
 //   step n=S start=T end=T          (every op of step S succeeded and was exact)
 //   connected t=T tries=N | connect_failed t=T tries=N msg=TEXT | exit t=T code=C reason=TEXT
 #include <algorithm>
@@ -59,10 +61,11 @@ double now_s() {
 // The ops a step draws from: small ones take the direct (one-/two-shot) path, large ones (above
 // tuning.direct_max_bytes, 256 KiB) the ring. Counts are odd or off a power of two on purpose.
 struct OpSpec {
-    size_t count;
+    size_t count;  // allreduce: the buffer's elements; reduce_scatter, allgather: one rank's block
     DType dtype;
     ReduceOp op;
     bool large;
+    Collective coll = Collective::Allreduce;
 };
 const std::array kSpecs{
     OpSpec{63, DType::F32, ReduceOp::Sum, false},
@@ -80,6 +83,14 @@ const std::array kSpecs{
     // 32 MiB and more: over TCP the ring sends the slot by reference and ends with the delivery
     // marker (daemon/engine/ring_engine.h); the next step's inputs overwrite the slot at once.
     OpSpec{8388623, DType::F32, ReduceOp::Sum, true},
+    // reduce_scatter and allgather (the ring whatever their size), blocks of a rank: at 16 ranks
+    // (8 hosts x 2) every range together stays inside the 64 MiB slot bench/chaos gives.
+    OpSpec{4099, DType::F32, ReduceOp::Sum, false, Collective::ReduceScatter},
+    OpSpec{777, DType::BF16, ReduceOp::Avg, false, Collective::ReduceScatter},
+    OpSpec{3001, DType::I32, ReduceOp::Max, false, Collective::Allgather},
+    OpSpec{49157, DType::F32, ReduceOp::Avg, true, Collective::ReduceScatter},
+    OpSpec{65537, DType::F16, ReduceOp::Sum, true, Collective::Allgather},
+    OpSpec{65539, DType::F64, ReduceOp::Min, true, Collective::ReduceScatter},
 };
 
 // Per spec: its range in the slot, its precomputed input for this rank and the exact result.
@@ -103,9 +114,10 @@ void print_op(int step, size_t idx, const Prepared &p, const InFlight &f, double
               uint64_t guard, const std::string &msg) {
     std::string m = msg;
     std::replace(m.begin(), m.end(), '\n', ' ');
-    std::printf("op step=%d idx=%zu bytes=%zu count=%zu dtype=%s op=%s submit=%.6f end=%.6f rc=%d wrong=%llu guard=%llu msg=%s\n",
-                step, idx, p.spec.count * dtype_size(p.spec.dtype), p.spec.count,
-                std::string(dtype_name(p.spec.dtype)).c_str(), std::string(reduce_op_name(p.spec.op)).c_str(), f.submit,
+    std::printf("op step=%d idx=%zu bytes=%zu count=%zu dtype=%s op=%s coll=%s submit=%.6f end=%.6f rc=%d wrong=%llu "
+                "guard=%llu msg=%s\n",
+                step, idx, f.range.bytes(), p.spec.count, std::string(dtype_name(p.spec.dtype)).c_str(),
+                std::string(reduce_op_name(p.spec.op)).c_str(), std::string(collective_name(p.spec.coll)).c_str(), f.submit,
                 end, rc, static_cast<unsigned long long>(wrong), static_cast<unsigned long long>(guard), m.c_str());
 }
 
@@ -154,11 +166,19 @@ int main(int argc, char **argv) {
         Prepared p;
         p.spec = s;
         p.offset = pos;
-        const size_t bytes = s.count * dtype_size(s.dtype);
+        // reduce_scatter and allgather, in place: a range of a block per rank, filled with
+        // value(rank, i) over the whole range; a reduce_scatter's result (this rank's block) is
+        // the reduction of those elements over every rank, an allgather's block b is rank b's
+        // own block, value(b, b x count + i).
+        const size_t elems = s.coll == Collective::Allreduce ? s.count : s.count * nranks;
+        const size_t bytes = elems * dtype_size(s.dtype);
         p.input.resize(bytes);
-        bench::fill(p.input.data(), s.count, s.dtype, grank);
-        p.want.resize(s.count);
-        for (size_t i = 0; i < s.count; ++i) p.want[i] = bench::want(nranks, i, s.dtype, s.op);
+        bench::fill(p.input.data(), elems, s.dtype, grank);
+        p.want.resize(elems);
+        for (size_t i = 0; i < elems; ++i)
+            p.want[i] = s.coll == Collective::Allgather
+                            ? bench::round_to(s.dtype, static_cast<double>(bench::value(i / s.count, i)))
+                            : bench::want(nranks, i, s.dtype, s.op);
         p.tol = bench::tolerance(s.dtype, s.op);
         prep.push_back(std::move(p));
         pos = (pos + bytes + 2 * bench::kGuardBytes + 63) / 64 * 64;
@@ -172,7 +192,8 @@ int main(int argc, char **argv) {
     int tries = 0;
     for (;;) {
         ++tries;
-        c = bench::connect_group(o.socket, o.group, o.local_rank, o.local_size, slot_bytes, o.group_hosts, err, sizeof err);
+        c = bench::connect_group(o.socket, o.group, o.local_rank, o.local_size, slot_bytes, o.group_hosts, err, sizeof err,
+                                 static_cast<int>(grank), static_cast<int>(nranks));
         if (c) break;
         if (now_s() - t_start > o.connect_deadline_s || exists(o.stop_file)) {
             std::printf("connect_failed t=%.6f tries=%d msg=%s\n", now_s(), tries, err);
@@ -213,14 +234,18 @@ int main(int argc, char **argv) {
             InFlight f;
             f.spec = pick[k];
             // Guards salted per rank, spec and step: stale bytes of another rank or step do not match.
-            f.range = bench::GuardedRange{p.offset, p.spec.count, have, p.spec.dtype,
+            f.range = bench::GuardedRange{p.offset, p.input.size() / dtype_size(p.spec.dtype), have, p.spec.dtype,
                                           bench::mix64(grank * 0x10001 + pick[k] * 0x101 + static_cast<uint64_t>(step) * 0x1000193)};
             bench::guard_fill(base, f.range.guard_begin(), p.offset, f.range.salt);
             bench::guard_fill(base, p.offset + f.range.bytes(), f.range.guard_end(), f.range.salt);
             std::memcpy(base + p.offset, p.input.data(), p.input.size());
             f.submit = now_s();
-            const int rc = ringd_submit(c, p.offset, p.spec.count, static_cast<ringd_dtype>(p.spec.dtype),
-                                        static_cast<ringd_op>(p.spec.op), &f.ticket);
+            const size_t mine = p.offset + grank * p.spec.count * dtype_size(p.spec.dtype);
+            const ringd_coll d{sizeof(ringd_coll), static_cast<ringd_collective>(p.spec.coll),
+                               static_cast<ringd_dtype>(p.spec.dtype), static_cast<ringd_op>(p.spec.op), p.spec.count,
+                               p.spec.coll == Collective::Allgather ? mine : p.offset,
+                               p.spec.coll == Collective::ReduceScatter ? mine : p.offset};
+            const int rc = ringd_submit_coll(c, &d, &f.ticket);
             if (rc != 0) {
                 const std::string msg = std::string("submit: ") + ringd_last_error(c);
                 print_op(step, k, p, f, now_s(), rc, 0, 0, msg);
@@ -251,7 +276,10 @@ int main(int argc, char **argv) {
             const uint64_t guard = bench::guard_damage(base, f.range.guard_begin(), p.offset, f.range.salt) +
                                    bench::guard_damage(base, p.offset + f.range.bytes(), f.range.guard_end(), f.range.salt);
             if (rc == 0) {
-                for (size_t i = 0; i < p.spec.count; ++i) {
+                // reduce_scatter: this rank's block only (the others may hold partial sums).
+                const size_t first = p.spec.coll == Collective::ReduceScatter ? grank * p.spec.count : 0;
+                const size_t last = p.spec.coll == Collective::ReduceScatter ? first + p.spec.count : p.want.size();
+                for (size_t i = first; i < last; ++i) {
                     const double got = bench::load(base + p.offset, i, p.spec.dtype);
                     if (!(std::fabs(got - p.want[i]) <= p.tol * std::fabs(p.want[i]))) ++wrong;
                 }
