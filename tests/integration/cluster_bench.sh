@@ -74,7 +74,7 @@ for pair in $pairs; do
           -b 8 -e 2M -f 4 -d "${pair%:*}" -o "${pair#*:}" -n 3 -w 1 2>&1) || rc=$?
     echo "$out"
     [ $rc = 0 ] || fail "$pair: bench/cluster exited with $rc"
-    grep -q "^# ringd-bench: 3 host(s) x 2 local rank(s) = 6 ranks" <<<"$out" || fail "$pair: no ringd-bench header"
+    grep -q "^# ringd-bench: allreduce, 3 host(s) x 2 local rank(s) = 6 ranks" <<<"$out" || fail "$pair: no ringd-bench header"
     check_verdicts "$out" 6 "$pair"
     algos=$(grep -c "ops by algorithm: ring [1-9][0-9]*, one-shot [1-9][0-9]*, two-shot [1-9][0-9]*, doubling 0, halving-doubling 0$" <<<"$out" || true)
     [ "$algos" = 3 ] || fail "$pair: $algos of 3 hosts ran ring, one-shot and two-shot ops"

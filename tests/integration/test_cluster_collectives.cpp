@@ -319,3 +319,55 @@ TEST_CASE("collectives gone wrong: no ranks said, a rank twice, sizes that diffe
         CHECK(v.guard == 0);
     }
 }
+
+TEST_CASE("a host SIGKILLed while a large allgather moves data: the others fail within a second naming it; the "
+          "restarted job runs exact collectives",
+          "[cluster][collectives][faults]") {
+    // Heartbeats at 1 s (three missed: 3 s) and a 30 s op timeout: only the EOF can be this fast.
+    TestCluster c(3, ClusterOptions{"30s", "1s", "", "160MiB"});
+    REQUIRE(c.wait_up());
+    constexpr size_t kBlock = size_t{10} << 20;  // floats: an output of 120 MiB per rank
+    constexpr size_t kSlot = 3 * kBlock * 4 + (64 << 10);
+    auto ranked = [&] {
+        Clients cl;
+        for (uint32_t h = 0; h < 3; ++h)  // torch-like ranks against the ring: node0 has rank 2
+            cl.push_back(std::make_unique<Client>(c.d[h]->socket(), "kill-ag", 0, 1, kSlot, "", 0, (h + 2) % 3, 3));
+        return cl;
+    };
+    Clients cl = ranked();
+    // Each rank's input is its block of the output (in place), all ones; the others' blocks zero,
+    // so that the gather's writes show.
+    for (auto &x : cl) std::memset(x->slot().data(), 0, 3 * kBlock * 4);
+    for (uint32_t h = 0; h < 3; ++h)
+        std::fill_n(reinterpret_cast<float *>(cl[h]->slot().data()) + ((h + 2) % 3) * kBlock, kBlock, 1.0f);
+    SlotWatch w(*cl[0], 0, 3 * kBlock);
+    std::vector<uint64_t> t;
+    for (uint32_t h = 0; h < 3; ++h)
+        t.push_back(cl[h]->submit(RINGD_ALLGATHER, kBlock, RINGD_F32, RINGD_SUM, ((h + 2) % 3) * kBlock * 4, 0));
+    const double moved = wait_data_moving(w);
+    INFO("fraction of rank 0's samples written when the fault comes: " << moved);
+    REQUIRE(moved > 0);
+    REQUIRE(moved < 0.5);
+    const auto fault = Clock::now();
+    ::kill(c.d[2]->pid(), SIGKILL);
+    for (uint32_t h : {0u, 1u}) {
+        const int rc = ringd_wait(cl[h]->get(), t[h], 15000);
+        const double after = seconds_since(fault);
+        const std::string why = ringd_last_error(cl[h]->get());
+        INFO("node" << h << ": " << why << " after " << after << " s");
+        CHECK(rc == -ECONNABORTED);
+        CHECK_THAT(why, Catch::Contains("host node2: connection closed"));
+        CHECK(after < 1.0);
+    }
+    c.d[2]->start();
+    REQUIRE(c.d[2]->ready());
+    REQUIRE(c.wait_up({2, 2, 1}));
+    cl.clear();
+    auto tr = join_ranked(c, "kill-ag", {1, 1, 1}, {2, 0, 1}, 16 << 20);
+    REQUIRE(tr.size() == 3);
+    for (Collective coll : {Collective::ReduceScatter, Collective::Allgather}) {
+        const Verdict v = run_checked(tr, coll, DType::F32, ReduceOp::Sum, 300007, false, 11);
+        CHECK(v.wrong == 0);
+        CHECK(v.guard == 0);
+    }
+}
