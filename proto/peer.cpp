@@ -561,6 +561,17 @@ Result<OpData> decode_op_data(std::span<const uint8_t> p) {
     const auto dtype = static_cast<DType>(r->dtype);
     const bool result = k == OpDataKind::TwoShotResult || k == OpDataKind::Gather || k == OpDataKind::FoldOut;
     const uint64_t es = result ? dtype_size(dtype) : dtype_size(partial_dtype(dtype, static_cast<ReduceOp>(r->op)));
+    if (r->collective != static_cast<uint32_t>(Collective::Allreduce)) {
+        // reduce_scatter, allgather (protocol 10): one-shot only, whole blocks of count elements
+        // (reduce_scatter: partial results; allgather: the dtype); the receiver checks how many
+        // against the group's rank map.
+        if (k != OpDataKind::OneShot) return bad("op data of kind " + std::to_string(kind) + " for a reduce_scatter or allgather");
+        const uint64_t block = r->count * (r->collective == static_cast<uint32_t>(Collective::Allgather) ? dtype_size(dtype) : es);
+        if (r->count > (uint64_t{1} << 40) || (block == 0 ? have != 0 : have % block != 0 || have / block > kMaxGroupRanks))
+            return bad("op data has " + std::to_string(have) + " data bytes, not whole blocks of " + std::to_string(r->count) +
+                       " elements");
+        return OpData{std::move(*r), k, step, p.subspan(kOpDataHeaderBytes)};
+    }
     const uint64_t whole = r->count * es;
     const bool exact = k == OpDataKind::OneShot || k == OpDataKind::Doubling || k == OpDataKind::FoldIn || k == OpDataKind::FoldOut;
     if (r->count > (uint64_t{1} << 40) || have > whole || (exact && have != whole))

@@ -230,6 +230,11 @@ struct OpFail {
 // the data holds (every rank of the hosts folded into it so far: avg divides by their sum), and
 // their reports go to the coordinator only when needed (kReportDeferred). Doubling, Halving and FoldIn data are partial
 // results; Gather and FoldOut data are in the dtype.
+//
+// Protocol 10: a reduce_scatter's or allgather's OpData (the report's collective set; count = one
+// rank's block) is OneShot, whole blocks: a reduce_scatter's to host j the blocks of j's ranks, in
+// j's local-rank order, partial results; an allgather's the sender's ranks' blocks, in its
+// local-rank order, in the dtype. The receiver checks how many against the group's rank map.
 enum class OpDataKind : uint32_t {
     OneShot = 1,
     TwoShotPart = 2,

@@ -102,6 +102,8 @@ struct OpDesc {
     // Elements of the input and of the output range of one rank.
     uint64_t in_count() const { return collective == Collective::ReduceScatter ? count * ranks : count; }
     uint64_t out_count() const { return collective == Collective::Allgather ? count * ranks : count; }
+    // The larger of the two: the buffer with a block per rank (allreduce: its buffer).
+    uint64_t full_count() const { return collective == Collective::Allreduce ? count : count * ranks; }
 };
 
 // "1000 x float sum" (allreduce, as every release wrote it), "reduce_scatter of 1000 x float sum

@@ -20,12 +20,22 @@
 // in a rolling upgrade chooses alike on its old and new hosts.
 // tuning.algorithm forces one (within those limits: over the cap or below protocol 8 the model
 // chooses among the others).
+//
+// reduce_scatter and allgather (S = the buffer with a block per rank: the reduce_scatter's input,
+// the allgather's output) have two: the ring's n-1 steps, or one-shot, where every host sends each
+// other host in one message what it needs of it (reduce_scatter: the blocks of that host's ranks,
+// its own ranks reduced; allgather: its own ranks' blocks), the same bytes in one hop:
+//   one-shot          a + (n-1)(m + S/(nB))
+//   ring              (n+1) a + (n-1)/n S/B                 n-1 ring steps plus the report and start
+// Doubling's log2 n steps would only add hops to one-shot's one at the same bytes. A forced
+// algorithm other than one-shot or the ring leaves them to the model.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 
 #include "daemon/config.h"
+#include "proto/types.h"
 
 namespace ringd {
 
@@ -72,10 +82,28 @@ inline AlgorithmCost algorithm_cost(uint64_t bytes, uint32_t hosts, const Config
     return c;
 }
 
-// `protocol`: the oldest peer protocol among the ring domain's hosts.
+// reduce_scatter's and allgather's (see above): `bytes` is S.
+inline AlgorithmCost collective_cost(uint64_t bytes, uint32_t hosts, const Config::Tuning &t) {
+    const double n = hosts, a = t.hop_latency_us, m = t.message_us;
+    const double sb = static_cast<double>(bytes) * 8.0 / static_cast<double>(t.link_mbit);
+    AlgorithmCost c;
+    c.one_shot_us = a + (n - 1) * (m + sb / n);
+    c.ring_us = (n + 1) * a + (n - 1) / n * sb;
+    c.two_shot_us = c.doubling_us = c.halving_doubling_us = HUGE_VAL;  // not theirs
+    return c;
+}
+
+// `protocol`: the oldest peer protocol among the ring domain's hosts. `bytes`: allreduce's buffer,
+// reduce_scatter's input, allgather's output.
 inline Algorithm choose_algorithm(uint64_t bytes, uint32_t hosts, const Config::Tuning &t,
-                                  uint16_t protocol = kLogAlgorithmsProtocol) {
+                                  uint16_t protocol = kLogAlgorithmsProtocol, Collective collective = Collective::Allreduce) {
     if (hosts < 2 || bytes > t.direct_max_bytes) return Algorithm::Ring;
+    if (collective != Collective::Allreduce) {
+        const auto forced = static_cast<Algorithm>(t.algorithm);
+        if (t.algorithm != Config::Tuning::kAuto && (forced == Algorithm::OneShot || forced == Algorithm::Ring)) return forced;
+        const AlgorithmCost c = collective_cost(bytes, hosts, t);
+        return c.one_shot_us <= c.ring_us ? Algorithm::OneShot : Algorithm::Ring;
+    }
     const bool log_ok = protocol >= kLogAlgorithmsProtocol;
     if (t.algorithm != Config::Tuning::kAuto) {
         const auto forced = static_cast<Algorithm>(t.algorithm);

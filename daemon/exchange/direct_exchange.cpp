@@ -58,15 +58,29 @@ uint32_t DirectExchange::sender_of(proto::OpDataKind kind, uint32_t step) const 
     return host_of(sched_.v ^ dist);
 }
 
-std::string DirectExchange::send_over_bound(const proto::OpReport &r, DType dtype, ReduceOp op, Algorithm algorithm) const {
-    const uint64_t ps = dtype_size(partial_dtype(dtype, op));
+uint64_t DirectExchange::collective_part_bytes(const OpDesc &d, std::span<const std::vector<uint32_t>> host_ranks,
+                                               uint32_t from, uint32_t to) {
+    // reduce_scatter: the blocks of the receiver's ranks, partial results; allgather: the
+    // sender's ranks' blocks, in the dtype.
+    const bool rs = d.collective == Collective::ReduceScatter;
+    const uint32_t h = rs ? to : from;
+    const uint64_t blocks = h < host_ranks.size() ? host_ranks[h].size() : 0;
+    return blocks * d.count * dtype_size(rs ? partial_dtype(d.dtype, d.op) : d.dtype);
+}
+
+std::string DirectExchange::send_over_bound(const proto::OpReport &r, const OpDesc &desc, Algorithm algorithm,
+                                            std::span<const std::vector<uint32_t>> host_ranks) const {
+    const uint64_t ps = dtype_size(partial_dtype(desc.dtype, desc.op));
     for (uint32_t h = 0; h < n_; ++h) {
         if (h == self_) continue;
         // One-shot, doubling and halving-doubling send a peer up to the whole op (doubling to each
-        // partner, halving half of it at first), two-shot segment h.
-        const uint64_t elems = algorithm == Algorithm::TwoShot ? seg_begin(r.count, n_, h + 1) - seg_begin(r.count, n_, h) : r.count;
+        // partner, halving half of it at first), two-shot segment h; reduce_scatter and allgather
+        // their message to h.
+        const uint64_t bytes = desc.collective != Collective::Allreduce ? collective_part_bytes(desc, host_ranks, self_, h)
+                               : algorithm == Algorithm::TwoShot ? (seg_begin(r.count, n_, h + 1) - seg_begin(r.count, n_, h)) * ps
+                                                                 : r.count * ps;
         const uint64_t queued = queued_(h);
-        if (queued + elems * ps > kMaxSendBacklog)
+        if (queued + bytes > kMaxSendBacklog)
             return "group " + r.group + " op " + std::to_string(r.seq) + ": host " + hosts_[self_] + "'s queue to host " +
                    hosts_[h] + " holds " + std::to_string(queued >> 20) + " MiB, over its bound of " +
                    std::to_string(kMaxSendBacklog >> 20) + " MiB (host " + hosts_[h] +
@@ -95,9 +109,36 @@ void DirectExchange::local_reduce_into(const HostOp &op, void *dst, uint64_t beg
 
 // One-shot: this host's contribution goes to every other host. Two-shot: segment j of it goes
 // to host j.
-void DirectExchange::contribute(const HostOp &op, const proto::OpReport &r) {
+void DirectExchange::contribute(const HostOp &op, const proto::OpReport &r, std::span<const std::vector<uint32_t>> host_ranks) {
     const size_t ps = dtype_size(partial_dtype(op.run.desc.dtype, op.run.desc.op));  // contributions are partial results
     const uint64_t count = op.run.desc.count;
+    if (op.run.desc.collective != Collective::Allreduce) {
+        // One-shot reduce_scatter: to host h the blocks of h's ranks, this host's ranks reduced;
+        // allgather: this host's ranks' blocks to every host. Its own part stays in the slots.
+        const size_t es = dtype_size(op.run.desc.dtype);
+        const bool rs = op.run.desc.collective == Collective::ReduceScatter;
+        ops_[Key{r.generation, r.group, r.incarnation, r.seq}].host_ranks.assign(host_ranks.begin(), host_ranks.end());
+        proto::Bytes own;
+        if (!rs) {
+            own = proto::encode_op_data(r, proto::OpDataKind::OneShot, op.slots.size() * count * es);
+            for (size_t j = 0; j < op.slots.size(); ++j)
+                if (count) std::memcpy(own.data() + proto::op_data_offset() + j * count * es, op.slots[j]->data() + op.run.offsets[j], count * es);
+        }
+        for (uint32_t h = 0; h < n_; ++h) {
+            if (h == self_) continue;
+            if (!rs) {
+                send_(h, own);
+                continue;
+            }
+            const auto &ranks = host_ranks[h];
+            proto::Bytes part = proto::encode_op_data(r, proto::OpDataKind::OneShot, ranks.size() * count * ps);
+            for (size_t j = 0; j < ranks.size(); ++j)
+                local_reduce_into(op, part.data() + proto::op_data_offset() + j * count * ps, uint64_t{ranks[j]} * count, count);
+            send_(h, part);
+        }
+        add(self_, r, {}, 0);
+        return;
+    }
     if (deferred_reports(op.algorithm)) {
         // Doubling, halving-doubling: this host's partial result, sent step by step (progress).
         State &st = ops_[Key{r.generation, r.group, r.incarnation, r.seq}];
@@ -190,6 +231,7 @@ bool DirectExchange::progress(uint64_t generation, const OpKey &key, const HostO
     if (it == ops_.end()) return false;
     State &st = it->second;
     if (deferred_reports(op.algorithm)) return st.contributed && progress_log(st, op);
+    if (op.run.desc.collective != Collective::Allreduce) return progress_collective(st, op);
     const size_t es = dtype_size(op.run.desc.dtype);
     const bool two_shot = op.algorithm == Algorithm::TwoShot;
     if (!st.reduced) {
@@ -233,6 +275,74 @@ bool DirectExchange::progress(uint64_t generation, const OpKey &key, const HostO
         }
     }
     return !two_shot || st.results == n_;
+}
+
+bool DirectExchange::progress_collective(State &st, const HostOp &op) {
+    if (st.reduced) return true;
+    const OpDesc &d = op.run.desc;
+    const bool rs = d.collective == Collective::ReduceScatter;
+    const uint32_t self = self_;
+    if (st.parts.size() != n_ || st.host_ranks.size() != n_ || !st.parts[self]) return false;
+    uint32_t total = 0;
+    for (uint32_t h = 0; h < n_; ++h) {
+        const auto &c = st.parts[h];
+        if (!c) return false;
+        if (c->report.count != d.count || c->report.dtype != static_cast<uint32_t>(d.dtype) ||
+            c->report.op != static_cast<uint32_t>(d.op) || c->report.algorithm != static_cast<uint32_t>(op.algorithm) ||
+            c->report.collective != static_cast<uint32_t>(d.collective)) {
+            st.mismatch = true;
+            return false;
+        }
+        if (h != self && c->buf.size() - c->offset != collective_part_bytes(d, st.host_ranks, h, self)) {
+            spdlog::warn("host {}: group {} op {}: its {} message has {} bytes, not {}", hosts_[h], c->report.group,
+                         c->report.seq, rs ? "reduce_scatter" : "allgather", c->buf.size() - c->offset,
+                         collective_part_bytes(d, st.host_ranks, h, self));
+            st.mismatch = true;
+            return false;
+        }
+        total += c->report.local_size;
+    }
+    const auto &mine = st.host_ranks[self];
+    if (mine.size() != op.slots.size()) {  // (the rank map is this host's own: checked when it formed)
+        st.mismatch = true;
+        return false;
+    }
+    const size_t es = dtype_size(d.dtype), ps = dtype_size(partial_dtype(d.dtype, d.op));
+    const uint64_t count = d.count, block = count * es;
+    if (rs) {
+        // Each local rank's block: this host's ranks' inputs of it, then the other hosts' parts
+        // of it in ring order, into that rank's output.
+        for (size_t j = 0; j < mine.size() && count; ++j) {
+            srcs_.clear();
+            partials_.clear();
+            for (size_t i = 0; i < op.slots.size(); ++i)
+                srcs_.push_back(op.slots[i]->data() + op.run.offsets[i] + uint64_t{mine[j]} * block);
+            for (uint32_t h = 0; h < n_; ++h)
+                if (h != self) partials_.push_back(st.parts[h]->buf.data() + st.parts[h]->offset + j * count * ps);
+            void *dst = op.slots[j]->data() + op.run.out_offsets[j];
+            ReduceArgs a{d.dtype, d.op, srcs_.data(), srcs_.size(), &dst, 1, count, total};
+            a.partials = partials_.data();
+            a.npartial = partials_.size();
+            a.avg_shift = avg_shift(n_);
+            reduce(a);
+        }
+    } else {
+        // Every host's blocks into every local rank's output, at their ranks' places.
+        for (uint32_t h = 0; h < n_ && count; ++h) {
+            const auto &ranks = st.host_ranks[h];
+            for (size_t j = 0; j < ranks.size(); ++j) {
+                const std::byte *src = h == self ? op.slots[j]->data() + op.run.offsets[j]
+                                                 : reinterpret_cast<const std::byte *>(st.parts[h]->buf.data() + st.parts[h]->offset) + j * block;
+                for (size_t i = 0; i < op.slots.size(); ++i) {
+                    std::byte *dst = op.slots[i]->data() + op.run.out_offsets[i] + uint64_t{ranks[j]} * block;
+                    if (dst != src) std::memcpy(dst, src, block);  // (a rank's own block, in place)
+                }
+            }
+        }
+    }
+    st.reduced = true;
+    for (uint32_t h = 0; h < n_; ++h) release(op.run.group, h, *st.parts[h]);  // used up
+    return true;
 }
 
 // A partner's step of a doubling or halving-doubling op: kept once, from the one host that sends

@@ -7,6 +7,12 @@
 // that is not a power of two folded in first; partners combine in the same order (the lower
 // host's first), so every host gets the same bits too.
 //
+// reduce_scatter and allgather run one-shot (proto/peer.h): every host sends each other host in one
+// message what it needs of it — reduce_scatter the blocks of that host's ranks (the group's rank
+// map, GroupRun::host_ranks), its own ranks reduced; allgather its own ranks' blocks — and, once
+// every host's message is in, reduces each of its ranks' blocks into that rank's output, or copies
+// every block into every local rank's output.
+//
 // Contributions of peers that are ahead of this host are kept, within bounds per peer and per
 // group; this host's own data goes out only while its queue to each peer is under a bound. Over
 // a bound the caller fails the op on every host by name. Which ops exist and when they end is the
@@ -40,10 +46,12 @@ public:
     DirectExchange(uint32_t self, std::vector<std::string> hosts, Send send, Queued queued);
 
     // Why this host cannot send its data of op `r` now (a peer's queue is over its bound), or "".
-    std::string send_over_bound(const proto::OpReport &r, DType dtype, ReduceOp op, Algorithm algorithm) const;
+    // `host_ranks`: the group's ranks on each host (reduce_scatter, allgather; see above).
+    std::string send_over_bound(const proto::OpReport &r, const OpDesc &desc, Algorithm algorithm,
+                                std::span<const std::vector<uint32_t>> host_ranks) const;
     // Sends this host's contribution of `op` (reported here as `r`, r.algorithm set) and keeps its
     // own part; the local ranks are reduced straight into the frames.
-    void contribute(const HostOp &op, const proto::OpReport &r);
+    void contribute(const HostOp &op, const proto::OpReport &r, std::span<const std::vector<uint32_t>> host_ranks = {});
     // A peer's one-shot contribution or two-shot part. Kept (true), dropped because it is not
     // what this host can use (false, logged), or over a bound (false, `over_bound` says why).
     bool take_part(uint32_t host, const proto::OpData &d, proto::Bytes payload, std::string &over_bound);
@@ -84,6 +92,7 @@ private:
         proto::OpReport report;          // this host's
         std::vector<uint8_t> work;       // this host's partial result, the whole op (partial dtype)
         uint32_t ranks = 0;              // the ranks in it
+        std::vector<std::vector<uint32_t>> host_ranks;  // reduce_scatter, allgather: the rank map
         uint32_t phase = 0, sent = UINT32_MAX;  // where this host is in the schedule
         bool mismatch = false, done = false;
         Clock::time_point earliest{};      // the earliest deadline of the peers' data here
@@ -108,6 +117,11 @@ private:
     void note_deadline(State &st, uint32_t host, const proto::OpReport &r);
     std::string over_bound(uint32_t host, const proto::OpReport &r, uint64_t size) const;
     bool progress_log(State &st, const HostOp &op);
+    // reduce_scatter, allgather: the op's result here once every host's message is in.
+    bool progress_collective(State &st, const HostOp &op);
+    // Bytes of a one-shot reduce_scatter's or allgather's message from `from` to `to`.
+    static uint64_t collective_part_bytes(const OpDesc &d, std::span<const std::vector<uint32_t>> host_ranks, uint32_t from,
+                                          uint32_t to);
     void send_step(State &st, proto::OpDataKind kind, uint32_t step, uint32_t to, const void *data, uint64_t bytes);
     static Key key_of(uint64_t generation, const OpKey &k) {
         return {generation, std::get<0>(k), std::get<1>(k), std::get<2>(k)};
@@ -125,7 +139,7 @@ private:
     std::map<Key, State> ops_;
     std::vector<uint64_t> peer_bytes_;               // kept, by host
     std::map<std::string, uint64_t> group_bytes_;    // kept, by group
-    std::vector<const void *> srcs_;
+    std::vector<const void *> srcs_, partials_;
     std::vector<void *> dsts_;
 };
 

@@ -28,7 +28,10 @@ void RingDomain::report_direct(HostOp op, proto::OpReport r, Algorithm algorithm
     const OpKey key{r.group, r.incarnation, r.seq};
     const bool deferred = this->deferred(algorithm);
     if (deferred) op.stall_at = Clock::now() + std::min<Clock::duration>(kStallReport, (op.deadline - Clock::now()) / 4);
-    exchange_->contribute(ops_.reported(key, std::move(op)), r);
+    auto run = runs_.find(r.group);  // (reduce_scatter, allgather: its rank map, which they need to run)
+    exchange_->contribute(ops_.reported(key, std::move(op)), r,
+                          run != runs_.end() ? std::span<const std::vector<uint32_t>>(run->second.host_ranks)
+                                             : std::span<const std::vector<uint32_t>>{});
     if (!deferred && self_index_ == kCoordinator) self_inbox_.push_back({Frame{}, r});  // in order with the other frames
     try_progress_direct(key);
 }

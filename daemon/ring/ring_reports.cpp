@@ -173,12 +173,10 @@ bool RingDomain::flush_reports_now() {
                     sh_.groups->finished(op.run.op_id, op.status, op.message, *sh_.done);
                 }
             }
-            // reduce_scatter and allgather run on the ring (the direct family is allreduce's).
-            const bool ring_only = op.run.desc.collective != Collective::Allreduce;
-            const uint64_t bytes = op.run.desc.count * dtype_size(op.run.desc.dtype);
-            const Algorithm algorithm =
-                ring_only ? Algorithm::Ring
-                          : choose_algorithm(bytes, static_cast<uint32_t>(config_.hosts.size()), config_.tuning, generation_protocol_);
+            // (reduce_scatter and allgather: by the size of the buffer with a block per rank.)
+            const uint64_t bytes = op.run.desc.full_count() * dtype_size(op.run.desc.dtype);
+            const Algorithm algorithm = choose_algorithm(bytes, static_cast<uint32_t>(config_.hosts.size()), config_.tuning,
+                                                         generation_protocol_, op.run.desc.collective);
             if (run.solo_epoch && op.status == 0 && op.run.seq != proto::kIncarnationEnds && algorithm == Algorithm::Ring) {
                 start_solo(run, std::move(op));
                 continue;
@@ -208,7 +206,7 @@ bool RingDomain::flush_reports_now() {
                     send_to_coordinator(proto::encode_op_report(r));
                     continue;
                 }
-                if (std::string why = exchange_->send_over_bound(r, op.run.desc.dtype, op.run.desc.op, algorithm); !why.empty()) {
+                if (std::string why = exchange_->send_over_bound(r, op.run.desc, algorithm, run.host_ranks); !why.empty()) {
                     // Reported as this host's failure: it fails on every host, named.
                     sh_.groups->finished(op.run.op_id, -ENOBUFS, why, *sh_.done);
                     r.status = -ENOBUFS;

@@ -200,8 +200,9 @@ TEST_CASE("reduce_scatter, allgather on 3 hosts: ranks 1, 2, 3 per host numbered
     // Host 0 has rank 4; host 1 ranks 0 and 5; host 2 ranks 2, 1 and 3.
     auto tr = join_ranked(c, "rs-ag", {1, 2, 3}, {4, 0, 5, 2, 1, 3}, 16 << 20);
     REQUIRE(tr.size() == 6);
-    // 1 element per block; a prime; over several of the ring's chunks per segment (ibverbs: once).
-    const uint64_t ops = sweep(tr, ibverbs ? std::vector<size_t>{37} : std::vector<size_t>{1, 5003});
+    // One-shot (up to tuning.direct_max_bytes, 256 KiB, of the buffer with a block per rank): 1
+    // element per block, a prime; the ring: a prime over several of its chunks per segment.
+    const uint64_t ops = sweep(tr, ibverbs ? std::vector<size_t>{37, 30011} : std::vector<size_t>{1, 5003, 30011});
     const Verdict big = run_checked(tr, Collective::ReduceScatter, DType::BF16, ReduceOp::Avg, 400003, false, 99);
     CHECK(big.wrong == 0);
     CHECK(big.guard == 0);
@@ -226,6 +227,9 @@ TEST_CASE("reduce_scatter, allgather on 3 hosts: ranks 1, 2, 3 per host numbered
         CHECK(j["ops"]["failed"] == 0);
         CHECK(j["ops"]["completed"] == ops + 3);
         CHECK(j["ring"]["generation"] == 1);
+        // Both algorithms ran: the small ones one-shot, the others (and the allreduce) the ring.
+        CHECK(j["ring"]["ops_one_shot"].get<uint64_t>() == ops / (ibverbs ? 2 : 3) * (ibverbs ? 1 : 2) + 1);
+        CHECK(j["ring"]["ops_ring"].get<uint64_t>() == ops / (ibverbs ? 2 : 3) + 2);
     }
 }
 

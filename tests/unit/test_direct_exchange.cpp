@@ -73,13 +73,13 @@ TEST_CASE_METHOD(Fixture, "this host sends an op's data only while its queue to 
                  "[exchange]") {
     proto::OpReport r{7, "g", 3, kCount, static_cast<uint32_t>(DType::F32), static_cast<uint32_t>(ReduceOp::Sum), 1, 0, "", 0, 5, 1000};
     queued = DirectExchange::kMaxSendBacklog - kCount * 4;
-    CHECK(x.send_over_bound(r, DType::F32, ReduceOp::Sum, Algorithm::OneShot).empty());
+    CHECK(x.send_over_bound(r, OpDesc{Collective::Allreduce, DType::F32, ReduceOp::Sum, kCount, 0}, Algorithm::OneShot, {}).empty());
     queued += 1;
-    CHECK(x.send_over_bound(r, DType::F32, ReduceOp::Sum, Algorithm::OneShot) ==
+    CHECK(x.send_over_bound(r, OpDesc{Collective::Allreduce, DType::F32, ReduceOp::Sum, kCount, 0}, Algorithm::OneShot, {}) ==
           "group g op 3: host b's queue to host a holds 112 MiB, over its bound of 128 MiB (host a is not taking "
           "one-/two-shot data as fast as it comes)");
     // Two-shot sends a peer only its segment (half of it with two hosts).
-    CHECK(x.send_over_bound(r, DType::F32, ReduceOp::Sum, Algorithm::TwoShot).empty());
+    CHECK(x.send_over_bound(r, OpDesc{Collective::Allreduce, DType::F32, ReduceOp::Sum, kCount, 0}, Algorithm::TwoShot, {}).empty());
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -91,6 +91,7 @@ TEST_CASE_METHOD(Fixture, "this host sends an op's data only while its queue to 
 
 #include <algorithm>
 #include <deque>
+#include <functional>
 #include <random>
 
 #include "bench/bench_data.h"
@@ -121,6 +122,39 @@ struct Cluster {
                 [](uint32_t) { return uint64_t{0}; }));
     }
 
+    // Hosts reach op `key` in a shuffled order (reach(h) contributes host h's data), between
+    // deliveries of the frames on the wire in a shuffled order; returns which hosts completed it.
+    std::vector<bool> deliver(const OpKey &key, std::mt19937 &rng, const std::function<void(uint32_t)> &reach) {
+        std::vector<uint32_t> order(n);
+        for (uint32_t h = 0; h < n; ++h) order[h] = h;
+        std::shuffle(order.begin(), order.end(), rng);
+        std::vector<bool> done(n, false);
+        size_t next = 0;
+        while (true) {
+            if (next < n && (wire.empty() || rng() % 3 == 0)) {
+                const uint32_t h = order[next++];
+                reach(h);
+                done[h] = x[h]->progress(7, key, ops[h]);
+                continue;
+            }
+            if (wire.empty()) break;
+            const size_t i = rng() % wire.size();
+            Msg m = std::move(wire[i]);
+            wire.erase(wire.begin() + static_cast<long>(i));
+            ++frames;
+            proto::Bytes payload(m.frame.begin() + proto::kFrameHeaderBytes, m.frame.end());
+            auto d = proto::decode_op_data(payload);
+            REQUIRE(d.ok());
+            const proto::OpData data = *d;
+            std::string why;
+            REQUIRE(x[m.to]->take_part(m.from, data, std::move(payload), why));
+            REQUIRE(why.empty());
+            if (std::find(order.begin(), order.begin() + static_cast<long>(next), m.to) != order.begin() + static_cast<long>(next))
+                done[m.to] = done[m.to] || x[m.to]->progress(7, key, ops[m.to]);
+        }
+        return done;
+    }
+
     // Runs one op on every host (host h's ranks filled as global ranks h * local + r); returns
     // the wrong values and damaged guard bytes over every host and rank.
     uint64_t run(Algorithm algo, DType t, ReduceOp rop, uint64_t count, uint64_t seq, std::mt19937 &rng,
@@ -145,37 +179,12 @@ struct Cluster {
                 bench::guard_fill(base, pad + count * es, count * es + 2 * pad, seq);
             }
         }
-        std::vector<uint32_t> order(n);
-        for (uint32_t h = 0; h < n; ++h) order[h] = h;
-        std::shuffle(order.begin(), order.end(), rng);
-        std::vector<bool> done(n, false);
         const OpKey key{"g", 5, seq};
-        // Hosts reach the op in a shuffled order, between deliveries.
-        size_t next = 0;
-        while (true) {
-            if (next < n && (wire.empty() || rng() % 3 == 0)) {
-                const uint32_t h = order[next++];
-                proto::OpReport r{7, "g", seq, count, static_cast<uint32_t>(t), static_cast<uint32_t>(rop), local, 0, "",
-                                  static_cast<uint32_t>(algo), 5, 1000};
-                x[h]->contribute(ops[h], r);
-                done[h] = x[h]->progress(7, key, ops[h]);
-                continue;
-            }
-            if (wire.empty()) break;
-            const size_t i = rng() % wire.size();
-            Msg m = std::move(wire[i]);
-            wire.erase(wire.begin() + static_cast<long>(i));
-            ++frames;
-            proto::Bytes payload(m.frame.begin() + proto::kFrameHeaderBytes, m.frame.end());
-            auto d = proto::decode_op_data(payload);
-            REQUIRE(d.ok());
-            const proto::OpData data = *d;
-            std::string why;
-            REQUIRE(x[m.to]->take_part(m.from, data, std::move(payload), why));
-            REQUIRE(why.empty());
-            if (next > 0 && std::find(order.begin(), order.begin() + static_cast<long>(next), m.to) != order.begin() + static_cast<long>(next))
-                done[m.to] = done[m.to] || x[m.to]->progress(7, key, ops[m.to]);
-        }
+        std::vector<bool> done = deliver(key, rng, [&](uint32_t h) {
+            proto::OpReport r{7, "g", seq, count, static_cast<uint32_t>(t), static_cast<uint32_t>(rop), local, 0, "",
+                              static_cast<uint32_t>(algo), 5, 1000};
+            x[h]->contribute(ops[h], r);
+        });
         uint64_t wrong = 0;
         same_bits = true;
         for (uint32_t h = 0; h < n; ++h) {
@@ -189,6 +198,82 @@ struct Cluster {
             }
         }
         for (uint32_t h = 0; h < n; ++h) CHECK(x[h]->backlog(h == 0 ? 1 : 0) == 0);
+        return wrong;
+    }
+
+    // One-shot reduce_scatter or allgather: host h has host_ranks[h].size() ranks, numbered by
+    // host_ranks (any permutation of the group's ranks); rank q's block is block q. `in_place`:
+    // each rank's own block inside its buffer with a block per rank (its output, resp. input).
+    // Returns the wrong values, damaged guard bytes and (allgather) changed input values.
+    uint64_t run_collective(Collective coll, DType t, ReduceOp rop, uint64_t count, uint64_t seq,
+                            const std::vector<std::vector<uint32_t>> &host_ranks, bool in_place, std::mt19937 &rng) {
+        const bool rs = coll == Collective::ReduceScatter;
+        const size_t es = dtype_size(t), pad = 64;
+        uint64_t nranks = 0;
+        for (const auto &h : host_ranks) nranks += h.size();
+        const uint64_t full = count * nranks, in = rs ? full : count, out = rs ? count : full;
+        const uint64_t region = (in_place ? full : in + out) * es;
+        ops.assign(n, {});
+        for (uint32_t h = 0; h < n; ++h) {
+            HostOp &op = ops[h];
+            op.algorithm = Algorithm::OneShot;
+            op.run.group = "g";
+            op.run.seq = seq;
+            op.run.desc = OpDesc{coll, t, rs ? rop : ReduceOp::Sum, count, static_cast<uint32_t>(nranks)};
+            op.run.ranks = host_ranks[h];
+            for (uint32_t q : host_ranks[h]) {
+                auto sl = Slot::create("t", region + 2 * pad, transport);
+                REQUIRE(sl.ok());
+                op.slots.push_back(*sl);
+                op.run.members.push_back({});
+                const uint64_t own = uint64_t{q} * count * es;
+                op.run.offsets.push_back(pad + (in_place && !rs ? own : 0));
+                op.run.out_offsets.push_back(pad + (in_place ? (rs ? own : 0) : in * es));
+                std::byte *base = (*sl)->data();
+                bench::guard_fill(base, 0, pad, seq);
+                bench::guard_fill(base, pad, pad + region, seq + 1);  // the output's old bytes
+                bench::fill(base + op.run.offsets.back(), in, t, q);
+                bench::guard_fill(base, pad + region, region + 2 * pad, seq);
+            }
+        }
+        const OpKey key{"g", 5, seq};
+        std::vector<bool> done = deliver(key, rng, [&](uint32_t h) {
+            proto::OpReport r{7, "g", seq, count, static_cast<uint32_t>(t), static_cast<uint32_t>(ops[h].run.desc.op),
+                              static_cast<uint32_t>(host_ranks[h].size()), 0, "", static_cast<uint32_t>(Algorithm::OneShot), 5, 1000};
+            r.collective = static_cast<uint32_t>(coll);
+            x[h]->contribute(ops[h], r, host_ranks);
+        });
+        uint64_t wrong = 0;
+        std::vector<std::byte> want(count * es);
+        for (uint32_t h = 0; h < n; ++h) {
+            CHECK(done[h]);
+            x[h]->drop(7, key);
+            for (size_t j = 0; j < host_ranks[h].size(); ++j) {
+                const uint32_t q = host_ranks[h][j];
+                const std::byte *base = ops[h].slots[j]->data();
+                const std::byte *res = base + ops[h].run.out_offsets[j];
+                if (rs) {
+                    wrong += bench::count_wrong_at(res, count, t, rop, nranks, uint64_t{q} * count);
+                } else {
+                    for (uint64_t b = 0; b < nranks; ++b) {
+                        bench::fill(want.data(), count, t, b);
+                        for (uint64_t i = 0; i < count; ++i)
+                            wrong += std::memcmp(res + (b * count + i) * es, want.data() + i * es, es) != 0;
+                    }
+                }
+                wrong += bench::guard_damage(base, 0, pad, seq) + bench::guard_damage(base, pad + region, region + 2 * pad, seq);
+                if (!in_place) {
+                    // The rest of the region is the other range: reduce_scatter's input may hold
+                    // partials; allgather's input is only read.
+                    if (!rs) {
+                        bench::fill(want.data(), count, t, q);
+                        wrong += std::memcmp(base + ops[h].run.offsets[j], want.data(), count * es) != 0;
+                    }
+                }
+            }
+        }
+        for (uint32_t h = 0; h < n; ++h)
+            for (uint32_t p = 0; p < n; ++p) CHECK(x[h]->backlog(p) == 0);
         return wrong;
     }
 };
@@ -282,4 +367,95 @@ TEST_CASE("doubling: data from a host that is not this step's partner, or of the
     c.x[0]->drop(7, OpKey{"g", 5, 1});
     CHECK(c.x[0]->backlog(1) == 0);
     CHECK(c.x[0]->backlog(2) == 0);
+}
+
+TEST_CASE("one-shot reduce_scatter and allgather: every dtype and op exact on every rank, uneven ranks per host "
+          "numbered unlike the hosts, in place and apart, the bytes around them untouched",
+          "[exchange]") {
+    std::mt19937 rng(4242);
+    const std::vector<uint32_t> hosts = test::full_matrix() ? std::vector<uint32_t>{2, 3, 4, 5, 8} : std::vector<uint32_t>{2, 3, 5};
+    for (uint32_t n : hosts) {
+        // Host h has 1 + h % 3 ranks; the group's ranks dealt to the hosts shuffled.
+        std::vector<std::vector<uint32_t>> host_ranks(n);
+        uint32_t nranks = 0;
+        for (uint32_t h = 0; h < n; ++h) nranks += 1 + h % 3;
+        std::vector<uint32_t> perm(nranks);
+        for (uint32_t q = 0; q < nranks; ++q) perm[q] = q;
+        std::shuffle(perm.begin(), perm.end(), rng);
+        for (uint32_t h = 0, k = 0; h < n; ++h)
+            for (uint32_t r = 0; r <= h % 3; ++r) host_ranks[h].push_back(perm[k++]);
+        Cluster c(n, 1);
+        uint64_t seq = 1;
+        for (Collective coll : {Collective::ReduceScatter, Collective::Allgather})
+            for (DType t : {DType::F32, DType::F64, DType::F16, DType::BF16, DType::I32, DType::I64})
+                for (ReduceOp rop : {ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Min, ReduceOp::Max}) {
+                    const bool integer = t == DType::I32 || t == DType::I64;
+                    if ((integer && rop == ReduceOp::Avg) || (coll == Collective::Allgather && rop != ReduceOp::Sum)) continue;
+                    for (uint64_t count : {uint64_t{1}, uint64_t{257}})
+                        for (bool in_place : {false, true}) {
+                            INFO(n << " hosts, " << nranks << " ranks, " << describe(OpDesc{coll, t, rop, count, nranks})
+                                   << (in_place ? ", in place" : ", apart"));
+                            CHECK(c.run_collective(coll, t, rop, count, seq++, host_ranks, in_place, rng) == 0);
+                        }
+                }
+    }
+}
+
+TEST_CASE("one-shot reduce_scatter and allgather send one frame to each other host, of only what it needs; a "
+          "peer's message of the wrong size or another collective stops the op as a mismatch",
+          "[exchange]") {
+    std::mt19937 rng(99);
+    const std::vector<std::vector<uint32_t>> host_ranks{{3, 0}, {1}, {4, 2, 5}};
+    Cluster c(3, 1);
+    REQUIRE(c.run_collective(Collective::ReduceScatter, DType::F32, ReduceOp::Sum, 100, 1, host_ranks, false, rng) == 0);
+    CHECK(c.frames == 3 * 2);
+    c.frames = 0;
+    REQUIRE(c.run_collective(Collective::Allgather, DType::BF16, ReduceOp::Sum, 100, 2, host_ranks, true, rng) == 0);
+    CHECK(c.frames == 3 * 2);
+    // Host 0 (ranks 3 and 0 of 6) gets its peers' reduce_scatter messages: op 3 with host 1's of
+    // one block where host 0 needs two, op 4 with host 2's of an allgather.
+    LoopbackTransport t;
+    for (uint64_t seq : {3, 4}) {
+        proto::OpReport r{7, "g", seq, 10, static_cast<uint32_t>(DType::F32), static_cast<uint32_t>(ReduceOp::Sum), 1, 0, "",
+                          static_cast<uint32_t>(Algorithm::OneShot), 5, 1000};
+        r.collective = static_cast<uint32_t>(Collective::ReduceScatter);
+        HostOp op;
+        op.algorithm = Algorithm::OneShot;
+        op.run.group = "g";
+        op.run.seq = seq;
+        op.run.desc = OpDesc{Collective::ReduceScatter, DType::F32, ReduceOp::Sum, 10, 6};
+        op.run.ranks = host_ranks[0];
+        for (int i = 0; i < 2; ++i) {
+            auto s = Slot::create("t", 4096, t);
+            REQUIRE(s.ok());
+            op.slots.push_back(*s);
+            op.run.members.push_back({});
+            op.run.offsets.push_back(0);
+            op.run.out_offsets.push_back(2048);
+        }
+        auto offer = [&](uint32_t from, const proto::OpReport &rr, uint64_t bytes) {
+            proto::Bytes f = proto::encode_op_data(rr, proto::OpDataKind::OneShot, bytes);
+            proto::Bytes payload(f.begin() + proto::kFrameHeaderBytes, f.end());
+            auto d = proto::decode_op_data(payload);
+            REQUIRE(d.ok());
+            const proto::OpData data = *d;
+            std::string why;
+            return c.x[0]->take_part(from, data, std::move(payload), why);
+        };
+        proto::OpReport other = r;
+        if (seq == 3) {
+            CHECK(offer(1, r, 1 * 10 * 4));  // kept: its size is checked against the rank map when used
+            CHECK(offer(2, r, 2 * 10 * 4));
+        } else {
+            CHECK(offer(1, r, 2 * 10 * 4));
+            other.collective = static_cast<uint32_t>(Collective::Allgather);
+            CHECK(offer(2, other, 3 * 10 * 4));
+        }
+        c.x[0]->contribute(op, r, host_ranks);
+        CHECK_FALSE(c.x[0]->progress(7, OpKey{"g", 5, seq}, op));
+        CHECK(c.x[0]->mismatched(7, OpKey{"g", 5, seq}));
+        c.x[0]->drop(7, OpKey{"g", 5, seq});
+        CHECK(c.x[0]->backlog(1) == 0);
+        CHECK(c.x[0]->backlog(2) == 0);
+    }
 }

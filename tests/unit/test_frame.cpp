@@ -1071,3 +1071,22 @@ TEST_CASE("protocol 10: group joins say their ranks, incarnations the rank map, 
     q[118] = 3;  // collective 3
     CHECK_THAT(decode_op_report(q).error().message, Catch::Contains("names collective 3"));
 }
+
+TEST_CASE("protocol 10: a reduce_scatter's or allgather's op data is one-shot, in whole blocks", "[proto]") {
+    OpReport r{5, "grp", 7, 3, static_cast<uint32_t>(DType::F16), static_cast<uint32_t>(ReduceOp::Sum), 2, 0, "", 1, 9};
+    r.collective = static_cast<uint32_t>(Collective::ReduceScatter);
+    // reduce_scatter: partial results (f16 sums in f32), any number of blocks of count elements.
+    for (uint64_t blocks : {0, 1, 5}) {
+        auto d = decode_op_data(payload_of(encode_op_data(r, OpDataKind::OneShot, blocks * 3 * 4)));
+        REQUIRE(d.ok());
+        CHECK(d->report.collective == static_cast<uint32_t>(Collective::ReduceScatter));
+        CHECK(d->data.size() == blocks * 12);
+    }
+    CHECK_FALSE(decode_op_data(payload_of(encode_op_data(r, OpDataKind::OneShot, 3 * 2))).ok());  // f16, not f32
+    CHECK_FALSE(decode_op_data(payload_of(encode_op_data(r, OpDataKind::TwoShotPart, 12))).ok());
+    // allgather: blocks in the dtype.
+    r.collective = static_cast<uint32_t>(Collective::Allgather);
+    CHECK(decode_op_data(payload_of(encode_op_data(r, OpDataKind::OneShot, 2 * 3 * 2))).ok());
+    CHECK_FALSE(decode_op_data(payload_of(encode_op_data(r, OpDataKind::OneShot, 2 * 3 * 2 + 1))).ok());
+    CHECK_FALSE(decode_op_data(payload_of(encode_op_data(r, OpDataKind::TwoShotResult, 6))).ok());
+}

@@ -92,3 +92,30 @@ TEST_CASE("doubling for small ops on many hosts, halving-doubling for larger one
     CHECK(choose_algorithm(4, 4, forced, 7) == Algorithm::OneShot);           // below protocol 8: the model
     CHECK(choose_algorithm(4, 1, forced) == Algorithm::Ring);
 }
+
+TEST_CASE("reduce_scatter and allgather: one-shot up to the cap (one hop, the ring's bytes), the ring above; a "
+          "forced algorithm they do not have leaves them to the model",
+          "[tuner]") {
+    Config::Tuning t;  // 256 KiB cap, 100 us, 40 us a message, 10 Gbit/s
+    for (Collective c : {Collective::ReduceScatter, Collective::Allgather}) {
+        for (uint32_t n : {2u, 3u, 8u, 16u}) {
+            CHECK(choose_algorithm(4, n, t, 10, c) == Algorithm::OneShot);
+            CHECK(choose_algorithm(256 << 10, n, t, 10, c) == Algorithm::OneShot);
+            CHECK(choose_algorithm((256 << 10) + 1, n, t, 10, c) == Algorithm::Ring);
+        }
+        CHECK(choose_algorithm(4, 1, t, 10, c) == Algorithm::Ring);
+        // Where messages cost more than hops, the ring's n-1 hops win: (n-1) m > n a.
+        Config::Tuning slow = t;
+        slow.message_us = 200;
+        CHECK(choose_algorithm(4096, 8, slow, 10, c) == Algorithm::Ring);
+        CHECK(collective_cost(4096, 8, slow).one_shot_us > collective_cost(4096, 8, slow).ring_us);
+        for (auto forced : {Algorithm::Doubling, Algorithm::HalvingDoubling, Algorithm::TwoShot}) {
+            Config::Tuning f = t;
+            f.algorithm = static_cast<uint32_t>(forced);
+            CHECK(choose_algorithm(4096, 4, f, 10, c) == Algorithm::OneShot);
+        }
+        Config::Tuning ring = t;
+        ring.algorithm = static_cast<uint32_t>(Algorithm::Ring);
+        CHECK(choose_algorithm(4096, 4, ring, 10, c) == Algorithm::Ring);
+    }
+}
