@@ -83,8 +83,9 @@ const std::array kSpecs{
     // 32 MiB and more: over TCP the ring sends the slot by reference and ends with the delivery
     // marker (daemon/engine/ring_engine.h); the next step's inputs overwrite the slot at once.
     OpSpec{8388623, DType::F32, ReduceOp::Sum, true},
-    // reduce_scatter and allgather (the ring whatever their size), blocks of a rank: at 16 ranks
-    // (8 hosts x 2) every range together stays inside the 64 MiB slot bench/chaos gives.
+    // reduce_scatter and allgather, blocks of a rank: one-shot while the range (a block per rank)
+    // is at most tuning.direct_max_bytes (the first three at 3 hosts x 2), else the ring; at 16
+    // ranks (8 hosts x 2) every range together stays inside the 64 MiB slot bench/chaos gives.
     OpSpec{4099, DType::F32, ReduceOp::Sum, false, Collective::ReduceScatter},
     OpSpec{777, DType::BF16, ReduceOp::Avg, false, Collective::ReduceScatter},
     OpSpec{3001, DType::I32, ReduceOp::Max, false, Collective::Allgather},
