@@ -280,6 +280,9 @@ std::string RingDomain::collectives_refused(const GroupRun &run, const OpRun &op
     if (run.host_ranks.empty())
         return "a " + what + " needs every trainer of the group to say its rank when it connects, and the trainers of "
                "some host did not (ringd_options.rank and .ranks)";
+    if (run.host_ranks.size() != config_.hosts.size())  // (the coordinator gives one list per host of the ring)
+        return "a " + what + " needs the rank map of the ring's " + std::to_string(config_.hosts.size()) +
+               " hosts, and the one agreed names " + std::to_string(run.host_ranks.size());
     uint64_t n = 0;
     for (const auto &h : run.host_ranks) n += h.size();
     if (n != op.desc.ranks)
