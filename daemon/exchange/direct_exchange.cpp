@@ -117,7 +117,16 @@ void DirectExchange::contribute(const HostOp &op, const proto::OpReport &r, std:
         // allgather: this host's ranks' blocks to every host. Its own part stays in the slots.
         const size_t es = dtype_size(op.run.desc.dtype);
         const bool rs = op.run.desc.collective == Collective::ReduceScatter;
-        ops_[Key{r.generation, r.group, r.incarnation, r.seq}].host_ranks.assign(host_ranks.begin(), host_ranks.end());
+        State &st = ops_[Key{r.generation, r.group, r.incarnation, r.seq}];
+        if (host_ranks.size() != n_ || host_ranks[self_].size() != op.slots.size()) {
+            // (The domain refuses these collectives without a rank map of every host; never sent.)
+            malformed_part(st, "group " + r.group + " op " + std::to_string(r.seq) + ": host " + hosts_[self_] +
+                                   " has no rank map of every host of the ring for its " +
+                                   std::string(collective_name(op.run.desc.collective)));
+            add(self_, r, {}, 0);
+            return;
+        }
+        st.host_ranks.assign(host_ranks.begin(), host_ranks.end());
         proto::Bytes own;
         if (!rs) {
             own = proto::encode_op_data(r, proto::OpDataKind::OneShot, op.slots.size() * count * es);
@@ -235,17 +244,29 @@ bool DirectExchange::progress(uint64_t generation, const OpKey &key, const HostO
     const size_t es = dtype_size(op.run.desc.dtype);
     const bool two_shot = op.algorithm == Algorithm::TwoShot;
     if (!st.reduced) {
+        if (st.mismatch) return false;
         uint32_t total = 0;
         for (const auto &c : st.parts) {
             // A part that does not match stops the op here, for the coordinator to decide (it
             // sees the reports: as data below protocol 8, from the hosts that tell it above).
             if (!c) return false;
             if (c->report.count != op.run.desc.count || c->report.dtype != static_cast<uint32_t>(op.run.desc.dtype) ||
-                c->report.op != static_cast<uint32_t>(op.run.desc.op) || c->report.algorithm != static_cast<uint32_t>(op.algorithm)) {
+                c->report.op != static_cast<uint32_t>(op.run.desc.op) || c->report.algorithm != static_cast<uint32_t>(op.algorithm) ||
+                c->report.collective != static_cast<uint32_t>(Collective::Allreduce)) {
                 st.mismatch = true;
                 return false;
             }
             total += c->report.local_size;
+        }
+        // (Two-shot parts were checked against this host's segment as they came.)
+        for (uint32_t h = 0; h < n_ && !two_shot; ++h) {
+            const uint64_t have = st.parts[h]->buf.size() - st.parts[h]->offset, want = op.run.desc.count * dtype_size(partial_dtype(op.run.desc.dtype, op.run.desc.op));
+            if (h != self_ && have != want) {
+                malformed_part(st, "group " + op.run.group + " op " + std::to_string(st.parts[h]->report.seq) + ": host " + hosts_[h] +
+                                       " sent a one-shot contribution of " + std::to_string(have) + " bytes, not " +
+                                       std::to_string(want));
+                return false;
+            }
         }
         // Every host's part is in: reduce them in ring order (one-shot: the same bits on every
         // host). Two-shot: this host's ranks in place, then the other hosts' parts.
@@ -279,6 +300,7 @@ bool DirectExchange::progress(uint64_t generation, const OpKey &key, const HostO
 
 bool DirectExchange::progress_collective(State &st, const HostOp &op) {
     if (st.reduced) return true;
+    if (st.mismatch) return false;
     const OpDesc &d = op.run.desc;
     const bool rs = d.collective == Collective::ReduceScatter;
     const uint32_t self = self_;
@@ -290,23 +312,25 @@ bool DirectExchange::progress_collective(State &st, const HostOp &op) {
         if (c->report.count != d.count || c->report.dtype != static_cast<uint32_t>(d.dtype) ||
             c->report.op != static_cast<uint32_t>(d.op) || c->report.algorithm != static_cast<uint32_t>(op.algorithm) ||
             c->report.collective != static_cast<uint32_t>(d.collective)) {
-            st.mismatch = true;
+            st.mismatch = true;  // the reports differ: the coordinator names both hosts
             return false;
         }
-        if (h != self && c->buf.size() - c->offset != collective_part_bytes(d, st.host_ranks, h, self)) {
-            spdlog::warn("host {}: group {} op {}: its {} message has {} bytes, not {}", hosts_[h], c->report.group,
-                         c->report.seq, rs ? "reduce_scatter" : "allgather", c->buf.size() - c->offset,
-                         collective_part_bytes(d, st.host_ranks, h, self));
-            st.mismatch = true;
+        // The same op: a message that the rank map does not account for is no honest peer's.
+        const std::string at = "group " + op.run.group + " op " + std::to_string(c->report.seq) + ": host " + hosts_[h];
+        if (c->report.local_size != st.host_ranks[h].size()) {
+            malformed_part(st, at + " says it has " + std::to_string(c->report.local_size) + " rank(s), the group's rank map " +
+                                   std::to_string(st.host_ranks[h].size()));
+            return false;
+        }
+        const uint64_t have = c->buf.size() - c->offset, want = collective_part_bytes(d, st.host_ranks, h, self);
+        if (h != self && have != want) {
+            malformed_part(st, at + " sent a " + std::string(collective_name(d.collective)) + " message of " +
+                                   std::to_string(have) + " bytes, not the " + std::to_string(want) + " the rank map says");
             return false;
         }
         total += c->report.local_size;
     }
     const auto &mine = st.host_ranks[self];
-    if (mine.size() != op.slots.size()) {  // (the rank map is this host's own: checked when it formed)
-        st.mismatch = true;
-        return false;
-    }
     const size_t es = dtype_size(d.dtype), ps = dtype_size(partial_dtype(d.dtype, d.op));
     const uint64_t count = d.count, block = count * es;
     if (rs) {
@@ -558,6 +582,18 @@ std::optional<std::pair<Clock::time_point, uint32_t>> DirectExchange::earliest_d
 bool DirectExchange::mismatched(uint64_t generation, const OpKey &key) const {
     auto it = ops_.find(key_of(generation, key));
     return it != ops_.end() && it->second.mismatch;
+}
+
+std::string DirectExchange::malformed(uint64_t generation, const OpKey &key) const {
+    auto it = ops_.find(key_of(generation, key));
+    return it != ops_.end() && it->second.mismatch ? it->second.why : std::string{};
+}
+
+void DirectExchange::malformed_part(State &st, std::string why) {
+    if (st.mismatch && !st.why.empty()) return;
+    spdlog::warn("{}", why);
+    st.mismatch = true;
+    st.why = std::move(why);
 }
 
 bool DirectExchange::has(uint64_t generation, const OpKey &key) const { return ops_.count(key_of(generation, key)) != 0; }

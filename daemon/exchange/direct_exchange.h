@@ -65,6 +65,10 @@ public:
     // Doubling and halving-doubling: a partner's data of the op does not match this host's op
     // (count, dtype, op or algorithm): it stops here, for the coordinator to decide.
     bool mismatched(uint64_t generation, const OpKey &key) const;
+    // A mismatch that the reports cannot show (one-shot: a peer's message that is not the size
+    // its report and the rank map say, or a rank map this host cannot run the op on): why, naming
+    // the host, for the caller to fail the op with on every host; "" otherwise.
+    std::string malformed(uint64_t generation, const OpKey &key) const;
     // The earliest deadline of the peers whose data of the op is here (their first submission +
     // timeouts.op, from the remaining_ms their data carried), and whose it is; nullopt: none here.
     std::optional<std::pair<Clock::time_point, uint32_t>> earliest_deadline(uint64_t generation, const OpKey &key) const;
@@ -95,6 +99,7 @@ private:
         std::vector<std::vector<uint32_t>> host_ranks;  // reduce_scatter, allgather: the rank map
         uint32_t phase = 0, sent = UINT32_MAX;  // where this host is in the schedule
         bool mismatch = false, done = false;
+        std::string why;                   // a mismatch the reports cannot show (malformed())
         Clock::time_point earliest{};      // the earliest deadline of the peers' data here
         uint32_t earliest_host = UINT32_MAX;
     };
@@ -119,6 +124,8 @@ private:
     bool progress_log(State &st, const HostOp &op);
     // reduce_scatter, allgather: the op's result here once every host's message is in.
     bool progress_collective(State &st, const HostOp &op);
+    // Marks the op mismatched because of `why` (the first reason stays), logged once.
+    void malformed_part(State &st, std::string why);
     // Bytes of a one-shot reduce_scatter's or allgather's message from `from` to `to`.
     static uint64_t collective_part_bytes(const OpDesc &d, std::span<const std::vector<uint32_t>> host_ranks, uint32_t from,
                                           uint32_t to);

@@ -51,6 +51,7 @@ struct HostOp {
     // reports it if it has not completed by then, and whether it did.
     Clock::time_point stall_at{};
     bool told_coordinator = false;
+    bool failed_malformed = false;  // a peer's one-shot message did not fit: this host failed the op
 };
 
 class HostOps {

@@ -121,8 +121,20 @@ void RingDomain::try_progress_direct(const OpKey &key) {
     HostOp *op = ops_.find_reported(key);
     if (!op || op->algorithm == Algorithm::Ring) return;
     if (!exchange_->progress(coord_generation_, key, *op)) {
-        // A partner's data does not match: the coordinator decides (a mismatch naming both hosts).
-        if (exchange_->mismatched(coord_generation_, key)) tell_coordinator(key, *op, 0);
+        if (!exchange_->mismatched(coord_generation_, key)) return;
+        // A peer's message that its report and the rank map do not account for: the op fails on
+        // every host, naming it (once). Otherwise a partner's data does not match this host's op:
+        // the coordinator decides (a mismatch naming both hosts).
+        if (std::string why = exchange_->malformed(coord_generation_, key); !why.empty()) {
+            if (op->failed_malformed) return;
+            op->failed_malformed = true;
+            record_error(why);
+            proto::OpReport r = failure_report(op_report(key, op->run.desc, 0, op->deadline), -EPROTO, why);
+            r.flags = proto::kReportDeferred;  // (not this host's progress)
+            send_to_coordinator(proto::encode_op_report(r));
+            return;
+        }
+        tell_coordinator(key, *op, 0);
         return;
     }
     switch (op->algorithm) {

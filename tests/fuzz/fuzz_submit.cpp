@@ -1,12 +1,25 @@
 // libFuzzer: a submit descriptor as a client may write it into its slot (256 bytes, any value),
 // checked against a slot of any data size, as the daemon checks each copied descriptor. Whatever
-// it accepts lies inside the slot, aligned, with its byte count exact.
+// it accepts lies inside the slot, aligned, with both ranges' byte counts exact.
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
 #include "proto/slot.h"
 
+using namespace ringd;
 using namespace ringd::proto;
+
+namespace {
+
+// A range of `count` elements of `esize` bytes at `offset` with `bytes` its exact size, inside
+// `data_bytes` and aligned.
+bool range_ok(uint64_t offset, uint64_t bytes, uint64_t count, uint64_t esize, uint64_t data_bytes) {
+    return bytes == count * esize && bytes / esize == count && offset % esize == 0 && offset <= data_bytes &&
+           data_bytes - offset >= bytes;
+}
+
+}  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     SubmitDesc d{};
@@ -15,9 +28,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (size > sizeof d) std::memcpy(&data_bytes, data + sizeof d, std::min<size_t>(size - sizeof d, 8));
     auto s = validate_submit(d, data_bytes, (size & 1) != 0);
     if (!s) return 0;
-    const uint64_t esize = dtype_size(s->dtype);
-    if (s->bytes != s->count * esize || s->bytes / esize != s->count || s->offset % esize != 0 ||
-        s->offset > data_bytes || data_bytes - s->offset < s->bytes || s->cuda != (d.buffer_kind == 1))
+    const OpDesc &desc = s->desc;
+    const uint64_t esize = dtype_size(desc.dtype);
+    const bool allreduce = desc.collective == Collective::Allreduce;
+    if (!range_ok(s->offset, s->bytes, desc.in_count(), esize, data_bytes) ||
+        !range_ok(s->out_offset, s->out_bytes, desc.out_count(), esize, data_bytes) ||
+        (allreduce && (desc.ranks != 0 || s->out_offset != s->offset)) ||
+        (!allreduce && (desc.ranks == 0 || desc.ranks > kMaxGroupRanks)) ||
+        (s->cuda && !allreduce) || s->cuda != (d.buffer_kind == 1))
         __builtin_trap();
     return 0;
 }

@@ -402,7 +402,8 @@ TEST_CASE("one-shot reduce_scatter and allgather: every dtype and op exact on ev
 }
 
 TEST_CASE("one-shot reduce_scatter and allgather send one frame to each other host, of only what it needs; a "
-          "peer's message of the wrong size or another collective stops the op as a mismatch",
+          "peer's message of another collective stops the op as a mismatch for the coordinator, one that the rank "
+          "map does not account for as malformed, naming the host",
           "[exchange]") {
     std::mt19937 rng(99);
     const std::vector<std::vector<uint32_t>> host_ranks{{3, 0}, {1}, {4, 2, 5}};
@@ -412,50 +413,75 @@ TEST_CASE("one-shot reduce_scatter and allgather send one frame to each other ho
     c.frames = 0;
     REQUIRE(c.run_collective(Collective::Allgather, DType::BF16, ReduceOp::Sum, 100, 2, host_ranks, true, rng) == 0);
     CHECK(c.frames == 3 * 2);
-    // Host 0 (ranks 3 and 0 of 6) gets its peers' reduce_scatter messages: op 3 with host 1's of
-    // one block where host 0 needs two, op 4 with host 2's of an allgather.
+    c.wire.clear();
+    // Host 0 (ranks 3 and 0 of 6) runs op `seq` (reduce_scatter of 10 floats per rank, or an
+    // allreduce of 10) and gets its peers' messages of it.
     LoopbackTransport t;
-    for (uint64_t seq : {3, 4}) {
-        proto::OpReport r{7, "g", seq, 10, static_cast<uint32_t>(DType::F32), static_cast<uint32_t>(ReduceOp::Sum), 1, 0, "",
+    auto report = [](uint64_t seq, Collective coll, uint32_t local_size) {
+        proto::OpReport r{7, "g", seq, 10, static_cast<uint32_t>(DType::F32), static_cast<uint32_t>(ReduceOp::Sum), local_size, 0, "",
                           static_cast<uint32_t>(Algorithm::OneShot), 5, 1000};
-        r.collective = static_cast<uint32_t>(Collective::ReduceScatter);
+        r.collective = static_cast<uint32_t>(coll);
+        return r;
+    };
+    auto offer = [&](uint32_t from, const proto::OpReport &rr, uint64_t bytes) {
+        proto::Bytes f = proto::encode_op_data(rr, proto::OpDataKind::OneShot, bytes);
+        proto::Bytes payload(f.begin() + proto::kFrameHeaderBytes, f.end());
+        auto d = proto::decode_op_data(payload);
+        REQUIRE(d.ok());
+        const proto::OpData data = *d;
+        std::string why;
+        return c.x[0]->take_part(from, data, std::move(payload), why);
+    };
+    // What host 0 makes of op `seq`: its mismatch and why; every peer's data dropped after.
+    auto run = [&](uint64_t seq, Collective coll, std::span<const std::vector<uint32_t>> ranks) {
         HostOp op;
         op.algorithm = Algorithm::OneShot;
         op.run.group = "g";
         op.run.seq = seq;
-        op.run.desc = OpDesc{Collective::ReduceScatter, DType::F32, ReduceOp::Sum, 10, 6};
+        const bool ar = coll == Collective::Allreduce;
+        op.run.desc = OpDesc{coll, DType::F32, ReduceOp::Sum, 10, ar ? 0u : 6u};
         op.run.ranks = host_ranks[0];
-        for (int i = 0; i < 2; ++i) {
+        for (int i = 0; i < (ar ? 1 : 2); ++i) {
             auto s = Slot::create("t", 4096, t);
             REQUIRE(s.ok());
             op.slots.push_back(*s);
             op.run.members.push_back({});
             op.run.offsets.push_back(0);
-            op.run.out_offsets.push_back(2048);
+            op.run.out_offsets.push_back(ar ? 0 : 2048);
         }
-        auto offer = [&](uint32_t from, const proto::OpReport &rr, uint64_t bytes) {
-            proto::Bytes f = proto::encode_op_data(rr, proto::OpDataKind::OneShot, bytes);
-            proto::Bytes payload(f.begin() + proto::kFrameHeaderBytes, f.end());
-            auto d = proto::decode_op_data(payload);
-            REQUIRE(d.ok());
-            const proto::OpData data = *d;
-            std::string why;
-            return c.x[0]->take_part(from, data, std::move(payload), why);
-        };
-        proto::OpReport other = r;
-        if (seq == 3) {
-            CHECK(offer(1, r, 1 * 10 * 4));  // kept: its size is checked against the rank map when used
-            CHECK(offer(2, r, 2 * 10 * 4));
-        } else {
-            CHECK(offer(1, r, 2 * 10 * 4));
-            other.collective = static_cast<uint32_t>(Collective::Allgather);
-            CHECK(offer(2, other, 3 * 10 * 4));
-        }
-        c.x[0]->contribute(op, r, host_ranks);
-        CHECK_FALSE(c.x[0]->progress(7, OpKey{"g", 5, seq}, op));
-        CHECK(c.x[0]->mismatched(7, OpKey{"g", 5, seq}));
+        c.x[0]->contribute(op, report(seq, coll, ar ? 1 : 2), ranks);
+        const bool done = c.x[0]->progress(7, OpKey{"g", 5, seq}, op);
+        std::pair<bool, std::string> out{c.x[0]->mismatched(7, OpKey{"g", 5, seq}), c.x[0]->malformed(7, OpKey{"g", 5, seq})};
+        CHECK_FALSE(done);
         c.x[0]->drop(7, OpKey{"g", 5, seq});
         CHECK(c.x[0]->backlog(1) == 0);
         CHECK(c.x[0]->backlog(2) == 0);
-    }
+        return out;
+    };
+    const auto rs = Collective::ReduceScatter;
+    // Op 3: host 1's message holds one block where host 0 needs two (kept: its size is checked
+    // against the rank map when it is used).
+    CHECK(offer(1, report(3, rs, 1), 1 * 10 * 4));
+    CHECK(offer(2, report(3, rs, 3), 2 * 10 * 4));
+    CHECK(run(3, rs, host_ranks) == std::pair<bool, std::string>{
+                                        true, "group g op 3: host h1 sent a reduce_scatter message of 40 bytes, not the 80 the rank map says"});
+    // Op 4: host 2 runs an allgather: the reports differ, the coordinator names both.
+    CHECK(offer(1, report(4, rs, 1), 2 * 10 * 4));
+    CHECK(offer(2, report(4, Collective::Allgather, 3), 3 * 10 * 4));
+    CHECK(run(4, rs, host_ranks) == std::pair<bool, std::string>{true, ""});
+    // Op 5: host 2 says it has 2 ranks, the rank map 3.
+    CHECK(offer(1, report(5, rs, 1), 2 * 10 * 4));
+    CHECK(offer(2, report(5, rs, 2), 2 * 10 * 4));
+    CHECK(run(5, rs, host_ranks) == std::pair<bool, std::string>{
+                                        true, "group g op 5: host h2 says it has 2 rank(s), the group's rank map 3"});
+    // Op 6: host 0 runs an allreduce; host 1's data is a reduce_scatter's of no block (an empty
+    // message, which allreduce's one-shot must not read 40 bytes of).
+    CHECK(offer(1, report(6, rs, 1), 0));
+    CHECK(offer(2, report(6, Collective::Allreduce, 3), 10 * 4));
+    CHECK(run(6, Collective::Allreduce, {}) == std::pair<bool, std::string>{true, ""});
+    // Op 7: host 0 has no rank map of every host: it sends nothing and the op is malformed here.
+    c.wire.clear();
+    CHECK(run(7, rs, std::span(host_ranks).first(2)) ==
+          std::pair<bool, std::string>{true, "group g op 7: host h0 has no rank map of every host of the ring for its reduce_scatter"});
+    CHECK(c.wire.empty());
 }
