@@ -57,9 +57,25 @@ Result<Submission> validate_submit(const SubmitDesc &d, uint64_t data_bytes, boo
         return make_error(-EINVAL, at + "avg is not defined for integer dtype " + std::string(dtype_name(s.desc.dtype)));
     if (d.buffer_kind == static_cast<uint32_t>(BufferKind::Cuda)) {
         if (!cuda_supported) return make_error(-ENOTSUP, at + "this ringd has no CUDA (built without it)");
-        if (s.desc.collective != Collective::Allreduce)
-            return make_error(-ENOTSUP, at + "a " + cname + " of a device buffer (this ringd runs device buffers' allreduce only)");
         s.cuda = true;
+        if (s.desc.collective == Collective::Allreduce) {
+            if (d.cuda_out_reg != 0 || d.cuda_out_offset != 0 || d.cuda_block != 0 || d.cuda_part != 0)
+                return make_error(-EINVAL, at + "a device allreduce with cuda_out_reg, cuda_out_offset, cuda_block or cuda_part set");
+        } else {
+            // The part lies inside the device op's blocks; the device ranges (a block per rank on
+            // one side) are the CUDA registry's to check against the registrations.
+            uint64_t part_end = 0, whole = 0;
+            if (add_overflows(d.cuda_part, d.count, &part_end) || part_end > d.cuda_block)
+                return make_error(-EINVAL, at + "part [" + std::to_string(d.cuda_part) + ", +" + std::to_string(d.count) +
+                                               ") lies outside the device " + cname + "'s block of " +
+                                               std::to_string(d.cuda_block) + " elements");
+            if (mul_overflows(d.cuda_block, uint64_t{d.ranks} * dtype_size(s.desc.dtype), &whole))
+                return make_error(-EOVERFLOW, at + "cuda_block " + std::to_string(d.cuda_block) + " overflows");
+            s.cuda_out_reg = d.cuda_out_reg;
+            s.cuda_out_offset = d.cuda_out_offset;
+            s.cuda_block = d.cuda_block;
+            s.cuda_part = d.cuda_part;
+        }
         s.cuda_reg = d.cuda_reg;
         s.cuda_offset = d.cuda_offset;
         s.ready_seq = d.cuda_ready_seq == 0 ? d.seq : d.cuda_ready_seq;
@@ -70,7 +86,8 @@ Result<Submission> validate_submit(const SubmitDesc &d, uint64_t data_bytes, boo
                                            " is not within 2^31 at or after the op's seq");
     } else if (d.buffer_kind != static_cast<uint32_t>(BufferKind::Slot)) {
         return make_error(-EINVAL, at + "unknown buffer kind " + std::to_string(d.buffer_kind));
-    } else if (d.cuda_reg != 0 || d.cuda_offset != 0 || d.cuda_ready_seq != 0) {
+    } else if (d.cuda_reg != 0 || d.cuda_offset != 0 || d.cuda_ready_seq != 0 || d.cuda_out_reg != 0 ||
+               d.cuda_out_offset != 0 || d.cuda_block != 0 || d.cuda_part != 0) {
         return make_error(-EINVAL, at + "a slot buffer with CUDA fields set");
     }
     const uint64_t esize = dtype_size(s.desc.dtype);

@@ -29,6 +29,9 @@ inline constexpr uint16_t kSlotFeatureCudaReadySeq = 1;  // SubmitDesc::cuda_rea
 // SubmitDesc::collective, ranks and out_offset: reduce_scatter and allgather. A client never sends
 // them to a ringd without it (an older ringd ignores the reserved bytes and would run an allreduce).
 inline constexpr uint16_t kSlotFeatureCollectives = 2;
+// SubmitDesc::cuda_out_reg, cuda_out_offset, cuda_block and cuda_part: reduce_scatter and allgather
+// of device buffers (a ringd without it refuses them: ENOTSUP).
+inline constexpr uint16_t kSlotFeatureCudaCollectives = 4;
 inline constexpr size_t kSlotHeaderBytes = 4096;
 inline constexpr size_t kSlotDataAlign = 4096;
 inline constexpr uint32_t kQueueDepth = 64;
@@ -100,10 +103,21 @@ struct SubmitDesc {
     uint32_t collective;  // Collective
     uint32_t ranks;       // reduce_scatter, allgather: the group's ranks (the blocks of the larger range)
     uint64_t out_offset;  // reduce_scatter, allgather: the output's bytes into the slot data area
-    uint8_t reserved[256 - 80];
+    // kSlotFeatureCudaCollectives, a device reduce_scatter or allgather (0 otherwise). Its input
+    // starts cuda_offset bytes into registration cuda_reg (reduce_scatter: `ranks` blocks of
+    // cuda_block elements; allgather: one block), its output cuda_out_offset bytes into
+    // cuda_out_reg (one block, resp. `ranks`). This op is the part [cuda_part, cuda_part + count)
+    // of every block: staged in at `offset` (reduce_scatter: `ranks` blocks of count elements,
+    // allgather: one) and out from `out_offset` (one block, resp. `ranks`).
+    uint64_t cuda_out_reg;
+    uint64_t cuda_out_offset;
+    uint64_t cuda_block;
+    uint64_t cuda_part;
+    uint8_t reserved[256 - 112];
 };
 static_assert(sizeof(SubmitDesc) == 256);
 static_assert(offsetof(SubmitDesc, collective) == 64 && offsetof(SubmitDesc, out_offset) == 72);
+static_assert(offsetof(SubmitDesc, cuda_out_reg) == 80 && offsetof(SubmitDesc, cuda_part) == 104);
 static_assert(offsetof(SubmitDesc, offset) == 32);
 static_assert(offsetof(SubmitDesc, cuda_reg) == 40);
 static_assert(offsetof(SubmitDesc, cuda_ready_seq) == 56);
@@ -146,6 +160,12 @@ struct Submission {
     uint64_t cuda_reg = 0;
     uint64_t cuda_offset = 0;
     uint64_t ready_seq = 0;  // cuda: the seq whose ready word marks the buffer produced (>= seq)
+    // cuda reduce_scatter, allgather: the output's registration and offset, the device op's
+    // elements per block and this part's first element of each (SubmitDesc).
+    uint64_t cuda_out_reg = 0;
+    uint64_t cuda_out_offset = 0;
+    uint64_t cuda_block = 0;
+    uint64_t cuda_part = 0;
 };
 
 // Validates a copied descriptor against the slot's data area: collective/dtype/op/kind known, avg

@@ -248,6 +248,7 @@ ringd_client *connect_client(const char *socket_path, const char *group, int loc
         auto geo = proto::slot_geometry(share ? proto::kSlotDataAlign : w->data_bytes, w->sq_depth, w->cq_depth);
         c->header = reinterpret_cast<proto::SlotHeader *>(c->map->data());
         c->ranks = static_cast<uint32_t>(ranks);
+        c->rank = static_cast<uint32_t>(rank);
         if (!geo || geo->data_offset != w->data_offset || c->header->magic != proto::kSlotMagic ||
             c->header->version != proto::kSlotVersion ||
             (share && (w->map_bytes != geo->data_offset || w->data_bytes != 0)))

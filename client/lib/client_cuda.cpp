@@ -95,7 +95,9 @@ struct ringd_client_detail::CudaClient {
         uint64_t first = 0, last = 0, next = 0;  // next: the next part to hand to ringd
         uint64_t count = 0, per = 0, esize = 0;  // elements in all, per part, element size
         uint64_t reg_offset = 0, staging = 0;
-        uint64_t part_bytes = 0, max_ranges = 0;
+        // part_bytes: a part's staging (a reduce_scatter's or allgather's: its input and output,
+        // mult = ranks + 1 times its elements' bytes; an allreduce's: mult = 1).
+        uint64_t part_bytes = 0, max_ranges = 0, mult = 1;
         std::vector<uint64_t> range_seq;  // per staging range: the part in it (0: free); empty: no window yet
     };
     std::map<uint64_t, Stream> streams;  // by last seq, until the op's ticket settles
@@ -539,8 +541,10 @@ void cuda_pump(ringd_client &c) {
         CudaClient::Held &h = cc.backlog.front();
         if (h.stream == 0) {  // a slot op: it waits while a device op's window it overlaps is in use
             uint64_t busy = 0;
-            if (cuda_staging_overlaps(c, h.desc.offset, h.desc.count * dtype_size(static_cast<DType>(h.desc.dtype)), &busy))
-                break;
+            auto v = proto::validate_submit(h.desc, c.welcome.data_bytes, true);  // (checked when it was held)
+            const uint64_t from = v ? std::min(v->offset, v->out_offset) : h.desc.offset;
+            const uint64_t span = v ? std::max(v->offset + v->bytes, v->out_offset + v->out_bytes) - from : 0;
+            if (cuda_staging_overlaps(c, from, span, &busy)) break;
             if (n == descs.size()) flush();
             if (!c.queue_room(n + 1)) break;
             descs[n++] = h.desc;
@@ -552,7 +556,7 @@ void cuda_pump(ringd_client &c) {
             const uint64_t parts = st.last - st.first + 1;
             uint64_t ranges = st.max_ranges;
             for (; ranges > 0; --ranges) {
-                const uint64_t window = ranges == parts ? st.part_bytes * (parts - 1) + (st.count - (parts - 1) * st.per) * st.esize
+                const uint64_t window = ranges == parts ? st.part_bytes * (parts - 1) + (st.count - (parts - 1) * st.per) * st.esize * st.mult
                                                         : ranges * st.part_bytes;
                 if (find_staging(c, window, &st.staging, st.first)) {
                     cc.ops[st.last] = CudaClient::Op{st.staging, window};
@@ -572,8 +576,16 @@ void cuda_pump(ringd_client &c) {
             d = st.desc;
             d.seq = st.next;
             d.count = std::min(st.per, st.count - k * st.per);
-            d.offset = st.staging + (k % st.range_seq.size()) * st.per * st.esize;
-            d.cuda_offset = st.reg_offset + k * st.per * st.esize;
+            d.offset = st.staging + (k % st.range_seq.size()) * st.part_bytes;
+            if (d.collective == static_cast<uint32_t>(Collective::Allreduce)) {
+                d.cuda_offset = st.reg_offset + k * st.per * st.esize;
+            } else {
+                // The part's input, then its output; the device ranges stay the whole op's, the
+                // part says which elements of each block.
+                const bool rs = d.collective == static_cast<uint32_t>(Collective::ReduceScatter);
+                d.out_offset = d.offset + (rs ? d.ranks : 1) * d.count * st.esize;
+                d.cuda_part = k * st.per;
+            }
             d.cuda_ready_seq = st.first == st.last ? 0 : st.last;  // one part: its own word (any ringd)
             range = st.next++;
         }
@@ -589,7 +601,7 @@ void cuda_pump(ringd_client &c) {
 // ringd keeps its mapping until they end.
 uint64_t reg_pending(const CudaClient &cc, uint64_t reg) {
     for (const auto &[last, st] : cc.streams)
-        if (st.desc.cuda_reg == reg && st.next <= st.last) return last;
+        if ((st.desc.cuda_reg == reg || st.desc.cuda_out_reg == reg) && st.next <= st.last) return last;
     return 0;
 }
 
@@ -760,14 +772,42 @@ int ringd_unregister_cuda(ringd_client *c, uint64_t reg) {
     }
 }
 
-int ringd_submit_cuda(ringd_client *c, void *dev_ptr, size_t count, ringd_dtype dtype, ringd_op op,
-                      struct CUstream_st *stream, uint64_t *ticket) {
+}  // extern "C"
+
+namespace {
+
+// A device range [ptr, +bytes) inside one of the client's registrations: its id and the offset
+// into it.
+bool find_registration(const CudaClient &cc, CUdeviceptr ptr, uint64_t bytes, uint64_t *reg, uint64_t *reg_offset) {
+    auto inside = [&](CUdeviceptr base, uint64_t size) { return ptr >= base && ptr + bytes >= ptr && ptr + bytes <= base + size; };
+    for (const auto &[p, a] : cc.allocs)
+        if (inside(p, a.bytes)) {
+            *reg = a.reg, *reg_offset = ptr - p;
+            return true;
+        }
+    for (const auto &[id, r] : cc.regs)
+        if (inside(r.ptr, r.bytes)) {
+            *reg = id, *reg_offset = ptr - r.ptr;
+            return true;
+        }
+    return false;
+}
+
+struct DeviceOpArgs {
+    Collective collective;
+    uint32_t dtype, op;
+    uint64_t count;
+    CUdeviceptr in, out;  // allreduce: the same
+};
+
+// Any collective on device buffers (ringd_submit_cuda, ringd_submit_coll_cuda).
+int submit_device(ringd_client *c, const DeviceOpArgs &a, CUstream stream, uint64_t *ticket) {
     if (!c) return -EINVAL;
     std::lock_guard lock(c->mu);
     try {
         if (c->dead) return c->still_dead();
         if (!c->cuda || !c->cuda->ctx)
-            return c->fail(-ENOENT, "device buffer " + hex(reinterpret_cast<CUdeviceptr>(dev_ptr)) +
+            return c->fail(-ENOENT, "device buffer " + hex(a.in) +
                                         " is in no registration: this client has none yet (ringd_cuda_alloc, "
                                         "ringd_register_cuda)");
         CudaClient &cc = *c->cuda;
@@ -776,54 +816,84 @@ int ringd_submit_cuda(ringd_client *c, void *dev_ptr, size_t count, ringd_dtype 
             if (int rc = c->check_socket(); rc != 0) return rc;
             return c->die(-ECONNRESET, "ringd closed the connection");
         }
-        if (static_cast<unsigned>(dtype) >= kDTypeCount) return c->fail(-EINVAL, "unknown dtype");
-        uint64_t bytes = 0;
-        if (__builtin_mul_overflow(static_cast<uint64_t>(count), dtype_size(static_cast<DType>(dtype)), &bytes))
+        const uint64_t count = a.count;
+        if (a.dtype >= kDTypeCount) return c->fail(-EINVAL, "unknown dtype");
+        const bool coll = a.collective != Collective::Allreduce, rs = a.collective == Collective::ReduceScatter;
+        const std::string what(collective_name(a.collective));
+        if (coll) {
+            if (!(c->header->features & proto::kSlotFeatureCudaCollectives))
+                return c->fail(-ENOTSUP, "this ringd runs device buffers' allreduce only (an older release): no " + what +
+                                             " of device buffers");
+            if (c->ranks == 0)
+                return c->fail(-EINVAL, "a " + what + " needs this trainer's rank in its group: connect with "
+                                        "ringd_options.rank and .ranks");
+        }
+        const uint64_t ranks = coll ? c->ranks : 1;
+        const uint64_t esize = dtype_size(static_cast<DType>(a.dtype));
+        uint64_t bytes = 0, whole = 0;  // a block's, the side with a block per rank's
+        if (__builtin_mul_overflow(count, esize, &bytes) || __builtin_mul_overflow(bytes, ranks, &whole))
             return c->fail(-EOVERFLOW, "count " + std::to_string(count) + " overflows");
-        const auto ptr = reinterpret_cast<CUdeviceptr>(dev_ptr);
-        uint64_t reg = 0, reg_offset = 0;
-        bool found = false;
-        auto inside = [&](CUdeviceptr base, uint64_t size) { return ptr >= base && ptr + bytes >= ptr && ptr + bytes <= base + size; };
-        for (const auto &[p, a] : cc.allocs)
-            if (inside(p, a.bytes)) {
-                reg = a.reg, reg_offset = ptr - p, found = true;
-                break;
-            }
-        for (auto it = cc.regs.begin(); !found && it != cc.regs.end(); ++it)
-            if (inside(it->second.ptr, it->second.bytes)) reg = it->first, reg_offset = ptr - it->second.ptr, found = true;
-        if (!found)
-            return c->fail(-ENOENT, "device buffer [" + hex(ptr) + ", +" + std::to_string(bytes) +
+        const uint64_t in_bytes = rs ? whole : bytes, out_bytes = coll && !rs ? whole : bytes;
+        uint64_t reg = 0, reg_offset = 0, out_reg = 0, out_reg_offset = 0;
+        if (!find_registration(cc, a.in, in_bytes, &reg, &reg_offset))
+            return c->fail(-ENOENT, std::string(coll ? "input " : "") + "device buffer [" + hex(a.in) + ", +" + std::to_string(in_bytes) +
                                         ") is in no registration of this client: register it with ringd_register_cuda "
                                         "or allocate it with ringd_cuda_alloc");
+        if (coll) {
+            if (!find_registration(cc, a.out, out_bytes, &out_reg, &out_reg_offset))
+                return c->fail(-ENOENT, "output device buffer [" + hex(a.out) + ", +" + std::to_string(out_bytes) +
+                                            ") is in no registration of this client: register it with ringd_register_cuda "
+                                            "or allocate it with ringd_cuda_alloc");
+            // Apart, or in place: the rank's own block of the side with a block per rank.
+            const uint64_t own = uint64_t{c->rank} * bytes;
+            const bool apart = a.in + in_bytes <= a.out || a.out + out_bytes <= a.in;
+            const bool in_place = rs ? a.out == a.in + own : a.in == a.out + own;
+            if (!apart && !in_place)
+                return c->fail(-EINVAL, "the " + what + "'s output [" + hex(a.out) + ", +" + std::to_string(out_bytes) +
+                                            ") overlaps its input [" + hex(a.in) + ", +" + std::to_string(in_bytes) +
+                                            ") other than as rank " + std::to_string(c->rank) + "'s own block");
+        }
         c->drain_completions();  // staging ranges of ops that ended are free again
         proto::SubmitDesc d{};
         d.seq = c->next_seq;
         d.count = count;
-        d.dtype = static_cast<uint32_t>(dtype);
-        d.op = static_cast<uint32_t>(op);
+        d.dtype = a.dtype;
+        d.op = a.op;
         d.buffer_kind = static_cast<uint32_t>(proto::BufferKind::Cuda);
         d.cuda_reg = reg;
         d.cuda_offset = reg_offset;
+        if (coll) {
+            d.collective = static_cast<uint32_t>(a.collective);
+            d.ranks = c->ranks;
+            d.cuda_out_reg = out_reg;
+            d.cuda_out_offset = out_reg_offset;
+            d.cuda_block = count;
+        }
         // A large op goes as parts of at most cc.part_bytes: consecutive ringd ops, so that ringd
         // copies part k+1 off the device while part k is on the ring, and copies part k's result
         // back while k+1 is (the copies pipelined with the ring). Every rank cuts the same
         // (count, dtype) the same way. The parts cycle through a staging window of at most
         // kMaxRanges part-sized ranges of the slot, so an op of any size streams through it.
-        const uint64_t esize = dtype_size(static_cast<DType>(dtype));
+        // A reduce_scatter's or allgather's part is the same elements of every block: its input and
+        // output are staged apart, (ranks + 1) x its elements.
+        const uint64_t mult = coll ? ranks + 1 : 1;
         // The window is placed when the op is next to go to ringd (cuda_pump): as many ranges as
         // the slot then has room for beside the ops in flight, at least one.
         const uint64_t room = c->staging_end() - c->cuda_staging_offset;
-        const uint64_t per = std::max<uint64_t>(1, (cc.part_bytes ? cc.part_bytes : default_part_bytes(room)) / esize);
+        const uint64_t per = std::max<uint64_t>(1, (cc.part_bytes ? cc.part_bytes : default_part_bytes(room)) / (esize * mult));
         const uint64_t parts = count == 0 ? 1 : (count + per - 1) / per;
-        const uint64_t part_bytes = parts == 1 ? bytes : per * esize;
+        uint64_t part_bytes = 0;
+        if (__builtin_mul_overflow(parts == 1 ? count : per, esize * mult, &part_bytes))
+            return c->fail(-EOVERFLOW, "count " + std::to_string(count) + " overflows");
         const uint64_t ranges = std::min<uint64_t>({parts, kMaxRanges, room / std::max<uint64_t>(part_bytes, 1)});
         if (part_bytes > room || ranges == 0)
-            return c->fail(-E2BIG, (parts == 1 ? "a device op of " + std::to_string(bytes) + " bytes"
+            return c->fail(-E2BIG, (parts == 1 ? "a device op of " + std::to_string(part_bytes) + " bytes of staging"
                                                : "a part of " + std::to_string(part_bytes) + " bytes") +
                                        " does not fit the " + std::to_string(room) + " bytes of the slot it is staged in "
                                        "(connect with a larger slot_bytes / RINGD_SLOT_BYTES, or make the parts smaller: "
                                        "RINGD_CUDA_PART_BYTES, ringd_set_cuda_part_bytes)");
         d.count = std::min<uint64_t>(count, per);
+        if (coll) d.out_offset = (rs ? ranks : 1) * d.count * esize;  // (placed in the window by cuda_pump)
         d.cuda_ready_seq = d.seq + parts - 1;
         if (parts > 1 && !(c->header->features & proto::kSlotFeatureCudaReadySeq))
             return c->fail(-ENOTSUP, "this ringd is older than this library: a device op larger than a part (" +
@@ -854,6 +924,7 @@ int ringd_submit_cuda(ringd_client *c, void *dev_ptr, size_t count, ringd_dtype 
         st.reg_offset = reg_offset;
         st.part_bytes = part_bytes;
         st.max_ranges = ranges;
+        st.mult = mult;
         {
             ContextScope scope(api, cc.ctx);
             // "The buffer is produced" in the stream's order, once for the whole op: every part's
@@ -874,7 +945,7 @@ int ringd_submit_cuda(ringd_client *c, void *dev_ptr, size_t count, ringd_dtype 
         t.submitted = now;  // again as each part goes: the contract counts from the latest
         t.held = true;      // until its first part goes
         t.cuda = true;
-        t.bytes = bytes;
+        t.bytes = in_bytes;
         t.parts_left = parts - 1;
         cc.device_seq[last % proto::kQueueDepth] = last;
         {
@@ -895,6 +966,39 @@ int ringd_submit_cuda(ringd_client *c, void *dev_ptr, size_t count, ringd_dtype 
     } catch (const std::exception &e) {
         return c->fail(-ENOMEM, e.what());
     }
+}
+
+}  // namespace
+
+extern "C" {
+
+int ringd_submit_cuda(ringd_client *c, void *dev_ptr, size_t count, ringd_dtype dtype, ringd_op op,
+                      struct CUstream_st *stream, uint64_t *ticket) {
+    const auto ptr = reinterpret_cast<CUdeviceptr>(dev_ptr);
+    return submit_device(c, {Collective::Allreduce, static_cast<uint32_t>(dtype), static_cast<uint32_t>(op), count, ptr, ptr},
+                         stream, ticket);
+}
+
+int ringd_submit_coll_cuda(ringd_client *c, const ringd_coll_cuda *coll, struct CUstream_st *stream, uint64_t *ticket) {
+    if (!c) return -EINVAL;
+    constexpr size_t kFirstVersion = offsetof(ringd_coll_cuda, output) + sizeof(void *);
+    if (!coll || coll->struct_size < kFirstVersion) {
+        std::lock_guard lock(c->mu);
+        return c->fail(-EINVAL, "ringd_submit_coll_cuda: coll must be a ringd_coll_cuda with struct_size = sizeof(ringd_coll_cuda)");
+    }
+    if (static_cast<unsigned>(coll->collective) >= kCollectiveCount) {
+        std::lock_guard lock(c->mu);
+        return c->fail(-EINVAL, "unknown collective " + std::to_string(static_cast<unsigned>(coll->collective)));
+    }
+    const auto in = reinterpret_cast<CUdeviceptr>(coll->input);
+    const auto out = coll->collective == RINGD_ALLREDUCE || !coll->output ? in : reinterpret_cast<CUdeviceptr>(coll->output);
+    if (coll->collective != RINGD_ALLREDUCE && !coll->output) {
+        std::lock_guard lock(c->mu);
+        return c->fail(-EINVAL, "ringd_submit_coll_cuda: a reduce_scatter or allgather needs an output");
+    }
+    return submit_device(c, {static_cast<Collective>(coll->collective), static_cast<uint32_t>(coll->dtype),
+                             static_cast<uint32_t>(coll->op), coll->count, in, out},
+                         stream, ticket);
 }
 
 int ringd_set_cuda_part_bytes(ringd_client *c, size_t bytes) {
@@ -1028,6 +1132,7 @@ int ringd_unregister_cuda(ringd_client *c, uint64_t) { return RINGD_NO_CUDA(c); 
 int ringd_submit_cuda(ringd_client *c, void *, size_t, ringd_dtype, ringd_op, struct CUstream_st *, uint64_t *) {
     return RINGD_NO_CUDA(c);
 }
+int ringd_submit_coll_cuda(ringd_client *c, const ringd_coll_cuda *, struct CUstream_st *, uint64_t *) { return RINGD_NO_CUDA(c); }
 int ringd_stream_wait(ringd_client *c, uint64_t, struct CUstream_st *) { return RINGD_NO_CUDA(c); }
 int ringd_set_cuda_part_bytes(ringd_client *c, size_t) { return RINGD_NO_CUDA(c); }
 int ringd_set_cuda_staging(ringd_client *c, size_t, size_t) { return RINGD_NO_CUDA(c); }

@@ -69,11 +69,21 @@ struct CudaService::Op {
     uint32_t word = 0;   // the seq's low 32 bits
     // The ready word it waits for: its own, or (a part of a larger device op) the op's last part's.
     uint32_t ready_entry = 0, ready_word = 0;
-    CUdeviceptr dev = 0;
-    std::byte *host = nullptr;
-    uint64_t bytes = 0;
-    std::shared_ptr<Mapping> mapping;
+    // Its copies: device->host to stage in, host->device to stage out (an allreduce: one range
+    // each way; a reduce_scatter or allgather: a range of every block on the side with one per rank).
+    struct Copy {  // `n` ranges of `bytes`, each `dev_stride` / `host_stride` after the one before
+        CUdeviceptr dev = 0;
+        std::byte *host = nullptr;
+        uint64_t bytes = 0, n = 1, dev_stride = 0, host_stride = 0;
+    };
+    Copy in, out;
+    // The registrations' mappings it uses (the output's, when another: out_mapping); held (ops)
+    // until it ends.
+    std::shared_ptr<Mapping> mapping, out_mapping;
     Error error{0, {}};  // part of the stage-in could not be queued: the op fails when it is staged
+
+    void unhold() const;
+    void forget_mappings() const;  // abandoned: never unmapped under the stream
 };
 
 struct CudaService::Client {
@@ -169,7 +179,7 @@ CudaService::~CudaService() {
     clients_.clear();
     for (auto &c : abandoned_) {  // their mappings stay open, their pins stay
         for (auto &[reg, r] : c->regs) r.mapping->base = 0;
-        for (auto &[seq, op] : c->ops) op.mapping->base = 0;
+        for (auto &[seq, op] : c->ops) op.forget_mappings();
         c->regs.clear();
         c->ops.clear();
     }
@@ -453,41 +463,79 @@ Status CudaService::stage_in(MemberId id, const proto::Submission &s) {
     const std::string at = "op " + std::to_string(s.seq) + ": ";
     auto it = clients_.find(id);
     Client *c = it == clients_.end() ? nullptr : it->second.get();
-    auto r = c ? c->regs.find(s.cuda_reg) : decltype(c->regs.end()){};
-    if (!c || r == c->regs.end())
-        return make_error(-ENOENT, at + "CUDA registration " + std::to_string(s.cuda_reg) + " is not one of this client's");
-    const Registration &reg = r->second;
-    uint64_t end = 0;
-    if (__builtin_add_overflow(s.cuda_offset, s.bytes, &end) || end > reg.bytes)
-        return make_error(-ERANGE, at + "device range [" + std::to_string(s.cuda_offset) + ", +" + std::to_string(s.bytes) +
-                                       ") lies outside registration " + std::to_string(s.cuda_reg) + " (" +
-                                       std::to_string(reg.bytes) + " bytes)");
+    if (!c) return make_error(-ENOENT, at + "CUDA registration " + std::to_string(s.cuda_reg) + " is not one of this client's");
+    // The device ranges, whole (a reduce_scatter's or allgather's part reads and writes a range of
+    // each block of them): the input in cuda_reg, the output in cuda_out_reg.
+    const OpDesc &d = s.desc;
+    const bool coll = d.collective != Collective::Allreduce, rs = d.collective == Collective::ReduceScatter;
+    const uint64_t es = dtype_size(d.dtype), block = s.cuda_block * es, part = d.count * es;
+    auto in = device_range(c->regs, at, coll ? "input" : "", s.cuda_reg, s.cuda_offset, coll ? (rs ? d.ranks * block : block) : s.bytes);
+    if (!in) return in.error();
+    const Registration *out_reg = *in;
+    if (coll) {
+        auto out = device_range(c->regs, at, "output", s.cuda_out_reg, s.cuda_out_offset, rs ? block : d.ranks * block);
+        if (!out) return out.error();
+        out_reg = *out;
+    }
     if (c->ops.count(s.seq)) return make_error(-EINVAL, at + "already in flight");
     if (c->stuck)
         return make_error(-EIO, at + "ringd's CUDA stream for this client is stuck (a driver error); reconnect");
-    Mapping &m = *reg.mapping;
+    // Both mappings open, each held while the other opens (opening one may close idle ones).
+    Mapping &m = *(*in)->mapping;
+    const std::shared_ptr<Mapping> om = out_reg->mapping != (*in)->mapping ? out_reg->mapping : nullptr;
     if (auto o = open(m); !o) return make_error(o.error().code, at + o.error().message);
-    if (auto o = make_current(*c->device); !o) return o;
+    ++m.ops;
+    if (om) {
+        if (auto o = open(*om); !o) {
+            --m.ops;
+            return make_error(o.error().code, at + o.error().message);
+        }
+        ++om->ops;
+    }
     Op op;
+    op.mapping = (*in)->mapping;
+    op.out_mapping = om;
+    if (auto o = make_current(*c->device); !o) {
+        op.unhold();
+        return o;
+    }
     op.entry = static_cast<uint32_t>(s.seq % proto::kQueueDepth);
     op.word = static_cast<uint32_t>(s.seq);
     op.ready_entry = static_cast<uint32_t>(s.ready_seq % proto::kQueueDepth);
     op.ready_word = static_cast<uint32_t>(s.ready_seq);
-    op.dev = m.base + reg.offset + s.cuda_offset;
-    op.host = c->slot->data() + s.offset;
-    op.bytes = s.bytes;
-    op.mapping = reg.mapping;
+    const CUdeviceptr dev_in = m.base + (*in)->offset + s.cuda_offset;
+    std::byte *host_in = c->slot->data() + s.offset;
+    if (!coll) {
+        op.in = op.out = Op::Copy{dev_in, host_in, s.bytes};
+    } else {
+        // reduce_scatter: every block's part in, one out; allgather: one in, every block's out.
+        const CUdeviceptr dev_out = (om ? om->base : m.base) + out_reg->offset + s.cuda_out_offset;
+        std::byte *host_out = c->slot->data() + s.out_offset;
+        const uint64_t at_part = s.cuda_part * es;
+        if (rs) {
+            op.in = Op::Copy{dev_in + at_part, host_in, part, d.ranks, block, part};
+            op.out = Op::Copy{dev_out + at_part, host_out, part};
+        } else {
+            op.in = Op::Copy{dev_in + at_part, host_in, part};
+            op.out = Op::Copy{dev_out + at_part, host_out, part, d.ranks, block, part};
+        }
+    }
     if (CUresult e = api_.cuStreamWaitValue32(c->in, c->sync + kReadyOffset + 4 * op.ready_entry, op.ready_word,
                                               CU_STREAM_WAIT_VALUE_GEQ);
-        e != CUDA_SUCCESS)
+        e != CUDA_SUCCESS) {
+        op.unhold();
         return driver_error(at + "waiting for the trainer's stream (cuStreamWaitValue32: this GPU and driver need "
                                  "stream memory operations)", e);
-    // From here on work is queued: the op is tracked (its mapping and staging held) until its
+    }
+    // From here on work is queued: the op is tracked (its mappings and staging held) until its
     // StagedIn event, whatever else fails.
-    if (op.bytes > 0)
-        if (CUresult e = api_.cuMemcpyDtoHAsync(op.host, op.dev, op.bytes, c->in); e != CUDA_SUCCESS)
+    for (uint64_t k = 0; k < op.in.n && op.in.bytes > 0; ++k)
+        if (CUresult e = api_.cuMemcpyDtoHAsync(op.in.host + k * op.in.host_stride, op.in.dev + k * op.in.dev_stride,
+                                                op.in.bytes, c->in);
+            e != CUDA_SUCCESS) {
             op.error = driver_error(at + "device->host copy (cuMemcpyDtoHAsync)", e);
-    ++m.ops;
+            break;
+        }
     ++stats_.ops_staged;
     auto &placed = c->ops.emplace(s.seq, std::move(op)).first->second;
     if (auto o = enqueue_event(c->in, id, s.seq, CudaStageEvent::StagedIn); !o) {
@@ -496,13 +544,39 @@ Status CudaService::stage_in(MemberId id, const proto::Submission &s) {
         if (!drained(c->in, std::chrono::seconds(1))) {
             spdlog::error("client {}: its CUDA stage-in stream does not drain; no more device ops for it", id);
             c->stuck = true;
-            return make_error(o.error().code, at + o.error().message);  // op and mapping stay held
+            return make_error(o.error().code, at + o.error().message);  // op and mappings stay held
         }
-        --m.ops;
+        placed.unhold();
         c->ops.erase(s.seq);
         return make_error(o.error().code, at + o.error().message);
     }
     return Ok{};
+}
+
+// A registration of the client's with [offset, offset + bytes) inside it, or why not.
+Result<const CudaService::Registration *> CudaService::device_range(const std::map<uint64_t, Registration> &regs,
+                                                                    const std::string &at, const char *what, uint64_t reg,
+                                                                    uint64_t offset, uint64_t bytes) {
+    auto r = regs.find(reg);
+    const std::string side = *what ? std::string(what) + " " : "";
+    if (r == regs.end())
+        return make_error(-ENOENT, at + side + "CUDA registration " + std::to_string(reg) + " is not one of this client's");
+    uint64_t end = 0;
+    if (__builtin_add_overflow(offset, bytes, &end) || end > r->second.bytes)
+        return make_error(-ERANGE, at + side + "device range [" + std::to_string(offset) + ", +" + std::to_string(bytes) +
+                                       ") lies outside registration " + std::to_string(reg) + " (" +
+                                       std::to_string(r->second.bytes) + " bytes)");
+    return &r->second;
+}
+
+void CudaService::Op::unhold() const {
+    if (mapping) --mapping->ops;
+    if (out_mapping) --out_mapping->ops;
+}
+
+void CudaService::Op::forget_mappings() const {
+    if (mapping) mapping->base = 0;
+    if (out_mapping) out_mapping->base = 0;
 }
 
 bool CudaService::owns_completion(MemberId id, uint64_t seq) const {
@@ -533,8 +607,14 @@ Status CudaService::stage_out(MemberId id, uint64_t seq) {
         return Ok{};
     };
     Status st = Ok{};
-    if (op.bytes > 0)
-        if (CUresult e = api_.cuMemcpyHtoDAsync(op.dev, op.host, op.bytes, c.out); e != CUDA_SUCCESS) {
+    for (uint64_t k = 0; k < op.out.n && op.out.bytes > 0; ++k)
+        if (CUresult e = api_.cuMemcpyHtoDAsync(op.out.dev + k * op.out.dev_stride, op.out.host + k * op.out.host_stride,
+                                                op.out.bytes, c.out);
+            e != CUDA_SUCCESS) {
+            if (k > 0) {  // copies are queued: the op stays until the stream passed them
+                st = queued_fail("host->device copy of the result (cuMemcpyHtoDAsync)", e);
+                break;
+            }
             op.phase = Op::Staged;
             finish(id, seq);
             return driver_error("op " + std::to_string(seq) + ": host->device copy of the result (cuMemcpyHtoDAsync)", e);
@@ -562,7 +642,7 @@ void CudaService::finish(MemberId id, uint64_t seq) {
     auto o = c.ops.find(seq);
     if (o == c.ops.end() || o->second.phase == Op::StagingIn) return;  // its stream work may still run
     c.done_due[seq] = o->second.entry;
-    if (o->second.mapping) --o->second.mapping->ops;
+    o->second.unhold();
     c.ops.erase(o);
     write_done_words(c);
     check_unregistered();
@@ -641,7 +721,7 @@ void CudaService::tick(Clock::time_point now) {
         spdlog::error("client {}: its CUDA streams did not drain within {} s of its departure; its slot pin and "
                       "mappings are kept for the life of ringd",
                       id, std::chrono::duration_cast<std::chrono::seconds>(kDrainBound).count());
-        for (auto &[seq, op] : node.mapped()->ops) op.mapping->base = 0;  // never unmapped under the stream
+        for (auto &[seq, op] : node.mapped()->ops) op.forget_mappings();  // never unmapped under the stream
         node.mapped()->ops.clear();
         abandoned_.push_back(std::move(node.mapped()));
     }
@@ -655,8 +735,7 @@ void CudaService::cleanup(MemberId id) {
     if (c.device) (void)make_current(*c.device);
     for (CUstream s : {c.in, c.out})
         if (s) api_.cuStreamDestroy(s);
-    for (auto &[seq, op] : c.ops)
-        if (op.mapping) --op.mapping->ops;
+    for (auto &[seq, op] : c.ops) op.unhold();
     c.ops.clear();
     c.regs.clear();
     if (c.host_registered) api_.cuMemHostUnregister(&c.slot->header());

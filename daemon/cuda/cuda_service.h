@@ -123,6 +123,8 @@ private:
     Status open(Mapping &m);
     void close(Mapping &m);
     Status make_room(uint64_t bytes, const Mapping *keep);
+    static Result<const Registration *> device_range(const std::map<uint64_t, Registration> &regs, const std::string &at,
+                                                     const char *what, uint64_t reg, uint64_t offset, uint64_t bytes);
     Status enqueue_event(CUstream_st *stream, MemberId id, uint64_t seq, CudaStageEvent::Kind kind);
     bool drained(CUstream_st *stream, std::chrono::milliseconds bound);
     void release_words(Client &c);

@@ -12,110 +12,23 @@
 
 #include "ringd/ringd.h"
 #include "tests/support/cluster.h"
+#include "tests/support/ranked.h"
 
 using namespace ringd;
 using namespace ringd::test;
 
 namespace {
 
-// One trainer of a ranked group: its client and slot.
-struct Trainer {
-    ClientPtr c{nullptr, ringd_close};
-    std::byte *slot = nullptr;
-    size_t bytes = 0;
-    uint32_t rank = 0;
-};
-
-// The group's trainers: host h runs locals[h] of them, whose ranks are the next ones of `ranks`
-// (the group's rank of each, in host order then local-rank order).
-std::vector<Trainer> join_ranked(TestCluster &c, const std::string &group, const std::vector<uint32_t> &locals,
-                                 const std::vector<uint32_t> &ranks, size_t slot_bytes, std::string *err = nullptr) {
-    std::vector<Trainer> v;
-    size_t next = 0;
-    for (uint32_t h = 0; h < locals.size(); ++h)
-        for (uint32_t l = 0; l < locals[h]; ++l) {
-            ringd_options o{};
-            o.struct_size = sizeof o;
-            o.socket_path = c.d[h]->socket().c_str();
-            o.group = group.c_str();
-            o.local_rank = static_cast<int>(l);
-            o.local_size = static_cast<int>(locals[h]);
-            o.slot_bytes = slot_bytes;
-            o.rank = static_cast<int>(ranks[next]);
-            o.ranks = static_cast<int>(ranks.size());
-            char e[512] = "";
-            Trainer t;
-            t.c = ClientPtr(ringd_connect_opts(&o, e, sizeof e), ringd_close);
-            if (!t.c) {
-                if (err) *err = e;
-                else FAIL("host " << h << " local rank " << l << ": " << e);
-                return {};
-            }
-            t.slot = static_cast<std::byte *>(ringd_slot(t.c.get(), &t.bytes));
-            t.rank = ranks[next++];
-            v.push_back(std::move(t));
-        }
-    return v;
-}
-
-// Where a rank's input and output lie in its slot: apart (each with guard bytes around it), or in
-// place (the output the rank's block of the input, or the input its block of the output).
-struct Placement {
-    size_t in = 0, out = 0;
-    size_t in_count = 0, out_count = 0;
-    size_t span_begin = 0, span_end = 0;  // the bytes the op may write, guards outside them
-};
-
-Placement place(Collective coll, DType t, size_t count, uint32_t ranks, uint32_t rank, bool in_place, uint64_t seed) {
-    const size_t es = dtype_size(t);
-    Placement p;
-    p.in_count = coll == Collective::ReduceScatter ? count * ranks : count;
-    p.out_count = coll == Collective::Allgather ? count * ranks : count;
-    const size_t base = bench::kGuardBytes + ((seed + rank * 7) % 64) * 8;
-    if (!in_place) {
-        p.in = base;
-        p.out = (base + p.in_count * es + 2 * bench::kGuardBytes + 63) / 64 * 64;
-        p.span_begin = p.in;
-        p.span_end = p.out + p.out_count * es;
-    } else if (coll == Collective::ReduceScatter) {
-        p.in = base;
-        p.out = base + size_t{rank} * count * es;
-        p.span_begin = p.in;
-        p.span_end = p.in + p.in_count * es;
-    } else {
-        p.out = base;
-        p.in = base + size_t{rank} * count * es;
-        p.span_begin = p.out;
-        p.span_end = p.out + p.out_count * es;
-    }
-    return p;
-}
-
-struct Verdict {
-    uint64_t wrong = 0, guard = 0, input_changed = 0;
-};
-
-// One reduce_scatter or allgather on every trainer, waited and checked: rank r's input is
-// bench::value(r, i) over the whole input (a reduce_scatter's block b of rank r holds elements
-// b*count.. of it), so rank r's reduce_scatter output is the reduction of element r*count + i over
-// every rank, and an allgather's block b is rank b's input.
+// One reduce_scatter or allgather on every trainer's slot, waited and checked (ranked.h).
 Verdict run_checked(std::vector<Trainer> &tr, Collective coll, DType t, ReduceOp op, size_t count, bool in_place,
                     uint64_t seed) {
     const auto ranks = static_cast<uint32_t>(tr.size());
-    const size_t es = dtype_size(t);
     std::vector<Placement> pl;
     std::vector<uint64_t> tickets(tr.size());
     for (auto &x : tr) {
         const Placement p = place(coll, t, count, ranks, x.rank, in_place, seed);
         REQUIRE(p.span_end + bench::kGuardBytes <= x.bytes);
-        // Guards everywhere around the ranges (and between them), then the input.
-        bench::guard_fill(x.slot, p.span_begin - bench::kGuardBytes, p.span_end + bench::kGuardBytes, seed);
-        if (coll == Collective::Allgather && in_place) {
-            for (size_t i = 0; i < count; ++i) bench::store(x.slot + p.in, i, t, static_cast<double>(bench::value(x.rank, i)));
-        } else {
-            for (size_t i = 0; i < p.in_count; ++i)
-                bench::store(x.slot + p.in, i, t, static_cast<double>(bench::value(x.rank, i)));
-        }
+        fill_ranked(x.slot, p, coll, t, count, x.rank, in_place, seed);
         pl.push_back(p);
     }
     for (size_t g = 0; g < tr.size(); ++g) {
@@ -132,33 +45,7 @@ Verdict run_checked(std::vector<Trainer> &tr, Collective coll, DType t, ReduceOp
                      << " count " << count << (in_place ? " in place" : "") << ": " << ringd_last_error(tr[g].c.get()));
         REQUIRE(rc == 0);
     }
-    const double tol = bench::tolerance(t, op);
-    for (size_t g = 0; g < tr.size(); ++g) {
-        const Trainer &x = tr[g];
-        const Placement &p = pl[g];
-        const std::byte *out = x.slot + p.out;
-        for (size_t i = 0; i < p.out_count; ++i) {
-            double want;
-            if (coll == Collective::ReduceScatter) {
-                want = bench::want(ranks, size_t{x.rank} * count + i, t, op);
-            } else {
-                want = bench::round_to(t, static_cast<double>(bench::value(i / std::max<size_t>(count, 1), i % std::max<size_t>(count, 1))));
-            }
-            const double got = bench::load(out, i, t);
-            if (!(std::fabs(got - want) <= tol * std::fabs(want))) ++v.wrong;
-        }
-        v.guard += bench::guard_damage(x.slot, p.span_begin - bench::kGuardBytes, p.span_begin, seed) +
-                   bench::guard_damage(x.slot, p.span_end, p.span_end + bench::kGuardBytes, seed);
-        if (!in_place) {
-            // Between the ranges: untouched. An allgather's input is left as it was (a
-            // reduce_scatter may leave partial sums in its input: ringd.h).
-            v.guard += bench::guard_damage(x.slot, p.in + p.in_count * es, p.out, seed);
-            if (coll == Collective::Allgather)
-                for (size_t i = 0; i < count; ++i)
-                    if (bench::load(x.slot + p.in, i, t) != bench::round_to(t, static_cast<double>(bench::value(x.rank, i))))
-                        ++v.input_changed;
-        }
-    }
+    for (size_t g = 0; g < tr.size(); ++g) v += check_ranked(tr[g].slot, pl[g], coll, t, op, count, ranks, tr[g].rank, in_place, seed);
     return v;
 }
 

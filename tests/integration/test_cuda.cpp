@@ -18,6 +18,7 @@
 #include "common/status_client.h"
 #include "tests/support/cluster.h"
 #include "tests/support/matrix.h"
+#include "tests/support/ranked.h"
 #include "tests/support/skip.h"
 
 using namespace ringd;
@@ -253,6 +254,111 @@ TEST_CASE("device buffers on 3 hosts x 2 ranks, every dtype and op, both kinds",
     bufs.clear();
     cl.clear();
     CHECK(all_closed(c));
+}
+
+TEST_CASE("reduce_scatter and allgather of device buffers: ranks 2 and 1 per host numbered unlike the ring, every "
+          "dtype x op, in place, apart and into another registration, in one part and in many, exact with guard bytes",
+          "[cuda][collectives]") {
+    NEED_CUDA();
+    use_device();
+    TestCluster c(2, cuda_cluster("10s", cuda_yaml()));
+    REQUIRE(c.wait_up());
+    // Host 0 has ranks 2 and 0, host 1 rank 1. Each rank's inputs (and in-place outputs) are in
+    // one device buffer (rank 2's from ringd_cuda_alloc), its outputs apart in another registration.
+    std::vector<Trainer> tr = join_ranked(c, "devcoll", {2, 1}, {2, 0, 1}, 1 << 20);
+    REQUIRE(tr.size() == 3);
+    constexpr size_t kBuf = 256 << 10;
+    std::vector<std::unique_ptr<DeviceBuf>> bufs, outs;
+    for (size_t g = 0; g < tr.size(); ++g) {
+        bufs.push_back(std::make_unique<DeviceBuf>(tr[g].c.get(), kBuf, g == 0));
+        outs.push_back(std::make_unique<DeviceBuf>(tr[g].c.get(), kBuf, false));
+    }
+    enum Where { Apart, InPlace, OtherRegistration };
+    uint64_t seed = 1, ops = 0, parts = 0;
+    // 1000 elements in one part; 3001 in 4 KiB parts (each (3 + 1) x its elements: 128 of f64,
+    // 24 parts, cycling through the window's 16 ranges).
+    for (auto [count, part_bytes] : {std::pair<size_t, size_t>{1000, 0}, std::pair<size_t, size_t>{3001, 4096}}) {
+        for (auto &x : tr) REQUIRE(ringd_set_cuda_part_bytes(x.c.get(), part_bytes) == 0);
+        for (uint32_t ti = 0; ti < kDTypeCount; ++ti)
+            for (uint32_t oi = 0; oi <= kReduceOpCount; ++oi) {
+                const auto t = static_cast<DType>(ti);
+                const bool gather = oi == kReduceOpCount;  // the allgather of the dtype
+                const auto op = gather ? ReduceOp::Sum : static_cast<ReduceOp>(oi);
+                if (op == ReduceOp::Avg && dtype_is_integer(t)) continue;
+                const Collective coll = gather ? Collective::Allgather : Collective::ReduceScatter;
+                for (Where where : {Apart, InPlace, OtherRegistration}) {
+                    INFO(collective_name(coll) << " " << dtype_name(t) << " " << reduce_op_name(op) << " count " << count
+                                               << (where == Apart ? " apart" : where == InPlace ? " in place" : " into another registration"));
+                    std::vector<Placement> pl;
+                    std::vector<std::vector<std::byte>> image(tr.size()), out_image(tr.size());
+                    std::vector<uint64_t> tickets(tr.size());
+                    for (size_t g = 0; g < tr.size(); ++g) {
+                        const Placement p = place(coll, t, count, 3, tr[g].rank, where == InPlace, seed);
+                        REQUIRE(p.span_end + bench::kGuardBytes <= kBuf);
+                        image[g].assign(kBuf, std::byte{0});
+                        fill_ranked(image[g].data(), p, coll, t, count, tr[g].rank, where == InPlace, seed);
+                        out_image[g] = image[g];  // the same guard bytes where the output goes
+                        REQUIRE(api()->cuMemcpyHtoD(bufs[g]->base, image[g].data(), kBuf) == CUDA_SUCCESS);
+                        REQUIRE(api()->cuMemcpyHtoD(outs[g]->base, out_image[g].data(), kBuf) == CUDA_SUCCESS);
+                        const ringd_coll_cuda d{sizeof(ringd_coll_cuda), static_cast<ringd_collective>(coll),
+                                                static_cast<ringd_dtype>(t), static_cast<ringd_op>(op), count,
+                                                bufs[g]->at(p.in), (where == OtherRegistration ? outs[g] : bufs[g])->at(p.out)};
+                        INFO("rank " << tr[g].rank << ": " << ringd_last_error(tr[g].c.get()));
+                        REQUIRE(ringd_submit_coll_cuda(tr[g].c.get(), &d, nullptr, &tickets[g]) == 0);
+                        pl.push_back(p);
+                    }
+                    for (size_t g = 0; g < tr.size(); ++g) {
+                        INFO("rank " << tr[g].rank << ": " << ringd_last_error(tr[g].c.get()));
+                        REQUIRE(ringd_wait(tr[g].c.get(), tickets[g], 20000) == 0);
+                    }
+                    for (size_t g = 0; g < tr.size(); ++g) {
+                        std::vector<std::byte> in_after(kBuf), out_after(kBuf);
+                        REQUIRE(api()->cuMemcpyDtoH(in_after.data(), bufs[g]->base, kBuf) == CUDA_SUCCESS);
+                        REQUIRE(api()->cuMemcpyDtoH(out_after.data(), outs[g]->base, kBuf) == CUDA_SUCCESS);
+                        const Placement &p = pl[g];
+                        INFO("rank " << tr[g].rank);
+                        if (where == OtherRegistration) {
+                            // Nothing written to the input's buffer past the input, nor to the
+                            // output's before the output; checked as one image.
+                            const size_t in_end = p.in + p.in_count * dtype_size(t);
+                            CHECK(std::memcmp(in_after.data() + in_end, image[g].data() + in_end, kBuf - in_end) == 0);
+                            CHECK(std::memcmp(out_after.data(), out_image[g].data(), p.out) == 0);
+                            std::memcpy(in_after.data() + p.out, out_after.data() + p.out, kBuf - p.out);
+                        } else {
+                            CHECK(out_after == out_image[g]);  // the other registration untouched
+                        }
+                        const Verdict v = check_ranked(in_after.data(), p, coll, t, op, count, 3, tr[g].rank, where == InPlace, seed);
+                        CHECK(v.wrong == 0);
+                        CHECK(v.guard == 0);
+                        CHECK(v.input_changed == 0);
+                    }
+                    ++seed;
+                    ++ops;
+                    const uint64_t per = part_bytes ? part_bytes / (dtype_size(t) * 4) : count;
+                    parts += (count + per - 1) / per;
+                }
+            }
+    }
+    CHECK(ops == 2 * 3 * (6 * 4 - 2 + 6));
+    // Each part is a ringd op staged on every rank: 2 on host 0, 1 on host 1.
+    CHECK(status_of(*c.d[0])["ops_staged"].get<uint64_t>() == 2 * parts);
+    CHECK(status_of(*c.d[1])["ops_staged"].get<uint64_t>() == parts);
+    // What a caller gets wrong, named to it alone; the group goes on.
+    ringd_client *r0 = tr[1].c.get();  // rank 0
+    uint64_t ticket = 0;
+    ringd_coll_cuda bad{sizeof(ringd_coll_cuda), RINGD_REDUCE_SCATTER, RINGD_F32, RINGD_SUM, 100, bufs[1]->at(0), bufs[1]->at(400)};
+    CHECK(ringd_submit_coll_cuda(r0, &bad, nullptr, &ticket) == -EINVAL);  // rank 0's own block is at 0, not 400
+    CHECK_THAT(ringd_last_error(r0), Catch::Contains("overlaps its input") && Catch::Contains("rank 0's own block"));
+    bad.output = reinterpret_cast<void *>(outs[1]->base + kBuf - 200);
+    CHECK(ringd_submit_coll_cuda(r0, &bad, nullptr, &ticket) == -ENOENT);
+    CHECK_THAT(ringd_last_error(r0), Catch::Contains("output device buffer") && Catch::Contains("no registration"));
+    bad.output = nullptr;
+    CHECK(ringd_submit_coll_cuda(r0, &bad, nullptr, &ticket) == -EINVAL);
+    Clients unranked = connect_all(c, "unranked", 1, 1 << 20);
+    DeviceBuf ub(unranked[0]->get(), 4096, false);
+    ringd_coll_cuda ag{sizeof(ringd_coll_cuda), RINGD_ALLGATHER, RINGD_F32, RINGD_SUM, 10, ub.at(0), ub.at(1024)};
+    CHECK(ringd_submit_coll_cuda(unranked[0]->get(), &ag, nullptr, &ticket) == -EINVAL);
+    CHECK_THAT(ringd_last_error(unranked[0]->get()), Catch::Contains("needs this trainer's rank"));
 }
 
 TEST_CASE("a delayed producer stream still gives exact results", "[cuda]") {

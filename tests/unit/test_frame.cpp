@@ -979,7 +979,9 @@ TEST_CASE("a hello may say the trainer's rank in its group: a 13-byte trailer af
     CHECK_THAT(decode_hello(p).error().message, Catch::Contains("trailer"));
 }
 
-TEST_CASE("reduce_scatter and allgather descriptors: both ranges checked, ranks said, device buffers refused", "[proto]") {
+TEST_CASE("reduce_scatter and allgather descriptors: both ranges checked, ranks said, a device buffer's part inside "
+          "its blocks",
+          "[proto]") {
     SubmitDesc d{};
     d.seq = 4;
     d.collective = static_cast<uint32_t>(Collective::ReduceScatter);
@@ -1021,13 +1023,40 @@ TEST_CASE("reduce_scatter and allgather descriptors: both ranges checked, ranks 
     CHECK(g->out_bytes == 256);
     d.collective = kCollectiveCount;
     CHECK_THAT(validate_submit(d, 1024, false).error().message, Catch::Contains("unknown collective"));
-    // An allreduce has no ranks or output of its own; a device buffer's reduce_scatter is refused.
+    // An allreduce has no ranks or output of its own.
     d.collective = static_cast<uint32_t>(Collective::Allreduce);
     CHECK_THAT(validate_submit(d, 1024, false).error().message, Catch::Contains("allreduce (in place)"));
+    // A device buffer's reduce_scatter: part [cuda_part, +count) of blocks of cuda_block elements.
     d.collective = static_cast<uint32_t>(Collective::ReduceScatter);
     d.buffer_kind = static_cast<uint32_t>(BufferKind::Cuda);
     d.out_offset = 256;
-    CHECK(validate_submit(d, 1024, true).error().code == -ENOTSUP);
+    CHECK(validate_submit(d, 1024, false).error().code == -ENOTSUP);  // a ringd without CUDA
+    CHECK_THAT(validate_submit(d, 1024, true).error().message, Catch::Contains("block of 0 elements"));
+    d.cuda_block = 40;
+    d.cuda_part = 24;
+    d.cuda_out_reg = 3;
+    d.cuda_out_offset = 64;
+    auto dev = validate_submit(d, 1024, true);
+    REQUIRE(dev.ok());
+    CHECK(dev->cuda);
+    CHECK((dev->cuda_block == 40 && dev->cuda_part == 24 && dev->cuda_out_reg == 3 && dev->cuda_out_offset == 64));
+    d.cuda_part = 25;  // [25, 41) is past the block
+    CHECK_THAT(validate_submit(d, 1024, true).error().message, Catch::Contains("part [25, +16) lies outside"));
+    d.cuda_part = UINT64_MAX - 8;
+    CHECK(validate_submit(d, 1024, true).error().code == -EINVAL);
+    d.cuda_part = 0;
+    d.cuda_block = UINT64_MAX / 8;  // x 4 ranks x 4 bytes overflows
+    CHECK(validate_submit(d, 1024, true).error().code == -EOVERFLOW);
+    d.cuda_block = 40;
+    // None of them on a device allreduce, nor on a slot buffer.
+    SubmitDesc ar{};
+    ar.count = 16;
+    ar.buffer_kind = static_cast<uint32_t>(BufferKind::Cuda);
+    ar.cuda_block = 16;
+    CHECK_THAT(validate_submit(ar, 1024, true).error().message, Catch::Contains("device allreduce with"));
+    d.buffer_kind = static_cast<uint32_t>(BufferKind::Slot);
+    d.cuda_reg = 0;
+    CHECK_THAT(validate_submit(d, 1024, true).error().message, Catch::Contains("a slot buffer with CUDA fields set"));
 }
 
 TEST_CASE("protocol 10: group joins say their ranks, incarnations the rank map, reports the collective", "[proto]") {

@@ -169,6 +169,24 @@ RINGD_API int ringd_unregister_cuda(ringd_client *c, uint64_t reg);
 RINGD_API int ringd_submit_cuda(ringd_client *c, void *dev_ptr, size_t count, ringd_dtype dtype,
                                 ringd_op op, struct CUstream_st *stream, uint64_t *ticket);
 RINGD_API int ringd_stream_wait(ringd_client *c, uint64_t ticket, struct CUstream_st *stream);
+/* Any collective on device buffers: ringd_coll's description with device pointers (the struct may
+ * grow: struct_size). input and output lie in the client's registrations, apart or in place as
+ * for slot buffers (reduce_scatter's output its rank's block of the input, allgather's input its
+ * rank's block of the output); allreduce runs in place on input (output NULL or input). Staged,
+ * cut into parts and stream-ordered as ringd_submit_cuda: a part of a reduce_scatter or allgather
+ * is the same elements of every block, and takes (ranks + 1) x its bytes of staging. -ENOTSUP from
+ * a ringd without them (an older release); -EINVAL on a client that did not say its rank. */
+typedef struct ringd_coll_cuda {
+    size_t struct_size; /* sizeof(ringd_coll_cuda) */
+    ringd_collective collective;
+    ringd_dtype dtype;
+    ringd_op op; /* not used by allgather */
+    size_t count;
+    void *input;
+    void *output;
+} ringd_coll_cuda;
+RINGD_API int ringd_submit_coll_cuda(ringd_client *c, const ringd_coll_cuda *coll, struct CUstream_st *stream,
+                                     uint64_t *ticket);
 /* The part size of this client's device ops from now on (0: RINGD_CUDA_PART_BYTES, else a quarter
  * of the staging room in whole pages, 64 KiB to 16 MiB; at least 4096). It decides how an op is cut
  * into ringd ops, so every rank of a group must use the same (by default, the same slot size); the
