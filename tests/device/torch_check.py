@@ -2,7 +2,8 @@
 trainer processes on the one GPU, init_process_group("ringd"), CUDA tensors. Phases:
   ops-2, ops-4  every dtype x op on CUDA tensors (views with guard bytes on both sides, a strided
                 view, 1 to 20M elements), through dist.all_reduce (sync and async) and the comm
-                hook's path; every value and guard byte checked on the host
+                hook's path, and reduce_scatter_tensor / all_gather_into_tensor (apart and in
+                place); every value and guard byte checked on the host
   ddp           DDP, 20 steps of the reference MLP and of a small CNN: over Gloo's CUDA path, over
                 ringd, over ringd with allreduce_hook; losses against Gloo's, parameters identical on
                 every rank; step times side by side
@@ -128,6 +129,48 @@ def phase_ops(torch, dist, rank, world, dev, sync, fail, rep, gloo, write):
         if wrong or guard:
             fail(f"{mode} {dtype} {op} n={n}: {wrong} wrong values, {guard} guard elements changed")
 
+    def collective(dtype, op, n, salt, in_place):
+        """reduce_scatter_tensor (op) or all_gather_into_tensor (op "gather") of blocks of n
+        elements inside one guarded tensor: the input and output apart, or the output this rank's
+        block of the input (reduce_scatter), the input its block of the output (allgather)."""
+        t = getattr(torch, dtype)
+        gather = op == "gather"
+        n_in, n_out = (n, world * n) if gather else (world * n, n)
+        big = torch.full((3 * guard_n + n_in + n_out,), 3, dtype=t, device=dev)
+        if not in_place:
+            inp = big[guard_n:guard_n + n_in]
+            out = big[2 * guard_n + n_in:2 * guard_n + n_in + n_out]
+        elif gather:
+            out = big[guard_n:guard_n + n_out]
+            inp = out[rank * n:(rank + 1) * n]
+        else:
+            inp = big[guard_n:guard_n + n_in]
+            out = inp[rank * n:(rank + 1) * n]
+        if gather:
+            inp.copy_(inputs(dtype, n, rank, salt).to(dev))
+            dist.all_gather_into_tensor(out, inp)
+            want = torch.cat([inputs(dtype, n, r, salt) for r in range(world)])
+        else:
+            inp.copy_(inputs(dtype, n_in, rank, salt).to(dev))
+            dist.reduce_scatter_tensor(out, inp, red[op])
+            want = expect(dtype, op, n_in, salt)[rank * n:(rank + 1) * n]
+        host = big.cpu()  # on the current stream, after the result
+        base = out.storage_offset() - big.storage_offset()
+        got = host[base:base + n_out]
+        wrong = int((got != want).sum())
+        # Outside the output: the guards, and the input where it lies apart (read only).
+        outside = torch.cat([host[:base], host[base + n_out:]])
+        kept = big.new_full(big.shape, 3).cpu()
+        if not in_place or not gather:
+            ib = inp.storage_offset() - big.storage_offset()
+            kept[ib:ib + n_in] = (inputs(dtype, n, rank, salt) if gather else inputs(dtype, n_in, rank, salt))
+        kept_outside = torch.cat([kept[:base], kept[base + n_out:]])
+        changed = int((outside != kept_outside).sum())
+        rep["checked"] += n_out
+        if wrong or changed:
+            fail(f"{'all_gather_into_tensor' if gather else 'reduce_scatter_tensor ' + op} {dtype} n={n}"
+                 f"{' in place' if in_place else ''}: {wrong} wrong values, {changed} elements changed outside the output")
+
     salt = 0
     for dtype in DTYPES:
         for op in OPS:
@@ -141,6 +184,16 @@ def phase_ops(torch, dist, rank, world, dev, sync, fail, rep, gloo, write):
         if not dtype.startswith("int"):
             salt += 1
             one(dtype, "avg", 100_003, salt, "hook")
+    # reduce_scatter_tensor and all_gather_into_tensor (FSDP2's collectives): every dtype x op, a
+    # block of 1 to 300001 elements per rank, apart and in place, guard elements around each.
+    for dtype in DTYPES:
+        for op in OPS + ["gather"]:
+            if op == "avg" and dtype.startswith("int"):
+                continue
+            for n in (1, 1000, 300_001):
+                for in_place in (False, True):
+                    salt += 1
+                    collective(dtype, op, n, salt, in_place)
     one("float32", "sum", 50_000, 901, "strided")
     one("float32", "sum", 20_000_000, 902, "sync")  # 80 MB: parts through the staging range
     one("float32", "avg", 20_000_000, 903, "hook")

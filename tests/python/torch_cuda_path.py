@@ -10,6 +10,8 @@ on both sides of each op's range:
   - 100 ops on one allocation register it once; memory given back and allocated again at the same
     address is registered again (its driver buffer id differs), with exact results;
   - an op 16 x the slot (parts through the group's staging range);
+  - reduce_scatter and allgather (a ranked group, ranks numbered unlike the hosts): every dtype x op,
+    apart and in place, in one part and in several, every byte of the buffer checked;
   - a rank that dies before an op: the others get RuntimeError within timeouts.op + margin, and a
     stream waiting on the op moves on.
 Usage: torch_cuda_path.py RINGD_BIN LIBRINGD_CLIENT EMULATED_CUDA_LIB. Exit 0 when every check held,
@@ -218,6 +220,65 @@ def worker(rank, sock, group, out):
     verify("16 x the slot", mem, pattern, esize, "float32", "sum", count, 4242)
     report["part_bytes"], report["staging_bytes"] = engine.device_part, engine.staging_bytes
     report["registrations"] = engine.device_registrations
+    # 4b. reduce_scatter and allgather through the CUDA path: a ranked group (group rank g of this
+    # process unlike its place on the hosts), every dtype x op, apart and in place, in one part and
+    # in several (a part is the same elements of every block: (WORLD + 1) x its bytes of staging)
+    g = (rank * 3 + 1) % WORLD
+    ceng = _Engine(group + "-coll", local, LOCAL, SLOT, sock, datetime.timedelta(seconds=30), rank=g, ranks=WORLD)
+    cbase, cbytes = alloc(512 << 10), 512 << 10
+    coll_ops = 0
+    for name in ("reduce_scatter", "allgather"):
+        rs = name == "reduce_scatter"
+        for dtype in tdtypes:
+            for op in (("sum", "avg", "min", "max") if rs else ("sum",)):
+                if op == "avg" and dtype.startswith("int"):
+                    continue
+                # (9000 elements: 2 to 3 parts; for two dtypes, which is where parts differ)
+                for count in ((700, 9000) if dtype in ("float32", "bfloat16") else (700,)):
+                    for in_place in (False, True):
+                        salt += 1
+                        esize = torch.tensor([], dtype=tdtypes[dtype]).element_size()
+                        n_in, n_out = (WORLD * count, count) if rs else (count, WORLD * count)
+                        if not in_place:
+                            in_off = GUARD
+                            out_off = (GUARD + n_in * esize + GUARD + 255) // 256 * 256
+                        elif rs:
+                            in_off = GUARD
+                            out_off = in_off + g * count * esize
+                        else:
+                            out_off = GUARD
+                            in_off = out_off + g * count * esize
+                        mem = tensor_at(cbase, cbytes)
+                        image = torch.full((cbytes,), (rank * 31 + salt) % 251, dtype=torch.uint8)
+                        image[in_off:in_off + n_in * esize].copy_(values(dtype, n_in, g, salt).view(torch.uint8))
+                        mem.copy_(image)
+                        opf = _compat.OpFuture()
+                        what = f"{name} {dtype} {op} count {count} {'in place' if in_place else 'apart'}"
+                        try:
+                            ceng.collective_device(name, DeviceBuffer(cbase + in_off, n_in, dtype, 0, 0),
+                                                   DeviceBuffer(cbase + out_off, n_out, dtype, 0, 0), op, opf, "done")
+                            opf.future.wait()
+                        except RuntimeError as e:
+                            fail(f"{what}: {e}")
+                            continue
+                        if rs:
+                            stack = torch.stack([values(dtype, WORLD * count, q, salt)[g * count:(g + 1) * count]
+                                                 .to(torch.float64) for q in range(WORLD)])
+                            want = {"sum": stack.sum(0), "avg": stack.mean(0), "min": stack.min(0).values,
+                                    "max": stack.max(0).values}[op].to(tdtypes[dtype])
+                        else:
+                            want = torch.cat([values(dtype, count, q, salt) for q in range(WORLD)])
+                        got = mem[out_off:out_off + n_out * esize].clone().view(tdtypes[dtype])
+                        expected = image.clone()
+                        expected[out_off:out_off + n_out * esize].copy_(want.view(torch.uint8))
+                        wrong = int((got != want).sum())
+                        elsewhere = int((mem != expected).sum()) - int((mem[out_off:out_off + n_out * esize] !=
+                                                                        expected[out_off:out_off + n_out * esize]).sum())
+                        report["checks"] += n_out
+                        coll_ops += 1
+                        if wrong or elsewhere:
+                            fail(f"{what}: {wrong} wrong values, {elsewhere} bytes changed outside the output")
+    report["collective_ops"] = coll_ops
     # 5. the last rank dies before the next op: the others fail within the op timeout, no stream hangs
     if rank == WORLD - 1:
         with open(out, "w") as f:

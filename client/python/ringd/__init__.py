@@ -101,6 +101,13 @@ class _Coll(ctypes.Structure):
                 ("out_offset", ctypes.c_size_t)]
 
 
+class _CollCuda(ctypes.Structure):
+    """ringd_coll_cuda (ringd.h)."""
+    _fields_ = [("struct_size", ctypes.c_size_t), ("collective", ctypes.c_int), ("dtype", ctypes.c_int),
+                ("op", ctypes.c_int), ("count", ctypes.c_size_t), ("input", ctypes.c_void_p),
+                ("output", ctypes.c_void_p)]
+
+
 def _declare(lib):
     c_client = ctypes.c_void_p
     lib.ringd_connect_opts.restype = c_client
@@ -117,6 +124,10 @@ def _declare(lib):
     if hasattr(lib, "ringd_submit_coll"):  # (a library of an older release has allreduce only)
         lib.ringd_submit_coll.restype = ctypes.c_int
         lib.ringd_submit_coll.argtypes = [c_client, ctypes.POINTER(_Coll), ctypes.POINTER(ctypes.c_uint64)]
+    if hasattr(lib, "ringd_submit_coll_cuda"):  # (device buffers' reduce_scatter and allgather)
+        lib.ringd_submit_coll_cuda.restype = ctypes.c_int
+        lib.ringd_submit_coll_cuda.argtypes = [c_client, ctypes.POINTER(_CollCuda), ctypes.c_void_p,
+                                               ctypes.POINTER(ctypes.c_uint64)]
     lib.ringd_test.restype = ctypes.c_int
     lib.ringd_test.argtypes = [c_client, ctypes.c_uint64]
     lib.ringd_fd.restype = ctypes.c_int
@@ -221,6 +232,12 @@ class Client:
         """Whether this libringd-client has ringd_submit_coll (reduce_scatter, allgather)."""
         return hasattr(_load(), "ringd_submit_coll")
 
+    @staticmethod
+    def has_device_collectives():
+        """Whether this libringd-client has ringd_submit_coll_cuda (reduce_scatter, allgather of
+        device buffers)."""
+        return hasattr(_load(), "ringd_submit_coll_cuda")
+
     def _check(self, rc):
         if rc != 0:
             raise RingdError(rc, self.last_error())
@@ -299,6 +316,19 @@ class Client:
         self._check(self._lib.ringd_submit_cuda(self._handle(), ctypes.c_void_p(int(ptr)), int(count),
                                                 DTYPES[dtype_name(dtype)], OPS[op_name(op)],
                                                 ctypes.c_void_p(int(stream)), ctypes.byref(t)))
+        return t.value
+
+    def submit_coll_cuda(self, collective, count, dtype, op, in_ptr, out_ptr, stream=0):
+        """Queues any collective of device memory (ringd_submit_coll_cuda): `count` elements as for
+        submit_coll, the input at `in_ptr` and the output at `out_ptr`, after what `stream` queued
+        so far; returns its ticket."""
+        if not hasattr(self._lib, "ringd_submit_coll_cuda"):
+            raise RingdError(-errno.ENOTSUP, "this libringd-client has no reduce_scatter or allgather of device buffers")
+        d = _CollCuda(ctypes.sizeof(_CollCuda), COLLECTIVES[collective], DTYPES[dtype_name(dtype)], OPS[op_name(op)],
+                      int(count), ctypes.c_void_p(int(in_ptr)), ctypes.c_void_p(int(out_ptr)))
+        t = ctypes.c_uint64(0)
+        self._check(self._lib.ringd_submit_coll_cuda(self._handle(), ctypes.byref(d), ctypes.c_void_p(int(stream)),
+                                                     ctypes.byref(t)))
         return t.value
 
     def stream_wait(self, ticket, stream=0):

@@ -1,7 +1,8 @@
 """ringd.torch's CUDA path: device buffers allreduced by ringd's CUDA support (registered once per
 driver allocation, copied through the group's staging range of the slot in parts, ordered on the
 caller's stream). DeviceOps is the part of a process group's engine (ringd._engine._Engine) that
-submits them; allreduce_cuda is the process group's allreduce of a CUDA tensor."""
+submits them; allreduce_cuda is the process group's allreduce of a CUDA tensor, collective_cuda its
+reduce_scatter or allgather."""
 import collections
 import datetime
 import errno
@@ -51,16 +52,34 @@ class DeviceOps:
         `deferred`: the caller queues more work for the result (on `stream`, a torch stream, where
         the future's event is then recorded): the future completes only after
         release_finish(record)."""
-        rec = _Op(None, None, False, opf, result, op, buf.dtype)
+        return self._device_op(buf.dtype, [buf], lambda: self.client.submit_cuda(buf.ptr, buf.count, buf.dtype, op, buf.stream),
+                               op, opf, result, keep, stream, deferred)
+
+    def collective_device(self, name, src, out, op, opf, result, keep=None, stream=None, deferred=False):
+        """Submits a reduce_scatter (`src` has a block per rank, `out` one) or allgather (`src` one
+        block, `out` one per rank) of DeviceBuffers now, as allreduce_device does an allreduce;
+        `out.count` and `src.count` are their elements. Blocks in the group's rank order (the
+        engine's rank, ranks)."""
+        if src.device != out.device:
+            raise RuntimeError(f"ringd: a {name}'s input (cuda:{src.device}) and output (cuda:{out.device}) must be "
+                               "on one GPU")
+        block = out.count if name == "reduce_scatter" else src.count
+        return self._device_op(out.dtype, [src, out],
+                               lambda: self.client.submit_coll_cuda(name, block, out.dtype, op, src.ptr, out.ptr, src.stream),
+                               op, opf, result, keep, stream, deferred)
+
+    def _device_op(self, dtype, bufs, submit, op, opf, result, keep, stream, deferred):
+        rec = _Op(None, None, False, opf, result, op, dtype)
         rec.keep = keep
         rec.stream = stream
         rec.deferred = deferred
         with self.lock:
             self._wait_locked(lambda: not self.pending, f"ringd: the ops queued before did not go within {self.timeout}")
             try:
-                self._device_setup_locked(buf.device)
-                reg = self._device_registration_locked(buf)
-                ticket = self._submit_device_locked(buf, op)
+                self._device_setup_locked(bufs[0].device)
+                for buf in bufs:
+                    reg = self._device_registration_locked(buf)
+                ticket = self._submit_device_locked(submit)
             except BaseException as e:
                 if not self.dead:
                     self.dead = (f"ringd: a device op of group {self.group} could not be submitted ({e}); this "
@@ -153,13 +172,13 @@ class DeviceOps:
             # Otherwise ringd let go of it already (the connection is gone).
         return True
 
-    def _submit_device_locked(self, buf, op):
+    def _submit_device_locked(self, submit):
         end = datetime.datetime.now() + self.timeout
         while True:
             if self.dead:
                 raise RuntimeError(self.dead)
             try:
-                return self.client.submit_cuda(buf.ptr, buf.count, buf.dtype, op, buf.stream)
+                return submit()
             except _ringd.RingdError as e:
                 if e.code != -errno.EAGAIN:  # EAGAIN: too many ops in flight; wait for one to finish
                     raise
@@ -200,3 +219,37 @@ def allreduce_cuda(engine, tensor, name, result, tensors):
         engine.release_finish(rec)
     return _compat.work(opf.future, tensors,
                         on_wait=lambda: torch.cuda.current_stream(tensor.device).wait_event(copied))
+
+
+def collective_cuda(engine, name, src, out, op, result, tensors):
+    """A reduce_scatter or allgather of CUDA tensors through ringd's CUDA path, in the order of the
+    current stream, as allreduce_cuda: `src` (read only) and `out` hold the group's blocks in rank
+    order; an output that is not contiguous gets the result through a contiguous copy."""
+    stream = torch.cuda.current_stream(out.device)
+    src = src.detach()
+    src = src if src.is_contiguous() else src.contiguous()  # a copy on the current stream
+    given = out.detach()
+    flat = given if given.is_contiguous() else torch.empty(given.shape, dtype=given.dtype, device=given.device)
+    opf = _compat.OpFuture(devices=[out.device])
+    dtype = _DTYPES[out.dtype]
+    sbuf = DeviceBuffer(src.data_ptr(), src.numel(), dtype, src.device.index, stream.cuda_stream)
+    obuf = DeviceBuffer(flat.data_ptr(), flat.numel(), dtype, out.device.index, stream.cuda_stream)
+    if obuf.count == 0:
+        opf.set_result(result)
+        return _compat.work(opf.future, tensors)
+    if flat is given:
+        ticket, _ = engine.collective_device(name, sbuf, obuf, op, opf, result, keep=src)
+        return _compat.work(opf.future, tensors,
+                            on_wait=lambda: engine.stream_wait(ticket, torch.cuda.current_stream(out.device).cuda_stream))
+    ticket, rec = engine.collective_device(name, sbuf, obuf, op, opf, result, keep=(src, flat), stream=stream,
+                                           deferred=True)
+    try:
+        engine.stream_wait(ticket, stream.cuda_stream)
+        with torch.no_grad():
+            given.copy_(flat)
+        copied = torch.cuda.Event()
+        copied.record(stream)
+    finally:
+        engine.release_finish(rec)
+    return _compat.work(opf.future, tensors,
+                        on_wait=lambda: torch.cuda.current_stream(out.device).wait_event(copied))

@@ -36,7 +36,7 @@ from torch._C._distributed_c10d import ProcessGroup
 
 import ringd as _ringd
 from ringd import _compat
-from ringd._device import DeviceBuffer, allreduce_cuda
+from ringd._device import DeviceBuffer, allreduce_cuda, collective_cuda
 from ringd._engine import _Engine
 from ringd._slot import _DTYPES, _chunk_bytes, _env_bytes, _env_int, _process_slots, _process_slots_lock
 
@@ -138,9 +138,13 @@ class ProcessGroupRingd(ProcessGroup):
         me = (st.get("host", ""), _env_int("LOCAL_RANK", 0))
         # And whether its ringd runs reduce_scatter and allgather: the group runs them through
         # ringd only if every rank's does (the ranks must all take the same path).
+        # Bit 1: reduce_scatter and allgather of CPU tensors; bit 2: of CUDA tensors too (device
+        # buffers; an earlier release says 0 or 1).
         mine = int("reduce_scatter" in st.get("collectives", ()) and _ringd.Client.has_collectives())
+        mine |= 2 * int(mine and "reduce_scatter" in st.get("device_collectives", ()) and
+                        _ringd.Client.has_device_collectives())
         store.set(f"ringd/member/{rank}", f"{me[0]}:{me[1]}:{slot_bytes}:{mine}")
-        members, smallest_slot, collectives = [], slot_bytes, True
+        members, smallest_slot, collectives, device_collectives = [], slot_bytes, True, True
         for r in range(size):
             entry = store.get(f"ringd/member/{r}").decode()
             if entry.startswith("!"):
@@ -148,7 +152,8 @@ class ProcessGroupRingd(ProcessGroup):
             host, local, slot, theirs = entry.rsplit(":", 3)
             members.append((host, int(local), r))
             smallest_slot = min(smallest_slot, int(slot))
-            collectives = collectives and theirs == "1"
+            collectives = collectives and bool(int(theirs) & 1)
+            device_collectives = device_collectives and bool(int(theirs) & 2)
         on_my_host = sorted(m for m in members if m[0] == me[0])
         local_rank = [m[2] for m in on_my_host].index(rank)
         local_size = len(on_my_host)
@@ -160,6 +165,7 @@ class ProcessGroupRingd(ProcessGroup):
             store.set(key, f"torch-{uuid.uuid4().hex[:20]}")
         group = store.get(key).decode()
         self._engine = None
+        self._device_collectives = collectives and device_collectives
         self._coalesced = None  # the Works since _start_coalescing
         self._gloo = _gloo_group(store, rank, size, timeout)
         _compat.attach(self, self._gloo)
@@ -320,21 +326,29 @@ class ProcessGroupRingd(ProcessGroup):
         return fut
 
     def _through_ringd(self, *tensors):
-        """Whether a reduce_scatter or allgather of these tensors goes through ringd: CPU tensors
-        of a ringd dtype, in a group whose every rank's ringd runs them."""
+        """Whether a reduce_scatter or allgather of these tensors goes through ringd: CPU tensors,
+        or CUDA tensors on one GPU, of a ringd dtype, in a group whose every rank's ringd runs them
+        (for CUDA tensors: of device buffers)."""
         if self._engine is None or self._engine.ranks is None:
             return False
         for t in tensors:
             if t.device.type not in ("cpu", "cuda"):
                 raise RuntimeError(f"ringd: {t.device.type} tensors are not supported (CPU and CUDA tensors are)")
-            if t.is_cuda or t.is_sparse or t.dtype not in _DTYPES:
+            if t.is_sparse or t.dtype not in _DTYPES:
                 return False
-        return True
+        devices = {t.device for t in tensors}
+        if len(devices) != 1:
+            return False
+        return not tensors[0].is_cuda or self._device_collectives
 
     def _ringd_collective(self, name, src, out, op, result):
-        """reduce_scatter or allgather through ringd (the engine's threads); a Work of `result`."""
+        """reduce_scatter or allgather through ringd; a Work of `result`. CPU tensors through the
+        engine's threads, CUDA tensors through ringd's CUDA path in the current stream's order."""
         if name == "reduce_scatter" and _op_name(op) == "avg" and not out.dtype.is_floating_point:
             raise RuntimeError(f"ringd: AVG of {out.dtype} is not defined (an integer mean); use SUM")
+        if out.is_cuda:
+            op_name = _op_name(op) if name == "reduce_scatter" else "sum"
+            return self._track(collective_cuda(self._engine, name, src, out, op_name, result, result))
         return self._track(_compat.work(self._ringd_collective_untracked(name, src, out, op, result), result))
 
     def _all_gather_single(self, output, input, opts=None):
@@ -355,11 +369,12 @@ class ProcessGroupRingd(ProcessGroup):
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         """allgather's list form: through ringd into one buffer of n blocks, then into each output
-        (where ringd can take the tensors), else through Gloo."""
+        (where ringd can take the tensors: CPU tensors), else through Gloo."""
         n = self.size()
         if (len(input_tensors) == 1 and len(output_tensors) == 1 and len(output_tensors[0]) == n and
                 all(o.numel() == input_tensors[0].numel() and o.dtype == input_tensors[0].dtype
-                    for o in output_tensors[0]) and self._through_ringd(input_tensors[0], *output_tensors[0])):
+                    for o in output_tensors[0]) and not input_tensors[0].is_cuda and
+                self._through_ringd(input_tensors[0], *output_tensors[0])):
             inp, outs = input_tensors[0], output_tensors[0]
             if inp.numel() == 0:
                 return self._track(self._gloo.barrier())
