@@ -695,13 +695,27 @@ def scenario_sharded():
     meshes = {"FSDP2": init_device_mesh("cpu", (WORLD,))}
     if WORLD % 2 == 0 and WORLD > 2:
         meshes["HSDP"] = init_device_mesh("cpu", (2, WORLD // 2), mesh_dim_names=("replicate", "shard"))
+    # FSDP2 once more with its collectives' buffers from the process group (over ringd's slot):
+    # its all-gathers and reduce-scatters then run where the buffers lie, nothing copied.
+    meshes["FSDP2 (buffers over the slot)"] = meshes["FSDP2"]
     for what, mesh in meshes.items():
         m = _transformer()
         for layer in list(m)[:2]:
             fully_shard(layer, mesh=mesh)
         fully_shard(m, mesh=mesh)
+        slot_buffers = "slot" in what
+        if slot_buffers:  # (a setting of each fully_shard'ed module)
+            for module in list(m)[:2] + [m]:
+                module.set_allocate_memory_from_process_group_for_comm(True)
+            engine = mesh.get_group()._engine
+            in_place_before = engine.in_place_ops
         losses = _train_sharded(m, sgd(m.parameters()), steps, what)
         _compare(what, losses, ref_losses, [p.full_tensor().detach() for p in m.parameters()], ref_params)
+        if slot_buffers:
+            # Every step: 3 all-gathers forward, 3 reduce-scatters backward (2 layers, the root);
+            # backward's all-gathers are reshards FSDP2 may skip.
+            ran = engine.in_place_ops - in_place_before
+            check(ran >= 6 * steps, f"{what}: {ran} of FSDP2's collectives ran on buffers over the slot, not >= {6 * steps}")
     check(ringd_ops_completed() - before >= steps * len(meshes), "the sharded gradients went through ringd")
     m = _transformer()
     ddp = torch.nn.parallel.DistributedDataParallel(m)
@@ -775,6 +789,53 @@ def scenario_collectives():
             calls += 2
     ran = ringd_ops_completed() - before
     check(ran >= calls, f"ringd completed {ran} ops for {calls} reduce_scatters and allgathers: some went elsewhere")
+    # Buffers over the slot (FSDP2's allocate_tensor, through the backend on torch 2): an allgather
+    # in place, a reduce_scatter apart and an allreduce on them run where they lie, nothing copied;
+    # rank 1's allgather output is ordinary memory (a rank whose slot had no room to lend): its
+    # ringd ops pair with the others' all the same.
+    eng, cpu = pg._engine, torch.device("cpu")
+    backend = pg._get_backend(cpu) if hasattr(pg, "_get_backend") else None  # (torch 2's contract)
+    if backend is not None:
+        check(backend.supports_tensor_alloc(cpu), "the ringd backend does not allocate CPU tensors")
+        alloc = lambda n, dt: backend.allocate_tensor(n, dtype=dt, device=cpu)  # noqa: E731
+    else:
+        alloc = lambda n, dt: pg._allocate_tensor(n, dt, cpu)  # noqa: E731
+    in_place_before, lent_before = eng.in_place_ops, eng.lent
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        for k in (1, 5000):
+            salt += 1
+            out = alloc(k * WORLD, dtype) if me != 1 else torch.empty(k * WORLD, dtype=dtype)
+            inp = out[me * k:(me + 1) * k]
+            inp.copy_(mine(k, dtype, salt))
+            dist.all_gather_into_tensor(out, inp)
+            check(torch.equal(out, torch.cat([data(r, k, dtype, salt) for r in range(WORLD)])),
+                  f"all_gather_into_tensor in place over the slot {dtype} k={k}")
+            rs_in, rs_out = alloc(k * WORLD, dtype), alloc(k, dtype)
+            rs_in.copy_(mine(k * WORLD, dtype, salt))
+            dist.reduce_scatter_tensor(rs_out, rs_in)
+            check(close_to(rs_out, expected(k * WORLD, dtype, "sum", salt)[me * k:(me + 1) * k], dtype),
+                  f"reduce_scatter_tensor over the slot {dtype} k={k}")
+            ar = alloc(k, dtype)
+            ar.copy_(mine(k, dtype, salt))
+            dist.all_reduce(ar)
+            check(close_to(ar, expected(k, dtype, "sum", salt), dtype), f"all_reduce over the slot {dtype} k={k}")
+            del out, inp, rs_in, rs_out, ar
+    per_rank = 6 * (3 if me != 1 else 2)
+    check(eng.in_place_ops - in_place_before == per_rank,
+          f"{eng.in_place_ops - in_place_before} ops ran where their tensors lie, not {per_rank}")
+    lent = 6 * (4 if me != 1 else 3)
+    check(eng.lent - lent_before == lent, f"{eng.lent - lent_before} tensors lent over the slot, not {lent}")
+    # Freed, they are the slot's again (taken back at the next allocation, once the engine's
+    # threads let go of the last op).
+    import gc
+    until = time.monotonic() + 5
+    while True:
+        gc.collect()
+        alloc(1, torch.float32)
+        if eng.ps.space.lent_bytes <= 64 or time.monotonic() > until:
+            break
+        time.sleep(0.02)
+    check(eng.ps.space.lent_bytes <= 64, f"{eng.ps.space.lent_bytes} bytes still lent after the tensors were freed")
     # Empty tensors: nothing to move, the ranks still meet.
     dist.all_gather_into_tensor(torch.empty(0), torch.empty(0))
     dist.reduce_scatter_tensor(torch.empty(0), torch.empty(0))

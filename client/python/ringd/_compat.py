@@ -219,7 +219,9 @@ else:
         """What `group._get_backend(device)` answers for a ringd group: ringd runs the group on
         every device it serves; no communicator splitting (torch 2.13 allows split_group only
         through an accelerator's backend that splits), no coalescing of point-to-point ops, no
-        time estimates, and no tensors allocated for FSDP (supports_tensor_alloc: False)."""
+        time estimates. CPU tensors for FSDP2's collectives (supports_tensor_alloc,
+        allocate_tensor: set_allocate_memory_from_process_group_for_comm) come from the slot, so
+        that its all-gathers and reduce-scatters copy nothing into or out of ringd."""
 
         supports_splitting = False
         supports_coalescing = False
@@ -238,11 +240,10 @@ else:
             return self._pg.size()
 
         def supports_tensor_alloc(self, device):
-            return False
+            return self._pg._supports_alloc(torch.device(device))
 
         def allocate_tensor(self, size, *, dtype, device):
-            raise RuntimeError("ringd: this ringd group allocates no tensors (supports_tensor_alloc is False); "
-                               "leave FSDP's set_allocate_memory_from_process_group_for_comm off")
+            return self._pg._allocate_tensor(size, dtype, torch.device(device))
 
         def eager_connect_single_device(self, device):
             pass  # ringd's group is connected when the process group is made

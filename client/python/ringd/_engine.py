@@ -12,7 +12,7 @@ import ringd as _ringd
 from ringd import _compat
 from ringd._device import DeviceOps
 from ringd._slot import (_DTYPES, _POLL_MS, _WINDOW_BYTES, _Op, _Resident, _chunk_bytes, _chunks, _connect,
-                         _disconnect, _distinct_elements)
+                         _disconnect, _distinct_elements, _lend, _slot_offset)
 
 
 class _Engine(DeviceOps):
@@ -46,6 +46,7 @@ class _Engine(DeviceOps):
         self.inflight_bytes = 0
         self.resident = {}  # comm hook: (bucket buffer's address, bytes, dtype) -> _Resident
         self.hook_calls = 0
+        self.lent = self.in_place_ops = 0  # tensors lent over the slot (allocate); ops run on them with no copy
         self._device_init()  # device ops (DeviceOps)
         self.closed = False  # the submitting and completing threads stop
         self.closing = False
@@ -105,6 +106,40 @@ class _Engine(DeviceOps):
             return opf.future
         self._queue(rec)
         return opf.future
+
+    def allocate(self, numel, dtype):
+        """A tensor of `numel` elements for a collective's buffer (FSDP2's, through the process
+        group's allocate_tensor): over the slot where it has room to lend, so that an op whose
+        input and output lie there runs on them with no copy in or out; else ordinary memory."""
+        t = None
+        if dtype in _DTYPES:
+            with self.lock:
+                t = _lend(self.ps, numel, dtype)
+        if t is None:
+            t = torch.empty(numel, dtype=dtype)
+        else:
+            self.lent += 1
+        return t
+
+    def _in_place_offsets(self, rec, k):
+        """A reduce_scatter's or allgather's input and output offsets in the slot when both lie in
+        it (tensors from allocate) as ringd takes them in one op — apart, or the output the rank's
+        block of the input (reduce_scatter), the input its block of the output (allgather) — else
+        None (the copying path)."""
+        if rec.copy_back:
+            return None
+        i, o = _slot_offset(self.ps, rec.src), _slot_offset(self.ps, rec.flat)
+        if i is None or o is None:
+            return None
+        nbytes = rec.blocks * k * rec.flat.element_size()
+        own = self.rank * k * rec.flat.element_size()
+        if rec.collective == "reduce_scatter":
+            in_bytes, out_bytes, in_place = nbytes, nbytes // rec.blocks, o == i + own
+        else:
+            in_bytes, out_bytes, in_place = nbytes // rec.blocks, nbytes, i == o + own
+        if in_place or i + in_bytes <= o or o + out_bytes <= i:
+            return i, o
+        return None
 
     def allreduce_resident(self, buffer, op):
         """The comm hook's path: the bucket (DDP's buffer, the same storage every step) has its
@@ -189,14 +224,21 @@ class _Engine(DeviceOps):
             with self.lock:
                 self.pending.popleft()
                 self.room.notify_all()
+            rec = None  # (its tensors are the caller's again: lent ones free once the caller lets go)
 
     def _submit(self, rec):
         if rec.collective is not None:
             return self._submit_blocks(rec)
         esize, total = rec.flat.element_size(), rec.flat.numel()
         start = 0
+        # A tensor over the slot (from allocate) in one op: reduced where it lies. (The ops are
+        # those of the copying path, so ranks that copy pair with it.)
+        chunks = list(_chunks(total, esize, self.max_chunk))
+        at = _slot_offset(self.ps, rec.flat) if len(chunks) == 1 and rec.resident is None and not rec.copy_back else None
+        if at is not None:
+            return self._submit_in_place(rec, "allreduce", total, at, 0)
         try:
-            for n in _chunks(total, esize, self.max_chunk):
+            for n in chunks:
                 nbytes = n * esize
                 rng = None
                 with self.lock:
@@ -257,11 +299,15 @@ class _Engine(DeviceOps):
         block, laid out in the slot as blocks of m (the rank's own block in place: the output of a
         reduce_scatter, the input of an allgather), so that one range holds the op."""
         esize, n, k, r = rec.flat.element_size(), rec.blocks, rec.block, self.rank
+        chunks = list(_chunks(k, esize * n, self.max_chunk))
+        at = self._in_place_offsets(rec, k) if len(chunks) == 1 else None
+        if at is not None:  # input and output in the slot (from allocate): no copy
+            return self._submit_in_place(rec, rec.collective, k, *at)
         src_blocks = rec.src.view(n, k) if rec.collective == "reduce_scatter" else None
         out_blocks = rec.flat.view(n, k) if rec.collective == "allgather" else None
         start = 0
         try:
-            for m in _chunks(k, esize * n, self.max_chunk):
+            for m in chunks:
                 nbytes = n * m * esize
                 with self.lock:
                     self._wait_locked(lambda: not self.inflight_bytes or self.inflight_bytes + nbytes <= self.window,
@@ -294,6 +340,19 @@ class _Engine(DeviceOps):
                 start += m
         except BaseException as e:
             self._submit_failed(rec, start, e)
+
+    def _submit_in_place(self, rec, collective, count, in_off, out_off):
+        """One ringd op on tensors that lie in the slot: nothing copied in, nothing out."""
+        try:
+            with self.lock:
+                ticket = self._submit_coll_locked(collective, count, rec.dtype, rec.op, in_off, out_off)
+                rec.chunks_left += 1
+                rec.submitted_all = True
+                self.in_place_ops += 1
+                self.inflight[ticket] = (rec, None, None, None, 0)
+                self.room.notify_all()
+        except BaseException as e:
+            self._submit_failed(rec, 0, e)
 
     def _alloc_locked(self, nbytes):
         """A slot range, waiting for earlier ops to give theirs back (within the timeout)."""
@@ -391,6 +450,7 @@ class _Engine(DeviceOps):
                         self.room.notify_all()
                     if finished:
                         self._finish(rec)
+                done = rec = copy_out = view = None  # (as in _submit_loop)
 
     def _finish(self, rec):
         with self.defer_lock:  # not the engine's lock: close() finishes ops holding it
@@ -426,6 +486,8 @@ class _Engine(DeviceOps):
             except BaseException as e:  # a callback's error stays with its future; the thread goes on
                 if not rec.future.done():
                     rec.future.set_error(f"ringd: completing the op: {e}")
+            finally:
+                rec = None  # (as in _submit_loop)
 
     def close(self, wait=True):
         """Fails what is queued or in flight, stops the threads, then lets the client (and its

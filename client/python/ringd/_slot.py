@@ -1,6 +1,7 @@
 """The process's shared-memory slot on its ringd, shared by its process groups: connecting a group's
 client to it, its ranges, and what an op of ringd.torch is (its chunks and records). Used by
 ringd._engine and ringd._device; nothing here knows about process groups."""
+import collections
 import errno
 import os
 import threading
@@ -92,13 +93,21 @@ def _distinct_elements(t):
 
 
 class _SlotSpace:
-    """First-fit ranges of the slot, 64-byte aligned."""
+    """First-fit ranges of the slot, 64-byte aligned. Ranges lent out as tensors (lend) come back
+    when the tensor's memory is freed, in whatever thread that happens: they are queued without a
+    lock (`returned`) and taken back by the next alloc, under the process's lock."""
 
     def __init__(self, size):
         self.size = size
         self.free = [(0, size)]  # sorted (offset, length)
+        self.returned = collections.deque()  # lent ranges given back, not yet free again
+        self.lent_bytes = 0
 
     def alloc(self, n):
+        while self.returned:
+            off, length = self.returned.popleft()
+            self.lent_bytes -= length
+            self.release(off, length)
         n = (n + _ALIGN - 1) // _ALIGN * _ALIGN or _ALIGN
         for i, (off, length) in enumerate(self.free):
             if length >= n:
@@ -119,6 +128,38 @@ class _SlotSpace:
             else:
                 merged.append((o, l))
         self.free = merged
+
+
+def _lend(ps, numel, dtype):
+    """A tensor of `numel` elements of `dtype` over a range of the process's slot (FSDP2's buffers
+    for its collectives: ProcessGroupAllocMixin), or None when lending it would take the ranges
+    lent out and kept for the comm hook past half the slot. The range is the tensor's until its
+    memory is freed (the tensor and every view of it gone), then free again. Call with ps.lock held."""
+    esize = torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * esize
+    if numel <= 0 or ps.space.lent_bytes + ps.resident_bytes + nbytes > ps.bytes // 2:
+        return None
+    rng = ps.space.alloc(nbytes)
+    if rng is None:
+        return None
+    ps.space.lent_bytes += rng[1]
+    ps.handed_out = True  # the mapping outlives the groups while such a tensor may live
+    import ctypes
+    import weakref
+    memory = (ctypes.c_char * rng[1]).from_address(ps.address + rng[0])
+    weakref.finalize(memory, ps.space.returned.append, rng)  # (no lock: any thread, any time)
+    return torch.frombuffer(memory, dtype=dtype, count=numel)
+
+
+def _slot_offset(ps, t):
+    """The byte offset of contiguous tensor `t`'s memory in the process's slot, or None when it is
+    not wholly inside it."""
+    if not t.is_contiguous() or t.device.type != "cpu":
+        return None
+    off = t.data_ptr() - ps.address
+    if off < 0 or off + t.numel() * t.element_size() > ps.bytes or off % t.element_size():
+        return None
+    return off
 
 
 class _Op:
@@ -170,6 +211,7 @@ class _ProcessSlot:
         self.bytes = client.slot_bytes
         # Tensors over the slot come from this view, not from a client's own: a group's client can
         # then close while others use the memory; the last one stays open while they are alive.
+        self.address = client.slot_address
         self.view = memoryview((ctypes.c_char * self.bytes).from_address(client.slot_address)).cast("B")
         self.tensor = torch.frombuffer(self.view, dtype=torch.uint8)
         self.space = _SlotSpace(self.bytes)

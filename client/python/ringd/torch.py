@@ -325,6 +325,20 @@ class ProcessGroupRingd(ProcessGroup):
             return out.future
         return fut
 
+    def _supports_alloc(self, device):
+        """Whether this group hands out tensors over the slot for collectives' buffers: CPU
+        tensors, in a group whose reduce_scatter and allgather go through ringd."""
+        return device.type == "cpu" and self._engine is not None and self._engine.ranks is not None
+
+    def _allocate_tensor(self, numel, dtype, device):
+        """A 1-D tensor of `numel` elements for a collective's buffer (FSDP2's all-gather output
+        and reduce-scatter input and output): over the slot where it has room (then a collective
+        on it copies nothing into or out of ringd), else ordinary memory. Any rank may get either:
+        the ringd ops are the same."""
+        if not self._supports_alloc(device):
+            return torch.empty(numel, dtype=dtype, device=device)
+        return self._engine.allocate(int(numel), dtype)
+
     def _through_ringd(self, *tensors):
         """Whether a reduce_scatter or allgather of these tensors goes through ringd: CPU tensors,
         or CUDA tensors on one GPU, of a ringd dtype, in a group whose every rank's ringd runs them
