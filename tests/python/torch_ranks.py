@@ -524,10 +524,10 @@ def scenario_contract():
     check(pg.group_name and pg.group_desc, f"the group's name {pg.group_name!r} and description {pg.group_desc!r}")
     sub = dist.new_group(list(range(WORLD)), group_desc="ringd-sub")
     check(sub.group_name != pg.group_name and sub.group_desc == "ringd-sub", f"a new group's name and description")
-    # _get_backend(device): ringd's own answer.
+    # _get_backend(device): ringd's own answer (CPU tensors for FSDP2's buffers, from the slot).
     b = pg._get_backend(torch.device("cpu"))
-    check(b.name() == "ringd" and not b.supports_splitting and not b.supports_tensor_alloc(torch.device("cpu")),
-          f"_get_backend: {b}")
+    check(b.name() == "ringd" and not b.supports_splitting and b.supports_tensor_alloc(torch.device("cpu")) and
+          not b.supports_tensor_alloc(torch.device("cuda")), f"_get_backend: {b}")
     # Exactly one name of each renamed pair: the one this torch's Python API calls.
     for new, old in (("all_gather_single", "_allgather_base"), ("reduce_scatter_single", "_reduce_scatter_base"),
                      ("all_to_all_single", "alltoall_base")):

@@ -11,8 +11,8 @@ import torch
 import ringd as _ringd
 from ringd import _compat
 from ringd._device import DeviceOps
-from ringd._slot import (_DTYPES, _POLL_MS, _WINDOW_BYTES, _Op, _Resident, _chunk_bytes, _chunks, _connect,
-                         _disconnect, _distinct_elements, _lend, _slot_offset)
+from ringd._slot import (_DTYPES, _FIRST_CHUNK_BYTES, _POLL_MS, _WINDOW_BYTES, _Op, _Resident, _chunk_bytes,
+                         _chunks, _connect, _disconnect, _distinct_elements, _lend, _slot_offset)
 
 
 class _Engine(DeviceOps):
@@ -182,11 +182,48 @@ class _Engine(DeviceOps):
         return opf.future
 
     def _queue(self, rec):
+        plan = self._in_place_plan(rec)
         with self.lock:
             if self.dead:
                 raise RuntimeError(self.dead)
+            if plan is not None and not self.pending:
+                # Nothing queued before it and nothing to copy: submitted here, in the caller's
+                # thread (no hand-off to the submitting thread). Only if ringd takes it at once:
+                # otherwise (too many in flight, or an error) the submitting thread's path decides.
+                collective, count, in_off, out_off = plan
+                try:
+                    if collective == "allreduce":
+                        ticket = self.client.submit(in_off, count, rec.dtype, rec.op)
+                    else:
+                        ticket = self.client.submit_coll(collective, count, rec.dtype, rec.op, in_off, out_off)
+                except _ringd.RingdError:
+                    ticket = None
+                if ticket is not None:
+                    rec.chunks_left += 1
+                    rec.submitted_all = True
+                    self.in_place_ops += 1
+                    self.inflight[ticket] = (rec, None, None, None, 0)
+                    self.room.notify_all()
+                    return
             self.pending.append(rec)
             self.room.notify_all()
+
+    def _in_place_plan(self, rec):
+        """(collective, count, input offset, output offset) of the one ringd op that runs `rec`
+        where its tensors lie in the slot (from allocate), or None (the copying path): an op of
+        one chunk — the same ringd op the copying path would submit, so that the ranks pair."""
+        esize = rec.flat.element_size()
+        if rec.collective is None:
+            total = rec.flat.numel()
+            if rec.resident is not None or rec.copy_back or max(1, min(_FIRST_CHUNK_BYTES, self.max_chunk) // esize) < total:
+                return None
+            at = _slot_offset(self.ps, rec.flat)
+            return None if at is None else ("allreduce", total, at, 0)
+        k = rec.block
+        if max(1, min(_FIRST_CHUNK_BYTES, self.max_chunk) // (esize * rec.blocks)) < k:
+            return None
+        at = self._in_place_offsets(rec, k)
+        return None if at is None else (rec.collective, k, *at)
 
     def _evict_stale(self):
         """Ranges of buckets DDP no longer has (it rebuilds them after the first step): unused for
@@ -231,14 +268,11 @@ class _Engine(DeviceOps):
             return self._submit_blocks(rec)
         esize, total = rec.flat.element_size(), rec.flat.numel()
         start = 0
-        # A tensor over the slot (from allocate) in one op: reduced where it lies. (The ops are
-        # those of the copying path, so ranks that copy pair with it.)
-        chunks = list(_chunks(total, esize, self.max_chunk))
-        at = _slot_offset(self.ps, rec.flat) if len(chunks) == 1 and rec.resident is None and not rec.copy_back else None
-        if at is not None:
-            return self._submit_in_place(rec, "allreduce", total, at, 0)
+        plan = self._in_place_plan(rec)  # a tensor over the slot (from allocate): reduced where it lies
+        if plan is not None:
+            return self._submit_in_place(rec, *plan)
         try:
-            for n in chunks:
+            for n in _chunks(total, esize, self.max_chunk):
                 nbytes = n * esize
                 rng = None
                 with self.lock:
@@ -299,15 +333,14 @@ class _Engine(DeviceOps):
         block, laid out in the slot as blocks of m (the rank's own block in place: the output of a
         reduce_scatter, the input of an allgather), so that one range holds the op."""
         esize, n, k, r = rec.flat.element_size(), rec.blocks, rec.block, self.rank
-        chunks = list(_chunks(k, esize * n, self.max_chunk))
-        at = self._in_place_offsets(rec, k) if len(chunks) == 1 else None
-        if at is not None:  # input and output in the slot (from allocate): no copy
-            return self._submit_in_place(rec, rec.collective, k, *at)
+        plan = self._in_place_plan(rec)
+        if plan is not None:  # input and output in the slot (from allocate): no copy
+            return self._submit_in_place(rec, *plan)
         src_blocks = rec.src.view(n, k) if rec.collective == "reduce_scatter" else None
         out_blocks = rec.flat.view(n, k) if rec.collective == "allgather" else None
         start = 0
         try:
-            for m in chunks:
+            for m in _chunks(k, esize * n, self.max_chunk):
                 nbytes = n * m * esize
                 with self.lock:
                     self._wait_locked(lambda: not self.inflight_bytes or self.inflight_bytes + nbytes <= self.window,
