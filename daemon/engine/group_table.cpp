@@ -66,6 +66,26 @@ bool GroupTable::awaiting_ranks(const std::string &group) const {
     return it != groups_.end() && it->second.group_ranks != 0 && it->second.joined() != it->second.local_size;
 }
 
+std::string GroupTable::ranks_refused(const Group &g, const OpDesc &d) {
+    if (d.collective == Collective::Allreduce) return {};
+    if (g.group_ranks == 0)
+        return "a " + std::string(collective_name(d.collective)) +
+               " needs the group's ranks: every trainer of the group says its rank when it connects "
+               "(ringd_options.rank and .ranks)";
+    if (d.ranks != g.group_ranks)
+        return "a " + std::string(collective_name(d.collective)) + " over " + std::to_string(d.ranks) +
+               " ranks in a group of " + std::to_string(g.group_ranks);
+    return {};
+}
+
+std::string GroupTable::collective_refused(MemberId id, const proto::Submission &s) const {
+    auto mit = members_.find(id);
+    if (mit == members_.end()) return {};  // (submit says why)
+    const Group &g = groups_.at(mit->second.group);
+    std::string why = ranks_refused(g, s.desc);
+    return why.empty() ? why : "group " + g.name + " op " + std::to_string(s.seq) + ": " + why;
+}
+
 const std::vector<uint32_t> *GroupTable::group_ranks(const std::string &group, uint32_t *ranks) const {
     auto it = groups_.find(group);
     if (it == groups_.end() || it->second.group_ranks == 0 || it->second.joined() != it->second.local_size) return nullptr;
@@ -179,15 +199,8 @@ void GroupTable::submit(MemberId id, const proto::Submission &s, Clock::time_poi
     }
     if (s.desc.collective != Collective::Allreduce) {
         // Its blocks are the group's ranks, numbered as the trainers numbered them.
-        std::string why;
-        if (g.group_ranks == 0)
-            why = "a " + std::string(collective_name(s.desc.collective)) +
-                  " needs the group's ranks: every trainer of the group says its rank when it connects "
-                  "(ringd_options.rank and .ranks)";
-        else if (s.desc.ranks != g.group_ranks)
-            why = "a " + std::string(collective_name(s.desc.collective)) + " over " + std::to_string(s.desc.ranks) +
-                  " ranks in a group of " + std::to_string(g.group_ranks);
-        else if (overlap(s.offset, s.bytes, s.out_offset, s.out_bytes)) {
+        std::string why = ranks_refused(g, s.desc);
+        if (why.empty() && overlap(s.offset, s.bytes, s.out_offset, s.out_bytes)) {
             // In place: the output is the rank's own block of the input (reduce_scatter) or the
             // input is its block of the output (allgather); any other overlap is refused.
             const uint64_t block = s.desc.collective == Collective::ReduceScatter ? s.out_bytes : s.bytes;

@@ -117,6 +117,10 @@ public:
     // Whether the group's trainers say their ranks and some of its local ranks have not joined
     // yet: its hosts' agreement waits for them (the rank map needs every one).
     bool awaiting_ranks(const std::string &group) const;
+    // Why a reduce_scatter or allgather cannot run in member `id`'s group as described (the group
+    // said no ranks, or another count of them), or "": what submit() checks first. The gateway
+    // asks before it stages a device op in, whose copies are one per rank.
+    std::string collective_refused(MemberId id, const proto::Submission &s) const;
     bool every_host(const std::string &group) const;
     // The group's op timeout here (the default when there is no such group).
     std::chrono::milliseconds op_timeout(const std::string &group) const;
@@ -231,6 +235,7 @@ private:
         uint32_t local_rank = 0;
     };
 
+    static std::string ranks_refused(const Group &g, const OpDesc &d);
     void fail_seq(Group &g, uint64_t seq, int32_t code, const std::string &message, std::vector<Completion> &out);
     void count_failed_unstarted(const Group &g) { metrics_.ended(g.name, "none", false, 0, -1, Clock::now()); }
     void count_ended(const std::string &group, const Running &r, bool ok, Clock::time_point now);

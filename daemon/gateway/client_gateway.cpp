@@ -437,6 +437,10 @@ void ClientGateway::take_submissions(MemberId id) {
             if (!cuda_) {
                 st.state = Staged::Failed;
                 st.error = make_error(-ENODEV, "op " + std::to_string(d.seq) + ": " + no_cuda_);
+            } else if (std::string why = groups_.collective_refused(id, *s); !why.empty()) {
+                // (Before the stage-in: its copies are one per rank it says.)
+                st.state = Staged::Failed;
+                st.error = make_error(-EINVAL, why);
             } else if (auto in = cuda_->stage_in(id, *s); !in) {
                 st.state = Staged::Failed;
                 st.error = in.error();

@@ -19,8 +19,8 @@ nlohmann::json Daemon::status_doc(uint32_t viewer) const {
     j["version"] = RINGD_VERSION;
     // What trainers may submit (ringd_submit_coll), so that a client can tell before it relies on one.
     j["collectives"] = {"allreduce", "reduce_scatter", "allgather"};
-    // And of device buffers (ringd_submit_coll_cuda; they need a CUDA driver, cuda.available).
-    j["device_collectives"] = {"allreduce", "reduce_scatter", "allgather"};
+    // And of device buffers (ringd_submit_coll_cuda), where ringd has a CUDA driver.
+    j["device_collectives"] = cuda_ ? json{"allreduce", "reduce_scatter", "allgather"} : json::array();
     j["host"] = host_;
     j["drained"] = gateway_ && gateway_->drained();
     j["config"] = {{"path", config_path_},

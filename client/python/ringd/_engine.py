@@ -154,7 +154,7 @@ class _Engine(DeviceOps):
             res = self.resident.get(key)
             if res is None:
                 self._evict_stale()
-                if self.ps.resident_bytes + nbytes > self.ps.bytes // 2:
+                if self.ps.resident_bytes + self.space.lent_bytes + nbytes > self.ps.bytes // 2:
                     return None
                 rng = self.space.alloc(nbytes)
                 if rng is None:
@@ -182,11 +182,11 @@ class _Engine(DeviceOps):
         return opf.future
 
     def _queue(self, rec):
-        plan = self._in_place_plan(rec)
         with self.lock:
             if self.dead:
                 raise RuntimeError(self.dead)
-            if plan is not None and not self.pending:
+            plan = self._in_place_plan(rec) if not self.pending else None
+            if plan is not None:
                 # Nothing queued before it and nothing to copy: submitted here, in the caller's
                 # thread (no hand-off to the submitting thread). Only if ringd takes it at once:
                 # otherwise (too many in flight, or an error) the submitting thread's path decides.
@@ -210,8 +210,9 @@ class _Engine(DeviceOps):
 
     def _in_place_plan(self, rec):
         """(collective, count, input offset, output offset) of the one ringd op that runs `rec`
-        where its tensors lie in the slot (from allocate), or None (the copying path): an op of
-        one chunk — the same ringd op the copying path would submit, so that the ranks pair."""
+        where its tensors lie in the slot (lent by allocate), or None (the copying path): an op of
+        one chunk — the same ringd op the copying path would submit, so that the ranks pair.
+        Holding the lock."""
         esize = rec.flat.element_size()
         if rec.collective is None:
             total = rec.flat.numel()
@@ -268,7 +269,8 @@ class _Engine(DeviceOps):
             return self._submit_blocks(rec)
         esize, total = rec.flat.element_size(), rec.flat.numel()
         start = 0
-        plan = self._in_place_plan(rec)  # a tensor over the slot (from allocate): reduced where it lies
+        with self.lock:
+            plan = self._in_place_plan(rec)  # a tensor over the slot (from allocate): reduced where it lies
         if plan is not None:
             return self._submit_in_place(rec, *plan)
         try:
@@ -333,7 +335,8 @@ class _Engine(DeviceOps):
         block, laid out in the slot as blocks of m (the rank's own block in place: the output of a
         reduce_scatter, the input of an allgather), so that one range holds the op."""
         esize, n, k, r = rec.flat.element_size(), rec.blocks, rec.block, self.rank
-        plan = self._in_place_plan(rec)
+        with self.lock:
+            plan = self._in_place_plan(rec)
         if plan is not None:  # input and output in the slot (from allocate): no copy
             return self._submit_in_place(rec, *plan)
         src_blocks = rec.src.view(n, k) if rec.collective == "reduce_scatter" else None
@@ -551,6 +554,11 @@ class _Engine(DeviceOps):
             # Still queued, or still in ringd: failed, their ranges kept (ringd may still write
             # them until the connection closes; they go with the slot).
             left = list(self.pending) + [entry[0] for entry in self.inflight.values()]
+            # Ops running where their tensors lie (lent over the slot): the tensors are kept as
+            # long as the slot is mapped, so that their ranges are not lent again while ringd may
+            # still write them.
+            self.ps.kept.extend((rec.flat, rec.src) for rec, copy_out, view, rng, nbytes in self.inflight.values()
+                                if rec.resident is None and copy_out is None and rng is None and rec.flat is not None)
             self.pending.clear()
             self.inflight.clear()
             for rec in left:

@@ -101,13 +101,19 @@ class _SlotSpace:
         self.size = size
         self.free = [(0, size)]  # sorted (offset, length)
         self.returned = collections.deque()  # lent ranges given back, not yet free again
+        self.lent = {}  # offset -> length of the ranges lent out
         self.lent_bytes = 0
 
-    def alloc(self, n):
+    def reclaim(self):
+        """The lent ranges given back are free again."""
         while self.returned:
             off, length = self.returned.popleft()
             self.lent_bytes -= length
+            del self.lent[off]
             self.release(off, length)
+
+    def alloc(self, n):
+        self.reclaim()
         n = (n + _ALIGN - 1) // _ALIGN * _ALIGN or _ALIGN
         for i, (off, length) in enumerate(self.free):
             if length >= n:
@@ -137,11 +143,13 @@ def _lend(ps, numel, dtype):
     memory is freed (the tensor and every view of it gone), then free again. Call with ps.lock held."""
     esize = torch.empty((), dtype=dtype).element_size()
     nbytes = numel * esize
+    ps.space.reclaim()
     if numel <= 0 or ps.space.lent_bytes + ps.resident_bytes + nbytes > ps.bytes // 2:
         return None
     rng = ps.space.alloc(nbytes)
     if rng is None:
         return None
+    ps.space.lent[rng[0]] = rng[1]
     ps.space.lent_bytes += rng[1]
     ps.handed_out = True  # the mapping outlives the groups while such a tensor may live
     import ctypes
@@ -152,14 +160,18 @@ def _lend(ps, numel, dtype):
 
 
 def _slot_offset(ps, t):
-    """The byte offset of contiguous tensor `t`'s memory in the process's slot, or None when it is
-    not wholly inside it."""
+    """The byte offset in the process's slot of contiguous tensor `t`'s memory when it lies wholly
+    inside one range lent out (_lend), else None. Call with ps.lock held."""
     if not t.is_contiguous() or t.device.type != "cpu":
         return None
     off = t.data_ptr() - ps.address
-    if off < 0 or off + t.numel() * t.element_size() > ps.bytes or off % t.element_size():
+    end = off + t.numel() * t.element_size()
+    if off < 0 or end > ps.bytes or off % t.element_size():
         return None
-    return off
+    for start, length in ps.space.lent.items():
+        if start <= off and end <= start + length:
+            return off
+    return None
 
 
 class _Op:
@@ -223,6 +235,8 @@ class _ProcessSlot:
         # the process groups: then the memory stays mapped for the process's life.
         self.hold, self.unhold = client.hold_slot(), client.unhold_slot
         self.handed_out = False
+        # Tensors over the slot of ops still in ringd when their group closed: never lent again.
+        self.kept = []
 
 
 _process_slots = {}  # socket path -> _ProcessSlot

@@ -138,11 +138,12 @@ class ProcessGroupRingd(ProcessGroup):
         me = (st.get("host", ""), _env_int("LOCAL_RANK", 0))
         # And whether its ringd runs reduce_scatter and allgather: the group runs them through
         # ringd only if every rank's does (the ranks must all take the same path).
-        # Bit 1: reduce_scatter and allgather of CPU tensors; bit 2: of CUDA tensors too (device
-        # buffers; an earlier release says 0 or 1).
         mine = int("reduce_scatter" in st.get("collectives", ()) and _ringd.Client.has_collectives())
-        mine |= 2 * int(mine and "reduce_scatter" in st.get("device_collectives", ()) and
-                        _ringd.Client.has_device_collectives())
+        # And of CUDA tensors (device buffers), under a key of its own, written before the member
+        # entry (so it is there once that is): a rank of an earlier release writes none.
+        device = int(mine and "reduce_scatter" in st.get("device_collectives", ()) and
+                     _ringd.Client.has_device_collectives())
+        store.set(f"ringd/device/{rank}", str(device))
         store.set(f"ringd/member/{rank}", f"{me[0]}:{me[1]}:{slot_bytes}:{mine}")
         members, smallest_slot, collectives, device_collectives = [], slot_bytes, True, True
         for r in range(size):
@@ -152,8 +153,10 @@ class ProcessGroupRingd(ProcessGroup):
             host, local, slot, theirs = entry.rsplit(":", 3)
             members.append((host, int(local), r))
             smallest_slot = min(smallest_slot, int(slot))
-            collectives = collectives and bool(int(theirs) & 1)
-            device_collectives = device_collectives and bool(int(theirs) & 2)
+            collectives = collectives and theirs == "1"
+            # (compare_set with a value no rank writes: the key's value, or that value when it is
+            # absent, without waiting for it and without writing it; torch 1.13's store has no check)
+            device_collectives = device_collectives and store.compare_set(f"ringd/device/{r}", "?", "?") == b"1"
         on_my_host = sorted(m for m in members if m[0] == me[0])
         local_rank = [m[2] for m in on_my_host].index(rank)
         local_size = len(on_my_host)
