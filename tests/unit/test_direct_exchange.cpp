@@ -122,6 +122,18 @@ struct Cluster {
                 [](uint32_t) { return uint64_t{0}; }));
     }
 
+    // Host `to` takes `bytes` of data of `kind` (step `step`) that host `from` sent with report
+    // `rr`, through the encoder and decoder: whether it kept them.
+    bool offer(uint32_t to, uint32_t from, const proto::OpReport &rr, proto::OpDataKind kind, uint64_t bytes, uint32_t step = 0) {
+        proto::Bytes f = proto::encode_op_data(rr, kind, bytes, step);
+        proto::Bytes payload(f.begin() + proto::kFrameHeaderBytes, f.end());
+        auto d = proto::decode_op_data(payload);
+        REQUIRE(d.ok());
+        const proto::OpData data = *d;
+        std::string why;
+        return x[to]->take_part(from, data, std::move(payload), why);
+    }
+
     // Hosts reach op `key` in a shuffled order (reach(h) contributes host h's data), between
     // deliveries of the frames on the wire in a shuffled order; returns which hosts completed it.
     std::vector<bool> deliver(const OpKey &key, std::mt19937 &rng, const std::function<void(uint32_t)> &reach) {
@@ -335,13 +347,7 @@ TEST_CASE("doubling: data from a host that is not this step's partner, or of the
     proto::OpReport r{7, "g", 1, 16, static_cast<uint32_t>(DType::F32), static_cast<uint32_t>(ReduceOp::Sum), 1, 0, "",
                       static_cast<uint32_t>(Algorithm::Doubling), 5, 1000};
     auto offer = [&](uint32_t from, proto::OpDataKind kind, uint32_t step, const proto::OpReport &rr, uint64_t bytes) {
-        proto::Bytes f = proto::encode_op_data(rr, kind, bytes, step);
-        proto::Bytes payload(f.begin() + proto::kFrameHeaderBytes, f.end());
-        auto d = proto::decode_op_data(payload);
-        REQUIRE(d.ok());
-        const proto::OpData data = *d;
-        std::string why;
-        return c.x[0]->take_part(from, data, std::move(payload), why);
+        return c.offer(0, from, rr, kind, bytes, step);
     };
     CHECK_FALSE(offer(2, proto::OpDataKind::Doubling, 0, r, 64));  // step 0 comes from host 1
     CHECK_FALSE(offer(1, proto::OpDataKind::FoldIn, 0, r, 64));    // 4 hosts: nobody folds
@@ -424,13 +430,7 @@ TEST_CASE("one-shot reduce_scatter and allgather send one frame to each other ho
         return r;
     };
     auto offer = [&](uint32_t from, const proto::OpReport &rr, uint64_t bytes) {
-        proto::Bytes f = proto::encode_op_data(rr, proto::OpDataKind::OneShot, bytes);
-        proto::Bytes payload(f.begin() + proto::kFrameHeaderBytes, f.end());
-        auto d = proto::decode_op_data(payload);
-        REQUIRE(d.ok());
-        const proto::OpData data = *d;
-        std::string why;
-        return c.x[0]->take_part(from, data, std::move(payload), why);
+        return c.offer(0, from, rr, proto::OpDataKind::OneShot, bytes);
     };
     // What host 0 makes of op `seq`: its mismatch and why; every peer's data dropped after.
     auto run = [&](uint64_t seq, Collective coll, std::span<const std::vector<uint32_t>> ranks) {

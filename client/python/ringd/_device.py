@@ -209,16 +209,23 @@ def allreduce_cuda(engine, tensor, name, result, tensors):
     # after ringd's; the future completes after that copy (its event is recorded on this
     # stream), and Work.wait() orders the caller's stream after it too.
     ticket, rec = engine.allreduce_device(buf, name, opf, result, keep=flat, stream=stream, deferred=True)
+    return _copied_back(engine, ticket, rec, stream, lambda: dense.copy_(flat.view(dense.shape)), tensor.device, opf,
+                        tensors)
+
+
+def _copied_back(engine, ticket, rec, stream, copy_back, device, opf, tensors):
+    """The Work of a deferred device op whose result goes into the caller's tensor by `copy_back`,
+    queued on `stream` after ringd's result: the future completes after that copy (its event is
+    recorded on this stream), and Work.wait() orders the caller's stream after it too."""
     try:
         engine.stream_wait(ticket, stream.cuda_stream)
         with torch.no_grad():
-            dense.copy_(flat.view(dense.shape))
+            copy_back()
         copied = torch.cuda.Event()
         copied.record(stream)
     finally:
         engine.release_finish(rec)
-    return _compat.work(opf.future, tensors,
-                        on_wait=lambda: torch.cuda.current_stream(tensor.device).wait_event(copied))
+    return _compat.work(opf.future, tensors, on_wait=lambda: torch.cuda.current_stream(device).wait_event(copied))
 
 
 def collective_cuda(engine, name, src, out, op, result, tensors):
@@ -243,13 +250,4 @@ def collective_cuda(engine, name, src, out, op, result, tensors):
                             on_wait=lambda: engine.stream_wait(ticket, torch.cuda.current_stream(out.device).cuda_stream))
     ticket, rec = engine.collective_device(name, sbuf, obuf, op, opf, result, keep=(src, flat), stream=stream,
                                            deferred=True)
-    try:
-        engine.stream_wait(ticket, stream.cuda_stream)
-        with torch.no_grad():
-            given.copy_(flat)
-        copied = torch.cuda.Event()
-        copied.record(stream)
-    finally:
-        engine.release_finish(rec)
-    return _compat.work(opf.future, tensors,
-                        on_wait=lambda: torch.cuda.current_stream(out.device).wait_event(copied))
+    return _copied_back(engine, ticket, rec, stream, lambda: given.copy_(flat), out.device, opf, tensors)
