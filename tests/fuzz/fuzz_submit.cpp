@@ -1,6 +1,7 @@
 // libFuzzer: a submit descriptor as a client may write it into its slot (256 bytes, any value),
 // checked against a slot of any data size, as the daemon checks each copied descriptor. Whatever
-// it accepts lies inside the slot, aligned, with both ranges' byte counts exact.
+// it accepts lies inside the slot, aligned, with both ranges' byte counts exact, and a device
+// reduce_scatter/allgather's part inside its block.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -35,7 +36,17 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         !range_ok(s->out_offset, s->out_bytes, desc.out_count(), esize, data_bytes) ||
         (allreduce && (desc.ranks != 0 || s->out_offset != s->offset)) ||
         (!allreduce && (desc.ranks == 0 || desc.ranks > kMaxGroupRanks)) ||
-        (s->cuda && !allreduce) || s->cuda != (d.buffer_kind == 1))
+        s->cuda != (d.buffer_kind == 1))
         __builtin_trap();
+    // A device reduce_scatter/allgather's part lies inside its block, and its blocks' bytes do not
+    // overflow; every other op carries no device-collective fields.
+    if (s->cuda && !allreduce) {
+        uint64_t whole = 0;
+        if (s->cuda_part > s->cuda_block || s->cuda_block - s->cuda_part < desc.count ||
+            __builtin_mul_overflow(s->cuda_block, uint64_t{desc.ranks} * esize, &whole))
+            __builtin_trap();
+    } else if (s->cuda_out_reg != 0 || s->cuda_out_offset != 0 || s->cuda_block != 0 || s->cuda_part != 0) {
+        __builtin_trap();
+    }
     return 0;
 }
