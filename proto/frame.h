@@ -42,13 +42,17 @@ inline constexpr uint16_t kProtocolVersion = 1;      // frames between trainers/
 //      GroupIncarnation every host's (the rank map every host of the run agreed), OpReport the
 //      collective (bits 16-23 of its flags). Sent only in a generation of 10; an allreduce's frames
 //      are 9's, byte for byte.
+//  11: broadcast, reduce and barrier (OpReport collectives 3-5; a broadcast's or reduce's root rank
+//      in bits 8-31 of the op word), their one-shot OpData (proto/peer.h). Sent only in a
+//      generation of 11; every other op's frames are 10's, byte for byte.
 // A ringd of 6 (before 0.2.0) is no longer spoken to: it closed the connection at a hello it could
 // not read, which a dialer cannot tell from a host that died. Every release since refuses with an
 // Error frame, and only that refusal makes a dialer try an older version.
-inline constexpr uint16_t kPeerProtocolVersion = 10;
+inline constexpr uint16_t kPeerProtocolVersion = 11;
 inline constexpr uint16_t kPeerProtocolOldest = 7;
 inline constexpr uint16_t kGenerationProtocolVersion = 9;  // RingReady / RingStart carry the protocol
 inline constexpr uint16_t kCollectivesProtocol = 10;  // reduce_scatter and allgather across hosts
+inline constexpr uint16_t kRootedProtocol = 11;       // broadcast, reduce and barrier across hosts
 inline constexpr uint16_t kPeerBaseVersion = 6;  // the layout version of every peer frame but the handshake's
 inline constexpr size_t kFrameHeaderBytes = 16;
 

@@ -318,7 +318,7 @@ void put_report_fixed(uint8_t *p, const OpReport &r) {
     le::put<uint64_t>(&p[72], r.seq);
     le::put<uint64_t>(&p[80], r.count);
     le::put<uint32_t>(&p[88], r.dtype);
-    le::put<uint32_t>(&p[92], r.op);
+    le::put<uint32_t>(&p[92], collective_is_rooted(static_cast<Collective>(r.collective)) ? (r.op & 0xff) | r.root << 8 : r.op);
     le::put<uint32_t>(&p[96], r.local_size);
     le::put<int32_t>(&p[100], r.status);
     le::put<uint64_t>(&p[104], r.incarnation);
@@ -347,6 +347,11 @@ Result<OpReport> get_report_fixed(std::span<const uint8_t> p, uint32_t max_ranks
     r.collective = (r.flags >> 16) & 0xff;
     r.flags &= ~0xff0000u;
     if (r.collective >= kCollectiveCount) return bad("op report names collective " + std::to_string(r.collective));
+    if (collective_is_rooted(static_cast<Collective>(r.collective))) {
+        r.root = r.op >> 8;
+        r.op &= 0xff;
+        if (r.root >= kMaxGroupRanks) return bad("op report names root rank " + std::to_string(r.root));
+    }
     if (r.flags & kReportDeferred) {
         r.algorithm = (r.flags >> 8) & 0xff;
         r.flags &= ~0xff00u;
@@ -561,6 +566,17 @@ Result<OpData> decode_op_data(std::span<const uint8_t> p) {
     const auto dtype = static_cast<DType>(r->dtype);
     const bool result = k == OpDataKind::TwoShotResult || k == OpDataKind::Gather || k == OpDataKind::FoldOut;
     const uint64_t es = result ? dtype_size(dtype) : dtype_size(partial_dtype(dtype, static_cast<ReduceOp>(r->op)));
+    const auto coll = static_cast<Collective>(r->collective);
+    if (collective_is_rooted(coll) || coll == Collective::Barrier) {
+        // broadcast, reduce, barrier (protocol 11): one-shot only, exactly the op's data (a
+        // broadcast's in the dtype, a reduce's a partial result, a barrier's none).
+        if (k != OpDataKind::OneShot) return bad("op data of kind " + std::to_string(kind) + " for a " + std::string(collective_name(coll)));
+        const uint64_t want = coll == Collective::Barrier ? 0 : r->count * (coll == Collective::Broadcast ? dtype_size(dtype) : es);
+        if (r->count > (uint64_t{1} << 40) || have != want)
+            return bad("op data has " + std::to_string(have) + " data bytes for a " + std::string(collective_name(coll)) + " of " +
+                       std::to_string(r->count) + " elements");
+        return OpData{std::move(*r), k, step, p.subspan(kOpDataHeaderBytes)};
+    }
     if (r->collective != static_cast<uint32_t>(Collective::Allreduce)) {
         // reduce_scatter, allgather (protocol 10): one-shot only, whole blocks of count elements
         // (reduce_scatter: partial results; allgather: the dtype); the receiver checks how many

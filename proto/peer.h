@@ -177,6 +177,9 @@ struct OpReport {
     uint32_t flags = 0;
     // Collective (protocol 10: bits 16-23 of the flags word; 0, allreduce, is the layout before).
     uint32_t collective = 0;
+    // Broadcast, reduce (protocol 11): the root rank, in bits 8-31 of the op word (the op in bits
+    // 0-7; every other collective's op word is the op alone).
+    uint32_t root = 0;
 };
 inline constexpr uint32_t kReportAhead = 1;
 inline constexpr uint32_t kReportDeferred = 2;
@@ -235,6 +238,12 @@ struct OpFail {
 // rank's block) is OneShot, whole blocks: a reduce_scatter's to host j the blocks of j's ranks, in
 // j's local-rank order, partial results; an allgather's the sender's ranks' blocks, in its
 // local-rank order, in the dtype. The receiver checks how many against the group's rank map.
+//
+// Protocol 11: a broadcast's, reduce's or barrier's OpData is OneShot with exactly the op's data:
+// a broadcast's from the root rank's host to every other host, its root's buffer (the dtype); a
+// reduce's from every other host to the root's, its local ranks reduced (a partial result); a
+// barrier's from every host to every other, empty (a host's barrier ends once every other host's
+// message is in).
 enum class OpDataKind : uint32_t {
     OneShot = 1,
     TwoShotPart = 2,

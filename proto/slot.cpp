@@ -53,11 +53,31 @@ Result<Submission> validate_submit(const SubmitDesc &d, uint64_t data_bytes, boo
                                            std::to_string(kMaxGroupRanks) + ")");
         s.desc.ranks = d.ranks;
     }
+    if (collective_is_rooted(s.desc.collective)) {
+        if (d.root >= d.ranks)
+            return make_error(-EINVAL, at + cname + " with root rank " + std::to_string(d.root) + " of " +
+                                           std::to_string(d.ranks) + " ranks");
+        if (d.out_offset != d.offset)
+            return make_error(-EINVAL, at + "a " + cname + " runs in place: out_offset " + std::to_string(d.out_offset) +
+                                           " is not its offset " + std::to_string(d.offset));
+        s.desc.root = d.root;
+    } else if (d.root != 0) {
+        return make_error(-EINVAL, at + "root set for a " + cname);
+    }
+    if (s.desc.collective == Collective::Barrier) {
+        // No data: whatever dtype and op it names, every rank's barrier is the same op.
+        if (d.count != 0 || d.offset != 0 || d.out_offset != 0)
+            return make_error(-EINVAL, at + "a barrier with count, offset or out_offset set");
+        s.desc.dtype = DType::F32;
+        s.desc.op = ReduceOp::Sum;
+    }
     if (s.desc.op == ReduceOp::Avg && dtype_is_integer(s.desc.dtype))
         return make_error(-EINVAL, at + "avg is not defined for integer dtype " + std::string(dtype_name(s.desc.dtype)));
     if (d.buffer_kind == static_cast<uint32_t>(BufferKind::Cuda)) {
         if (!cuda_supported) return make_error(-ENOTSUP, at + "this ringd has no CUDA (built without it)");
         s.cuda = true;
+        if (!collective_blocked(s.desc.collective) && s.desc.collective != Collective::Allreduce)
+            return make_error(-EINVAL, at + "a " + cname + " of device buffers (ringd runs it on slot buffers only)");
         if (s.desc.collective == Collective::Allreduce) {
             if (d.cuda_out_reg != 0 || d.cuda_out_offset != 0 || d.cuda_block != 0 || d.cuda_part != 0)
                 return make_error(-EINVAL, at + "a device allreduce with cuda_out_reg, cuda_out_offset, cuda_block or cuda_part set");
@@ -111,7 +131,7 @@ Result<Submission> validate_submit(const SubmitDesc &d, uint64_t data_bytes, boo
     out_count = s.desc.out_count();
     if (auto r = range(s.desc.collective == Collective::Allreduce ? "" : "input ", d.offset, in_count, &s.bytes); !r)
         return r.error();
-    if (s.desc.collective == Collective::Allreduce) {
+    if (!collective_blocked(s.desc.collective)) {  // in place
         s.out_offset = s.offset;
         s.out_bytes = s.bytes;
     } else {

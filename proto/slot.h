@@ -32,6 +32,9 @@ inline constexpr uint16_t kSlotFeatureCollectives = 2;
 // SubmitDesc::cuda_out_reg, cuda_out_offset, cuda_block and cuda_part: reduce_scatter and allgather
 // of device buffers (a ringd without it refuses them: ENOTSUP).
 inline constexpr uint16_t kSlotFeatureCudaCollectives = 4;
+// SubmitDesc::root and collectives 3-5: broadcast, reduce and barrier (a ringd without it refuses
+// the collective by number: EINVAL).
+inline constexpr uint16_t kSlotFeatureRootedCollectives = 8;
 inline constexpr size_t kSlotHeaderBytes = 4096;
 inline constexpr size_t kSlotDataAlign = 4096;
 inline constexpr uint32_t kQueueDepth = 64;
@@ -113,9 +116,12 @@ struct SubmitDesc {
     uint64_t cuda_out_offset;
     uint64_t cuda_block;
     uint64_t cuda_part;
-    uint8_t reserved[256 - 112];
+    // kSlotFeatureRootedCollectives: a broadcast's or reduce's root rank (< ranks); 0 otherwise.
+    uint32_t root;
+    uint8_t reserved[256 - 116];
 };
 static_assert(sizeof(SubmitDesc) == 256);
+static_assert(offsetof(SubmitDesc, root) == 112);
 static_assert(offsetof(SubmitDesc, collective) == 64 && offsetof(SubmitDesc, out_offset) == 72);
 static_assert(offsetof(SubmitDesc, cuda_out_reg) == 80 && offsetof(SubmitDesc, cuda_part) == 104);
 static_assert(offsetof(SubmitDesc, offset) == 32);

@@ -6,6 +6,10 @@ std::string describe(const OpDesc &d) {
     std::string s = std::to_string(d.count) + " x " + std::string(dtype_name(d.dtype));
     if (collective_reduces(d.collective)) s += " " + std::string(reduce_op_name(d.op));
     if (d.collective == Collective::Allreduce) return s;
+    if (d.collective == Collective::Barrier) return "barrier over " + std::to_string(d.ranks) + " ranks";
+    if (collective_is_rooted(d.collective))
+        return std::string(collective_name(d.collective)) + " of " + s + (d.collective == Collective::Broadcast ? " from" : " to") +
+               " rank " + std::to_string(d.root) + " over " + std::to_string(d.ranks) + " ranks";
     return std::string(collective_name(d.collective)) + " of " + s + " over " + std::to_string(d.ranks) + " ranks";
 }
 

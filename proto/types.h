@@ -19,8 +19,16 @@ enum class ReduceOp : uint32_t { Sum = 0, Avg = 1, Min = 2, Max = 3 };
 //                   block: rank r's output is the reduction of every rank's block r
 //   allgather       the input is one block, the output one block per rank: block r of every
 //                   rank's output is rank r's input
-enum class Collective : uint32_t { Allreduce = 0, ReduceScatter = 1, Allgather = 2 };
-inline constexpr uint32_t kCollectiveCount = 3;
+//   broadcast       one buffer, in place: every rank's becomes the root rank's
+//   reduce          one buffer, in place: the root rank's becomes the reduction of every rank's
+//                   (the other ranks' may hold partial results afterwards, as a reduce_scatter's
+//                   input does)
+//   barrier         no data: ends on every rank once every rank of the group submitted it
+enum class Collective : uint32_t { Allreduce = 0, ReduceScatter = 1, Allgather = 2, Broadcast = 3, Reduce = 4, Barrier = 5 };
+inline constexpr uint32_t kCollectiveCount = 6;
+// The collectives of peer protocol 10 (reduce_scatter, allgather) and of 11 (broadcast, reduce,
+// barrier): a ring with an older host refuses them by name.
+constexpr bool collective_is_rooted(Collective c) { return c == Collective::Broadcast || c == Collective::Reduce; }
 // The most ranks a group may have (the blocks of a reduce_scatter's input or an allgather's output).
 inline constexpr uint32_t kMaxGroupRanks = 1u << 20;
 
@@ -58,12 +66,19 @@ constexpr std::string_view collective_name(Collective c) {
     case Collective::Allreduce: return "allreduce";
     case Collective::ReduceScatter: return "reduce_scatter";
     case Collective::Allgather: return "allgather";
+    case Collective::Broadcast: return "broadcast";
+    case Collective::Reduce: return "reduce";
+    case Collective::Barrier: return "barrier";
     }
     return "?";
 }
 
 // Whether the collective combines values (and so has a reduction op and partial results).
-constexpr bool collective_reduces(Collective c) { return c != Collective::Allgather; }
+constexpr bool collective_reduces(Collective c) {
+    return c == Collective::Allreduce || c == Collective::ReduceScatter || c == Collective::Reduce;
+}
+// Whether its buffer is one block per rank on one side (reduce_scatter's input, allgather's output).
+constexpr bool collective_blocked(Collective c) { return c == Collective::ReduceScatter || c == Collective::Allgather; }
 
 constexpr std::string_view reduce_op_name(ReduceOp o) {
     switch (o) {
@@ -91,23 +106,26 @@ struct OpDesc {
     Collective collective = Collective::Allreduce;
     DType dtype = DType::F32;
     ReduceOp op = ReduceOp::Sum;  // allgather: always Sum (it combines nothing)
-    // Allreduce: the buffer's elements. reduce_scatter: the output's (one rank's block; the input
-    // has `ranks` blocks). allgather: the input's (the output has `ranks` blocks).
+    // Allreduce, broadcast, reduce: the buffer's elements. reduce_scatter: the output's (one rank's
+    // block; the input has `ranks` blocks). allgather: the input's (the output has `ranks`
+    // blocks). barrier: 0.
     uint64_t count = 0;
-    // The group's ranks as the caller counts them (reduce_scatter, allgather); 0 for allreduce,
-    // whose meaning does not depend on them.
+    // The group's ranks as the caller counts them (every collective but allreduce); 0 for
+    // allreduce, whose meaning does not depend on them.
     uint32_t ranks = 0;
+    uint32_t root = 0;  // broadcast, reduce: the root rank (< ranks); 0 otherwise
 
     bool operator==(const OpDesc &) const = default;
     // Elements of the input and of the output range of one rank.
     uint64_t in_count() const { return collective == Collective::ReduceScatter ? count * ranks : count; }
     uint64_t out_count() const { return collective == Collective::Allgather ? count * ranks : count; }
     // The larger of the two: the buffer with a block per rank (allreduce: its buffer).
-    uint64_t full_count() const { return collective == Collective::Allreduce ? count : count * ranks; }
+    uint64_t full_count() const { return collective_blocked(collective) ? count * ranks : count; }
 };
 
 // "1000 x float sum" (allreduce, as every release wrote it), "reduce_scatter of 1000 x float sum
-// over 8 ranks", "allgather of 1000 x float over 8 ranks": for error messages.
+// over 8 ranks", "allgather of 1000 x float over 8 ranks", "broadcast of 1000 x float from rank 3
+// over 8 ranks", "barrier over 8 ranks": for error messages.
 std::string describe(const OpDesc &d);
 
 // Accepts the names above and the short forms f32 f64 f16 bf16 i32 i64.

@@ -425,6 +425,20 @@ int ringd_submit_coll(ringd_client *c, const ringd_coll *coll, uint64_t *ticket)
             d.ranks = c->ranks;
             d.out_offset = coll->out_offset;
         }
+        const bool rooted = coll->collective == RINGD_BROADCAST || coll->collective == RINGD_REDUCE;
+        if (rooted || coll->collective == RINGD_BARRIER) {
+            const std::string what(collective_name(static_cast<Collective>(d.collective)));
+            if (!(c->header->features & proto::kSlotFeatureRootedCollectives))
+                return c->fail(-ENOTSUP, "this ringd has no " + what + " (an older release)");
+            if (rooted && coll->struct_size < offsetof(ringd_coll, root) + sizeof(int))
+                return c->fail(-EINVAL, "a " + what + " needs ringd_coll.root: struct_size = sizeof(ringd_coll)");
+            if (rooted && (coll->root < 0 || static_cast<uint32_t>(coll->root) >= c->ranks))
+                return c->fail(-EINVAL, "a " + what + " with root rank " + std::to_string(coll->root) + " of " +
+                                        std::to_string(c->ranks) + " ranks");
+            d.root = rooted ? static_cast<uint32_t>(coll->root) : 0;
+            d.out_offset = rooted ? d.offset : 0;  // (in place)
+            if (!rooted) d.count = d.offset = 0;   // (a barrier has no data)
+        }
         return c->submit_desc(d, ticket, false);
     } catch (const std::exception &e) {
         return c->fail(-ENOMEM, e.what());

@@ -13,7 +13,9 @@ constexpr size_t kIncarnationMemory = 4096;
 std::string describe(const proto::OpReport &r) {
     const auto c = static_cast<Collective>(r.collective);
     std::string s = std::to_string(r.count) + " x " + std::string(dtype_name(static_cast<DType>(r.dtype)));
+    if (c == Collective::Barrier) return "barrier";
     if (collective_reduces(c)) s += " " + std::string(reduce_op_name(static_cast<ReduceOp>(r.op)));
+    if (collective_is_rooted(c)) s += (c == Collective::Broadcast ? " from rank " : " to rank ") + std::to_string(r.root);
     return c == Collective::Allreduce ? s : std::string(collective_name(c)) + " of " + s;
 }
 
@@ -347,7 +349,7 @@ void Coordinator::report(uint32_t host, const proto::OpReport &r, Clock::time_po
         const bool first = h < host;
         const proto::OpReport &a = first ? *p.by_host[h] : r, &b = first ? r : *p.by_host[h];
         const std::string &an = hosts_[first ? h : host], &bn = hosts_[first ? host : h];
-        if (a.count != b.count || a.dtype != b.dtype || a.op != b.op || a.collective != b.collective)
+        if (a.count != b.count || a.dtype != b.dtype || a.op != b.op || a.collective != b.collective || a.root != b.root)
             return fail(k, -EINVAL,
                         at(r.group, r.seq) + "mismatch: host " + an + " submitted " + describe(a) + ", host " + bn +
                             " submitted " + describe(b),

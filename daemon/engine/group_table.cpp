@@ -200,7 +200,7 @@ void GroupTable::submit(MemberId id, const proto::Submission &s, Clock::time_poi
     if (s.desc.collective != Collective::Allreduce) {
         // Its blocks are the group's ranks, numbered as the trainers numbered them.
         std::string why = ranks_refused(g, s.desc);
-        if (why.empty() && overlap(s.offset, s.bytes, s.out_offset, s.out_bytes)) {
+        if (why.empty() && collective_blocked(s.desc.collective) && overlap(s.offset, s.bytes, s.out_offset, s.out_bytes)) {
             // In place: the output is the rank's own block of the input (reduce_scatter) or the
             // input is its block of the output (allgather); any other overlap is refused.
             const uint64_t block = s.desc.collective == Collective::ReduceScatter ? s.out_bytes : s.bytes;

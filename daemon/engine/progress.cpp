@@ -228,6 +228,7 @@ EngineResult ProgressEngine::execute(EngineWork &w, std::atomic<int64_t> *beat) 
         op.op = w.desc.op;
         op.count = w.desc.count;
         op.avg_divisor = w.avg_divisor;
+        op.root = w.desc.root;
         op.data.base = w.slots[0]->data();
         op.data.bytes = w.slots[0]->data_bytes();
         op.data_offset = w.offsets[0];
@@ -307,6 +308,7 @@ EngineResult ProgressEngine::execute_ring(EngineWork &w) {
     op.op = w.desc.op;
     op.count = w.desc.count;
     op.avg_divisor = w.avg_divisor;
+    op.root = w.desc.root;
     op.data = w.slots[0]->region();
     op.data_offset = w.offsets[0];
     op.out_offset = w.desc.collective == Collective::Allreduce ? w.offsets[0] : w.out_offsets[0];

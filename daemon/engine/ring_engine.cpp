@@ -38,6 +38,17 @@ uint64_t RingOp::ranks() const {
     return n;
 }
 
+bool RingOp::find_root(uint32_t *host, uint32_t *local) const {
+    for (size_t h = 0; h < host_ranks.size(); ++h)
+        for (size_t l = 0; l < host_ranks[h].size(); ++l)
+            if (host_ranks[h][l] == root) {
+                *host = static_cast<uint32_t>(h);
+                *local = static_cast<uint32_t>(l);
+                return true;
+            }
+    return false;
+}
+
 bool RingOp::by_reference() const { return full_count() * dtype_size(dtype) >= RingEngine::kConfirmBytes; }
 
 void RingEngine::segments(const RingPosition &pos, const RingOp &op, Window w) {
@@ -46,6 +57,14 @@ void RingEngine::segments(const RingPosition &pos, const RingOp &op, Window w) {
     seg_base_.assign(n + 1, 0);
     for (uint32_t k = 0; k < n; ++k) {
         seg_base_[k] = seg_pieces_.size();
+        if (collective_is_rooted(op.collective)) {
+            // A chain: the whole window is segment 0; the root's local rank is the one whose
+            // input leaves (broadcast) or whose output gets the result (reduce).
+            if (k == 0)
+                seg_pieces_.push_back({w.begin, w.count, 0, w.begin,
+                                       pos.rank == root_host_ ? static_cast<int32_t>(root_local_) : -1});
+            continue;
+        }
         if (op.collective == Collective::Allreduce) {
             // One n-th of the window, each: the ring of peer protocol 1.
             const uint64_t b = seg_begin(w.count, n, k), e = seg_begin(w.count, n, k + 1);
@@ -67,28 +86,31 @@ void RingEngine::segments(const RingPosition &pos, const RingOp &op, Window w) {
 uint64_t RingEngine::most_chunks(const RingPosition &pos, const RingOp &op, Window w, uint64_t chunk_elems) const {
     // Allreduce: the bound of peer protocol 1 (its tags number chunks from it).
     if (op.collective == Collective::Allreduce) return w.count / pos.size / chunk_elems + 1;
+    if (collective_is_rooted(op.collective)) return w.count / chunk_elems + 1;
     uint64_t most = 0;
     for (const auto &h : op.host_ranks) most = std::max<uint64_t>(most, h.size() * ((w.count + chunk_elems - 1) / chunk_elems));
     return most + 1;
 }
 
 void RingEngine::plan(const RingPosition &pos, const RingOp &op, Window w, uint64_t chunk_elems, uint32_t slots) {
-    schedule_ = schedule::ring(op.collective, pos.rank, pos.size);
+    schedule_ = schedule::ring(op.collective, pos.rank, pos.size, root_host_);
     segments(pos, op, w);
     // A receive into the data region waits for an earlier send of the same segment to be done
     // (allreduce's allgather, over what its reduce-scatter sent).
     recv_after_send_.assign(schedule_.size(), -1);
     last_send_.assign(pos.size, -1);
     for (size_t i = 0; i < schedule_.size(); ++i) {
-        if (!lands_in_staging(schedule_[i].recv)) recv_after_send_[i] = last_send_[schedule_[i].recv_seg];
-        last_send_[schedule_[i].send_seg] = static_cast<int32_t>(i);
+        if (schedule_[i].recv != Prim::None && !lands_in_staging(schedule_[i].recv))
+            recv_after_send_[i] = last_send_[schedule_[i].recv_seg];
+        if (schedule_[i].send != Prim::None) last_send_[schedule_[i].send_seg] = static_cast<int32_t>(i);
     }
     sends_.clear();
     recvs_.clear();
     send_base_.assign(schedule_.size(), 0);
     recv_base_.assign(schedule_.size(), 0);
-    auto add = [&](std::vector<Msg> &list, std::vector<size_t> &base, uint32_t entry, uint32_t seg) {
+    auto add = [&](std::vector<Msg> &list, std::vector<size_t> &base, uint32_t entry, uint32_t seg, Prim p) {
         base[entry] = list.size();
+        if (p == Prim::None) return;  // (a chain's step this host takes no part in)
         uint32_t j = 0;
         for (size_t p = seg_base_[seg]; p < seg_base_[seg + 1]; ++p) {
             const Piece &pc = seg_pieces_[p];
@@ -98,8 +120,8 @@ void RingEngine::plan(const RingPosition &pos, const RingOp &op, Window w, uint6
         }
     };
     for (uint32_t i = 0; i < schedule_.size(); ++i) {
-        add(sends_, send_base_, i, schedule_[i].send_seg);
-        add(recvs_, recv_base_, i, schedule_[i].recv_seg);
+        add(sends_, send_base_, i, schedule_[i].send_seg, schedule_[i].send);
+        add(recvs_, recv_base_, i, schedule_[i].recv_seg, schedule_[i].recv);
     }
     free_slots_.clear();
     for (uint32_t i = 0; i < slots; ++i) free_slots_.push_back(static_cast<int32_t>(slots - 1 - i));
@@ -145,6 +167,22 @@ void RingEngine::run_local(const RingOp &op) {
                 if (to != input(q)) std::memmove(to, input(q), op.count * es);
             }
         return;
+    case Collective::Broadcast:
+    case Collective::Reduce: {
+        uint32_t host = 0, root = 0;
+        if (!op.find_root(&host, &root) || op.count == 0) return;  // (run() refuses a root the map lacks)
+        if (op.collective == Collective::Broadcast) {
+            for (size_t l = 0; l < locals; ++l)
+                if (l != root) std::memcpy(output(l), input(root), op.count * es);
+            return;
+        }
+        // Every local rank's buffer reduced into the root's (avg: one pass, divided there).
+        for (size_t q = 0; q < locals; ++q) srcs.push_back(input(q));
+        dsts.assign(1, output(root));
+        reduce(ReduceArgs{op.dtype, op.op, srcs.data(), srcs.size(), dsts.data(), 1, op.count, op.avg_divisor});
+        return;
+    }
+    case Collective::Barrier: return;
     }
 }
 
@@ -163,6 +201,8 @@ Status RingEngine::run(const RingPosition &pos, const RingOp &op, std::chrono::s
         if (op.host_ranks[pos.rank].size() != op.locals.size() + 1 || op.local_outputs.size() != op.locals.size())
             return make_error(-EINVAL, "ring op: the group's ranks on this host are not its local ranks");
     }
+    if (collective_is_rooted(op.collective) && !op.find_root(&root_host_, &root_local_))
+        return make_error(-EINVAL, "ring op: root rank " + std::to_string(op.root) + " is not in the group's rank map");
     if (op.data_offset > op.data.bytes || in_count > (op.data.bytes - op.data_offset) / es)
         return make_error(-ERANGE, "ring op outside its data region");
     if (op.collective != Collective::Allreduce &&
@@ -172,13 +212,15 @@ Status RingEngine::run(const RingPosition &pos, const RingOp &op, std::chrono::s
         run_local(op);
         return Ok{};
     }
+    if (op.collective == Collective::Barrier)  // (no data: the direct exchange runs it)
+        return make_error(-EINVAL, "ring op: a barrier has no ring schedule");
     if (pos.size > kMaxSteps) return make_error(-E2BIG, "ring of more than 2048 hosts");
     const uint64_t work = widened ? work_bytes(opt_) : 0;
     if (op.staging.bytes < opt_.chunk_bytes * opt_.depth + work) return make_error(-EINVAL, "ring staging area is too small");
     if (widened && work < opt_.chunk_bytes) return make_error(-EINVAL, "ring work area is smaller than a chunk");
     // Widened ops run in windows whose partials fit the work area; the others in one. A
     // reduce_scatter's window is a sub-range of every block.
-    const uint64_t blocks = op.collective == Collective::Allreduce ? 1 : std::max<uint64_t>(op.ranks(), 1);
+    const uint64_t blocks = collective_blocked(op.collective) ? std::max<uint64_t>(op.ranks(), 1) : 1;
     const uint64_t window = widened ? std::max<uint64_t>(work / ps / blocks, 1) : std::max<uint64_t>(op.count, 1);
     // The delivery marker (ring_engine.h): from the op's size and the links' kind, which every
     // host shares.
@@ -247,6 +289,7 @@ Status RingEngine::run_window(const RingPosition &pos, const RingOp &op, Window 
     const uint64_t full_offset = op.collective == Collective::Allgather ? op.out_offset : op.data_offset;
     std::byte *full = op.data.base + full_offset;
     auto local_full = [&](size_t l) { return op.collective == Collective::Allgather ? op.local_outputs[l] : op.locals[l]; };
+    // (broadcast and reduce run in place: their buffer is `full`, their local ranks' `locals`.)
     // The other end's buffers: a reduce_scatter's outputs, an allgather's inputs (one block).
     std::byte *in = op.data.base + op.data_offset;
     std::byte *out = op.data.base + op.out_offset;

@@ -1,7 +1,8 @@
 // RingEngine: the cross-host part of a ring collective, over any Transport. It executes a
 // schedule (ring_schedule.h: per step, the segment sent, the segment received, and the primitive
 // applied to each) chunk by chunk: allreduce is the reduce-scatter schedule followed by the
-// allgather one, reduce_scatter and allgather are each one of them.
+// allgather one, reduce_scatter and allgather are each one of them, broadcast and reduce are
+// chains of the allgather's and the reduce-scatter's primitives over one segment (the buffer).
 //
 // The host's contribution (reduced over its local ranks as the ring first touches it) lies in a
 // registered data region, local rank 0's slot. The op's segments are cut into chunks; chunks are
@@ -107,6 +108,7 @@ struct RingOp {
     // output, resp. the input); the other buffer has a block per rank of the group.
     uint64_t count = 0;
     uint32_t avg_divisor = 1;  // contributions in total (all ranks of all hosts)
+    uint32_t root = 0;         // broadcast, reduce: the root rank (in the group's numbering)
     RegionHandle data;         // local rank 0's input and output
     uint64_t data_offset = 0;  // the input (allreduce: in/out)
     uint64_t out_offset = 0;   // reduce_scatter, allgather: the output (may be inside the input)
@@ -116,9 +118,10 @@ struct RingOp {
     // contributions are summed in; the result lands in them too.
     std::span<std::byte *const> locals;
     std::span<std::byte *const> local_outputs;
-    // reduce_scatter, allgather: the group's ranks on each host of the ring (index: ring
+    // Every collective but allreduce: the group's ranks on each host of the ring (index: ring
     // position), each host's in local-rank order; block b of the buffer with a block per rank is
-    // rank b's. Every host has the same.
+    // rank b's (reduce_scatter, allgather), and the root rank's host leads a chain (broadcast,
+    // reduce). Every host has the same.
     std::span<const std::vector<uint32_t>> host_ranks;
     uint32_t op_tag = 0;       // distinguishes this op's messages from any other's
     // Set by another thread when the ring generation is over: run() returns promptly.
@@ -135,7 +138,10 @@ struct RingOp {
     // The ranks of the group (reduce_scatter, allgather), and the elements of the buffer with a
     // block per rank (allreduce: its buffer).
     uint64_t ranks() const;
-    uint64_t full_count() const { return collective == Collective::Allreduce ? count : count * ranks(); }
+    uint64_t full_count() const { return collective_blocked(collective) ? count * ranks() : count; }
+    // broadcast, reduce: the root rank's host (ring position) and local rank; false when the rank
+    // map does not have it.
+    bool find_root(uint32_t *host, uint32_t *local) const;
     // Whether the op's sends from the data region may go by reference on links whose SendDone
     // does not mean delivered (it then ends with the delivery marker).
     bool by_reference() const;
@@ -222,6 +228,7 @@ private:
     Transport &t_;
     RingOptions opt_;
     uint32_t chunk_base_ = 0;  // the window's first chunk number in tags (unique in the op)
+    uint32_t root_host_ = 0, root_local_ = 0;  // broadcast, reduce (find_root)
     bool stable_ = false;      // the op's sends from the data region may go by reference
     // Reused from op to op (capacity stays): the schedule, the window's segments (pieces of
     // segment k: seg_pieces_[seg_base_[k] .. seg_base_[k + 1])), its messages sent and received.

@@ -6,6 +6,12 @@
 // (allgather): for allreduce one n-th of the buffer; for reduce_scatter and allgather the blocks of
 // that host's ranks, in the group's rank order (so the ranks need not be contiguous per host, and
 // hosts may have different numbers of them). Both ends of every link compute the same schedule.
+//
+// broadcast and reduce are chains along the ring: one segment (segment 0, the whole buffer) goes
+// from the root rank's host around the ring (broadcast: each host receives it at one step and
+// forwards it at the next, chunk by chunk), or from the host after the root's around to it
+// (reduce: each host adds its contribution and forwards the partial). Every link carries the
+// buffer once, so the op takes S at the link's rate plus one chunk per hop.
 #pragma once
 
 #include <cstdint>
@@ -17,6 +23,7 @@ namespace ringd {
 
 // What a host does with one chunk of a step.
 enum class Prim : uint8_t {
+    None,  // nothing at this step (a chain's hosts send or receive at one step each)
     // Sending side.
     Send,      // step 0 of a reduce-scatter: the local ranks' contributions folded, then sent
     CopySend,  // step 0 of an allgather: the local ranks' inputs gathered into the output, then sent
@@ -62,12 +69,42 @@ inline void allgather(std::vector<RingStep> &out, uint32_t n, uint32_t start, Pr
                        s == 0 ? first : Prim::Forward, s + 2 < n ? Prim::RecvCopySend : Prim::RecvCopy});
 }
 
+// Broadcast from host `root` along the ring: host r, `d` hops after the root, receives the
+// buffer at step d - 1 and forwards it at step d (the last host only receives). Every step is
+// in the allgather's phase (the result, in the dtype).
+inline void chain_broadcast(std::vector<RingStep> &out, uint32_t n, uint32_t r, uint32_t root) {
+    const uint32_t d = mod(int64_t{r} - root, n);
+    for (uint32_t s = 0; s + 1 < n; ++s) {
+        const Prim send = s != d ? Prim::None : d == 0 ? Prim::CopySend : Prim::Forward;
+        const Prim recv = s + 1 != d ? Prim::None : d + 1 < n ? Prim::RecvCopySend : Prim::RecvCopy;
+        out.push_back({kAllgather, s, 0, 0, send, recv});
+    }
+}
+
+// Reduce to host `root` along the ring: the host after the root starts (its contribution, at
+// step 0); host r, `e` hops before the root, receives the partial at step n - 2 - e, adds its own
+// and forwards it at step n - 1 - e; the root's host ends with the result. The reduce-scatter's
+// phase (partial results).
+inline void chain_reduce(std::vector<RingStep> &out, uint32_t n, uint32_t r, uint32_t root) {
+    const uint32_t e = mod(int64_t{root} - r, n);
+    for (uint32_t s = 0; s + 1 < n; ++s) {
+        const Prim send = e == 0 || s != n - 1 - e ? Prim::None : s == 0 ? Prim::Send : Prim::Forward;
+        const Prim recv = e + 1 >= n || s != n - 2 - e ? Prim::None : e == 0 ? Prim::RecvReduceCopy : Prim::RecvReduceSend;
+        out.push_back({kReduceScatter, s, 0, 0, send, recv});
+    }
+}
+
 // The collectives, for host r of n. Allreduce is the reduce-scatter that leaves segment r+1 on
 // host r (the order of peer protocol 1, which every release keeps), then the allgather of it;
 // reduce_scatter leaves the segment of host r's ranks on host r, and allgather starts with it.
-inline std::vector<RingStep> ring(Collective c, uint32_t r, uint32_t n) {
+// broadcast and reduce: `root` is the root rank's host. barrier has no ring schedule (it moves no
+// data: the direct exchange runs it).
+inline std::vector<RingStep> ring(Collective c, uint32_t r, uint32_t n, uint32_t root = 0) {
     std::vector<RingStep> v;
     switch (c) {
+    case Collective::Broadcast: chain_broadcast(v, n, r, root); break;
+    case Collective::Reduce: chain_reduce(v, n, r, root); break;
+    case Collective::Barrier: break;
     case Collective::Allreduce:
         reduce_scatter(v, n, (r + 1) % n, Prim::RecvReduceCopySend);
         allgather(v, n, (r + 1) % n, Prim::Forward);

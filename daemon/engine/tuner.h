@@ -93,15 +93,30 @@ inline AlgorithmCost collective_cost(uint64_t bytes, uint32_t hosts, const Confi
     return c;
 }
 
-// `protocol`: the oldest peer protocol among the ring domain's hosts. `bytes`: allreduce's buffer,
-// reduce_scatter's input, allgather's output.
+// broadcast's and reduce's (S: the buffer): one-shot sends (or receives) S to (from) every other
+// host over the root's link in one hop; the chain moves S over every link once, pipelined, one
+// hop per host (with a chunk each, which the hop latency stands for).
+inline AlgorithmCost rooted_cost(uint64_t bytes, uint32_t hosts, const Config::Tuning &t) {
+    const double n = hosts, a = t.hop_latency_us, m = t.message_us;
+    const double sb = static_cast<double>(bytes) * 8.0 / static_cast<double>(t.link_mbit);
+    AlgorithmCost c;
+    c.one_shot_us = a + (n - 1) * (m + sb);
+    c.ring_us = n * (a + m) + sb;
+    c.two_shot_us = c.doubling_us = c.halving_doubling_us = HUGE_VAL;  // not theirs
+    return c;
+}
+
+// `protocol`: the oldest peer protocol among the ring domain's hosts. `bytes`: allreduce's,
+// broadcast's and reduce's buffer, reduce_scatter's input, allgather's output. A barrier (no data)
+// is one-shot on any ring of more than one host.
 inline Algorithm choose_algorithm(uint64_t bytes, uint32_t hosts, const Config::Tuning &t,
                                   uint16_t protocol = kLogAlgorithmsProtocol, Collective collective = Collective::Allreduce) {
+    if (collective == Collective::Barrier) return hosts < 2 ? Algorithm::Ring : Algorithm::OneShot;
     if (hosts < 2 || bytes > t.direct_max_bytes) return Algorithm::Ring;
     if (collective != Collective::Allreduce) {
         const auto forced = static_cast<Algorithm>(t.algorithm);
         if (t.algorithm != Config::Tuning::kAuto && (forced == Algorithm::OneShot || forced == Algorithm::Ring)) return forced;
-        const AlgorithmCost c = collective_cost(bytes, hosts, t);
+        const AlgorithmCost c = collective_is_rooted(collective) ? rooted_cost(bytes, hosts, t) : collective_cost(bytes, hosts, t);
         return c.one_shot_us <= c.ring_us ? Algorithm::OneShot : Algorithm::Ring;
     }
     const bool log_ok = protocol >= kLogAlgorithmsProtocol;

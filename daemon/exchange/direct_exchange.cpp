@@ -62,10 +62,35 @@ uint64_t DirectExchange::collective_part_bytes(const OpDesc &d, std::span<const 
                                                uint32_t from, uint32_t to) {
     // reduce_scatter: the blocks of the receiver's ranks, partial results; allgather: the
     // sender's ranks' blocks, in the dtype.
+    // broadcast: the root's buffer from its host to every other; reduce: a partial result from
+    // every other host to the root's; barrier: nothing.
+    if (collective_is_rooted(d.collective)) {
+        const uint32_t root = root_host(d, host_ranks);
+        if (d.collective == Collective::Broadcast) return from == root && to != root ? d.count * dtype_size(d.dtype) : 0;
+        return to == root && from != root ? d.count * dtype_size(partial_dtype(d.dtype, d.op)) : 0;
+    }
+    if (d.collective == Collective::Barrier) return 0;
     const bool rs = d.collective == Collective::ReduceScatter;
     const uint32_t h = rs ? to : from;
     const uint64_t blocks = h < host_ranks.size() ? host_ranks[h].size() : 0;
     return blocks * d.count * dtype_size(rs ? partial_dtype(d.dtype, d.op) : d.dtype);
+}
+
+uint32_t DirectExchange::root_host(const OpDesc &d, std::span<const std::vector<uint32_t>> host_ranks, uint32_t *local) {
+    for (size_t h = 0; h < host_ranks.size(); ++h)
+        for (size_t l = 0; l < host_ranks[h].size(); ++l)
+            if (host_ranks[h][l] == d.root) {
+                if (local) *local = static_cast<uint32_t>(l);
+                return static_cast<uint32_t>(h);
+            }
+    return UINT32_MAX;
+}
+
+// Whether host `from` sends host `to` a message of this broadcast, reduce or barrier.
+static bool rooted_sends(Collective c, uint32_t root, uint32_t from, uint32_t to) {
+    if (c == Collective::Broadcast) return from == root && to != root;
+    if (c == Collective::Reduce) return to == root && from != root;
+    return from != to;  // barrier
 }
 
 std::string DirectExchange::send_over_bound(const proto::OpReport &r, const OpDesc &desc, Algorithm algorithm,
@@ -127,6 +152,10 @@ void DirectExchange::contribute(const HostOp &op, const proto::OpReport &r, std:
             return;
         }
         st.host_ranks.assign(host_ranks.begin(), host_ranks.end());
+        if (collective_is_rooted(op.run.desc.collective) || op.run.desc.collective == Collective::Barrier) {
+            contribute_rooted(st, op, r);
+            return;
+        }
         proto::Bytes own;
         if (!rs) {
             own = proto::encode_op_data(r, proto::OpDataKind::OneShot, op.slots.size() * count * es);
@@ -298,10 +327,106 @@ bool DirectExchange::progress(uint64_t generation, const OpKey &key, const HostO
     return !two_shot || st.results == n_;
 }
 
+// broadcast: the root's host sends its root rank's buffer to every other host; reduce: every other
+// host sends its local ranks reduced to the root's; barrier: an empty message to every other host.
+void DirectExchange::contribute_rooted(State &st, const HostOp &op, const proto::OpReport &r) {
+    const OpDesc &d = op.run.desc;
+    uint32_t local = 0;
+    const uint32_t root = d.collective == Collective::Barrier ? 0 : root_host(d, st.host_ranks, &local);
+    if (root == UINT32_MAX) {  // (the domain checked the rank map: never sent)
+        malformed_part(st, "group " + r.group + " op " + std::to_string(r.seq) + ": root rank " + std::to_string(d.root) +
+                               " is not in the group's rank map");
+        add(self_, r, {}, 0);
+        return;
+    }
+    proto::Bytes frame;
+    if (d.collective == Collective::Broadcast && self_ == root) {
+        frame = proto::encode_op_data(r, proto::OpDataKind::OneShot, d.count * dtype_size(d.dtype));
+        if (d.count)
+            std::memcpy(frame.data() + proto::op_data_offset(), op.slots[local]->data() + op.run.offsets[local],
+                        d.count * dtype_size(d.dtype));
+    } else if (d.collective == Collective::Reduce && self_ != root) {
+        frame = proto::encode_op_data(r, proto::OpDataKind::OneShot, d.count * dtype_size(partial_dtype(d.dtype, d.op)));
+        local_reduce_into(op, frame.data() + proto::op_data_offset(), 0, d.count);
+    } else if (d.collective == Collective::Barrier) {
+        frame = proto::encode_op_data(r, proto::OpDataKind::OneShot, 0);
+    }
+    for (uint32_t h = 0; h < n_; ++h)
+        if (rooted_sends(d.collective, root, self_, h)) send_(h, frame);
+    add(self_, r, {}, 0);
+}
+
+// broadcast: done once the root's buffer is in every local rank's (on the root's host at once); reduce: done off the root's host once sent, on it once every other host's partial result
+// is reduced with its local ranks' into the root rank's buffer; barrier: once every host's
+// message is in.
+bool DirectExchange::progress_rooted(State &st, const HostOp &op) {
+    const OpDesc &d = op.run.desc;
+    uint32_t local = 0;
+    const uint32_t root = d.collective == Collective::Barrier ? 0 : root_host(d, st.host_ranks, &local);
+    if (root == UINT32_MAX) return false;
+    uint32_t total = 0;
+    for (uint32_t h = 0; h < n_; ++h) {
+        if (h != self_ && !rooted_sends(d.collective, root, h, self_)) {
+            total += static_cast<uint32_t>(st.host_ranks[h].size());
+            continue;
+        }
+        const auto &c = st.parts[h];
+        if (!c) return false;
+        if (c->report.count != d.count || c->report.dtype != static_cast<uint32_t>(d.dtype) ||
+            c->report.op != static_cast<uint32_t>(d.op) || c->report.algorithm != static_cast<uint32_t>(op.algorithm) ||
+            c->report.collective != static_cast<uint32_t>(d.collective) || c->report.root != d.root) {
+            st.mismatch = true;  // the reports differ: the coordinator names both hosts
+            return false;
+        }
+        const std::string at = "group " + op.run.group + " op " + std::to_string(c->report.seq) + ": host " + hosts_[h];
+        if (c->report.local_size != st.host_ranks[h].size()) {
+            malformed_part(st, at + " says it has " + std::to_string(c->report.local_size) + " rank(s), the group's rank map " +
+                                   std::to_string(st.host_ranks[h].size()));
+            return false;
+        }
+        const uint64_t have = c->buf.size() - c->offset, want = collective_part_bytes(d, st.host_ranks, h, self_);
+        if (h != self_ && have != want) {
+            malformed_part(st, at + " sent a " + std::string(collective_name(d.collective)) + " message of " +
+                                   std::to_string(have) + " bytes, not the " + std::to_string(want) + " it must");
+            return false;
+        }
+        total += c->report.local_size;
+    }
+    const size_t es = dtype_size(d.dtype);
+    if (d.collective == Collective::Broadcast && d.count) {
+        // The root's buffer into every local rank's (on the root's host: into its other ranks').
+        const std::byte *src = self_ == root ? op.slots[local]->data() + op.run.offsets[local]
+                                             : reinterpret_cast<const std::byte *>(st.parts[root]->buf.data() + st.parts[root]->offset);
+        for (size_t i = 0; i < op.slots.size(); ++i)
+            if (op.slots[i]->data() + op.run.offsets[i] != src) std::memcpy(op.slots[i]->data() + op.run.offsets[i], src, d.count * es);
+    } else if (d.collective == Collective::Reduce && self_ == root && d.count) {
+        // This host's ranks, then the other hosts' partial results in ring order, into the root's.
+        srcs_.clear();
+        partials_.clear();
+        for (size_t i = 0; i < op.slots.size(); ++i) srcs_.push_back(op.slots[i]->data() + op.run.offsets[i]);
+        for (uint32_t h = 0; h < n_; ++h)
+            if (h != self_) partials_.push_back(st.parts[h]->buf.data() + st.parts[h]->offset);
+        void *dst = op.slots[local]->data() + op.run.offsets[local];
+        ReduceArgs a{d.dtype, d.op, srcs_.data(), srcs_.size(), &dst, 1, d.count, total};
+        a.partials = partials_.data();
+        a.npartial = partials_.size();
+        a.avg_shift = avg_shift(n_);
+        reduce(a);
+    }
+    st.reduced = true;
+    for (uint32_t h = 0; h < n_; ++h)
+        if (st.parts[h]) release(op.run.group, h, *st.parts[h]);  // used up
+    return true;
+}
+
 bool DirectExchange::progress_collective(State &st, const HostOp &op) {
     if (st.reduced) return true;
     if (st.mismatch) return false;
     const OpDesc &d = op.run.desc;
+    if (collective_is_rooted(d.collective) || d.collective == Collective::Barrier) {
+        if (st.parts.size() != n_ || st.host_ranks.size() != n_ || !st.parts[self_]) return false;
+        return progress_rooted(st, op);
+    }
     const bool rs = d.collective == Collective::ReduceScatter;
     const uint32_t self = self_;
     if (st.parts.size() != n_ || st.host_ranks.size() != n_ || !st.parts[self]) return false;

@@ -11,7 +11,9 @@
 // message what it needs of it — reduce_scatter the blocks of that host's ranks (the group's rank
 // map, GroupRun::host_ranks), its own ranks reduced; allgather its own ranks' blocks — and, once
 // every host's message is in, reduces each of its ranks' blocks into that rank's output, or copies
-// every block into every local rank's output.
+// every block into every local rank's output. broadcast, reduce and barrier too: the root's host
+// sends its root rank's buffer to every other host, every other host its ranks reduced to the
+// root's host, every host an empty message to every other one.
 //
 // Contributions of peers that are ahead of this host are kept, within bounds per peer and per
 // group; this host's own data goes out only while its queue to each peer is under a bound. Over
@@ -124,6 +126,12 @@ private:
     bool progress_log(State &st, const HostOp &op);
     // reduce_scatter, allgather: the op's result here once every host's message is in.
     bool progress_collective(State &st, const HostOp &op);
+    // broadcast, reduce, barrier: this host's message(s), and the op's end here.
+    void contribute_rooted(State &st, const HostOp &op, const proto::OpReport &r);
+    bool progress_rooted(State &st, const HostOp &op);
+    // broadcast, reduce: the root rank's host (ring position) and local rank; UINT32_MAX: not in
+    // the map.
+    static uint32_t root_host(const OpDesc &d, std::span<const std::vector<uint32_t>> host_ranks, uint32_t *local = nullptr);
     // Marks the op mismatched because of `why` (the first reason stays), logged once.
     void malformed_part(State &st, std::string why);
     // Bytes of a one-shot reduce_scatter's or allgather's message from `from` to `to`.

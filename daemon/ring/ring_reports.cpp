@@ -268,12 +268,13 @@ proto::Bytes RingDomain::group_join(const std::string &group, const GroupRun &ru
 std::string RingDomain::collectives_refused(const GroupRun &run, const OpRun &op) const {
     if (op.desc.collective == Collective::Allreduce) return {};
     const std::string what(collective_name(op.desc.collective));
-    if (generation_protocol_ < proto::kCollectivesProtocol) {
+    const uint16_t needs = collective_blocked(op.desc.collective) ? proto::kCollectivesProtocol : proto::kRootedProtocol;
+    if (generation_protocol_ < needs) {
         std::string old;
         for (const auto &p : control_->status())
-            if (!p.self && p.protocol != 0 && p.protocol < proto::kCollectivesProtocol)
+            if (!p.self && p.protocol != 0 && p.protocol < needs)
                 old += (old.empty() ? "" : ", ") + p.name + " (peer protocol " + std::to_string(p.protocol) + ")";
-        return "a " + what + " needs peer protocol " + std::to_string(proto::kCollectivesProtocol) +
+        return "a " + what + " needs peer protocol " + std::to_string(needs) +
                " on every host of the group, and " + (old.empty() ? "a host of its ring" : "host " + old) +
                " runs an older ringd; allreduce still runs";
     }
@@ -303,6 +304,7 @@ proto::OpReport RingDomain::op_report(const OpKey &key, const OpDesc &desc, uint
     // (Not in a generation before protocol 10, whose coordinator refuses the bits: such an op
     // fails here, collectives_refused.)
     r.collective = generation_protocol_ >= proto::kCollectivesProtocol ? static_cast<uint32_t>(desc.collective) : 0;
+    r.root = desc.root;
     r.local_size = local_size;
     r.remaining_ms = static_cast<uint32_t>(std::clamp<int64_t>(
         std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count(), 0, UINT32_MAX));

@@ -31,7 +31,7 @@ uint32_t RingDomain::solo_op_tag(uint32_t epoch, uint64_t seq, const OpRun *op) 
         const OpDesc &d = op->desc;
         uint64_t h = d.count * 0x9e3779b97f4a7c15ull ^ (uint64_t{static_cast<uint32_t>(d.dtype)} << 8 | static_cast<uint32_t>(d.op));
         if (d.collective != Collective::Allreduce)
-            h ^= (uint64_t{static_cast<uint32_t>(d.collective)} << 40 | d.ranks) * 0xd6e8feb86659fd93ull;
+            h ^= (uint64_t{static_cast<uint32_t>(d.collective)} << 40 | d.ranks | uint64_t{d.root} << 20) * 0xd6e8feb86659fd93ull;
         h ^= h >> 29;
         h *= 0xbf58476d1ce4e5b9ull;
         h ^= h >> 32;

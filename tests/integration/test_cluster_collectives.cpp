@@ -1,4 +1,4 @@
-// reduce_scatter and allgather through real daemons: trainers that say their rank in the group
+// reduce_scatter, allgather, broadcast, reduce and barrier through real daemons: trainers that say their rank in the group
 // (ringd_options.rank, .ranks), ranks numbered unlike the ring's order and uneven per host, every
 // dtype x op, in place and apart, every value and the guard bytes around every range checked here
 // from the inputs (never through ringd); the errors a job meets (no ranks said, a rank said twice,
@@ -8,6 +8,7 @@
 #include <cstring>
 #include <numeric>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "ringd/ringd.h"
@@ -33,7 +34,7 @@ Verdict run_checked(std::vector<Trainer> &tr, Collective coll, DType t, ReduceOp
     }
     for (size_t g = 0; g < tr.size(); ++g) {
         const ringd_coll d{sizeof(ringd_coll), static_cast<ringd_collective>(coll), static_cast<ringd_dtype>(t),
-                           static_cast<ringd_op>(op), count, pl[g].in, pl[g].out};
+                           static_cast<ringd_op>(op), count, pl[g].in, pl[g].out, 0};
         const int rc = ringd_submit_coll(tr[g].c.get(), &d, &tickets[g]);
         INFO("rank " << tr[g].rank << ": " << ringd_last_error(tr[g].c.get()));
         REQUIRE(rc == 0);
@@ -75,7 +76,118 @@ uint64_t sweep(std::vector<Trainer> &tr, const std::vector<size_t> &counts, uint
     return ops;
 }
 
+// One broadcast or reduce from `root` on every trainer's slot, in place, waited and checked.
+Verdict run_rooted(std::vector<Trainer> &tr, Collective coll, DType t, ReduceOp op, size_t count, uint32_t root,
+                   uint64_t seed) {
+    const auto ranks = static_cast<uint32_t>(tr.size());
+    std::vector<Placement> pl;
+    std::vector<uint64_t> tickets(tr.size());
+    for (auto &x : tr) {
+        const Placement p = place_rooted(t, count, x.rank, seed);
+        REQUIRE(p.span_end + bench::kGuardBytes <= x.bytes);
+        bench::guard_fill(x.slot, p.span_begin - bench::kGuardBytes, p.span_end + bench::kGuardBytes, seed);
+        for (size_t i = 0; i < count; ++i) bench::store(x.slot + p.in, i, t, static_cast<double>(bench::value(x.rank, i)));
+        pl.push_back(p);
+    }
+    for (size_t g = 0; g < tr.size(); ++g) {
+        const ringd_coll d{sizeof(ringd_coll), static_cast<ringd_collective>(coll), static_cast<ringd_dtype>(t),
+                           static_cast<ringd_op>(op), count, pl[g].in, 0, static_cast<int>(root)};
+        const int rc = ringd_submit_coll(tr[g].c.get(), &d, &tickets[g]);
+        INFO("rank " << tr[g].rank << ": " << ringd_last_error(tr[g].c.get()));
+        REQUIRE(rc == 0);
+    }
+    Verdict v;
+    for (size_t g = 0; g < tr.size(); ++g) {
+        const int rc = ringd_wait(tr[g].c.get(), tickets[g], 20000);
+        INFO("rank " << tr[g].rank << " " << collective_name(coll) << " " << dtype_name(t) << " " << reduce_op_name(op)
+                     << " count " << count << " root " << root << ": " << ringd_last_error(tr[g].c.get()));
+        REQUIRE(rc == 0);
+    }
+    for (size_t g = 0; g < tr.size(); ++g) v += check_rooted(tr[g].slot, pl[g], coll, t, op, count, ranks, tr[g].rank, root, seed);
+    return v;
+}
+
+// Every dtype x op of reduce and every dtype of broadcast at these counts, the root going round
+// every rank.
+uint64_t sweep_rooted(std::vector<Trainer> &tr, const std::vector<size_t> &counts, uint64_t seed = 1) {
+    uint64_t ops = 0;
+    uint32_t root = 0;
+    for (uint32_t ti = 0; ti < kDTypeCount; ++ti) {
+        const auto t = static_cast<DType>(ti);
+        for (uint32_t oi = 0; oi <= kReduceOpCount; ++oi) {
+            const bool bcast = oi == kReduceOpCount;  // the broadcast of the dtype
+            const auto op = bcast ? ReduceOp::Sum : static_cast<ReduceOp>(oi);
+            if (op == ReduceOp::Avg && dtype_is_integer(t)) continue;
+            const Collective coll = bcast ? Collective::Broadcast : Collective::Reduce;
+            for (size_t count : counts) {
+                root = (root + 1) % static_cast<uint32_t>(tr.size());
+                INFO(collective_name(coll) << " " << dtype_name(t) << " " << reduce_op_name(op) << " count " << count
+                                           << " root " << root);
+                const Verdict v = run_rooted(tr, coll, t, op, count, root, seed++);
+                CHECK(v.wrong == 0);
+                CHECK(v.guard == 0);
+                ++ops;
+            }
+        }
+    }
+    return ops;
+}
+
 }  // namespace
+
+TEST_CASE("broadcast, reduce on 3 hosts: ranks 1, 2, 3 per host numbered unlike the ring, every dtype x op, the root "
+          "on every rank, one-shot and the chain, every value and guard byte exact; a barrier waits for every rank",
+          "[cluster][collectives]") {
+    const bool ibverbs = GENERATE(false, true);
+    INFO((ibverbs ? "ibverbs" : "tcp"));
+    TestCluster c(3, "10s", ibverbs ? kIbverbsYaml : "");
+    REQUIRE(c.wait_up());
+    auto tr = join_ranked(c, "rooted", {1, 2, 3}, {4, 0, 5, 2, 1, 3}, 8 << 20);
+    REQUIRE(tr.size() == 6);
+    // One-shot below tuning.direct_max_bytes (256 KiB), the chain above: primes, the chain's over
+    // several chunks.
+    const uint64_t ops = sweep_rooted(tr, ibverbs ? std::vector<size_t>{37, 300007} : std::vector<size_t>{1, 5003, 300007});
+    // Every root of a large bf16 average (f32 partials in the work area) and broadcast.
+    uint64_t more = 0;
+    for (uint32_t root = 0; root < 6; ++root) {
+        INFO("root " << root);
+        for (Collective coll : {Collective::Reduce, Collective::Broadcast}) {
+            const Verdict v = run_rooted(tr, coll, DType::BF16, ReduceOp::Avg, 400003, root, 50 + root);
+            CHECK(v.wrong == 0);
+            CHECK(v.guard == 0);
+            ++more;
+        }
+    }
+    // A barrier ends on no rank before every rank submitted it, then on all of them.
+    std::vector<uint64_t> tickets(tr.size());
+    const ringd_coll b{sizeof(ringd_coll), RINGD_BARRIER, RINGD_F32, RINGD_SUM, 0, 0, 0, 0};
+    for (size_t g = 0; g + 1 < tr.size(); ++g) REQUIRE(ringd_submit_coll(tr[g].c.get(), &b, &tickets[g]) == 0);
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    for (size_t g = 0; g + 1 < tr.size(); ++g) CHECK(ringd_test(tr[g].c.get(), tickets[g]) == -EINPROGRESS);
+    REQUIRE(ringd_submit_coll(tr.back().c.get(), &b, &tickets.back()) == 0);
+    for (size_t g = 0; g < tr.size(); ++g) {
+        INFO("rank " << tr[g].rank << ": " << ringd_last_error(tr[g].c.get()));
+        CHECK(ringd_wait(tr[g].c.get(), tickets[g], 10000) == 0);
+    }
+    for (uint32_t h = 0; h < c.n; ++h) {
+        INFO("host " << h);
+        const auto j = c.status(h);
+        CHECK(j["ops"]["failed"] == 0);
+        CHECK(j["ops"]["completed"] == ops + more + 1);
+        CHECK(j["ring"]["ops_ring"].get<uint64_t>() == ops / (ibverbs ? 2 : 3) + more);
+    }
+}
+
+TEST_CASE("broadcast, reduce, barrier on one host: its local ranks, the root on each", "[cluster][collectives]") {
+    TestCluster c(1, "10s");
+    auto tr = join_ranked(c, "local-rooted", {3}, {2, 0, 1}, 8 << 20);
+    REQUIRE(tr.size() == 3);
+    sweep_rooted(tr, {1, 1001});
+    std::vector<uint64_t> tickets(tr.size());
+    const ringd_coll b{sizeof(ringd_coll), RINGD_BARRIER, RINGD_F32, RINGD_SUM, 0, 0, 0, 0};
+    for (size_t g = 0; g < tr.size(); ++g) REQUIRE(ringd_submit_coll(tr[g].c.get(), &b, &tickets[g]) == 0);
+    for (size_t g = 0; g < tr.size(); ++g) CHECK(ringd_wait(tr[g].c.get(), tickets[g], 10000) == 0);
+}
 
 TEST_CASE("reduce_scatter, allgather on 3 hosts: ranks 1, 2, 3 per host numbered unlike the ring, every dtype x op, "
           "in place and apart, every value and guard byte exact",
@@ -137,7 +249,7 @@ TEST_CASE("collectives gone wrong: no ranks said, a rank twice, sizes that diffe
         std::string err;
         ClientPtr cl = join_opts(c, 0, "plain", 0, 1, "node0", err);
         REQUIRE(cl);
-        const ringd_coll d{sizeof(ringd_coll), RINGD_REDUCE_SCATTER, RINGD_F32, RINGD_SUM, 4, 0, 64};
+        const ringd_coll d{sizeof(ringd_coll), RINGD_REDUCE_SCATTER, RINGD_F32, RINGD_SUM, 4, 0, 64, 0};
         uint64_t t = 0;
         CHECK(ringd_submit_coll(cl.get(), &d, &t) == -EINVAL);
         CHECK_THAT(ringd_last_error(cl.get()), Catch::Contains("ringd_options.rank"));
@@ -146,7 +258,7 @@ TEST_CASE("collectives gone wrong: no ranks said, a rank twice, sizes that diffe
         auto tr = join_ranked(c, "overlap", {1, 1}, {1, 0}, 1 << 20);
         REQUIRE(tr.size() == 2);
         // Rank 1's block is [64, 128) of the input; an output at 32 overlaps it elsewhere.
-        const ringd_coll d{sizeof(ringd_coll), RINGD_REDUCE_SCATTER, RINGD_F32, RINGD_SUM, 16, 0, 32};
+        const ringd_coll d{sizeof(ringd_coll), RINGD_REDUCE_SCATTER, RINGD_F32, RINGD_SUM, 16, 0, 32, 0};
         uint64_t t = 0;
         REQUIRE(ringd_submit_coll(tr[0].c.get(), &d, &t) == 0);
         CHECK(ringd_wait(tr[0].c.get(), t, 10000) == -EINVAL);
@@ -196,7 +308,7 @@ TEST_CASE("collectives gone wrong: no ranks said, a rank twice, sizes that diffe
         std::vector<uint64_t> tickets(2);
         for (size_t g = 0; g < 2; ++g) {
             const ringd_coll d{sizeof(ringd_coll), g == 0 ? RINGD_REDUCE_SCATTER : RINGD_ALLGATHER, RINGD_F32, RINGD_SUM,
-                               16, 0, 4096};
+                               16, 0, 4096, 0};
             REQUIRE(ringd_submit_coll(tr[g].c.get(), &d, &tickets[g]) == 0);
         }
         for (size_t g = 0; g < 2; ++g) {

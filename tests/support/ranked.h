@@ -1,6 +1,6 @@
-// Ranked groups for reduce_scatter and allgather tests: trainers that say their rank in the group
-// (ringd_options.rank, .ranks), and where each rank's input and output lie in a buffer (apart with
-// guard bytes around each, or in place).
+// Ranked groups for the tests of every collective but allreduce: trainers that say their rank in
+// the group (ringd_options.rank, .ranks), and where each rank's input and output lie in a buffer
+// (apart with guard bytes around each, or in place).
 #pragma once
 
 #include <catch2/catch.hpp>
@@ -135,6 +135,36 @@ inline Verdict check_ranked(const std::byte *buf, const Placement &p, Collective
                 if (bench::load(buf + p.in, i, t) != bench::round_to(t, static_cast<double>(bench::value(rank, i))))
                     ++v.input_changed;
     }
+    return v;
+}
+
+// broadcast and reduce run in place: the buffer at `base` with guard bytes around it, holding
+// bench::value(rank, i) before the op.
+inline Placement place_rooted(DType t, size_t count, uint32_t rank, uint64_t seed) {
+    Placement p;
+    p.in = p.out = bench::kGuardBytes + ((seed + rank * 7) % 64) * 8;
+    p.in_count = p.out_count = count;
+    p.span_begin = p.in;
+    p.span_end = p.in + count * dtype_size(t);
+    return p;
+}
+
+// After a broadcast from `root` every rank's buffer is the root's input; after a reduce the root's
+// is the reduction of every rank's (the others' may hold partial results: not checked). The guard
+// bytes are intact on every rank.
+inline Verdict check_rooted(const std::byte *buf, const Placement &p, Collective coll, DType t, ReduceOp op, size_t count,
+                            uint32_t ranks, uint32_t rank, uint32_t root, uint64_t seed) {
+    Verdict v;
+    const double tol = bench::tolerance(t, op);
+    if (coll == Collective::Broadcast || rank == root)
+        for (size_t i = 0; i < count; ++i) {
+            const double want = coll == Collective::Broadcast ? bench::round_to(t, static_cast<double>(bench::value(root, i)))
+                                                              : bench::want(ranks, i, t, op);
+            const double got = bench::load(buf + p.out, i, t);
+            if (!(std::fabs(got - want) <= tol * std::fabs(want))) ++v.wrong;
+        }
+    v.guard += bench::guard_damage(buf, p.span_begin - bench::kGuardBytes, p.span_begin, seed) +
+               bench::guard_damage(buf, p.span_end, p.span_end + bench::kGuardBytes, seed);
     return v;
 }
 

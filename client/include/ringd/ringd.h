@@ -46,8 +46,19 @@ typedef enum { RINGD_SUM, RINGD_AVG, RINGD_MIN, RINGD_MAX } ringd_op;
  *   RINGD_REDUCE_SCATTER  the input has one block per rank; rank r's output (one block) is the
  *                         reduction of every rank's block r
  *   RINGD_ALLGATHER       the input is one block; every rank's output has one block per rank, block
- *                         r being rank r's input */
-typedef enum { RINGD_ALLREDUCE, RINGD_REDUCE_SCATTER, RINGD_ALLGATHER } ringd_collective;
+ *                         r being rank r's input
+ *   RINGD_BROADCAST       one buffer, in place: every rank's becomes the root rank's
+ *   RINGD_REDUCE          one buffer, in place: the root rank's becomes the reduction of every
+ *                         rank's; the other ranks' may hold partial results afterwards
+ *   RINGD_BARRIER         no data: completes on every rank once every rank of the group submitted it */
+typedef enum {
+    RINGD_ALLREDUCE,
+    RINGD_REDUCE_SCATTER,
+    RINGD_ALLGATHER,
+    RINGD_BROADCAST,
+    RINGD_REDUCE,
+    RINGD_BARRIER
+} ringd_collective;
 
 /* Returns NULL on failure with the reason in err (if err_len > 0). */
 RINGD_API ringd_client *ringd_connect(const char *socket_path, const char *group, int local_rank, int local_size,
@@ -101,17 +112,20 @@ RINGD_API int ringd_submit(ringd_client *c, size_t offset, size_t count, ringd_d
  * (reduce_scatter: the input at in_offset has `ranks` such blocks) or of the input block
  * (allgather: the output at out_offset has `ranks` blocks). The output either lies apart from the
  * input or is in place: reduce_scatter's output is the rank's own block of its input, allgather's
- * input is the rank's own block of its output. Every rank of the group submits the same
- * collective, count, dtype and op for the same op. -ENOTSUP from a ringd without the collective;
- * -EINVAL for reduce_scatter/allgather on a client that did not say its rank (ringd_options). */
+ * input is the rank's own block of its output. broadcast and reduce run in place on `count` elements
+ * at in_offset from and to rank `root`; a barrier has no data (count and offsets not used). Every
+ * rank of the group submits the same collective, count, dtype, op and root for the same op.
+ * -ENOTSUP from a ringd without the collective; -EINVAL for any collective but allreduce on a
+ * client that did not say its rank (ringd_options). */
 typedef struct ringd_coll {
     size_t struct_size; /* sizeof(ringd_coll) */
     ringd_collective collective;
     ringd_dtype dtype;
-    ringd_op op; /* not used by allgather */
+    ringd_op op; /* not used by allgather, broadcast, barrier */
     size_t count;
     size_t in_offset;
-    size_t out_offset; /* not used by allreduce */
+    size_t out_offset; /* reduce_scatter, allgather only */
+    int root;          /* broadcast, reduce: the root rank (0 for the others) */
 } ringd_coll;
 RINGD_API int ringd_submit_coll(ringd_client *c, const ringd_coll *coll, uint64_t *ticket);
 /* 0 when the op succeeded, -ETIMEDOUT when timeout_ms passed (the ticket may be waited again),

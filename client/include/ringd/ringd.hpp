@@ -73,10 +73,11 @@ public:
     void allreduce(size_t offset, size_t count, ringd_dtype dtype, ringd_op op, int timeout_ms = -1) {
         check(ringd_allreduce(c_, offset, count, dtype, op, timeout_ms));
     }
-    // Any collective (ringd_submit_coll); returns its ticket.
+    // Any collective (ringd_submit_coll); returns its ticket. broadcast and reduce: `root`, in place
+    // at in_offset (out_offset not used).
     uint64_t submit(ringd_collective collective, size_t count, ringd_dtype dtype, ringd_op op, size_t in_offset,
-                    size_t out_offset) {
-        const ringd_coll d{sizeof(ringd_coll), collective, dtype, op, count, in_offset, out_offset};
+                    size_t out_offset, int root = 0) {
+        const ringd_coll d{sizeof(ringd_coll), collective, dtype, op, count, in_offset, out_offset, root};
         uint64_t t = 0;
         check(ringd_submit_coll(c_, &d, &t));
         return t;
