@@ -62,7 +62,7 @@ Result<Submission> validate_submit(const SubmitDesc &d, uint64_t data_bytes, boo
                                            " is not its offset " + std::to_string(d.offset));
         s.desc.root = d.root;
     } else if (d.root != 0) {
-        return make_error(-EINVAL, at + "root set for a " + cname);
+        return make_error(-EINVAL, at + cname + " with a root rank set (only broadcast and reduce have one)");
     }
     if (s.desc.collective == Collective::Barrier) {
         // No data: whatever dtype and op it names, every rank's barrier is the same op.

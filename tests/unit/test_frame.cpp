@@ -5,6 +5,7 @@
 #include <random>
 
 #include "proto/frame.h"
+#include "proto/le.h"
 #include "proto/peer.h"
 #include "proto/rdma.h"
 #include "proto/slot.h"
@@ -377,6 +378,47 @@ TEST_CASE("submit descriptors are validated with overflow-safe bounds", "[proto]
         d.offset = 1024;
         CHECK(validate_submit(d, 1024, false).ok());
     }
+    SECTION("broadcast and reduce: a root among the ranks, in place; barrier: no data") {
+        d.collective = static_cast<uint32_t>(Collective::Broadcast);
+        d.ranks = 4;
+        d.root = 3;
+        d.out_offset = d.offset;
+        d.op = static_cast<uint32_t>(ReduceOp::Max);
+        auto b = validate_submit(d, 1024, false);
+        REQUIRE(b.ok());
+        CHECK(b->desc.root == 3);
+        CHECK(b->desc.op == ReduceOp::Sum);  // (a broadcast combines nothing)
+        CHECK(b->out_offset == b->offset);
+        CHECK(b->out_bytes == b->bytes);
+        d.collective = static_cast<uint32_t>(Collective::Reduce);
+        CHECK(validate_submit(d, 1024, false).value().desc.op == ReduceOp::Max);
+        d.root = 4;
+        CHECK_THAT(validate_submit(d, 1024, false).error().message, Catch::Contains("root rank 4 of 4 ranks"));
+        d.root = 0;
+        d.out_offset = d.offset + 4;
+        CHECK_THAT(validate_submit(d, 1024, false).error().message, Catch::Contains("runs in place"));
+        d.out_offset = d.offset;
+        d.buffer_kind = 1;
+        d.cuda_reg = 1;
+        CHECK_THAT(validate_submit(d, 1024, true).error().message, Catch::Contains("slot buffers only"));
+        d.buffer_kind = 0;
+        d.cuda_reg = 0;
+        d.collective = static_cast<uint32_t>(Collective::Allreduce);
+        d.ranks = 0;
+        d.out_offset = 0;
+        d.root = 1;
+        CHECK_THAT(validate_submit(d, 1024, false).error().message, Catch::Contains("allreduce with a root rank set"));
+        d.root = 0;
+        d.collective = static_cast<uint32_t>(Collective::Barrier);
+        d.ranks = 4;
+        CHECK_THAT(validate_submit(d, 1024, false).error().message, Catch::Contains("a barrier with count"));
+        d.count = d.offset = 0;
+        d.dtype = static_cast<uint32_t>(DType::I64);
+        auto bar = validate_submit(d, 1024, false);
+        REQUIRE(bar.ok());
+        CHECK(bar->desc.dtype == DType::F32);  // every rank's barrier is the same op
+        CHECK(bar->bytes == 0);
+    }
 }
 
 TEST_CASE("completions truncate long messages", "[proto]") {
@@ -574,10 +616,11 @@ TEST_CASE("peer frame bytes are pinned", "[proto]") {
     CHECK(h7->instance == 0x0102030405060708);
     // Read as the other version, the bytes are something else: the header's version decides.
     CHECK(decode_peer_hello(payload_of(g), 6).ok() == false);
-    CHECK(decode_peer_hello(payload_of(g), 8).ok());  // 8, 9 and 10 keep 7's handshake
+    CHECK(decode_peer_hello(payload_of(g), 8).ok());  // 8 to 11 keep 7's handshake
     CHECK(decode_peer_hello(payload_of(g), 9).ok());
     CHECK(decode_peer_hello(payload_of(g), 10).ok());
-    CHECK(decode_peer_hello(payload_of(g), 11).error().code == -EPROTONOSUPPORT);
+    CHECK(decode_peer_hello(payload_of(g), 11).ok());
+    CHECK(decode_peer_hello(payload_of(g), 12).error().code == -EPROTONOSUPPORT);
     // A config version must be printable and end with a NUL.
     Bytes bad(g.begin() + kFrameHeaderBytes, g.end());
     bad[kPeerHelloBytes + 8 + 3] = 0x01;
@@ -603,26 +646,26 @@ TEST_CASE("peer frame bytes are pinned", "[proto]") {
     CHECK_FALSE(decode_peer_accept(payload_of(af), 6).ok());
 }
 
-TEST_CASE("peer frame headers: versions 6 to 10 are read, others refused naming both; a hello of 6 is refused", "[proto]") {
+TEST_CASE("peer frame headers: versions 6 to 11 are read, others refused naming both; a hello of 6 is refused", "[proto]") {
     Bytes h = header_bytes(20, 16);
     CHECK(decode_frame_header(h, 4096).ok());  // 6
-    for (uint8_t v : {7, 8, 9, 10}) {
+    for (uint8_t v : {7, 8, 9, 10, 11}) {
         h[4] = v;
         auto d = decode_frame_header(h, 4096);
         REQUIRE(d.ok());
         CHECK(d->version == v);
     }
-    for (uint8_t v : {5, 11}) {
+    for (uint8_t v : {5, 12}) {
         h[4] = v;
         auto e = decode_frame_header(h, 4096);
         REQUIRE_FALSE(e.ok());
         CHECK(e.error().code == -EPROTONOSUPPORT);
-        CHECK_THAT(e.error().message, Catch::Contains("speaks 7 to 10"));
+        CHECK_THAT(e.error().message, Catch::Contains("speaks 7 to 11"));
     }
     // A hello says the version its connection runs at: 7 is the oldest spoken (a ringd of 6
     // closed the connection at a newer hello, which a dialer cannot tell from a host that died).
     Bytes hello = header_bytes(16, 16);
-    for (uint8_t v : {7, 8, 9, 10}) {
+    for (uint8_t v : {7, 8, 9, 10, 11}) {
         hello[4] = v;
         CHECK(decode_frame_header(hello, 4096).ok());
     }
@@ -651,7 +694,7 @@ TEST_CASE("ring ready and ring start: the generation's protocol after version 6'
     CHECK(decode_ring_start(payload_of(encode_ring_start({5, 7}))).value().protocol == 7);
     CHECK(decode_ring_ready(payload_of(encode_ring_ready({4, true, 8}))).value().protocol == 8);
     // A protocol this ringd does not run a generation at, or a field cut short, is refused.
-    for (uint32_t v : {1u, 6u, 11u, 0x10009u}) {
+    for (uint32_t v : {1u, 6u, 12u, 0x10009u}) {
         CAPTURE(v);
         Bytes p = body_of(encode_ring_start({5, 9}));
         std::memcpy(&p[8], &v, 4);  // little-endian here
@@ -1097,8 +1140,50 @@ TEST_CASE("protocol 10: group joins say their ranks, incarnations the rank map, 
     CHECK(decode_op_report(payload_of(allgather)).value().flags == 0);
     CHECK(decode_op_report(payload_of(allreduce)).value().collective == 0);
     Bytes q = body_of(allgather);
-    q[118] = 3;  // collective 3
-    CHECK_THAT(decode_op_report(q).error().message, Catch::Contains("names collective 3"));
+    q[118] = 6;  // collective 6
+    CHECK_THAT(decode_op_report(q).error().message, Catch::Contains("names collective 6"));
+}
+
+TEST_CASE("protocol 11: broadcast and reduce reports carry the root in the op word; their op data is one-shot, exactly "
+          "the op's data", "[proto]") {
+    OpReport r{3, "grp", 9, 1000, static_cast<uint32_t>(DType::BF16), static_cast<uint32_t>(ReduceOp::Max), 2, 0, "", 0, 0x1234};
+    const Bytes allreduce = encode_op_report(r);
+    r.collective = static_cast<uint32_t>(Collective::Reduce);
+    r.root = 0x54321;
+    const Bytes reduce = encode_op_report(r);
+    CHECK(reduce.size() == allreduce.size());
+    Bytes body = body_of(reduce);
+    CHECK(le::get<uint32_t>(&body[92]) == (0x54321u << 8 | 3));  // op 3 (max), root above it
+    auto d = decode_op_report(payload_of(reduce));
+    REQUIRE(d.ok());
+    CHECK(d->collective == 4);
+    CHECK(d->root == 0x54321);
+    CHECK(d->op == 3);
+    // An allreduce's op word is the op alone, as before (a root there is not sent).
+    r.collective = 0;
+    CHECK(encode_op_report(r) == allreduce);
+    // A root past the most ranks a group has is refused.
+    le::put<uint32_t>(&body[92], (kMaxGroupRanks << 8) | 3);
+    CHECK_THAT(decode_op_report(body).error().message, Catch::Contains("root rank"));
+    // Op data: a broadcast's the dtype, a reduce's partial results (bf16 max: bf16), a barrier's
+    // none; nothing else, and only one-shot.
+    r.count = 10;
+    r.local_size = 1;
+    for (auto [coll, bytes] : {std::pair{Collective::Broadcast, 20u}, {Collective::Reduce, 20u}, {Collective::Barrier, 0u}}) {
+        CAPTURE(collective_name(coll));
+        r.collective = static_cast<uint32_t>(coll);
+        r.count = coll == Collective::Barrier ? 0 : 10;
+        CHECK(decode_op_data(payload_of(encode_op_data(r, OpDataKind::OneShot, bytes))).ok());
+        CHECK_THAT(decode_op_data(payload_of(encode_op_data(r, OpDataKind::OneShot, bytes + 2))).error().message,
+                   Catch::Contains("data bytes"));
+        CHECK_THAT(decode_op_data(payload_of(encode_op_data(r, OpDataKind::TwoShotPart, bytes))).error().message,
+                   Catch::Contains("for a " + std::string(collective_name(coll))));
+    }
+    r.collective = static_cast<uint32_t>(Collective::Reduce);
+    r.count = 10;
+    r.op = static_cast<uint32_t>(ReduceOp::Sum);  // bf16 sums travel in f32
+    CHECK(decode_op_data(payload_of(encode_op_data(r, OpDataKind::OneShot, 40))).ok());
+    CHECK_FALSE(decode_op_data(payload_of(encode_op_data(r, OpDataKind::OneShot, 20))).ok());
 }
 
 TEST_CASE("protocol 10: a reduce_scatter's or allgather's op data is one-shot, in whole blocks", "[proto]") {

@@ -1,4 +1,4 @@
-// reduce_scatter and allgather on the ring engine, over loopback and TCP links (ibverbs where
+// reduce_scatter, allgather, broadcast and reduce on the ring engine, over loopback and TCP links (ibverbs where
 // built), each host a thread with its own transport: 1..5 hosts, one or several local ranks and
 // uneven ranks per host, the group's ranks in an order unlike the ring's, every dtype x op,
 // counts 0, 1 and many chunks, f16/bf16 sums in several windows, in place and out of place.
@@ -30,6 +30,7 @@ struct Layout {
 };
 
 Layout layout(Collective c, bool in_place, uint64_t count, uint64_t ranks, uint64_t rank, size_t es) {
+    if (collective_is_rooted(c)) return {kG, kG, kG + count * es + kG};  // in place, one buffer
     const uint64_t full = count * ranks * es, block = count * es;
     const uint64_t in_bytes = c == Collective::Allgather ? block : full;
     const uint64_t out_bytes = c == Collective::ReduceScatter ? block : full;
@@ -63,6 +64,7 @@ struct Case {
     std::vector<uint32_t> per_host;
     bool shuffle = true;
     bool in_place = false;
+    uint32_t root = 0;  // broadcast, reduce
 };
 
 void run_and_check(Ring &ring, const Case &c, RingOptions opt, uint32_t op_tag) {
@@ -70,7 +72,8 @@ void run_and_check(Ring &ring, const Case &c, RingOptions opt, uint32_t op_tag) 
     const size_t es = dtype_size(c.dtype);
     const auto host_ranks = deal(c.per_host, c.shuffle);
     const uint64_t ranks = std::accumulate(c.per_host.begin(), c.per_host.end(), uint64_t{0});
-    const uint64_t full = c.count * ranks;
+    const bool rooted = collective_is_rooted(c.coll);
+    const uint64_t full = rooted ? c.count : c.count * ranks;
     struct Rank {
         uint32_t g;
         Layout at;
@@ -92,7 +95,7 @@ void run_and_check(Ring &ring, const Case &c, RingOptions opt, uint32_t op_tag) 
             bench::guard_fill(k.buf.data(), 0, k.buf.size(), salt(g));
             // Rank g's input: value(g, j) at element j of the buffer with a block per rank
             // (reduce_scatter), or of its block (allgather: value(g, i)).
-            const uint64_t in_count = c.coll == Collective::Allgather ? c.count : full;
+            const uint64_t in_count = c.coll == Collective::Allgather || rooted ? c.count : full;
             bench::fill(k.buf.data() + k.at.in_at, in_count, c.dtype, g);
             h.ranks.push_back(std::move(k));
         }
@@ -124,6 +127,7 @@ void run_and_check(Ring &ring, const Case &c, RingOptions opt, uint32_t op_tag) 
             o.locals = hosts[r].locals;
             o.local_outputs = hosts[r].outs;
             o.host_ranks = host_ranks;
+            o.root = c.root;
             o.op_tag = op_tag;
             results[r] = e.run(ring.pos[r], o, std::chrono::steady_clock::now() + 30s);
         });
@@ -131,14 +135,27 @@ void run_and_check(Ring &ring, const Case &c, RingOptions opt, uint32_t op_tag) 
     for (uint32_t r = 0; r < n; ++r) {
         INFO(collective_name(c.coll) << " " << dtype_name(c.dtype) << " " << reduce_op_name(c.op) << ", " << c.count
                                      << " per rank, host " << r << " of " << n << ", " << ranks << " ranks"
-                                     << (c.in_place ? ", in place" : "") << (c.shuffle ? ", shuffled ranks" : ""));
+                                     << (c.in_place ? ", in place" : "") << (c.shuffle ? ", shuffled ranks" : "")
+                                     << (rooted ? ", root " + std::to_string(c.root) : std::string()));
         REQUIRE(results[r].ok());
         for (const Rank &k : hosts[r].ranks) {
             INFO("rank " << k.g);
             const std::byte *out = k.buf.data() + k.at.out_at;
             uint64_t wrong = 0;
             std::string first;
-            if (c.coll == Collective::ReduceScatter) {
+            if (rooted) {
+                // broadcast: the root's input on every rank; reduce: the reduction on the root
+                // (the others may hold partial results).
+                const double tol = bench::tolerance(c.dtype, c.op);
+                for (uint64_t i = 0; i < c.count && (c.coll == Collective::Broadcast || k.g == c.root); ++i) {
+                    const double want = c.coll == Collective::Broadcast
+                                            ? bench::round_to(c.dtype, static_cast<double>(bench::value(c.root, i)))
+                                            : bench::want(ranks, i, c.dtype, c.op);
+                    const double got = bench::load(out, i, c.dtype);
+                    if (!(std::fabs(got - want) <= tol * std::fabs(want)) && !wrong++)
+                        first = "element " + std::to_string(i) + ": " + std::to_string(got) + ", not " + std::to_string(want);
+                }
+            } else if (c.coll == Collective::ReduceScatter) {
                 // Block g of the reduction of every rank's input.
                 const double tol = bench::tolerance(c.dtype, c.op);
                 for (uint64_t i = 0; i < c.count; ++i) {
@@ -164,6 +181,7 @@ void run_and_check(Ring &ring, const Case &c, RingOptions opt, uint32_t op_tag) 
             // hold partial results afterwards; an allgather's input is only read).
             const uint64_t in_bytes = c.coll == Collective::Allgather ? c.count * es : full * es;
             const uint64_t out_bytes = c.coll == Collective::ReduceScatter ? c.count * es : full * es;
+            if (rooted && c.coll == Collective::Broadcast && k.g == c.root) CHECK(wrong == 0);  // (its input, unchanged)
             const uint64_t lo = std::min(k.at.in_at, k.at.out_at);
             const uint64_t hi = std::max(k.at.in_at + in_bytes, k.at.out_at + out_bytes);
             uint64_t damage = bench::guard_damage(k.buf.data(), 0, lo, salt(k.g)) +
@@ -237,6 +255,59 @@ TEST_CASE("reduce_scatter and allgather are exact for every transport, host coun
             }
         }
     }
+}
+
+TEST_CASE("broadcast and reduce chains are exact for every transport, host count, rank layout, root, dtype, op and size; "
+          "guards intact",
+          "[ring][collectives]") {
+    const auto [kind, streams] = GENERATE(std::pair<std::string, int>{"loopback", 1}, std::pair<std::string, int>{"tcp", 2}
+#ifdef RINGD_HAVE_IBVERBS
+                                          , std::pair<std::string, int>{"ibverbs", 1}
+#endif
+    );
+    INFO(kind << " x " << streams);
+    const RingOptions opt{4096, 3};
+    const std::vector<uint32_t> host_counts = full_matrix() ? std::vector<uint32_t>{1, 2, 3, 4, 5} : std::vector<uint32_t>{1, 2, 4};
+    for (uint32_t n : host_counts) {
+        Ring ring(n, kind, streams);
+        uint32_t tag = 1;
+        const auto per = spread(n, {1, 3, 2});
+        const uint32_t ranks = std::accumulate(per.begin(), per.end(), 0u);
+        for (Collective coll : {Collective::Broadcast, Collective::Reduce}) {
+            run_and_check(ring, {coll, DType::F32, ReduceOp::Sum, 0, per, true, false, ranks - 1}, opt, tag++);
+            // Every dtype x op (broadcast: every dtype), the root going round every rank.
+            uint32_t root = 0;
+            for (const auto &[t, op] : all_pairs()) {
+                if (coll == Collective::Broadcast && op != ReduceOp::Sum) continue;
+                for (uint64_t count : {uint64_t{1}, uint64_t{37}, 3 * opt.chunk_bytes / dtype_size(t) + 5})
+                    run_and_check(ring, {coll, t, op, count, per, true, false, root++ % ranks}, opt, tag++);
+            }
+            // One local rank per host (the root alone on its host), ranks in ring order.
+            for (uint32_t r = 0; r < n; ++r)
+                run_and_check(ring, {coll, DType::BF16, coll == Collective::Reduce ? ReduceOp::Avg : ReduceOp::Sum,
+                                     5 * opt.chunk_bytes / 2 + 3, spread(n, {1}), false, false, r}, opt, tag++);
+        }
+    }
+}
+
+TEST_CASE("f16/bf16 reduce sums larger than the work area run in windows; exact", "[ring][collectives]") {
+    Ring ring(3, "tcp", 2);
+    RingOptions opt{8192, 2};
+    opt.work_bytes = 64 << 10;  // 16 Ki partials a window
+    uint32_t tag = 1;
+    for (DType t : {DType::F16, DType::BF16})
+        for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg})
+            for (uint32_t root : {0u, 4u})
+                run_and_check(ring, {Collective::Reduce, t, op, 50007, {3, 1, 2}, true, false, root}, opt, tag++);
+}
+
+TEST_CASE("large broadcast and reduce over TCP send by reference and end with the delivery marker; exact",
+          "[ring][collectives]") {
+    Ring ring(3, "tcp", 2);
+    const RingOptions opt{2 << 20, 4};
+    const uint64_t count = RingEngine::kConfirmBytes / 4 + 4099;  // 32 MiB and a little
+    run_and_check(ring, {Collective::Broadcast, DType::F32, ReduceOp::Sum, count, {2, 1, 1}, true, false, 2}, opt, 1);
+    run_and_check(ring, {Collective::Reduce, DType::F32, ReduceOp::Sum, count, {1, 2, 1}, true, false, 3}, opt, 2);
 }
 
 TEST_CASE("f16/bf16 reduce_scatter sums larger than the work area run in windows of every block; exact", "[ring][collectives]") {
