@@ -399,6 +399,11 @@ int ringd_submit(ringd_client *c, size_t offset, size_t count, ringd_dtype dtype
     }
 }
 
+unsigned int ringd_collectives(void) {
+    return 1u << RINGD_ALLREDUCE | 1u << RINGD_REDUCE_SCATTER | 1u << RINGD_ALLGATHER | 1u << RINGD_BROADCAST |
+           1u << RINGD_REDUCE | 1u << RINGD_BARRIER;
+}
+
 int ringd_submit_coll(ringd_client *c, const ringd_coll *coll, uint64_t *ticket) {
     if (!c) return -EINVAL;
     std::lock_guard lock(c->mu);

@@ -846,7 +846,74 @@ def scenario_collectives():
     print(f"torch_ranks: rank {RANK}: {calls} reduce_scatters and allgathers through ringd ({ran} ringd ops)", flush=True)
 
 
-SCENARIOS = {"collectives": scenario_collectives, "contract": scenario_contract, "sharded": scenario_sharded, "ops": scenario_ops, "slots": scenario_slots, "tensors": scenario_tensors, "spawn": scenario_spawn, "refused": scenario_refused, "async": scenario_async, "ddp": scenario_ddp, "die": scenario_die,
+def scenario_rooted():
+    """broadcast, reduce and barrier through ringd, ranks numbered unlike the hosts' order: every
+    dtype x op, the root on every rank, one-shot sizes and chained ones (several ringd ops per
+    tensor), a non-contiguous tensor; each result checked here from every rank's inputs, a
+    reduce's non-root tensors and a broadcast's root tensor unchanged; a barrier that waits for a
+    late rank."""
+    perm = [0] + [WORLD - r for r in range(1, WORLD)]
+    me = perm[RANK]
+    os.environ["MASTER_PORT"] = str(int(os.environ.get("MASTER_PORT_BASE", "29500")))
+    dist.init_process_group("ringd", rank=me, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
+    pg = dist.distributed_c10d._get_default_group()
+    check(pg._rooted, "the ringd group does not run broadcast, reduce and barrier through ringd")
+    before = ringd_ops_completed()
+    salt, calls, root = 5000, 0, 0
+    premul = getattr(dist.ReduceOp, "PREMUL_SUM", None)
+    for dtype in DTYPES:
+        ops = list(OPS.items()) + ([("premul", None)] if callable(premul) else [])
+        for name, op in ops + [("broadcast", None)]:
+            if name in ("avg", "premul") and not dtype.is_floating_point:
+                continue
+            for k in (1, 1000, 150001):
+                salt += 1
+                root = (root + 1) % WORLD
+                t = data(me, k, dtype, salt)
+                if name == "broadcast":
+                    dist.broadcast(t, src=root)
+                    check(torch.equal(t, data(root, k, dtype, salt)), f"broadcast {dtype} k={k} from {root}")
+                else:
+                    want = expected(k, dtype, "sum" if name == "premul" else name, salt)
+                    rop = premul(0.5) if name == "premul" else op
+                    if name == "premul":
+                        want = want * 0.5
+                    if name in ("avg", "premul"):
+                        want = want.to(dtype).to(torch.float64)
+                    dist.reduce(t, dst=root, op=rop)
+                    if me == root:
+                        check(close_to(t, want, dtype), f"reduce {dtype} {name} k={k} to {root}: got {t[:4].tolist()}, "
+                                                        f"want {want[:4].tolist()}")
+                    else:
+                        check(torch.equal(t, data(me, k, dtype, salt)), f"reduce {dtype} {name} changed rank {me}'s tensor")
+                calls += 1
+    ran = ringd_ops_completed() - before
+    check(ran >= calls, f"ringd completed {ran} ops for {calls} broadcasts and reduces: some went elsewhere")
+    # A column of a matrix (not contiguous): only its elements change.
+    salt += 1
+    host = torch.zeros(1000, 3)
+    host[:, 1] = data(me, 1000, torch.float32, salt)
+    dist.broadcast(host[:, 1], src=WORLD - 1)
+    check(torch.equal(host[:, 1], data(WORLD - 1, 1000, torch.float32, salt)), "broadcast into a column")
+    check(bool((host[:, 0] == 0).all() and (host[:, 2] == 0).all()), "elements around a broadcast column changed")
+    # A barrier waits for the last rank to reach it.
+    dist.barrier()
+    if me == WORLD - 1:
+        time.sleep(0.5)
+    start = time.monotonic()
+    dist.barrier()
+    waited = time.monotonic() - start
+    check(me == WORLD - 1 or waited >= 0.4, f"rank {me} left the barrier after {waited:.3f} s, before the late rank came")
+    # An async broadcast, then an allreduce after them all.
+    t = torch.full((10,), float(me))
+    dist.broadcast(t, src=1, async_op=True).wait()
+    check(bool((t == 1).all()), "an async broadcast")
+    dist.all_reduce(t)
+    check(bool((t == WORLD).all()), "an allreduce after the broadcasts")
+    print(f"torch_ranks: rank {RANK}: {calls} broadcasts and reduces through ringd ({ran} ringd ops)", flush=True)
+
+
+SCENARIOS = {"rooted": scenario_rooted, "collectives": scenario_collectives, "contract": scenario_contract, "sharded": scenario_sharded, "ops": scenario_ops, "slots": scenario_slots, "tensors": scenario_tensors, "spawn": scenario_spawn, "refused": scenario_refused, "async": scenario_async, "ddp": scenario_ddp, "die": scenario_die,
              "restart": scenario_restart, "groups": scenario_groups, "part": scenario_part}
 
 if __name__ == "__main__":

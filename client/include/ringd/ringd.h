@@ -128,6 +128,10 @@ typedef struct ringd_coll {
     int root;          /* broadcast, reduce: the root rank (0 for the others) */
 } ringd_coll;
 RINGD_API int ringd_submit_coll(ringd_client *c, const ringd_coll *coll, uint64_t *ticket);
+/* The collectives this library submits through ringd_submit_coll: bit (1 << RINGD_x) for each
+ * (a library without this function: allreduce, reduce_scatter and allgather). What a ringd runs
+ * is in its status ("collectives"). */
+RINGD_API unsigned int ringd_collectives(void);
 /* 0 when the op succeeded, -ETIMEDOUT when timeout_ms passed (the ticket may be waited again),
  * -EPROTO when ringd owed the result (see Deadlines), another -errno when it failed. Waiting for a
  * ticket that ringd_allreduce gave up on is fine. */

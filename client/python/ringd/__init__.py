@@ -124,6 +124,9 @@ def _declare(lib):
     if hasattr(lib, "ringd_submit_coll"):  # (a library of an older release has allreduce only)
         lib.ringd_submit_coll.restype = ctypes.c_int
         lib.ringd_submit_coll.argtypes = [c_client, ctypes.POINTER(_Coll), ctypes.POINTER(ctypes.c_uint64)]
+    if hasattr(lib, "ringd_collectives"):
+        lib.ringd_collectives.restype = ctypes.c_uint
+        lib.ringd_collectives.argtypes = []
     if hasattr(lib, "ringd_submit_coll_cuda"):  # (device buffers' reduce_scatter and allgather)
         lib.ringd_submit_coll_cuda.restype = ctypes.c_int
         lib.ringd_submit_coll_cuda.argtypes = [c_client, ctypes.POINTER(_CollCuda), ctypes.c_void_p,
@@ -231,6 +234,12 @@ class Client:
     def has_collectives():
         """Whether this libringd-client has ringd_submit_coll (reduce_scatter, allgather)."""
         return hasattr(_load(), "ringd_submit_coll")
+
+    @staticmethod
+    def has_rooted_collectives():
+        """Whether this libringd-client submits broadcast, reduce and barrier (ringd_collectives)."""
+        lib = _load()
+        return hasattr(lib, "ringd_collectives") and bool(lib.ringd_collectives() & (1 << COLLECTIVES["broadcast"]))
 
     @staticmethod
     def has_device_collectives():

@@ -15,6 +15,9 @@ from ringd._slot import (_DTYPES, _FIRST_CHUNK_BYTES, _POLL_MS, _WINDOW_BYTES, _
                          _chunks, _connect, _disconnect, _distinct_elements, _lend, _slot_offset)
 
 
+_ROOTED = ("broadcast", "reduce", "barrier")  # (the ops of _submit_rooted)
+
+
 class _Engine(DeviceOps):
     """The process's ringd client for one process group. allreduce() (any thread) queues the op
     and returns its future at once; a submitting thread copies each op's chunks into the slot and
@@ -104,6 +107,35 @@ class _Engine(DeviceOps):
         if rec.block == 0:
             opf.set_result(result)
             return opf.future
+        self._queue(rec)
+        return opf.future
+
+    def rooted(self, name, tensor, op, root, result):
+        """broadcast (`root`'s tensor into every rank's) or reduce (every rank's reduced into
+        `root`'s; the others' left as they are) of `tensor` in place, through ringd; a torch Future
+        of `result`. Cut into ringd ops as an allreduce is (the same on every rank); only the
+        ranks whose values matter copy into the slot (broadcast: the root; reduce: all) and out of
+        it (broadcast: the others; reduce: the root)."""
+        dtype = _DTYPES[tensor.dtype]
+        given = tensor.detach()
+        contiguous = given.is_contiguous()
+        flat = given.view(-1) if contiguous else given.contiguous().view(-1)
+        opf = _compat.OpFuture()
+        writes = (name == "broadcast") != (root == self.rank)
+        rec = _Op(given, flat, not contiguous and writes, opf, result, op, dtype)
+        rec.collective, rec.root = name, root
+        if flat.numel() == 0:
+            opf.set_result(result)
+            return opf.future
+        self._queue(rec)
+        return opf.future
+
+    def barrier(self):
+        """A barrier through ringd: a torch Future of [] that completes once every rank of the
+        group submitted it (in order with the group's other ops)."""
+        opf = _compat.OpFuture()
+        rec = _Op(None, None, False, opf, [], "sum", _DTYPES[torch.float32])
+        rec.collective = "barrier"
         self._queue(rec)
         return opf.future
 
@@ -213,6 +245,8 @@ class _Engine(DeviceOps):
         where its tensors lie in the slot (lent by allocate), or None (the copying path): an op of
         one chunk — the same ringd op the copying path would submit, so that the ranks pair.
         Holding the lock."""
+        if rec.collective in _ROOTED:
+            return None
         esize = rec.flat.element_size()
         if rec.collective is None:
             total = rec.flat.numel()
@@ -265,6 +299,8 @@ class _Engine(DeviceOps):
             rec = None  # (its tensors are the caller's again: lent ones free once the caller lets go)
 
     def _submit(self, rec):
+        if rec.collective in _ROOTED:
+            return self._submit_rooted(rec)
         if rec.collective is not None:
             return self._submit_blocks(rec)
         esize, total = rec.flat.element_size(), rec.flat.numel()
@@ -377,6 +413,54 @@ class _Engine(DeviceOps):
         except BaseException as e:
             self._submit_failed(rec, start, e)
 
+    def _submit_rooted(self, rec):
+        """A broadcast's or reduce's ringd ops (the allreduce's cut), or a barrier's one."""
+        if rec.collective == "barrier":
+            try:
+                with self.lock:
+                    ticket = self._submit_coll_locked("barrier", 0, rec.dtype, "sum", 0, 0)
+                    rec.chunks_left += 1
+                    rec.submitted_all = True
+                    self.inflight[ticket] = (rec, None, None, None, 0)
+                    self.room.notify_all()
+            except BaseException as e:
+                self._submit_failed(rec, 0, e)
+            return
+        esize, total = rec.flat.element_size(), rec.flat.numel()
+        mine = rec.root == self.rank
+        copy_in = rec.collective == "reduce" or mine
+        copy_out = (rec.collective == "broadcast") != mine
+        start = 0
+        try:
+            for n in _chunks(total, esize, self.max_chunk):
+                nbytes = n * esize
+                with self.lock:
+                    self._wait_locked(lambda: not self.inflight_bytes or self.inflight_bytes + nbytes <= self.window,
+                                      f"ringd: the ops in flight did not end within {self.timeout}")
+                    rng = self._alloc_locked(nbytes)
+                part = rec.flat[start:start + n]
+                try:
+                    view = self.slot[rng[0]:rng[0] + nbytes].view(rec.flat.dtype)
+                    if copy_in:
+                        with torch.no_grad():
+                            view.copy_(part)
+                    with self.lock:
+                        ticket = self._submit_coll_locked(rec.collective, n, rec.dtype, rec.op, rng[0], rng[0], rec.root)
+                        rec.chunks_left += 1
+                        rec.several = rec.several or n < total
+                        rec.submitted_all = start + n >= total
+                        self.inflight_bytes += nbytes
+                        out = (lambda p=part, v=view: p.copy_(v)) if copy_out else None
+                        self.inflight[ticket] = (rec, out, view, rng, nbytes)
+                        self.room.notify_all()
+                except BaseException:
+                    with self.lock:
+                        self.space.release(*rng)
+                    raise
+                start += n
+        except BaseException as e:
+            self._submit_failed(rec, start, e)
+
     def _submit_in_place(self, rec, collective, count, in_off, out_off):
         """One ringd op on tensors that lie in the slot: nothing copied in, nothing out."""
         try:
@@ -401,7 +485,7 @@ class _Engine(DeviceOps):
     def _submit_locked(self, offset, count, dtype, op):
         return self._submit_coll_locked("allreduce", count, dtype, op, offset, 0)
 
-    def _submit_coll_locked(self, collective, count, dtype, op, in_offset, out_offset):
+    def _submit_coll_locked(self, collective, count, dtype, op, in_offset, out_offset, root=0):
         end = datetime.datetime.now() + self.timeout
         while True:
             if self.dead:
@@ -409,6 +493,8 @@ class _Engine(DeviceOps):
             try:
                 if collective == "allreduce":
                     return self.client.submit(in_offset, count, dtype, op)
+                if collective in _ROOTED:
+                    return self.client.submit_coll(collective, count, dtype, op, in_offset, out_offset, root)
                 return self.client.submit_coll(collective, count, dtype, op, in_offset, out_offset)
             except _ringd.RingdError as e:
                 if e.code != -errno.EAGAIN:  # EAGAIN: too many ops in flight; wait for one to finish

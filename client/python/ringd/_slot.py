@@ -198,6 +198,7 @@ class _Op:
         self.collective = None
         self.src = None
         self.blocks = self.block = 0
+        self.root = 0  # broadcast, reduce (collective "broadcast", "reduce"; "barrier" has no tensor)
 
 
 class _Resident:

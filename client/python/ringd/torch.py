@@ -107,7 +107,9 @@ def _gloo_group(store, rank, size, timeout):
 
 
 class ProcessGroupRingd(ProcessGroup):
-    """allreduce through ringd; the other collectives through an internal Gloo group."""
+    """allreduce, reduce_scatter, allgather, broadcast, reduce and barrier through ringd; the other
+    collectives (all_to_all, gather, scatter, send/recv, object collectives) through an internal Gloo
+    group."""
 
     def __init__(self, store, rank, size, timeout=datetime.timedelta(minutes=30)):
         super().__init__(rank, size)
@@ -144,8 +146,11 @@ class ProcessGroupRingd(ProcessGroup):
         device = int(mine and "reduce_scatter" in st.get("device_collectives", ()) and
                      _ringd.Client.has_device_collectives())
         store.set(f"ringd/device/{rank}", str(device))
+        # And whether it runs broadcast, reduce and barrier (a key of its own, as above).
+        rooted = int(mine and "broadcast" in st.get("collectives", ()) and _ringd.Client.has_rooted_collectives())
+        store.set(f"ringd/rooted/{rank}", str(rooted))
         store.set(f"ringd/member/{rank}", f"{me[0]}:{me[1]}:{slot_bytes}:{mine}")
-        members, smallest_slot, collectives, device_collectives = [], slot_bytes, True, True
+        members, smallest_slot, collectives, device_collectives, rooted_collectives = [], slot_bytes, True, True, True
         for r in range(size):
             entry = store.get(f"ringd/member/{r}").decode()
             if entry.startswith("!"):
@@ -157,6 +162,7 @@ class ProcessGroupRingd(ProcessGroup):
             # (compare_set with a value no rank writes: the key's value, or that value when it is
             # absent, without waiting for it and without writing it; torch 1.13's store has no check)
             device_collectives = device_collectives and store.compare_set(f"ringd/device/{r}", "?", "?") == b"1"
+            rooted_collectives = rooted_collectives and store.compare_set(f"ringd/rooted/{r}", "?", "?") == b"1"
         on_my_host = sorted(m for m in members if m[0] == me[0])
         local_rank = [m[2] for m in on_my_host].index(rank)
         local_size = len(on_my_host)
@@ -169,6 +175,7 @@ class ProcessGroupRingd(ProcessGroup):
         group = store.get(key).decode()
         self._engine = None
         self._device_collectives = collectives and device_collectives
+        self._rooted = collectives and rooted_collectives  # broadcast, reduce, barrier through ringd
         self._coalesced = None  # the Works since _start_coalescing
         self._gloo = _gloo_group(store, rank, size, timeout)
         _compat.attach(self, self._gloo)
@@ -450,6 +457,59 @@ class ProcessGroupRingd(ProcessGroup):
             return self._ringd_collective("reduce_scatter", src, output, op, [output])
         return self._reduce_into(output, input.detach().reshape(-1).clone(), opts, [output])
 
+    def _rooted_tensor(self, tensors, root_tensor):
+        """The tensor of a broadcast or reduce that goes through ringd (one CPU tensor of a ringd
+        dtype, in a group whose every rank's ringd runs them), else None (Gloo runs it)."""
+        if not self._rooted or self._engine is None or len(tensors) != 1 or root_tensor != 0:
+            return None
+        t = tensors[0]
+        if t.device.type not in ("cpu", "cuda"):
+            raise RuntimeError(f"ringd: {t.device.type} tensors are not supported (CPU and CUDA tensors are)")
+        if t.is_cuda or t.is_sparse or t.dtype not in _DTYPES:
+            return None
+        return t
+
+    def broadcast(self, tensors, opts=None):
+        """broadcast from opts.rootRank through ringd (a chain along the ring, or one-shot for a
+        small tensor); CUDA tensors through Gloo."""
+        opts = opts if opts is not None else dist.BroadcastOptions()
+        t = self._rooted_tensor(tensors, opts.rootTensor)
+        if t is None:
+            return self._track(self._gloo.broadcast(tensors, opts))
+        return self._track(_compat.work(self._engine.rooted("broadcast", t, "sum", opts.rootRank, tensors), tensors))
+
+    def reduce(self, tensors, opts=None):
+        """reduce to opts.rootRank through ringd: the root's tensor becomes the reduction, the
+        others' stay as they are; CUDA tensors through Gloo."""
+        opts = opts if opts is not None else dist.ReduceOptions()
+        t = self._rooted_tensor(tensors, opts.rootTensor)
+        if t is None:
+            return self._track(self._gloo.reduce(tensors, opts))
+        op = opts.reduceOp
+        if _op_name(op) == "avg" and not t.dtype.is_floating_point:
+            raise RuntimeError(f"ringd: AVG of {t.dtype} is not defined (an integer mean); use SUM")
+        if _premul_factor(op) is None:
+            return self._track(_compat.work(self._engine.rooted("reduce", t, _op_name(op), opts.rootRank, tensors), tensors))
+        # PREMUL_SUM: scaled in a copy of its own (the caller's tensor is only written on the root).
+        src = t.detach().clone()
+        op = _premultiply(src, op)
+        fut = self._engine.rooted("reduce", src, _op_name(op), opts.rootRank, [src])
+        root = opts.rootRank == self.rank()
+
+        def done(f):
+            f.value()  # raises ringd's error
+            if root:
+                with torch.no_grad():
+                    t.copy_(src)
+            return tensors
+        return self._track(_compat.work(fut.then(done), tensors))
+
+    def barrier(self, opts=None):
+        """A barrier through ringd (every rank's, in order with the group's other ops), else Gloo's."""
+        if not self._rooted or self._engine is None:
+            return self._track(self._gloo.barrier(opts if opts is not None else dist.BarrierOptions()))
+        return self._track(_compat.work(self._engine.barrier(), []))
+
     def _reduce_into(self, out, flat, opts, result):
         """An allreduce of `flat` (the group's own copy: PREMUL_SUM scales it), then this rank's
         part of it into `out`."""
@@ -473,8 +533,8 @@ class ProcessGroupRingd(ProcessGroup):
 
 # The rest through the internal Gloo group (identical results), each under the names this torch has
 # (of a renamed pair only the one its Python API calls: alltoall_base before all_to_all_single).
-_VIA_GLOO = ("broadcast", "allgather_coalesced", "gather", "scatter", "reduce", "alltoall",
-             "all_to_all_single", "alltoall_base", "barrier", "monitored_barrier", "send", "recv", "recv_anysource")
+_VIA_GLOO = ("allgather_coalesced", "gather", "scatter", "alltoall", "all_to_all_single", "alltoall_base",
+             "monitored_barrier", "send", "recv", "recv_anysource")
 
 
 def _via_gloo(name, gloo_name):
