@@ -3,7 +3,8 @@
 // One process is one attempt of one rank (as under torchrun): connect (retrying until a deadline
 // while this host's ringd is down), then run steps until an op fails or the stop file appears.
 // A step is a few ops of mixed size (direct and ring paths), collective (allreduce,
-// reduce_scatter, allgather: the trainer says its rank, host-major), dtype and op, drawn from
+// reduce_scatter, allgather, broadcast, reduce, barrier: the trainer says its rank, host-major),
+// dtype and op, drawn from
 // (seed, step) so that every rank of the job submits the same sequence; they are submitted together
 // (in flight at once, like gradient buckets) and waited for. After the first error the trainer
 // submits nothing more, waits for what is in flight and exits 1; the driver then restarts every
@@ -92,6 +93,13 @@ const std::array kSpecs{
     OpSpec{49157, DType::F32, ReduceOp::Avg, true, Collective::ReduceScatter},
     OpSpec{65537, DType::F16, ReduceOp::Sum, true, Collective::Allgather},
     OpSpec{65539, DType::F64, ReduceOp::Min, true, Collective::ReduceScatter},
+    // broadcast and reduce (the root changes from step to step: InFlight::root), one-shot and the
+    // chain; a barrier (no data).
+    OpSpec{5003, DType::F32, ReduceOp::Sum, false, Collective::Broadcast},
+    OpSpec{2049, DType::F64, ReduceOp::Avg, false, Collective::Reduce},
+    OpSpec{0, DType::F32, ReduceOp::Sum, false, Collective::Barrier},
+    OpSpec{300007, DType::BF16, ReduceOp::Sum, true, Collective::Broadcast},
+    OpSpec{262147, DType::F32, ReduceOp::Max, true, Collective::Reduce},
 };
 
 // Per spec: its range in the slot, its precomputed input for this rank and the exact result.
@@ -109,6 +117,7 @@ struct InFlight {
     bench::GuardedRange range;
     double submit = 0;
     bool done = false;
+    uint32_t root = 0;  // broadcast, reduce
 };
 
 void print_op(int step, size_t idx, const Prepared &p, const InFlight &f, double end, int rc, uint64_t wrong,
@@ -171,7 +180,7 @@ int main(int argc, char **argv) {
         // value(rank, i) over the whole range; a reduce_scatter's result (this rank's block) is
         // the reduction of those elements over every rank, an allgather's block b is rank b's
         // own block, value(b, b x count + i).
-        const size_t elems = s.coll == Collective::Allreduce ? s.count : s.count * nranks;
+        const size_t elems = collective_blocked(s.coll) ? s.count * nranks : s.count;
         const size_t bytes = elems * dtype_size(s.dtype);
         p.input.resize(bytes);
         bench::fill(p.input.data(), elems, s.dtype, grank);
@@ -241,11 +250,14 @@ int main(int argc, char **argv) {
             bench::guard_fill(base, p.offset + f.range.bytes(), f.range.guard_end(), f.range.salt);
             std::memcpy(base + p.offset, p.input.data(), p.input.size());
             f.submit = now_s();
+            f.root = static_cast<uint32_t>((static_cast<uint64_t>(step) * 7 + pick[k]) % nranks);  // the same on every rank
             const size_t mine = p.offset + grank * p.spec.count * dtype_size(p.spec.dtype);
+            const bool blocked = collective_blocked(p.spec.coll);
             const ringd_coll d{sizeof(ringd_coll), static_cast<ringd_collective>(p.spec.coll),
                                static_cast<ringd_dtype>(p.spec.dtype), static_cast<ringd_op>(p.spec.op), p.spec.count,
                                p.spec.coll == Collective::Allgather ? mine : p.offset,
-                               p.spec.coll == Collective::ReduceScatter ? mine : p.offset, 0};
+                               p.spec.coll == Collective::ReduceScatter ? mine : blocked ? p.offset : 0,
+                               collective_is_rooted(p.spec.coll) ? static_cast<int>(f.root) : 0};
             const int rc = ringd_submit_coll(c, &d, &f.ticket);
             if (rc != 0) {
                 const std::string msg = std::string("submit: ") + ringd_last_error(c);
@@ -277,12 +289,17 @@ int main(int argc, char **argv) {
             const uint64_t guard = bench::guard_damage(base, f.range.guard_begin(), p.offset, f.range.salt) +
                                    bench::guard_damage(base, p.offset + f.range.bytes(), f.range.guard_end(), f.range.salt);
             if (rc == 0) {
-                // reduce_scatter: this rank's block only (the others may hold partial sums).
+                // reduce_scatter: this rank's block only (the others may hold partial sums); reduce:
+                // the root's buffer only; broadcast: the root's input everywhere.
                 const size_t first = p.spec.coll == Collective::ReduceScatter ? grank * p.spec.count : 0;
-                const size_t last = p.spec.coll == Collective::ReduceScatter ? first + p.spec.count : p.want.size();
+                size_t last = p.spec.coll == Collective::ReduceScatter ? first + p.spec.count : p.want.size();
+                if (p.spec.coll == Collective::Reduce && grank != f.root) last = 0;
                 for (size_t i = first; i < last; ++i) {
+                    const double want = p.spec.coll == Collective::Broadcast
+                                            ? bench::round_to(p.spec.dtype, static_cast<double>(bench::value(f.root, i)))
+                                            : p.want[i];
                     const double got = bench::load(base + p.offset, i, p.spec.dtype);
-                    if (!(std::fabs(got - p.want[i]) <= p.tol * std::fabs(p.want[i]))) ++wrong;
+                    if (!(std::fabs(got - want) <= p.tol * std::fabs(want))) ++wrong;
                 }
             } else {
                 step_ok = false;
