@@ -323,9 +323,11 @@ TEST_CASE("collectives gone wrong: no ranks said, a rank twice, sizes that diffe
     }
 }
 
-TEST_CASE("a host SIGKILLed while a large allgather moves data: the others fail within a second naming it; the "
-          "restarted job runs exact collectives",
+TEST_CASE("a host SIGKILLed while a large allgather or broadcast moves data: the others fail within a second naming "
+          "it; the restarted job runs exact collectives",
           "[cluster][collectives][faults]") {
+    const Collective coll = GENERATE(Collective::Allgather, Collective::Broadcast);
+    INFO(collective_name(coll));
     // Heartbeats at 1 s (three missed: 3 s) and a 30 s op timeout: only the EOF can be this fast.
     TestCluster c(3, ClusterOptions{"30s", "1s", "", "160MiB"});
     REQUIRE(c.wait_up());
@@ -338,17 +340,22 @@ TEST_CASE("a host SIGKILLed while a large allgather moves data: the others fail 
         return cl;
     };
     Clients cl = ranked();
-    // Each rank's input is its block of the output (in place), all ones; the others' blocks zero,
-    // so that the gather's writes show.
+    // allgather: each rank's input is its block of the output (in place), all ones; the others'
+    // blocks zero, so that the gather's writes show. broadcast: from rank 0 (node1) along the
+    // chain node1 -> node2 -> node0, all ones over zeros.
     for (auto &x : cl) std::memset(x->slot().data(), 0, 3 * kBlock * 4);
     for (uint32_t h = 0; h < 3; ++h)
-        std::fill_n(reinterpret_cast<float *>(cl[h]->slot().data()) + ((h + 2) % 3) * kBlock, kBlock, 1.0f);
+        if (coll == Collective::Allgather)
+            std::fill_n(reinterpret_cast<float *>(cl[h]->slot().data()) + ((h + 2) % 3) * kBlock, kBlock, 1.0f);
+    if (coll == Collective::Broadcast) std::fill_n(reinterpret_cast<float *>(cl[1]->slot().data()), 3 * kBlock, 1.0f);
     SlotWatch w(*cl[0], 0, 3 * kBlock);
     std::vector<uint64_t> t;
     for (uint32_t h = 0; h < 3; ++h)
-        t.push_back(cl[h]->submit(RINGD_ALLGATHER, kBlock, RINGD_F32, RINGD_SUM, ((h + 2) % 3) * kBlock * 4, 0));
+        t.push_back(coll == Collective::Allgather
+                        ? cl[h]->submit(RINGD_ALLGATHER, kBlock, RINGD_F32, RINGD_SUM, ((h + 2) % 3) * kBlock * 4, 0)
+                        : cl[h]->submit(RINGD_BROADCAST, 3 * kBlock, RINGD_F32, RINGD_SUM, 0, 0, 0));
     const double moved = wait_data_moving(w);
-    INFO("fraction of rank 0's samples written when the fault comes: " << moved);
+    INFO("fraction of rank 2's samples written when the fault comes: " << moved);
     REQUIRE(moved > 0);
     REQUIRE(moved < 0.5);
     const auto fault = Clock::now();
@@ -368,8 +375,13 @@ TEST_CASE("a host SIGKILLed while a large allgather moves data: the others fail 
     cl.clear();
     auto tr = join_ranked(c, "kill-ag", {1, 1, 1}, {2, 0, 1}, 16 << 20);
     REQUIRE(tr.size() == 3);
-    for (Collective coll : {Collective::ReduceScatter, Collective::Allgather}) {
-        const Verdict v = run_checked(tr, coll, DType::F32, ReduceOp::Sum, 300007, false, 11);
+    for (Collective after : {Collective::ReduceScatter, Collective::Allgather}) {
+        const Verdict v = run_checked(tr, after, DType::F32, ReduceOp::Sum, 300007, false, 11);
+        CHECK(v.wrong == 0);
+        CHECK(v.guard == 0);
+    }
+    for (Collective after : {Collective::Broadcast, Collective::Reduce}) {
+        const Verdict v = run_rooted(tr, after, DType::F32, ReduceOp::Sum, 300007, 2, 12);
         CHECK(v.wrong == 0);
         CHECK(v.guard == 0);
     }
