@@ -231,7 +231,8 @@ Status RingEngine::run(const RingPosition &pos, const RingOp &op, std::chrono::s
     chunk_base_ = 0;
     for (uint64_t begin = 0; begin < op.count; begin += window) {
         const Window w{begin, std::min(window, op.count - begin)};
-        const uint64_t chunk = chunk_for(opt_, (w.count * blocks / pos.size + 1) * ps);
+        const uint64_t chunk = collective_is_rooted(op.collective) ? chain_chunk_for(opt_, (w.count + 1) * ps)
+                                                                   : chunk_for(opt_, (w.count * blocks / pos.size + 1) * ps);
         const uint64_t chunk_elems = std::max<uint64_t>(1, chunk / ps);
         const uint64_t chunks = most_chunks(pos, op, w, chunk_elems);
         if (chunk_base_ + chunks >= kMaxChunks)

@@ -166,6 +166,15 @@ public:
         while (c / 2 >= kLeast && segment_bytes < kPerSegment * c) c /= 2;
         return c;
     }
+    // A chain's chunk (broadcast, reduce over `bytes`): each hop past the first holds the op back
+    // by one chunk while the pipeline fills, so chains cut finer — halved from chunk_bytes while
+    // the op has fewer than 64 of them, down to 64 KiB.
+    static uint64_t chain_chunk_for(const RingOptions &o, uint64_t bytes) {
+        constexpr uint64_t kLeast = 64 << 10, kPerOp = 64;
+        uint64_t c = o.chunk_bytes;
+        while (c / 2 >= kLeast && bytes < kPerOp * c) c /= 2;
+        return c;
+    }
     static uint64_t staging_bytes(const RingOptions &o) { return o.chunk_bytes * o.depth + work_bytes(o); }
     uint64_t staging_bytes() const { return staging_bytes(opt_); }
     // Ops of at least this many bytes end with the delivery marker where a link's SendDone does
