@@ -35,6 +35,8 @@ inline constexpr uint16_t kSlotFeatureCudaCollectives = 4;
 // SubmitDesc::root and collectives 3-5: broadcast, reduce and barrier (a ringd without it refuses
 // the collective by number: EINVAL).
 inline constexpr uint16_t kSlotFeatureRootedCollectives = 8;
+// SlotHeader::copied_in, copied_out: counted in ringd's status.
+inline constexpr uint16_t kSlotFeatureCopyCounters = 16;
 inline constexpr size_t kSlotHeaderBytes = 4096;
 inline constexpr size_t kSlotDataAlign = 4096;
 inline constexpr uint32_t kQueueDepth = 64;
@@ -73,13 +75,21 @@ struct SlotHeader {
     std::atomic<uint32_t> cuda_ready[kQueueDepth];
     std::atomic<uint32_t> cuda_done[kQueueDepth];
     std::atomic<uint32_t> cuda_probe;  // the client's stream writes here once, to learn whether it can
-    uint8_t pad2[kSlotHeaderBytes - 1028];
+    uint8_t pad2[1088 - 1028];
+    // kSlotFeatureCopyCounters: the bytes this client copied into and out of its slot for ops
+    // (ringd_note_copies: what a framework copies to hand its tensors over, and back), added by
+    // the client only; ringd's status sums them over its clients. Informational, never trusted.
+    std::atomic<uint64_t> copied_in;
+    std::atomic<uint64_t> copied_out;
+    uint8_t pad3[kSlotHeaderBytes - 1104];
 };
 static_assert(sizeof(SlotHeader) == kSlotHeaderBytes);
 static_assert(offsetof(SlotHeader, sq_tail) == 64);
 static_assert(offsetof(SlotHeader, cq_head) == 256);
 static_assert(offsetof(SlotHeader, cuda_ready) == 512 && offsetof(SlotHeader, cuda_done) == 768);
 static_assert(std::atomic<uint32_t>::is_always_lock_free && sizeof(std::atomic<uint32_t>) == 4);
+static_assert(offsetof(SlotHeader, copied_in) == 1088 && offsetof(SlotHeader, copied_out) == 1096);
+static_assert(std::atomic<uint64_t>::is_always_lock_free && sizeof(std::atomic<uint64_t>) == 8);
 
 enum class BufferKind : uint32_t {
     Slot = 0,     // `offset` is a byte offset into this client's slot data area

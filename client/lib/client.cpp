@@ -399,6 +399,12 @@ int ringd_submit(ringd_client *c, size_t offset, size_t count, ringd_dtype dtype
     }
 }
 
+void ringd_note_copies(ringd_client *c, uint64_t in_bytes, uint64_t out_bytes) {
+    if (!c || !c->header || !(c->header->features & proto::kSlotFeatureCopyCounters)) return;
+    c->header->copied_in.fetch_add(in_bytes, std::memory_order_relaxed);
+    c->header->copied_out.fetch_add(out_bytes, std::memory_order_relaxed);
+}
+
 unsigned int ringd_collectives(void) {
     return 1u << RINGD_ALLREDUCE | 1u << RINGD_REDUCE_SCATTER | 1u << RINGD_ALLGATHER | 1u << RINGD_BROADCAST |
            1u << RINGD_REDUCE | 1u << RINGD_BARRIER;

@@ -518,10 +518,24 @@ bool ClientGateway::slots_of(const OpRun &run, std::vector<std::shared_ptr<Slot>
     return true;
 }
 
+std::pair<uint64_t, uint64_t> ClientGateway::copies() const {
+    uint64_t in = copied_in_gone_, out = copied_out_gone_;
+    for (const auto &[id, c] : clients_)
+        if (c->slot()) {
+            in += c->slot()->header().copied_in.load(std::memory_order_relaxed);
+            out += c->slot()->header().copied_out.load(std::memory_order_relaxed);
+        }
+    return {in, out};
+}
+
 void ClientGateway::drop(MemberId id, const Error &why, bool tell_client) {
     auto node = clients_.extract(id);
     if (node.empty()) return;
     std::unique_ptr<ClientConn> c = std::move(node.mapped());
+    if (c->slot()) {
+        copied_in_gone_ += c->slot()->header().copied_in.load(std::memory_order_relaxed);
+        copied_out_gone_ += c->slot()->header().copied_out.load(std::memory_order_relaxed);
+    }
     if (tell_client) (void)send_all(c->sock(), proto::encode_error({why.code < 0 ? why.code : -EIO, why.message}));
     hooks_.unwatch(c->sock());
     staging_.erase(id);

@@ -78,6 +78,9 @@ public:
     void close_all() { clients_.clear(); }
 
     size_t connected() const { return clients_.size(); }
+    // The bytes the clients say they copied into and out of their slots for ops (SlotHeader's
+    // copy counters: those connected now, and those gone).
+    std::pair<uint64_t, uint64_t> copies() const;
     size_t joined() const { return *live_slots_; }
 
 private:
@@ -119,6 +122,7 @@ private:
     // Slots (data areas) held: each joined client's own, counted until the last client using it
     // (HelloShared) is gone (ClientConn::slot_lease).
     std::shared_ptr<size_t> live_slots_ = std::make_shared<size_t>(0);
+    uint64_t copied_in_gone_ = 0, copied_out_gone_ = 0;  // counters of clients that left
     bool shutting_down_ = false;
     bool drained_ = false;  // ringctl drain: no new groups here
     std::set<MemberId> credit_waiters_;  // clients whose submissions wait for credits freed by completions

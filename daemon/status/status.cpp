@@ -154,6 +154,10 @@ nlohmann::json Daemon::status_doc(uint32_t viewer) const {
     j["clients"] = {{"connected", connected == 0 ? 0 : connected - 1}, {"joined", joined}, {"max_slots", config_.memory.max_slots}};
     const auto &t = groups_.totals();
     j["ops"] = {{"completed", t.ops_completed}, {"failed", t.ops_failed}, {"bytes_reduced", t.bytes_reduced}};
+    // What the trainers copied to hand their tensors over and back (ringd_note_copies; 0 where
+    // they hand over buffers that lie in their slots).
+    const auto [copied_in, copied_out] = gateway_->copies();
+    j["copies"] = {{"in_bytes", copied_in}, {"out_bytes", copied_out}};
     const auto &ts = transport_->stats();
     j["memory"] = {{"registered_bytes", ts.registered_bytes},
                    {"registrations", ts.registrations},

@@ -652,14 +652,20 @@ def _reference(steps, make_opt):
     return losses, [p.detach().clone() for p in m.parameters()]
 
 
-def _train_sharded(m, opt, steps, what):
+def _train_sharded(m, opt, steps, what, copies=None, engines=()):
+    """`copies`: a list that gets, per step, the bytes the `engines` copied into and out of the
+    slot during the step's forward, backward and optimizer step."""
     losses = []
+    counted = lambda: sum(e.copied_in + e.copied_out for e in engines)  # noqa: E731
     for step in range(steps):
         x, y = _batch(step, RANK)
+        before = counted()
         opt.zero_grad()
         loss = torch.nn.functional.mse_loss(m(x), y)
         loss.backward()
         opt.step()
+        if copies is not None:
+            copies.append(counted() - before)
         mean = loss.detach().clone()
         dist.all_reduce(mean, op=dist.ReduceOp.AVG)  # the global batch's loss (equal batches)
         losses.append(mean.item())
@@ -709,8 +715,14 @@ def scenario_sharded():
                 module.set_allocate_memory_from_process_group_for_comm(True)
             engine = mesh.get_group()._engine
             in_place_before = engine.in_place_ops
-        losses = _train_sharded(m, sgd(m.parameters()), steps, what)
+        copies = []
+        losses = _train_sharded(m, sgd(m.parameters()), steps, what, copies, [g._engine for g in mesh.get_all_groups()])
         _compare(what, losses, ref_losses, [p.full_tensor().detach() for p in m.parameters()], ref_params)
+        if slot_buffers:
+            # Nothing copied into or out of the slot in any step (the copying run's FSDP2 copies).
+            check(all(c == 0 for c in copies), f"{what}: bytes copied into and out of the slot per step: {copies}")
+        else:
+            check(all(c > 0 for c in copies), f"{what}: no bytes counted as copied: {copies}")
         if slot_buffers:
             # Every step: 3 all-gathers forward, 3 reduce-scatters backward (2 layers, the root);
             # backward's all-gathers are reshards FSDP2 may skip.
@@ -789,6 +801,12 @@ def scenario_collectives():
             calls += 2
     ran = ringd_ops_completed() - before
     check(ran >= calls, f"ringd completed {ran} ops for {calls} reduce_scatters and allgathers: some went elsewhere")
+    # Their copies into and out of the slot are counted, and ringd's status has them (this host's
+    # ranks' together).
+    eng = pg._engine
+    copied = ringd.status()["copies"]
+    check(0 < eng.copied_in <= copied["in_bytes"] and 0 < eng.copied_out <= copied["out_bytes"],
+          f"copies counted: this rank {eng.copied_in} in, {eng.copied_out} out; ringd's status {copied}")
     # Buffers over the slot (FSDP2's allocate_tensor, through the backend on torch 2): an allgather
     # in place, a reduce_scatter apart and an allreduce on them run where they lie, nothing copied;
     # rank 1's allgather output is ordinary memory (a rank whose slot had no room to lend): its

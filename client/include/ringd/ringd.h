@@ -132,6 +132,10 @@ RINGD_API int ringd_submit_coll(ringd_client *c, const ringd_coll *coll, uint64_
  * (a library without this function: allreduce, reduce_scatter and allgather). What a ringd runs
  * is in its status ("collectives"). */
 RINGD_API unsigned int ringd_collectives(void);
+/* Adds to the bytes this client copied into and out of its slot for ops (a framework's copies of
+ * its tensors in and of results out, which ringd cannot see): ringd's status sums them over its
+ * clients ("copies"), so that a job can tell whether its collectives copy at all. */
+RINGD_API void ringd_note_copies(ringd_client *c, uint64_t in_bytes, uint64_t out_bytes);
 /* 0 when the op succeeded, -ETIMEDOUT when timeout_ms passed (the ticket may be waited again),
  * -EPROTO when ringd owed the result (see Deadlines), another -errno when it failed. Waiting for a
  * ticket that ringd_allreduce gave up on is fine. */

@@ -124,6 +124,9 @@ def _declare(lib):
     if hasattr(lib, "ringd_submit_coll"):  # (a library of an older release has allreduce only)
         lib.ringd_submit_coll.restype = ctypes.c_int
         lib.ringd_submit_coll.argtypes = [c_client, ctypes.POINTER(_Coll), ctypes.POINTER(ctypes.c_uint64)]
+    if hasattr(lib, "ringd_note_copies"):
+        lib.ringd_note_copies.restype = None
+        lib.ringd_note_copies.argtypes = [c_client, ctypes.c_uint64, ctypes.c_uint64]
     if hasattr(lib, "ringd_collectives"):
         lib.ringd_collectives.restype = ctypes.c_uint
         lib.ringd_collectives.argtypes = []
@@ -261,6 +264,11 @@ class Client:
         if self._c is None:
             return "the ringd client is closed"
         return (self._lib.ringd_last_error(self._c) or b"").decode(errors="replace")
+
+    def note_copies(self, in_bytes, out_bytes):
+        """Adds to the bytes copied into and out of the slot for ops (ringd's status: copies)."""
+        if self._c is not None and hasattr(self._lib, "ringd_note_copies"):
+            self._lib.ringd_note_copies(self._c, int(in_bytes), int(out_bytes))
 
     def submit(self, offset, count, dtype, op):
         """Queues an allreduce of `count` elements at byte `offset` of the slot; returns its ticket."""

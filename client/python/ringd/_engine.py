@@ -18,6 +18,12 @@ from ringd._slot import (_DTYPES, _FIRST_CHUNK_BYTES, _POLL_MS, _WINDOW_BYTES, _
 _ROOTED = ("broadcast", "reduce", "barrier")  # (the ops of _submit_rooted)
 
 
+def _copied(to, view):
+    """A result's copy out of the slot: its bytes."""
+    to.copy_(view)
+    return view.numel() * view.element_size()
+
+
 class _Engine(DeviceOps):
     """The process's ringd client for one process group. allreduce() (any thread) queues the op
     and returns its future at once; a submitting thread copies each op's chunks into the slot and
@@ -50,6 +56,7 @@ class _Engine(DeviceOps):
         self.resident = {}  # comm hook: (bucket buffer's address, bytes, dtype) -> _Resident
         self.hook_calls = 0
         self.lent = self.in_place_ops = 0  # tensors lent over the slot (allocate); ops run on them with no copy
+        self.copied_in = self.copied_out = 0  # bytes copied into and out of the slot for ops
         self._device_init()  # device ops (DeviceOps)
         self.closed = False  # the submitting and completing threads stop
         self.closing = False
@@ -328,13 +335,14 @@ class _Engine(DeviceOps):
                         offset = rec.resident.rng[0] + start * esize
                     with torch.no_grad():
                         view.copy_(part)
+                    self._note_copies(nbytes, 0)
                     with self.lock:
                         ticket = self._submit_locked(offset, n, rec.dtype, rec.op)
                         rec.chunks_left += 1
                         rec.several = rec.several or n < total
                         rec.submitted_all = start + n >= total
                         self.inflight_bytes += nbytes
-                        copy_out = (lambda p=part, v=view: p.copy_(v)) if rec.resident is None else None
+                        copy_out = (lambda p=part, v=view: _copied(p, v)) if rec.resident is None else None
                         self.inflight[ticket] = (rec, copy_out, view, rng, nbytes)
                         self.room.notify_all()  # the completion thread waits for work when nothing is in flight
                 except BaseException:
@@ -392,11 +400,13 @@ class _Engine(DeviceOps):
                         if rec.collective == "reduce_scatter":
                             view.copy_(src_blocks[:, start:start + m])
                             in_off, out_off = rng[0], mine
-                            copy_out = (lambda p=rec.flat[start:start + m], v=view[r]: p.copy_(v))
+                            copy_out = (lambda p=rec.flat[start:start + m], v=view[r]: _copied(p, v))
+                            self._note_copies(nbytes, 0)
                         else:
                             view[r].copy_(rec.src[start:start + m])
                             in_off, out_off = mine, rng[0]
-                            copy_out = (lambda p=out_blocks[:, start:start + m], v=view: p.copy_(v))
+                            copy_out = (lambda p=out_blocks[:, start:start + m], v=view: _copied(p, v))
+                            self._note_copies(m * esize, 0)
                     with self.lock:
                         ticket = self._submit_coll_locked(rec.collective, m, rec.dtype, rec.op, in_off, out_off)
                         rec.chunks_left += 1
@@ -444,13 +454,14 @@ class _Engine(DeviceOps):
                     if copy_in:
                         with torch.no_grad():
                             view.copy_(part)
+                        self._note_copies(nbytes, 0)
                     with self.lock:
                         ticket = self._submit_coll_locked(rec.collective, n, rec.dtype, rec.op, rng[0], rng[0], rec.root)
                         rec.chunks_left += 1
                         rec.several = rec.several or n < total
                         rec.submitted_all = start + n >= total
                         self.inflight_bytes += nbytes
-                        out = (lambda p=part, v=view: p.copy_(v)) if copy_out else None
+                        out = (lambda p=part, v=view: _copied(p, v)) if copy_out else None
                         self.inflight[ticket] = (rec, out, view, rng, nbytes)
                         self.room.notify_all()
                 except BaseException:
@@ -473,6 +484,12 @@ class _Engine(DeviceOps):
                 self.room.notify_all()
         except BaseException as e:
             self._submit_failed(rec, 0, e)
+
+    def _note_copies(self, in_bytes, out_bytes):
+        """Bytes copied into or out of the slot: the engine's count, and ringd's status (copies)."""
+        self.copied_in += in_bytes
+        self.copied_out += out_bytes
+        self.client.note_copies(in_bytes, out_bytes)
 
     def _alloc_locked(self, nbytes):
         """A slot range, waiting for earlier ops to give theirs back (within the timeout)."""
@@ -543,7 +560,7 @@ class _Engine(DeviceOps):
                     try:
                         if err is None and copy_out is not None:
                             with torch.no_grad():
-                                copy_out()
+                                self._note_copies(0, copy_out())
                     except BaseException as e:  # never lose an op: its future fails instead
                         err = f"copying the result out of the slot: {e}"
                     if err is not None and rec.error is None:
