@@ -257,7 +257,7 @@ int main(int argc, char **argv) {
                                static_cast<ringd_dtype>(p.spec.dtype), static_cast<ringd_op>(p.spec.op), p.spec.count,
                                p.spec.coll == Collective::Allgather ? mine : p.offset,
                                p.spec.coll == Collective::ReduceScatter ? mine : blocked ? p.offset : 0,
-                               collective_is_rooted(p.spec.coll) ? static_cast<int>(f.root) : 0};
+                               collective_is_rooted(p.spec.coll) ? static_cast<int>(f.root) : 0, nullptr, nullptr, 0};
             const int rc = ringd_submit_coll(c, &d, &f.ticket);
             if (rc != 0) {
                 const std::string msg = std::string("submit: ") + ringd_last_error(c);

@@ -154,7 +154,7 @@ int main(int argc, char **argv) {
         const size_t mine = op_offset + global_rank * block * esize;
         const ringd_coll d{sizeof(ringd_coll), static_cast<ringd_collective>(*coll), cdt, cop, block,
                            *coll == Collective::ReduceScatter ? op_offset : mine,
-                           *coll == Collective::ReduceScatter ? mine : op_offset, 0};
+                           *coll == Collective::ReduceScatter ? mine : op_offset, 0, nullptr, nullptr, 0};
         uint64_t t = 0;
         if (int rc = ringd_submit_coll(c, &d, &t); rc != 0) return rc;
         return ringd_wait(c, t, o.timeout_ms);

@@ -356,6 +356,7 @@ bool Daemon::complete_and_start() {
         w.avg_divisor = static_cast<uint32_t>(run.members.size());
         w.offsets = std::move(run.offsets);
         w.out_offsets = std::move(run.out_offsets);
+        w.splits = std::move(run.splits);
         if (run.desc.collective != Collective::Allreduce) w.host_ranks.push_back(std::move(run.ranks));
         if (w.desc.collective != Collective::Allreduce && w.host_ranks[0].size() != w.desc.ranks) {
             groups_.finished(run.op_id, -EINVAL,

@@ -532,6 +532,8 @@ Bytes encode_op_data(const OpReport &r, OpDataKind kind, uint64_t data_bytes, ui
     le::put<uint32_t>(&frame[kFrameHeaderBytes + kOpReportFixed], static_cast<uint32_t>(kind));
     if (kind >= OpDataKind::Doubling)
         le::put<uint32_t>(&frame[kFrameHeaderBytes + kOpReportFixed + 4], (r.algorithm << 16) | (step & 0xffff));
+    else if (r.collective == static_cast<uint32_t>(Collective::AllToAll))
+        le::put<uint32_t>(&frame[kFrameHeaderBytes + kOpReportFixed + 4], step);  // (parts << 16 | part)
     return frame;
 }
 
@@ -550,7 +552,9 @@ Result<OpData> decode_op_data(std::span<const uint8_t> p) {
     const uint32_t word = le::get<uint32_t>(&p[kOpReportFixed + 4]);
     uint32_t step = 0;
     if (k < OpDataKind::Doubling) {
-        if (word != 0) return bad("op data's reserved field is not zero");
+        // (all_to_all: its part number there, below)
+        if (word != 0 && r->collective != static_cast<uint32_t>(Collective::AllToAll))
+            return bad("op data's reserved field is not zero");
         r->algorithm = k == OpDataKind::OneShot ? 1 : 2;
     } else {
         r->algorithm = word >> 16;
@@ -567,6 +571,17 @@ Result<OpData> decode_op_data(std::span<const uint8_t> p) {
     const bool result = k == OpDataKind::TwoShotResult || k == OpDataKind::Gather || k == OpDataKind::FoldOut;
     const uint64_t es = result ? dtype_size(dtype) : dtype_size(partial_dtype(dtype, static_cast<ReduceOp>(r->op)));
     const auto coll = static_cast<Collective>(r->collective);
+    if (coll == Collective::AllToAll) {
+        // all_to_all (protocol 11): one-shot, the sender's message to this host in parts of at
+        // most kAllToAllPartBytes (the receiver checks the counts it carries against its ranks').
+        if (k != OpDataKind::OneShot) return bad("op data of kind " + std::to_string(kind) + " for an all_to_all");
+        const uint32_t word = le::get<uint32_t>(&p[kOpReportFixed + 4]);
+        const uint32_t parts = word >> 16, part = word & 0xffff;
+        if (parts == 0 || part >= parts || have > kAllToAllPartBytes)
+            return bad("all_to_all op data is part " + std::to_string(part) + " of " + std::to_string(parts) + " with " +
+                       std::to_string(have) + " bytes");
+        return OpData{std::move(*r), k, word, p.subspan(kOpDataHeaderBytes)};
+    }
     if (collective_is_rooted(coll) || coll == Collective::Barrier) {
         // broadcast, reduce, barrier (protocol 11): one-shot only, exactly the op's data (a
         // broadcast's in the dtype, a reduce's a partial result, a barrier's none).

@@ -243,7 +243,11 @@ struct OpFail {
 // a broadcast's from the root rank's host to every other host, its root's buffer (the dtype); a
 // reduce's from every other host to the root's, its local ranks reduced (a partial result); a
 // barrier's from every host to every other, empty (a host's barrier ends once every other host's
-// message is in).
+// message is in). An all_to_all's is OneShot too, one message from each host to each other host
+// in parts of at most kAllToAllPartBytes, whose `step` word is (parts << 16 | part): the message is
+// the sender's local ranks x the receiver's ranks' element counts (uint64, the sender's local-rank
+// order, then the receiver's), then those blocks in the same order, in the dtype.
+inline constexpr uint64_t kAllToAllPartBytes = 16 << 20;
 enum class OpDataKind : uint32_t {
     OneShot = 1,
     TwoShotPart = 2,

@@ -35,7 +35,9 @@ Result<Submission> validate_submit(const SubmitDesc &d, uint64_t data_bytes, boo
     if (d.collective >= kCollectiveCount) return make_error(-EINVAL, at + "unknown collective " + std::to_string(d.collective));
     if (d.dtype >= kDTypeCount) return make_error(-EINVAL, at + "unknown dtype " + std::to_string(d.dtype));
     if (d.op >= kReduceOpCount) return make_error(-EINVAL, at + "unknown reduce op " + std::to_string(d.op));
-    if (d.flags != 0) return make_error(-EINVAL, at + "flags must be 0");
+    if ((d.flags & ~kSubmitSplits) != 0) return make_error(-EINVAL, at + "unknown flags " + std::to_string(d.flags));
+    if ((d.flags & kSubmitSplits) && d.collective != static_cast<uint32_t>(Collective::AllToAll))
+        return make_error(-EINVAL, at + "split sizes for an op that is not an all_to_all");
     Submission s;
     s.seq = d.seq;
     s.desc.collective = static_cast<Collective>(d.collective);
@@ -63,6 +65,18 @@ Result<Submission> validate_submit(const SubmitDesc &d, uint64_t data_bytes, boo
         s.desc.root = d.root;
     } else if (d.root != 0) {
         return make_error(-EINVAL, at + cname + " with a root rank set (only broadcast and reduce have one)");
+    }
+    if (d.flags & kSubmitSplits) {
+        // The table (2 x ranks uint64) inside the data area; take_splits reads it.
+        uint64_t table = 0, end = 0;
+        if (d.count != 0) return make_error(-EINVAL, at + "an all_to_all with split sizes and a count");
+        if (d.splits_offset % 8 != 0 || mul_overflows(uint64_t{d.ranks}, 16, &table) ||
+            add_overflows(d.splits_offset, table, &end) || end > data_bytes)
+            return make_error(-ERANGE, at + "split sizes [" + std::to_string(d.splits_offset) + ", +" +
+                                           std::to_string(uint64_t{d.ranks} * 16) + ") do not lie 8-aligned in the " +
+                                           std::to_string(data_bytes) + "-byte slot");
+        s.splits_pending = true;
+        s.splits_offset = d.splits_offset;
     }
     if (s.desc.collective == Collective::Barrier) {
         // No data: whatever dtype and op it names, every rank's barrier is the same op.
@@ -131,7 +145,7 @@ Result<Submission> validate_submit(const SubmitDesc &d, uint64_t data_bytes, boo
     out_count = s.desc.out_count();
     if (auto r = range(s.desc.collective == Collective::Allreduce ? "" : "input ", d.offset, in_count, &s.bytes); !r)
         return r.error();
-    if (!collective_blocked(s.desc.collective)) {  // in place
+    if (!collective_blocked(s.desc.collective) && s.desc.collective != Collective::AllToAll) {  // in place
         s.out_offset = s.offset;
         s.out_bytes = s.bytes;
     } else {
@@ -139,6 +153,32 @@ Result<Submission> validate_submit(const SubmitDesc &d, uint64_t data_bytes, boo
         if (auto r = range("output ", d.out_offset, out_count, &s.out_bytes); !r) return r.error();
     }
     return s;
+}
+
+Status take_splits(Submission &s, const std::byte *data, uint64_t data_bytes, bool has_table) {
+    if (!s.splits_pending) return Ok{};
+    const std::string at = "op " + std::to_string(s.seq) + ": ";
+    if (!has_table) return make_error(-EINVAL, at + "split sizes cannot be read here");
+    const uint32_t n = s.desc.ranks;
+    auto table = std::make_shared<std::vector<uint64_t>>(2 * size_t{n});
+    std::memcpy(table->data(), data + s.splits_offset, table->size() * sizeof(uint64_t));  // (once: the client may change it)
+    const uint64_t es = dtype_size(s.desc.dtype);
+    uint64_t sums[2] = {0, 0};
+    for (int side = 0; side < 2; ++side)
+        for (uint32_t r = 0; r < n; ++r)
+            if (add_overflows(sums[side], (*table)[side * size_t{n} + r], &sums[side]))
+                return make_error(-EOVERFLOW, at + "split sizes overflow");
+    uint64_t in_end = 0, out_end = 0;
+    if (mul_overflows(sums[0], es, &s.bytes) || mul_overflows(sums[1], es, &s.out_bytes) ||
+        add_overflows(s.offset, s.bytes, &in_end) || add_overflows(s.out_offset, s.out_bytes, &out_end) ||
+        in_end > data_bytes || out_end > data_bytes)
+        return make_error(-ERANGE, at + "all_to_all of " + std::to_string(sums[0]) + " elements out, " + std::to_string(sums[1]) +
+                                       " in: its input at " + std::to_string(s.offset) + " or output at " +
+                                       std::to_string(s.out_offset) + " does not lie in the " + std::to_string(data_bytes) +
+                                       "-byte slot");
+    s.splits = std::move(table);
+    s.splits_pending = false;
+    return Ok{};
 }
 
 void fill_completion(CompletionDesc &c, uint64_t seq, int32_t status, std::string_view message) {

@@ -13,6 +13,8 @@
 #pragma once
 
 #include <atomic>
+#include <memory>
+#include <vector>
 #include <cstddef>
 #include <cstdint>
 
@@ -35,6 +37,8 @@ inline constexpr uint16_t kSlotFeatureCudaCollectives = 4;
 // SubmitDesc::root and collectives 3-5: broadcast, reduce and barrier (a ringd without it refuses
 // the collective by number: EINVAL).
 inline constexpr uint16_t kSlotFeatureRootedCollectives = 8;
+// Collective 6, all_to_all, with SubmitDesc::splits_offset (flags kSubmitSplits).
+inline constexpr uint16_t kSlotFeatureAllToAll = 32;
 // SlotHeader::copied_in, copied_out: counted in ringd's status.
 inline constexpr uint16_t kSlotFeatureCopyCounters = 16;
 inline constexpr size_t kSlotHeaderBytes = 4096;
@@ -128,10 +132,16 @@ struct SubmitDesc {
     uint64_t cuda_part;
     // kSlotFeatureRootedCollectives: a broadcast's or reduce's root rank (< ranks); 0 otherwise.
     uint32_t root;
-    uint8_t reserved[256 - 116];
+    uint32_t reserved0;
+    // An all_to_all with split sizes (flags kSubmitSplits; count 0): `ranks` elements to send to
+    // each rank, then `ranks` elements to receive from each, as uint64 at this byte offset into the
+    // slot data area (8-aligned). Copied once when ringd takes the descriptor.
+    uint64_t splits_offset;
+    uint8_t reserved[256 - 128];
 };
 static_assert(sizeof(SubmitDesc) == 256);
-static_assert(offsetof(SubmitDesc, root) == 112);
+static_assert(offsetof(SubmitDesc, root) == 112 && offsetof(SubmitDesc, splits_offset) == 120);
+inline constexpr uint32_t kSubmitSplits = 1;  // SubmitDesc::flags: splits_offset holds split sizes
 static_assert(offsetof(SubmitDesc, collective) == 64 && offsetof(SubmitDesc, out_offset) == 72);
 static_assert(offsetof(SubmitDesc, cuda_out_reg) == 80 && offsetof(SubmitDesc, cuda_part) == 104);
 static_assert(offsetof(SubmitDesc, offset) == 32);
@@ -182,6 +192,11 @@ struct Submission {
     uint64_t cuda_out_offset = 0;
     uint64_t cuda_block = 0;
     uint64_t cuda_part = 0;
+    // all_to_all with split sizes: the elements to send to each rank, then to receive from each
+    // (2 x ranks), copied out of the slot (take_splits); null: `count` per block both ways.
+    std::shared_ptr<const std::vector<uint64_t>> splits;
+    bool splits_pending = false;  // validate_submit: the table at splits_offset is still to be taken
+    uint64_t splits_offset = 0;
 };
 
 // Validates a copied descriptor against the slot's data area: collective/dtype/op/kind known, avg
@@ -189,6 +204,11 @@ struct Submission {
 // offsets aligned to the element size (for device buffers: the staging range; the device range is the
 // CUDA registry's to check). `cuda_supported` says whether this ringd handles device buffers.
 Result<Submission> validate_submit(const SubmitDesc &d, uint64_t data_bytes, bool cuda_supported);
+
+// An all_to_all with split sizes (Submission::splits_offset, validated by validate_submit): copies
+// its table out of the data area `data` once and sets the input's and output's byte counts from
+// it, both checked against the data area. Anything else: nothing to do.
+Status take_splits(Submission &s, const std::byte *data, uint64_t data_bytes, bool has_table);
 
 // Fills a completion; the message is truncated to kCompletionMessageBytes.
 void fill_completion(CompletionDesc &c, uint64_t seq, int32_t status, std::string_view message);

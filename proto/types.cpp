@@ -7,6 +7,8 @@ std::string describe(const OpDesc &d) {
     if (collective_reduces(d.collective)) s += " " + std::string(reduce_op_name(d.op));
     if (d.collective == Collective::Allreduce) return s;
     if (d.collective == Collective::Barrier) return "barrier over " + std::to_string(d.ranks) + " ranks";
+    if (d.collective == Collective::AllToAll && d.count == 0)
+        return "all_to_all of " + std::string(dtype_name(d.dtype)) + " by split sizes over " + std::to_string(d.ranks) + " ranks";
     if (collective_is_rooted(d.collective))
         return std::string(collective_name(d.collective)) + " of " + s + (d.collective == Collective::Broadcast ? " from" : " to") +
                " rank " + std::to_string(d.root) + " over " + std::to_string(d.ranks) + " ranks";

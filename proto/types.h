@@ -24,8 +24,19 @@ enum class ReduceOp : uint32_t { Sum = 0, Avg = 1, Min = 2, Max = 3 };
 //                   (the other ranks' may hold partial results afterwards, as a reduce_scatter's
 //                   input does)
 //   barrier         no data: ends on every rank once every rank of the group submitted it
-enum class Collective : uint32_t { Allreduce = 0, ReduceScatter = 1, Allgather = 2, Broadcast = 3, Reduce = 4, Barrier = 5 };
-inline constexpr uint32_t kCollectiveCount = 6;
+//   all_to_all      the input is one block per rank, the output one block per rank: block j of
+//                   rank i's input is block i of rank j's output (blocks of `count` elements, or
+//                   of each rank's split sizes: Submission::splits)
+enum class Collective : uint32_t {
+    Allreduce = 0,
+    ReduceScatter = 1,
+    Allgather = 2,
+    Broadcast = 3,
+    Reduce = 4,
+    Barrier = 5,
+    AllToAll = 6
+};
+inline constexpr uint32_t kCollectiveCount = 7;
 // The collectives of peer protocol 10 (reduce_scatter, allgather) and of 11 (broadcast, reduce,
 // barrier): a ring with an older host refuses them by name.
 constexpr bool collective_is_rooted(Collective c) { return c == Collective::Broadcast || c == Collective::Reduce; }
@@ -69,6 +80,7 @@ constexpr std::string_view collective_name(Collective c) {
     case Collective::Broadcast: return "broadcast";
     case Collective::Reduce: return "reduce";
     case Collective::Barrier: return "barrier";
+    case Collective::AllToAll: return "all_to_all";
     }
     return "?";
 }
@@ -117,10 +129,17 @@ struct OpDesc {
 
     bool operator==(const OpDesc &) const = default;
     // Elements of the input and of the output range of one rank.
-    uint64_t in_count() const { return collective == Collective::ReduceScatter ? count * ranks : count; }
-    uint64_t out_count() const { return collective == Collective::Allgather ? count * ranks : count; }
+    // (all_to_all: `count` per block both ways; 0 with split sizes, whose ranges Submission has.)
+    uint64_t in_count() const {
+        return collective == Collective::ReduceScatter || collective == Collective::AllToAll ? count * ranks : count;
+    }
+    uint64_t out_count() const {
+        return collective == Collective::Allgather || collective == Collective::AllToAll ? count * ranks : count;
+    }
     // The larger of the two: the buffer with a block per rank (allreduce: its buffer).
-    uint64_t full_count() const { return collective_blocked(collective) ? count * ranks : count; }
+    uint64_t full_count() const {
+        return collective_blocked(collective) || collective == Collective::AllToAll ? count * ranks : count;
+    }
 };
 
 // "1000 x float sum" (allreduce, as every release wrote it), "reduce_scatter of 1000 x float sum

@@ -343,6 +343,8 @@ int ringd_client::submit_desc(proto::SubmitDesc &d, uint64_t *ticket, bool cuda_
     // The daemon validates again; checking here gives the caller the error without a round trip.
     auto s = proto::validate_submit(d, welcome.data_bytes, true);
     if (!s) return fail(s.error().code, s.error().message);
+    if (auto t = proto::take_splits(*s, data, welcome.data_bytes, data != nullptr); !t)
+        return fail(t.error().code, t.error().message);
     drain_completions();
     // The slot bytes the op uses: its input and output (apart or one inside the other).
     const uint64_t from = std::min(s->offset, s->out_offset);
@@ -407,7 +409,7 @@ void ringd_note_copies(ringd_client *c, uint64_t in_bytes, uint64_t out_bytes) {
 
 unsigned int ringd_collectives(void) {
     return 1u << RINGD_ALLREDUCE | 1u << RINGD_REDUCE_SCATTER | 1u << RINGD_ALLGATHER | 1u << RINGD_BROADCAST |
-           1u << RINGD_REDUCE | 1u << RINGD_BARRIER;
+           1u << RINGD_REDUCE | 1u << RINGD_BARRIER | 1u << RINGD_ALL_TO_ALL;
 }
 
 int ringd_submit_coll(ringd_client *c, const ringd_coll *coll, uint64_t *ticket) {
@@ -435,6 +437,26 @@ int ringd_submit_coll(ringd_client *c, const ringd_coll *coll, uint64_t *ticket)
                                         "ringd_options.rank and .ranks");
             d.ranks = c->ranks;
             d.out_offset = coll->out_offset;
+        }
+        if (coll->collective == RINGD_ALL_TO_ALL) {
+            if (!(c->header->features & proto::kSlotFeatureAllToAll))
+                return c->fail(-ENOTSUP, "this ringd has no all_to_all (an older release)");
+            const bool has_fields = coll->struct_size >= offsetof(ringd_coll, splits_offset) + sizeof(size_t);
+            if (has_fields && (coll->send_counts != nullptr) != (coll->recv_counts != nullptr))
+                return c->fail(-EINVAL, "an all_to_all needs both send_counts and recv_counts, or neither");
+            if (has_fields && coll->send_counts) {
+                // The tables into the slot, where ringd takes them (checked as it will check them).
+                const uint64_t n = c->ranks, at = coll->splits_offset;
+                if (coll->count != 0) return c->fail(-EINVAL, "an all_to_all with split sizes has count 0");
+                if (at % 8 != 0 || at > c->welcome.data_bytes || c->welcome.data_bytes - at < 16 * n)
+                    return c->fail(-ERANGE, "all_to_all split sizes at " + std::to_string(at) + " (" + std::to_string(16 * n) +
+                                                " bytes) do not lie 8-aligned in the " +
+                                                std::to_string(c->welcome.data_bytes) + "-byte slot");
+                std::memcpy(c->data + at, coll->send_counts, 8 * n);
+                std::memcpy(c->data + at + 8 * n, coll->recv_counts, 8 * n);
+                d.flags = proto::kSubmitSplits;
+                d.splits_offset = at;
+            }
         }
         const bool rooted = coll->collective == RINGD_BROADCAST || coll->collective == RINGD_REDUCE;
         if (rooted || coll->collective == RINGD_BARRIER) {

@@ -200,6 +200,9 @@ void GroupTable::submit(MemberId id, const proto::Submission &s, Clock::time_poi
     if (s.desc.collective != Collective::Allreduce) {
         // Its blocks are the group's ranks, numbered as the trainers numbered them.
         std::string why = ranks_refused(g, s.desc);
+        if (why.empty() && s.desc.collective == Collective::AllToAll && overlap(s.offset, s.bytes, s.out_offset, s.out_bytes))
+            why = "an all_to_all's output [" + std::to_string(s.out_offset) + ", +" + std::to_string(s.out_bytes) +
+                  ") overlaps its input [" + std::to_string(s.offset) + ", +" + std::to_string(s.bytes) + ")";
         if (why.empty() && collective_blocked(s.desc.collective) && overlap(s.offset, s.bytes, s.out_offset, s.out_bytes)) {
             // In place: the output is the rank's own block of the input (reduce_scatter) or the
             // input is its block of the output (allgather); any other overlap is refused.
@@ -246,6 +249,7 @@ void GroupTable::submit(MemberId id, const proto::Submission &s, Clock::time_poi
         run.members.push_back(*g.members[r]);
         run.offsets.push_back(p.by_rank[r]->offset);
         run.out_offsets.push_back(p.by_rank[r]->out_offset);
+        if (p.by_rank[r]->splits) run.splits.resize(g.local_size), run.splits[r] = p.by_rank[r]->splits;
     }
     if (s.desc.collective != Collective::Allreduce) run.ranks = g.ranks;
     g.running[run.op_id] = Running{s.seq, s.bytes, run.members, {}, {}, "none", run.submitted};

@@ -43,6 +43,8 @@ struct OpRun {
     std::vector<uint64_t> out_offsets;  // index = local rank: the output
     // reduce_scatter, allgather: each local rank's rank in the group (as its trainer numbered it).
     std::vector<uint32_t> ranks;
+    // all_to_all with split sizes: each local rank's (Submission::splits); empty otherwise.
+    std::vector<std::shared_ptr<const std::vector<uint64_t>>> splits;
     Clock::time_point deadline;     // the first local rank's submission + timeouts.op
     Clock::time_point submitted;    // the first local rank's submission
 };

@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "common/fd_io.h"
+#include "daemon/engine/all_to_all.h"
 #include "daemon/engine/reduce.h"
 #include "daemon/ipc/slot.h"
 #include "daemon/transport/transport.h"
@@ -215,6 +216,29 @@ void ProgressEngine::run() {
 
 EngineResult ProgressEngine::execute(EngineWork &w, std::atomic<int64_t> *beat) {
     const size_t n = w.slots.size();
+    if (w.desc.collective == Collective::AllToAll) {
+        // The local ranks' blocks to each other: rank a's block for rank b into b's output, at
+        // a's place; each pair's sizes as both ranks say them.
+        const size_t es = dtype_size(w.desc.dtype);
+        std::vector<AllToAllLayout> lay;
+        for (size_t r = 0; r < n; ++r) lay.emplace_back(w.desc, r < w.splits.size() ? w.splits[r] : nullptr);
+        const auto &g = w.host_ranks[0];
+        for (size_t a = 0; a < n; ++a)
+            for (size_t b = 0; b < n; ++b)
+                if (lay[a].send_count(g[b]) != lay[b].recv_count(g[a]))
+                    return EngineResult{w.op_id, -EINVAL,
+                                        "all_to_all: rank " + std::to_string(g[a]) + " sends rank " + std::to_string(g[b]) + " " +
+                                            std::to_string(lay[a].send_count(g[b])) + " elements, and rank " +
+                                            std::to_string(g[b]) + " expects " + std::to_string(lay[b].recv_count(g[a])),
+                                        false, 0, std::move(w.slots)};
+        for (size_t a = 0; a < n; ++a)
+            for (size_t b = 0; b < n; ++b)
+                if (const uint64_t k = lay[a].send_count(g[b]))
+                    std::memcpy(w.slots[b]->data() + w.out_offsets[b] + lay[b].recv_at(g[a]) * es,
+                                w.slots[a]->data() + w.offsets[a] + lay[a].send_at(g[b]) * es, k * es);
+        if (beat) beat->store(now_ns(), std::memory_order_relaxed);
+        return EngineResult{w.op_id, 0, {}, false, 0, std::move(w.slots)};
+    }
     if (w.desc.collective != Collective::Allreduce) {
         // The local ranks' reduce_scatter or gather (RingEngine's, for a ring of one host).
         std::vector<std::byte *> locals, outputs;

@@ -42,6 +42,8 @@ struct EngineWork {
     // reduce_scatter, allgather: the group's ranks on each host, by ring position (one host: its
     // local ranks' ranks), each in local-rank order.
     std::vector<std::vector<uint32_t>> host_ranks;
+    // all_to_all with split sizes: each local rank's (OpRun::splits).
+    std::vector<std::shared_ptr<const std::vector<uint64_t>>> splits;
     // Cross-host ops.
     bool ring = false;
     uint64_t generation = 0;

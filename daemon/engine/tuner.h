@@ -111,7 +111,10 @@ inline AlgorithmCost rooted_cost(uint64_t bytes, uint32_t hosts, const Config::T
 // is one-shot on any ring of more than one host.
 inline Algorithm choose_algorithm(uint64_t bytes, uint32_t hosts, const Config::Tuning &t,
                                   uint16_t protocol = kLogAlgorithmsProtocol, Collective collective = Collective::Allreduce) {
-    if (collective == Collective::Barrier) return hosts < 2 ? Algorithm::Ring : Algorithm::OneShot;
+    // A barrier, and an all_to_all (every host's message to every other, whatever its size: the
+    // hosts have no links but the ring's and the control connections), are one-shot.
+    if (collective == Collective::Barrier || collective == Collective::AllToAll)
+        return hosts < 2 ? Algorithm::Ring : Algorithm::OneShot;
     if (hosts < 2 || bytes > t.direct_max_bytes) return Algorithm::Ring;
     if (collective != Collective::Allreduce) {
         const auto forced = static_cast<Algorithm>(t.algorithm);

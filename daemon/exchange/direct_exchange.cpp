@@ -1,5 +1,7 @@
 #include "daemon/exchange/direct_exchange.h"
 
+#include "daemon/engine/all_to_all.h"
+
 #include <cstring>
 
 #include <spdlog/spdlog.h>
@@ -69,7 +71,7 @@ uint64_t DirectExchange::collective_part_bytes(const OpDesc &d, std::span<const 
         if (d.collective == Collective::Broadcast) return from == root && to != root ? d.count * dtype_size(d.dtype) : 0;
         return to == root && from != root ? d.count * dtype_size(partial_dtype(d.dtype, d.op)) : 0;
     }
-    if (d.collective == Collective::Barrier) return 0;
+    if (d.collective == Collective::Barrier || d.collective == Collective::AllToAll) return 0;  // (all_to_all: a2a_message_bytes)
     const bool rs = d.collective == Collective::ReduceScatter;
     const uint32_t h = rs ? to : from;
     const uint64_t blocks = h < host_ranks.size() ? host_ranks[h].size() : 0;
@@ -94,14 +96,20 @@ static bool rooted_sends(Collective c, uint32_t root, uint32_t from, uint32_t to
 }
 
 std::string DirectExchange::send_over_bound(const proto::OpReport &r, const OpDesc &desc, Algorithm algorithm,
-                                            std::span<const std::vector<uint32_t>> host_ranks) const {
+                                            std::span<const std::vector<uint32_t>> host_ranks,
+                                            std::span<const std::shared_ptr<const std::vector<uint64_t>>> splits) const {
     const uint64_t ps = dtype_size(partial_dtype(desc.dtype, desc.op));
+    std::vector<AllToAllLayout> lay;
+    if (desc.collective == Collective::AllToAll && host_ranks.size() == n_)
+        for (size_t l = 0; l < host_ranks[self_].size(); ++l) lay.emplace_back(desc, l < splits.size() ? splits[l] : nullptr);
     for (uint32_t h = 0; h < n_; ++h) {
         if (h == self_) continue;
         // One-shot, doubling and halving-doubling send a peer up to the whole op (doubling to each
         // partner, halving half of it at first), two-shot segment h; reduce_scatter and allgather
         // their message to h.
-        const uint64_t bytes = desc.collective != Collective::Allreduce ? collective_part_bytes(desc, host_ranks, self_, h)
+        const uint64_t bytes = desc.collective == Collective::AllToAll
+                                   ? (lay.empty() ? 0 : a2a_message_bytes(desc, lay, host_ranks[h]))
+                               : desc.collective != Collective::Allreduce ? collective_part_bytes(desc, host_ranks, self_, h)
                                : algorithm == Algorithm::TwoShot ? (seg_begin(r.count, n_, h + 1) - seg_begin(r.count, n_, h)) * ps
                                                                  : r.count * ps;
         const uint64_t queued = queued_(h);
@@ -154,6 +162,10 @@ void DirectExchange::contribute(const HostOp &op, const proto::OpReport &r, std:
         st.host_ranks.assign(host_ranks.begin(), host_ranks.end());
         if (collective_is_rooted(op.run.desc.collective) || op.run.desc.collective == Collective::Barrier) {
             contribute_rooted(st, op, r);
+            return;
+        }
+        if (op.run.desc.collective == Collective::AllToAll) {
+            contribute_a2a(st, op, r);
             return;
         }
         proto::Bytes own;
@@ -224,6 +236,7 @@ std::string DirectExchange::over_bound(uint32_t host, const proto::OpReport &r, 
 
 bool DirectExchange::take_part(uint32_t host, const proto::OpData &d, proto::Bytes payload, std::string &over_bound_why) {
     if (d.kind >= proto::OpDataKind::Doubling) return take_step(host, d, std::move(payload), over_bound_why);
+    if (d.report.collective == static_cast<uint32_t>(Collective::AllToAll)) return take_a2a(host, d, std::move(payload), over_bound_why);
     const proto::OpReport &r = d.report;
     const uint64_t ps = dtype_size(partial_dtype(static_cast<DType>(r.dtype), static_cast<ReduceOp>(r.op)));
     if (d.kind == proto::OpDataKind::TwoShotPart &&
@@ -327,6 +340,196 @@ bool DirectExchange::progress(uint64_t generation, const OpKey &key, const HostO
     return !two_shot || st.results == n_;
 }
 
+namespace {
+
+// A byte stream laid over consecutive pieces of memory: written (put) or read (get) in order.
+class Pieces {
+public:
+    void add(uint8_t *p, size_t n) {
+        if (n) spans_.push_back({p, n});
+    }
+    void put(const void *src, size_t n) { move(const_cast<void *>(src), n, true); }
+    void get(void *dst, size_t n) { move(dst, n, false); }
+
+private:
+    void move(void *mem, size_t n, bool put) {
+        auto *b = static_cast<uint8_t *>(mem);
+        while (n > 0 && i_ < spans_.size()) {
+            const size_t k = std::min(n, spans_[i_].second - at_);
+            if (put) std::memcpy(spans_[i_].first + at_, b, k);
+            else std::memcpy(b, spans_[i_].first + at_, k);
+            b += k, n -= k, at_ += k;
+            if (at_ == spans_[i_].second) ++i_, at_ = 0;
+        }
+    }
+    std::vector<std::pair<uint8_t *, size_t>> spans_;
+    size_t i_ = 0, at_ = 0;
+};
+
+}  // namespace
+
+uint64_t DirectExchange::a2a_message_bytes(const OpDesc &d, const std::vector<AllToAllLayout> &layouts,
+                                           std::span<const uint32_t> to_ranks) {
+    uint64_t elems = 0;
+    for (const auto &l : layouts)
+        for (uint32_t b : to_ranks) elems += b < l.ranks() ? l.send_count(b) : 0;
+    return 8 * layouts.size() * to_ranks.size() + elems * dtype_size(d.dtype);
+}
+
+// all_to_all: to each other host one message (in parts) of this host's ranks' blocks for that host's
+// ranks, with their counts ahead; the blocks between this host's own ranks are copied here, their
+// counts checked against both ranks' split sizes.
+void DirectExchange::contribute_a2a(State &st, const HostOp &op, const proto::OpReport &r) {
+    const OpDesc &d = op.run.desc;
+    const size_t es = dtype_size(d.dtype);
+    const auto &mine = st.host_ranks[self_];
+    std::vector<AllToAllLayout> lay;
+    for (size_t l = 0; l < op.slots.size(); ++l) lay.emplace_back(d, l < op.run.splits.size() ? op.run.splits[l] : nullptr);
+    const std::string at = "group " + r.group + " op " + std::to_string(r.seq) + ": ";
+    for (size_t a = 0; a < mine.size(); ++a)
+        for (size_t b = 0; b < mine.size(); ++b)
+            if (lay[a].send_count(mine[b]) != lay[b].recv_count(mine[a])) {
+                malformed_part(st, at + "all_to_all: rank " + std::to_string(mine[a]) + " sends rank " + std::to_string(mine[b]) +
+                                       " " + std::to_string(lay[a].send_count(mine[b])) + " elements, and rank " +
+                                       std::to_string(mine[b]) + " expects " + std::to_string(lay[b].recv_count(mine[a])));
+                add(self_, r, {}, 0);
+                return;
+            }
+    for (size_t a = 0; a < mine.size(); ++a)
+        for (size_t b = 0; b < mine.size(); ++b)
+            if (const uint64_t k = lay[a].send_count(mine[b]))
+                std::memcpy(op.slots[b]->data() + op.run.out_offsets[b] + lay[b].recv_at(mine[a]) * es,
+                            op.slots[a]->data() + op.run.offsets[a] + lay[a].send_at(mine[b]) * es, k * es);
+    for (uint32_t h = 0; h < n_; ++h) {
+        if (h == self_) continue;
+        const auto &theirs = st.host_ranks[h];
+        const uint64_t total = a2a_message_bytes(d, lay, theirs);
+        const uint64_t parts = std::max<uint64_t>(1, (total + proto::kAllToAllPartBytes - 1) / proto::kAllToAllPartBytes);
+        std::vector<proto::Bytes> frames;
+        Pieces out;
+        for (uint64_t k = 0; k < parts; ++k) {
+            const uint64_t bytes = std::min<uint64_t>(proto::kAllToAllPartBytes, total - k * proto::kAllToAllPartBytes);
+            frames.push_back(proto::encode_op_data(r, proto::OpDataKind::OneShot, bytes,
+                                                   static_cast<uint32_t>(parts << 16 | k)));
+            out.add(frames.back().data() + proto::op_data_offset(), bytes);
+        }
+        for (size_t a = 0; a < mine.size(); ++a)
+            for (uint32_t b : theirs) {
+                const uint64_t k = lay[a].send_count(b);
+                out.put(&k, 8);  // (little-endian hosts: proto/le.h)
+            }
+        for (size_t a = 0; a < mine.size(); ++a)
+            for (uint32_t b : theirs)
+                out.put(op.slots[a]->data() + op.run.offsets[a] + lay[a].send_at(b) * es, lay[a].send_count(b) * es);
+        for (const auto &f : frames) send_(h, f);
+    }
+    add(self_, r, {}, 0);
+}
+
+bool DirectExchange::take_a2a(uint32_t host, const proto::OpData &d, proto::Bytes payload, std::string &over_bound_why) {
+    const proto::OpReport &r = d.report;
+    const uint32_t parts = d.step >> 16, part = d.step & 0xffff;
+    State &st = ops_[Key{r.generation, r.group, r.incarnation, r.seq}];
+    st.parts.resize(n_);
+    st.got_result.resize(n_, 0);
+    if (!st.parts[self_]) {
+        // Data of an op this host has not reached: within its bounds, or the op fails by name.
+        over_bound_why = over_bound(host, r, payload.size());
+        if (!over_bound_why.empty()) return false;
+    }
+    st.a2a.resize(n_);
+    auto &v = st.a2a[host];
+    if (v.empty()) v.resize(parts);
+    if (v.size() != parts) {
+        malformed_part(st, "group " + r.group + " op " + std::to_string(r.seq) + ": host " + hosts_[host] +
+                               " sent all_to_all parts of " + std::to_string(v.size()) + " and of " + std::to_string(parts));
+        return false;
+    }
+    if (v[part]) return false;  // a duplicate
+    peer_bytes_[host] += payload.size();
+    group_bytes_[r.group] += payload.size();
+    note_deadline(st, host, r);
+    v[part] = Part{r, std::move(payload), proto::kOpDataHeaderBytes};
+    return true;
+}
+
+bool DirectExchange::progress_a2a(State &st, const HostOp &op) {
+    const OpDesc &d = op.run.desc;
+    const size_t es = dtype_size(d.dtype);
+    const auto &mine = st.host_ranks[self_];
+    if (st.a2a.size() != n_) return false;
+    for (uint32_t h = 0; h < n_; ++h) {
+        if (h == self_) continue;
+        if (st.a2a[h].empty()) return false;
+        for (const auto &part : st.a2a[h]) {
+            if (!part) return false;
+            const auto &c = part->report;
+            if (c.count != d.count || c.dtype != static_cast<uint32_t>(d.dtype) ||
+                c.algorithm != static_cast<uint32_t>(op.algorithm) || c.collective != static_cast<uint32_t>(d.collective)) {
+                st.mismatch = true;  // the reports differ: the coordinator names both hosts
+                return false;
+            }
+        }
+    }
+    std::vector<AllToAllLayout> lay;
+    for (size_t l = 0; l < op.slots.size(); ++l) lay.emplace_back(d, l < op.run.splits.size() ? op.run.splits[l] : nullptr);
+    // Every peer's message: its counts against this host's ranks' (the size first, so that nothing
+    // is read past the message's end), then its blocks into this host's outputs.
+    for (uint32_t h = 0; h < n_; ++h) {
+        if (h == self_) continue;
+        const auto &theirs = st.host_ranks[h];
+        const std::string at = "group " + op.run.group + " op " + std::to_string(op.run.seq) + ": host " + hosts_[h];
+        if (st.a2a[h][0]->report.local_size != theirs.size()) {
+            malformed_part(st, at + " says it has " + std::to_string(st.a2a[h][0]->report.local_size) +
+                                   " rank(s), the group's rank map " + std::to_string(theirs.size()));
+            return false;
+        }
+        uint64_t have = 0;
+        Pieces in;
+        for (auto &part : st.a2a[h]) {
+            const size_t n = part->buf.size() - part->offset;
+            in.add(part->buf.data() + part->offset, n);
+            have += n;
+        }
+        const uint64_t header = 8 * theirs.size() * mine.size();
+        if (have < header) {
+            malformed_part(st, at + " sent an all_to_all message of " + std::to_string(have) + " bytes, shorter than its counts");
+            return false;
+        }
+        std::vector<uint64_t> counts(theirs.size() * mine.size());
+        in.get(counts.data(), header);
+        uint64_t want = header;
+        for (size_t a = 0; a < theirs.size(); ++a)
+            for (size_t b = 0; b < mine.size(); ++b) {
+                const uint64_t k = counts[a * mine.size() + b];
+                if (k != lay[b].recv_count(theirs[a])) {
+                    malformed_part(st, "group " + op.run.group + " op " + std::to_string(op.run.seq) + ": all_to_all: rank " +
+                                           std::to_string(theirs[a]) + " (host " + hosts_[h] + ") sends rank " +
+                                           std::to_string(mine[b]) + " " + std::to_string(k) + " elements, and rank " +
+                                           std::to_string(mine[b]) + " (host " + hosts_[self_] + ") expects " +
+                                           std::to_string(lay[b].recv_count(theirs[a])));
+                    return false;
+                }
+                want += k * es;
+            }
+        if (have != want) {
+            malformed_part(st, at + " sent an all_to_all message of " + std::to_string(have) + " bytes, not the " +
+                                   std::to_string(want) + " its counts say");
+            return false;
+        }
+        for (size_t a = 0; a < theirs.size(); ++a)
+            for (size_t b = 0; b < mine.size(); ++b)
+                in.get(op.slots[b]->data() + op.run.out_offsets[b] + lay[b].recv_at(theirs[a]) * es,
+                       counts[a * mine.size() + b] * es);
+    }
+    st.reduced = true;
+    for (uint32_t h = 0; h < n_; ++h)
+        for (auto &part : st.a2a[h])
+            if (part) release(op.run.group, h, *part);  // used up
+    release(op.run.group, self_, *st.parts[self_]);
+    return true;
+}
+
 // broadcast: the root's host sends its root rank's buffer to every other host; reduce: every other
 // host sends its local ranks reduced to the root's; barrier: an empty message to every other host.
 void DirectExchange::contribute_rooted(State &st, const HostOp &op, const proto::OpReport &r) {
@@ -426,6 +629,10 @@ bool DirectExchange::progress_collective(State &st, const HostOp &op) {
     if (collective_is_rooted(d.collective) || d.collective == Collective::Barrier) {
         if (st.parts.size() != n_ || st.host_ranks.size() != n_ || !st.parts[self_]) return false;
         return progress_rooted(st, op);
+    }
+    if (d.collective == Collective::AllToAll) {
+        if (st.parts.size() != n_ || st.host_ranks.size() != n_ || !st.parts[self_]) return false;
+        return progress_a2a(st, op);
     }
     const bool rs = d.collective == Collective::ReduceScatter;
     const uint32_t self = self_;
@@ -761,6 +968,9 @@ void DirectExchange::erase(std::map<Key, State>::iterator it) {
         if (it->second.parts[h]) release(std::get<1>(it->first), h, *it->second.parts[h]);
     for (auto &[id, part] : it->second.steps)
         release(std::get<1>(it->first), sender_of(static_cast<proto::OpDataKind>(id >> 16), id & 0xffff), part);
+    for (uint32_t h = 0; h < it->second.a2a.size(); ++h)
+        for (auto &part : it->second.a2a[h])
+            if (part) release(std::get<1>(it->first), h, *part);
     ops_.erase(it);
 }
 

@@ -30,6 +30,7 @@
 #include <tuple>
 #include <vector>
 
+#include "daemon/engine/all_to_all.h"
 #include "daemon/ops/host_ops.h"
 #include "proto/peer.h"
 
@@ -50,7 +51,8 @@ public:
     // Why this host cannot send its data of op `r` now (a peer's queue is over its bound), or "".
     // `host_ranks`: the group's ranks on each host (reduce_scatter, allgather; see above).
     std::string send_over_bound(const proto::OpReport &r, const OpDesc &desc, Algorithm algorithm,
-                                std::span<const std::vector<uint32_t>> host_ranks) const;
+                                std::span<const std::vector<uint32_t>> host_ranks,
+                                std::span<const std::shared_ptr<const std::vector<uint64_t>>> splits = {}) const;
     // Sends this host's contribution of `op` (reported here as `r`, r.algorithm set) and keeps its
     // own part; the local ranks are reduced straight into the frames.
     void contribute(const HostOp &op, const proto::OpReport &r, std::span<const std::vector<uint32_t>> host_ranks = {});
@@ -102,6 +104,7 @@ private:
         uint32_t phase = 0, sent = UINT32_MAX;  // where this host is in the schedule
         bool mismatch = false, done = false;
         std::string why;                   // a mismatch the reports cannot show (malformed())
+        std::vector<std::vector<std::optional<Part>>> a2a;  // all_to_all: each peer's message, by part
         Clock::time_point earliest{};      // the earliest deadline of the peers' data here
         uint32_t earliest_host = UINT32_MAX;
     };
@@ -126,6 +129,14 @@ private:
     bool progress_log(State &st, const HostOp &op);
     // reduce_scatter, allgather: the op's result here once every host's message is in.
     bool progress_collective(State &st, const HostOp &op);
+    // all_to_all: this host's message to every other host (and its local ranks' blocks to each
+    // other), a peer's part, and the op's end here (every peer's whole message in).
+    void contribute_a2a(State &st, const HostOp &op, const proto::OpReport &r);
+    bool take_a2a(uint32_t host, const proto::OpData &d, proto::Bytes payload, std::string &over_bound);
+    bool progress_a2a(State &st, const HostOp &op);
+    // Bytes of host `from`'s all_to_all message to host `to` (`layouts`: `from`'s local ranks').
+    static uint64_t a2a_message_bytes(const OpDesc &d, const std::vector<AllToAllLayout> &layouts,
+                                      std::span<const uint32_t> to_ranks);
     // broadcast, reduce, barrier: this host's message(s), and the op's end here.
     void contribute_rooted(State &st, const HostOp &op, const proto::OpReport &r);
     bool progress_rooted(State &st, const HostOp &op);

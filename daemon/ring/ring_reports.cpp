@@ -206,7 +206,7 @@ bool RingDomain::flush_reports_now() {
                     send_to_coordinator(proto::encode_op_report(r));
                     continue;
                 }
-                if (std::string why = exchange_->send_over_bound(r, op.run.desc, algorithm, run.host_ranks); !why.empty()) {
+                if (std::string why = exchange_->send_over_bound(r, op.run.desc, algorithm, run.host_ranks, op.run.splits); !why.empty()) {
                     // Reported as this host's failure: it fails on every host, named.
                     sh_.groups->finished(op.run.op_id, -ENOBUFS, why, *sh_.done);
                     r.status = -ENOBUFS;

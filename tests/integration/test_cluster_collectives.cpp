@@ -1,4 +1,4 @@
-// reduce_scatter, allgather, broadcast, reduce and barrier through real daemons: trainers that say their rank in the group
+// reduce_scatter, allgather, broadcast, reduce, barrier and all_to_all through real daemons: trainers that say their rank in the group
 // (ringd_options.rank, .ranks), ranks numbered unlike the ring's order and uneven per host, every
 // dtype x op, in place and apart, every value and the guard bytes around every range checked here
 // from the inputs (never through ringd); the errors a job meets (no ranks said, a rank said twice,
@@ -34,7 +34,7 @@ Verdict run_checked(std::vector<Trainer> &tr, Collective coll, DType t, ReduceOp
     }
     for (size_t g = 0; g < tr.size(); ++g) {
         const ringd_coll d{sizeof(ringd_coll), static_cast<ringd_collective>(coll), static_cast<ringd_dtype>(t),
-                           static_cast<ringd_op>(op), count, pl[g].in, pl[g].out, 0};
+                           static_cast<ringd_op>(op), count, pl[g].in, pl[g].out, 0, nullptr, nullptr, 0};
         const int rc = ringd_submit_coll(tr[g].c.get(), &d, &tickets[g]);
         INFO("rank " << tr[g].rank << ": " << ringd_last_error(tr[g].c.get()));
         REQUIRE(rc == 0);
@@ -91,7 +91,7 @@ Verdict run_rooted(std::vector<Trainer> &tr, Collective coll, DType t, ReduceOp 
     }
     for (size_t g = 0; g < tr.size(); ++g) {
         const ringd_coll d{sizeof(ringd_coll), static_cast<ringd_collective>(coll), static_cast<ringd_dtype>(t),
-                           static_cast<ringd_op>(op), count, pl[g].in, 0, static_cast<int>(root)};
+                           static_cast<ringd_op>(op), count, pl[g].in, 0, static_cast<int>(root), nullptr, nullptr, 0};
         const int rc = ringd_submit_coll(tr[g].c.get(), &d, &tickets[g]);
         INFO("rank " << tr[g].rank << ": " << ringd_last_error(tr[g].c.get()));
         REQUIRE(rc == 0);
@@ -133,7 +133,154 @@ uint64_t sweep_rooted(std::vector<Trainer> &tr, const std::vector<size_t> &count
     return ops;
 }
 
+// Rank i sends rank j split(i, j) elements: 0 to 3 times `k`, zeros included; `even`: k each.
+uint64_t split(uint32_t i, uint32_t j, uint64_t k, uint64_t seed, bool even) {
+    return even ? k : (i * 31 + j * 17 + seed) % 4 * k + (i + j) % 2;
+}
+
+// One all_to_all on every trainer's slot: rank i's input is value(i, e) over its whole input; after
+// it, block i of rank j's output must be rank i's block j. Guard bytes around the input and the
+// output; the input left as it was.
+Verdict run_a2a(std::vector<Trainer> &tr, DType t, uint64_t k, uint64_t seed, bool even) {
+    const auto ranks = static_cast<uint32_t>(tr.size());
+    const size_t es = dtype_size(t);
+    struct At {
+        size_t in, out, table;
+        std::vector<uint64_t> send, recv;
+        uint64_t in_n = 0, out_n = 0;
+    };
+    std::vector<At> at(tr.size());
+    std::vector<uint64_t> tickets(tr.size());
+    for (size_t g = 0; g < tr.size(); ++g) {
+        At &a = at[g];
+        const uint32_t me = tr[g].rank;
+        for (uint32_t j = 0; j < ranks; ++j) {
+            a.send.push_back(split(me, j, k, seed, even));
+            a.recv.push_back(split(j, me, k, seed, even));
+            a.in_n += a.send.back();
+            a.out_n += a.recv.back();
+        }
+        a.in = bench::kGuardBytes + (seed + me * 5) % 16 * 8;
+        a.out = (a.in + a.in_n * es + 2 * bench::kGuardBytes + 63) / 64 * 64;
+        a.table = (a.out + a.out_n * es + 2 * bench::kGuardBytes + 63) / 64 * 64;
+        REQUIRE(a.table + 16 * ranks <= tr[g].bytes);
+        bench::guard_fill(tr[g].slot, a.in - bench::kGuardBytes, a.out + a.out_n * es + bench::kGuardBytes, seed);
+        for (uint64_t e = 0; e < a.in_n; ++e) bench::store(tr[g].slot + a.in, e, t, static_cast<double>(bench::value(me, e)));
+        ringd_coll d{};
+        d.struct_size = sizeof d;
+        d.collective = RINGD_ALL_TO_ALL;
+        d.dtype = static_cast<ringd_dtype>(t);
+        d.count = even ? k : 0;
+        d.in_offset = a.in;
+        d.out_offset = a.out;
+        if (!even) {
+            d.send_counts = a.send.data();
+            d.recv_counts = a.recv.data();
+            d.splits_offset = a.table;
+        }
+        const int rc = ringd_submit_coll(tr[g].c.get(), &d, &tickets[g]);
+        INFO("rank " << me << ": " << ringd_last_error(tr[g].c.get()));
+        REQUIRE(rc == 0);
+    }
+    for (size_t g = 0; g < tr.size(); ++g) {
+        const int rc = ringd_wait(tr[g].c.get(), tickets[g], 20000);
+        INFO("rank " << tr[g].rank << " all_to_all " << dtype_name(t) << " k " << k << (even ? " even" : " split") << ": "
+                     << ringd_last_error(tr[g].c.get()));
+        REQUIRE(rc == 0);
+    }
+    Verdict v;
+    for (size_t g = 0; g < tr.size(); ++g) {
+        const At &a = at[g];
+        const uint32_t me = tr[g].rank;
+        uint64_t o = 0;
+        for (uint32_t i = 0; i < ranks; ++i) {
+            // Rank i's block for `me` starts where its blocks for ranks 0..me-1 end.
+            uint64_t from = 0;
+            for (uint32_t j = 0; j < me; ++j) from += split(i, j, k, seed, even);
+            for (uint64_t e = 0; e < a.recv[i]; ++e)
+                if (bench::load(tr[g].slot + a.out, o + e, t) != bench::round_to(t, static_cast<double>(bench::value(i, from + e))))
+                    ++v.wrong;
+            o += a.recv[i];
+        }
+        for (uint64_t e = 0; e < a.in_n; ++e)
+            if (bench::load(tr[g].slot + a.in, e, t) != bench::round_to(t, static_cast<double>(bench::value(me, e)))) ++v.input_changed;
+        v.guard += bench::guard_damage(tr[g].slot, a.in - bench::kGuardBytes, a.in, seed) +
+                   bench::guard_damage(tr[g].slot, a.in + a.in_n * es, a.out, seed) +
+                   bench::guard_damage(tr[g].slot, a.out + a.out_n * es, a.out + a.out_n * es + bench::kGuardBytes, seed);
+    }
+    return v;
+}
+
 }  // namespace
+
+TEST_CASE("all_to_all on 3 hosts: ranks 1, 2, 3 per host numbered unlike the ring, uneven split sizes with zeros and "
+          "even blocks, every dtype, small and in several parts, every value and guard byte exact; split sizes that "
+          "differ are named",
+          "[cluster][collectives]") {
+    const bool ibverbs = GENERATE(false, true);
+    INFO((ibverbs ? "ibverbs" : "tcp"));
+    TestCluster c(3, "10s", ibverbs ? kIbverbsYaml : "");
+    REQUIRE(c.wait_up());
+    auto tr = join_ranked(c, "a2a", {1, 2, 3}, {4, 0, 5, 2, 1, 3}, 64 << 20);
+    REQUIRE(tr.size() == 6);
+    uint64_t seed = 1, ops = 0;
+    for (uint32_t ti = 0; ti < kDTypeCount; ++ti)
+        for (bool even : {false, true})
+            for (uint64_t k : {uint64_t{1}, uint64_t{1001}}) {
+                const Verdict v = run_a2a(tr, static_cast<DType>(ti), k, seed++, even);
+                CHECK(v.wrong == 0);
+                CHECK(v.guard == 0);
+                CHECK(v.input_changed == 0);
+                ++ops;
+            }
+    // Messages of several parts (proto::kAllToAllPartBytes, 16 MiB): about 25 MB from host 2 to host 1.
+    const Verdict big = run_a2a(tr, DType::F32, 700001, 77, false);
+    CHECK(big.wrong == 0);
+    CHECK(big.guard == 0);
+    ++ops;
+    // Two ranks that disagree on a pair's size: the receiving rank's host fails the op, naming both
+    // ranks (the other hosts got what they expected and may complete it); the group goes on.
+    std::vector<uint64_t> tickets(tr.size());
+    for (size_t g = 0; g < tr.size(); ++g) {
+        std::vector<uint64_t> send(6, 2), recv(6, 2);
+        if (tr[g].rank == 3) send[4] = 5;  // rank 4 expects 2
+        ringd_coll d{};
+        d.struct_size = sizeof d;
+        d.collective = RINGD_ALL_TO_ALL;
+        d.dtype = RINGD_F32;
+        d.in_offset = 4096;
+        d.out_offset = 8192;
+        d.send_counts = send.data();
+        d.recv_counts = recv.data();
+        d.splits_offset = 16384;
+        REQUIRE(ringd_submit_coll(tr[g].c.get(), &d, &tickets[g]) == 0);
+    }
+    for (size_t g = 0; g < tr.size(); ++g) {
+        const int rc = ringd_wait(tr[g].c.get(), tickets[g], 10000);
+        if (tr[g].rank != 4) continue;
+        CHECK(rc == -EPROTO);
+        CHECK_THAT(ringd_last_error(tr[g].c.get()), Catch::Contains("all_to_all: rank 3 (host node2) sends rank 4 5 elements, "
+                                                                    "and rank 4 (host node0) expects 2"));
+    }
+    const Verdict after = run_a2a(tr, DType::I64, 333, 91, false);
+    CHECK(after.wrong == 0);
+    CHECK(c.status(0)["ops"]["completed"] == ops + 1);
+    CHECK(c.status(0)["ops"]["failed"] == 1);
+}
+
+TEST_CASE("all_to_all on one host: its local ranks, split sizes and even blocks", "[cluster][collectives]") {
+    TestCluster c(1, "10s");
+    auto tr = join_ranked(c, "local-a2a", {3}, {2, 0, 1}, 8 << 20);
+    REQUIRE(tr.size() == 3);
+    uint64_t seed = 5;
+    for (uint32_t ti = 0; ti < kDTypeCount; ++ti)
+        for (bool even : {false, true}) {
+            const Verdict v = run_a2a(tr, static_cast<DType>(ti), 1001, seed++, even);
+            CHECK(v.wrong == 0);
+            CHECK(v.guard == 0);
+            CHECK(v.input_changed == 0);
+        }
+}
 
 TEST_CASE("broadcast, reduce on 3 hosts: ranks 1, 2, 3 per host numbered unlike the ring, every dtype x op, the root "
           "on every rank, one-shot and the chain, every value and guard byte exact; a barrier waits for every rank",
@@ -160,7 +307,7 @@ TEST_CASE("broadcast, reduce on 3 hosts: ranks 1, 2, 3 per host numbered unlike 
     }
     // A barrier ends on no rank before every rank submitted it, then on all of them.
     std::vector<uint64_t> tickets(tr.size());
-    const ringd_coll b{sizeof(ringd_coll), RINGD_BARRIER, RINGD_F32, RINGD_SUM, 0, 0, 0, 0};
+    const ringd_coll b{sizeof(ringd_coll), RINGD_BARRIER, RINGD_F32, RINGD_SUM, 0, 0, 0, 0, nullptr, nullptr, 0};
     for (size_t g = 0; g + 1 < tr.size(); ++g) REQUIRE(ringd_submit_coll(tr[g].c.get(), &b, &tickets[g]) == 0);
     std::this_thread::sleep_for(std::chrono::milliseconds(300));
     for (size_t g = 0; g + 1 < tr.size(); ++g) CHECK(ringd_test(tr[g].c.get(), tickets[g]) == -EINPROGRESS);
@@ -184,7 +331,7 @@ TEST_CASE("broadcast, reduce, barrier on one host: its local ranks, the root on 
     REQUIRE(tr.size() == 3);
     sweep_rooted(tr, {1, 1001});
     std::vector<uint64_t> tickets(tr.size());
-    const ringd_coll b{sizeof(ringd_coll), RINGD_BARRIER, RINGD_F32, RINGD_SUM, 0, 0, 0, 0};
+    const ringd_coll b{sizeof(ringd_coll), RINGD_BARRIER, RINGD_F32, RINGD_SUM, 0, 0, 0, 0, nullptr, nullptr, 0};
     for (size_t g = 0; g < tr.size(); ++g) REQUIRE(ringd_submit_coll(tr[g].c.get(), &b, &tickets[g]) == 0);
     for (size_t g = 0; g < tr.size(); ++g) CHECK(ringd_wait(tr[g].c.get(), tickets[g], 10000) == 0);
 }
@@ -249,7 +396,7 @@ TEST_CASE("collectives gone wrong: no ranks said, a rank twice, sizes that diffe
         std::string err;
         ClientPtr cl = join_opts(c, 0, "plain", 0, 1, "node0", err);
         REQUIRE(cl);
-        const ringd_coll d{sizeof(ringd_coll), RINGD_REDUCE_SCATTER, RINGD_F32, RINGD_SUM, 4, 0, 64, 0};
+        const ringd_coll d{sizeof(ringd_coll), RINGD_REDUCE_SCATTER, RINGD_F32, RINGD_SUM, 4, 0, 64, 0, nullptr, nullptr, 0};
         uint64_t t = 0;
         CHECK(ringd_submit_coll(cl.get(), &d, &t) == -EINVAL);
         CHECK_THAT(ringd_last_error(cl.get()), Catch::Contains("ringd_options.rank"));
@@ -258,7 +405,7 @@ TEST_CASE("collectives gone wrong: no ranks said, a rank twice, sizes that diffe
         auto tr = join_ranked(c, "overlap", {1, 1}, {1, 0}, 1 << 20);
         REQUIRE(tr.size() == 2);
         // Rank 1's block is [64, 128) of the input; an output at 32 overlaps it elsewhere.
-        const ringd_coll d{sizeof(ringd_coll), RINGD_REDUCE_SCATTER, RINGD_F32, RINGD_SUM, 16, 0, 32, 0};
+        const ringd_coll d{sizeof(ringd_coll), RINGD_REDUCE_SCATTER, RINGD_F32, RINGD_SUM, 16, 0, 32, 0, nullptr, nullptr, 0};
         uint64_t t = 0;
         REQUIRE(ringd_submit_coll(tr[0].c.get(), &d, &t) == 0);
         CHECK(ringd_wait(tr[0].c.get(), t, 10000) == -EINVAL);
@@ -308,7 +455,7 @@ TEST_CASE("collectives gone wrong: no ranks said, a rank twice, sizes that diffe
         std::vector<uint64_t> tickets(2);
         for (size_t g = 0; g < 2; ++g) {
             const ringd_coll d{sizeof(ringd_coll), g == 0 ? RINGD_REDUCE_SCATTER : RINGD_ALLGATHER, RINGD_F32, RINGD_SUM,
-                               16, 0, 4096, 0};
+                               16, 0, 4096, 0, nullptr, nullptr, 0};
             REQUIRE(ringd_submit_coll(tr[g].c.get(), &d, &tickets[g]) == 0);
         }
         for (size_t g = 0; g < 2; ++g) {

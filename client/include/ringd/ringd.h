@@ -50,14 +50,18 @@ typedef enum { RINGD_SUM, RINGD_AVG, RINGD_MIN, RINGD_MAX } ringd_op;
  *   RINGD_BROADCAST       one buffer, in place: every rank's becomes the root rank's
  *   RINGD_REDUCE          one buffer, in place: the root rank's becomes the reduction of every
  *                         rank's; the other ranks' may hold partial results afterwards
- *   RINGD_BARRIER         no data: completes on every rank once every rank of the group submitted it */
+ *   RINGD_BARRIER         no data: completes on every rank once every rank of the group submitted it
+ *   RINGD_ALL_TO_ALL      the input has one block per rank, the output one block per rank: block j
+ *                         of rank i's input becomes block i of rank j's output (`count` elements
+ *                         each, or each rank's split sizes: ringd_coll.send_counts) */
 typedef enum {
     RINGD_ALLREDUCE,
     RINGD_REDUCE_SCATTER,
     RINGD_ALLGATHER,
     RINGD_BROADCAST,
     RINGD_REDUCE,
-    RINGD_BARRIER
+    RINGD_BARRIER,
+    RINGD_ALL_TO_ALL
 } ringd_collective;
 
 /* Returns NULL on failure with the reason in err (if err_len > 0). */
@@ -126,6 +130,13 @@ typedef struct ringd_coll {
     size_t in_offset;
     size_t out_offset; /* reduce_scatter, allgather only */
     int root;          /* broadcast, reduce: the root rank (0 for the others) */
+    /* all_to_all with split sizes (count 0): the elements this rank sends to each rank and receives
+       from each (`ranks` entries each; NULL: `count` elements per block both ways). The library
+       writes both tables, 2 x ranks uint64, at splits_offset in the slot (8-aligned), which the
+       caller leaves as they are until the op completes. The input and output lie apart. */
+    const uint64_t *send_counts;
+    const uint64_t *recv_counts;
+    size_t splits_offset;
 } ringd_coll;
 RINGD_API int ringd_submit_coll(ringd_client *c, const ringd_coll *coll, uint64_t *ticket);
 /* The collectives this library submits through ringd_submit_coll: bit (1 << RINGD_x) for each

@@ -77,7 +77,15 @@ public:
     // at in_offset (out_offset not used).
     uint64_t submit(ringd_collective collective, size_t count, ringd_dtype dtype, ringd_op op, size_t in_offset,
                     size_t out_offset, int root = 0) {
-        const ringd_coll d{sizeof(ringd_coll), collective, dtype, op, count, in_offset, out_offset, root};
+        ringd_coll d{};
+        d.struct_size = sizeof d;
+        d.collective = collective;
+        d.dtype = dtype;
+        d.op = op;
+        d.count = count;
+        d.in_offset = in_offset;
+        d.out_offset = out_offset;
+        d.root = root;
         uint64_t t = 0;
         check(ringd_submit_coll(c_, &d, &t));
         return t;
