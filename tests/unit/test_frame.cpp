@@ -378,6 +378,44 @@ TEST_CASE("submit descriptors are validated with overflow-safe bounds", "[proto]
         d.offset = 1024;
         CHECK(validate_submit(d, 1024, false).ok());
     }
+    SECTION("all_to_all: count per block apart, or split sizes taken once from the slot") {
+        d.collective = static_cast<uint32_t>(Collective::AllToAll);
+        d.ranks = 2;
+        d.count = 8;
+        d.offset = 0;
+        d.out_offset = 64;
+        auto even = validate_submit(d, 1024, false);
+        REQUIRE(even.ok());
+        CHECK(even->bytes == 64);
+        CHECK(even->out_bytes == 64);
+        CHECK(even->out_offset == 64);
+        // Split sizes: count 0, the table (2 x ranks uint64) 8-aligned in the slot.
+        std::vector<std::byte> slot(1024);
+        const uint64_t table[4] = {3, 5, 7, 1};  // send 3 and 5, receive 7 and 1
+        std::memcpy(slot.data() + 512, table, sizeof table);
+        d.flags = kSubmitSplits;
+        d.splits_offset = 512;
+        CHECK_THAT(validate_submit(d, 1024, false).error().message, Catch::Contains("split sizes and a count"));
+        d.count = 0;
+        auto sp = validate_submit(d, 1024, false);
+        REQUIRE(sp.ok());
+        REQUIRE(take_splits(*sp, slot.data(), slot.size(), true).ok());
+        CHECK(sp->bytes == 8 * 4);
+        CHECK(sp->out_bytes == 8 * 4);
+        REQUIRE(sp->splits);
+        CHECK(*sp->splits == std::vector<uint64_t>{3, 5, 7, 1});
+        d.splits_offset = 1020;
+        CHECK_THAT(validate_submit(d, 1024, false).error().message, Catch::Contains("8-aligned"));
+        d.splits_offset = 512;
+        const uint64_t huge[4] = {1ull << 62, 1, 0, 0};
+        std::memcpy(slot.data() + 512, huge, sizeof huge);
+        auto big = validate_submit(d, 1024, false);
+        CHECK(take_splits(*big, slot.data(), slot.size(), true).error().code == -ERANGE);
+        d.collective = static_cast<uint32_t>(Collective::Allreduce);
+        d.ranks = 0;
+        d.out_offset = 0;
+        CHECK_THAT(validate_submit(d, 1024, false).error().message, Catch::Contains("not an all_to_all"));
+    }
     SECTION("broadcast and reduce: a root among the ranks, in place; barrier: no data") {
         d.collective = static_cast<uint32_t>(Collective::Broadcast);
         d.ranks = 4;
@@ -1140,8 +1178,8 @@ TEST_CASE("protocol 10: group joins say their ranks, incarnations the rank map, 
     CHECK(decode_op_report(payload_of(allgather)).value().flags == 0);
     CHECK(decode_op_report(payload_of(allreduce)).value().collective == 0);
     Bytes q = body_of(allgather);
-    q[118] = 6;  // collective 6
-    CHECK_THAT(decode_op_report(q).error().message, Catch::Contains("names collective 6"));
+    q[118] = 7;  // collective 7
+    CHECK_THAT(decode_op_report(q).error().message, Catch::Contains("names collective 7"));
 }
 
 TEST_CASE("protocol 11: broadcast and reduce reports carry the root in the op word; their op data is one-shot, exactly "
@@ -1179,6 +1217,23 @@ TEST_CASE("protocol 11: broadcast and reduce reports carry the root in the op wo
         CHECK_THAT(decode_op_data(payload_of(encode_op_data(r, OpDataKind::TwoShotPart, bytes))).error().message,
                    Catch::Contains("for a " + std::string(collective_name(coll))));
     }
+    // all_to_all: one-shot, any length up to a part, its part number in the step word.
+    r.collective = static_cast<uint32_t>(Collective::AllToAll);
+    r.count = 0;
+    auto part = decode_op_data(payload_of(encode_op_data(r, OpDataKind::OneShot, 100, 3u << 16 | 2)));
+    REQUIRE(part.ok());
+    CHECK(part->step == (3u << 16 | 2));
+    CHECK_THAT(decode_op_data(payload_of(encode_op_data(r, OpDataKind::OneShot, 100, 2u << 16 | 2))).error().message,
+               Catch::Contains("part 2 of 2"));
+    CHECK_FALSE(decode_op_data(payload_of(encode_op_data(r, OpDataKind::OneShot, 100, 0))).ok());
+    CHECK_FALSE(decode_op_data(payload_of(encode_op_data(r, OpDataKind::OneShot, kAllToAllPartBytes + 1, 1u << 16))).ok());
+    // (Any other collective's one-shot data keeps that word zero.)
+    r.collective = static_cast<uint32_t>(Collective::Broadcast);
+    r.count = 10;
+    Bytes f = encode_op_data(r, OpDataKind::OneShot, 20);
+    Bytes b = body_of(f);
+    b[kOpDataHeaderBytes - 4] = 1;  // (the word after the kind)
+    CHECK_THAT(decode_op_data(b).error().message, Catch::Contains("reserved field"));
     r.collective = static_cast<uint32_t>(Collective::Reduce);
     r.count = 10;
     r.op = static_cast<uint32_t>(ReduceOp::Sum);  // bf16 sums travel in f32
