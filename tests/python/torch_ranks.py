@@ -931,7 +931,58 @@ def scenario_rooted():
     print(f"torch_ranks: rank {RANK}: {calls} broadcasts and reduces through ringd ({ran} ringd ops)", flush=True)
 
 
-SCENARIOS = {"rooted": scenario_rooted, "collectives": scenario_collectives, "contract": scenario_contract, "sharded": scenario_sharded, "ops": scenario_ops, "slots": scenario_slots, "tensors": scenario_tensors, "spawn": scenario_spawn, "refused": scenario_refused, "async": scenario_async, "ddp": scenario_ddp, "die": scenario_die,
+def scenario_a2a():
+    """all_to_all_single (uneven split sizes with zeros, and equal blocks) and the list form through
+    ringd, ranks numbered unlike the hosts' order, every dtype; each result checked here from every
+    rank's inputs, inputs unchanged."""
+    perm = [0] + [WORLD - r for r in range(1, WORLD)]
+    me = perm[RANK]
+    os.environ["MASTER_PORT"] = str(int(os.environ.get("MASTER_PORT_BASE", "29500")))
+    dist.init_process_group("ringd", rank=me, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
+    pg = dist.distributed_c10d._get_default_group()
+    check(pg._rooted, "the ringd group does not run all_to_all through ringd")
+
+    def split(i, j, k, salt):  # rank i sends rank j this many elements
+        return (i * 31 + j * 17 + salt) % 4 * k + (i + j) % 2
+
+    before = ringd_ops_completed()
+    salt, calls = 7000, 0
+    for dtype in DTYPES:
+        for k in (1, 3000):
+            salt += 1
+            ins = [split(me, j, k, salt) for j in range(WORLD)]
+            outs = [split(i, me, k, salt) for i in range(WORLD)]
+            inp = data(me, sum(ins), dtype, salt)
+            keep = inp.clone()
+            out = torch.full((sum(outs),), -7, dtype=dtype)
+            dist.all_to_all_single(out, inp, output_split_sizes=outs, input_split_sizes=ins)
+            want = torch.cat([data(i, sum(split(i, j, k, salt) for j in range(WORLD)), dtype, salt)
+                              [sum(split(i, j, k, salt) for j in range(me)):][:outs[i]] for i in range(WORLD)])
+            check(torch.equal(out, want), f"all_to_all_single {dtype} k={k}: got {out[:6].tolist()}, want {want[:6].tolist()}")
+            check(torch.equal(inp, keep), f"all_to_all_single {dtype} changed its input")
+            # Equal blocks, and the list form.
+            inp = data(me, k * WORLD, dtype, salt)
+            out = torch.empty(k * WORLD, dtype=dtype)
+            dist.all_to_all_single(out, inp)
+            want = torch.cat([data(i, k * WORLD, dtype, salt)[me * k:(me + 1) * k] for i in range(WORLD)])
+            check(torch.equal(out, want), f"all_to_all_single (equal blocks) {dtype} k={k}")
+            outl = [torch.empty(outs[i], dtype=dtype) for i in range(WORLD)]
+            inl = list(data(me, sum(ins), dtype, salt).split(ins))
+            dist.all_to_all(outl, inl)
+            want = [data(i, sum(split(i, j, k, salt) for j in range(WORLD)), dtype, salt)
+                    [sum(split(i, j, k, salt) for j in range(me)):][:outs[i]] for i in range(WORLD)]
+            check(all(torch.equal(o, w) for o, w in zip(outl, want)), f"all_to_all (list) {dtype} k={k}")
+            calls += 3
+    ran = ringd_ops_completed() - before
+    check(ran >= calls, f"ringd completed {ran} ops for {calls} all_to_alls: some went elsewhere")
+    t = torch.full((WORLD,), float(me))
+    o = torch.empty(WORLD)
+    dist.all_to_all_single(o, t, async_op=True).wait()
+    check(torch.equal(o, torch.arange(WORLD, dtype=torch.float32)), "an async all_to_all_single")
+    print(f"torch_ranks: rank {RANK}: {calls} all_to_alls through ringd ({ran} ringd ops)", flush=True)
+
+
+SCENARIOS = {"rooted": scenario_rooted, "a2a": scenario_a2a, "collectives": scenario_collectives, "contract": scenario_contract, "sharded": scenario_sharded, "ops": scenario_ops, "slots": scenario_slots, "tensors": scenario_tensors, "spawn": scenario_spawn, "refused": scenario_refused, "async": scenario_async, "ddp": scenario_ddp, "die": scenario_die,
              "restart": scenario_restart, "groups": scenario_groups, "part": scenario_part}
 
 if __name__ == "__main__":

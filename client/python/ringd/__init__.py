@@ -25,7 +25,8 @@ DTYPES = {"float32": 0, "float64": 1, "float16": 2, "bfloat16": 3, "int32": 4, "
 DTYPE_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8}
 OPS = {"sum": 0, "avg": 1, "min": 2, "max": 3}
 # ringd_collective (ringd_submit_coll).
-COLLECTIVES = {"allreduce": 0, "reduce_scatter": 1, "allgather": 2, "broadcast": 3, "reduce": 4, "barrier": 5}
+COLLECTIVES = {"allreduce": 0, "reduce_scatter": 1, "allgather": 2, "broadcast": 3, "reduce": 4, "barrier": 5,
+               "all_to_all": 6}
 _DTYPE_ALIASES = {"float": "float32", "f32": "float32", "double": "float64", "f64": "float64",
                   "half": "float16", "f16": "float16", "bf16": "bfloat16", "int": "int32",
                   "i32": "int32", "long": "int64", "i64": "int64"}
@@ -98,7 +99,9 @@ class _Coll(ctypes.Structure):
     """ringd_coll (ringd.h)."""
     _fields_ = [("struct_size", ctypes.c_size_t), ("collective", ctypes.c_int), ("dtype", ctypes.c_int),
                 ("op", ctypes.c_int), ("count", ctypes.c_size_t), ("in_offset", ctypes.c_size_t),
-                ("out_offset", ctypes.c_size_t), ("root", ctypes.c_int)]
+                ("out_offset", ctypes.c_size_t), ("root", ctypes.c_int),
+                ("send_counts", ctypes.POINTER(ctypes.c_uint64)), ("recv_counts", ctypes.POINTER(ctypes.c_uint64)),
+                ("splits_offset", ctypes.c_size_t)]
 
 
 class _CollCuda(ctypes.Structure):
@@ -245,6 +248,12 @@ class Client:
         return hasattr(lib, "ringd_collectives") and bool(lib.ringd_collectives() & (1 << COLLECTIVES["broadcast"]))
 
     @staticmethod
+    def has_all_to_all():
+        """Whether this libringd-client submits all_to_all (ringd_collectives)."""
+        lib = _load()
+        return hasattr(lib, "ringd_collectives") and bool(lib.ringd_collectives() & (1 << COLLECTIVES["all_to_all"]))
+
+    @staticmethod
     def has_device_collectives():
         """Whether this libringd-client has ringd_submit_coll_cuda (reduce_scatter, allgather of
         device buffers)."""
@@ -277,14 +286,23 @@ class Client:
                                            OPS[op_name(op)], ctypes.byref(t)))
         return t.value
 
-    def submit_coll(self, collective, count, dtype, op, in_offset, out_offset=0, root=0):
+    def submit_coll(self, collective, count, dtype, op, in_offset, out_offset=0, root=0, send_counts=None,
+                    recv_counts=None, splits_offset=0):
         """Queues any collective (ringd_submit_coll) on slot bytes: `count` elements of the buffer
         (allreduce, broadcast and reduce, in place at in_offset; the latter two from and to rank
         `root`), of the output block (reduce_scatter: the input has a block per rank) or of the
         input block (allgather: the output has a block per rank); a barrier has no data. Returns
-        its ticket."""
+        its ticket. all_to_all: `count` elements per block, or send_counts and recv_counts (one per
+        rank; count 0), which the library writes at splits_offset in the slot (16 x ranks bytes,
+        kept free until the op completes)."""
         d = _Coll(ctypes.sizeof(_Coll), COLLECTIVES[collective], DTYPES[dtype_name(dtype)], OPS[op_name(op)], int(count),
                   int(in_offset), int(out_offset), int(root))
+        if send_counts is not None:
+            n = len(send_counts)
+            sends, recvs = (ctypes.c_uint64 * n)(*send_counts), (ctypes.c_uint64 * n)(*recv_counts)
+            d.send_counts = ctypes.cast(sends, ctypes.POINTER(ctypes.c_uint64))
+            d.recv_counts = ctypes.cast(recvs, ctypes.POINTER(ctypes.c_uint64))
+            d.splits_offset = int(splits_offset)
         t = ctypes.c_uint64(0)
         self._check(self._lib.ringd_submit_coll(self._handle(), ctypes.byref(d), ctypes.byref(t)))
         return t.value

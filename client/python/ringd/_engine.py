@@ -137,6 +137,34 @@ class _Engine(DeviceOps):
         self._queue(rec)
         return opf.future
 
+    def all_to_all(self, out, inp, out_splits, in_splits, result):
+        """all_to_all through ringd, one ringd op: `inp`'s blocks (in_splits elements each, in rank
+        order; empty: equal blocks) to every rank, `out`'s from every rank (out_splits). The input,
+        the output and the split sizes take one range of the slot (more than the slot: refused)."""
+        dtype = _DTYPES[out.dtype]
+        given = out.detach()
+        contiguous = given.is_contiguous()
+        flat = given.view(-1) if contiguous else given.contiguous().view(-1)
+        src = inp.detach().reshape(-1)
+        n, esize = self.ranks, flat.element_size()
+        if in_splits or out_splits:
+            if len(in_splits) != n or len(out_splits) != n or sum(in_splits) != src.numel() or sum(out_splits) != flat.numel():
+                raise RuntimeError(f"ringd: all_to_all's split sizes must be {n} each, summing to the input's "
+                                   f"{src.numel()} and the output's {flat.numel()} elements")
+        elif src.numel() % n or flat.numel() != src.numel():
+            raise RuntimeError(f"ringd: all_to_all without split sizes needs input and output of the same size, "
+                               f"a multiple of {n} elements (not {src.numel()} and {flat.numel()})")
+        total = (src.numel() + flat.numel()) * esize + 64 + 16 * n
+        if total > self.ps.bytes // 2:
+            raise RuntimeError(f"ringd: an all_to_all of {src.numel() * esize} bytes in and {flat.numel() * esize} out "
+                               f"takes more than half the {self.ps.bytes}-byte slot (set RINGD_SLOT_BYTES higher)")
+        opf = _compat.OpFuture()
+        rec = _Op(given, flat, not contiguous, opf, result, "sum", dtype)
+        rec.collective, rec.src = "all_to_all", src
+        rec.splits = (list(map(int, in_splits)), list(map(int, out_splits))) if (in_splits or out_splits) else None
+        self._queue(rec)
+        return opf.future
+
     def barrier(self):
         """A barrier through ringd: a torch Future of [] that completes once every rank of the
         group submitted it (in order with the group's other ops)."""
@@ -252,7 +280,7 @@ class _Engine(DeviceOps):
         where its tensors lie in the slot (lent by allocate), or None (the copying path): an op of
         one chunk — the same ringd op the copying path would submit, so that the ranks pair.
         Holding the lock."""
-        if rec.collective in _ROOTED:
+        if rec.collective in _ROOTED or rec.collective == "all_to_all":
             return None
         esize = rec.flat.element_size()
         if rec.collective is None:
@@ -306,6 +334,8 @@ class _Engine(DeviceOps):
             rec = None  # (its tensors are the caller's again: lent ones free once the caller lets go)
 
     def _submit(self, rec):
+        if rec.collective == "all_to_all":
+            return self._submit_a2a(rec)
         if rec.collective in _ROOTED:
             return self._submit_rooted(rec)
         if rec.collective is not None:
@@ -472,6 +502,43 @@ class _Engine(DeviceOps):
         except BaseException as e:
             self._submit_failed(rec, start, e)
 
+    def _submit_a2a(self, rec):
+        """An all_to_all's one ringd op: its input, output and split sizes in one slot range."""
+        esize, n = rec.flat.element_size(), self.ranks
+        in_bytes, out_bytes = rec.src.numel() * esize, rec.flat.numel() * esize
+        nbytes = (in_bytes + out_bytes + 63) // 64 * 64 + 16 * n
+        try:
+            with self.lock:
+                self._wait_locked(lambda: not self.inflight_bytes or self.inflight_bytes + nbytes <= self.window,
+                                  f"ringd: the ops in flight did not end within {self.timeout}")
+                rng = self._alloc_locked(nbytes)
+            try:
+                in_off = rng[0]
+                out_off = in_off + in_bytes
+                table = rng[0] + (in_bytes + out_bytes + 63) // 64 * 64
+                view_in = self.slot[in_off:in_off + in_bytes].view(rec.flat.dtype)
+                view_out = self.slot[out_off:out_off + out_bytes].view(rec.flat.dtype)
+                with torch.no_grad():
+                    view_in.copy_(rec.src)
+                self._note_copies(in_bytes, 0)
+                with self.lock:
+                    if rec.splits is None:
+                        ticket = self._submit_coll_locked("all_to_all", rec.src.numel() // n, rec.dtype, "sum", in_off, out_off)
+                    else:
+                        ticket = self._submit_coll_locked("all_to_all", 0, rec.dtype, "sum", in_off, out_off,
+                                                          splits=(rec.splits[0], rec.splits[1], table))
+                    rec.chunks_left += 1
+                    rec.submitted_all = True
+                    self.inflight_bytes += nbytes
+                    self.inflight[ticket] = (rec, lambda p=rec.flat, v=view_out: _copied(p, v), view_out, rng, nbytes)
+                    self.room.notify_all()
+            except BaseException:
+                with self.lock:
+                    self.space.release(*rng)
+                raise
+        except BaseException as e:
+            self._submit_failed(rec, 0, e)
+
     def _submit_in_place(self, rec, collective, count, in_off, out_off):
         """One ringd op on tensors that lie in the slot: nothing copied in, nothing out."""
         try:
@@ -502,7 +569,7 @@ class _Engine(DeviceOps):
     def _submit_locked(self, offset, count, dtype, op):
         return self._submit_coll_locked("allreduce", count, dtype, op, offset, 0)
 
-    def _submit_coll_locked(self, collective, count, dtype, op, in_offset, out_offset, root=0):
+    def _submit_coll_locked(self, collective, count, dtype, op, in_offset, out_offset, root=0, splits=None):
         end = datetime.datetime.now() + self.timeout
         while True:
             if self.dead:
@@ -510,6 +577,9 @@ class _Engine(DeviceOps):
             try:
                 if collective == "allreduce":
                     return self.client.submit(in_offset, count, dtype, op)
+                if splits is not None:  # all_to_all: (send counts, receive counts, table offset)
+                    return self.client.submit_coll(collective, count, dtype, op, in_offset, out_offset, 0, splits[0],
+                                                   splits[1], splits[2])
                 if collective in _ROOTED:
                     return self.client.submit_coll(collective, count, dtype, op, in_offset, out_offset, root)
                 return self.client.submit_coll(collective, count, dtype, op, in_offset, out_offset)

@@ -199,6 +199,7 @@ class _Op:
         self.src = None
         self.blocks = self.block = 0
         self.root = 0  # broadcast, reduce (collective "broadcast", "reduce"; "barrier" has no tensor)
+        self.splits = None  # all_to_all: (send counts, receive counts), or None: equal blocks
 
 
 class _Resident:

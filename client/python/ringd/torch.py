@@ -107,8 +107,8 @@ def _gloo_group(store, rank, size, timeout):
 
 
 class ProcessGroupRingd(ProcessGroup):
-    """allreduce, reduce_scatter, allgather, broadcast, reduce and barrier through ringd; the other
-    collectives (all_to_all, gather, scatter, send/recv, object collectives) through an internal Gloo
+    """allreduce, reduce_scatter, allgather, broadcast, reduce, barrier and all_to_all through ringd;
+    the other collectives (gather, scatter, send/recv, object collectives) through an internal Gloo
     group."""
 
     def __init__(self, store, rank, size, timeout=datetime.timedelta(minutes=30)):
@@ -146,8 +146,9 @@ class ProcessGroupRingd(ProcessGroup):
         device = int(mine and "reduce_scatter" in st.get("device_collectives", ()) and
                      _ringd.Client.has_device_collectives())
         store.set(f"ringd/device/{rank}", str(device))
-        # And whether it runs broadcast, reduce and barrier (a key of its own, as above).
-        rooted = int(mine and "broadcast" in st.get("collectives", ()) and _ringd.Client.has_rooted_collectives())
+        # And whether it runs broadcast, reduce, barrier and all_to_all (a key of its own, as above).
+        rooted = int(mine and {"broadcast", "all_to_all"} <= set(st.get("collectives", ())) and
+                     _ringd.Client.has_rooted_collectives() and _ringd.Client.has_all_to_all())
         store.set(f"ringd/rooted/{rank}", str(rooted))
         store.set(f"ringd/member/{rank}", f"{me[0]}:{me[1]}:{slot_bytes}:{mine}")
         members, smallest_slot, collectives, device_collectives, rooted_collectives = [], slot_bytes, True, True, True
@@ -175,7 +176,7 @@ class ProcessGroupRingd(ProcessGroup):
         group = store.get(key).decode()
         self._engine = None
         self._device_collectives = collectives and device_collectives
-        self._rooted = collectives and rooted_collectives  # broadcast, reduce, barrier through ringd
+        self._rooted = collectives and rooted_collectives  # broadcast, reduce, barrier, all_to_all through ringd
         self._coalesced = None  # the Works since _start_coalescing
         self._gloo = _gloo_group(store, rank, size, timeout)
         _compat.attach(self, self._gloo)
@@ -504,6 +505,47 @@ class ProcessGroupRingd(ProcessGroup):
             return tensors
         return self._track(_compat.work(fut.then(done), tensors))
 
+    def _a2a_through_ringd(self, *tensors):
+        """Whether an all_to_all of these tensors goes through ringd: CPU tensors of one ringd dtype
+        in a group whose every rank's ringd runs it."""
+        if not self._rooted or self._engine is None:
+            return False
+        for t in tensors:
+            if t.device.type not in ("cpu", "cuda"):
+                raise RuntimeError(f"ringd: {t.device.type} tensors are not supported (CPU and CUDA tensors are)")
+        return all(not t.is_cuda and not t.is_sparse and t.dtype in _DTYPES and t.dtype == tensors[0].dtype for t in tensors)
+
+    def _all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        """all_to_all_single (uneven split sizes included) through ringd: one message between each
+        pair of hosts carrying every local rank's blocks; CUDA tensors through Gloo. Defined under
+        this torch's name (all_to_all_single, or alltoall_base before it)."""
+        if not self._a2a_through_ringd(output, input):
+            gloo = getattr(self._gloo, "all_to_all_single", None) or self._gloo.alltoall_base
+            return self._track(gloo(output, input, output_split_sizes, input_split_sizes, opts or dist.AllToAllOptions()))
+        fut = self._engine.all_to_all(output, input, list(output_split_sizes or []), list(input_split_sizes or []), [output])
+        return self._track(_compat.work(fut, [output]))
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        """all_to_all's list form through ringd (one op: the inputs laid end to end, the outputs
+        cut from its result), else Gloo."""
+        n = self.size()
+        if len(output_tensors) != n or len(input_tensors) != n or not self._a2a_through_ringd(*output_tensors, *input_tensors):
+            return self._track(self._gloo.alltoall(output_tensors, input_tensors, opts or dist.AllToAllOptions()))
+        flat_in = torch.cat([t.detach().reshape(-1) for t in input_tensors])
+        flat_out = torch.empty(sum(t.numel() for t in output_tensors), dtype=output_tensors[0].dtype)
+        fut = self._engine.all_to_all(flat_out, flat_in, [t.numel() for t in output_tensors],
+                                      [t.numel() for t in input_tensors], [flat_out])
+
+        def done(f):
+            f.value()  # raises ringd's error
+            at = 0
+            with torch.no_grad():
+                for o in output_tensors:
+                    o.copy_(flat_out[at:at + o.numel()].view(o.shape))
+                    at += o.numel()
+            return list(output_tensors)
+        return self._track(_compat.work(fut.then(done), list(output_tensors)))
+
     def barrier(self, opts=None):
         """A barrier through ringd (every rank's, in order with the group's other ops), else Gloo's."""
         if not self._rooted or self._engine is None:
@@ -533,8 +575,7 @@ class ProcessGroupRingd(ProcessGroup):
 
 # The rest through the internal Gloo group (identical results), each under the names this torch has
 # (of a renamed pair only the one its Python API calls: alltoall_base before all_to_all_single).
-_VIA_GLOO = ("allgather_coalesced", "gather", "scatter", "alltoall", "all_to_all_single", "alltoall_base",
-             "monitored_barrier", "send", "recv", "recv_anysource")
+_VIA_GLOO = ("allgather_coalesced", "gather", "scatter", "monitored_barrier", "send", "recv", "recv_anysource")
 
 
 def _via_gloo(name, gloo_name):
@@ -545,9 +586,10 @@ def _via_gloo(name, gloo_name):
     return collective
 
 
+# all_to_all_single under the name this torch's dist.all_to_all_single calls.
+setattr(ProcessGroupRingd, "all_to_all_single" if hasattr(ProcessGroup, "all_to_all_single") else "alltoall_base",
+        ProcessGroupRingd._all_to_all_single)
 for _name in _VIA_GLOO:
-    if _name == "alltoall_base" and hasattr(ProcessGroup, "all_to_all_single"):
-        continue
     # Gloo's name of it (its backend may still have only the older name of a renamed pair).
     _gloo_name = _name if hasattr(dist.ProcessGroupGloo, _name) else {"all_to_all_single": "alltoall_base"}.get(_name)
     if hasattr(ProcessGroup, _name) and _gloo_name and hasattr(dist.ProcessGroupGloo, _gloo_name):
