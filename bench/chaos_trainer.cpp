@@ -3,9 +3,9 @@
 // One process is one attempt of one rank (as under torchrun): connect (retrying until a deadline
 // while this host's ringd is down), then run steps until an op fails or the stop file appears.
 // A step is a few ops of mixed size (direct and ring paths), collective (allreduce,
-// reduce_scatter, allgather, broadcast, reduce, barrier: the trainer says its rank, host-major),
-// dtype and op, drawn from
-// (seed, step) so that every rank of the job submits the same sequence; they are submitted together
+// reduce_scatter, allgather, broadcast, reduce, barrier, all_to_all: the trainer says its rank,
+// host-major), dtype and op, drawn from (seed, step) so that every rank of the job submits the
+// same sequence; they are submitted together
 // (in flight at once, like gradient buckets) and waited for. After the first error the trainer
 // submits nothing more, waits for what is in flight and exits 1; the driver then restarts every
 // rank of the job with the same group name.
@@ -100,6 +100,9 @@ const std::array kSpecs{
     OpSpec{0, DType::F32, ReduceOp::Sum, false, Collective::Barrier},
     OpSpec{300007, DType::BF16, ReduceOp::Sum, true, Collective::Broadcast},
     OpSpec{262147, DType::F32, ReduceOp::Max, true, Collective::Reduce},
+    // all_to_all, equal blocks of a rank (its input, then its output, in one range).
+    OpSpec{1031, DType::BF16, ReduceOp::Sum, false, Collective::AllToAll},
+    OpSpec{40009, DType::I32, ReduceOp::Sum, true, Collective::AllToAll},
 };
 
 // Per spec: its range in the slot, its precomputed input for this rank and the exact result.
@@ -180,7 +183,9 @@ int main(int argc, char **argv) {
         // value(rank, i) over the whole range; a reduce_scatter's result (this rank's block) is
         // the reduction of those elements over every rank, an allgather's block b is rank b's
         // own block, value(b, b x count + i).
-        const size_t elems = collective_blocked(s.coll) ? s.count * nranks : s.count;
+        const size_t elems = collective_blocked(s.coll) ? s.count * nranks
+                             : s.coll == Collective::AllToAll ? 2 * s.count * nranks  // input, then output
+                                                              : s.count;
         const size_t bytes = elems * dtype_size(s.dtype);
         p.input.resize(bytes);
         bench::fill(p.input.data(), elems, s.dtype, grank);
@@ -188,6 +193,12 @@ int main(int argc, char **argv) {
         for (size_t i = 0; i < elems; ++i)
             p.want[i] = s.coll == Collective::Allgather
                             ? bench::round_to(s.dtype, static_cast<double>(bench::value(i / s.count, i)))
+                        : s.coll == Collective::AllToAll
+                            // output block b: rank b's block for this rank (the input half is not checked)
+                            ? (i < s.count * nranks ? 0.0
+                                                    : bench::round_to(s.dtype, static_cast<double>(bench::value(
+                                                                                   (i - s.count * nranks) / s.count,
+                                                                                   grank * s.count + i % s.count))))
                             : bench::want(nranks, i, s.dtype, s.op);
         p.tol = bench::tolerance(s.dtype, s.op);
         prep.push_back(std::move(p));
@@ -256,7 +267,10 @@ int main(int argc, char **argv) {
             const ringd_coll d{sizeof(ringd_coll), static_cast<ringd_collective>(p.spec.coll),
                                static_cast<ringd_dtype>(p.spec.dtype), static_cast<ringd_op>(p.spec.op), p.spec.count,
                                p.spec.coll == Collective::Allgather ? mine : p.offset,
-                               p.spec.coll == Collective::ReduceScatter ? mine : blocked ? p.offset : 0,
+                               p.spec.coll == Collective::ReduceScatter ? mine
+                               : p.spec.coll == Collective::AllToAll    ? p.offset + p.input.size() / 2
+                               : blocked                                ? p.offset
+                                                                        : 0,
                                collective_is_rooted(p.spec.coll) ? static_cast<int>(f.root) : 0, nullptr, nullptr, 0};
             const int rc = ringd_submit_coll(c, &d, &f.ticket);
             if (rc != 0) {
@@ -291,7 +305,9 @@ int main(int argc, char **argv) {
             if (rc == 0) {
                 // reduce_scatter: this rank's block only (the others may hold partial sums); reduce:
                 // the root's buffer only; broadcast: the root's input everywhere.
-                const size_t first = p.spec.coll == Collective::ReduceScatter ? grank * p.spec.count : 0;
+                const size_t first = p.spec.coll == Collective::ReduceScatter ? grank * p.spec.count
+                                     : p.spec.coll == Collective::AllToAll    ? p.spec.count * nranks
+                                                                              : 0;
                 size_t last = p.spec.coll == Collective::ReduceScatter ? first + p.spec.count : p.want.size();
                 if (p.spec.coll == Collective::Reduce && grank != f.root) last = 0;
                 for (size_t i = first; i < last; ++i) {

@@ -268,6 +268,49 @@ TEST_CASE("all_to_all on 3 hosts: ranks 1, 2, 3 per host numbered unlike the rin
     CHECK(c.status(0)["ops"]["failed"] == 1);
 }
 
+TEST_CASE("a host SIGKILLed while the others wait in an all_to_all: they fail within a second naming it; the "
+          "restarted job's all_to_all is exact",
+          "[cluster][collectives][faults]") {
+    TestCluster c(3, ClusterOptions{"30s", "1s", "", "64MiB"});
+    REQUIRE(c.wait_up());
+    auto tr = join_ranked(c, "kill-a2a", {1, 1, 1}, {2, 0, 1}, 32 << 20);
+    REQUIRE(tr.size() == 3);
+    // node0 and node1 submit (their messages go out); node2's trainer never does.
+    std::vector<uint64_t> t(2);
+    for (size_t g = 0; g < 2; ++g) {
+        ringd_coll d{};
+        d.struct_size = sizeof d;
+        d.collective = RINGD_ALL_TO_ALL;
+        d.dtype = RINGD_F32;
+        d.count = 1 << 20;
+        d.in_offset = 0;
+        d.out_offset = 12 << 20;
+        REQUIRE(ringd_submit_coll(tr[g].c.get(), &d, &t[g]) == 0);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    for (size_t g = 0; g < 2; ++g) CHECK(ringd_test(tr[g].c.get(), t[g]) == -EINPROGRESS);
+    const auto fault = Clock::now();
+    ::kill(c.d[2]->pid(), SIGKILL);
+    for (size_t g = 0; g < 2; ++g) {
+        const int rc = ringd_wait(tr[g].c.get(), t[g], 15000);
+        const double after = seconds_since(fault);
+        const std::string why = ringd_last_error(tr[g].c.get());
+        INFO("node" << g << ": " << why << " after " << after << " s");
+        CHECK(rc == -ECONNABORTED);
+        CHECK_THAT(why, Catch::Contains("host node2"));
+        CHECK(after < 1.0);
+    }
+    c.d[2]->start();
+    REQUIRE(c.d[2]->ready());
+    REQUIRE(c.wait_up({2, 2, 1}));
+    tr.clear();
+    tr = join_ranked(c, "kill-a2a", {1, 1, 1}, {2, 0, 1}, 32 << 20);
+    REQUIRE(tr.size() == 3);
+    const Verdict v = run_a2a(tr, DType::F32, 100003, 3, false);
+    CHECK(v.wrong == 0);
+    CHECK(v.guard == 0);
+}
+
 TEST_CASE("all_to_all on one host: its local ranks, split sizes and even blocks", "[cluster][collectives]") {
     TestCluster c(1, "10s");
     auto tr = join_ranked(c, "local-a2a", {3}, {2, 0, 1}, 8 << 20);

@@ -140,7 +140,8 @@ class _Engine(DeviceOps):
     def all_to_all(self, out, inp, out_splits, in_splits, result):
         """all_to_all through ringd, one ringd op: `inp`'s blocks (in_splits elements each, in rank
         order; empty: equal blocks) to every rank, `out`'s from every rank (out_splits). The input,
-        the output and the split sizes take one range of the slot (more than the slot: refused)."""
+        the output and the split sizes take one range of the slot (more than the slot: refused, on
+        this rank; the others' op then fails at ringd's op timeout)."""
         dtype = _DTYPES[out.dtype]
         given = out.detach()
         contiguous = given.is_contiguous()
@@ -155,9 +156,9 @@ class _Engine(DeviceOps):
             raise RuntimeError(f"ringd: all_to_all without split sizes needs input and output of the same size, "
                                f"a multiple of {n} elements (not {src.numel()} and {flat.numel()})")
         total = (src.numel() + flat.numel()) * esize + 64 + 16 * n
-        if total > self.ps.bytes // 2:
+        if total > self.ps.bytes:
             raise RuntimeError(f"ringd: an all_to_all of {src.numel() * esize} bytes in and {flat.numel() * esize} out "
-                               f"takes more than half the {self.ps.bytes}-byte slot (set RINGD_SLOT_BYTES higher)")
+                               f"does not fit the {self.ps.bytes}-byte slot (set RINGD_SLOT_BYTES higher)")
         opf = _compat.OpFuture()
         rec = _Op(given, flat, not contiguous, opf, result, "sum", dtype)
         rec.collective, rec.src = "all_to_all", src
