@@ -370,7 +370,10 @@ bool Daemon::complete_and_start() {
             groups_.finished(run.op_id, -ECONNRESET, run_left(run), done_);
             continue;
         }
-        const uint64_t total = std::max(w.desc.in_count(), w.desc.out_count()) * dtype_size(w.desc.dtype) * w.slots.size();
+        uint64_t total = std::max(w.desc.in_count(), w.desc.out_count()) * dtype_size(w.desc.dtype) * w.slots.size();
+        for (const auto &t : w.splits)  // (an all_to_all by split sizes: what its ranks send)
+            if (t)
+                for (size_t r = 0; r < t->size() / 2; ++r) total += (*t)[r] * dtype_size(w.desc.dtype);
         if (total <= kInlineOpBytes && engine_->in_flight() == 0) {
             // Nothing queued on the progress thread, so this cannot overtake an earlier op.
             EngineResult r = ProgressEngine::execute(w);

@@ -183,6 +183,7 @@ void RingEngine::run_local(const RingOp &op) {
         return;
     }
     case Collective::Barrier: return;
+    case Collective::AllToAll: return;  // (ProgressEngine::execute runs a host's all_to_all: its split sizes)
     }
 }
 
@@ -212,8 +213,8 @@ Status RingEngine::run(const RingPosition &pos, const RingOp &op, std::chrono::s
         run_local(op);
         return Ok{};
     }
-    if (op.collective == Collective::Barrier)  // (no data: the direct exchange runs it)
-        return make_error(-EINVAL, "ring op: a barrier has no ring schedule");
+    if (op.collective == Collective::Barrier || op.collective == Collective::AllToAll)  // (the direct exchange runs them)
+        return make_error(-EINVAL, "ring op: a " + std::string(collective_name(op.collective)) + " has no ring schedule");
     if (pos.size > kMaxSteps) return make_error(-E2BIG, "ring of more than 2048 hosts");
     const uint64_t work = widened ? work_bytes(opt_) : 0;
     if (op.staging.bytes < opt_.chunk_bytes * opt_.depth + work) return make_error(-EINVAL, "ring staging area is too small");

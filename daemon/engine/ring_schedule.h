@@ -97,14 +97,15 @@ inline void chain_reduce(std::vector<RingStep> &out, uint32_t n, uint32_t r, uin
 // The collectives, for host r of n. Allreduce is the reduce-scatter that leaves segment r+1 on
 // host r (the order of peer protocol 1, which every release keeps), then the allgather of it;
 // reduce_scatter leaves the segment of host r's ranks on host r, and allgather starts with it.
-// broadcast and reduce: `root` is the root rank's host. barrier has no ring schedule (it moves no
-// data: the direct exchange runs it).
+// broadcast and reduce: `root` is the root rank's host. barrier and all_to_all have no ring
+// schedule (the direct exchange runs them).
 inline std::vector<RingStep> ring(Collective c, uint32_t r, uint32_t n, uint32_t root = 0) {
     std::vector<RingStep> v;
     switch (c) {
     case Collective::Broadcast: chain_broadcast(v, n, r, root); break;
     case Collective::Reduce: chain_reduce(v, n, r, root); break;
-    case Collective::Barrier: break;
+    case Collective::Barrier:
+    case Collective::AllToAll: break;
     case Collective::Allreduce:
         reduce_scatter(v, n, (r + 1) % n, Prim::RecvReduceCopySend);
         allgather(v, n, (r + 1) % n, Prim::Forward);

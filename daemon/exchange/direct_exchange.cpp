@@ -400,6 +400,28 @@ void DirectExchange::contribute_a2a(State &st, const HostOp &op, const proto::Op
             if (const uint64_t k = lay[a].send_count(mine[b]))
                 std::memcpy(op.slots[b]->data() + op.run.out_offsets[b] + lay[b].recv_at(mine[a]) * es,
                             op.slots[a]->data() + op.run.offsets[a] + lay[a].send_at(mine[b]) * es, k * es);
+    // What each peer's message must hold, as this host's ranks expect it (its parts are checked
+    // against it as they come: no peer makes this host keep more than that).
+    st.a2a_expect.assign(n_, 0);
+    st.a2a_counts.assign(n_, {});
+    for (uint32_t h = 0; h < n_; ++h) {
+        if (h == self_) continue;
+        uint64_t bytes = 8 * st.host_ranks[h].size() * mine.size();
+        for (uint32_t a : st.host_ranks[h])
+            for (size_t b = 0; b < mine.size(); ++b) {
+                st.a2a_counts[h].push_back(lay[b].recv_count(a));
+                bytes += lay[b].recv_count(a) * es;
+            }
+        st.a2a_expect[h] = bytes;
+    }
+    // Parts that came before: what no expected message has is dropped now.
+    for (uint32_t h = 0; h < st.a2a.size(); ++h)
+        if (h != self_ && !st.a2a[h].empty() && !a2a_parts_fit(st, h, st.a2a[h].size())) {
+            for (auto &part : st.a2a[h])
+                if (part) release(r.group, h, *part);
+            malformed_part(st, at + "host " + hosts_[h] + " sent an all_to_all message of " + std::to_string(st.a2a[h].size()) +
+                                   " part(s), not the " + std::to_string(st.a2a_expect[h]) + " bytes its ranks' counts say");
+        }
     for (uint32_t h = 0; h < n_; ++h) {
         if (h == self_) continue;
         const auto &theirs = st.host_ranks[h];
@@ -446,11 +468,44 @@ bool DirectExchange::take_a2a(uint32_t host, const proto::OpData &d, proto::Byte
         return false;
     }
     if (v[part]) return false;  // a duplicate
+    if (!st.a2a_expect.empty()) {
+        // This host contributed: the message is what its ranks expect, part by part.
+        const uint64_t size = payload.size() - proto::kOpDataHeaderBytes;
+        const uint64_t want = std::min<uint64_t>(proto::kAllToAllPartBytes,
+                                                 st.a2a_expect[host] - std::min(st.a2a_expect[host], uint64_t{part} * proto::kAllToAllPartBytes));
+        if (!a2a_parts_fit(st, host, parts) || size != want) {
+            // Most likely two ranks disagree on a pair's size: name them where the counts show it.
+            const auto &expect = st.a2a_counts[host];
+            const auto &theirs = st.host_ranks[host], &mine = st.host_ranks[self_];
+            if (part == 0 && size >= 8 * expect.size())
+                for (size_t i = 0; i < expect.size(); ++i) {
+                    uint64_t k = 0;
+                    std::memcpy(&k, payload.data() + proto::kOpDataHeaderBytes + 8 * i, 8);
+                    if (k == expect[i]) continue;
+                    const uint32_t a = theirs[i / mine.size()], b = mine[i % mine.size()];
+                    malformed_part(st, "group " + r.group + " op " + std::to_string(r.seq) + ": all_to_all: rank " +
+                                           std::to_string(a) + " (host " + hosts_[host] + ") sends rank " + std::to_string(b) +
+                                           " " + std::to_string(k) + " elements, and rank " + std::to_string(b) + " (host " +
+                                           hosts_[self_] + ") expects " + std::to_string(expect[i]));
+                    return false;
+                }
+            malformed_part(st, "group " + r.group + " op " + std::to_string(r.seq) + ": host " + hosts_[host] +
+                                   " sent all_to_all part " + std::to_string(part) + " of " + std::to_string(parts) + " with " +
+                                   std::to_string(size) + " bytes of a message this host expects to hold " +
+                                   std::to_string(st.a2a_expect[host]) + " bytes");
+            return false;
+        }
+    }
     peer_bytes_[host] += payload.size();
     group_bytes_[r.group] += payload.size();
     note_deadline(st, host, r);
     v[part] = Part{r, std::move(payload), proto::kOpDataHeaderBytes};
     return true;
+}
+
+bool DirectExchange::a2a_parts_fit(const State &st, uint32_t host, uint64_t parts) {
+    const uint64_t want = std::max<uint64_t>(1, (st.a2a_expect[host] + proto::kAllToAllPartBytes - 1) / proto::kAllToAllPartBytes);
+    return parts == want;
 }
 
 bool DirectExchange::progress_a2a(State &st, const HostOp &op) {

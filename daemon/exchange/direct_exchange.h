@@ -105,6 +105,8 @@ private:
         bool mismatch = false, done = false;
         std::string why;                   // a mismatch the reports cannot show (malformed())
         std::vector<std::vector<std::optional<Part>>> a2a;  // all_to_all: each peer's message, by part
+        std::vector<uint64_t> a2a_expect;  // all_to_all, once this host contributed: each peer's message bytes
+        std::vector<std::vector<uint64_t>> a2a_counts;  // and the counts its message must start with
         Clock::time_point earliest{};      // the earliest deadline of the peers' data here
         uint32_t earliest_host = UINT32_MAX;
     };
@@ -134,6 +136,8 @@ private:
     void contribute_a2a(State &st, const HostOp &op, const proto::OpReport &r);
     bool take_a2a(uint32_t host, const proto::OpData &d, proto::Bytes payload, std::string &over_bound);
     bool progress_a2a(State &st, const HostOp &op);
+    // Whether `parts` is the number of parts of host `host`'s message (State::a2a_expect).
+    static bool a2a_parts_fit(const State &st, uint32_t host, uint64_t parts);
     // Bytes of host `from`'s all_to_all message to host `to` (`layouts`: `from`'s local ranks').
     static uint64_t a2a_message_bytes(const OpDesc &d, const std::vector<AllToAllLayout> &layouts,
                                       std::span<const uint32_t> to_ranks);

@@ -484,4 +484,47 @@ TEST_CASE("one-shot reduce_scatter and allgather send one frame to each other ho
     CHECK(run(7, rs, std::span(host_ranks).first(2)) ==
           std::pair<bool, std::string>{true, "group g op 7: host h0 has no rank map of every host of the ring for its reduce_scatter"});
     CHECK(c.wire.empty());
+    // all_to_all, 10 floats per block: host 1 (rank 1) owes host 0 (ranks 3, 0) its 2 counts and
+    // 2 blocks, 96 bytes, in one part. Op 8: 200 bytes of zeros; op 9: a message of 2 parts; op 10:
+    // the right size but counts of 0 (rank 1 sends rank 3 no elements, which expects 10).
+    const auto a2a = Collective::AllToAll;
+    auto offer_part = [&](uint32_t from, const proto::OpReport &rr, uint64_t bytes, uint32_t parts, uint32_t part) {
+        return c.offer(0, from, rr, proto::OpDataKind::OneShot, bytes, parts << 16 | part);
+    };
+    CHECK(offer_part(1, report(8, a2a, 1), 200, 1, 0));
+    CHECK(offer_part(2, report(8, a2a, 3), 3 * 2 * 8 + 3 * 2 * 10 * 4, 1, 0));
+    // (Its counts come first, and are checked before anything else of it is read.)
+    CHECK(run(8, a2a, host_ranks) ==
+          std::pair<bool, std::string>{true, "group g op 8: all_to_all: rank 1 (host h1) sends rank 3 0 elements, and rank 3 (host "
+                                             "h0) expects 10"});
+    CHECK(offer_part(1, report(9, a2a, 1), 48, 2, 0));
+    CHECK(run(9, a2a, host_ranks) == std::pair<bool, std::string>{
+                                         true, "group g op 9: host h1 sent an all_to_all message of 2 part(s), not the 96 bytes its "
+                                               "ranks' counts say"});
+    CHECK(offer_part(1, report(10, a2a, 1), 96, 1, 0));
+    CHECK(offer_part(2, report(10, a2a, 3), 3 * 2 * 8 + 3 * 2 * 10 * 4, 1, 0));
+    CHECK(run(10, a2a, host_ranks) ==
+          std::pair<bool, std::string>{true, "group g op 10: all_to_all: rank 1 (host h1) sends rank 3 0 elements, and rank 3 (host "
+                                             "h0) expects 10"});
+    // Once host 0 has contributed, a part that its ranks' counts do not expect is not kept.
+    HostOp op;
+    op.algorithm = Algorithm::OneShot;
+    op.run.group = "g";
+    op.run.seq = 11;
+    op.run.desc = OpDesc{a2a, DType::F32, ReduceOp::Sum, 10, 6u};
+    op.run.ranks = host_ranks[0];
+    for (int i = 0; i < 2; ++i) {
+        auto sl = Slot::create("t", 4096, t);
+        REQUIRE(sl.ok());
+        op.slots.push_back(*sl);
+        op.run.members.push_back({});
+        op.run.offsets.push_back(0);
+        op.run.out_offsets.push_back(2048);
+    }
+    c.x[0]->contribute(op, report(11, a2a, 2), host_ranks);
+    CHECK_FALSE(offer_part(1, report(11, a2a, 1), 1 << 20, 2, 1));
+    CHECK(c.x[0]->backlog(1) == 0);
+    CHECK(c.x[0]->malformed(7, OpKey{"g", 5, 11}) ==
+          "group g op 11: host h1 sent all_to_all part 1 of 2 with 1048576 bytes of a message this host expects to hold 96 bytes");
+    c.x[0]->drop(7, OpKey{"g", 5, 11});
 }
