@@ -1,10 +1,12 @@
 // libFuzzer: a submit descriptor as a client may write it into its slot (256 bytes, any value),
 // checked against a slot of any data size, as the daemon checks each copied descriptor. Whatever
-// it accepts lies inside the slot, aligned, with both ranges' byte counts exact, and a device
-// reduce_scatter/allgather's part inside its block.
+// it accepts lies inside the slot, aligned, with both ranges' byte counts exact, a device
+// reduce_scatter/allgather's part inside its block, and an all_to_all's ranges those of its split
+// sizes.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "proto/slot.h"
 
@@ -29,6 +31,21 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (size > sizeof d) std::memcpy(&data_bytes, data + sizeof d, std::min<size_t>(size - sizeof d, 8));
     auto s = validate_submit(d, data_bytes, (size & 1) != 0);
     if (!s) return 0;
+    if (s->splits_pending) {
+        // An all_to_all's split sizes, read from a slot whose bytes are the rest of the input:
+        // whatever take_splits accepts lies inside the slot, its byte counts the tables' sums.
+        if (data_bytes > (1u << 20)) return 0;
+        std::vector<std::byte> slot(data_bytes);
+        const size_t rest = size > sizeof d + 8 ? size - sizeof d - 8 : 0;
+        if (rest) std::memcpy(slot.data(), data + sizeof d + 8, std::min<size_t>(rest, slot.size()));
+        if (!take_splits(*s, slot.data(), slot.size(), true)) return 0;
+        uint64_t in = 0, out = 0;
+        for (uint32_t r = 0; r < s->desc.ranks; ++r) in += (*s->splits)[r], out += (*s->splits)[s->desc.ranks + r];
+        const uint64_t es = dtype_size(s->desc.dtype);
+        if (s->splits_pending || !range_ok(s->offset, s->bytes, in, es, data_bytes) || !range_ok(s->out_offset, s->out_bytes, out, es, data_bytes))
+            __builtin_trap();
+        return 0;
+    }
     const OpDesc &desc = s->desc;
     const uint64_t esize = dtype_size(desc.dtype);
     const bool allreduce = desc.collective == Collective::Allreduce;
