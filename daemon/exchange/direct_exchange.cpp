@@ -513,11 +513,22 @@ bool DirectExchange::progress_a2a(State &st, const HostOp &op) {
     const size_t es = dtype_size(d.dtype);
     const auto &mine = st.host_ranks[self_];
     if (st.a2a.size() != n_) return false;
+    st.a2a_done.resize(n_, 0);
+    std::vector<AllToAllLayout> lay;
+    for (size_t l = 0; l < op.slots.size(); ++l) lay.emplace_back(d, l < op.run.splits.size() ? op.run.splits[l] : nullptr);
+    // Each peer's message as soon as all of it is here (while the others' still come): its counts
+    // against this host's ranks' (the size first, so that nothing is read past the message's end),
+    // then its blocks into this host's outputs; its memory is given back at once.
+    bool all = true;
     for (uint32_t h = 0; h < n_; ++h) {
-        if (h == self_) continue;
-        if (st.a2a[h].empty()) return false;
+        if (h == self_ || st.a2a_done[h]) continue;
+        bool whole = !st.a2a[h].empty();
+        for (const auto &part : st.a2a[h]) whole = whole && part.has_value();
+        if (!whole) {
+            all = false;
+            continue;
+        }
         for (const auto &part : st.a2a[h]) {
-            if (!part) return false;
             const auto &c = part->report;
             if (c.count != d.count || c.dtype != static_cast<uint32_t>(d.dtype) ||
                 c.algorithm != static_cast<uint32_t>(op.algorithm) || c.collective != static_cast<uint32_t>(d.collective)) {
@@ -525,13 +536,6 @@ bool DirectExchange::progress_a2a(State &st, const HostOp &op) {
                 return false;
             }
         }
-    }
-    std::vector<AllToAllLayout> lay;
-    for (size_t l = 0; l < op.slots.size(); ++l) lay.emplace_back(d, l < op.run.splits.size() ? op.run.splits[l] : nullptr);
-    // Every peer's message: its counts against this host's ranks' (the size first, so that nothing
-    // is read past the message's end), then its blocks into this host's outputs.
-    for (uint32_t h = 0; h < n_; ++h) {
-        if (h == self_) continue;
         const auto &theirs = st.host_ranks[h];
         const std::string at = "group " + op.run.group + " op " + std::to_string(op.run.seq) + ": host " + hosts_[h];
         if (st.a2a[h][0]->report.local_size != theirs.size()) {
@@ -576,11 +580,11 @@ bool DirectExchange::progress_a2a(State &st, const HostOp &op) {
             for (size_t b = 0; b < mine.size(); ++b)
                 in.get(op.slots[b]->data() + op.run.out_offsets[b] + lay[b].recv_at(theirs[a]) * es,
                        counts[a * mine.size() + b] * es);
+        for (auto &part : st.a2a[h]) release(op.run.group, h, *part);  // used up
+        st.a2a_done[h] = 1;
     }
+    if (!all) return false;
     st.reduced = true;
-    for (uint32_t h = 0; h < n_; ++h)
-        for (auto &part : st.a2a[h])
-            if (part) release(op.run.group, h, *part);  // used up
     release(op.run.group, self_, *st.parts[self_]);
     return true;
 }

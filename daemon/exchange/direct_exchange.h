@@ -107,6 +107,7 @@ private:
         std::vector<std::vector<std::optional<Part>>> a2a;  // all_to_all: each peer's message, by part
         std::vector<uint64_t> a2a_expect;  // all_to_all, once this host contributed: each peer's message bytes
         std::vector<std::vector<uint64_t>> a2a_counts;  // and the counts its message must start with
+        std::vector<uint8_t> a2a_done;  // each peer's message delivered into the outputs (and released)
         Clock::time_point earliest{};      // the earliest deadline of the peers' data here
         uint32_t earliest_host = UINT32_MAX;
     };
