@@ -113,7 +113,9 @@ std::string DirectExchange::send_over_bound(const proto::OpReport &r, const OpDe
                                : algorithm == Algorithm::TwoShot ? (seg_begin(r.count, n_, h + 1) - seg_begin(r.count, n_, h)) * ps
                                                                  : r.count * ps;
         const uint64_t queued = queued_(h);
-        if (queued + bytes > kMaxSendBacklog)
+        // (An all_to_all's message may be larger than the bound by itself: it goes once the queue
+        // to that peer is empty, its parts following each other.)
+        if (queued + bytes > kMaxSendBacklog && !(desc.collective == Collective::AllToAll && queued == 0))
             return "group " + r.group + " op " + std::to_string(r.seq) + ": host " + hosts_[self_] + "'s queue to host " +
                    hosts_[h] + " holds " + std::to_string(queued >> 20) + " MiB, over its bound of " +
                    std::to_string(kMaxSendBacklog >> 20) + " MiB (host " + hosts_[h] +
@@ -416,10 +418,9 @@ void DirectExchange::contribute_a2a(State &st, const HostOp &op, const proto::Op
     }
     // Parts that came before: what no expected message has is dropped now.
     for (uint32_t h = 0; h < st.a2a.size(); ++h)
-        if (h != self_ && !st.a2a[h].empty() && !a2a_parts_fit(st, h, st.a2a[h].size())) {
-            for (auto &part : st.a2a[h])
-                if (part) release(r.group, h, *part);
-            malformed_part(st, at + "host " + hosts_[h] + " sent an all_to_all message of " + std::to_string(st.a2a[h].size()) +
+        if (h != self_ && st.a2a_parts[h] != 0 && !a2a_parts_fit(st, h, st.a2a_parts[h])) {
+            for (auto &[k, part] : st.a2a[h]) release(r.group, h, part);
+            malformed_part(st, at + "host " + hosts_[h] + " sent an all_to_all message of " + std::to_string(st.a2a_parts[h]) +
                                    " part(s), not the " + std::to_string(st.a2a_expect[h]) + " bytes its ranks' counts say");
         }
     for (uint32_t h = 0; h < n_; ++h) {
@@ -460,14 +461,15 @@ bool DirectExchange::take_a2a(uint32_t host, const proto::OpData &d, proto::Byte
         if (!over_bound_why.empty()) return false;
     }
     st.a2a.resize(n_);
+    st.a2a_parts.resize(n_, 0);
     auto &v = st.a2a[host];
-    if (v.empty()) v.resize(parts);
-    if (v.size() != parts) {
+    if (st.a2a_parts[host] == 0) st.a2a_parts[host] = parts;
+    if (st.a2a_parts[host] != parts) {
         malformed_part(st, "group " + r.group + " op " + std::to_string(r.seq) + ": host " + hosts_[host] +
-                               " sent all_to_all parts of " + std::to_string(v.size()) + " and of " + std::to_string(parts));
+                               " sent all_to_all parts of " + std::to_string(st.a2a_parts[host]) + " and of " + std::to_string(parts));
         return false;
     }
-    if (v[part]) return false;  // a duplicate
+    if (v.count(part)) return false;  // a duplicate
     if (!st.a2a_expect.empty()) {
         // This host contributed: the message is what its ranks expect, part by part.
         const uint64_t size = payload.size() - proto::kOpDataHeaderBytes;
@@ -499,7 +501,7 @@ bool DirectExchange::take_a2a(uint32_t host, const proto::OpData &d, proto::Byte
     peer_bytes_[host] += payload.size();
     group_bytes_[r.group] += payload.size();
     note_deadline(st, host, r);
-    v[part] = Part{r, std::move(payload), proto::kOpDataHeaderBytes};
+    v.emplace(part, Part{r, std::move(payload), proto::kOpDataHeaderBytes});
     return true;
 }
 
@@ -522,14 +524,12 @@ bool DirectExchange::progress_a2a(State &st, const HostOp &op) {
     bool all = true;
     for (uint32_t h = 0; h < n_; ++h) {
         if (h == self_ || st.a2a_done[h]) continue;
-        bool whole = !st.a2a[h].empty();
-        for (const auto &part : st.a2a[h]) whole = whole && part.has_value();
-        if (!whole) {
+        if (st.a2a_parts.size() != n_ || st.a2a_parts[h] == 0 || st.a2a[h].size() != st.a2a_parts[h]) {
             all = false;
             continue;
         }
-        for (const auto &part : st.a2a[h]) {
-            const auto &c = part->report;
+        for (const auto &[k, part] : st.a2a[h]) {
+            const auto &c = part.report;
             if (c.count != d.count || c.dtype != static_cast<uint32_t>(d.dtype) ||
                 c.algorithm != static_cast<uint32_t>(op.algorithm) || c.collective != static_cast<uint32_t>(d.collective)) {
                 st.mismatch = true;  // the reports differ: the coordinator names both hosts
@@ -538,16 +538,16 @@ bool DirectExchange::progress_a2a(State &st, const HostOp &op) {
         }
         const auto &theirs = st.host_ranks[h];
         const std::string at = "group " + op.run.group + " op " + std::to_string(op.run.seq) + ": host " + hosts_[h];
-        if (st.a2a[h][0]->report.local_size != theirs.size()) {
-            malformed_part(st, at + " says it has " + std::to_string(st.a2a[h][0]->report.local_size) +
+        if (st.a2a[h].begin()->second.report.local_size != theirs.size()) {
+            malformed_part(st, at + " says it has " + std::to_string(st.a2a[h].begin()->second.report.local_size) +
                                    " rank(s), the group's rank map " + std::to_string(theirs.size()));
             return false;
         }
         uint64_t have = 0;
         Pieces in;
-        for (auto &part : st.a2a[h]) {
-            const size_t n = part->buf.size() - part->offset;
-            in.add(part->buf.data() + part->offset, n);
+        for (auto &[k, part] : st.a2a[h]) {  // (in part order: the map's)
+            const size_t n = part.buf.size() - part.offset;
+            in.add(part.buf.data() + part.offset, n);
             have += n;
         }
         const uint64_t header = 8 * theirs.size() * mine.size();
@@ -580,7 +580,7 @@ bool DirectExchange::progress_a2a(State &st, const HostOp &op) {
             for (size_t b = 0; b < mine.size(); ++b)
                 in.get(op.slots[b]->data() + op.run.out_offsets[b] + lay[b].recv_at(theirs[a]) * es,
                        counts[a * mine.size() + b] * es);
-        for (auto &part : st.a2a[h]) release(op.run.group, h, *part);  // used up
+        for (auto &[k, part] : st.a2a[h]) release(op.run.group, h, part);  // used up
         st.a2a_done[h] = 1;
     }
     if (!all) return false;
@@ -1028,8 +1028,7 @@ void DirectExchange::erase(std::map<Key, State>::iterator it) {
     for (auto &[id, part] : it->second.steps)
         release(std::get<1>(it->first), sender_of(static_cast<proto::OpDataKind>(id >> 16), id & 0xffff), part);
     for (uint32_t h = 0; h < it->second.a2a.size(); ++h)
-        for (auto &part : it->second.a2a[h])
-            if (part) release(std::get<1>(it->first), h, *part);
+        for (auto &[k, part] : it->second.a2a[h]) release(std::get<1>(it->first), h, part);
     ops_.erase(it);
 }
 

@@ -104,7 +104,10 @@ private:
         uint32_t phase = 0, sent = UINT32_MAX;  // where this host is in the schedule
         bool mismatch = false, done = false;
         std::string why;                   // a mismatch the reports cannot show (malformed())
-        std::vector<std::vector<std::optional<Part>>> a2a;  // all_to_all: each peer's message, by part
+        // all_to_all: each peer's message, the parts here by number (only those that came: memory
+        // in proportion to what was sent), and how many parts it said it has.
+        std::vector<std::map<uint32_t, Part>> a2a;
+        std::vector<uint32_t> a2a_parts;
         std::vector<uint64_t> a2a_expect;  // all_to_all, once this host contributed: each peer's message bytes
         std::vector<std::vector<uint64_t>> a2a_counts;  // and the counts its message must start with
         std::vector<uint8_t> a2a_done;  // each peer's message delivered into the outputs (and released)

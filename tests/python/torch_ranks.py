@@ -907,6 +907,10 @@ def scenario_rooted():
                 calls += 1
     ran = ringd_ops_completed() - before
     check(ran >= calls, f"ringd completed {ran} ops for {calls} broadcasts and reduces: some went elsewhere")
+    # PRODUCT (not ringd's op): Gloo's, and the group goes on.
+    t = torch.full((3,), 2.0)
+    dist.reduce(t, dst=0, op=dist.ReduceOp.PRODUCT)
+    check(me != 0 or bool((t == 2.0 ** WORLD).all()), f"reduce PRODUCT: {t.tolist()}")
     # A column of a matrix (not contiguous): only its elements change.
     salt += 1
     host = torch.zeros(1000, 3)
@@ -973,6 +977,24 @@ def scenario_a2a():
                     [sum(split(i, j, k, salt) for j in range(me)):][:outs[i]] for i in range(WORLD)]
             check(all(torch.equal(o, w) for o, w in zip(outl, want)), f"all_to_all (list) {dtype} k={k}")
             calls += 3
+    # Mixture-of-experts' shape: [tokens, hidden] split by rows; then input split sizes only (the
+    # output in equal blocks).
+    salt += 1
+    hidden = 3
+    ins = [split(me, j, 5, salt) for j in range(WORLD)]
+    outs = [split(i, me, 5, salt) for i in range(WORLD)]
+    inp = data(me, sum(ins) * hidden, torch.float32, salt).view(-1, hidden)
+    out = torch.empty(sum(outs), hidden)
+    dist.all_to_all_single(out, inp, output_split_sizes=outs, input_split_sizes=ins)
+    want = torch.cat([data(i, sum(split(i, j, 5, salt) for j in range(WORLD)) * hidden, torch.float32, salt).view(-1, hidden)
+                      [sum(split(i, j, 5, salt) for j in range(me)):][:outs[i]] for i in range(WORLD)])
+    check(torch.equal(out, want), "all_to_all_single of [tokens, hidden] by row split sizes")
+    inp = data(me, 4 * WORLD, torch.float32, salt)
+    out = torch.empty(4 * WORLD)
+    dist.all_to_all_single(out, inp, output_split_sizes=[4] * WORLD)
+    want = torch.cat([data(i, 4 * WORLD, torch.float32, salt)[me * 4:(me + 1) * 4] for i in range(WORLD)])
+    check(torch.equal(out, want), "all_to_all_single with the output's split sizes only")
+    calls += 2
     ran = ringd_ops_completed() - before
     check(ran >= calls, f"ringd completed {ran} ops for {calls} all_to_alls: some went elsewhere")
     t = torch.full((WORLD,), float(me))

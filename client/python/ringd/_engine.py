@@ -157,8 +157,12 @@ class _Engine(DeviceOps):
                                f"a multiple of {n} elements (not {src.numel()} and {flat.numel()})")
         total = (src.numel() + flat.numel()) * esize + 64 + 16 * n
         if total > self.ps.bytes:
-            raise RuntimeError(f"ringd: an all_to_all of {src.numel() * esize} bytes in and {flat.numel() * esize} out "
-                               f"does not fit the {self.ps.bytes}-byte slot (set RINGD_SLOT_BYTES higher)")
+            # The other ranks submit it: this rank's ops no longer pair with theirs.
+            why = (f"ringd: an all_to_all of {src.numel() * esize} bytes in and {flat.numel() * esize} out "
+                   f"does not fit the {self.ps.bytes}-byte slot (set RINGD_SLOT_BYTES higher)")
+            with self.lock:
+                self.dead = self.dead or f"{why}; this process group cannot be used any more: restart the job"
+            raise RuntimeError(why)
         opf = _compat.OpFuture()
         rec = _Op(given, flat, not contiguous, opf, result, "sum", dtype)
         rec.collective, rec.src = "all_to_all", src

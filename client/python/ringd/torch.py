@@ -484,9 +484,9 @@ class ProcessGroupRingd(ProcessGroup):
         others' stay as they are; CUDA tensors through Gloo."""
         opts = opts if opts is not None else dist.ReduceOptions()
         t = self._rooted_tensor(tensors, opts.rootTensor)
-        if t is None:
-            return self._track(self._gloo.reduce(tensors, opts))
         op = opts.reduceOp
+        if t is None or (_premul_factor(op) is None and _op_name(op) is None):  # (PRODUCT, BAND, ...: Gloo's)
+            return self._track(self._gloo.reduce(tensors, opts))
         if _op_name(op) == "avg" and not t.dtype.is_floating_point:
             raise RuntimeError(f"ringd: AVG of {t.dtype} is not defined (an integer mean); use SUM")
         if _premul_factor(op) is None:
@@ -522,7 +522,23 @@ class ProcessGroupRingd(ProcessGroup):
         if not self._a2a_through_ringd(output, input):
             gloo = getattr(self._gloo, "all_to_all_single", None) or self._gloo.alltoall_base
             return self._track(gloo(output, input, output_split_sizes, input_split_sizes, opts or dist.AllToAllOptions()))
-        fut = self._engine.all_to_all(output, input, list(output_split_sizes or []), list(input_split_sizes or []), [output])
+        # Split sizes count rows (dim 0); ringd counts elements. An empty side is equal blocks.
+        n = self.size()
+
+        def elements(t, splits):
+            if not splits:
+                return []
+            row = t.numel() // t.size(0) if t.dim() > 0 and t.size(0) else 1
+            return [int(k) * row for k in splits]
+        outs, ins = elements(output, output_split_sizes), elements(input, input_split_sizes)
+        if bool(outs) != bool(ins):  # one side's split sizes given: the other side's blocks are equal
+            side = input if not ins else output
+            if side.numel() % n:
+                raise RuntimeError(f"ringd: all_to_all_single's tensor of {side.numel()} elements without split sizes "
+                                   f"does not cut into {n} equal blocks")
+            equal = [side.numel() // n] * n
+            ins, outs = (equal, outs) if not ins else (ins, equal)
+        fut = self._engine.all_to_all(output, input, outs, ins, [output])
         return self._track(_compat.work(fut, [output]))
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
