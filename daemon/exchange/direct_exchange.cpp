@@ -113,6 +113,11 @@ std::string DirectExchange::send_over_bound(const proto::OpReport &r, const OpDe
                                : algorithm == Algorithm::TwoShot ? (seg_begin(r.count, n_, h + 1) - seg_begin(r.count, n_, h)) * ps
                                                                  : r.count * ps;
         const uint64_t queued = queued_(h);
+        if (desc.collective == Collective::AllToAll && bytes > kMaxAllToAllMessage)
+            return "group " + r.group + " op " + std::to_string(r.seq) + ": an all_to_all message of " +
+                   std::to_string(bytes >> 20) + " MiB from host " + hosts_[self_] + " to host " + hosts_[h] +
+                   " is over the " + std::to_string(kMaxAllToAllMessage >> 20) +
+                   " MiB a pair of hosts carries in one (split it into several all_to_alls)";
         // (An all_to_all's message may be larger than the bound by itself: it goes once the queue
         // to that peer is empty, its parts following each other.)
         if (queued + bytes > kMaxSendBacklog && !(desc.collective == Collective::AllToAll && queued == 0))

@@ -43,6 +43,10 @@ public:
     static constexpr uint64_t kMaxPeerBacklog = 512ull << 20;   // peers' data kept, per peer
     static constexpr uint64_t kMaxGroupBacklog = 256ull << 20;  // peers' data kept, per group
     static constexpr uint64_t kMaxSendBacklog = 128ull << 20;   // this host's queue to a peer
+    // An all_to_all's message to one host (it may exceed kMaxSendBacklog by itself, once the queue
+    // is empty): below the control connection's own bound (ControlPlane::kMaxBacklog, 256 MiB),
+    // past which the connection, and with it the ring generation, would fail.
+    static constexpr uint64_t kMaxAllToAllMessage = 192ull << 20;
 
     using Send = std::function<void(uint32_t host, const proto::Bytes &frame)>;
     using Queued = std::function<uint64_t(uint32_t host)>;  // bytes waiting in the queue to host

@@ -80,6 +80,17 @@ TEST_CASE_METHOD(Fixture, "this host sends an op's data only while its queue to 
           "one-/two-shot data as fast as it comes)");
     // Two-shot sends a peer only its segment (half of it with two hosts).
     CHECK(x.send_over_bound(r, OpDesc{Collective::Allreduce, DType::F32, ReduceOp::Sum, kCount, 0}, Algorithm::TwoShot, {}).empty());
+    // An all_to_all's message may pass the queue's bound by itself once the queue is empty (host
+    // b, rank 1, sends rank 0 on host a one block of 40 Mi floats: 160 MiB), not the control
+    // connection's (a block of 50 Mi floats: 200 MiB, over 192).
+    const std::vector<std::vector<uint32_t>> ranks{{0}, {1}};
+    const OpDesc a2a{Collective::AllToAll, DType::F32, ReduceOp::Sum, 40u << 20, 2};
+    CHECK_FALSE(x.send_over_bound(r, a2a, Algorithm::OneShot, ranks).empty());  // (the queue holds 112 MiB)
+    queued = 0;
+    CHECK(x.send_over_bound(r, a2a, Algorithm::OneShot, ranks).empty());
+    CHECK(x.send_over_bound(r, OpDesc{Collective::AllToAll, DType::F32, ReduceOp::Sum, 50u << 20, 2}, Algorithm::OneShot, ranks) ==
+          "group g op 3: an all_to_all message of 200 MiB from host b to host a is over the 192 MiB a pair of hosts carries in "
+          "one (split it into several all_to_alls)");
 }
 
 // ---------------------------------------------------------------------------------------------
