@@ -1,6 +1,7 @@
 // libFuzzer: what a peer may send on a control or data connection, frame after frame, through
 // the header check and every peer decoder (handshake, heartbeats, op negotiation, op data, RDMA
-// link info). An accepted frame must encode back to one that decodes the same.
+// link info). An accepted frame must encode back to one that decodes the same; accepted op data
+// is no larger than its collective allows.
 #include <cstdint>
 #include <span>
 
@@ -45,10 +46,30 @@ void one(FrameType type, std::span<const uint8_t> p) {
     case FrameType::RingAbort: (void)decode_ring_abort(p); break;
     case FrameType::OpData:
         if (auto d = decode_op_data(p)) {
+            if (d->report.collective == static_cast<uint32_t>(Collective::AllToAll)) {
+                // A part of a message (its counts inside): at most a part's bytes, a part number
+                // below the parts it says.
+                must(d->data.size() <= kAllToAllPartBytes && (d->step >> 16) >= 1 && (d->step & 0xffff) < (d->step >> 16));
+                break;
+            }
+            const auto coll = static_cast<Collective>(d->report.collective);
+            const auto dt = static_cast<DType>(d->report.dtype);
+            const uint64_t es = dtype_size(dt), ps = dtype_size(partial_dtype(dt, static_cast<ReduceOp>(d->report.op)));
+            if (collective_blocked(coll)) {
+                // Whole blocks of count elements (an allgather's in the dtype), at most one per rank.
+                const uint64_t block = d->report.count * (coll == Collective::Allgather ? es : ps);
+                must(block == 0 ? d->data.empty() : d->data.size() % block == 0 && d->data.size() / block <= kMaxGroupRanks);
+                break;
+            }
+            if (collective_is_rooted(coll) || coll == Collective::Barrier) {
+                // Exactly the op's data: a broadcast's in the dtype, a reduce's partial results.
+                const uint64_t want = coll == Collective::Barrier ? 0 : d->report.count * (coll == Collective::Broadcast ? es : ps);
+                must(d->data.size() == want);
+                break;
+            }
             // At most count elements, f16/bf16 contributions travelling as f32.
             uint64_t most = 0;
-            if (!__builtin_mul_overflow(d->report.count, 2 * dtype_size(static_cast<DType>(d->report.dtype)), &most))
-                must(d->data.size() <= most);
+            if (!__builtin_mul_overflow(d->report.count, 2 * es, &most)) must(d->data.size() <= most);
         }
         break;
     case FrameType::RdmaLinkInfo:
