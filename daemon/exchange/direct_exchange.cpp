@@ -626,6 +626,35 @@ void DirectExchange::contribute_rooted(State &st, const HostOp &op, const proto:
 // broadcast: done once the root's buffer is in every local rank's (on the root's host at once); reduce: done off the root's host once sent, on it once every other host's partial result
 // is reduced with its local ranks' into the root rank's buffer; barrier: once every host's
 // message is in.
+// Host h's one-shot message of a reduce_scatter, allgather, broadcast, reduce or barrier is here and
+// is the one this host's op needs: the same description (else a mismatch for the coordinator,
+// which names both hosts), the rank count and size the rank map says (else no honest peer's:
+// malformed, named).
+bool DirectExchange::part_fits(State &st, const HostOp &op, uint32_t h) {
+    const OpDesc &d = op.run.desc;
+    const auto &c = st.parts[h];
+    if (!c) return false;
+    if (c->report.count != d.count || c->report.dtype != static_cast<uint32_t>(d.dtype) ||
+        c->report.op != static_cast<uint32_t>(d.op) || c->report.algorithm != static_cast<uint32_t>(op.algorithm) ||
+        c->report.collective != static_cast<uint32_t>(d.collective) || c->report.root != d.root) {
+        st.mismatch = true;
+        return false;
+    }
+    const std::string at = "group " + op.run.group + " op " + std::to_string(c->report.seq) + ": host " + hosts_[h];
+    if (c->report.local_size != st.host_ranks[h].size()) {
+        malformed_part(st, at + " says it has " + std::to_string(c->report.local_size) + " rank(s), the group's rank map " +
+                               std::to_string(st.host_ranks[h].size()));
+        return false;
+    }
+    const uint64_t have = c->buf.size() - c->offset, want = collective_part_bytes(d, st.host_ranks, h, self_);
+    if (h != self_ && have != want) {
+        malformed_part(st, at + " sent a " + std::string(collective_name(d.collective)) + " message of " + std::to_string(have) +
+                               " bytes, not the " + std::to_string(want) + " the rank map says");
+        return false;
+    }
+    return true;
+}
+
 bool DirectExchange::progress_rooted(State &st, const HostOp &op) {
     const OpDesc &d = op.run.desc;
     uint32_t local = 0;
@@ -637,27 +666,8 @@ bool DirectExchange::progress_rooted(State &st, const HostOp &op) {
             total += static_cast<uint32_t>(st.host_ranks[h].size());
             continue;
         }
-        const auto &c = st.parts[h];
-        if (!c) return false;
-        if (c->report.count != d.count || c->report.dtype != static_cast<uint32_t>(d.dtype) ||
-            c->report.op != static_cast<uint32_t>(d.op) || c->report.algorithm != static_cast<uint32_t>(op.algorithm) ||
-            c->report.collective != static_cast<uint32_t>(d.collective) || c->report.root != d.root) {
-            st.mismatch = true;  // the reports differ: the coordinator names both hosts
-            return false;
-        }
-        const std::string at = "group " + op.run.group + " op " + std::to_string(c->report.seq) + ": host " + hosts_[h];
-        if (c->report.local_size != st.host_ranks[h].size()) {
-            malformed_part(st, at + " says it has " + std::to_string(c->report.local_size) + " rank(s), the group's rank map " +
-                                   std::to_string(st.host_ranks[h].size()));
-            return false;
-        }
-        const uint64_t have = c->buf.size() - c->offset, want = collective_part_bytes(d, st.host_ranks, h, self_);
-        if (h != self_ && have != want) {
-            malformed_part(st, at + " sent a " + std::string(collective_name(d.collective)) + " message of " +
-                                   std::to_string(have) + " bytes, not the " + std::to_string(want) + " it must");
-            return false;
-        }
-        total += c->report.local_size;
+        if (!part_fits(st, op, h)) return false;
+        total += st.parts[h]->report.local_size;
     }
     const size_t es = dtype_size(d.dtype);
     if (d.collective == Collective::Broadcast && d.count) {
@@ -703,28 +713,8 @@ bool DirectExchange::progress_collective(State &st, const HostOp &op) {
     if (st.parts.size() != n_ || st.host_ranks.size() != n_ || !st.parts[self]) return false;
     uint32_t total = 0;
     for (uint32_t h = 0; h < n_; ++h) {
-        const auto &c = st.parts[h];
-        if (!c) return false;
-        if (c->report.count != d.count || c->report.dtype != static_cast<uint32_t>(d.dtype) ||
-            c->report.op != static_cast<uint32_t>(d.op) || c->report.algorithm != static_cast<uint32_t>(op.algorithm) ||
-            c->report.collective != static_cast<uint32_t>(d.collective)) {
-            st.mismatch = true;  // the reports differ: the coordinator names both hosts
-            return false;
-        }
-        // The same op: a message that the rank map does not account for is no honest peer's.
-        const std::string at = "group " + op.run.group + " op " + std::to_string(c->report.seq) + ": host " + hosts_[h];
-        if (c->report.local_size != st.host_ranks[h].size()) {
-            malformed_part(st, at + " says it has " + std::to_string(c->report.local_size) + " rank(s), the group's rank map " +
-                                   std::to_string(st.host_ranks[h].size()));
-            return false;
-        }
-        const uint64_t have = c->buf.size() - c->offset, want = collective_part_bytes(d, st.host_ranks, h, self);
-        if (h != self && have != want) {
-            malformed_part(st, at + " sent a " + std::string(collective_name(d.collective)) + " message of " +
-                                   std::to_string(have) + " bytes, not the " + std::to_string(want) + " the rank map says");
-            return false;
-        }
-        total += c->report.local_size;
+        if (!part_fits(st, op, h)) return false;
+        total += st.parts[h]->report.local_size;
     }
     const auto &mine = st.host_ranks[self];
     const size_t es = dtype_size(d.dtype), ps = dtype_size(partial_dtype(d.dtype, d.op));

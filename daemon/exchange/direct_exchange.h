@@ -152,6 +152,7 @@ private:
     // broadcast, reduce, barrier: this host's message(s), and the op's end here.
     void contribute_rooted(State &st, const HostOp &op, const proto::OpReport &r);
     bool progress_rooted(State &st, const HostOp &op);
+    bool part_fits(State &st, const HostOp &op, uint32_t host);  // (see the .cpp)
     // broadcast, reduce: the root rank's host (ring position) and local rank; UINT32_MAX: not in
     // the map.
     static uint32_t root_host(const OpDesc &d, std::span<const std::vector<uint32_t>> host_ranks, uint32_t *local = nullptr);
