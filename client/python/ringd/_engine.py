@@ -34,7 +34,7 @@ class _Engine(DeviceOps):
     so a callback may submit again."""
 
     def __init__(self, group, local_rank, local_size, slot_bytes, socket, timeout, hosts=None, max_chunk=None,
-                 rank=None, ranks=None):
+                 rank=None, ranks=None, taper=True):
         self.client, self.ps = _connect(group, local_rank, local_size, slot_bytes, socket, hosts, timeout, rank, ranks)
         # This rank in the group (None: its ringd runs allreduce only; see collective()).
         self.rank, self.ranks = (rank, ranks) if ranks else (None, None)
@@ -46,6 +46,7 @@ class _Engine(DeviceOps):
         # their slots (the smallest rank's, ProcessGroupRingd), a quarter of it (several in flight).
         self.max_chunk = max_chunk or _chunk_bytes(self.ps.bytes)
         self.window = max(self.max_chunk, _WINDOW_BYTES)
+        self.taper = taper  # how a tensor is cut into ops (_chunks): the same on every rank of the group
         # The client, the slot's ranges, the queue, the ops in flight: the process's lock, for all
         # its groups (their ranges are of the same memory); `room`: a range, a ticket or window
         # came free, an op was queued.
@@ -352,7 +353,7 @@ class _Engine(DeviceOps):
         if plan is not None:
             return self._submit_in_place(rec, *plan)
         try:
-            for n in _chunks(total, esize, self.max_chunk):
+            for n in _chunks(total, esize, self.max_chunk, self.taper):
                 nbytes = n * esize
                 rng = None
                 with self.lock:
@@ -422,7 +423,7 @@ class _Engine(DeviceOps):
         out_blocks = rec.flat.view(n, k) if rec.collective == "allgather" else None
         start = 0
         try:
-            for m in _chunks(k, esize * n, self.max_chunk):
+            for m in _chunks(k, esize * n, self.max_chunk, self.taper):
                 nbytes = n * m * esize
                 with self.lock:
                     self._wait_locked(lambda: not self.inflight_bytes or self.inflight_bytes + nbytes <= self.window,
@@ -477,7 +478,7 @@ class _Engine(DeviceOps):
         copy_out = (rec.collective == "broadcast") != mine
         start = 0
         try:
-            for n in _chunks(total, esize, self.max_chunk):
+            for n in _chunks(total, esize, self.max_chunk, self.taper):
                 nbytes = n * esize
                 with self.lock:
                     self._wait_locked(lambda: not self.inflight_bytes or self.inflight_bytes + nbytes <= self.window,

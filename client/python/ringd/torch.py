@@ -150,8 +150,13 @@ class ProcessGroupRingd(ProcessGroup):
         rooted = int(mine and {"broadcast", "all_to_all"} <= set(st.get("collectives", ())) and
                      _ringd.Client.has_rooted_collectives() and _ringd.Client.has_all_to_all())
         store.set(f"ringd/rooted/{rank}", str(rooted))
+        # And that it cuts a large tensor into ops tapering at the end (_chunks): the ranks of a
+        # group must cut alike, so the group tapers only if every rank does (an earlier release
+        # writes no key).
+        store.set(f"ringd/taper/{rank}", "1")
         store.set(f"ringd/member/{rank}", f"{me[0]}:{me[1]}:{slot_bytes}:{mine}")
         members, smallest_slot, collectives, device_collectives, rooted_collectives = [], slot_bytes, True, True, True
+        taper = True
         for r in range(size):
             entry = store.get(f"ringd/member/{r}").decode()
             if entry.startswith("!"):
@@ -164,6 +169,7 @@ class ProcessGroupRingd(ProcessGroup):
             # absent, without waiting for it and without writing it; torch 1.13's store has no check)
             device_collectives = device_collectives and store.compare_set(f"ringd/device/{r}", "?", "?") == b"1"
             rooted_collectives = rooted_collectives and store.compare_set(f"ringd/rooted/{r}", "?", "?") == b"1"
+            taper = taper and store.compare_set(f"ringd/taper/{r}", "?", "?") == b"1"
         on_my_host = sorted(m for m in members if m[0] == me[0])
         local_rank = [m[2] for m in on_my_host].index(rank)
         local_size = len(on_my_host)
@@ -189,7 +195,8 @@ class ProcessGroupRingd(ProcessGroup):
             self._engine = _Engine(group, local_rank, local_size, slot_bytes, socket, timeout,
                                    hosts=None if set(hosts) == set(ring_hosts) else ",".join(hosts),
                                    max_chunk=_chunk_bytes(smallest_slot),
-                                   rank=rank if collectives else None, ranks=size if collectives else None)
+                                   rank=rank if collectives else None, ranks=size if collectives else None,
+                                   taper=taper)
         except _ringd.RingdError as e:
             why = f"ringd: {e}"
         # Every rank learns whether every other one joined: a group refused on one rank fails on
