@@ -116,6 +116,13 @@ private:
     uint64_t watchdog_usec_ = 0;
     Clock::time_point next_watchdog_{};
     Clock::time_point stuck_since_{};  // a progress thread is stuck (stuck_thread) since
+    // Memory (create): allocations below kLargeFrameHeap come from the heap, which keeps up to
+    // kHeapKeep free while ops run and is trimmed once no op has ended for kTrimAfter.
+    static constexpr size_t kLargeFrameHeap = 64 << 20, kHeapKeep = 512 << 20;
+    static constexpr auto kTrimAfter = std::chrono::seconds(5);
+    uint64_t trim_ops_ = 0;  // ops ended here at the last look
+    Clock::time_point quiet_since_{};
+    bool trimmed_ = true;
     // The last kRecentErrors kinds of error (logging::error_kind: numbers aside, the same text),
     // in the order they first came, each with its count: one error repeated ten thousand times
     // is one entry, and the one before it that caused it stays in view.

@@ -523,7 +523,15 @@ Result<OpReport> decode_op_report(std::span<const uint8_t> p) {
 static_assert(kOpDataHeaderBytes == kOpReportFixed + 8);
 
 Bytes encode_op_data(const OpReport &r, OpDataKind kind, uint64_t data_bytes, uint32_t step) {
-    Bytes frame(kFrameHeaderBytes + kOpDataHeaderBytes + data_bytes, 0);
+    Bytes frame = begin_op_data(r, kind, data_bytes, step);
+    frame.resize(kFrameHeaderBytes + kOpDataHeaderBytes + data_bytes);  // (zeros, within the reserved room)
+    return frame;
+}
+
+Bytes begin_op_data(const OpReport &r, OpDataKind kind, uint64_t data_bytes, uint32_t step) {
+    Bytes frame;
+    frame.reserve(kFrameHeaderBytes + kOpDataHeaderBytes + data_bytes + kFrameSealRoom);
+    frame.resize(kFrameHeaderBytes + kOpDataHeaderBytes, 0);
     put_frame_header(frame.data(), FrameType::OpData, static_cast<uint32_t>(kOpDataHeaderBytes + data_bytes));
     OpReport ready = r;  // (the message does not come along)
     ready.status = 0;

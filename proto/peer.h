@@ -270,6 +270,13 @@ struct OpData {
 // in place (the local ranks are reduced straight into the frame).
 // Kinds 4-8 carry `step` and r.algorithm.
 Bytes encode_op_data(const OpReport &r, OpDataKind kind, uint64_t data_bytes, uint32_t step = 0);
+// The same frame up to op_data_offset() only, its length saying `data_bytes`: the caller appends
+// exactly that much (no pass over the data to zero it first). Both reserve the data's room and
+// kFrameSealRoom past it.
+Bytes begin_op_data(const OpReport &r, OpDataKind kind, uint64_t data_bytes, uint32_t step = 0);
+// Room an encoder leaves past a large frame, so that a connection's MAC tag (16 bytes) is
+// appended in place.
+inline constexpr size_t kFrameSealRoom = 16;
 inline constexpr size_t op_data_offset() { return kFrameHeaderBytes + kOpDataHeaderBytes; }
 // Checks the report and that the data is no longer than count elements (of partial_dtype for
 // OneShot, TwoShotPart, Doubling, Halving and FoldIn, of the dtype for TwoShotResult, Gather and

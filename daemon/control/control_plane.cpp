@@ -837,15 +837,15 @@ void ControlPlane::tick(Clock::time_point now) {
             peer_failed(i, "no heartbeat for " + std::to_string(kMissedHeartbeats * hb.count()) + " ms (hung or unreachable)");
 }
 
-Status ControlPlane::send(uint32_t host_index, const proto::Bytes &frame) {
+Status ControlPlane::send(uint32_t host_index, proto::Bytes frame) {
     Peer &p = peers_.at(host_index);
     if (!p.control) return make_error(-ENOTCONN, "no control connection to " + p.host.name);
     Conn &c = *conns_.at(p.control);
-    if (c.mac.enabled()) return send_bytes(host_index, c, seal_frame(c.mac.send, frame));
-    return send_bytes(host_index, c, frame);
+    if (c.mac.enabled()) seal_frame_in_place(c.mac.send, frame);
+    return send_bytes(host_index, c, std::move(frame));
 }
 
-Status ControlPlane::send_bytes(uint32_t host_index, Conn &c, const proto::Bytes &frame) {
+Status ControlPlane::send_bytes(uint32_t host_index, Conn &c, proto::Bytes frame) {
     Peer &p = peers_.at(host_index);
     size_t off = 0;
     if (c.outq.empty()) {
@@ -858,9 +858,9 @@ Status ControlPlane::send_bytes(uint32_t host_index, Conn &c, const proto::Bytes
         if (n == static_cast<ssize_t>(frame.size())) return Ok{};
         off = n > 0 ? static_cast<size_t>(n) : 0;
     }
-    c.outq.push_back(frame);
-    if (c.outq.size() == 1) c.out_off = off;
     c.out_bytes += frame.size() - off;
+    c.outq.push_back(std::move(frame));
+    if (c.outq.size() == 1) c.out_off = off;
     if (c.out_bytes > kMaxBacklog) {
         peer_failed(host_index, "control connection backlog over " + std::to_string(kMaxBacklog >> 20) +
                                     " MiB: the host is not keeping up");

@@ -151,8 +151,9 @@ public:
     // ends at once with this reason.
     void data_link_failed(const std::string &why, bool seen_here = false);
     // Queues what the socket does not take at once (small ops carry data); a peer that lets
-    // more than kMaxBacklog pile up is not keeping up and fails.
-    Status send(uint32_t host_index, const proto::Bytes &frame);
+    // more than kMaxBacklog pile up is not keeping up and fails. The frame is sealed (MAC) and
+    // queued as it is, not copied: hand a large one over with std::move.
+    Status send(uint32_t host_index, proto::Bytes frame);
     static constexpr uint64_t kMaxBacklog = 256ull << 20;
     // Bytes queued for `host_index` that its socket has not taken yet.
     uint64_t queued_bytes(uint32_t host_index) const;
@@ -238,7 +239,7 @@ private:
     // Writes the control connections' queues until they are empty or `deadline` passes, waiting
     // on the sockets (the control thread blocks meanwhile: for an abort only).
     void flush_all(Clock::time_point deadline);
-    Status send_bytes(uint32_t host_index, Conn &c, const proto::Bytes &frame);  // as on the wire
+    Status send_bytes(uint32_t host_index, Conn &c, proto::Bytes frame);  // as on the wire
     void conn_failed(uint64_t id, const std::string &why);
     void peer_failed(uint32_t peer, const std::string &why);
     void abort_ring(const std::string &why, bool tell_peers = true);

@@ -191,7 +191,7 @@ void DirectExchange::contribute(const HostOp &op, const proto::OpReport &r, std:
             proto::Bytes part = proto::encode_op_data(r, proto::OpDataKind::OneShot, ranks.size() * count * ps);
             for (size_t j = 0; j < ranks.size(); ++j)
                 local_reduce_into(op, part.data() + proto::op_data_offset() + j * count * ps, uint64_t{ranks[j]} * count, count);
-            send_(h, part);
+            send_(h, std::move(part));
         }
         add(self_, r, {}, 0);
         return;
@@ -220,7 +220,7 @@ void DirectExchange::contribute(const HostOp &op, const proto::OpReport &r, std:
             const uint64_t b = seg_begin(count, n_, h), e = seg_begin(count, n_, h + 1);
             proto::Bytes part = proto::encode_op_data(r, proto::OpDataKind::TwoShotPart, (e - b) * ps);
             local_reduce_into(op, part.data() + proto::op_data_offset(), b, e - b);
-            send_(h, part);
+            send_(h, std::move(part));
         }
     }
     // This host's own part: the whole contribution (one-shot), or its segment, which stays in
@@ -433,23 +433,31 @@ void DirectExchange::contribute_a2a(State &st, const HostOp &op, const proto::Op
         const auto &theirs = st.host_ranks[h];
         const uint64_t total = a2a_message_bytes(d, lay, theirs);
         const uint64_t parts = std::max<uint64_t>(1, (total + proto::kAllToAllPartBytes - 1) / proto::kAllToAllPartBytes);
-        std::vector<proto::Bytes> frames;
-        Pieces out;
-        for (uint64_t k = 0; k < parts; ++k) {
-            const uint64_t bytes = std::min<uint64_t>(proto::kAllToAllPartBytes, total - k * proto::kAllToAllPartBytes);
-            frames.push_back(proto::encode_op_data(r, proto::OpDataKind::OneShot, bytes,
-                                                   static_cast<uint32_t>(parts << 16 | k)));
-            out.add(frames.back().data() + proto::op_data_offset(), bytes);
-        }
+        // Each part is its header, then the message's bytes appended straight from the slots (one
+        // pass over them), sent as soon as it is full.
+        std::vector<uint64_t> counts;
         for (size_t a = 0; a < mine.size(); ++a)
-            for (uint32_t b : theirs) {
-                const uint64_t k = lay[a].send_count(b);
-                out.put(&k, 8);  // (little-endian hosts: proto/le.h)
+            for (uint32_t b : theirs) counts.push_back(lay[a].send_count(b));  // (little-endian hosts: proto/le.h)
+        uint64_t k = 0, room = 0;
+        proto::Bytes frame;
+        auto append = [&](const std::byte *src, uint64_t n) {
+            const auto *p = reinterpret_cast<const uint8_t *>(src);
+            while (n > 0) {
+                if (room == 0) {
+                    const uint64_t bytes = std::min<uint64_t>(proto::kAllToAllPartBytes, total - k * proto::kAllToAllPartBytes);
+                    frame = proto::begin_op_data(r, proto::OpDataKind::OneShot, bytes, static_cast<uint32_t>(parts << 16 | k++));
+                    room = bytes;
+                }
+                const uint64_t take = std::min(n, room);
+                frame.insert(frame.end(), p, p + take);
+                p += take, n -= take, room -= take;
+                if (room == 0) send_(h, std::move(frame));
             }
+        };
+        append(reinterpret_cast<const std::byte *>(counts.data()), 8 * counts.size());
         for (size_t a = 0; a < mine.size(); ++a)
             for (uint32_t b : theirs)
-                out.put(op.slots[a]->data() + op.run.offsets[a] + lay[a].send_at(b) * es, lay[a].send_count(b) * es);
-        for (const auto &f : frames) send_(h, f);
+                append(op.slots[a]->data() + op.run.offsets[a] + lay[a].send_at(b) * es, lay[a].send_count(b) * es);
     }
     add(self_, r, {}, 0);
 }
@@ -813,7 +821,7 @@ void DirectExchange::send_step(State &st, proto::OpDataKind kind, uint32_t step,
     r.local_size = st.ranks;
     proto::Bytes f = proto::encode_op_data(r, kind, bytes, step);
     if (bytes) std::memcpy(f.data() + proto::op_data_offset(), data, bytes);
-    send_(to, f);
+    send_(to, std::move(f));
 }
 
 // Doubling and halving-doubling, as far as the partners' data allows:

@@ -48,7 +48,8 @@ public:
     // past which the connection, and with it the ring generation, would fail.
     static constexpr uint64_t kMaxAllToAllMessage = 192ull << 20;
 
-    using Send = std::function<void(uint32_t host, const proto::Bytes &frame)>;
+    // (A frame is the sender's to seal and queue as it is: one sent once goes with std::move.)
+    using Send = std::function<void(uint32_t host, proto::Bytes frame)>;
     using Queued = std::function<uint64_t(uint32_t host)>;  // bytes waiting in the queue to host
     DirectExchange(uint32_t self, std::vector<std::string> hosts, Send send, Queued queued);
 

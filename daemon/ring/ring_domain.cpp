@@ -99,9 +99,9 @@ Status RingDomain::setup(UniqueFd listener) {
                              [groups = sh_.groups](const std::string &g) { return groups->op_timeout(g); });
     exchange_ = std::make_unique<DirectExchange>(
         self_index_, std::move(names),
-        [this](uint32_t h, const proto::Bytes &f) {
+        [this](uint32_t h, proto::Bytes f) {
             ++frames_.data_sent;
-            (void)control_->send(h, f);
+            (void)control_->send(h, std::move(f));
         },
         [this](uint32_t h) { return control_->queued_bytes(h); });
     if (!whole_ring()) spdlog::info("ring domain {}: made (this host is {} of {})", key_, self_index_, members_.size());

@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "proto/le.h"
+#include "proto/peer.h"
 
 namespace ringd {
 namespace {
@@ -78,13 +79,21 @@ SessionMac::SessionMac(const SessionKeys &k) {
 }
 
 proto::Bytes seal_frame(FrameMac &mac, std::span<const uint8_t> frame) {
-    proto::Bytes out(frame.size() + kTagBytes);
-    std::memcpy(out.data(), frame.data(), frame.size());
-    const auto type = static_cast<proto::FrameType>(proto::le::get<uint16_t>(&frame[6]));
-    proto::put_frame_header(out.data(), type, static_cast<uint32_t>(frame.size() - proto::kFrameHeaderBytes + kTagBytes));
-    const Tag t = mac.seal({std::span<const uint8_t>(out.data(), frame.size())});
-    std::memcpy(out.data() + frame.size(), t.data(), t.size());
+    proto::Bytes out;
+    out.reserve(frame.size() + kTagBytes);
+    out.assign(frame.begin(), frame.end());
+    seal_frame_in_place(mac, out);
     return out;
+}
+
+static_assert(proto::kFrameSealRoom == kTagBytes, "encoders reserve room for the tag");
+
+void seal_frame_in_place(FrameMac &mac, proto::Bytes &frame) {
+    const size_t n = frame.size();
+    const auto type = static_cast<proto::FrameType>(proto::le::get<uint16_t>(&frame[6]));
+    proto::put_frame_header(frame.data(), type, static_cast<uint32_t>(n - proto::kFrameHeaderBytes + kTagBytes));
+    const Tag t = mac.seal({std::span<const uint8_t>(frame.data(), n)});
+    frame.insert(frame.end(), t.begin(), t.end());
 }
 
 Status open_frame(FrameMac &mac, Frame &f) {

@@ -72,6 +72,9 @@ struct SessionMac {
 // A control frame (header + payload, as encoded) with its tag: the header's length grows by
 // kTagBytes and the tag, over the new header and the payload, follows the payload.
 proto::Bytes seal_frame(FrameMac &mac, std::span<const uint8_t> frame);
+// The same on the frame itself: no copy of it (the tag is appended; an encoder that reserves
+// kTagBytes of capacity past the frame spares the vector a move too).
+void seal_frame_in_place(FrameMac &mac, proto::Bytes &frame);
 // Checks and strips the tag of a frame read with a cap kTagBytes above the payload's; the error
 // says what was wrong (the connection is to be closed).
 Status open_frame(FrameMac &mac, Frame &frame);
