@@ -977,6 +977,18 @@ def scenario_a2a():
                     [sum(split(i, j, k, salt) for j in range(me)):][:outs[i]] for i in range(WORLD)]
             check(all(torch.equal(o, w) for o, w in zip(outl, want)), f"all_to_all (list) {dtype} k={k}")
             calls += 3
+    # Equal blocks too large for one ringd op's first part: several ops, each the same part of
+    # every block, copied out into the output's blocks (a column of its [ranks, k] view).
+    salt += 1
+    k = (5 << 20) // (4 * WORLD) + 13
+    inp = data(me, k * WORLD, torch.float32, salt)
+    out = torch.full((k * WORLD,), -7.0)
+    first = ringd_ops_completed()
+    dist.all_to_all_single(out, inp)
+    want = torch.cat([data(i, k * WORLD, torch.float32, salt)[me * k:(me + 1) * k] for i in range(WORLD)])
+    check(torch.equal(out, want), f"all_to_all_single (equal blocks of {k}, in parts)")
+    check(ringd_ops_completed() - first >= 2, f"an all_to_all of {4 * k * WORLD} bytes went as one ringd op")
+    calls += 1
     # Mixture-of-experts' shape: [tokens, hidden] split by rows; then input split sizes only (the
     # output in equal blocks).
     salt += 1

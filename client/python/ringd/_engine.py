@@ -140,9 +140,10 @@ class _Engine(DeviceOps):
 
     def all_to_all(self, out, inp, out_splits, in_splits, result):
         """all_to_all through ringd, one ringd op: `inp`'s blocks (in_splits elements each, in rank
-        order; empty: equal blocks) to every rank, `out`'s from every rank (out_splits). The input,
-        the output and the split sizes take one range of the slot (more than the slot: refused, on
-        this rank; the others' op then fails at ringd's op timeout)."""
+        order; empty: equal blocks) to every rank, `out`'s from every rank (out_splits). With split
+        sizes the input, the output and the sizes take one range of the slot (more than the slot:
+        refused, on this rank; the others' op then fails at ringd's op timeout); equal blocks go
+        in parts that fit (_submit_a2a_parts)."""
         dtype = _DTYPES[out.dtype]
         given = out.detach()
         contiguous = given.is_contiguous()
@@ -157,7 +158,8 @@ class _Engine(DeviceOps):
             raise RuntimeError(f"ringd: all_to_all without split sizes needs input and output of the same size, "
                                f"a multiple of {n} elements (not {src.numel()} and {flat.numel()})")
         total = (src.numel() + flat.numel()) * esize + 64 + 16 * n
-        if total > self.ps.bytes:
+        cut = not (in_splits or out_splits) and self.taper  # in parts of at most max_chunk: they fit
+        if total > self.ps.bytes and not cut:
             # The other ranks submit it: this rank's ops no longer pair with theirs.
             why = (f"ringd: an all_to_all of {src.numel() * esize} bytes in and {flat.numel() * esize} out "
                    f"does not fit the {self.ps.bytes}-byte slot (set RINGD_SLOT_BYTES higher)")
@@ -509,8 +511,14 @@ class _Engine(DeviceOps):
             self._submit_failed(rec, start, e)
 
     def _submit_a2a(self, rec):
-        """An all_to_all's one ringd op: its input, output and split sizes in one slot range."""
+        """An all_to_all's one ringd op: its input, output and split sizes in one slot range.
+        Equal blocks (no split sizes: the same sizes on every rank) in a group that cuts alike
+        (taper) go as several ops instead, each the same part of every block (_submit_a2a_parts)."""
         esize, n = rec.flat.element_size(), self.ranks
+        if rec.splits is None and self.taper and rec.src.numel() >= n:
+            parts = list(_chunks(rec.src.numel() // n, esize * n, self.max_chunk, True))
+            if len(parts) > 1:
+                return self._submit_a2a_parts(rec, parts)
         in_bytes, out_bytes = rec.src.numel() * esize, rec.flat.numel() * esize
         nbytes = (in_bytes + out_bytes + 63) // 64 * 64 + 16 * n
         try:
@@ -544,6 +552,47 @@ class _Engine(DeviceOps):
                 raise
         except BaseException as e:
             self._submit_failed(rec, 0, e)
+
+    def _submit_a2a_parts(self, rec, parts):
+        """An all_to_all of equal blocks of k elements as one ringd op per part [a, a + m) of every
+        block (parts: the m's, the allreduce's cut of k, so every rank cuts alike): each op's input
+        and output are n blocks of m in one slot range. The first op starts after a short copy in,
+        and each op's result is copied out while the next ones are on the wire."""
+        esize, n = rec.flat.element_size(), self.ranks
+        k = rec.src.numel() // n
+        src_blocks, out_blocks = rec.src.view(n, k), rec.flat.view(n, k)
+        start = 0
+        try:
+            for m in parts:
+                half = n * m * esize
+                nbytes = 2 * ((half + 63) // 64 * 64)
+                with self.lock:
+                    self._wait_locked(lambda: not self.inflight_bytes or self.inflight_bytes + nbytes <= self.window,
+                                      f"ringd: the ops in flight did not end within {self.timeout}")
+                    rng = self._alloc_locked(nbytes)
+                try:
+                    in_off, out_off = rng[0], rng[0] + nbytes // 2
+                    view_in = self.slot[in_off:in_off + half].view(rec.flat.dtype).view(n, m)
+                    view_out = self.slot[out_off:out_off + half].view(rec.flat.dtype).view(n, m)
+                    with torch.no_grad():
+                        view_in.copy_(src_blocks[:, start:start + m])
+                    self._note_copies(half, 0)
+                    with self.lock:
+                        ticket = self._submit_coll_locked("all_to_all", m, rec.dtype, "sum", in_off, out_off)
+                        rec.chunks_left += 1
+                        rec.several = True
+                        rec.submitted_all = start + m >= k
+                        self.inflight_bytes += nbytes
+                        copy_out = (lambda p=out_blocks[:, start:start + m], v=view_out: _copied(p, v))
+                        self.inflight[ticket] = (rec, copy_out, view_out, rng, nbytes)
+                        self.room.notify_all()
+                except BaseException:
+                    with self.lock:
+                        self.space.release(*rng)
+                    raise
+                start += m
+        except BaseException as e:
+            self._submit_failed(rec, start, e)
 
     def _submit_in_place(self, rec, collective, count, in_off, out_off):
         """One ringd op on tensors that lie in the slot: nothing copied in, nothing out."""
