@@ -566,8 +566,9 @@ class _Engine(DeviceOps):
             for m in parts:
                 half = n * m * esize
                 nbytes = 2 * ((half + 63) // 64 * 64)
+                # (The window counts what is copied in, as for the other collectives: the input.)
                 with self.lock:
-                    self._wait_locked(lambda: not self.inflight_bytes or self.inflight_bytes + nbytes <= self.window,
+                    self._wait_locked(lambda: not self.inflight_bytes or self.inflight_bytes + half <= self.window,
                                       f"ringd: the ops in flight did not end within {self.timeout}")
                     rng = self._alloc_locked(nbytes)
                 try:
@@ -582,9 +583,9 @@ class _Engine(DeviceOps):
                         rec.chunks_left += 1
                         rec.several = True
                         rec.submitted_all = start + m >= k
-                        self.inflight_bytes += nbytes
+                        self.inflight_bytes += half
                         copy_out = (lambda p=out_blocks[:, start:start + m], v=view_out: _copied(p, v))
-                        self.inflight[ticket] = (rec, copy_out, view_out, rng, nbytes)
+                        self.inflight[ticket] = (rec, copy_out, view_out, rng, half)
                         self.room.notify_all()
                 except BaseException:
                     with self.lock:
