@@ -15,6 +15,8 @@
 
 #include "common/fd_io.h"
 #include "daemon/control/peer_handshake.h"
+#include "proto/peer.h"
+#include "proto/types.h"
 #include "tests/support/net.h"
 
 using namespace ringd;
@@ -249,6 +251,39 @@ TEST_CASE("sealed control frames: forged, replayed, reordered or cross-connectio
     SECTION("a frame without a tag") {
         Frame bare = as_frame(hb1);
         CHECK_FALSE(open_frame(l.recv, bare).ok());
+    }
+}
+
+TEST_CASE("a frame sealed in place is the frame sealed as a copy, and opens", "[handshake][mac]") {
+    const PeerSecret secret = PeerSecret::from_bytes("0123456789abcdef0123456789abcdef");
+    auto [dk, lk] = session(secret);
+    SessionMac copy(dk), in_place(dk), l(lk);
+    proto::OpReport r;
+    r.group = "g";
+    r.seq = 9;
+    r.collective = static_cast<uint32_t>(Collective::AllToAll);
+    for (const uint64_t bytes : {uint64_t{0}, uint64_t{1}, uint64_t{4099}, uint64_t{1} << 20}) {
+        INFO(bytes << " bytes of data");
+        // begin_op_data + the data appended is encode_op_data filled in, with room for the tag.
+        proto::Bytes filled = proto::encode_op_data(r, proto::OpDataKind::OneShot, bytes, 2 << 16 | 1);
+        proto::Bytes appended = proto::begin_op_data(r, proto::OpDataKind::OneShot, bytes, 2 << 16 | 1);
+        REQUIRE(appended.size() == proto::op_data_offset());
+        CHECK(appended.capacity() >= proto::op_data_offset() + bytes + kTagBytes);
+        for (uint64_t i = 0; i < bytes; ++i) {
+            filled[proto::op_data_offset() + i] = static_cast<uint8_t>(i * 7 + 3);
+            appended.push_back(static_cast<uint8_t>(i * 7 + 3));
+        }
+        CHECK(appended == filled);
+        const proto::Bytes sealed = seal_frame(copy.send, filled);
+        const uint8_t *before = appended.data();
+        seal_frame_in_place(in_place.send, appended);
+        CHECK(appended == sealed);
+        CHECK(appended.data() == before);  // the reserved room held the tag: no reallocation
+        auto h = proto::decode_frame_header(std::span(appended).first(proto::kFrameHeaderBytes), 2 << 20);
+        REQUIRE(h.ok());
+        Frame f{h->type, proto::Bytes(appended.begin() + proto::kFrameHeaderBytes, appended.end()), {}};
+        REQUIRE(open_frame(l.recv, f).ok());
+        CHECK(f.payload == proto::Bytes(filled.begin() + proto::kFrameHeaderBytes, filled.end()));
     }
 }
 
