@@ -1,10 +1,15 @@
 // ringd-bench: a trainer that measures a collective through ringd (--coll: allreduce,
-// reduce_scatter, allgather), nccl-tests style: size is the larger buffer (reduce_scatter's
-// input, allgather's output), algbw = size / time, busbw = algbw x 2(n-1)/n (allreduce) or
-// (n-1)/n (the others), n counting ranks. Since ringd reduces a host's ranks before the network,
-// what bounds it is each host's NIC: hostbw is the bytes each host sends per second (allreduce
-// 2(H-1)/H x size, the others (H-1)/H x size, H hosts), and with --link-mbit, xfloor is the
-// time over that link's floor for them. Every local rank runs it; local rank 0 prints the table. Timing covers only the timed loop;
+// reduce_scatter, allgather, broadcast, reduce, all_to_all), nccl-tests style: size is the larger
+// buffer (reduce_scatter's input, allgather's output, broadcast's and reduce's buffer, each rank's
+// all_to_all input), algbw = size / time, busbw = algbw x 2(n-1)/n (allreduce), (n-1)/n
+// (reduce_scatter, allgather, all_to_all) or 1 (broadcast, reduce), n counting ranks. Since ringd
+// reduces a host's ranks before the network, what bounds it is each host's NIC: hostbw is the
+// bytes each host sends per second (allreduce 2(H-1)/H x size, reduce_scatter and allgather
+// (H-1)/H x size, broadcast and reduce size (the root's host sends, resp. receives, all of it),
+// all_to_all (H-1)/H x L x size with L ranks per host, H hosts), and with --link-mbit, xfloor is
+// the time over that link's floor for them. broadcast and reduce run from and to --root (default
+// rank 1, a host's second rank where hosts have two); all_to_all sends equal blocks, its output
+// right after its input. Every local rank runs it; local rank 0 prints the table. Timing covers only the timed loop;
 // the correctness check runs afterwards on freshly filled data and is not timed.
 //
 // Every rank checks its own result (every value, and guard bytes before and after the op's
@@ -45,6 +50,7 @@ struct Options {
     int timeout_ms = -1;
     bool latency = false;
     std::string coll = "allreduce";
+    int root = -1;          // broadcast, reduce (-1: rank 1, or 0 with one rank)
     double link_mbit = 0;  // each host's link rate, for xfloor (0: not printed)
 };
 
@@ -57,7 +63,7 @@ int fail(const Options &o, const std::string &msg) {
 
 int main(int argc, char **argv) {
     Options o;
-    CLI::App app{"ringd-bench: allreduce bandwidth through ringd (nccl-tests columns)"};
+    CLI::App app{"ringd-bench: a collective's bandwidth through ringd (nccl-tests columns)"};
     app.add_option("--socket", o.socket, "ringd's Unix socket")->capture_default_str();
     app.add_option("--group", o.group, "group name")->capture_default_str();
     app.add_option("--group-hosts", o.group_hosts, "the group's hosts, comma-separated (default: every host of the ring)");
@@ -72,7 +78,8 @@ int main(int argc, char **argv) {
     app.add_option("-w,--warmup_iters", o.warmup, "untimed iterations first")->capture_default_str()->check(CLI::Range(0, 1 << 20));
     app.add_option("-c,--check", o.check, "check results (0|1)")->capture_default_str()->check(CLI::Range(0, 1));
     app.add_option("--timeout-ms", o.timeout_ms, "per-op deadline (default: ringd's op timeout + 10 s)");
-    app.add_option("--coll", o.coll, "allreduce reduce_scatter allgather")->capture_default_str();
+    app.add_option("--coll", o.coll, "allreduce reduce_scatter allgather broadcast reduce all_to_all")->capture_default_str();
+    app.add_option("--root", o.root, "broadcast, reduce: the root rank (default 1, or 0 with one rank)");
     app.add_option("--link-mbit", o.link_mbit, "each host's link rate (Mbit/s): print each size's time over its floor")
         ->check(CLI::PositiveNumber);
     app.add_flag("--latency", o.latency, "also print each size's op latency percentiles (p50 p90 p99 max, us)");
@@ -84,7 +91,10 @@ int main(int argc, char **argv) {
     if (!dtype) return fail(o, "unknown dtype " + o.dtype);
     if (!op) return fail(o, "unknown op " + o.op);
     const auto coll = parse_collective(o.coll);
-    if (!coll) return fail(o, "unknown collective " + o.coll + " (allreduce, reduce_scatter, allgather)");
+    if (!coll || *coll == Collective::Barrier)
+        return fail(o, "unknown collective " + o.coll + " (allreduce, reduce_scatter, allgather, broadcast, reduce, all_to_all)");
+    const bool a2a = *coll == Collective::AllToAll;
+    const bool rooted = *coll == Collective::Broadcast || *coll == Collective::Reduce;
     if (!min_b || !max_b || *min_b > *max_b) return fail(o, "bad size range " + o.min_bytes + ".." + o.max_bytes);
     const size_t esize = dtype_size(*dtype);
 
@@ -119,10 +129,12 @@ int main(int argc, char **argv) {
     // Every host runs the same local_size (a group spans every host alike).
     const uint64_t nranks = hosts * static_cast<uint64_t>(o.local_size);
     const uint64_t global_rank = host_index * static_cast<uint64_t>(o.local_size) + static_cast<uint64_t>(o.local_rank);
+    const uint64_t root = o.root >= 0 ? static_cast<uint64_t>(o.root) : (nranks > 1 ? 1 : 0);
+    if (rooted && root >= nranks) return fail(o, "--root " + std::to_string(root) + ": the group has " + std::to_string(nranks) + " ranks");
 
     // The op sits kGuardBytes into the slot, with guard bytes before and after its range (fewer
     // when ringd's memory.slot_bytes leaves less room next to the largest size).
-    const size_t largest = std::max<size_t>(*max_b, 64);
+    const size_t largest = std::max<size_t>(*max_b, 64) * (a2a ? 2 : 1);  // (all_to_all: input and output)
     const size_t room = slot_limit > largest ? std::min<uint64_t>(2 * bench::kGuardBytes, slot_limit - largest) : 0;
     const size_t op_offset = room / 2 / 8 * 8;  // a multiple of every element size
     const size_t slot_bytes = largest + room;
@@ -131,11 +143,12 @@ int main(int argc, char **argv) {
                              "size %zu): set memory.slot_bytes to at least %zu for full guards\n",
                      room, static_cast<unsigned long long>(slot_limit), largest, largest + 2 * bench::kGuardBytes);
     char err[512] = "";
-    // reduce_scatter and allgather: the group's ranks in ring order, local ranks in order.
-    const bool blocks = *coll != Collective::Allreduce;
+    // Every collective but allreduce: the group's ranks in ring order, local ranks in order.
+    const bool ranked = *coll != Collective::Allreduce;
+    const bool blocks = *coll == Collective::ReduceScatter || *coll == Collective::Allgather;
     ringd_client *c = bench::connect_group(o.socket, o.group, o.local_rank, o.local_size, slot_bytes, o.group_hosts, err,
-                                           sizeof err, blocks ? static_cast<int>(global_rank) : 0,
-                                           blocks ? static_cast<int>(nranks) : 0);
+                                           sizeof err, ranked ? static_cast<int>(global_rank) : 0,
+                                           ranked ? static_cast<int>(nranks) : 0);
     if (!c) return fail(o, err);
     size_t have = 0;
     void *buf = ringd_slot(c, &have);
@@ -145,16 +158,26 @@ int main(int argc, char **argv) {
     }
     const auto cdt = static_cast<ringd_dtype>(*dtype);
     const auto cop = static_cast<ringd_op>(*op);
-    // `count`: the larger buffer's elements (a whole number of blocks for reduce_scatter and
-    // allgather). In place: a reduce_scatter's output is this rank's block of the input, an
-    // allgather's input its block of the output, so the op's range is the guarded one.
+    // `count`: the larger buffer's elements (a whole number of blocks for reduce_scatter, allgather
+    // and all_to_all). In place: a reduce_scatter's output is this rank's block of the input, an
+    // allgather's input its block of the output, broadcast and reduce work on the buffer; an
+    // all_to_all's output follows its input. So the op's range is the guarded one.
     auto run = [&](size_t count) {
-        if (!blocks) return ringd_allreduce(c, op_offset, count, cdt, cop, o.timeout_ms);
-        const size_t block = count / nranks;
-        const size_t mine = op_offset + global_rank * block * esize;
-        const ringd_coll d{sizeof(ringd_coll), static_cast<ringd_collective>(*coll), cdt, cop, block,
-                           *coll == Collective::ReduceScatter ? op_offset : mine,
-                           *coll == Collective::ReduceScatter ? mine : op_offset, 0, nullptr, nullptr, 0};
+        if (!ranked) return ringd_allreduce(c, op_offset, count, cdt, cop, o.timeout_ms);
+        ringd_coll d{sizeof(ringd_coll), static_cast<ringd_collective>(*coll), cdt, cop, count, op_offset, 0, 0,
+                     nullptr, nullptr, 0};
+        if (blocks) {
+            const size_t block = count / nranks;
+            const size_t mine = op_offset + global_rank * block * esize;
+            d.count = block;
+            d.in_offset = *coll == Collective::ReduceScatter ? op_offset : mine;
+            d.out_offset = *coll == Collective::ReduceScatter ? mine : op_offset;
+        } else if (a2a) {
+            d.count = count / nranks;
+            d.out_offset = op_offset + count * esize;
+        } else {
+            d.root = static_cast<int>(root);
+        }
         uint64_t t = 0;
         if (int rc = ringd_submit_coll(c, &d, &t); rc != 0) return rc;
         return ringd_wait(c, t, o.timeout_ms);
@@ -184,15 +207,16 @@ int main(int argc, char **argv) {
     int rc = 0;
     for (uint64_t size = *min_b; size <= *max_b; size *= static_cast<uint64_t>(o.factor)) {
         size_t count = size / esize;
-        if (blocks) count = count / nranks * nranks;  // whole blocks
+        if (blocks || a2a) count = count / nranks * nranks;  // whole blocks
         if (count == 0) continue;
-        // Guards salted per rank and size: bytes copied from another rank's slot or an earlier size do not match.
-        const bench::GuardedRange range{op_offset, count, have, *dtype, bench::mix64(global_rank * 0x10001 + size)};
+        // Guards salted per rank and size: bytes copied from another rank's slot or an earlier size
+        // do not match. (all_to_all: around its input and output.)
+        const bench::GuardedRange range{op_offset, count * (a2a ? 2 : 1), have, *dtype, bench::mix64(global_rank * 0x10001 + size)};
         range.prepare(buf, global_rank);
         for (int i = 0; i < o.warmup && rc == 0; ++i) rc = run(count);
         // As the baselines do (run_sweep): idle links, then a barrier (a one-element op).
         bench::idle_links();
-        if (rc == 0) rc = run(1);
+        if (rc == 0) rc = run(a2a ? nranks : 1);
         std::vector<double> lat;
         if (o.latency) lat.reserve(static_cast<size_t>(o.iters));
         const double cpu0 = cpu_reader ? cpu.seconds() : -1;
@@ -218,17 +242,38 @@ int main(int argc, char **argv) {
         if (o.check) {
             range.prepare(buf, global_rank);
             if ((rc = run(count)) != 0) break;
-            if (!blocks) {
+            const auto *base = static_cast<const unsigned char *>(buf);
+            if (!ranked) {
                 const auto v = range.check(buf, *op, nranks);
                 wrong = v.wrong;
                 guard_total += v.guard;
+            } else if (!blocks) {
+                // Here too, from every rank's inputs (value(g, i) at element i of rank g's range): a
+                // broadcast leaves the root's everywhere, a reduce the reduction at the root (its
+                // other ranks' buffers may hold partial results: only their guards are checked),
+                // an all_to_all's output block b rank b's block for this rank.
+                if (*coll == Collective::Broadcast) {
+                    for (size_t i = 0; i < count; ++i)
+                        if (bench::load(base + op_offset, i, *dtype) != bench::round_to(*dtype, static_cast<double>(bench::value(root, i))))
+                            ++wrong;
+                } else if (*coll == Collective::Reduce) {
+                    if (global_rank == root) wrong = bench::count_wrong_at(base + op_offset, count, *dtype, *op, nranks, 0);
+                } else {
+                    const size_t block = count / nranks;
+                    for (uint64_t b = 0; b < nranks; ++b)
+                        for (size_t i = 0; i < block; ++i)
+                            if (bench::load(base + op_offset + (count + b * block) * esize, i, *dtype) !=
+                                bench::round_to(*dtype, static_cast<double>(bench::value(b, global_rank * block + i))))
+                                ++wrong;
+                }
+                guard_total += bench::guard_damage(buf, range.guard_begin(), op_offset, range.salt) +
+                               bench::guard_damage(buf, op_offset + range.bytes(), range.guard_end(), range.salt);
             } else {
                 // Here, from every rank's inputs: rank g filled element i of the range with
                 // value(g, i) (prepare); a reduce_scatter's block r is then the reduction of
                 // element r*block + i, and an allgather's block b is rank b's own block of its
                 // range, value(b, b*block + i).
                 const size_t block = count / nranks;
-                const auto *base = static_cast<const unsigned char *>(buf);
                 if (*coll == Collective::ReduceScatter) {
                     wrong = bench::count_wrong_at(base + op_offset + global_rank * block * esize, block, *dtype, *op,
                                                   nranks, global_rank * block);
@@ -245,11 +290,14 @@ int main(int argc, char **argv) {
         }
         wrong_total += wrong;
         const double algbw = static_cast<double>(count * esize) / (us * 1e3);
-        const double share = (blocks ? 1.0 : 2.0) * static_cast<double>(nranks - 1) / static_cast<double>(nranks);
+        const double share = rooted ? 1.0 : (ranked ? 1.0 : 2.0) * static_cast<double>(nranks - 1) / static_cast<double>(nranks);
         const double busbw = algbw * share;
-        // Each host's NIC: the ring over hosts moves (H-1)/H of the buffer per pass.
-        const double host_bytes = (blocks ? 1.0 : 2.0) * static_cast<double>(hosts - 1) / static_cast<double>(hosts) *
-                                  static_cast<double>(count * esize);
+        // Each host's NIC: the ring over hosts moves (H-1)/H of the buffer per pass; a chain the
+        // whole buffer; an all_to_all the host's ranks' blocks for the other hosts.
+        const double bytes = static_cast<double>(count * esize), rest = static_cast<double>(hosts - 1) / static_cast<double>(hosts);
+        const double host_bytes = rooted ? bytes
+                                  : a2a  ? rest * static_cast<double>(o.local_size) * bytes
+                                         : (blocks ? 1.0 : 2.0) * rest * bytes;
         const double hostbw = host_bytes / (us * 1e3);
         char floor_s[32] = "N/A";
         if (o.link_mbit > 0 && hosts > 1)
@@ -268,6 +316,10 @@ int main(int argc, char **argv) {
         }
         if (size > UINT64_MAX / static_cast<uint64_t>(o.factor)) break;
     }
+    // A last one-element op before leaving, as a job's closing barrier: a rank whose last op ended
+    // early (a reduce's or broadcast's off the root's host) would otherwise leave while the others'
+    // still run, which ends the group's incarnation and fails their op.
+    if (rc == 0) rc = ringd_allreduce(c, op_offset, 1, cdt, RINGD_SUM, o.timeout_ms);
     if (rc != 0) {
         const std::string msg = ringd_last_error(c);
         ringd_close(c);

@@ -347,34 +347,6 @@ bool DirectExchange::progress(uint64_t generation, const OpKey &key, const HostO
     return !two_shot || st.results == n_;
 }
 
-namespace {
-
-// A byte stream laid over consecutive pieces of memory: written (put) or read (get) in order.
-class Pieces {
-public:
-    void add(uint8_t *p, size_t n) {
-        if (n) spans_.push_back({p, n});
-    }
-    void put(const void *src, size_t n) { move(const_cast<void *>(src), n, true); }
-    void get(void *dst, size_t n) { move(dst, n, false); }
-
-private:
-    void move(void *mem, size_t n, bool put) {
-        auto *b = static_cast<uint8_t *>(mem);
-        while (n > 0 && i_ < spans_.size()) {
-            const size_t k = std::min(n, spans_[i_].second - at_);
-            if (put) std::memcpy(spans_[i_].first + at_, b, k);
-            else std::memcpy(b, spans_[i_].first + at_, k);
-            b += k, n -= k, at_ += k;
-            if (at_ == spans_[i_].second) ++i_, at_ = 0;
-        }
-    }
-    std::vector<std::pair<uint8_t *, size_t>> spans_;
-    size_t i_ = 0, at_ = 0;
-};
-
-}  // namespace
-
 uint64_t DirectExchange::a2a_message_bytes(const OpDesc &d, const std::vector<AllToAllLayout> &layouts,
                                            std::span<const uint32_t> to_ranks) {
     uint64_t elems = 0;
@@ -428,36 +400,52 @@ void DirectExchange::contribute_a2a(State &st, const HostOp &op, const proto::Op
             malformed_part(st, at + "host " + hosts_[h] + " sent an all_to_all message of " + std::to_string(st.a2a_parts[h]) +
                                    " part(s), not the " + std::to_string(st.a2a_expect[h]) + " bytes its ranks' counts say");
         }
-    for (uint32_t h = 0; h < n_; ++h) {
-        if (h == self_) continue;
-        const auto &theirs = st.host_ranks[h];
-        const uint64_t total = a2a_message_bytes(d, lay, theirs);
-        const uint64_t parts = std::max<uint64_t>(1, (total + proto::kAllToAllPartBytes - 1) / proto::kAllToAllPartBytes);
-        // Each part is its header, then the message's bytes appended straight from the slots (one
-        // pass over them), sent as soon as it is full.
+    // Each message as its counts, then the slots' blocks for that host's ranks; sent a part to
+    // each host in turn (the next host first: every host is some sender's first), each part its
+    // header with the message's bytes appended straight from the slots (one pass, no zeroing), so
+    // that every connection has data while the rest is being copied.
+    struct Message {
+        uint32_t host;
+        uint64_t total, parts, next = 0;
         std::vector<uint64_t> counts;
+        std::vector<std::pair<const uint8_t *, uint64_t>> pieces;
+        size_t piece = 0;
+        uint64_t at = 0;
+    };
+    std::vector<Message> out;
+    out.reserve(n_);
+    for (uint32_t i = 1; i < n_; ++i) {
+        const uint32_t h = (self_ + i) % n_;
+        const auto &theirs = st.host_ranks[h];
+        Message &m = out.emplace_back();
+        m.host = h;
+        m.total = a2a_message_bytes(d, lay, theirs);
+        m.parts = std::max<uint64_t>(1, (m.total + proto::kAllToAllPartBytes - 1) / proto::kAllToAllPartBytes);
         for (size_t a = 0; a < mine.size(); ++a)
-            for (uint32_t b : theirs) counts.push_back(lay[a].send_count(b));  // (little-endian hosts: proto/le.h)
-        uint64_t k = 0, room = 0;
-        proto::Bytes frame;
-        auto append = [&](const std::byte *src, uint64_t n) {
-            const auto *p = reinterpret_cast<const uint8_t *>(src);
-            while (n > 0) {
-                if (room == 0) {
-                    const uint64_t bytes = std::min<uint64_t>(proto::kAllToAllPartBytes, total - k * proto::kAllToAllPartBytes);
-                    frame = proto::begin_op_data(r, proto::OpDataKind::OneShot, bytes, static_cast<uint32_t>(parts << 16 | k++));
-                    room = bytes;
-                }
-                const uint64_t take = std::min(n, room);
-                frame.insert(frame.end(), p, p + take);
-                p += take, n -= take, room -= take;
-                if (room == 0) send_(h, std::move(frame));
-            }
-        };
-        append(reinterpret_cast<const std::byte *>(counts.data()), 8 * counts.size());
+            for (uint32_t b : theirs) m.counts.push_back(lay[a].send_count(b));  // (little-endian hosts: proto/le.h)
+        m.pieces.emplace_back(reinterpret_cast<const uint8_t *>(m.counts.data()), 8 * m.counts.size());
         for (size_t a = 0; a < mine.size(); ++a)
             for (uint32_t b : theirs)
-                append(op.slots[a]->data() + op.run.offsets[a] + lay[a].send_at(b) * es, lay[a].send_count(b) * es);
+                m.pieces.emplace_back(reinterpret_cast<const uint8_t *>(op.slots[a]->data() + op.run.offsets[a] + lay[a].send_at(b) * es),
+                                      lay[a].send_count(b) * es);
+    }
+    for (bool more = true; more;) {
+        more = false;
+        for (Message &m : out) {
+            if (m.next == m.parts) continue;
+            const uint64_t bytes = std::min<uint64_t>(proto::kAllToAllPartBytes, m.total - m.next * proto::kAllToAllPartBytes);
+            proto::Bytes frame = proto::begin_op_data(r, proto::OpDataKind::OneShot, bytes, static_cast<uint32_t>(m.parts << 16 | m.next));
+            for (uint64_t room = bytes; room > 0 && m.piece < m.pieces.size();) {
+                const auto [p, n] = m.pieces[m.piece];
+                const uint64_t take = std::min(room, n - m.at);
+                frame.insert(frame.end(), p + m.at, p + m.at + take);
+                room -= take;
+                if ((m.at += take) == n) ++m.piece, m.at = 0;
+            }
+            send_(m.host, std::move(frame));
+            ++m.next;
+            more = more || m.next < m.parts;
+        }
     }
     add(self_, r, {}, 0);
 }
@@ -527,74 +515,92 @@ bool DirectExchange::progress_a2a(State &st, const HostOp &op) {
     const OpDesc &d = op.run.desc;
     const size_t es = dtype_size(d.dtype);
     const auto &mine = st.host_ranks[self_];
-    if (st.a2a.size() != n_) return false;
+    if (st.a2a.size() != n_ || st.a2a_expect.size() != n_) return false;
     st.a2a_done.resize(n_, 0);
+    st.a2a_next.resize(n_, 0);
+    st.a2a_at.resize(n_, {0, 0});
     std::vector<AllToAllLayout> lay;
     for (size_t l = 0; l < op.slots.size(); ++l) lay.emplace_back(d, l < op.run.splits.size() ? op.run.splits[l] : nullptr);
-    // Each peer's message as soon as all of it is here (while the others' still come): its counts
-    // against this host's ranks' (the size first, so that nothing is read past the message's end),
-    // then its blocks into this host's outputs; its memory is given back at once.
+    // Each peer's message part by part as its parts come (in order: one TCP stream carries them),
+    // while the rest of it and the others' are still on the wire: the first part's counts against
+    // this host's ranks' (before anything of it is read as data), each part's size against what
+    // they make of the message, then its bytes into this host's outputs; a part's memory is given
+    // back once it is delivered (its entry stays: a duplicate is still one).
     bool all = true;
     for (uint32_t h = 0; h < n_; ++h) {
         if (h == self_ || st.a2a_done[h]) continue;
-        if (st.a2a_parts.size() != n_ || st.a2a_parts[h] == 0 || st.a2a[h].size() != st.a2a_parts[h]) {
-            all = false;
-            continue;
-        }
-        for (const auto &[k, part] : st.a2a[h]) {
+        const auto &theirs = st.host_ranks[h];
+        const std::string at = "group " + op.run.group + " op " + std::to_string(op.run.seq) + ": host " + hosts_[h];
+        auto &parts = st.a2a[h];
+        for (auto it = parts.find(st.a2a_next[h]); it != parts.end(); it = parts.find(st.a2a_next[h])) {
+            Part &part = it->second;
+            const uint32_t k = it->first;
             const auto &c = part.report;
             if (c.count != d.count || c.dtype != static_cast<uint32_t>(d.dtype) ||
                 c.algorithm != static_cast<uint32_t>(op.algorithm) || c.collective != static_cast<uint32_t>(d.collective)) {
                 st.mismatch = true;  // the reports differ: the coordinator names both hosts
                 return false;
             }
-        }
-        const auto &theirs = st.host_ranks[h];
-        const std::string at = "group " + op.run.group + " op " + std::to_string(op.run.seq) + ": host " + hosts_[h];
-        if (st.a2a[h].begin()->second.report.local_size != theirs.size()) {
-            malformed_part(st, at + " says it has " + std::to_string(st.a2a[h].begin()->second.report.local_size) +
-                                   " rank(s), the group's rank map " + std::to_string(theirs.size()));
-            return false;
-        }
-        uint64_t have = 0;
-        Pieces in;
-        for (auto &[k, part] : st.a2a[h]) {  // (in part order: the map's)
-            const size_t n = part.buf.size() - part.offset;
-            in.add(part.buf.data() + part.offset, n);
-            have += n;
-        }
-        const uint64_t header = 8 * theirs.size() * mine.size();
-        if (have < header) {
-            malformed_part(st, at + " sent an all_to_all message of " + std::to_string(have) + " bytes, shorter than its counts");
-            return false;
-        }
-        std::vector<uint64_t> counts(theirs.size() * mine.size());
-        in.get(counts.data(), header);
-        uint64_t want = header;
-        for (size_t a = 0; a < theirs.size(); ++a)
-            for (size_t b = 0; b < mine.size(); ++b) {
-                const uint64_t k = counts[a * mine.size() + b];
-                if (k != lay[b].recv_count(theirs[a])) {
-                    malformed_part(st, "group " + op.run.group + " op " + std::to_string(op.run.seq) + ": all_to_all: rank " +
-                                           std::to_string(theirs[a]) + " (host " + hosts_[h] + ") sends rank " +
-                                           std::to_string(mine[b]) + " " + std::to_string(k) + " elements, and rank " +
-                                           std::to_string(mine[b]) + " (host " + hosts_[self_] + ") expects " +
-                                           std::to_string(lay[b].recv_count(theirs[a])));
+            const uint8_t *p = part.buf.data() + part.offset;
+            uint64_t n = part.buf.size() - part.offset;
+            const uint64_t total = st.a2a_expect[h];  // what this host's ranks' counts make of the message
+            if (k == 0) {
+                if (c.local_size != theirs.size()) {
+                    malformed_part(st, at + " says it has " + std::to_string(c.local_size) + " rank(s), the group's rank map " +
+                                           std::to_string(theirs.size()));
                     return false;
                 }
-                want += k * es;
+                const uint64_t header = 8 * theirs.size() * mine.size();
+                if (n < header) {
+                    malformed_part(st, at + " sent an all_to_all message of " + std::to_string(n) + " bytes, shorter than its counts");
+                    return false;
+                }
+                for (size_t a = 0; a < theirs.size(); ++a)
+                    for (size_t b = 0; b < mine.size(); ++b) {
+                        uint64_t count = 0;
+                        std::memcpy(&count, p + 8 * (a * mine.size() + b), 8);  // (little-endian hosts: proto/le.h)
+                        if (count != lay[b].recv_count(theirs[a])) {
+                            malformed_part(st, "group " + op.run.group + " op " + std::to_string(op.run.seq) + ": all_to_all: rank " +
+                                                   std::to_string(theirs[a]) + " (host " + hosts_[h] + ") sends rank " +
+                                                   std::to_string(mine[b]) + " " + std::to_string(count) + " elements, and rank " +
+                                                   std::to_string(mine[b]) + " (host " + hosts_[self_] + ") expects " +
+                                                   std::to_string(lay[b].recv_count(theirs[a])));
+                            return false;
+                        }
+                    }
+                // The counts are this host's ranks' own: the message is `total` bytes, in as many parts.
+                const uint64_t want_parts = std::max<uint64_t>(1, (total + proto::kAllToAllPartBytes - 1) / proto::kAllToAllPartBytes);
+                if (st.a2a_parts[h] != want_parts || (want_parts == 1 && n != total)) {
+                    malformed_part(st, at + " sent an all_to_all message of " +
+                                           (want_parts == 1 ? std::to_string(n) + " bytes" : std::to_string(st.a2a_parts[h]) + " part(s)") +
+                                           ", not the " + std::to_string(total) + " its counts say");
+                    return false;
+                }
+                p += header;
+                n -= header;
             }
-        if (have != want) {
-            malformed_part(st, at + " sent an all_to_all message of " + std::to_string(have) + " bytes, not the " +
-                                   std::to_string(want) + " its counts say");
-            return false;
+            const uint64_t want = std::min<uint64_t>(proto::kAllToAllPartBytes, total - std::min(total, uint64_t{k} * proto::kAllToAllPartBytes));
+            if (part.buf.size() - part.offset != want) {
+                malformed_part(st, at + " sent all_to_all part " + std::to_string(k) + " of " + std::to_string(st.a2a_parts[h]) +
+                                       " with " + std::to_string(part.buf.size() - part.offset) + " bytes of a message this host expects to hold " +
+                                       std::to_string(total) + " bytes");
+                return false;
+            }
+            // Its bytes, block by block (their ranks' in order, each to this host's ranks in order).
+            auto &[block, done] = st.a2a_at[h];
+            while (n > 0 && block < theirs.size() * mine.size()) {
+                const size_t a = block / mine.size(), b = block % mine.size();
+                const uint64_t bytes = lay[b].recv_count(theirs[a]) * es;
+                const uint64_t take = std::min(n, bytes - done);
+                std::memcpy(op.slots[b]->data() + op.run.out_offsets[b] + lay[b].recv_at(theirs[a]) * es + done, p, take);
+                p += take, n -= take, done += take;
+                if (done == bytes) ++block, done = 0;
+            }
+            release(op.run.group, h, part);  // delivered
+            ++st.a2a_next[h];
         }
-        for (size_t a = 0; a < theirs.size(); ++a)
-            for (size_t b = 0; b < mine.size(); ++b)
-                in.get(op.slots[b]->data() + op.run.out_offsets[b] + lay[b].recv_at(theirs[a]) * es,
-                       counts[a * mine.size() + b] * es);
-        for (auto &[k, part] : st.a2a[h]) release(op.run.group, h, part);  // used up
-        st.a2a_done[h] = 1;
+        if (st.a2a_parts[h] != 0 && st.a2a_next[h] == st.a2a_parts[h]) st.a2a_done[h] = 1;
+        else all = false;
     }
     if (!all) return false;
     st.reduced = true;

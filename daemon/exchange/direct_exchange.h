@@ -116,6 +116,10 @@ private:
         std::vector<uint64_t> a2a_expect;  // all_to_all, once this host contributed: each peer's message bytes
         std::vector<std::vector<uint64_t>> a2a_counts;  // and the counts its message must start with
         std::vector<uint8_t> a2a_done;  // each peer's message delivered into the outputs (and released)
+        // Each peer's message is delivered part by part, in order: the next part, and where its
+        // bytes go (the block of the message, the bytes of it delivered).
+        std::vector<uint32_t> a2a_next;
+        std::vector<std::pair<uint64_t, uint64_t>> a2a_at;
         Clock::time_point earliest{};      // the earliest deadline of the peers' data here
         uint32_t earliest_host = UINT32_MAX;
     };

@@ -108,6 +108,24 @@ if [ "$mode" = netns ]; then
         check_verdicts "$part" $((k == 0 ? 6 : 3)) "job $k of two at once"
     done
 fi
+if [ "$mode" = netns ]; then
+    # Every other collective ringd-bench measures (--coll), on one ring: each rank runs them in turn
+    # (a line "== COLL" before each) and checks its own results; the verdicts are gathered per
+    # collective from every rank's output.
+    colls="reduce_scatter allgather broadcast reduce all_to_all"
+    rc=0
+    out=$("$src/bench/cluster" "${args[@]}" -- sh -c \
+          'for c in '"$colls"'; do echo "== $c"; "$@" --coll "$c" --group "$c" || exit; done' sh \
+          "${bench[@]}" --socket {socket} --local-rank {rank} --local-size {size} \
+          -b 4K -e 1M -f 16 -d float -o sum -n 2 -w 1 2>&1) || rc=$?
+    echo "$out"
+    [ $rc = 0 ] || fail "collectives: bench/cluster exited with $rc"
+    for c in $colls; do
+        part=$(awk -v c="$c" '/^# bench\/cluster: output of/ {cur = ""} /^== / {cur = $2} cur == c' <<<"$out")
+        grep -q "^# ringd-bench: $c, 3 host(s) x 2 local rank(s) = 6 ranks" <<<"$part" || fail "$c: no ringd-bench header"
+        check_verdicts "$part" 6 "$c"
+    done
+fi
 if [ "$mode" = netns-ibverbs ]; then
     # The same config with the hardware provider fails fast here (no RDMA device), saying why.
     if [ ! -d /sys/class/infiniband ] || [ -z "$(ls -A /sys/class/infiniband 2>/dev/null)" ]; then

@@ -232,7 +232,7 @@ TEST_CASE("all_to_all on 3 hosts: ranks 1, 2, 3 per host numbered unlike the rin
                 CHECK(v.input_changed == 0);
                 ++ops;
             }
-    // Messages of several parts (proto::kAllToAllPartBytes, 16 MiB): about 25 MB from host 2 to host 1.
+    // Messages of several parts (proto::kAllToAllPartBytes, 4 MiB): about 25 MB from host 2 to host 1.
     const Verdict big = run_a2a(tr, DType::F32, 700001, 77, false);
     CHECK(big.wrong == 0);
     CHECK(big.guard == 0);
