@@ -247,7 +247,9 @@ struct OpFail {
 // in parts of at most kAllToAllPartBytes, whose `step` word is (parts << 16 | part): the message is
 // the sender's local ranks x the receiver's ranks' element counts (uint64, the sender's local-rank
 // order, then the receiver's), then those blocks in the same order, in the dtype.
-inline constexpr uint64_t kAllToAllPartBytes = 16 << 20;
+// (4 MiB: the first part of each message is on the wire, and a receiver delivers each part into
+// its ranks' outputs, while the rest is still being copied and sent.)
+inline constexpr uint64_t kAllToAllPartBytes = 4 << 20;
 enum class OpDataKind : uint32_t {
     OneShot = 1,
     TwoShotPart = 2,
