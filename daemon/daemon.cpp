@@ -102,7 +102,7 @@ std::string join(const std::vector<std::string> &v) {
 }  // namespace
 
 Result<std::unique_ptr<Daemon>> Daemon::create(Config config, std::string host, std::string config_path) {
-    // Large frames (all_to_all's parts of up to 16 MiB, one-shot data) come and go with every op.
+    // Large frames (all_to_all's parts of 4 MiB, one-shot data) come and go with every op.
     // From the heap they are reused; as glibc's own mmaps (its threshold adapts only up to 32 MiB,
     // and a freed top beyond 128 KiB is trimmed at once) each one is a fresh mapping that the
     // kernel faults in and zeroes page by page: with 64 MiB all_to_alls on 4 x 2 namespace hosts
