@@ -12,6 +12,8 @@
 #include <systemd/sd-daemon.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <ctime>
 #include <fstream>
 #include <random>
@@ -103,14 +105,21 @@ std::string join(const std::vector<std::string> &v) {
 
 Result<std::unique_ptr<Daemon>> Daemon::create(Config config, std::string host, std::string config_path) {
     // Large frames (all_to_all's parts of 4 MiB, one-shot data) come and go with every op.
-    // From the heap they are reused; as glibc's own mmaps (its threshold adapts only up to 32 MiB,
-    // and a freed top beyond 128 KiB is trimmed at once) each one is a fresh mapping that the
-    // kernel faults in and zeroes page by page: with 64 MiB all_to_alls on 4 x 2 namespace hosts
+    // From the heap they are reused; left to glibc (which mmaps a large block until a freed one
+    // raises its threshold, and trims the heap's top past twice that) many are fresh mappings that
+    // the kernel faults in and zeroes page by page: with 64 MiB all_to_alls on 4 x 2 namespace hosts
     // that was a sixth of the daemons' CPU (0.64 s an op against 0.55 s). The heap keeps up to
     // kHeapKeep of free memory while ops run and gives it back once none has ended for
-    // kTrimAfter (on_timer).
-    ::mallopt(M_MMAP_THRESHOLD, static_cast<int>(kLargeFrameHeap));
-    ::mallopt(M_TRIM_THRESHOLD, static_cast<int>(kHeapKeep));
+    // kTrimAfter (on_timer). An operator's own malloc settings (MALLOC_*_ or GLIBC_TUNABLES in the
+    // unit's environment) are left as they are; so is the dynamic threshold if the first call is
+    // refused (the second alone would pin the threshold at 128 KiB).
+    const char *tunables = std::getenv("GLIBC_TUNABLES");
+    if (!std::getenv("MALLOC_MMAP_THRESHOLD_") && !std::getenv("MALLOC_TRIM_THRESHOLD_") &&
+        !(tunables && std::strstr(tunables, "glibc.malloc."))) {
+        if (::mallopt(M_MMAP_THRESHOLD, static_cast<int>(kLargeFrameHeap)) != 1 ||
+            ::mallopt(M_TRIM_THRESHOLD, static_cast<int>(kHeapKeep)) != 1)
+            spdlog::warn("mallopt refused the heap settings for large frames: they come from fresh mappings");
+    }
     std::unique_ptr<Daemon> d(new Daemon());
     d->config_ = std::move(config);
     d->host_ = std::move(host);

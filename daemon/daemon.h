@@ -118,7 +118,8 @@ private:
     Clock::time_point stuck_since_{};  // a progress thread is stuck (stuck_thread) since
     // Memory (create): allocations below kLargeFrameHeap come from the heap, which keeps up to
     // kHeapKeep free while ops run and is trimmed once no op has ended for kTrimAfter.
-    static constexpr size_t kLargeFrameHeap = 64 << 20, kHeapKeep = 512 << 20;
+    // (32 MiB: the most every glibc takes for M_MMAP_THRESHOLD, HEAP_MAX_SIZE / 2 on 64-bit.)
+    static constexpr size_t kLargeFrameHeap = 32 << 20, kHeapKeep = 512 << 20;
     static constexpr auto kTrimAfter = std::chrono::seconds(5);
     uint64_t trim_ops_ = 0;  // ops ended here at the last look
     Clock::time_point quiet_since_{};

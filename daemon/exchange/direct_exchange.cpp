@@ -460,6 +460,8 @@ bool DirectExchange::take_a2a(uint32_t host, const proto::OpData &d, proto::Byte
         // Data of an op this host has not reached: within its bounds, or the op fails by name.
         over_bound_why = over_bound(host, r, payload.size());
         if (!over_bound_why.empty()) return false;
+    } else if (st.a2a_expect.size() != n_) {
+        return false;  // this host found its own ranks' op malformed: it fails, nothing more is kept
     }
     st.a2a.resize(n_);
     st.a2a_parts.resize(n_, 0);

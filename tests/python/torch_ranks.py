@@ -988,7 +988,14 @@ def scenario_a2a():
     want = torch.cat([data(i, k * WORLD, torch.float32, salt)[me * k:(me + 1) * k] for i in range(WORLD)])
     check(torch.equal(out, want), f"all_to_all_single (equal blocks of {k}, in parts)")
     check(ringd_ops_completed() - first >= 2, f"an all_to_all of {4 * k * WORLD} bytes went as one ringd op")
-    calls += 1
+    # The same with equal split sizes given on some ranks only: every rank submits the same ops.
+    out = torch.full((k * WORLD,), -7.0)
+    if me % 2:
+        dist.all_to_all_single(out, inp, [k] * WORLD, [k] * WORLD)
+    else:
+        dist.all_to_all_single(out, inp)
+    check(torch.equal(out, want), f"all_to_all_single (equal blocks of {k}, split sizes on odd ranks only)")
+    calls += 2
     # Mixture-of-experts' shape: [tokens, hidden] split by rows; then input split sizes only (the
     # output in equal blocks).
     salt += 1

@@ -538,4 +538,18 @@ TEST_CASE("one-shot reduce_scatter and allgather send one frame to each other ho
     CHECK(c.x[0]->malformed(7, OpKey{"g", 5, 11}) ==
           "group g op 11: host h1 sent all_to_all part 1 of 2 with 1048576 bytes of a message this host expects to hold 96 bytes");
     c.x[0]->drop(7, OpKey{"g", 5, 11});
+    // Host 0's own ranks disagree on a pair's size (rank 3 sends rank 0 5 elements, rank 0 expects
+    // 10): its op fails here, and nothing a peer sends for it after that is kept.
+    op.run.seq = 12;
+    std::vector<uint64_t> three(12, 10), zero(12, 10);
+    three[0] = 5;  // rank 3's send count to rank 0
+    op.run.splits = {std::make_shared<const std::vector<uint64_t>>(three), std::make_shared<const std::vector<uint64_t>>(zero)};
+    c.x[0]->contribute(op, report(12, a2a, 2), host_ranks);
+    CHECK(c.x[0]->malformed(7, OpKey{"g", 5, 12}) ==
+          "group g op 12: all_to_all: rank 3 sends rank 0 5 elements, and rank 0 expects 10");
+    CHECK_FALSE(offer_part(1, report(12, a2a, 1), 96, 1, 0));
+    CHECK_FALSE(offer_part(2, report(12, a2a, 3), 4 << 20, 2, 1));
+    CHECK(c.x[0]->backlog(1) == 0);
+    CHECK(c.x[0]->backlog(2) == 0);
+    c.x[0]->drop(7, OpKey{"g", 5, 12});
 }
