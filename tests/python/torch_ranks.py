@@ -945,6 +945,19 @@ def scenario_a2a():
     dist.init_process_group("ringd", rank=me, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
     pg = dist.distributed_c10d._get_default_group()
     check(pg._rooted, "the ringd group does not run all_to_all through ringd")
+    # Every rank is this release's: the group cuts tensors with a shrinking end (and all_to_alls of
+    # equal blocks into parts); the cut is a function of the count alone, the same on every rank.
+    from ringd._slot import _chunks
+    check(pg._engine.taper, "a group of this release's ranks does not taper")
+    mib = (1 << 20) // 4
+    got = list(_chunks(64 * mib, 4, 64 << 20))
+    check(got == [4 * mib, 8 * mib, 16 * mib, 16 * mib, 16 * mib, 4 * mib], f"64 MiB cut into {got}")
+    got = list(_chunks(64 * mib, 4, 64 << 20, taper=False))
+    check(got == [4 * mib, 8 * mib, 16 * mib, 32 * mib, 4 * mib], f"64 MiB cut without the taper into {got}")
+    for count in (1, 1000, 3 * mib + 7, 25 * mib, 100 * mib + 3):
+        got = list(_chunks(count, 4, 16 << 20))
+        check(sum(got) == count and all(0 < c <= 16 * mib for c in got) and (len(got) == 1 or got[-1] <= 4 * mib),
+              f"{count} elements cut into {got}")
 
     def split(i, j, k, salt):  # rank i sends rank j this many elements
         return (i * 31 + j * 17 + salt) % 4 * k + (i + j) % 2

@@ -428,43 +428,20 @@ class _Engine(DeviceOps):
             return self._submit_in_place(rec, *plan)
         src_blocks = rec.src.view(n, k) if rec.collective == "reduce_scatter" else None
         out_blocks = rec.flat.view(n, k) if rec.collective == "allgather" else None
-        start = 0
-        try:
-            for m in _chunks(k, esize * n, self.max_chunk, self.taper):
-                nbytes = n * m * esize
-                with self.lock:
-                    self._wait_locked(lambda: not self.inflight_bytes or self.inflight_bytes + nbytes <= self.window,
-                                      f"ringd: the ops in flight did not end within {self.timeout}")
-                    rng = self._alloc_locked(nbytes)
-                try:
-                    view = self.slot[rng[0]:rng[0] + nbytes].view(rec.flat.dtype).view(n, m)
-                    mine = rng[0] + r * m * esize
-                    with torch.no_grad():
-                        if rec.collective == "reduce_scatter":
-                            view.copy_(src_blocks[:, start:start + m])
-                            in_off, out_off = rng[0], mine
-                            copy_out = (lambda p=rec.flat[start:start + m], v=view[r]: _copied(p, v))
-                            self._note_copies(nbytes, 0)
-                        else:
-                            view[r].copy_(rec.src[start:start + m])
-                            in_off, out_off = mine, rng[0]
-                            copy_out = (lambda p=out_blocks[:, start:start + m], v=view: _copied(p, v))
-                            self._note_copies(m * esize, 0)
-                    with self.lock:
-                        ticket = self._submit_coll_locked(rec.collective, m, rec.dtype, rec.op, in_off, out_off)
-                        rec.chunks_left += 1
-                        rec.several = rec.several or m < k
-                        rec.submitted_all = start + m >= k
-                        self.inflight_bytes += nbytes
-                        self.inflight[ticket] = (rec, copy_out, view, rng, nbytes)
-                        self.room.notify_all()
-                except BaseException:
-                    with self.lock:
-                        self.space.release(*rng)
-                    raise
-                start += m
-        except BaseException as e:
-            self._submit_failed(rec, start, e)
+
+        def fill(rng, start, m):
+            view = self.slot[rng[0]:rng[0] + n * m * esize].view(rec.flat.dtype).view(n, m)
+            mine = rng[0] + r * m * esize
+            with torch.no_grad():
+                if rec.collective == "reduce_scatter":
+                    view.copy_(src_blocks[:, start:start + m])
+                    self._note_copies(n * m * esize, 0)
+                    return rng[0], mine, (lambda p=rec.flat[start:start + m], v=view[r]: _copied(p, v)), view
+                view[r].copy_(rec.src[start:start + m])
+                self._note_copies(m * esize, 0)
+                return mine, rng[0], (lambda p=out_blocks[:, start:start + m], v=view: _copied(p, v)), view
+        self._submit_parts(rec, rec.collective, _chunks(k, esize * n, self.max_chunk, self.taper), k,
+                           lambda m: (n * m * esize, n * m * esize), fill)
 
     def _submit_rooted(self, rec):
         """A broadcast's or reduce's ringd ops (the allreduce's cut), or a barrier's one."""
@@ -566,31 +543,43 @@ class _Engine(DeviceOps):
         esize, n = rec.flat.element_size(), self.ranks
         k = rec.src.numel() // n
         src_blocks, out_blocks = rec.src.view(n, k), rec.flat.view(n, k)
+
+        def fill(rng, start, m):
+            half = n * m * esize
+            in_off, out_off = rng[0], rng[0] + (half + 63) // 64 * 64
+            view_in = self.slot[in_off:in_off + half].view(rec.flat.dtype).view(n, m)
+            view_out = self.slot[out_off:out_off + half].view(rec.flat.dtype).view(n, m)
+            with torch.no_grad():
+                view_in.copy_(src_blocks[:, start:start + m])
+            self._note_copies(half, 0)
+            return in_off, out_off, (lambda p=out_blocks[:, start:start + m], v=view_out: _copied(p, v)), view_out
+        # (The window counts what is copied in, as for the other collectives: the input.)
+        self._submit_parts(rec, "all_to_all", parts, k,
+                           lambda m: (2 * ((n * m * esize + 63) // 64 * 64), n * m * esize), fill)
+
+    def _submit_parts(self, rec, collective, parts, total, sizes, fill):
+        """`rec` as one ringd op per part: for each m of `parts` (summing to `total`), sizes(m) is
+        (the slot bytes of its op, what it counts in the window) and fill(range, start, m) copies
+        the part into the range and gives (input offset, output offset, its copy out, the view
+        it is copied out of). Each op waits for the window and its range; one that cannot be
+        submitted fails `rec`, and the group with it (_submit_failed)."""
         start = 0
         try:
             for m in parts:
-                half = n * m * esize
-                nbytes = 2 * ((half + 63) // 64 * 64)
-                # (The window counts what is copied in, as for the other collectives: the input.)
+                nbytes, weight = sizes(m)
                 with self.lock:
-                    self._wait_locked(lambda: not self.inflight_bytes or self.inflight_bytes + half <= self.window,
+                    self._wait_locked(lambda: not self.inflight_bytes or self.inflight_bytes + weight <= self.window,
                                       f"ringd: the ops in flight did not end within {self.timeout}")
                     rng = self._alloc_locked(nbytes)
                 try:
-                    in_off, out_off = rng[0], rng[0] + nbytes // 2
-                    view_in = self.slot[in_off:in_off + half].view(rec.flat.dtype).view(n, m)
-                    view_out = self.slot[out_off:out_off + half].view(rec.flat.dtype).view(n, m)
-                    with torch.no_grad():
-                        view_in.copy_(src_blocks[:, start:start + m])
-                    self._note_copies(half, 0)
+                    in_off, out_off, copy_out, view = fill(rng, start, m)
                     with self.lock:
-                        ticket = self._submit_coll_locked("all_to_all", m, rec.dtype, "sum", in_off, out_off)
+                        ticket = self._submit_coll_locked(collective, m, rec.dtype, rec.op, in_off, out_off)
                         rec.chunks_left += 1
-                        rec.several = True
-                        rec.submitted_all = start + m >= k
-                        self.inflight_bytes += half
-                        copy_out = (lambda p=out_blocks[:, start:start + m], v=view_out: _copied(p, v))
-                        self.inflight[ticket] = (rec, copy_out, view_out, rng, half)
+                        rec.several = rec.several or m < total
+                        rec.submitted_all = start + m >= total
+                        self.inflight_bytes += weight
+                        self.inflight[ticket] = (rec, copy_out, view, rng, weight)
                         self.room.notify_all()
                 except BaseException:
                     with self.lock:
