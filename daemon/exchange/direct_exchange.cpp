@@ -532,7 +532,7 @@ bool DirectExchange::progress_a2a(State &st, const HostOp &op) {
     for (uint32_t h = 0; h < n_; ++h) {
         if (h == self_ || st.a2a_done[h]) continue;
         const auto &theirs = st.host_ranks[h];
-        const std::string at = "group " + op.run.group + " op " + std::to_string(op.run.seq) + ": host " + hosts_[h];
+        auto at = [&] { return "group " + op.run.group + " op " + std::to_string(op.run.seq) + ": host " + hosts_[h]; };  // (errors only)
         auto &parts = st.a2a[h];
         for (auto it = parts.find(st.a2a_next[h]); it != parts.end(); it = parts.find(st.a2a_next[h])) {
             Part &part = it->second;
@@ -548,13 +548,13 @@ bool DirectExchange::progress_a2a(State &st, const HostOp &op) {
             const uint64_t total = st.a2a_expect[h];  // what this host's ranks' counts make of the message
             if (k == 0) {
                 if (c.local_size != theirs.size()) {
-                    malformed_part(st, at + " says it has " + std::to_string(c.local_size) + " rank(s), the group's rank map " +
+                    malformed_part(st, at() + " says it has " + std::to_string(c.local_size) + " rank(s), the group's rank map " +
                                            std::to_string(theirs.size()));
                     return false;
                 }
                 const uint64_t header = 8 * theirs.size() * mine.size();
                 if (n < header) {
-                    malformed_part(st, at + " sent an all_to_all message of " + std::to_string(n) + " bytes, shorter than its counts");
+                    malformed_part(st, at() + " sent an all_to_all message of " + std::to_string(n) + " bytes, shorter than its counts");
                     return false;
                 }
                 for (size_t a = 0; a < theirs.size(); ++a)
@@ -573,7 +573,7 @@ bool DirectExchange::progress_a2a(State &st, const HostOp &op) {
                 // The counts are this host's ranks' own: the message is `total` bytes, in as many parts.
                 const uint64_t want_parts = std::max<uint64_t>(1, (total + proto::kAllToAllPartBytes - 1) / proto::kAllToAllPartBytes);
                 if (st.a2a_parts[h] != want_parts || (want_parts == 1 && n != total)) {
-                    malformed_part(st, at + " sent an all_to_all message of " +
+                    malformed_part(st, at() + " sent an all_to_all message of " +
                                            (want_parts == 1 ? std::to_string(n) + " bytes" : std::to_string(st.a2a_parts[h]) + " part(s)") +
                                            ", not the " + std::to_string(total) + " its counts say");
                     return false;
@@ -583,7 +583,7 @@ bool DirectExchange::progress_a2a(State &st, const HostOp &op) {
             }
             const uint64_t want = std::min<uint64_t>(proto::kAllToAllPartBytes, total - std::min(total, uint64_t{k} * proto::kAllToAllPartBytes));
             if (part.buf.size() - part.offset != want) {
-                malformed_part(st, at + " sent all_to_all part " + std::to_string(k) + " of " + std::to_string(st.a2a_parts[h]) +
+                malformed_part(st, at() + " sent all_to_all part " + std::to_string(k) + " of " + std::to_string(st.a2a_parts[h]) +
                                        " with " + std::to_string(part.buf.size() - part.offset) + " bytes of a message this host expects to hold " +
                                        std::to_string(total) + " bytes");
                 return false;
