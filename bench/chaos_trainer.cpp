@@ -259,7 +259,7 @@ int main(int argc, char **argv) {
                                           bench::mix64(grank * 0x10001 + pick[k] * 0x101 + static_cast<uint64_t>(step) * 0x1000193)};
             bench::guard_fill(base, f.range.guard_begin(), p.offset, f.range.salt);
             bench::guard_fill(base, p.offset + f.range.bytes(), f.range.guard_end(), f.range.salt);
-            std::memcpy(base + p.offset, p.input.data(), p.input.size());
+            if (!p.input.empty()) std::memcpy(base + p.offset, p.input.data(), p.input.size());  // a barrier has none
             f.submit = now_s();
             f.root = static_cast<uint32_t>((static_cast<uint64_t>(step) * 7 + pick[k]) % nranks);  // the same on every rank
             const size_t mine = p.offset + grank * p.spec.count * dtype_size(p.spec.dtype);
