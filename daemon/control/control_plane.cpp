@@ -340,7 +340,10 @@ void ControlPlane::dial(uint32_t peer, proto::ConnKind kind, uint32_t stream) {
         peers_[peer].dialing = true;
         set_state(peer, "connecting");
     }
-    if (kind == proto::ConnKind::Data && cb_.prepare_socket && c->fd) cb_.prepare_socket(c->fd.get());
+    // Every connection this host dials runs the data streams' congestion control, as every one it
+    // accepts does (the listener's): an all_to_all's data travels on the control connections, and
+    // a pacing one (the kernel's default may be BBR) is set up at connect and kept.
+    if (cb_.prepare_socket && c->fd) cb_.prepare_socket(c->fd.get());
     const uint64_t id = c->id;
     const int rc = ::connect(c->fd.get(), reinterpret_cast<sockaddr *>(&ss), len);
     const int err = errno;
@@ -874,6 +877,12 @@ uint64_t ControlPlane::queued_bytes(uint32_t host_index) const {
     if (host_index >= peers_.size() || !peers_[host_index].control) return 0;
     auto it = conns_.find(peers_[host_index].control);
     return it == conns_.end() ? 0 : it->second->out_bytes;
+}
+
+int ControlPlane::control_fd(uint32_t host_index) const {
+    if (host_index >= peers_.size() || !peers_[host_index].control) return -1;
+    auto it = conns_.find(peers_[host_index].control);
+    return it == conns_.end() ? -1 : it->second->fd.get();
 }
 
 bool ControlPlane::flush(Conn &c) {

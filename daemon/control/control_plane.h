@@ -157,6 +157,8 @@ public:
     static constexpr uint64_t kMaxBacklog = 256ull << 20;
     // Bytes queued for `host_index` that its socket has not taken yet.
     uint64_t queued_bytes(uint32_t host_index) const;
+    // The control connection's socket to `host_index`, or -1 (what it runs: tests).
+    int control_fd(uint32_t host_index) const;
     // Sends a heartbeat carrying `generation` to every peer now, and in every later heartbeat
     // (the coordinator announces the generation the hosts report ops in).
     void heartbeat_now(uint64_t generation);
