@@ -117,10 +117,9 @@ std::string DirectExchange::send_over_bound(const proto::OpReport &r, const OpDe
             return "group " + r.group + " op " + std::to_string(r.seq) + ": an all_to_all message of " +
                    std::to_string(bytes >> 20) + " MiB from host " + hosts_[self_] + " to host " + hosts_[h] +
                    " is over the " + std::to_string(kMaxAllToAllMessage >> 20) +
-                   " MiB a pair of hosts carries in one (split it into several all_to_alls)";
-        // (An all_to_all's message may be larger than the bound by itself: it goes once the queue
-        // to that peer is empty, its parts following each other.)
-        if (queued + bytes > kMaxSendBacklog && !(desc.collective == Collective::AllToAll && queued == 0))
+                   " MiB a pair of hosts carries in one op (split it into several all_to_alls)";
+        // (An all_to_all's message goes a window at a time.)
+        if (queued + (desc.collective == Collective::AllToAll ? std::min(bytes, kAllToAllWindow) : bytes) > kMaxSendBacklog)
             return "group " + r.group + " op " + std::to_string(r.seq) + ": host " + hosts_[self_] + "'s queue to host " +
                    hosts_[h] + " holds " + std::to_string(queued >> 20) + " MiB, over its bound of " +
                    std::to_string(kMaxSendBacklog >> 20) + " MiB (host " + hosts_[h] +
@@ -400,54 +399,84 @@ void DirectExchange::contribute_a2a(State &st, const HostOp &op, const proto::Op
             malformed_part(st, at + "host " + hosts_[h] + " sent an all_to_all message of " + std::to_string(st.a2a_parts[h]) +
                                    " part(s), not the " + std::to_string(st.a2a_expect[h]) + " bytes its ranks' counts say");
         }
-    // Each message as its counts, then the slots' blocks for that host's ranks; sent a part to
-    // each host in turn (the next host first: every host is some sender's first), each part its
-    // header with the message's bytes appended straight from the slots (one pass, no zeroing), so
-    // that every connection has data while the rest is being copied.
-    struct Message {
-        uint32_t host;
-        uint64_t total, parts, next = 0;
-        std::vector<uint64_t> counts;
-        std::vector<std::pair<const uint8_t *, uint64_t>> pieces;
-        size_t piece = 0;
-        uint64_t at = 0;
-    };
-    std::vector<Message> out;
-    out.reserve(n_);
+    // Each message as its counts, then the slots' blocks for that host's ranks, sent a part at a
+    // time as the connection to that host takes them (pump_a2a).
+    st.report = r;
     for (uint32_t i = 1; i < n_; ++i) {
-        const uint32_t h = (self_ + i) % n_;
+        const uint32_t h = (self_ + i) % n_;  // the next host first: every host is some sender's first
         const auto &theirs = st.host_ranks[h];
-        Message &m = out.emplace_back();
+        State::A2aOut &m = st.a2a_out.emplace_back();
         m.host = h;
         m.total = a2a_message_bytes(d, lay, theirs);
         m.parts = std::max<uint64_t>(1, (m.total + proto::kAllToAllPartBytes - 1) / proto::kAllToAllPartBytes);
         for (size_t a = 0; a < mine.size(); ++a)
             for (uint32_t b : theirs) m.counts.push_back(lay[a].send_count(b));  // (little-endian hosts: proto/le.h)
-        m.pieces.emplace_back(reinterpret_cast<const uint8_t *>(m.counts.data()), 8 * m.counts.size());
+        m.pieces.push_back({UINT32_MAX, 0, 8 * m.counts.size()});
         for (size_t a = 0; a < mine.size(); ++a)
             for (uint32_t b : theirs)
-                m.pieces.emplace_back(reinterpret_cast<const uint8_t *>(op.slots[a]->data() + op.run.offsets[a] + lay[a].send_at(b) * es),
-                                      lay[a].send_count(b) * es);
+                if (const uint64_t k = lay[a].send_count(b))
+                    m.pieces.push_back({static_cast<uint32_t>(a), op.run.offsets[a] + lay[a].send_at(b) * es, k * es});
     }
-    for (bool more = true; more;) {
+    st.a2a_unsent = st.a2a_out.size();
+    if (st.a2a_unsent) sending_.insert(Key{r.generation, r.group, r.incarnation, r.seq});
+    (void)pump_a2a(st, op);
+    add(self_, r, {}, 0);
+}
+
+// Each part: its header, then the message's bytes appended straight from the slots (one pass, no
+// zeroing). A part goes to a host while the queue to it is under the window, and beyond the first
+// window only once that host's own message of the op is coming (it has reached the op: what it
+// is sent is delivered as it comes, not kept), so that neither this host's queues nor what a host
+// behind keeps for it grow with the op's size.
+bool DirectExchange::pump_a2a(State &st, const HostOp &op) {
+    const proto::OpReport &r = st.report;
+    constexpr uint64_t kFirstParts = kAllToAllWindow / proto::kAllToAllPartBytes;
+    bool any = false;
+    for (bool more = true; more && st.a2a_unsent;) {
         more = false;
-        for (Message &m : out) {
-            if (m.next == m.parts) continue;
+        for (State::A2aOut &m : st.a2a_out) {
+            if (m.next == m.parts || queued_(m.host) >= kAllToAllWindow) continue;
+            if (m.next >= kFirstParts && (m.host >= st.a2a_parts.size() || st.a2a_parts[m.host] == 0)) continue;
             const uint64_t bytes = std::min<uint64_t>(proto::kAllToAllPartBytes, m.total - m.next * proto::kAllToAllPartBytes);
             proto::Bytes frame = proto::begin_op_data(r, proto::OpDataKind::OneShot, bytes, static_cast<uint32_t>(m.parts << 16 | m.next));
             for (uint64_t room = bytes; room > 0 && m.piece < m.pieces.size();) {
-                const auto [p, n] = m.pieces[m.piece];
-                const uint64_t take = std::min(room, n - m.at);
+                const State::A2aPiece &pc = m.pieces[m.piece];
+                const uint8_t *p = pc.rank == UINT32_MAX ? reinterpret_cast<const uint8_t *>(m.counts.data())
+                                                         : reinterpret_cast<const uint8_t *>(op.slots[pc.rank]->data() + pc.offset);
+                const uint64_t take = std::min(room, pc.bytes - m.at);
                 frame.insert(frame.end(), p + m.at, p + m.at + take);
                 room -= take;
-                if ((m.at += take) == n) ++m.piece, m.at = 0;
+                if ((m.at += take) == pc.bytes) ++m.piece, m.at = 0;
             }
             send_(m.host, std::move(frame));
-            ++m.next;
-            more = more || m.next < m.parts;
+            any = true;
+            if (++m.next == m.parts) --st.a2a_unsent;
+            more = true;
         }
     }
-    add(self_, r, {}, 0);
+    return any;
+}
+
+bool DirectExchange::pump(uint64_t generation, const std::function<const HostOp *(const OpKey &)> &find,
+                          std::vector<OpKey> &finished) {
+    bool any = false;
+    for (auto k = sending_.begin(); k != sending_.end();) {
+        const OpKey key{std::get<1>(*k), std::get<2>(*k), std::get<3>(*k)};
+        auto it = ops_.find(*k);
+        const HostOp *op = std::get<0>(*k) == generation ? find(key) : nullptr;
+        if (it == ops_.end() || !op) {
+            k = sending_.erase(k);  // the op ended here: nothing more of it goes
+            continue;
+        }
+        any |= pump_a2a(it->second, *op);
+        if (it->second.a2a_unsent == 0) {
+            finished.push_back(key);
+            k = sending_.erase(k);
+        } else {
+            ++k;
+        }
+    }
+    return any;
 }
 
 bool DirectExchange::take_a2a(uint32_t host, const proto::OpData &d, proto::Bytes payload, std::string &over_bound_why) {
@@ -604,7 +633,7 @@ bool DirectExchange::progress_a2a(State &st, const HostOp &op) {
         if (st.a2a_parts[h] != 0 && st.a2a_next[h] == st.a2a_parts[h]) st.a2a_done[h] = 1;
         else all = false;
     }
-    if (!all) return false;
+    if (!all || st.a2a_unsent) return false;  // (its slots are read until its last part is out)
     st.reduced = true;
     release(op.run.group, self_, *st.parts[self_]);
     return true;
@@ -1040,6 +1069,7 @@ void DirectExchange::erase(std::map<Key, State>::iterator it) {
         release(std::get<1>(it->first), sender_of(static_cast<proto::OpDataKind>(id >> 16), id & 0xffff), part);
     for (uint32_t h = 0; h < it->second.a2a.size(); ++h)
         for (auto &[k, part] : it->second.a2a[h]) release(std::get<1>(it->first), h, part);
+    sending_.erase(it->first);
     ops_.erase(it);
 }
 

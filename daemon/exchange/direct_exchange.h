@@ -25,6 +25,7 @@
 #include <functional>
 #include <map>
 #include <optional>
+#include <set>
 #include <span>
 #include <string>
 #include <tuple>
@@ -43,10 +44,12 @@ public:
     static constexpr uint64_t kMaxPeerBacklog = 512ull << 20;   // peers' data kept, per peer
     static constexpr uint64_t kMaxGroupBacklog = 256ull << 20;  // peers' data kept, per group
     static constexpr uint64_t kMaxSendBacklog = 128ull << 20;   // this host's queue to a peer
-    // An all_to_all's message to one host (it may exceed kMaxSendBacklog by itself, once the queue
-    // is empty): below the control connection's own bound (ControlPlane::kMaxBacklog, 256 MiB),
-    // past which the connection, and with it the ring generation, would fail.
-    static constexpr uint64_t kMaxAllToAllMessage = 192ull << 20;
+    // An all_to_all's message to one host goes a part at a time (pump()): at most this much of it
+    // waits in the queue to that host, and a host that has not reached the op (none of its parts
+    // is here yet) gets no more than this of it (it keeps what comes ahead of it: kMaxGroupBacklog).
+    static constexpr uint64_t kAllToAllWindow = 2 * proto::kAllToAllPartBytes;
+    // The most parts a message has (the part number's 16 bits, proto/peer.h): 256 GiB.
+    static constexpr uint64_t kMaxAllToAllMessage = 0xffffull * proto::kAllToAllPartBytes;
 
     // (A frame is the sender's to seal and queue as it is: one sent once goes with std::move.)
     using Send = std::function<void(uint32_t host, proto::Bytes frame)>;
@@ -61,6 +64,13 @@ public:
     // Sends this host's contribution of `op` (reported here as `r`, r.algorithm set) and keeps its
     // own part; the local ranks are reduced straight into the frames.
     void contribute(const HostOp &op, const proto::OpReport &r, std::span<const std::vector<uint32_t>> host_ranks = {});
+    // all_to_all: the next parts of this host's messages, while the queue to each host is under
+    // kAllToAllWindow (and beyond the first window only to a host whose message of the op came:
+    // it reached the op), one part to each host in turn, ops in order. `find` gives a key's op
+    // (nullptr: it ended here, nothing more of it goes). Whether any part went; `finished` gets the
+    // ops whose messages are all out (their slots are free to complete: progress()).
+    bool pump(uint64_t generation, const std::function<const HostOp *(const OpKey &)> &find, std::vector<OpKey> &finished);
+    bool sending() const { return !sending_.empty(); }
     // A peer's one-shot contribution or two-shot part. Kept (true), dropped because it is not
     // what this host can use (false, logged), or over a bound (false, `over_bound` says why).
     bool take_part(uint32_t host, const proto::OpData &d, proto::Bytes payload, std::string &over_bound);
@@ -120,6 +130,22 @@ private:
         // bytes go (the block of the message, the bytes of it delivered).
         std::vector<uint32_t> a2a_next;
         std::vector<std::pair<uint64_t, uint64_t>> a2a_at;
+        // This host's message to each other host: its counts, then its pieces (a local rank's slot
+        // range; rank UINT32_MAX: the counts), sent a part at a time (pump()).
+        struct A2aPiece {
+            uint32_t rank;
+            uint64_t offset, bytes;
+        };
+        struct A2aOut {
+            uint32_t host;
+            uint64_t total, parts, next = 0;
+            std::vector<uint64_t> counts;
+            std::vector<A2aPiece> pieces;
+            size_t piece = 0;
+            uint64_t at = 0;  // bytes of pieces[piece] sent
+        };
+        std::vector<A2aOut> a2a_out;
+        size_t a2a_unsent = 0;  // messages with parts to send
         Clock::time_point earliest{};      // the earliest deadline of the peers' data here
         uint32_t earliest_host = UINT32_MAX;
     };
@@ -149,6 +175,8 @@ private:
     void contribute_a2a(State &st, const HostOp &op, const proto::OpReport &r);
     bool take_a2a(uint32_t host, const proto::OpData &d, proto::Bytes payload, std::string &over_bound);
     bool progress_a2a(State &st, const HostOp &op);
+    // Sends op `op`'s next parts (pump()); whether any went.
+    bool pump_a2a(State &st, const HostOp &op);
     // Whether `parts` is the number of parts of host `host`'s message (State::a2a_expect).
     static bool a2a_parts_fit(const State &st, uint32_t host, uint64_t parts);
     // Bytes of host `from`'s all_to_all message to host `to` (`layouts`: `from`'s local ranks').
@@ -181,6 +209,7 @@ private:
     Send send_;
     Queued queued_;
     std::map<Key, State> ops_;
+    std::set<Key> sending_;  // all_to_alls with parts to send, in op order
     std::vector<uint64_t> peer_bytes_;               // kept, by host
     std::map<std::string, uint64_t> group_bytes_;    // kept, by group
     std::vector<const void *> srcs_, partials_;

@@ -116,6 +116,17 @@ void RingDomain::on_op_data(uint32_t host, Frame &frame) {
     if (coord_known_ && report.generation == coord_generation_) try_progress_direct(key);
 }
 
+// all_to_all: this host's messages go a part at a time as the control connections take them (the
+// queues drained since the last step, or a peer's first part came); an op whose last part went
+// out may complete.
+bool RingDomain::pump_all_to_all() {
+    if (!coord_known_ || !exchange_->sending()) return false;
+    std::vector<OpKey> finished;
+    const bool moved = exchange_->pump(coord_generation_, [this](const OpKey &k) { return ops_.find_reported(k); }, finished);
+    for (const OpKey &k : finished) try_progress_direct(k);
+    return moved || !finished.empty();
+}
+
 // Completes a one- or two-shot op here once this host reported it and every part it needs is in.
 void RingDomain::try_progress_direct(const OpKey &key) {
     HostOp *op = ops_.find_reported(key);

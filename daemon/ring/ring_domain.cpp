@@ -427,6 +427,7 @@ bool RingDomain::settle_step() {
     bool moved = control_->dispatch();
     moved |= coord_known_ && flush_reports_now();
     moved |= deliver_self_frames();
+    moved |= pump_all_to_all();
     return moved;
 }
 

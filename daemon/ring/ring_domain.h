@@ -169,6 +169,7 @@ private:
     std::set<OpKey> past_told_;  // ops this host said it is past (bounded like failed_ahead_)
     // How long a doubling or halving-doubling op may take here before the coordinator hears of it.
     static constexpr auto kStallReport = std::chrono::milliseconds(250);
+    bool pump_all_to_all();
     void try_progress_direct(const OpKey &key);
     void fail_ahead(const proto::OpReport &data, int32_t code, const std::string &why);
     bool flush_reports_now();

@@ -1,7 +1,11 @@
 // DirectExchange: the bounds on one-/two-shot data, checked without a daemon.
 #include <catch2/catch.hpp>
 
+#include <cstring>
+
 #include "daemon/exchange/direct_exchange.h"
+#include "daemon/ipc/slot.h"
+#include "daemon/transport/loopback/loopback_transport.h"
 
 using namespace ringd;
 
@@ -80,17 +84,101 @@ TEST_CASE_METHOD(Fixture, "this host sends an op's data only while its queue to 
           "one-/two-shot data as fast as it comes)");
     // Two-shot sends a peer only its segment (half of it with two hosts).
     CHECK(x.send_over_bound(r, OpDesc{Collective::Allreduce, DType::F32, ReduceOp::Sum, kCount, 0}, Algorithm::TwoShot, {}).empty());
-    // An all_to_all's message may pass the queue's bound by itself once the queue is empty (host
-    // b, rank 1, sends rank 0 on host a one block of 40 Mi floats: 160 MiB), not the control
-    // connection's (a block of 50 Mi floats: 200 MiB, over 192).
+    // An all_to_all's message goes a window at a time, whatever its size (host b, rank 1, sends
+    // rank 0 on host a one block of 40 Mi floats: 160 MiB): it needs room for a window in the
+    // queue, and is refused only past the parts a message can have.
     const std::vector<std::vector<uint32_t>> ranks{{0}, {1}};
     const OpDesc a2a{Collective::AllToAll, DType::F32, ReduceOp::Sum, 40u << 20, 2};
-    CHECK_FALSE(x.send_over_bound(r, a2a, Algorithm::OneShot, ranks).empty());  // (the queue holds 112 MiB)
-    queued = 0;
+    queued = DirectExchange::kMaxSendBacklog - DirectExchange::kAllToAllWindow + 1;
+    CHECK_FALSE(x.send_over_bound(r, a2a, Algorithm::OneShot, ranks).empty());
+    queued -= 1;
     CHECK(x.send_over_bound(r, a2a, Algorithm::OneShot, ranks).empty());
-    CHECK(x.send_over_bound(r, OpDesc{Collective::AllToAll, DType::F32, ReduceOp::Sum, 50u << 20, 2}, Algorithm::OneShot, ranks) ==
-          "group g op 3: an all_to_all message of 200 MiB from host b to host a is over the 192 MiB a pair of hosts carries in "
-          "one (split it into several all_to_alls)");
+    queued = 0;
+    CHECK(x.send_over_bound(r, OpDesc{Collective::AllToAll, DType::F32, ReduceOp::Sum, DirectExchange::kMaxAllToAllMessage / 4, 2},
+                            Algorithm::OneShot, ranks) ==
+          "group g op 3: an all_to_all message of 262140 MiB from host b to host a is over the 262140 MiB a pair of hosts "
+          "carries in one op (split it into several all_to_alls)");
+}
+
+TEST_CASE("an all_to_all's message goes a part at a time: a window queued, and more only once the peer's message of "
+          "the op comes; the op completes once its last part is out",
+          "[exchange]") {
+    // Host b (rank 1) and host a (rank 0), a block of 4.5 Mi floats each way: 5 parts a message.
+    constexpr uint64_t kBlock = 9ull << 19;
+    const std::vector<std::vector<uint32_t>> ranks{{0}, {1}};
+    uint64_t queued = 0;
+    std::vector<uint32_t> sent;  // each frame's part number
+    DirectExchange x{1, {"a", "b"},
+                     [&](uint32_t to, proto::Bytes f) {
+                         CHECK(to == 0);
+                         queued += f.size();
+                         auto d = proto::decode_op_data(std::span<const uint8_t>(f).subspan(proto::kFrameHeaderBytes));
+                         REQUIRE(d.ok());
+                         sent.push_back(d->step & 0xffff);
+                     },
+                     [&](uint32_t) { return queued; }};
+    LoopbackTransport t;
+    HostOp op;
+    op.algorithm = Algorithm::OneShot;
+    op.run.group = "g";
+    op.run.seq = 1;
+    op.run.desc = OpDesc{Collective::AllToAll, DType::F32, ReduceOp::Sum, kBlock, 2};
+    op.run.ranks = {1};
+    auto sl = Slot::create("t", 16 * kBlock, t);
+    REQUIRE(sl.ok());
+    op.slots.push_back(*sl);
+    op.run.members.push_back({});
+    op.run.offsets.push_back(0);
+    op.run.out_offsets.push_back(8 * kBlock);
+    float *in = reinterpret_cast<float *>((*sl)->data()), *out = in + 2 * kBlock;
+    for (uint64_t i = 0; i < 2 * kBlock; ++i) in[i] = static_cast<float>(i % 1000);
+    proto::OpReport r{7, "g", 1, kBlock, static_cast<uint32_t>(DType::F32), static_cast<uint32_t>(ReduceOp::Sum), 1, 0, "",
+                      static_cast<uint32_t>(Algorithm::OneShot), 5, 1000};
+    r.collective = static_cast<uint32_t>(Collective::AllToAll);
+    const OpKey key{"g", 5, 1};
+    auto find = [&](const OpKey &k) { return k == key ? &op : nullptr; };
+    std::vector<OpKey> finished;
+
+    x.contribute(op, r, ranks);
+    CHECK(sent == std::vector<uint32_t>{0, 1});  // a window
+    queued = 0;
+    CHECK_FALSE(x.pump(7, find, finished));  // host a has not reached the op: nothing more
+    CHECK(sent.size() == 2);
+    // Host a's message (its counts, then its block of 7s) comes, part by part.
+    const uint64_t total = 8 + kBlock * 4;
+    std::vector<uint8_t> message(total);
+    std::memcpy(message.data(), &kBlock, 8);
+    for (uint64_t i = 0; i < kBlock; ++i) {
+        const float v = 7;
+        std::memcpy(message.data() + 8 + 4 * i, &v, 4);
+    }
+    auto offer = [&](uint32_t part) {
+        const uint64_t at = part * proto::kAllToAllPartBytes, n = std::min<uint64_t>(proto::kAllToAllPartBytes, total - at);
+        proto::Bytes f = proto::encode_op_data(r, proto::OpDataKind::OneShot, n, 5u << 16 | part);
+        std::memcpy(f.data() + proto::op_data_offset(), message.data() + at, n);
+        proto::Bytes payload(f.begin() + proto::kFrameHeaderBytes, f.end());
+        auto d = proto::decode_op_data(payload);
+        REQUIRE(d.ok());
+        std::string why;
+        CHECK(x.take_part(0, *d, std::move(payload), why));
+        CHECK(why.empty());
+    };
+    offer(0);
+    CHECK(x.pump(7, find, finished));  // a window more, while the queue takes it
+    CHECK(sent == std::vector<uint32_t>{0, 1, 2, 3});
+    CHECK(finished.empty());
+    CHECK_FALSE(x.pump(7, find, finished));
+    for (uint32_t k = 1; k < 5; ++k) offer(k);
+    CHECK_FALSE(x.progress(7, key, op));  // every part of host a is in, this host's last is not out
+    queued = 0;
+    CHECK(x.pump(7, find, finished));
+    CHECK(sent == std::vector<uint32_t>{0, 1, 2, 3, 4});
+    CHECK(finished == std::vector<OpKey>{key});
+    CHECK(x.progress(7, key, op));
+    uint64_t wrong = 0;
+    for (uint64_t i = 0; i < kBlock; ++i) wrong += out[i] != 7 || out[kBlock + i] != static_cast<float>((kBlock + i) % 1000);
+    CHECK(wrong == 0);
+    CHECK_FALSE(x.sending());
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -106,8 +194,6 @@ TEST_CASE_METHOD(Fixture, "this host sends an op's data only while its queue to 
 #include <random>
 
 #include "bench/bench_data.h"
-#include "daemon/ipc/slot.h"
-#include "daemon/transport/loopback/loopback_transport.h"
 #include "tests/support/matrix.h"
 
 namespace {
