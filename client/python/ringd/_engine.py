@@ -460,37 +460,16 @@ class _Engine(DeviceOps):
         mine = rec.root == self.rank
         copy_in = rec.collective == "reduce" or mine
         copy_out = (rec.collective == "broadcast") != mine
-        start = 0
-        try:
-            for n in _chunks(total, esize, self.max_chunk, self.taper):
-                nbytes = n * esize
-                with self.lock:
-                    self._wait_locked(lambda: not self.inflight_bytes or self.inflight_bytes + nbytes <= self.window,
-                                      f"ringd: the ops in flight did not end within {self.timeout}")
-                    rng = self._alloc_locked(nbytes)
-                part = rec.flat[start:start + n]
-                try:
-                    view = self.slot[rng[0]:rng[0] + nbytes].view(rec.flat.dtype)
-                    if copy_in:
-                        with torch.no_grad():
-                            view.copy_(part)
-                        self._note_copies(nbytes, 0)
-                    with self.lock:
-                        ticket = self._submit_coll_locked(rec.collective, n, rec.dtype, rec.op, rng[0], rng[0], rec.root)
-                        rec.chunks_left += 1
-                        rec.several = rec.several or n < total
-                        rec.submitted_all = start + n >= total
-                        self.inflight_bytes += nbytes
-                        out = (lambda p=part, v=view: _copied(p, v)) if copy_out else None
-                        self.inflight[ticket] = (rec, out, view, rng, nbytes)
-                        self.room.notify_all()
-                except BaseException:
-                    with self.lock:
-                        self.space.release(*rng)
-                    raise
-                start += n
-        except BaseException as e:
-            self._submit_failed(rec, start, e)
+
+        def fill(rng, start, m):
+            part, view = rec.flat[start:start + m], self.slot[rng[0]:rng[0] + m * esize].view(rec.flat.dtype)
+            if copy_in:
+                with torch.no_grad():
+                    view.copy_(part)
+                self._note_copies(m * esize, 0)
+            return rng[0], rng[0], (lambda p=part, v=view: _copied(p, v)) if copy_out else None, view
+        self._submit_parts(rec, rec.collective, _chunks(total, esize, self.max_chunk, self.taper), total,
+                           lambda m: (m * esize, m * esize), fill)
 
     def _submit_a2a(self, rec):
         """An all_to_all's one ringd op: its input, output and split sizes in one slot range.
@@ -562,7 +541,8 @@ class _Engine(DeviceOps):
         (the slot bytes of its op, what it counts in the window) and fill(range, start, m) copies
         the part into the range and gives (input offset, output offset, its copy out, the view
         it is copied out of). Each op waits for the window and its range; one that cannot be
-        submitted fails `rec`, and the group with it (_submit_failed)."""
+        submitted fails `rec`, and the group with it (_submit_failed). A broadcast's or reduce's ops go to
+        rec.root."""
         start = 0
         try:
             for m in parts:
@@ -574,7 +554,7 @@ class _Engine(DeviceOps):
                 try:
                     in_off, out_off, copy_out, view = fill(rng, start, m)
                     with self.lock:
-                        ticket = self._submit_coll_locked(collective, m, rec.dtype, rec.op, in_off, out_off)
+                        ticket = self._submit_coll_locked(collective, m, rec.dtype, rec.op, in_off, out_off, rec.root)
                         rec.chunks_left += 1
                         rec.several = rec.several or m < total
                         rec.submitted_all = start + m >= total
