@@ -25,7 +25,8 @@ struct Config {
     std::string transport = "tcp";
     struct Tcp {
         uint32_t streams = 2;
-        // The data streams' TCP congestion control (TCP_CONGESTION); "auto": cubic where ringd
+        // The TCP congestion control (TCP_CONGESTION) of the data streams and the control
+        // connections (an all_to_all's data travels on them); "auto": cubic where ringd
         // may set it, else reno (the kernel lets anyone set it), never a pacing one by default;
         // "system": the kernel's default (net.ipv4.tcp_congestion_control). congestion_set:
         // given in the file.
