@@ -134,6 +134,52 @@ inline uint64_t count_wrong_at(const void *buf, size_t count, DType t, ReduceOp 
     return wrong;
 }
 
+// The result of a collective other than allreduce, checked where it lies (`out`), from every
+// rank's fill() of the op's input (`count` elements: the larger buffer, n blocks for
+// reduce_scatter, allgather and all_to_all): a reduce_scatter's block is the reduction of elements
+// [rank*block, (rank+1)*block), an allgather's block b rank b's own block of its input, value(b,
+// b*block + i), a broadcast's buffer the root's, a reduce's the reduction at the root (elsewhere
+// nothing is checked), an all_to_all's block b rank b's block for this rank. Wrong values.
+inline uint64_t collective_wrong(Collective coll, const void *out, size_t count, DType t, ReduceOp op, uint64_t nranks,
+                                 uint64_t rank, uint64_t root) {
+    const size_t block = count / nranks, esize = dtype_size(t);
+    const auto *o = static_cast<const unsigned char *>(out);
+    uint64_t wrong = 0;
+    auto values_of = [&](const unsigned char *at, size_t n, uint64_t g, size_t first) {
+        for (size_t i = 0; i < n; ++i)
+            if (load(at, i, t) != round_to(t, static_cast<double>(value(g, first + i)))) ++wrong;
+    };
+    switch (coll) {
+    case Collective::Allreduce: return count_wrong(out, count, t, op, nranks);
+    case Collective::ReduceScatter: return count_wrong_at(out, block, t, op, nranks, rank * block);
+    case Collective::Reduce: return rank == root ? count_wrong(out, count, t, op, nranks) : 0;
+    case Collective::Broadcast: values_of(o, count, root, 0); break;
+    case Collective::Allgather:
+        for (uint64_t b = 0; b < nranks; ++b) values_of(o + b * block * esize, block, b, b * block);
+        break;
+    case Collective::AllToAll:
+        for (uint64_t b = 0; b < nranks; ++b) values_of(o + b * block * esize, block, b, rank * block);
+        break;
+    default: break;
+    }
+    return wrong;
+}
+
+// The bytes each host's NIC must send (or, for reduce, receive) for a collective of `bytes` (the
+// larger buffer), its ranks' data combined first, over `hosts` hosts of `local` ranks each: the
+// ring over hosts moves (H-1)/H of the buffer per pass (allreduce two), a chain from or to the
+// root's host all of it, an all_to_all the host's ranks' blocks for the other hosts.
+inline double host_bytes(Collective coll, double bytes, uint64_t hosts, uint64_t local) {
+    const double rest = static_cast<double>(hosts - 1) / static_cast<double>(hosts);
+    switch (coll) {
+    case Collective::Allreduce: return 2 * rest * bytes;
+    case Collective::Broadcast:
+    case Collective::Reduce: return bytes;
+    case Collective::AllToAll: return rest * static_cast<double>(local) * bytes;
+    default: return rest * bytes;
+    }
+}
+
 // avg of values near the largest finite value of a dtype, where any sum of two contributions is
 // out of its range: element i of rank g of n is v_i + (2g - (n-1)) * ulp, with v_i = 2^E (1 + m_i
 // 2^-P) a value of the dtype (f16 32768..65504, bf16 and f32 1.7e38..3.4e38, f64 9e307..1.8e308)

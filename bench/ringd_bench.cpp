@@ -242,48 +242,19 @@ int main(int argc, char **argv) {
         if (o.check) {
             range.prepare(buf, global_rank);
             if ((rc = run(count)) != 0) break;
-            const auto *base = static_cast<const unsigned char *>(buf);
             if (!ranked) {
                 const auto v = range.check(buf, *op, nranks);
                 wrong = v.wrong;
                 guard_total += v.guard;
-            } else if (!blocks) {
-                // Here too, from every rank's inputs (value(g, i) at element i of rank g's range): a
-                // broadcast leaves the root's everywhere, a reduce the reduction at the root (its
-                // other ranks' buffers may hold partial results: only their guards are checked),
-                // an all_to_all's output block b rank b's block for this rank.
-                if (*coll == Collective::Broadcast) {
-                    for (size_t i = 0; i < count; ++i)
-                        if (bench::load(base + op_offset, i, *dtype) != bench::round_to(*dtype, static_cast<double>(bench::value(root, i))))
-                            ++wrong;
-                } else if (*coll == Collective::Reduce) {
-                    if (global_rank == root) wrong = bench::count_wrong_at(base + op_offset, count, *dtype, *op, nranks, 0);
-                } else {
-                    const size_t block = count / nranks;
-                    for (uint64_t b = 0; b < nranks; ++b)
-                        for (size_t i = 0; i < block; ++i)
-                            if (bench::load(base + op_offset + (count + b * block) * esize, i, *dtype) !=
-                                bench::round_to(*dtype, static_cast<double>(bench::value(b, global_rank * block + i))))
-                                ++wrong;
-                }
-                guard_total += bench::guard_damage(buf, range.guard_begin(), op_offset, range.salt) +
-                               bench::guard_damage(buf, op_offset + range.bytes(), range.guard_end(), range.salt);
             } else {
-                // Here, from every rank's inputs: rank g filled element i of the range with
-                // value(g, i) (prepare); a reduce_scatter's block r is then the reduction of
-                // element r*block + i, and an allgather's block b is rank b's own block of its
-                // range, value(b, b*block + i).
-                const size_t block = count / nranks;
-                if (*coll == Collective::ReduceScatter) {
-                    wrong = bench::count_wrong_at(base + op_offset + global_rank * block * esize, block, *dtype, *op,
-                                                  nranks, global_rank * block);
-                } else {
-                    for (uint64_t b = 0; b < nranks; ++b)
-                        for (size_t i = 0; i < block; ++i)
-                            if (bench::load(base + op_offset + b * block * esize, i, *dtype) !=
-                                bench::round_to(*dtype, static_cast<double>(bench::value(b, b * block + i))))
-                                ++wrong;
-                }
+                // Here, from every rank's inputs (bench::collective_wrong); the result lies where
+                // the op was given it: a reduce_scatter's in this rank's block of the input, an
+                // all_to_all's after its input, the others' over the range.
+                const auto *base = static_cast<const unsigned char *>(buf);
+                const size_t at = *coll == Collective::ReduceScatter ? op_offset + global_rank * (count / nranks) * esize
+                                  : a2a                              ? op_offset + count * esize
+                                                                     : op_offset;
+                wrong = bench::collective_wrong(*coll, base + at, count, *dtype, *op, nranks, global_rank, root);
                 guard_total += bench::guard_damage(buf, range.guard_begin(), op_offset, range.salt) +
                                bench::guard_damage(buf, op_offset + range.bytes(), range.guard_end(), range.salt);
             }
@@ -292,12 +263,7 @@ int main(int argc, char **argv) {
         const double algbw = static_cast<double>(count * esize) / (us * 1e3);
         const double share = rooted ? 1.0 : (ranked ? 1.0 : 2.0) * static_cast<double>(nranks - 1) / static_cast<double>(nranks);
         const double busbw = algbw * share;
-        // Each host's NIC: the ring over hosts moves (H-1)/H of the buffer per pass; a chain the
-        // whole buffer; an all_to_all the host's ranks' blocks for the other hosts.
-        const double bytes = static_cast<double>(count * esize), rest = static_cast<double>(hosts - 1) / static_cast<double>(hosts);
-        const double host_bytes = rooted ? bytes
-                                  : a2a  ? rest * static_cast<double>(o.local_size) * bytes
-                                         : (blocks ? 1.0 : 2.0) * rest * bytes;
+        const double host_bytes = bench::host_bytes(*coll, static_cast<double>(count * esize), hosts, o.local_size);
         const double hostbw = host_bytes / (us * 1e3);
         char floor_s[32] = "N/A";
         if (o.link_mbit > 0 && hosts > 1)
