@@ -282,9 +282,10 @@ int main(int argc, char **argv) {
         }
         if (size > UINT64_MAX / static_cast<uint64_t>(o.factor)) break;
     }
-    // A last one-element op before leaving, as a job's closing barrier: a rank whose last op ended
-    // early (a reduce's or broadcast's off the root's host) would otherwise leave while the others'
-    // still run, which ends the group's incarnation and fails their op.
+    // A last one-element op before leaving, as a job's closing barrier: in a ring with a host
+    // older than protocol 11, a rank whose last op ended early (a reduce's or broadcast's off the
+    // root's host) would otherwise leave while the others' still run, which ends the group's
+    // incarnation there and fails their op (from 11 on the ops that ended on its host go on).
     if (rc == 0) rc = ringd_allreduce(c, op_offset, 1, cdt, RINGD_SUM, o.timeout_ms);
     if (rc != 0) {
         const std::string msg = ringd_last_error(c);

@@ -43,8 +43,10 @@ inline constexpr uint16_t kProtocolVersion = 1;      // frames between trainers/
 //      collective (bits 16-23 of its flags). Sent only in a generation of 10; an allreduce's frames
 //      are 9's, byte for byte.
 //  11: broadcast, reduce and barrier (OpReport collectives 3-5; a broadcast's or reduce's root rank
-//      in bits 8-31 of the op word), their one-shot OpData (proto/peer.h). Sent only in a
-//      generation of 11; every other op's frames are 10's, byte for byte.
+//      in bits 8-31 of the op word), their one-shot OpData (proto/peer.h); an incarnation's end
+//      says through which seq its ops go on (the end OpReport's count, the end OpFail's `after`
+//      after its message). Sent only in a generation of 11; every other op's frames are 10's,
+//      byte for byte.
 // A ringd of 6 (before 0.2.0) is no longer spoken to: it closed the connection at a hello it could
 // not read, which a dialer cannot tell from a host that died. Every release since refuses with an
 // Error frame, and only that refusal makes a dialer try an older version.

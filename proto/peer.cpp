@@ -664,7 +664,7 @@ Result<OpStart> decode_op_start(std::span<const uint8_t> p) {
     return s;
 }
 
-Bytes encode_op_fail(const OpFail &f) {
+Bytes encode_op_fail(const OpFail &f, bool with_after) {
     Bytes p(kOpFailFixed, 0);
     le::put<uint64_t>(&p[0], f.generation);
     put_name(&p[8], f.group);
@@ -672,6 +672,11 @@ Bytes encode_op_fail(const OpFail &f) {
     le::put<int32_t>(&p[80], f.code);
     le::put<uint64_t>(&p[88], f.incarnation);
     put_message(p, f.message);
+    if (with_after) {
+        const size_t at = p.size();
+        p.resize(at + 8);
+        le::put<uint64_t>(&p[at], f.after);
+    }
     return encode_frame(FrameType::OpFail, p);
 }
 
@@ -687,7 +692,13 @@ Result<OpFail> decode_op_fail(std::span<const uint8_t> p) {
     f.incarnation = le::get<uint64_t>(&p[88]);
     if (f.code >= 0) return bad("op fail code must be a negative errno");
     if (f.incarnation == 0) return bad("op fail without an incarnation");
-    auto m = get_message(p.subspan(kOpFailFixed));
+    auto rest = p.subspan(kOpFailFixed);
+    if (rest.size() >= 4 && rest.size() - 4 == static_cast<size_t>(le::get<uint32_t>(rest.data())) + 8) {
+        // (protocol 11: `after`, following the message)
+        f.after = le::get<uint64_t>(rest.data() + rest.size() - 8);
+        rest = rest.first(rest.size() - 8);
+    }
+    auto m = get_message(rest);
     if (!m) return m.error();
     f.message = *m;
     return f;

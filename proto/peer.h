@@ -144,7 +144,12 @@ struct GroupIncarnation {
     std::vector<std::vector<uint32_t>> host_ranks{};
 };
 // seq of an OpReport with a non-zero status that ends the incarnation here (its local ranks
-// left): every op of the incarnation that is pending or reported later fails with its message.
+// left): every op of the incarnation that is pending or reported later fails with its message,
+// but for the ops it says this host ended already: its `count`, when not 0, is 1 + the seq through
+// which every op of the incarnation has ended here (completed, or failed and reported), so that an
+// op whose data this host sent before its ranks left still completes on the others (a reduce's
+// ranks off the root's host, whose op ends once sent, that exit at once). Sent only in a
+// generation of protocol 11 (before it the count is 0, and every pending op fails).
 inline constexpr uint64_t kIncarnationEnds = UINT64_MAX;
 struct OpReport {
     uint64_t generation = 0;  // the coordinator's generation the host reports in
@@ -202,6 +207,10 @@ struct OpFail {
     int32_t code = 0;
     std::string message;
     uint64_t incarnation = 0;
+    // seq kIncarnationEnds (the incarnation ended on a host): its ops up to this seq go on, those
+    // after it fail (OpReport's count above, less one). On the wire after the message, 8 bytes,
+    // only in a generation of protocol 11 (encode_op_fail's `with_after`); absent: 0.
+    uint64_t after = 0;
 };
 
 // Small ops skip the ring and travel on the control connections as OpData: the op's report, a
@@ -331,7 +340,7 @@ Bytes encode_op_report(const OpReport &r);
 Result<OpReport> decode_op_report(std::span<const uint8_t> payload);
 Bytes encode_op_start(const OpStart &s);
 Result<OpStart> decode_op_start(std::span<const uint8_t> payload);
-Bytes encode_op_fail(const OpFail &f);
+Bytes encode_op_fail(const OpFail &f, bool with_after = false);
 Result<OpFail> decode_op_fail(std::span<const uint8_t> payload);
 
 // In h.version's layout (6 or 7); decoding takes the frame header's version.

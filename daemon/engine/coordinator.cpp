@@ -245,22 +245,30 @@ void Coordinator::fail(const Key &k, int32_t code, const std::string &message, D
     decide(k, std::pair{code, message});
 }
 
-void Coordinator::end(uint64_t incarnation, int32_t code, const std::string &message, Decisions &out) {
+void Coordinator::end(uint64_t incarnation, int32_t code, const std::string &message, Decisions &out, uint64_t after) {
     Incarnation *inc = find(incarnation);
-    if (!inc || inc->end_code != 0) return;
-    inc->end_code = code;
-    inc->end_message = message;
+    if (!inc || (inc->end_code != 0 && after >= inc->end_after)) return;
+    const bool first = inc->end_code == 0;
+    if (first) {
+        inc->end_code = code;
+        inc->end_message = message;
+    }
+    inc->end_after = after;
     const std::string group = inc->group;
-    auto lo = pending_.lower_bound(Key{group, incarnation, 0});
+    auto lo = pending_.lower_bound(Key{group, incarnation, after + 1});
     std::vector<Key> doomed;
     for (auto it = lo; it != pending_.end() && std::get<0>(it->first) == group && std::get<1>(it->first) == incarnation; ++it)
         doomed.push_back(it->first);
-    for (const Key &k : doomed) fail(k, code, message, out);
+    for (const Key &k : doomed) fail(k, inc->end_code, inc->end_message, out);
     // A solo lane's hosts start its ops without reporting them: every host hears of the end at once
-    // (an OpFail of seq kIncarnationEnds), and cancels what it runs of it.
+    // (an OpFail of seq kIncarnationEnds, again when a later end spares fewer), and cancels what it
+    // runs of it past `after`.
     if (inc->solo_epoch)
-        for (uint32_t h = 0; h < hosts_.size(); ++h)
-            out.fails.push_back({h, {generation_, group, proto::kIncarnationEnds, code, message, incarnation}});
+        for (uint32_t h = 0; h < hosts_.size(); ++h) {
+            proto::OpFail f{generation_, group, proto::kIncarnationEnds, inc->end_code, inc->end_message, incarnation};
+            f.after = after;
+            out.fails.push_back({h, std::move(f)});
+        }
 }
 
 // Ops of the incarnation that a host is past (it reported a later seq, so it failed them
@@ -292,7 +300,7 @@ void Coordinator::report(uint32_t host, const proto::OpReport &r, Clock::time_po
     if (!inc || inc->group != r.group || inc->local_ids.size() != hosts_.size()) return;  // never agreed: stale
     const Key k{r.group, r.incarnation, r.seq};
     if (r.seq == proto::kIncarnationEnds) {
-        if (r.status != 0) end(r.incarnation, r.status, r.message, out);
+        if (r.status != 0) end(r.incarnation, r.status, r.message, out, r.count ? r.count - 1 : 0);
         return;
     }
     auto fail_to_host = [&](int32_t code, const std::string &message) {
@@ -302,7 +310,7 @@ void Coordinator::report(uint32_t host, const proto::OpReport &r, Clock::time_po
         if (d->second) fail_to_host(d->second->first, d->second->second);
         return;
     }
-    if (inc->end_code != 0) {
+    if (inc->end_code != 0 && r.seq > inc->end_after) {
         fail_to_host(inc->end_code, at(r.group, r.seq) + inc->end_message);
         decide(k, std::pair{inc->end_code, at(r.group, r.seq) + inc->end_message});
         return;

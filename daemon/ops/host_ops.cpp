@@ -125,6 +125,16 @@ size_t HostOps::fail_queued(int32_t code, const std::function<std::string(const 
     return n;
 }
 
+uint64_t HostOps::lowest_held(const std::string &group, uint64_t incarnation) const {
+    uint64_t low = UINT64_MAX;
+    if (auto it = reported_.lower_bound(OpKey{group, incarnation, 0});
+        it != reported_.end() && std::get<0>(it->first) == group && std::get<1>(it->first) == incarnation)
+        low = std::get<2>(it->first);
+    for (const auto &[id, r] : ring_)
+        if (std::get<0>(r.key) == group && std::get<1>(r.key) == incarnation) low = std::min(low, std::get<2>(r.key));
+    return low;
+}
+
 HostOps::Counts HostOps::counts() const {
     Counts c;
     for (const auto &[group, q] : queued_) c.queued += q.size();

@@ -82,6 +82,9 @@ public:
     void for_each_reported(F f) {
         for (auto &[key, op] : reported_) f(key, op);
     }
+    // The lowest seq of incarnation `incarnation` of `group` that is Reported, Running or
+    // Releasing here (not ended yet); UINT64_MAX: none.
+    uint64_t lowest_held(const std::string &group, uint64_t incarnation) const;
     // Reported -> out of the table (started, decided, or completed by direct exchange).
     std::optional<HostOp> take_reported(const OpKey &key);
 

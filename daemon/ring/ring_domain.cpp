@@ -265,7 +265,7 @@ void RingDomain::broadcast(const Coordinator::Decisions &d) {
     }
     for (const auto &[h, f] : d.fails) {
         if (h == self_index_) on_fail(f);
-        else send_control(h, proto::encode_op_fail(f));
+        else send_control(h, proto::encode_op_fail(f, f.seq == proto::kIncarnationEnds && generation_protocol_ >= proto::kRootedProtocol));
     }
     for (const auto &[h, g] : d.groups) {
         if (h == self_index_) on_group_incarnation(g);
@@ -349,14 +349,18 @@ void RingDomain::on_fail(const proto::OpFail &f) {
     sh_.groups->finished(op->run.op_id, f.code, f.message, *sh_.done);
 }
 
-// The coordinator ended a solo lane's incarnation (its ranks left on a host, it started anew
-// there): its ops still to come fail here at once, and the lane skips the rest of its grant. What
-// runs of it here may be an op every host ran (the host that ended it ran it before its ranks
-// left; the end can overtake its last messages): it is cancelled with the reason only once its
-// lane stops moving (tick).
+// The coordinator ended an incarnation with a solo lane (its ranks left on a host, it started
+// anew there): its ops after `f.after` fail here (those up to it ended on the host that ended it,
+// and go on), and the lane skips the rest of its grant once this host has posted them (at once if
+// it has; else flush_reports_now, when it gets past them or ends too). What runs of the later ones
+// here may be an op every host ran (the host that ended it ran it before its ranks left; the end
+// can overtake its last messages): it is cancelled with the reason only once its lane stops
+// moving (tick). A later end may spare fewer.
 void RingDomain::on_incarnation_ended(const proto::OpFail &f) {
     for (auto &[id, so] : solo_ops_) {
-        if (std::get<0>(so.key) != f.group || std::get<1>(so.key) != f.incarnation || so.fail_code || so.ended_code) continue;
+        if (std::get<0>(so.key) != f.group || std::get<1>(so.key) != f.incarnation || so.fail_code || so.ended_code ||
+            std::get<2>(so.key) <= f.after)
+            continue;
         so.ended_code = f.code;
         so.ended_message = "group " + f.group + " op " + std::to_string(std::get<2>(so.key)) + ": " + f.message;
     }
@@ -366,11 +370,20 @@ void RingDomain::on_incarnation_ended(const proto::OpFail &f) {
     if (r.refused_code == 0) {
         r.refused_code = f.code;
         r.refused = f.message;
+        r.end_after = f.after;
+    } else {
+        r.end_after = std::min(r.end_after, f.after);
     }
-    if (r.solo_epoch) {
-        lanes_[r.lane % lanes_.size()]->engine->skip_to(kSoloTag | (((r.solo_epoch + 1) & 0x7f) << 24));
-        r.solo_epoch = 0;  // (its ops fail here from now on)
-    }
+    end_solo_lane(r);
+}
+
+// A solo lane whose incarnation ended (on_incarnation_ended): once this host has posted every op
+// of it that goes on (up to end_after), the lane skips the rest of its grant, and the run's later
+// ops fail here.
+void RingDomain::end_solo_lane(GroupRun &r) {
+    if (!r.solo_epoch || r.refused_code == 0 || r.last_seq < r.end_after) return;
+    lanes_[r.lane % lanes_.size()]->engine->skip_to(kSoloTag | (((r.solo_epoch + 1) & 0x7f) << 24));
+    r.solo_epoch = 0;  // (its ops fail here from now on)
 }
 
 void RingDomain::expire_host_ops(Clock::time_point now) {

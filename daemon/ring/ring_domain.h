@@ -204,8 +204,9 @@ private:
         bool join_sent = false;
         uint64_t last_seq = 0;  // the highest seq reported
         bool end_told = false;  // over here: the coordinator was told it ended (tell_ended_runs)
-        int32_t refused_code = 0;  // the coordinator refused this local incarnation: its ops fail
+        int32_t refused_code = 0;  // the coordinator refused or ended this local incarnation: its ops fail
         std::string refused;
+        uint64_t end_after = 0;  // ... but those up to this seq (ended on the host that ended it: on_incarnation_ended)
         // A solo lane (GroupIncarnation::solo_epoch, 0: none): its ring ops start here without the
         // coordinator, in seq order, on lane `lane`.
         uint32_t lane = 0, solo_epoch = 0, total_ranks = 0;
@@ -244,6 +245,7 @@ private:
     std::string collectives_refused(const GroupRun &run, const OpRun &op) const;
     void tell_solo(SoloOp &s, uint32_t flags);
     void on_incarnation_ended(const proto::OpFail &f);
+    void end_solo_lane(GroupRun &r);
     // How long a solo lane's op may wait here without moving before the coordinator hears of it
     // (or a quarter of the time left to it, if less): a host whose trainers lag further than this
     // sends one report. The end of an incarnation comes without it (Coordinator::end); what is

@@ -117,10 +117,16 @@ bool RingDomain::flush_reports_now() {
             // left: it never asks for an agreement again.
             const uint64_t now_local = sh_.groups->local_id(group);
             const bool over = now_local != run.local_id || sh_.groups->broken(group);
-            if (run.refused_code != 0 || (!run.agreed && (over || (!run.join_sent && next->run.seq == proto::kIncarnationEnds)))) {
-                // Refused by the coordinator: its ops fail here. Not agreed in this generation and
-                // over here: nobody else runs any of it in this generation (agreed in an earlier
-                // one, the coordinator was told it ended: tell_ended_runs).
+            const bool refused = run.refused_code != 0 && next->run.seq > run.end_after;
+            if (refused || (!run.agreed && (over || (!run.join_sent && next->run.seq == proto::kIncarnationEnds)))) {
+                // Refused by the coordinator, or ended (past the ops it spared): its ops fail
+                // here. Not agreed in this generation and over here: nobody else runs any of it in
+                // this generation (agreed in an earlier one, the coordinator was told it ended:
+                // tell_ended_runs).
+                if (refused) {
+                    run.last_seq = std::max(run.last_seq, run.end_after);  // (past every op that goes on)
+                    end_solo_lane(run);
+                }
                 HostOp op = ops_.take_queued(group);
                 moved = true;
                 if (op.status != 0) continue;
@@ -186,6 +192,12 @@ bool RingDomain::flush_reports_now() {
                                           static_cast<uint32_t>(op.run.members.size()), op.deadline);
             r.status = op.status;
             r.message = op.message;
+            if (op.run.seq == proto::kIncarnationEnds && op.status != 0 && generation_protocol_ >= proto::kRootedProtocol) {
+                // Its ops up to here ended here (completed, or failed and reported) but for those
+                // still held: the others' go on (proto/peer.h).
+                const uint64_t held = ops_.lowest_held(group, run.agreed);
+                r.count = std::min(run.last_seq, held == UINT64_MAX ? run.last_seq : held - 1) + 1;
+            }
             if (op.status == 0) sh_.groups->set_algorithm(op.run.op_id, algorithm_name(algorithm));
             if (op.status == 0 && algorithm != Algorithm::Ring) {
                 // Peers' data of the op is here already and their deadline has passed: this host
@@ -220,6 +232,9 @@ bool RingDomain::flush_reports_now() {
             if (op.status == 0) ops_.reported(OpKey{group, r.incarnation, r.seq}, std::move(op));
             send_to_coordinator(proto::encode_op_report(r));
         }
+        // An ended solo lane whose ops that go on are all posted now skips the rest (in order
+        // after them).
+        if (auto run = runs_.find(group); run != runs_.end()) end_solo_lane(run->second);
     }
     forget_gone_runs();
     return moved;

@@ -41,7 +41,10 @@ void one(FrameType type, std::span<const uint8_t> p) {
         break;
     case FrameType::OpStart: (void)decode_op_start(p); break;
     case FrameType::OpFail:
-        if (auto f = decode_op_fail(p)) must(decode_op_fail(payload_of(encode_op_fail(*f)))->message == f->message);
+        if (auto f = decode_op_fail(p)) {
+            const auto again = decode_op_fail(payload_of(encode_op_fail(*f, f->after != 0)));
+            must(again->message == f->message && again->after == f->after);
+        }
         break;
     case FrameType::RingAbort: (void)decode_ring_abort(p); break;
     case FrameType::OpData:

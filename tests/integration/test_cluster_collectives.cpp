@@ -310,6 +310,59 @@ TEST_CASE("a host SIGKILLed while the others wait in an all_to_all: they fail wi
     CHECK(v.guard == 0);
 }
 
+TEST_CASE("ranks off the root's host that leave as soon as their reduces ended there: the root's slower reduces "
+          "still complete, exact; its next op fails naming them",
+          "[cluster][collectives][faults]") {
+    // A reduce ends on a host off the root's once its data is sent: a job whose ranks there exit
+    // at once ends the incarnation while the root's host may not have reported the op yet. The end
+    // says through which op its host ended them, and only later ops fail.
+    TestCluster c(3, "10s");
+    REQUIRE(c.wait_up());
+    auto tr = join_ranked(c, "leave", {1, 1, 1}, {0, 1, 2}, 1 << 20);
+    REQUIRE(tr.size() == 3);
+    constexpr size_t kCount = 1001;  // one-shot
+    constexpr int kOps = 3;
+    std::vector<Placement> pl;
+    for (auto &x : tr) {
+        pl.push_back(place_rooted(DType::F32, kCount, x.rank, 5));
+        bench::guard_fill(x.slot, pl.back().span_begin - bench::kGuardBytes, pl.back().span_end + bench::kGuardBytes, 5);
+    }
+    auto submit = [&](size_t g) {
+        for (size_t i = 0; i < kCount; ++i) bench::store(tr[g].slot + pl[g].in, i, DType::F32, static_cast<double>(bench::value(tr[g].rank, i)));
+        const ringd_coll d{sizeof(ringd_coll), RINGD_REDUCE, RINGD_F32, RINGD_SUM, kCount, pl[g].in, 0, 0, nullptr, nullptr, 0};
+        uint64_t t = 0;
+        REQUIRE(ringd_submit_coll(tr[g].c.get(), &d, &t) == 0);
+        return t;
+    };
+    // Ranks 1 and 2 run their reduces (root 0) one after another, each ended there once sent, and leave.
+    for (size_t g = 1; g < 3; ++g) {
+        for (int k = 0; k < kOps; ++k) {
+            const uint64_t t = submit(g);
+            const int rc = ringd_wait(tr[g].c.get(), t, 10000);
+            INFO("rank " << g << " op " << k + 1 << ": " << ringd_last_error(tr[g].c.get()));
+            REQUIRE(rc == 0);
+        }
+        tr[g].c.reset();
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));  // their ends reach the coordinator
+    // The root gets to them now: every one completes, exact.
+    for (int k = 0; k < kOps; ++k) {
+        const uint64_t t = submit(0);
+        const int rc = ringd_wait(tr[0].c.get(), t, 10000);
+        INFO("root op " << k + 1 << ": " << ringd_last_error(tr[0].c.get()));
+        REQUIRE(rc == 0);
+        const Verdict v = check_rooted(tr[0].slot, pl[0], Collective::Reduce, DType::F32, ReduceOp::Sum, kCount, 3, 0, 0, 5);
+        CHECK(v.wrong == 0);
+        CHECK(v.guard == 0);
+    }
+    // Its next op was nobody else's: it fails at once, naming a host whose ranks left.
+    const auto t0 = Clock::now();
+    const uint64_t t = submit(0);
+    CHECK(ringd_wait(tr[0].c.get(), t, 10000) == -ECONNABORTED);
+    CHECK_THAT(std::string(ringd_last_error(tr[0].c.get())), Catch::Contains("left"));
+    CHECK(seconds_since(t0) < 2.0);
+}
+
 TEST_CASE("all_to_all on one host: its local ranks, split sizes and even blocks", "[cluster][collectives]") {
     TestCluster c(1, "10s");
     auto tr = join_ranked(c, "local-a2a", {3}, {2, 0, 1}, 8 << 20);

@@ -32,6 +32,7 @@ proto::OpReport failed(uint64_t inc, uint64_t seq, const std::string &why, const
     proto::OpReport r = ready(inc, seq, 100, DType::F32, ReduceOp::Sum, 2, g);
     r.status = -ECONNABORTED;
     r.message = why;
+    if (seq == proto::kIncarnationEnds) r.count = 0;  // an end that says nothing of what ended on its host
     return r;
 }
 
@@ -252,6 +253,41 @@ TEST_CASE("a restarted job gets a new incarnation; nothing of the old one pairs 
     for (uint32_t h = 0; h < 3; ++h) c.report(h, ready(fresh, 1), Clock::now(), d);
     REQUIRE(d.starts.size() == 1);
     CHECK(d.starts[0].incarnation == fresh);
+}
+
+TEST_CASE("an end that says through which op its host ended them spares those ops; a later end that says less "
+          "fails them after all",
+          "[coordinator]") {
+    Coordinator c({"a", "b", "c"}, 1000ms);
+    c.reset(7);
+    const uint64_t inc = agree(c, 3, "g", 0);
+    Coordinator::Decisions d;
+    // b sent its data of ops 8 and 9 (one-shot: reported with it), they completed there, and its
+    // ranks left: its end says every op through 9 ended on b. a is slower.
+    c.report(1, ready(inc, 8), Clock::now(), d);
+    c.report(1, ready(inc, 9), Clock::now(), d);
+    c.report(2, ready(inc, 8), Clock::now(), d);
+    proto::OpReport end = failed(inc, proto::kIncarnationEnds, "group g: host b local rank 0 left");
+    end.count = 10;  // 1 + 9
+    c.report(1, end, Clock::now(), d);
+    CHECK(d.fails.empty());
+    c.report(0, ready(inc, 8), Clock::now(), d);  // op 8: every host reported it: it starts
+    REQUIRE(d.starts.size() == 1);
+    CHECK(d.starts[0].seq == 8);
+    c.report(0, ready(inc, 10), Clock::now(), d);  // op 10 was not b's: it fails, naming b's reason
+    REQUIRE(d.fails.size() == 1);
+    CHECK(d.fails[0].first == 0);
+    CHECK_THAT(d.fails[0].second.message, Catch::Contains("group g op 10: group g: host b local rank 0 left"));
+    // c's ranks leave too, having ended only op 8 there: op 9, pending, fails now on every host.
+    proto::OpReport end_c = failed(inc, proto::kIncarnationEnds, "group g: host c local rank 0 left");
+    end_c.count = 9;
+    c.report(2, end_c, Clock::now(), d);
+    REQUIRE(d.fails.size() == 4);
+    for (size_t i = 1; i < 4; ++i) {
+        CHECK(d.fails[i].second.seq == 9);
+        CHECK_THAT(d.fails[i].second.message, Catch::Contains("host b local rank 0 left"));
+    }
+    CHECK(c.pending() == 0);
 }
 
 TEST_CASE("a job restarted on one host only: the hosts that go on are refused, the restarted one waits",
@@ -512,15 +548,29 @@ TEST_CASE("solo lanes: the first lanes - 1 running incarnations get one each wit
     c.expire(t0 + 2s, d);
     REQUIRE(d.fails.size() == 3);
     CHECK_THAT(d.fails[0].second.message, Catch::Contains("every host ran it, and its data stopped moving"));
-    // Its ranks leave on host b: every host hears that the incarnation ended (seq kIncarnationEnds).
+    // Its ranks leave on host b, every op through 9 ended there: every host hears that the
+    // incarnation ended (seq kIncarnationEnds), its ops up to 9 going on.
     d = {};
-    c.report(1, {7, "g1", proto::kIncarnationEnds, 0, 0, 0, 0, -ECONNABORTED, "host b: local rank 0 left", 0, inc1, 0}, t0, d);
+    c.report(1, {7, "g1", proto::kIncarnationEnds, 10, 0, 0, 0, -ECONNABORTED, "host b: local rank 0 left", 0, inc1, 0}, t0, d);
     REQUIRE(d.fails.size() == 3);
     for (uint32_t h = 0; h < 3; ++h) {
         CHECK(d.fails[h].first == h);
         CHECK(d.fails[h].second.seq == proto::kIncarnationEnds);
         CHECK(d.fails[h].second.incarnation == inc1);
+        CHECK(d.fails[h].second.after == 9);
     }
+    // Host c's ranks leave too, through op 7 only: every host hears it again, sparing fewer; an
+    // end that spares no fewer says nothing.
+    d = {};
+    c.report(2, {7, "g1", proto::kIncarnationEnds, 8, 0, 0, 0, -ECONNABORTED, "host c: local rank 0 left", 0, inc1, 0}, t0, d);
+    REQUIRE(d.fails.size() == 3);
+    for (const auto &[h, f] : d.fails) {
+        CHECK(f.after == 7);
+        CHECK_THAT(f.message, Catch::Contains("host b: local rank 0 left"));  // (the first end's reason)
+    }
+    d = {};
+    c.report(0, {7, "g1", proto::kIncarnationEnds, 9, 0, 0, 0, -ECONNABORTED, "host a: local rank 0 left", 0, inc1, 0}, t0, d);
+    CHECK(d.fails.empty());
     // Its lane is free again: the next solo grant of lane 0 is epoch 2.
     const auto g4 = join("g4", 4, 1);
     CHECK(g4[0].second.lane == 0);

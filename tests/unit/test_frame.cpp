@@ -871,6 +871,21 @@ TEST_CASE("op negotiation frames round-trip and are validated", "[proto]") {
     CHECK(fl->incarnation == 77);
     CHECK_FALSE(decode_op_fail(payload_of(encode_op_fail({3, "grp", 9, 5, "x", 77}))).ok());
     CHECK_FALSE(decode_op_fail(payload_of(encode_op_fail({3, "grp", 9, -5, "x", 0}))).ok());
+    CHECK(fl->after == 0);  // (not sent: before protocol 11)
+    {
+        // An incarnation's end with the seq through which its ops go on (protocol 11): after the
+        // message; a frame without it reads as 0, and one with other trailing bytes is refused.
+        proto::OpFail end{3, "grp", kIncarnationEnds, -103, "group grp: host b local rank 0 left", 77};
+        end.after = 0x1234567890ull;
+        auto e = decode_op_fail(payload_of(encode_op_fail(end, true)));
+        REQUIRE(e.ok());
+        CHECK(e->after == 0x1234567890ull);
+        CHECK(e->message == end.message);
+        CHECK(decode_op_fail(payload_of(encode_op_fail(end)))->after == 0);
+        const Bytes frame = encode_op_fail(end, true);
+        const auto whole = payload_of(frame);
+        CHECK_FALSE(decode_op_fail(whole.first(whole.size() - 1)).ok());
+    }
 
     auto j = decode_group_join(payload_of(encode_group_join({3, "grp", 0xabc, 77})));
     REQUIRE(j.ok());
