@@ -153,7 +153,16 @@ void Coordinator::place(Incarnation &inc, const std::string &group) {
     for (const auto &[name, g] : groups_) {
         if (name == group || !g.current) continue;
         const Incarnation *other = find(g.current);
-        if (!other || other->end_code != 0) continue;
+        if (!other) continue;
+        if (other->end_code != 0) {
+            // Ended, but hosts may still post the ops its end spared on its solo lane: the lane
+            // is not granted again until every host ended it too, or timeouts.op passed.
+            const bool all = other->ended_by.size() == hosts_.size() &&
+                             std::all_of(other->ended_by.begin(), other->ended_by.end(), [](bool b) { return b; });
+            if (other->solo_epoch && other->end_after > 0 && !all && Clock::now() < other->ended_at + op_timeout_)
+                solo_taken[other->lane % lanes_] = true;
+            continue;
+        }
         ++use[other->lane % lanes_];
         if (other->solo_epoch) solo_taken[other->lane % lanes_] = true;
     }
@@ -245,27 +254,33 @@ void Coordinator::fail(const Key &k, int32_t code, const std::string &message, D
     decide(k, std::pair{code, message});
 }
 
-void Coordinator::end(uint64_t incarnation, int32_t code, const std::string &message, Decisions &out, uint64_t after) {
+void Coordinator::end(uint64_t incarnation, int32_t code, const std::string &message, Decisions &out, uint64_t after,
+                      int host) {
     Incarnation *inc = find(incarnation);
-    if (!inc || (inc->end_code != 0 && after >= inc->end_after)) return;
-    const bool first = inc->end_code == 0;
-    if (first) {
-        inc->end_code = code;
-        inc->end_message = message;
+    if (!inc) return;
+    if (host >= 0 && static_cast<size_t>(host) < hosts_.size()) {
+        inc->ended_by.resize(hosts_.size(), false);
+        inc->ended_by[static_cast<size_t>(host)] = true;
     }
+    if (inc->end_code != 0 && after >= inc->end_after) return;
+    if (inc->end_code == 0) inc->ended_at = Clock::now();
+    // The latest end that fails ops names its host: they fail because of it (the first end spared
+    // them), and so do the later ones, which it fails too.
+    inc->end_code = code;
+    inc->end_message = message;
     inc->end_after = after;
     const std::string group = inc->group;
     auto lo = pending_.lower_bound(Key{group, incarnation, after + 1});
     std::vector<Key> doomed;
     for (auto it = lo; it != pending_.end() && std::get<0>(it->first) == group && std::get<1>(it->first) == incarnation; ++it)
         doomed.push_back(it->first);
-    for (const Key &k : doomed) fail(k, inc->end_code, inc->end_message, out);
+    for (const Key &k : doomed) fail(k, code, message, out);
     // A solo lane's hosts start its ops without reporting them: every host hears of the end at once
     // (an OpFail of seq kIncarnationEnds, again when a later end spares fewer), and cancels what it
     // runs of it past `after`.
     if (inc->solo_epoch)
         for (uint32_t h = 0; h < hosts_.size(); ++h) {
-            proto::OpFail f{generation_, group, proto::kIncarnationEnds, inc->end_code, inc->end_message, incarnation};
+            proto::OpFail f{generation_, group, proto::kIncarnationEnds, code, message, incarnation};
             f.after = after;
             out.fails.push_back({h, std::move(f)});
         }
@@ -300,7 +315,7 @@ void Coordinator::report(uint32_t host, const proto::OpReport &r, Clock::time_po
     if (!inc || inc->group != r.group || inc->local_ids.size() != hosts_.size()) return;  // never agreed: stale
     const Key k{r.group, r.incarnation, r.seq};
     if (r.seq == proto::kIncarnationEnds) {
-        if (r.status != 0) end(r.incarnation, r.status, r.message, out, r.count ? r.count - 1 : 0);
+        if (r.status != 0) end(r.incarnation, r.status, r.message, out, r.count ? r.count - 1 : 0, static_cast<int>(host));
         return;
     }
     auto fail_to_host = [&](int32_t code, const std::string &message) {

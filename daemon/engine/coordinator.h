@@ -111,6 +111,11 @@ private:
         int32_t end_code = 0;             // non-zero once it ended; later ops fail with end_message
         std::string end_message;
         uint64_t end_after = 0;           // ... the ops after this seq (those up to it ended on the hosts that ended it)
+        // When it ended, and the hosts whose end came: a solo lane whose end spared ops (end_after)
+        // stays its own until every host ended it or timeouts.op passed (place): hosts may still
+        // post the spared ops on it, and another grant's first op there would drop their messages.
+        Clock::time_point ended_at{};
+        std::vector<bool> ended_by;
         uint32_t lane = 0;
         uint32_t solo_epoch = 0;   // non-zero: it has its lane alone (a solo lane)
         uint32_t total_ranks = 0;  // every host's local ranks (0: not known)
@@ -138,7 +143,9 @@ private:
     void refuse(uint32_t host, const std::string &group, uint64_t local_id, const std::string &why, Decisions &out);
     // `after`: the seq through which the ending host's ops ended there (OpReport kIncarnationEnds);
     // the ops up to it go on. Another host's end may spare fewer.
-    void end(uint64_t incarnation, int32_t code, const std::string &message, Decisions &out, uint64_t after = 0);
+    // `host`: the host whose end it is (-1: none in particular).
+    void end(uint64_t incarnation, int32_t code, const std::string &message, Decisions &out, uint64_t after = 0,
+             int host = -1);
     void fail(const Key &k, int32_t code, const std::string &message, Decisions &out);
     void fail_skipped(const Key &k, Decisions &out);
     void decide(const Key &k, std::optional<std::pair<int32_t, std::string>> failure);

@@ -367,21 +367,20 @@ void RingDomain::on_incarnation_ended(const proto::OpFail &f) {
     auto run = runs_.find(f.group);
     if (run == runs_.end() || run->second.agreed != f.incarnation) return;
     GroupRun &r = run->second;
-    if (r.refused_code == 0) {
+    if (r.refused_code == 0 || f.after < r.end_after) {
+        // (A later end that spares fewer names its host: the ops it fails here fail because of it.)
         r.refused_code = f.code;
         r.refused = f.message;
         r.end_after = f.after;
-    } else {
-        r.end_after = std::min(r.end_after, f.after);
     }
     end_solo_lane(r);
 }
 
 // A solo lane whose incarnation ended (on_incarnation_ended): once this host has posted every op
-// of it that goes on (up to end_after), the lane skips the rest of its grant, and the run's later
-// ops fail here.
-void RingDomain::end_solo_lane(GroupRun &r) {
-    if (!r.solo_epoch || r.refused_code == 0 || r.last_seq < r.end_after) return;
+// of it that goes on (up to end_after), or will post no more of it (`now`), the lane skips the
+// rest of its grant, and the run's later ops fail here.
+void RingDomain::end_solo_lane(GroupRun &r, bool now) {
+    if (!r.solo_epoch || r.refused_code == 0 || (!now && r.last_seq < r.end_after)) return;
     lanes_[r.lane % lanes_.size()]->engine->skip_to(kSoloTag | (((r.solo_epoch + 1) & 0x7f) << 24));
     r.solo_epoch = 0;  // (its ops fail here from now on)
 }

@@ -245,7 +245,8 @@ private:
     std::string collectives_refused(const GroupRun &run, const OpRun &op) const;
     void tell_solo(SoloOp &s, uint32_t flags);
     void on_incarnation_ended(const proto::OpFail &f);
-    void end_solo_lane(GroupRun &r);
+    void end_solo_lane(GroupRun &r, bool now = false);
+    proto::OpReport end_report(const std::string &group, const GroupRun &run, const HostOp &op) const;
     // How long a solo lane's op may wait here without moving before the coordinator hears of it
     // (or a quarter of the time left to it, if less): a host whose trainers lag further than this
     // sends one report. The end of an incarnation comes without it (Coordinator::end); what is

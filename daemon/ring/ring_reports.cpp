@@ -117,19 +117,26 @@ bool RingDomain::flush_reports_now() {
             // left: it never asks for an agreement again.
             const uint64_t now_local = sh_.groups->local_id(group);
             const bool over = now_local != run.local_id || sh_.groups->broken(group);
-            const bool refused = run.refused_code != 0 && next->run.seq > run.end_after;
+            // (An end spares ops only in the generation it came in: in the next one the
+            // coordinator refuses the ended incarnation outright.)
+            const bool refused = run.refused_code != 0 && (next->run.seq > run.end_after || !run.agreed);
             if (refused || (!run.agreed && (over || (!run.join_sent && next->run.seq == proto::kIncarnationEnds)))) {
                 // Refused by the coordinator, or ended (past the ops it spared): its ops fail
                 // here. Not agreed in this generation and over here: nobody else runs any of it in
                 // this generation (agreed in an earlier one, the coordinator was told it ended:
                 // tell_ended_runs).
-                if (refused) {
-                    run.last_seq = std::max(run.last_seq, run.end_after);  // (past every op that goes on)
-                    end_solo_lane(run);
-                }
+                if (refused) end_solo_lane(run, true);  // (nothing more of it is posted here)
                 HostOp op = ops_.take_queued(group);
                 moved = true;
-                if (op.status != 0) continue;
+                if (op.status != 0) {
+                    // This host's own end, after another host's: told still, with what ended
+                    // here, so that the ops the first end spared and this host never ran fail
+                    // on the others now, not at their deadline.
+                    if (refused && run.agreed && op.run.seq == proto::kIncarnationEnds &&
+                        generation_protocol_ >= proto::kRootedProtocol)
+                        send_to_coordinator(proto::encode_op_report(end_report(group, run, op)));
+                    continue;
+                }
                 sh_.groups->finished(op.run.op_id, run.refused_code != 0 ? run.refused_code : -ECONNABORTED,
                                  "group " + group + " op " + std::to_string(op.run.seq) + ": " +
                                      (run.refused_code != 0 ? run.refused : "its local ranks left"),
@@ -188,16 +195,12 @@ bool RingDomain::flush_reports_now() {
                 continue;
             }
             if (op.status != 0) skip_solo();
-            proto::OpReport r = op_report({group, run.agreed, op.run.seq}, op.run.desc,
-                                          static_cast<uint32_t>(op.run.members.size()), op.deadline);
+            proto::OpReport r = op.run.seq == proto::kIncarnationEnds
+                                    ? end_report(group, run, op)
+                                    : op_report({group, run.agreed, op.run.seq}, op.run.desc,
+                                                static_cast<uint32_t>(op.run.members.size()), op.deadline);
             r.status = op.status;
             r.message = op.message;
-            if (op.run.seq == proto::kIncarnationEnds && op.status != 0 && generation_protocol_ >= proto::kRootedProtocol) {
-                // Its ops up to here ended here (completed, or failed and reported) but for those
-                // still held: the others' go on (proto/peer.h).
-                const uint64_t held = ops_.lowest_held(group, run.agreed);
-                r.count = std::min(run.last_seq, held == UINT64_MAX ? run.last_seq : held - 1) + 1;
-            }
             if (op.status == 0) sh_.groups->set_algorithm(op.run.op_id, algorithm_name(algorithm));
             if (op.status == 0 && algorithm != Algorithm::Ring) {
                 // Peers' data of the op is here already and their deadline has passed: this host
@@ -238,6 +241,22 @@ bool RingDomain::flush_reports_now() {
     }
     forget_gone_runs();
     return moved;
+}
+
+// The report of this host's end of an agreed incarnation (`op`: its local failure of seq
+// kIncarnationEnds): from protocol 11 its count says through which op every op of it ended here
+// (completed, or failed and reported; the lowest still held, reported or running, bounds it), so
+// that the others' ops up to it go on (proto/peer.h).
+proto::OpReport RingDomain::end_report(const std::string &group, const GroupRun &run, const HostOp &op) const {
+    proto::OpReport r = op_report({group, run.agreed, op.run.seq}, op.run.desc,
+                                  static_cast<uint32_t>(op.run.members.size()), op.deadline);
+    r.status = op.status;
+    r.message = op.message;
+    if (generation_protocol_ >= proto::kRootedProtocol) {
+        const uint64_t held = ops_.lowest_held(group, run.agreed);
+        r.count = std::min(run.last_seq, held == UINT64_MAX ? run.last_seq : held - 1) + 1;
+    }
+    return r;
 }
 
 // A group gone here with nothing left to report is forgotten.

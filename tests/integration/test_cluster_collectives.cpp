@@ -311,17 +311,18 @@ TEST_CASE("a host SIGKILLed while the others wait in an all_to_all: they fail wi
 }
 
 TEST_CASE("ranks off the root's host that leave as soon as their reduces ended there: the root's slower reduces "
-          "still complete, exact; its next op fails naming them",
+          "still complete, exact, up to the last one every host ran; its next op fails at once, naming a host that left",
           "[cluster][collectives][faults]") {
     // A reduce ends on a host off the root's once its data is sent: a job whose ranks there exit
     // at once ends the incarnation while the root's host may not have reported the op yet. The end
-    // says through which op its host ended them, and only later ops fail.
+    // says through which op its host ended them, and only later ops fail; a second host's end that
+    // spares fewer fails the rest (the group has a solo lane: each host hears of the first end,
+    // and still tells its own).
     TestCluster c(3, "10s");
     REQUIRE(c.wait_up());
     auto tr = join_ranked(c, "leave", {1, 1, 1}, {0, 1, 2}, 1 << 20);
     REQUIRE(tr.size() == 3);
     constexpr size_t kCount = 1001;  // one-shot
-    constexpr int kOps = 3;
     std::vector<Placement> pl;
     for (auto &x : tr) {
         pl.push_back(place_rooted(DType::F32, kCount, x.rank, 5));
@@ -334,19 +335,30 @@ TEST_CASE("ranks off the root's host that leave as soon as their reduces ended t
         REQUIRE(ringd_submit_coll(tr[g].c.get(), &d, &t) == 0);
         return t;
     };
-    // Ranks 1 and 2 run their reduces (root 0) one after another, each ended there once sent, and leave.
-    for (size_t g = 1; g < 3; ++g) {
-        for (int k = 0; k < kOps; ++k) {
+    // Ranks 1 and 2 run their reduces (root 0) one after another, each ended there once sent, and
+    // leave, one after the other (the second once it heard of the first's end).
+    auto run_and_leave = [&](size_t g, int ops) {
+        for (int k = 0; k < ops; ++k) {
             const uint64_t t = submit(g);
             const int rc = ringd_wait(tr[g].c.get(), t, 10000);
             INFO("rank " << g << " op " << k + 1 << ": " << ringd_last_error(tr[g].c.get()));
             REQUIRE(rc == 0);
         }
         tr[g].c.reset();
+        std::this_thread::sleep_for(std::chrono::milliseconds(300));  // its end reaches every host
+    };
+    int every = 3;  // the ops every host ran
+    SECTION("both after op 3") {
+        run_and_leave(1, 3);
+        run_and_leave(2, 3);
     }
-    std::this_thread::sleep_for(std::chrono::milliseconds(300));  // their ends reach the coordinator
-    // The root gets to them now: every one completes, exact.
-    for (int k = 0; k < kOps; ++k) {
+    SECTION("one after op 3, the other after op 1") {
+        run_and_leave(1, 3);
+        run_and_leave(2, 1);
+        every = 1;
+    }
+    // The root gets to them now: those every host ran complete, exact.
+    for (int k = 0; k < every; ++k) {
         const uint64_t t = submit(0);
         const int rc = ringd_wait(tr[0].c.get(), t, 10000);
         INFO("root op " << k + 1 << ": " << ringd_last_error(tr[0].c.get()));
@@ -355,7 +367,7 @@ TEST_CASE("ranks off the root's host that leave as soon as their reduces ended t
         CHECK(v.wrong == 0);
         CHECK(v.guard == 0);
     }
-    // Its next op was nobody else's: it fails at once, naming a host whose ranks left.
+    // Its next op was not every host's: it fails at once (not at the op timeout), naming a host whose ranks left.
     const auto t0 = Clock::now();
     const uint64_t t = submit(0);
     CHECK(ringd_wait(tr[0].c.get(), t, 10000) == -ECONNABORTED);

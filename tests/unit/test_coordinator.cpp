@@ -285,9 +285,37 @@ TEST_CASE("an end that says through which op its host ended them spares those op
     REQUIRE(d.fails.size() == 4);
     for (size_t i = 1; i < 4; ++i) {
         CHECK(d.fails[i].second.seq == 9);
-        CHECK_THAT(d.fails[i].second.message, Catch::Contains("host b local rank 0 left"));
+        CHECK_THAT(d.fails[i].second.message, Catch::Contains("host c local rank 0 left"));  // (b ran it)
     }
     CHECK(c.pending() == 0);
+}
+
+TEST_CASE("a solo lane whose end spared ops is not granted again until every host ended it", "[coordinator]") {
+    Coordinator c({"a", "b", "c"}, 1000ms, 2);
+    c.reset(7, {}, true);
+    auto join = [&](const std::string &g, uint64_t run) {
+        Coordinator::Decisions d;
+        for (uint32_t h = 0; h < 3; ++h) c.join(h, {c.generation(), g, (h + 1) * 100 + run, 0, 1}, d);
+        REQUIRE(d.groups.size() == 3);
+        return d.groups[0].second;
+    };
+    const auto g1 = join("g1", 1);
+    REQUIRE(g1.solo_epoch == 1);
+    Coordinator::Decisions d;
+    // b's ranks leave having ended every op through 4 there: a and c may still post ops 1-4 on
+    // lane 0, so a new group gets the shared lane, not lane 0.
+    c.report(1, {7, "g1", proto::kIncarnationEnds, 5, 0, 0, 0, -ECONNABORTED, "host b: local rank 0 left", 0, g1.incarnation, 0},
+             Clock::now(), d);
+    const auto g2 = join("g2", 2);
+    CHECK(g2.solo_epoch == 0);  // (the shared lane: its ops started by the coordinator)
+    // Once a and c ended it too, lane 0 is free again for the next group.
+    c.report(0, {7, "g1", proto::kIncarnationEnds, 5, 0, 0, 0, -ECONNABORTED, "host a: local rank 0 left", 0, g1.incarnation, 0},
+             Clock::now(), d);
+    c.report(2, {7, "g1", proto::kIncarnationEnds, 5, 0, 0, 0, -ECONNABORTED, "host c: local rank 0 left", 0, g1.incarnation, 0},
+             Clock::now(), d);
+    const auto g3 = join("g3", 3);
+    CHECK(g3.lane == 0);
+    CHECK(g3.solo_epoch == 2);
 }
 
 TEST_CASE("a job restarted on one host only: the hosts that go on are refused, the restarted one waits",
@@ -566,7 +594,7 @@ TEST_CASE("solo lanes: the first lanes - 1 running incarnations get one each wit
     REQUIRE(d.fails.size() == 3);
     for (const auto &[h, f] : d.fails) {
         CHECK(f.after == 7);
-        CHECK_THAT(f.message, Catch::Contains("host b: local rank 0 left"));  // (the first end's reason)
+        CHECK_THAT(f.message, Catch::Contains("host c: local rank 0 left"));  // (the end that fails ops 8 and 9)
     }
     d = {};
     c.report(0, {7, "g1", proto::kIncarnationEnds, 9, 0, 0, 0, -ECONNABORTED, "host a: local rank 0 left", 0, inc1, 0}, t0, d);
