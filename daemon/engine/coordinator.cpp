@@ -32,6 +32,8 @@ void Coordinator::reset(uint64_t generation, std::vector<uint64_t> instances, bo
     instances_ = std::move(instances);
     instances_.resize(hosts_.size(), 0);
     for (auto &[id, inc] : incarnations_) {
+        // An end spares ops only in its generation: its solo lane is nobody's in the next (place).
+        if (inc.end_code != 0) inc.ended_at = Clock::time_point{};
         if (inc.end_code != 0) continue;
         for (uint32_t h = 0; h < inc.instances.size() && h < hosts_.size(); ++h) {
             if (inc.instances[h] == 0 || instances_[h] == 0 || inc.instances[h] == instances_[h]) continue;
@@ -159,7 +161,9 @@ void Coordinator::place(Incarnation &inc, const std::string &group) {
             // is not granted again until every host ended it too, or timeouts.op passed.
             const bool all = other->ended_by.size() == hosts_.size() &&
                              std::all_of(other->ended_by.begin(), other->ended_by.end(), [](bool b) { return b; });
-            if (other->solo_epoch && other->end_after > 0 && !all && Clock::now() < other->ended_at + op_timeout_)
+            const auto hold = timeout_of_ ? timeout_of_(other->group) : op_timeout_;  // (the group's timeouts.op)
+            if (other->solo_epoch && other->end_after > 0 && !all && other->ended_at != Clock::time_point{} &&
+                Clock::now() < other->ended_at + hold)
                 solo_taken[other->lane % lanes_] = true;
             continue;
         }

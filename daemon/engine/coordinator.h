@@ -112,8 +112,9 @@ private:
         std::string end_message;
         uint64_t end_after = 0;           // ... the ops after this seq (those up to it ended on the hosts that ended it)
         // When it ended, and the hosts whose end came: a solo lane whose end spared ops (end_after)
-        // stays its own until every host ended it or timeouts.op passed (place): hosts may still
-        // post the spared ops on it, and another grant's first op there would drop their messages.
+        // stays its own until every host ended it, the group's timeouts.op passed or the ring
+        // generation ended (place, reset): hosts may still post the spared ops on it, and another
+        // grant's first op there would drop their messages.
         Clock::time_point ended_at{};
         std::vector<bool> ended_by;
         uint32_t lane = 0;

@@ -308,11 +308,19 @@ TEST_CASE("a solo lane whose end spared ops is not granted again until every hos
              Clock::now(), d);
     const auto g2 = join("g2", 2);
     CHECK(g2.solo_epoch == 0);  // (the shared lane: its ops started by the coordinator)
-    // Once a and c ended it too, lane 0 is free again for the next group.
-    c.report(0, {7, "g1", proto::kIncarnationEnds, 5, 0, 0, 0, -ECONNABORTED, "host a: local rank 0 left", 0, g1.incarnation, 0},
-             Clock::now(), d);
-    c.report(2, {7, "g1", proto::kIncarnationEnds, 5, 0, 0, 0, -ECONNABORTED, "host c: local rank 0 left", 0, g1.incarnation, 0},
-             Clock::now(), d);
+    SECTION("once every host ended it, lane 0 is free again for the next group") {
+        c.report(0, {7, "g1", proto::kIncarnationEnds, 5, 0, 0, 0, -ECONNABORTED, "host a: local rank 0 left", 0, g1.incarnation, 0},
+                 Clock::now(), d);
+        c.report(2, {7, "g1", proto::kIncarnationEnds, 5, 0, 0, 0, -ECONNABORTED, "host c: local rank 0 left", 0, g1.incarnation, 0},
+                 Clock::now(), d);
+    }
+    SECTION("a later end that spares nothing frees it") {
+        c.report(2, {7, "g1", proto::kIncarnationEnds, 1, 0, 0, 0, -ECONNABORTED, "host c: local rank 0 left", 0, g1.incarnation, 0},
+                 Clock::now(), d);
+    }
+    SECTION("in the next ring generation it is free (an end spares ops only in its own)") {
+        c.reset(8, {}, true);
+    }
     const auto g3 = join("g3", 3);
     CHECK(g3.lane == 0);
     CHECK(g3.solo_epoch == 2);
