@@ -310,34 +310,55 @@ TEST_CASE("a host SIGKILLed while the others wait in an all_to_all: they fail wi
     CHECK(v.guard == 0);
 }
 
-TEST_CASE("ranks off the root's host that leave as soon as their reduces ended there: the root's slower reduces "
-          "still complete, exact, up to the last one every host ran; its next op fails at once, naming a host that left",
+TEST_CASE("ranks that leave once their ops ended on their host: the others' ops every host ran complete, exact; "
+          "the next fails at once, naming a host that left",
           "[cluster][collectives][faults]") {
-    // A reduce ends on a host off the root's once its data is sent: a job whose ranks there exit
-    // at once ends the incarnation while the root's host may not have reported the op yet. The end
-    // says through which op its host ended them, and only later ops fail; a second host's end that
-    // spares fewer fails the rest (the group has a solo lane: each host hears of the first end,
-    // and still tells its own).
+    // (A reduce off the root's host, a broadcast's root.)
+    // A reduce ends on a host off the root's once its data is sent, a broadcast on the root's: a
+    // job whose ranks there exit at once ends the incarnation while the other hosts may not have
+    // got to the op yet. The end says through which op its host ended them, and only later ops
+    // fail; a second host's end that spares fewer fails the rest (the group has a solo lane: each
+    // host hears of the first end, runs the ops it spares in the lane, and still tells its own).
     TestCluster c(3, "10s");
     REQUIRE(c.wait_up());
-    auto tr = join_ranked(c, "leave", {1, 1, 1}, {0, 1, 2}, 1 << 20);
+    auto tr = join_ranked(c, "leave", {1, 1, 1}, {0, 1, 2}, 4 << 20);
     REQUIRE(tr.size() == 3);
-    constexpr size_t kCount = 1001;  // one-shot
+    auto coll = Collective::Reduce;
+    size_t count = 1001;  // one-shot
+    std::vector<std::pair<size_t, int>> leave;  // (rank, its ops), in the order they leave
+    std::vector<size_t> stay{0};
+    int every = 3;  // the ops every host ran
+    std::string named = "left";
+    SECTION("reduce: both ranks off the root's host after op 3") { leave = {{1, 3}, {2, 3}}; }
+    SECTION("reduce: one after op 3, the other after op 1") {
+        leave = {{1, 3}, {2, 1}};
+        every = 1;
+        named = "host node2 local rank 0 left";  // (whose end fails op 2: node1 ran it)
+    }
+    SECTION("broadcast in the solo lane's chain: its root after op 2") {
+        coll = Collective::Broadcast;
+        count = 64 << 10;  // 256 KiB: the chain (a ring op), which the lane runs on the hosts by themselves
+        leave = {{0, 2}};
+        stay = {1, 2};
+        every = 2;
+        named = "host node0 local rank 0 left";
+    }
     std::vector<Placement> pl;
     for (auto &x : tr) {
-        pl.push_back(place_rooted(DType::F32, kCount, x.rank, 5));
+        pl.push_back(place_rooted(DType::F32, count, x.rank, 5));
         bench::guard_fill(x.slot, pl.back().span_begin - bench::kGuardBytes, pl.back().span_end + bench::kGuardBytes, 5);
     }
     auto submit = [&](size_t g) {
-        for (size_t i = 0; i < kCount; ++i) bench::store(tr[g].slot + pl[g].in, i, DType::F32, static_cast<double>(bench::value(tr[g].rank, i)));
-        const ringd_coll d{sizeof(ringd_coll), RINGD_REDUCE, RINGD_F32, RINGD_SUM, kCount, pl[g].in, 0, 0, nullptr, nullptr, 0};
+        for (size_t i = 0; i < count; ++i) bench::store(tr[g].slot + pl[g].in, i, DType::F32, static_cast<double>(bench::value(tr[g].rank, i)));
+        const ringd_coll d{sizeof(ringd_coll), static_cast<ringd_collective>(coll), RINGD_F32, RINGD_SUM, count, pl[g].in, 0, 0,
+                           nullptr, nullptr, 0};
         uint64_t t = 0;
         REQUIRE(ringd_submit_coll(tr[g].c.get(), &d, &t) == 0);
         return t;
     };
-    // Ranks 1 and 2 run their reduces (root 0) one after another, each ended there once sent, and
-    // leave, one after the other (the second once it heard of the first's end).
-    auto run_and_leave = [&](size_t g, int ops) {
+    // The leaving ranks run their ops (root 0) one after another, each ended there, and leave,
+    // one after the other (the second once it heard of the first's end).
+    for (const auto &[g, ops] : leave) {
         for (int k = 0; k < ops; ++k) {
             const uint64_t t = submit(g);
             const int rc = ringd_wait(tr[g].c.get(), t, 10000);
@@ -346,34 +367,29 @@ TEST_CASE("ranks off the root's host that leave as soon as their reduces ended t
         }
         tr[g].c.reset();
         std::this_thread::sleep_for(std::chrono::milliseconds(300));  // its end reaches every host
-    };
-    int every = 3;  // the ops every host ran
-    std::string named = "left";
-    SECTION("both after op 3") {
-        run_and_leave(1, 3);
-        run_and_leave(2, 3);
     }
-    SECTION("one after op 3, the other after op 1") {
-        run_and_leave(1, 3);
-        run_and_leave(2, 1);
-        every = 1;
-        named = "host node2 local rank 0 left";  // (whose end fails op 2: node1 ran it)
-    }
-    // The root gets to them now: those every host ran complete, exact.
+    // The others get to them now: those every host ran complete, exact.
     for (int k = 0; k < every; ++k) {
-        const uint64_t t = submit(0);
-        const int rc = ringd_wait(tr[0].c.get(), t, 10000);
-        INFO("root op " << k + 1 << ": " << ringd_last_error(tr[0].c.get()));
-        REQUIRE(rc == 0);
-        const Verdict v = check_rooted(tr[0].slot, pl[0], Collective::Reduce, DType::F32, ReduceOp::Sum, kCount, 3, 0, 0, 5);
-        CHECK(v.wrong == 0);
-        CHECK(v.guard == 0);
+        std::vector<uint64_t> ts;
+        for (size_t g : stay) ts.push_back(submit(g));
+        for (size_t i = 0; i < stay.size(); ++i) {
+            const size_t g = stay[i];
+            const int rc = ringd_wait(tr[g].c.get(), ts[i], 10000);
+            INFO("rank " << g << " op " << k + 1 << ": " << ringd_last_error(tr[g].c.get()));
+            REQUIRE(rc == 0);
+            const Verdict v = check_rooted(tr[g].slot, pl[g], coll, DType::F32, ReduceOp::Sum, count, 3, tr[g].rank, 0, 5);
+            CHECK(v.wrong == 0);
+            CHECK(v.guard == 0);
+        }
     }
-    // Its next op was not every host's: it fails at once (not at the op timeout), naming a host whose ranks left.
+    // Their next op was not every host's: it fails at once (not at the op timeout), naming a host whose ranks left.
     const auto t0 = Clock::now();
-    const uint64_t t = submit(0);
-    CHECK(ringd_wait(tr[0].c.get(), t, 10000) == -ECONNABORTED);
-    CHECK_THAT(std::string(ringd_last_error(tr[0].c.get())), Catch::Contains(named));
+    std::vector<uint64_t> ts;
+    for (size_t g : stay) ts.push_back(submit(g));
+    for (size_t i = 0; i < stay.size(); ++i) {
+        CHECK(ringd_wait(tr[stay[i]].c.get(), ts[i], 10000) == -ECONNABORTED);
+        CHECK_THAT(std::string(ringd_last_error(tr[stay[i]].c.get())), Catch::Contains(named));
+    }
     CHECK(seconds_since(t0) < 2.0);
 }
 
