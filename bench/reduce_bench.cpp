@@ -1,4 +1,6 @@
-// ringd-reduce-bench: throughput of the reduction kernels next to memcpy, per dtype.
+// ringd-reduce-bench: throughput of the reduction kernels next to memcpy, per dtype, and of the
+// compressed wire formats' encode (f32 in, the format out), accumulate (the format in, an f32
+// accumulator read and written) and encode with error feedback (a residual read and written too).
 // GB/s counts bytes read + written, so memcpy and a 2-input reduction compare like for like.
 #include <cstdio>
 #include <cstdlib>
@@ -10,6 +12,7 @@
 #include "common/fd_io.h"
 #include "common/units.h"
 #include "daemon/engine/reduce.h"
+#include "daemon/engine/wire.h"
 
 using namespace ringd;
 
@@ -68,6 +71,22 @@ int main(int argc, char **argv) {
             std::printf("%-10s %-5s %10.2f %11.2fx\n", std::string(dtype_name(dt)).c_str(),
                         std::string(reduce_op_name(op)).c_str(), gbs, gbs / mgbs);
         }
+    }
+    // The wire formats, on f32 values of every magnitude (a smooth ramp, not the constant above,
+    // so that blocks differ).
+    const size_t n = *bytes / 4;
+    std::vector<float> x(n), acc(n, 0.0f), residual(n, 0.0f);
+    for (size_t i = 0; i < n; ++i) x[i] = static_cast<float>(static_cast<double>(i % 4099) - 2049.0) * 1e-3f;
+    std::vector<unsigned char> wire(wire_bytes(WireFormat::Exact, n));
+    for (WireFormat f : {WireFormat::BF16, WireFormat::FP16, WireFormat::Int8}) {
+        const double w = static_cast<double>(wire_bytes(f, n)), f32 = 4.0 * static_cast<double>(n);
+        const std::string name = "wire " + std::string(wire_format_name(f));
+        const double se = best_seconds(iters, [&] { wire_encode(f, x.data(), n, wire.data()); });
+        const double sa = best_seconds(iters, [&] { wire_accumulate(f, wire.data(), n, acc.data()); });
+        const double sf = best_seconds(iters, [&] { wire_encode(f, x.data(), n, wire.data(), residual.data()); });
+        for (auto [what, gbs] : {std::pair{"enc", (f32 + w) / se / 1e9}, std::pair{"acc", (w + 2 * f32) / sa / 1e9},
+                                 std::pair{"encfb", (3 * f32 + w) / sf / 1e9}})
+            std::printf("%-10s %-5s %10.2f %11.2fx\n", name.c_str(), what, gbs, gbs / mgbs);
     }
     return 0;
 }
