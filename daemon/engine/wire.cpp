@@ -148,7 +148,8 @@ RINGD_CLONES void encode_int8(const float *src, size_t count, unsigned char *out
         const float m = block_max(x, n, finite);
         // (A block whose values are all below 2^-100 travels as zeros: 127 / m could overflow.)
         const bool zeros = finite && m < 0x1p-100f;
-        const float scale = !finite ? std::nanf("") : zeros ? 0.0f : m / 127.0f;
+        float scale = !finite ? std::nanf("") : zeros ? 0.0f : m / 127.0f;
+        if (finite && !(127.0f * scale <= FLT_MAX)) scale = std::nextafter(scale, 0.0f);  // (m near FLT_MAX: 127 q stays finite)
         const float inv = finite && !zeros ? 127.0f / m : 0.0f;
         store_scale(blk, scale);
         // (Quantized into a local array, then copied: stores through the message's bytes could
@@ -233,6 +234,7 @@ size_t wire_bytes(WireFormat f, size_t count) {
 }
 
 void wire_encode(WireFormat f, const float *src, size_t count, void *out, float *residual) {
+    if (count == 0) return;
     switch (f) {
     case WireFormat::Exact:
         if (residual) {
@@ -252,6 +254,7 @@ void wire_encode(WireFormat f, const float *src, size_t count, void *out, float 
 }
 
 void wire_accumulate(WireFormat f, const void *in, size_t count, float *acc) {
+    if (count == 0) return;
     switch (f) {
     case WireFormat::Exact: {
         const auto *p = static_cast<const unsigned char *>(in);
@@ -271,6 +274,7 @@ void wire_accumulate(WireFormat f, const void *in, size_t count, float *acc) {
 }
 
 void wire_decode(WireFormat f, const void *in, size_t count, float *out) {
+    if (count == 0) return;
     switch (f) {
     case WireFormat::Exact: std::memcpy(out, in, 4 * count); return;
     case WireFormat::BF16: return decode_bf16(static_cast<const unsigned char *>(in), count, out);

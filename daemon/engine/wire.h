@@ -4,9 +4,10 @@
 // (docs/design.md, "Wire formats"); the schedules that use it are built on top.
 //
 //   exact  the data as it is (4 bytes per value).
-//   bf16   bfloat16, round to nearest even: 2 bytes per value; |error| <= 2^-8 |x| (NaN, infinities
-//          kept; as with any rounding to fewer bits, |x| within 2^-9 of the largest float rounds
-//          to infinity, and within 2^-12 of it for fp16).
+//   bf16   bfloat16, round to nearest even: 2 bytes per value; |error| <= 2^-8 |x| for |x| >= 2^-126,
+//          <= 2^-134 below (f32's subnormals) (NaN, infinities kept; as with any rounding to
+//          fewer bits, |x| within 2^-9 of the largest float rounds to infinity, and within 2^-12
+//          of it for fp16).
 //   fp16   IEEE half of each block of 256 values scaled by a power of two so that the block's
 //          largest magnitude lands in [2^14, 2^15] (nothing overflows, little underflows): a
 //          4-byte scale and 2 bytes per value; |error| <= 2^-11 |x| + 2^-39 m, m the block's largest
@@ -14,7 +15,8 @@
 //          holding a NaN or an infinity travels unscaled (those kept; its finite values then
 //          within half's range as half rounds them, above 65504 infinite).
 //   int8   each block of 256 values as q = round(x / s), s = m / 127, |q| <= 127: a 4-byte scale
-//          and 1 byte per value; |error| <= m / 254 (1 + 2^-22). A block holding a NaN or an
+//          and 1 byte per value; |error| <= m / 254 (1 + 2^-14) (the half step, and the f32
+//          roundings of 127 / m and of q s). A block holding a NaN or an
 //          infinity decodes as NaN (all of it: its scale is NaN); one whose values are all below
 //          2^-100 as zeros.
 // The fp16 and int8 bounds hold for blocks whose largest magnitude m is at least 2^-100 (below,
@@ -24,7 +26,8 @@
 // encoded and replaced by what the encoding lost of that sum, so that what a value loses in one
 // step is sent in the next and the error does not grow over steps.
 //
-// Blocks are counted from the first value of each call: a message cut into parts must cut it at
+// A block of fp16 or int8 on the wire: its scale (an f32, the factor each decoded value is
+// multiplied by), then its values. Blocks are counted from the first value of each call: a message cut into parts must cut it at
 // multiples of kWireBlock for its blocks to match the sender's.
 #pragma once
 

@@ -44,9 +44,9 @@ float block_max(const std::vector<float> &v, size_t i) {
 // wire.h's bound on one value's error.
 double bound(WireFormat f, double x, double m) {
     switch (f) {
-    case WireFormat::BF16: return std::ldexp(std::fabs(x), -8);
+    case WireFormat::BF16: return std::fabs(x) >= std::ldexp(1.0, -126) ? std::ldexp(std::fabs(x), -8) : std::ldexp(1.0, -134);
     case WireFormat::FP16: return std::ldexp(std::fabs(x), -11) + std::ldexp(m, -39);
-    case WireFormat::Int8: return m / 254 * (1 + std::ldexp(1.0, -22));
+    case WireFormat::Int8: return m / 254 * (1 + std::ldexp(1.0, -14));
     default: return 0;
     }
 }
@@ -152,6 +152,27 @@ TEST_CASE("wire formats: NaN and infinities", "[wire]") {
         CHECK(residual[3] == 0.0f);
         CHECK(residual[7] == 0.0f);
     }
+    // A value next to a rounding midpoint of int8 (its error just over half a step: the f32
+    // roundings of 127 / m and of q s count), and the largest floats: int8 keeps them finite.
+    {
+        const std::vector<float> mid{0x1.6ad99ap+41f, 0x1.0290fcp+41f};
+        std::vector<unsigned char> b(wire_bytes(WireFormat::Int8, 2));
+        std::vector<float> t(2);
+        wire_encode(WireFormat::Int8, mid.data(), 2, b.data());
+        wire_decode(WireFormat::Int8, b.data(), 2, t.data());
+        for (size_t i = 0; i < 2; ++i) CHECK(std::fabs(static_cast<double>(t[i]) - mid[i]) <= bound(WireFormat::Int8, mid[i], mid[0]));
+        const std::vector<float> top{FLT_MAX, -FLT_MAX, 1.0f};
+        std::vector<float> residual(3, 0.0f);
+        b.resize(wire_bytes(WireFormat::Int8, 3));
+        t.resize(3);
+        wire_encode(WireFormat::Int8, top.data(), 3, b.data(), residual.data());
+        wire_decode(WireFormat::Int8, b.data(), 3, t.data());
+        for (size_t i = 0; i < 2; ++i) {
+            CHECK(std::isfinite(t[i]));
+            CHECK(std::fabs(static_cast<double>(t[i]) - top[i]) <= bound(WireFormat::Int8, top[i], FLT_MAX));
+            CHECK(residual[i] == top[i] - t[i]);  // (what the receiver decodes, however the CPU multiplies)
+        }
+    }
     // Blocks of tiny values (subnormal floats included): within m, never a NaN or an infinity.
     for (WireFormat f : kCompressed) {
         std::vector<float> tiny(kWireBlock);
@@ -162,6 +183,22 @@ TEST_CASE("wire formats: NaN and infinities", "[wire]") {
         wire_decode(f, b.data(), tiny.size(), t.data());
         const float m = std::ldexp(2.0f, -121);
         for (size_t i = 0; i < tiny.size(); ++i) CHECK(std::fabs(t[i] - tiny[i]) <= m);
+    }
+    // fp16: each block's scale puts its largest magnitude in [2^14, 2^15] (a block whose largest
+    // value is just under a power of two: one power more would take it past half's range).
+    for (int k : {-90, -3, 0, 7, 100}) {
+        std::vector<float> blk(kWireBlock, 0.25f * std::ldexp(1.0f, k));
+        blk[9] = std::ldexp(0x1.fffp0f, k);
+        std::vector<unsigned char> b(wire_bytes(WireFormat::FP16, blk.size()));
+        std::vector<float> t(blk.size());
+        wire_encode(WireFormat::FP16, blk.data(), blk.size(), b.data());
+        float scale;
+        std::memcpy(&scale, b.data(), 4);
+        const double scaled = blk[9] / static_cast<double>(scale);
+        CHECK(scaled >= 0x1p14);
+        CHECK(scaled <= 0x1p15);
+        wire_decode(WireFormat::FP16, b.data(), blk.size(), t.data());
+        CHECK(std::fabs(static_cast<double>(t[9]) - blk[9]) <= bound(WireFormat::FP16, blk[9], blk[9]));
     }
     // fp16: large floats are scaled, not overflowed (up to where rounding to 11 bits reaches 2^128).
     std::vector<float> big(kWireBlock, std::ldexp(1.999f, 127));
