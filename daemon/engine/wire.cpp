@@ -51,14 +51,12 @@ RINGD_INLINE void new_residual(const float *sum, const float *decoded, size_t n,
     }
 }
 
-// (bf16 values are read and written by memcpy: a message's payload has any alignment.)
-RINGD_INLINE float get_bf16(const unsigned char *p, size_t i) {
-    Bf16 b;
-    std::memcpy(&b.bits, p + 2 * i, 2);
-    return load_acc(b);
-}
-
-RINGD_CLONES void encode_bf16(const float *src, size_t count, unsigned char *out, float *residual) {
+// Each encoder, a block of at most kWireBlock values at a time: encode_block(base, n, x) writes
+// values [base, base + n) from x; with a residual, x is each value plus its residual, and the
+// residual becomes x minus what decode_block(base, n, back) gives back (what a receiver decodes).
+template <typename Encode, typename Decode>
+RINGD_INLINE void encode_blocks(const float *src, size_t count, float *residual, Encode encode_block,
+                                Decode decode_block) {
     float sum[kWireBlock], back[kWireBlock];
     for (size_t base = 0; base < count; base += kWireBlock) {
         const size_t n = std::min(kWireBlock, count - base);
@@ -67,16 +65,33 @@ RINGD_CLONES void encode_bf16(const float *src, size_t count, unsigned char *out
             with_residual(x, residual + base, n, sum);
             x = sum;
         }
-        unsigned char *o = out + 2 * base;
-        for (size_t i = 0; i < n; ++i) {
-            const Bf16 b = store_bf16(x[i]);
-            std::memcpy(o + 2 * i, &b.bits, 2);
-        }
+        encode_block(base, n, x);
         if (residual) {
-            for (size_t i = 0; i < n; ++i) back[i] = get_bf16(o, i);
+            decode_block(base, n, back);
             new_residual(x, back, n, residual + base);
         }
     }
+}
+
+// (bf16 values are read and written by memcpy: a message's payload has any alignment.)
+RINGD_INLINE float get_bf16(const unsigned char *p, size_t i) {
+    Bf16 b;
+    std::memcpy(&b.bits, p + 2 * i, 2);
+    return load_acc(b);
+}
+
+RINGD_CLONES void encode_bf16(const float *src, size_t count, unsigned char *out, float *residual) {
+    encode_blocks(
+        src, count, residual,
+        [&](size_t base, size_t n, const float *x) __attribute__((always_inline)) {
+            for (size_t i = 0; i < n; ++i) {
+                const Bf16 b = store_bf16(x[i]);
+                std::memcpy(out + 2 * (base + i), &b.bits, 2);
+            }
+        },
+        [&](size_t base, size_t n, float *back) __attribute__((always_inline)) {
+            for (size_t i = 0; i < n; ++i) back[i] = get_bf16(out, base + i);
+        });
 }
 RINGD_CLONES void accumulate_bf16(const unsigned char *in, size_t count, float *acc) {
     for (size_t i = 0; i < count; ++i) acc[i] += get_bf16(in, i);
@@ -103,84 +118,67 @@ RINGD_INLINE Fp16Scale fp16_scale(float m, bool finite) {
     return s;
 }
 
-RINGD_CLONES void encode_fp16(const float *src, size_t count, unsigned char *out, float *residual) {
-    float sum[kWireBlock], scaled[kWireBlock], back[kWireBlock];
-    for (size_t base = 0; base < count; base += kWireBlock) {
-        const size_t n = std::min(kWireBlock, count - base);
-        unsigned char *blk = out + (base / kWireBlock) * (kScaleBytes + 2 * kWireBlock);
-        const float *x = src + base;
-        if (residual) {
-            with_residual(x, residual + base, n, sum);
-            x = sum;
-        }
-        bool finite = true;
-        const float m = block_max(x, n, finite);
-        const Fp16Scale s = fp16_scale(m, finite);
-        for (size_t i = 0; i < n; ++i) scaled[i] = x[i] * s.up1 * s.up2;
-        store_scale(blk, s.down);
-        auto *h = reinterpret_cast<Half *>(blk + kScaleBytes);  // (read and written by memcpy or unaligned loads)
-        kHalf.from_float(h, scaled, n);
-        if (residual) {
-            kHalf.to_float(back, h, n);
-            for (size_t i = 0; i < n; ++i) back[i] *= s.down;
-            new_residual(x, back, n, residual + base);
-        }
-    }
-}
 RINGD_CLONES void decode_fp16_block(const unsigned char *blk, size_t n, float *out) {
     const float down = load_scale(blk);
     kHalf.to_float(out, reinterpret_cast<const Half *>(blk + kScaleBytes), n);
     for (size_t i = 0; i < n; ++i) out[i] *= down;
 }
 
-// int8: q = round(x * 127 / m) (|q| <= 127), decoded as q * (m / 127).
-RINGD_CLONES void encode_int8(const float *src, size_t count, unsigned char *out, float *residual) {
-    float sum[kWireBlock];
-    for (size_t base = 0; base < count; base += kWireBlock) {
-        const size_t n = std::min(kWireBlock, count - base);
-        unsigned char *blk = out + (base / kWireBlock) * (kScaleBytes + kWireBlock);
-        const float *x = src + base;
-        if (residual) {
-            with_residual(x, residual + base, n, sum);
-            x = sum;
-        }
-        bool finite = true;
-        const float m = block_max(x, n, finite);
-        // (A block whose values are all below 2^-100 travels as zeros: 127 / m could overflow.)
-        const bool zeros = finite && m < 0x1p-100f;
-        float scale = !finite ? std::nanf("") : zeros ? 0.0f : m / 127.0f;
-        if (finite && !(127.0f * scale <= FLT_MAX)) scale = std::nextafter(scale, 0.0f);  // (m near FLT_MAX: 127 q stays finite)
-        const float inv = finite && !zeros ? 127.0f / m : 0.0f;
-        store_scale(blk, scale);
-        // (Quantized into a local array, then copied: stores through the message's bytes could
-        // alias the values, which would keep the loop from being vectorised.)
-        int8_t q[kWireBlock] = {};  // (a block with a NaN or an infinity: zeros, decoded as NaN)
-        if (finite) {
-            for (size_t i = 0; i < n; ++i) {
-                // |x inv| <= 127 and a hair: adding and taking away 1.5 x 2^23 rounds it to the
-                // nearest integer, ties to even, in two vector adds (no call, whatever the ISA),
-                // clamped as an integer (a float compare is a branch the vectoriser keeps).
-                const float v = (x[i] * inv + 12582912.0f) - 12582912.0f;
-                int32_t k = static_cast<int32_t>(v);
-                k = k < -127 ? -127 : k;
-                k = k > 127 ? 127 : k;
-                q[i] = static_cast<int8_t>(k);
-            }
-        }
-        std::memcpy(blk + kScaleBytes, q, n);
-        if (residual) {
-            float *r = residual + base;
-            for (size_t i = 0; i < n; ++i) {
-                const float d = x[i] - static_cast<float>(q[i]) * scale;
-                r[i] = std::isfinite(d) ? d : 0.0f;
-            }
-        }
-    }
+RINGD_CLONES void encode_fp16(const float *src, size_t count, unsigned char *out, float *residual) {
+    auto block = [out](size_t base) { return out + (base / kWireBlock) * (kScaleBytes + 2 * kWireBlock); };
+    encode_blocks(
+        src, count, residual,
+        [&](size_t base, size_t n, const float *x) __attribute__((always_inline)) {
+            float scaled[kWireBlock];
+            bool finite = true;
+            const float m = block_max(x, n, finite);
+            const Fp16Scale s = fp16_scale(m, finite);
+            for (size_t i = 0; i < n; ++i) scaled[i] = x[i] * s.up1 * s.up2;
+            store_scale(block(base), s.down);
+            kHalf.from_float(reinterpret_cast<Half *>(block(base) + kScaleBytes), scaled, n);  // (unaligned stores)
+        },
+        [&](size_t base, size_t n, float *back) __attribute__((always_inline)) { decode_fp16_block(block(base), n, back); });
 }
+
+// int8: q = round(x * 127 / m) (|q| <= 127), decoded as q * (m / 127).
 RINGD_CLONES void decode_int8_block(const unsigned char *blk, size_t n, float *out) {
     const float scale = load_scale(blk);
     const auto *q = reinterpret_cast<const int8_t *>(blk + kScaleBytes);
     for (size_t i = 0; i < n; ++i) out[i] = static_cast<float>(q[i]) * scale;
+}
+
+RINGD_CLONES void encode_int8(const float *src, size_t count, unsigned char *out, float *residual) {
+    auto block = [out](size_t base) { return out + (base / kWireBlock) * (kScaleBytes + kWireBlock); };
+    encode_blocks(
+        src, count, residual,
+        [&](size_t base, size_t n, const float *x) __attribute__((always_inline)) {
+            unsigned char *blk = block(base);
+            bool finite = true;
+            const float m = block_max(x, n, finite);
+            // (A block whose values are all below 2^-100 travels as zeros: 127 / m could overflow.)
+            const bool zeros = finite && m < 0x1p-100f;
+            float scale = !finite ? std::nanf("") : zeros ? 0.0f : m / 127.0f;
+            if (finite && !(127.0f * scale <= FLT_MAX)) scale = std::nextafter(scale, 0.0f);  // (m near FLT_MAX: 127 q stays finite)
+            const float inv = finite && !zeros ? 127.0f / m : 0.0f;
+            store_scale(blk, scale);
+            // (Quantized into a local array, then copied: stores through the message's bytes could
+            // alias the values, which would keep the loop from being vectorised.)
+            int8_t q[kWireBlock] = {};  // (a block with a NaN or an infinity: zeros, decoded as NaN)
+            if (finite) {
+                for (size_t i = 0; i < n; ++i) {
+                    // |x inv| <= 127 and a hair: adding and taking away 1.5 x 2^23 rounds it to the
+                    // nearest integer, ties to even, in two vector adds (no call, whatever the ISA),
+                    // clamped as an integer (a float compare is a branch the vectoriser keeps).
+                    const float v = (x[i] * inv + 12582912.0f) - 12582912.0f;
+                    int32_t k = static_cast<int32_t>(v);
+                    k = k < -127 ? -127 : k;
+                    k = k > 127 ? 127 : k;
+                    q[i] = static_cast<int8_t>(k);
+                }
+            }
+            std::memcpy(blk + kScaleBytes, q, n);
+        },
+        [&](size_t base, size_t n, float *back) __attribute__((always_inline)) { decode_int8_block(block(base), n, back); });
 }
 
 size_t block_bytes(WireFormat f) {
