@@ -5,6 +5,7 @@ namespace ringd {
 std::string describe(const OpDesc &d) {
     std::string s = std::to_string(d.count) + " x " + std::string(dtype_name(d.dtype));
     if (collective_reduces(d.collective)) s += " " + std::string(reduce_op_name(d.op));
+    if (d.wire != WireFormat::Exact) s += " over a " + std::string(wire_format_name(d.wire)) + " wire";
     if (d.collective == Collective::Allreduce) return s;
     if (d.collective == Collective::Barrier) return "barrier over " + std::to_string(d.ranks) + " ranks";
     if (d.collective == Collective::AllToAll && d.count == 0)
@@ -13,6 +14,12 @@ std::string describe(const OpDesc &d) {
         return std::string(collective_name(d.collective)) + " of " + s + (d.collective == Collective::Broadcast ? " from" : " to") +
                " rank " + std::to_string(d.root) + " over " + std::to_string(d.ranks) + " ranks";
     return std::string(collective_name(d.collective)) + " of " + s + " over " + std::to_string(d.ranks) + " ranks";
+}
+
+std::optional<WireFormat> parse_wire_format(std::string_view name) {
+    for (uint32_t i = 0; i < kWireFormatCount; ++i)
+        if (name == wire_format_name(static_cast<WireFormat>(i))) return static_cast<WireFormat>(i);
+    return std::nullopt;
 }
 
 std::optional<DType> parse_dtype(std::string_view s) {

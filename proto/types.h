@@ -111,6 +111,29 @@ constexpr DType partial_dtype(DType t, ReduceOp op) {
     return narrow && (op == ReduceOp::Sum || op == ReduceOp::Avg) ? DType::F32 : t;
 }
 
+// How an op's values travel between hosts (daemon/engine/wire.h, docs/design.md "Wire formats"):
+// exact, or compressed — bf16, fp16 scaled per block, int8 block-scaled — for the sums and
+// averages of f32 and bf16 data of the collectives that reduce (allreduce, reduce_scatter, reduce),
+// always accumulated in f32.
+enum class WireFormat : uint8_t { Exact = 0, BF16 = 1, FP16 = 2, Int8 = 3 };
+inline constexpr uint32_t kWireFormatCount = 4;
+
+constexpr std::string_view wire_format_name(WireFormat f) {
+    switch (f) {
+    case WireFormat::Exact: return "exact";
+    case WireFormat::BF16: return "bf16";
+    case WireFormat::FP16: return "fp16";
+    case WireFormat::Int8: return "int8";
+    }
+    return "?";
+}
+std::optional<WireFormat> parse_wire_format(std::string_view name);
+
+// Whether a compressed wire can carry the op: sum or avg of f32 or bf16 by a collective that reduces.
+constexpr bool wire_applies(Collective c, DType t, ReduceOp op) {
+    return collective_reduces(c) && (t == DType::F32 || t == DType::BF16) && (op == ReduceOp::Sum || op == ReduceOp::Avg);
+}
+
 // What an op computes, the one description every layer carries from the submission to the engine
 // (the ranks' buffers are not part of it: each local rank has its own input and output range).
 // Every rank of a group submits the same OpDesc for the same seq; hosts compare it across the ring.
@@ -126,6 +149,8 @@ struct OpDesc {
     // allreduce, whose meaning does not depend on them.
     uint32_t ranks = 0;
     uint32_t root = 0;  // broadcast, reduce: the root rank (< ranks); 0 otherwise
+    // Compressed only where wire_applies (the daemon resolves a group's default to exact elsewhere).
+    WireFormat wire = WireFormat::Exact;
 
     bool operator==(const OpDesc &) const = default;
     // Elements of the input and of the output range of one rank.

@@ -4,6 +4,7 @@
 
 #include "common/fd_io.h"
 #include "daemon/engine/reduce.h"
+#include "daemon/engine/wire.h"
 
 namespace ringd {
 namespace {
@@ -49,10 +50,11 @@ bool RingOp::find_root(uint32_t *host, uint32_t *local) const {
     return false;
 }
 
-bool RingOp::by_reference() const { return full_count() * dtype_size(dtype) >= RingEngine::kConfirmBytes; }
+bool RingOp::by_reference() const { return !compressed() && full_count() * dtype_size(dtype) >= RingEngine::kConfirmBytes; }
 
 void RingEngine::segments(const RingPosition &pos, const RingOp &op, Window w) {
     const uint32_t n = pos.size;
+    const uint64_t pad = op.compressed() ? 1 : 0;  // (ring_engine.h: a spare element after each piece)
     seg_pieces_.clear();
     seg_base_.assign(n + 1, 0);
     for (uint32_t k = 0; k < n; ++k) {
@@ -68,7 +70,7 @@ void RingEngine::segments(const RingPosition &pos, const RingOp &op, Window w) {
         if (op.collective == Collective::Allreduce) {
             // One n-th of the window, each: the ring of peer protocol 1.
             const uint64_t b = seg_begin(w.count, n, k), e = seg_begin(w.count, n, k + 1);
-            seg_pieces_.push_back({w.begin + b, e - b, b, 0, -1});
+            seg_pieces_.push_back({w.begin + b, e - b, b + k * pad, 0, -1});
             continue;
         }
         // The window's part of the blocks of host k's ranks, in its local-rank order; their
@@ -76,7 +78,7 @@ void RingEngine::segments(const RingPosition &pos, const RingOp &op, Window w) {
         const auto &ranks = op.host_ranks[k];
         for (size_t l = 0; l < ranks.size(); ++l) {
             const uint64_t b = ranks[l];
-            seg_pieces_.push_back({b * op.count + w.begin, w.count, b * w.count, w.begin,
+            seg_pieces_.push_back({b * op.count + w.begin, w.count, b * (w.count + pad), w.begin,
                                    k == pos.rank ? static_cast<int32_t>(l) : -1});
         }
     }
@@ -191,7 +193,11 @@ Status RingEngine::run(const RingPosition &pos, const RingOp &op, std::chrono::s
     const size_t es = dtype_size(op.dtype);
     const bool reduces = collective_reduces(op.collective);
     const size_t ps = reduces ? dtype_size(partial_dtype(op.dtype, op.op)) : es;
-    const bool widened = ps != es;
+    const bool compressed = op.compressed();
+    const bool in_work = ps != es || compressed;  // partials in the f32 work area
+    if (compressed && (static_cast<uint32_t>(op.wire) >= kWireFormatCount || !wire_applies(op.collective, op.dtype, op.op)))
+        return make_error(-EINVAL, "ring op: a " + std::string(wire_format_name(op.wire)) + " wire carries sums and averages of "
+                                   "f32 and bf16 only");
     if (op.collective != Collective::Allreduce && op.count && op.ranks() > UINT64_MAX / op.count / es)
         return make_error(-E2BIG, "ring op: its buffer's size overflows");
     const uint64_t full = op.full_count();
@@ -216,13 +222,21 @@ Status RingEngine::run(const RingPosition &pos, const RingOp &op, std::chrono::s
     if (op.collective == Collective::Barrier || op.collective == Collective::AllToAll)  // (the direct exchange runs them)
         return make_error(-EINVAL, "ring op: a " + std::string(collective_name(op.collective)) + " has no ring schedule");
     if (pos.size > kMaxSteps) return make_error(-E2BIG, "ring of more than 2048 hosts");
-    const uint64_t work = widened ? work_bytes(opt_) : 0;
+    const uint64_t work = in_work ? work_bytes(opt_) : 0;
     if (op.staging.bytes < opt_.chunk_bytes * opt_.depth + work) return make_error(-EINVAL, "ring staging area is too small");
-    if (widened && work < opt_.chunk_bytes) return make_error(-EINVAL, "ring work area is smaller than a chunk");
-    // Widened ops run in windows whose partials fit the work area; the others in one. A
-    // reduce_scatter's window is a sub-range of every block.
+    if (in_work && work < opt_.chunk_bytes) return make_error(-EINVAL, "ring work area is smaller than a chunk");
+    // Ops with partials in the work area run in windows whose partials fit it (compressed ones
+    // with a spare element after each piece: segments()); the others in one. A reduce_scatter's
+    // window is a sub-range of every block.
     const uint64_t blocks = collective_blocked(op.collective) ? std::max<uint64_t>(op.ranks(), 1) : 1;
-    const uint64_t window = widened ? std::max<uint64_t>(work / ps / blocks, 1) : std::max<uint64_t>(op.count, 1);
+    const uint64_t pad = compressed ? (op.collective == Collective::Allreduce ? pos.size : 1) : 0;
+    const uint64_t fits = work / ps / blocks;
+    const uint64_t window = in_work ? std::max<uint64_t>(fits > pad ? fits - pad : 1, 1) : std::max<uint64_t>(op.count, 1);
+    if (compressed) {
+        const uint64_t most = std::max<uint64_t>(1, opt_.chunk_bytes / ps);  // (the largest chunk)
+        encoded_.resize(wire_bytes(op.wire, most));
+        decoded_.resize(most);
+    }
     // The delivery marker (ring_engine.h): from the op's size and the links' kind, which every
     // host shares.
     const bool confirm = op.by_reference();
@@ -282,7 +296,8 @@ Status RingEngine::run_window(const RingPosition &pos, const RingOp &op, Window 
     const size_t es = dtype_size(op.dtype);
     const bool reduces = collective_reduces(op.collective);
     const size_t ps = reduces ? dtype_size(partial_dtype(op.dtype, op.op)) : es;
-    const bool widened = ps != es;
+    const bool compressed = op.compressed();
+    const bool widened = ps != es || compressed;  // partials in the work area (f32)
     const bool avg = reduces && op.op == ReduceOp::Avg;
     const bool allreduce = op.collective == Collective::Allreduce;
     // The buffer with a block per rank (allreduce: its buffer) in the data region: the input of
@@ -349,6 +364,28 @@ Status RingEngine::run_window(const RingPosition &pos, const RingOp &op, Window 
     auto copy_out = [&](const Msg &m) {
         for (size_t l = 0; l < nlocal; ++l) std::memcpy(local_full(l) + m.elem * es, full + m.elem * es, m.elems * es);
     };
+    // Compressed: a message's bytes; its partial (f32) in the work area encoded in place (with its
+    // residual), and a result's encoding there decoded and delivered to every local rank
+    // (allreduce: avg's scaling, rounding to the dtype).
+    auto msg_bytes = [&](const Msg &m) { return compressed ? wire_bytes(op.wire, m.elems) : m.elems * ps; };
+    auto encode_in_work = [&](const Msg &m) {
+        wire_encode(op.wire, reinterpret_cast<const float *>(work + m.work * ps), m.elems, encoded_.data(),
+                    op.residual ? op.residual + m.elem : nullptr);
+        std::memcpy(work + m.work * ps, encoded_.data(), wire_bytes(op.wire, m.elems));
+    };
+    auto deliver = [&](const Msg &m) {
+        wire_decode(op.wire, work + m.work * ps, m.elems, decoded_.data());
+        partials_.assign(1, decoded_.data());
+        dsts_.assign(1, full + m.elem * es);
+        for (size_t l = 0; l < nlocal; ++l) dsts_.push_back(local_full(l) + m.elem * es);
+        ReduceArgs a{op.dtype, op.op, nullptr, 0, dsts_.data(), dsts_.size(), m.elems, op.avg_divisor};
+        a.partials = partials_.data();
+        a.npartial = 1;
+        reduce(a);
+    };
+    auto send_work = [&](const Msg &m) {
+        return pos.next->post_send(op.staging, work_offset + m.work * ps, msg_bytes(m), tag(op, m.entry, m.chunk));
+    };
     // The staging slots: as many of this window's chunks as fit where depth full ones do.
     plan(pos, op, w, std::max<uint64_t>(1, chunk_bytes / ps), static_cast<uint32_t>(opt_.chunk_bytes * opt_.depth / chunk_bytes));
 
@@ -369,12 +406,13 @@ Status RingEngine::run_window(const RingPosition &pos, const RingOp &op, Window 
                 if (free_slots_.empty()) break;
                 m.slot = free_slots_.back();
                 free_slots_.pop_back();
-                s = pos.prev->post_recv(op.staging, static_cast<uint64_t>(m.slot) * chunk_bytes, m.elems * ps,
+                s = pos.prev->post_recv(op.staging, static_cast<uint64_t>(m.slot) * chunk_bytes, msg_bytes(m),
                                         tag(op, m.entry, m.chunk));
             } else {
                 const int32_t after = recv_after_send_[m.entry];
                 if (after >= 0 && !sends_[index(send_base_, static_cast<uint32_t>(after), m.chunk)].done) break;
-                s = pos.prev->post_recv(op.data, full_offset + m.elem * es, m.elems * es, tag(op, m.entry, m.chunk));
+                s = compressed ? pos.prev->post_recv(op.staging, work_offset + m.work * ps, msg_bytes(m), tag(op, m.entry, m.chunk))
+                               : pos.prev->post_recv(op.data, full_offset + m.elem * es, m.elems * es, tag(op, m.entry, m.chunk));
             }
             if (!s) return s;
             m.posted = true;
@@ -389,8 +427,8 @@ Status RingEngine::run_window(const RingPosition &pos, const RingOp &op, Window 
                 // This host's own contribution leaves at step 0: its local ranks are summed in
                 // first (and avg's contributions scaled, widened ones converted to f32).
                 if (widened || !op.locals.empty() || (avg && !raw_step0)) fold(m, nullptr, false);
-                s = widened ? pos.next->post_send(op.staging, work_offset + m.work * ps, m.elems * ps, tag(op, m.entry, m.chunk))
-                            : send_data(m);
+                if (compressed) encode_in_work(m);
+                s = widened ? send_work(m) : send_data(m);
             } else if (p == Prim::CopySend) {
                 gather(m);
                 s = send_data(m);
@@ -402,12 +440,10 @@ Status RingEngine::run_window(const RingPosition &pos, const RingOp &op, Window 
                     s = pos.next->post_send(op.staging, static_cast<uint64_t>(m.slot) * chunk_bytes, m.elems * ps,
                                             tag(op, m.entry, m.chunk));
                 } else {
-                    s = widened ? pos.next->post_send(op.staging, work_offset + m.work * ps, m.elems * ps,
-                                                      tag(op, m.entry, m.chunk))
-                                : send_data(m);
+                    s = widened ? send_work(m) : send_data(m);
                 }
             } else {
-                s = send_data(m);  // a final value, in the data region
+                s = compressed ? send_work(m) : send_data(m);  // a final value (compressed: its encoding in the work area)
             }
             if (!s) return s;
             m.posted = true;
@@ -467,7 +503,24 @@ Status RingEngine::run_window(const RingPosition &pos, const RingOp &op, Window 
                 Msg &m = recvs_[index(recv_base_, entry, chunk)];
                 if (m.done) continue;
                 const Prim p = schedule_[entry].recv;
-                if (lands_in_staging(p)) {
+                if (lands_in_staging(p) && compressed) {
+                    // Decoded into the work area (the slot is free again at once), reduced there
+                    // with this host's contribution: final (reduce_scatter, reduce: to the
+                    // block's owner), or the partial encoded in place to be sent on; allreduce's
+                    // sum is also delivered here as every host will decode it.
+                    float *acc = reinterpret_cast<float *>(work + m.work * ps);
+                    wire_decode(op.wire, op.staging.base + static_cast<uint64_t>(m.slot) * chunk_bytes, m.elems, acc);
+                    free_slots_.push_back(m.slot);
+                    if (p == Prim::RecvReduceCopy) {
+                        fold(m, reinterpret_cast<const std::byte *>(acc), true);
+                    } else {
+                        fold(m, reinterpret_cast<const std::byte *>(acc), false, reinterpret_cast<std::byte *>(acc));
+                        encode_in_work(m);
+                        if (p == Prim::RecvReduceCopySend) deliver(m);
+                    }
+                } else if (compressed) {
+                    deliver(m);  // an allgather receive: the encoded result, forwarded from where it is
+                } else if (lands_in_staging(p)) {
                     // Reduce while the chunk is hot, the local ranks' contributions with it (this
                     // is the first time the ring touches the chunk); the last step's result is
                     // final: avg's scaling, rounding to the dtype, and out to the local ranks.

@@ -56,6 +56,23 @@
 // copy: docs/perf.md); every host decides it from the op's size and the transport, which all
 // hosts share.
 //
+// Compressed wire (op.wire, wire.h; allreduce, reduce_scatter and reduce of f32/bf16 sum/avg):
+// every partial is f32 in the work area (as for f16/bf16 sums, and in windows the same way), and
+// what travels is its encoding. A host encodes a partial once, when it is complete (its own
+// contribution at step 0, or its contribution plus what it received, decoded and accumulated in
+// f32), into the work area where the partial was, and sends it from there. A reduce-scatter
+// receive lands encoded in a staging slot, which is free again as soon as it is decoded. The last
+// reduce-scatter step of a reduce_scatter or reduce delivers the f32 sum rounded to the dtype (no
+// encoding); allreduce's encodes the sum once more, and that encoding is what the allgather
+// forwards unchanged: every host, the sum's own included, delivers its decoding, so that every
+// rank ends with the same values. Allgather receives land in the work area too (after the
+// reduce-scatter's send of the same segment is done) and are forwarded from there. Each value is
+// thus encoded at most once per host in the reduce-scatter and once more for the allgather. With
+// error feedback (op.residual), every encoding adds the value's residual from the previous op
+// and keeps what it lost of it. Sends never come from the data region, so no delivery marker.
+// Work-area offsets leave one spare element after each piece: a piece's last chunk of one value
+// may take more bytes encoded (fp16/int8: its block's scale) than as an f32.
+//
 // The messages of allreduce are those of peer protocol 1's ring (tests/unit/test_ring_golden.cpp
 // pins them): tags, sizes, order and bytes.
 //
@@ -109,6 +126,12 @@ struct RingOp {
     uint64_t count = 0;
     uint32_t avg_divisor = 1;  // contributions in total (all ranks of all hosts)
     uint32_t root = 0;         // broadcast, reduce: the root rank (in the group's numbering)
+    // How partials and results travel (wire_applies(collective, dtype, op) for anything but exact).
+    WireFormat wire = WireFormat::Exact;
+    // Error feedback for a compressed op: a residual per element of the buffer with a block per
+    // rank (allreduce: the buffer; full_count() values), added to what this host encodes of each
+    // element and replaced by what that encoding lost. Null: none.
+    float *residual = nullptr;
     RegionHandle data;         // local rank 0's input and output
     uint64_t data_offset = 0;  // the input (allreduce: in/out)
     uint64_t out_offset = 0;   // reduce_scatter, allgather: the output (may be inside the input)
@@ -142,6 +165,7 @@ struct RingOp {
     // broadcast, reduce: the root rank's host (ring position) and local rank; false when the rank
     // map does not have it.
     bool find_root(uint32_t *host, uint32_t *local) const;
+    bool compressed() const { return wire != WireFormat::Exact; }
     // Whether the op's sends from the data region may go by reference on links whose SendDone
     // does not mean delivered (it then ends with the delivery marker).
     bool by_reference() const;
@@ -253,6 +277,9 @@ private:
     std::vector<const void *> srcs_;
     std::vector<void *> dsts_;
     std::vector<const void *> partials_;
+    // Compressed ops: a chunk's encoding on its way into the work area, and a decoded chunk.
+    std::vector<std::byte> encoded_;
+    std::vector<float> decoded_;
 };
 
 }  // namespace ringd

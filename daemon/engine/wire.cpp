@@ -201,22 +201,6 @@ void per_block(WireFormat f, const void *in, size_t count, Use use) {
 
 }  // namespace
 
-std::string_view wire_format_name(WireFormat f) {
-    switch (f) {
-    case WireFormat::Exact: return "exact";
-    case WireFormat::BF16: return "bf16";
-    case WireFormat::FP16: return "fp16";
-    case WireFormat::Int8: return "int8";
-    }
-    return "?";
-}
-
-std::optional<WireFormat> parse_wire_format(std::string_view name) {
-    for (auto f : {WireFormat::Exact, WireFormat::BF16, WireFormat::FP16, WireFormat::Int8})
-        if (name == wire_format_name(f)) return f;
-    return std::nullopt;
-}
-
 size_t wire_bytes(WireFormat f, size_t count) {
     switch (f) {
     case WireFormat::Exact: return 4 * count;

@@ -36,14 +36,12 @@
 #include <optional>
 #include <string_view>
 
-namespace ringd {
+#include "proto/types.h"  // WireFormat
 
-enum class WireFormat : uint8_t { Exact = 0, BF16 = 1, FP16 = 2, Int8 = 3 };
+namespace ringd {
 
 inline constexpr size_t kWireBlock = 256;  // values per block (fp16's and int8's scale)
 
-std::string_view wire_format_name(WireFormat f);
-std::optional<WireFormat> parse_wire_format(std::string_view name);
 
 // The bytes of `count` values in format f.
 size_t wire_bytes(WireFormat f, size_t count);
