@@ -110,26 +110,39 @@ inline void fill(void *buf, size_t count, DType t, uint64_t rank) {
 // The value element i of the allreduce of `nranks` ranks' fill() must have, in dtype t.
 inline double want(uint64_t nranks, size_t i, DType t, ReduceOp op) { return round_to(t, expected(nranks, i, op)); }
 
-// Elements of buf that differ from the allreduce of `nranks` ranks' fill().
-inline uint64_t count_wrong(const void *buf, size_t count, DType t, ReduceOp op, uint64_t nranks) {
+// How far a result over a compressed wire may be from the exact one, for fill()'s values (|v| <=
+// 12): (hosts + 1) encodings (docs/wire.md) of at most the sum of every rank's largest magnitude,
+// plus the f32 accumulation and a bf16 result's rounding; divided by the ranks for avg. 0: exact.
+inline double wire_tolerance(WireFormat f, uint64_t hosts, uint64_t nranks, DType t, ReduceOp op) {
+    if (f == WireFormat::Exact || hosts < 2) return 0;
+    const double most = 12.0 * static_cast<double>(nranks);
+    const double u = f == WireFormat::BF16 ? 0x1p-8 : f == WireFormat::FP16 ? 0x1p-11 : (1 + 0x1p-14) / 254;
+    double b = static_cast<double>(hosts + 1) * u * most + static_cast<double>(hosts + nranks + 2) * 0x1p-24 * most;
+    if (t == DType::BF16) b += 0x1p-8 * (most + b);
+    return op == ReduceOp::Avg ? b / static_cast<double>(nranks) : b;
+}
+
+// Elements of buf that differ from the allreduce of `nranks` ranks' fill() (by more than abs_tol).
+inline uint64_t count_wrong(const void *buf, size_t count, DType t, ReduceOp op, uint64_t nranks, double abs_tol = 0) {
     uint64_t wrong = 0;
     const double tol = tolerance(t, op);
     for (size_t i = 0; i < count; ++i) {
         const double w = want(nranks, i, t, op);
         const double got = load(buf, i, t);
-        if (!(std::fabs(got - w) <= tol * std::fabs(w))) ++wrong;
+        if (!(std::fabs(got - w) <= tol * std::fabs(w) + abs_tol)) ++wrong;
     }
     return wrong;
 }
 
 // count_wrong for elements [first, first + count) of the allreduce, at buf (a reduce_scatter's block).
-inline uint64_t count_wrong_at(const void *buf, size_t count, DType t, ReduceOp op, uint64_t nranks, size_t first) {
+inline uint64_t count_wrong_at(const void *buf, size_t count, DType t, ReduceOp op, uint64_t nranks, size_t first,
+                               double abs_tol = 0) {
     uint64_t wrong = 0;
     const double tol = tolerance(t, op);
     for (size_t i = 0; i < count; ++i) {
         const double w = want(nranks, first + i, t, op);
         const double got = load(buf, i, t);
-        if (!(std::fabs(got - w) <= tol * std::fabs(w))) ++wrong;
+        if (!(std::fabs(got - w) <= tol * std::fabs(w) + abs_tol)) ++wrong;
     }
     return wrong;
 }
@@ -141,7 +154,7 @@ inline uint64_t count_wrong_at(const void *buf, size_t count, DType t, ReduceOp 
 // b*block + i), a broadcast's buffer the root's, a reduce's the reduction at the root (elsewhere
 // nothing is checked), an all_to_all's block b rank b's block for this rank. Wrong values.
 inline uint64_t collective_wrong(Collective coll, const void *out, size_t count, DType t, ReduceOp op, uint64_t nranks,
-                                 uint64_t rank, uint64_t root) {
+                                 uint64_t rank, uint64_t root, double abs_tol = 0) {
     const size_t block = count / nranks, esize = dtype_size(t);
     const auto *o = static_cast<const unsigned char *>(out);
     uint64_t wrong = 0;
@@ -150,9 +163,9 @@ inline uint64_t collective_wrong(Collective coll, const void *out, size_t count,
             if (load(at, i, t) != round_to(t, static_cast<double>(value(g, first + i)))) ++wrong;
     };
     switch (coll) {
-    case Collective::Allreduce: return count_wrong(out, count, t, op, nranks);
-    case Collective::ReduceScatter: return count_wrong_at(out, block, t, op, nranks, rank * block);
-    case Collective::Reduce: return rank == root ? count_wrong(out, count, t, op, nranks) : 0;
+    case Collective::Allreduce: return count_wrong(out, count, t, op, nranks, abs_tol);
+    case Collective::ReduceScatter: return count_wrong_at(out, block, t, op, nranks, rank * block, abs_tol);
+    case Collective::Reduce: return rank == root ? count_wrong(out, count, t, op, nranks, abs_tol) : 0;
     case Collective::Broadcast: values_of(o, count, root, 0); break;
     case Collective::Allgather:
         for (uint64_t b = 0; b < nranks; ++b) values_of(o + b * block * esize, block, b, b * block);
@@ -260,9 +273,9 @@ struct GuardedRange {
         uint64_t wrong = 0, guard = 0;
         bool ok() const { return wrong == 0 && guard == 0; }
     };
-    Verdict check(const void *base, ReduceOp op, uint64_t nranks) const {
+    Verdict check(const void *base, ReduceOp op, uint64_t nranks, double abs_tol = 0) const {
         Verdict v;
-        v.wrong = count_wrong(static_cast<const unsigned char *>(base) + offset, count, dtype, op, nranks);
+        v.wrong = count_wrong(static_cast<const unsigned char *>(base) + offset, count, dtype, op, nranks, abs_tol);
         v.guard = guard_damage(base, guard_begin(), offset, salt) + guard_damage(base, offset + bytes(), guard_end(), salt);
         return v;
     }

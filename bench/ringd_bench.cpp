@@ -52,6 +52,8 @@ struct Options {
     std::string coll = "allreduce";
     int root = -1;          // broadcast, reduce (-1: rank 1, or 0 with one rank)
     double link_mbit = 0;  // each host's link rate, for xfloor (0: not printed)
+    std::string wire = "default";  // the client's wire (ringd_set_wire; default: ringd's)
+    bool feedback = false;         // error feedback, keyed by the op's size
 };
 
 int fail(const Options &o, const std::string &msg) {
@@ -82,6 +84,9 @@ int main(int argc, char **argv) {
     app.add_option("--root", o.root, "broadcast, reduce: the root rank (default 1, or 0 with one rank)");
     app.add_option("--link-mbit", o.link_mbit, "each host's link rate (Mbit/s): print each size's time over its floor")
         ->check(CLI::PositiveNumber);
+    app.add_option("--wire", o.wire, "default exact bf16 fp16 int8: the wire of ops it applies to (docs/wire.md)")
+        ->capture_default_str();
+    app.add_flag("--feedback", o.feedback, "compressed wires: error feedback, one residual per size");
     app.add_flag("--latency", o.latency, "also print each size's op latency percentiles (p50 p90 p99 max, us)");
     CLI11_PARSE(app, argc, argv);
 
@@ -90,6 +95,8 @@ int main(int argc, char **argv) {
     const auto min_b = parse_size(o.min_bytes), max_b = parse_size(o.max_bytes);
     if (!dtype) return fail(o, "unknown dtype " + o.dtype);
     if (!op) return fail(o, "unknown op " + o.op);
+    const auto wire = o.wire == "default" ? std::optional<WireFormat>{} : parse_wire_format(o.wire);
+    if (o.wire != "default" && !wire) return fail(o, "unknown wire " + o.wire + " (default, exact, bf16, fp16, int8)");
     const auto coll = parse_collective(o.coll);
     if (!coll || *coll == Collective::Barrier)
         return fail(o, "unknown collective " + o.coll + " (allreduce, reduce_scatter, allgather, broadcast, reduce, all_to_all)");
@@ -156,16 +163,28 @@ int main(int argc, char **argv) {
         ringd_close(c);
         return fail(o, "the slot has " + std::to_string(have) + " bytes, " + std::to_string(slot_bytes) + " asked");
     }
+    if (wire)
+        if (int rc = ringd_set_wire(c, static_cast<ringd_wire>(static_cast<int>(*wire) + 1)); rc != 0) {
+            const std::string msg = ringd_last_error(c);
+            ringd_close(c);
+            return fail(o, msg);
+        }
+    // The values are checked within the wire's bound where it applies (ringd's default wire is
+    // not known here: give --wire to check a compressed one).
+    const WireFormat checked = wire && wire_applies(*coll, *dtype, *op) ? *wire : WireFormat::Exact;
+    const double tol = bench::wire_tolerance(checked, hosts, nranks, *dtype, *op);
     const auto cdt = static_cast<ringd_dtype>(*dtype);
     const auto cop = static_cast<ringd_op>(*op);
     // `count`: the larger buffer's elements (a whole number of blocks for reduce_scatter, allgather
     // and all_to_all). In place: a reduce_scatter's output is this rank's block of the input, an
     // allgather's input its block of the output, broadcast and reduce work on the buffer; an
     // all_to_all's output follows its input. So the op's range is the guarded one.
-    auto run = [&](size_t count) {
-        if (!ranked) return ringd_allreduce(c, op_offset, count, cdt, cop, o.timeout_ms);
+    // With --feedback the checked op has a tag of its own: the timed ops' residual is of their
+    // grown sums, not of the checked op's values.
+    auto run = [&](size_t count, bool checked_op = false) {
+        if (!ranked && !o.feedback) return ringd_allreduce(c, op_offset, count, cdt, cop, o.timeout_ms);
         ringd_coll d{sizeof(ringd_coll), static_cast<ringd_collective>(*coll), cdt, cop, count, op_offset, 0, 0,
-                     nullptr, nullptr, 0};
+                     nullptr, nullptr, 0, RINGD_WIRE_DEFAULT, o.feedback ? 1 : 0, count | (checked_op ? 1ull << 63 : 0)};
         if (blocks) {
             const size_t block = count / nranks;
             const size_t mine = op_offset + global_rank * block * esize;
@@ -186,10 +205,10 @@ int main(int argc, char **argv) {
     const bool printer = o.local_rank == 0;
     if (printer) {
         std::printf("# ringd-bench: %s, %llu host(s) x %d local rank(s) = %llu ranks, group %s, %s %s, %d iters (+%d "
-                    "warm-up)\n",
+                    "warm-up), wire %s%s\n",
                     o.coll.c_str(), static_cast<unsigned long long>(hosts), o.local_size, static_cast<unsigned long long>(nranks),
                     o.group.c_str(), std::string(dtype_name(*dtype)).c_str(), std::string(reduce_op_name(*op)).c_str(),
-                    o.iters, o.warmup);
+                    o.iters, o.warmup, o.wire.c_str(), o.feedback ? " with error feedback" : "");
         std::printf("# hostbw: bytes each host's NIC sends per second; xfloor: time over that at --link-mbit%s\n",
                     o.link_mbit > 0 ? "" : " (not given: N/A)");
         std::printf("# #wrong: rank %llu's own wrong values; every rank checks its own result and prints its verdict\n",
@@ -241,9 +260,9 @@ int main(int argc, char **argv) {
         uint64_t wrong = 0;
         if (o.check) {
             range.prepare(buf, global_rank);
-            if ((rc = run(count)) != 0) break;
+            if ((rc = run(count, true)) != 0) break;
             if (!ranked) {
-                const auto v = range.check(buf, *op, nranks);
+                const auto v = range.check(buf, *op, nranks, tol);
                 wrong = v.wrong;
                 guard_total += v.guard;
             } else {
@@ -254,7 +273,7 @@ int main(int argc, char **argv) {
                 const size_t at = *coll == Collective::ReduceScatter ? op_offset + global_rank * (count / nranks) * esize
                                   : a2a                              ? op_offset + count * esize
                                                                      : op_offset;
-                wrong = bench::collective_wrong(*coll, base + at, count, *dtype, *op, nranks, global_rank, root);
+                wrong = bench::collective_wrong(*coll, base + at, count, *dtype, *op, nranks, global_rank, root, tol);
                 guard_total += bench::guard_damage(buf, range.guard_begin(), op_offset, range.salt) +
                                bench::guard_damage(buf, op_offset + range.bytes(), range.guard_end(), range.salt);
             }

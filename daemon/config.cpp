@@ -125,7 +125,7 @@ void parse_hosts(const YAML::Node &n, Config &c) {
 Config parse_root(const YAML::Node &root) {
     Config c;
     check_keys(root, "", {"cluster", "hosts", "transport", "tcp", "ibverbs", "socket", "socket_group", "allow_uids",
-                          "allow_gids", "memory", "limits", "timeouts", "poll", "tuning", "auth", "cuda", "log", "metrics"});
+                          "allow_gids", "memory", "limits", "timeouts", "poll", "tuning", "auth", "cuda", "log", "metrics", "wire"});
     if (!root["cluster"]) fail("cluster", "missing (a name shared by every host of the ring)");
     c.cluster = scalar(root["cluster"], "cluster");
     if (c.cluster.empty()) fail("cluster", "is empty");
@@ -258,6 +258,11 @@ Config parse_root(const YAML::Node &root) {
         if (n["depth"]) c.tuning.depth = static_cast<uint32_t>(get_uint(n["depth"], "tuning.depth", 1, 256));
         if (c.tuning.chunk_bytes * c.tuning.depth > (1ull << 30))
             fail("tuning.depth", "chunk_bytes x depth (the ring's staging memory) must be at most 1GiB");
+    }
+    if (auto n = root["wire"]) {
+        check_keys(n, "wire", {"default", "feedback_max_bytes"});
+        if (n["default"]) c.wire.format = *parse_wire_format(get_choice(n["default"], "wire.default", {"exact", "bf16", "fp16", "int8"}));
+        if (n["feedback_max_bytes"]) c.wire.feedback_max_bytes = get_size(n["feedback_max_bytes"], "wire.feedback_max_bytes");
     }
     if (auto n = root["auth"]) {
         check_keys(n, "auth", {"secret_file", "insecure", "data", "rotation_grace"});

@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "proto/types.h"
+
 #include "proto/result.h"
 
 namespace ringd {
@@ -104,6 +106,12 @@ struct Config {
         static constexpr uint32_t kAuto = UINT32_MAX;
         uint32_t algorithm = kAuto;
     } tuning;
+    // Compressed wires (docs/wire.md): the format of the ops of groups that name none (each op
+    // where it applies: wire_applies), and each group run's bound on error-feedback residuals.
+    struct Wire {
+        WireFormat format = WireFormat::Exact;  // wire.default
+        uint64_t feedback_max_bytes = 1ull << 30;
+    } wire;
     std::string secret_file;  // auth.secret_file; empty: no authentication
     // How long a reload that found a new secret still accepts the previous one.
     std::chrono::milliseconds rotation_grace = std::chrono::hours(1);

@@ -317,7 +317,7 @@ void put_report_fixed(uint8_t *p, const OpReport &r) {
     put_name(&p[8], r.group);
     le::put<uint64_t>(&p[72], r.seq);
     le::put<uint64_t>(&p[80], r.count);
-    le::put<uint32_t>(&p[88], r.dtype);
+    le::put<uint32_t>(&p[88], r.dtype | (r.wire & 0xff) << 8);
     le::put<uint32_t>(&p[92], collective_is_rooted(static_cast<Collective>(r.collective)) ? (r.op & 0xff) | r.root << 8 : r.op);
     le::put<uint32_t>(&p[96], r.local_size);
     le::put<int32_t>(&p[100], r.status);
@@ -338,6 +338,9 @@ Result<OpReport> get_report_fixed(std::span<const uint8_t> p, uint32_t max_ranks
     r.seq = le::get<uint64_t>(&p[72]);
     r.count = le::get<uint64_t>(&p[80]);
     r.dtype = le::get<uint32_t>(&p[88]);
+    r.wire = (r.dtype >> 8) & 0xff;
+    if ((r.dtype >> 16) != 0 || r.wire >= kWireFormatCount) return bad("op report has an unknown dtype word " + std::to_string(r.dtype));
+    r.dtype &= 0xff;
     r.op = le::get<uint32_t>(&p[92]);
     r.local_size = le::get<uint32_t>(&p[96]);
     r.status = le::get<int32_t>(&p[100]);

@@ -185,6 +185,8 @@ struct OpReport {
     // Broadcast, reduce (protocol 11): the root rank, in bits 8-31 of the op word (the op in bits
     // 0-7; every other collective's op word is the op alone).
     uint32_t root = 0;
+    // The op's WireFormat (protocol 11): bits 8-15 of the dtype word (0, exact, is the layout before).
+    uint32_t wire = 0;
 };
 inline constexpr uint32_t kReportAhead = 1;
 inline constexpr uint32_t kReportDeferred = 2;

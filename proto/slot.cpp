@@ -30,12 +30,14 @@ Result<SlotGeometry> slot_geometry(uint64_t data_bytes, uint32_t sq_depth, uint3
     return g;
 }
 
-Result<Submission> validate_submit(const SubmitDesc &d, uint64_t data_bytes, bool cuda_supported) {
+Result<Submission> validate_submit(const SubmitDesc &d, uint64_t data_bytes, bool cuda_supported, WireFormat default_wire) {
     const std::string at = "op " + std::to_string(d.seq) + ": ";
     if (d.collective >= kCollectiveCount) return make_error(-EINVAL, at + "unknown collective " + std::to_string(d.collective));
     if (d.dtype >= kDTypeCount) return make_error(-EINVAL, at + "unknown dtype " + std::to_string(d.dtype));
     if (d.op >= kReduceOpCount) return make_error(-EINVAL, at + "unknown reduce op " + std::to_string(d.op));
-    if ((d.flags & ~kSubmitSplits) != 0) return make_error(-EINVAL, at + "unknown flags " + std::to_string(d.flags));
+    if ((d.flags & ~(kSubmitSplits | kSubmitFeedback)) != 0) return make_error(-EINVAL, at + "unknown flags " + std::to_string(d.flags));
+    if ((d.wire & ~(kWireRequired | 0xffu)) != 0 || (d.wire & 0xff) > kWireFormatCount)
+        return make_error(-EINVAL, at + "unknown wire format " + std::to_string(d.wire));
     if ((d.flags & kSubmitSplits) && d.collective != static_cast<uint32_t>(Collective::AllToAll))
         return make_error(-EINVAL, at + "split sizes for an op that is not an all_to_all");
     Submission s;
@@ -87,6 +89,24 @@ Result<Submission> validate_submit(const SubmitDesc &d, uint64_t data_bytes, boo
     }
     if (s.desc.op == ReduceOp::Avg && dtype_is_integer(s.desc.dtype))
         return make_error(-EINVAL, at + "avg is not defined for integer dtype " + std::string(dtype_name(s.desc.dtype)));
+    {
+        // The wire: the op's own where it names one (refused where it cannot apply), else the
+        // group's default where it applies; exact everywhere else.
+        const bool applies = wire_applies(s.desc.collective, s.desc.dtype, s.desc.op);
+        if (d.wire & 0xff) {
+            const auto f = static_cast<WireFormat>((d.wire & 0xff) - 1);
+            if (f != WireFormat::Exact && !applies && (d.wire & kWireRequired))
+                return make_error(-EINVAL, at + "a " + std::string(wire_format_name(f)) + " wire carries sums and averages of f32 "
+                                               "and bf16 by allreduce, reduce_scatter and reduce, not a " + describe(s.desc));
+            s.desc.wire = applies ? f : WireFormat::Exact;
+        } else {
+            s.desc.wire = applies ? default_wire : WireFormat::Exact;
+        }
+        if (d.flags & kSubmitFeedback) {
+            s.feedback = s.desc.wire != WireFormat::Exact;  // (nothing to keep for an exact op)
+            s.feedback_tag = d.feedback_tag;
+        }
+    }
     if (d.buffer_kind == static_cast<uint32_t>(BufferKind::Cuda)) {
         if (!cuda_supported) return make_error(-ENOTSUP, at + "this ringd has no CUDA (built without it)");
         s.cuda = true;

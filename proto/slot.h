@@ -41,6 +41,10 @@ inline constexpr uint16_t kSlotFeatureRootedCollectives = 8;
 inline constexpr uint16_t kSlotFeatureAllToAll = 32;
 // SlotHeader::copied_in, copied_out: counted in ringd's status.
 inline constexpr uint16_t kSlotFeatureCopyCounters = 16;
+// SubmitDesc::wire and feedback_tag (flags kSubmitFeedback): compressed wires, error feedback (an
+// older ringd ignores the reserved bytes and would run the op exact: a client never sends them
+// to one).
+inline constexpr uint16_t kSlotFeatureWire = 64;
 inline constexpr size_t kSlotHeaderBytes = 4096;
 inline constexpr size_t kSlotDataAlign = 4096;
 inline constexpr uint32_t kQueueDepth = 64;
@@ -137,11 +141,22 @@ struct SubmitDesc {
     // each rank, then `ranks` elements to receive from each, as uint64 at this byte offset into the
     // slot data area (8-aligned). Copied once when ringd takes the descriptor.
     uint64_t splits_offset;
-    uint8_t reserved[256 - 128];
+    // kSlotFeatureWire: the op's wire format, bits 0-7 its WireFormat + 1 (0: the group's default,
+    // ringd's config `wire.default`, applied only where it can apply: wire_applies), bit 8
+    // kWireRequired: this op's own choice, refused where it cannot apply.
+    uint32_t wire;
+    uint32_t reserved1;
+    // Error feedback (flags kSubmitFeedback): the key of the residual ringd keeps for this op's
+    // values (DDP's bucket index, FSDP's parameter group), in the group's run.
+    uint64_t feedback_tag;
+    uint8_t reserved[256 - 144];
 };
 static_assert(sizeof(SubmitDesc) == 256);
+static_assert(offsetof(SubmitDesc, wire) == 128 && offsetof(SubmitDesc, feedback_tag) == 136);
 static_assert(offsetof(SubmitDesc, root) == 112 && offsetof(SubmitDesc, splits_offset) == 120);
 inline constexpr uint32_t kSubmitSplits = 1;  // SubmitDesc::flags: splits_offset holds split sizes
+inline constexpr uint32_t kSubmitFeedback = 2;  // SubmitDesc::flags: error feedback under feedback_tag
+inline constexpr uint32_t kWireRequired = 0x100;  // SubmitDesc::wire: refused where it cannot apply
 static_assert(offsetof(SubmitDesc, collective) == 64 && offsetof(SubmitDesc, out_offset) == 72);
 static_assert(offsetof(SubmitDesc, cuda_out_reg) == 80 && offsetof(SubmitDesc, cuda_part) == 104);
 static_assert(offsetof(SubmitDesc, offset) == 32);
@@ -197,13 +212,18 @@ struct Submission {
     std::shared_ptr<const std::vector<uint64_t>> splits;
     bool splits_pending = false;  // validate_submit: the table at splits_offset is still to be taken
     uint64_t splits_offset = 0;
+    // Error feedback for a compressed op (desc.wire): the residual's key in the group's run.
+    bool feedback = false;
+    uint64_t feedback_tag = 0;
 };
 
 // Validates a copied descriptor against the slot's data area: collective/dtype/op/kind known, avg
 // only for floating types, both ranges' sizes and ends without overflow and inside `data_bytes`,
 // offsets aligned to the element size (for device buffers: the staging range; the device range is the
-// CUDA registry's to check). `cuda_supported` says whether this ringd handles device buffers.
-Result<Submission> validate_submit(const SubmitDesc &d, uint64_t data_bytes, bool cuda_supported);
+// CUDA registry's to check). `cuda_supported` says whether this ringd handles device buffers. The
+// wire format: the op's own (refused where it cannot apply), else `default_wire` where it applies.
+Result<Submission> validate_submit(const SubmitDesc &d, uint64_t data_bytes, bool cuda_supported,
+                                   WireFormat default_wire = WireFormat::Exact);
 
 // An all_to_all with split sizes (Submission::splits_offset, validated by validate_submit): copies
 // its table out of the data area `data` once and sets the input's and output's byte counts from

@@ -340,6 +340,9 @@ bool ringd_client::queue_room(uint64_t n) const {
 
 int ringd_client::submit_desc(proto::SubmitDesc &d, uint64_t *ticket, bool cuda_op) {
     d.seq = next_seq;
+    if (d.wire == 0) d.wire = wire;  // (this client's default: only where it applies)
+    if ((d.wire != 0 || (d.flags & proto::kSubmitFeedback)) && !(header->features & proto::kSlotFeatureWire))
+        return fail(-ENOTSUP, "this ringd has no compressed wires (an older release)");
     // The daemon validates again; checking here gives the caller the error without a round trip.
     auto s = proto::validate_submit(d, welcome.data_bytes, true);
     if (!s) return fail(s.error().code, s.error().message);
@@ -401,6 +404,18 @@ int ringd_submit(ringd_client *c, size_t offset, size_t count, ringd_dtype dtype
     }
 }
 
+int ringd_set_wire(ringd_client *c, ringd_wire wire) {
+    if (!c) return -EINVAL;
+    std::lock_guard lock(c->mu);
+    if (c->dead) return c->still_dead();
+    if (wire < RINGD_WIRE_DEFAULT || wire > RINGD_WIRE_INT8)
+        return c->fail(-EINVAL, "ringd_set_wire: " + std::to_string(static_cast<int>(wire)) + " is not a ringd_wire");
+    if (wire != RINGD_WIRE_DEFAULT && !(c->header->features & proto::kSlotFeatureWire))
+        return c->fail(-ENOTSUP, "this ringd has no compressed wires (an older release)");
+    c->wire = static_cast<uint32_t>(wire);
+    return 0;
+}
+
 void ringd_note_copies(ringd_client *c, uint64_t in_bytes, uint64_t out_bytes) {
     if (!c || !c->header || !(c->header->features & proto::kSlotFeatureCopyCounters)) return;
     c->header->copied_in.fetch_add(in_bytes, std::memory_order_relaxed);
@@ -437,6 +452,15 @@ int ringd_submit_coll(ringd_client *c, const ringd_coll *coll, uint64_t *ticket)
                                         "ringd_options.rank and .ranks");
             d.ranks = c->ranks;
             d.out_offset = coll->out_offset;
+        }
+        if (coll->struct_size >= offsetof(ringd_coll, feedback_tag) + sizeof(uint64_t)) {
+            if (coll->wire < RINGD_WIRE_DEFAULT || coll->wire > RINGD_WIRE_INT8)
+                return c->fail(-EINVAL, "ringd_coll.wire " + std::to_string(static_cast<int>(coll->wire)) + " is not a ringd_wire");
+            if (coll->wire != RINGD_WIRE_DEFAULT) d.wire = static_cast<uint32_t>(coll->wire) | proto::kWireRequired;
+            if (coll->feedback) {
+                d.flags |= proto::kSubmitFeedback;
+                d.feedback_tag = coll->feedback_tag;
+            }
         }
         if (coll->collective == RINGD_ALL_TO_ALL) {
             if (!(c->header->features & proto::kSlotFeatureAllToAll))

@@ -88,6 +88,7 @@ struct ringd_client {
     const proto::CompletionDesc *cq = nullptr;
     std::byte *data = nullptr;
     uint32_t ranks = 0;     // the group's ranks this client said (ringd_options.ranks; 0: not said)
+    uint32_t wire = 0;      // ringd_set_wire: SubmitDesc::wire of ops that name none (0: ringd's default)
     uint32_t rank = 0;      // and its own (ringd_options.rank)
     uint64_t next_seq = 1;  // the next seq to give out (device ops' parts take theirs at submission)
     uint64_t sq_tail = 0;

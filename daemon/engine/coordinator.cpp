@@ -15,6 +15,7 @@ std::string describe(const proto::OpReport &r) {
     std::string s = std::to_string(r.count) + " x " + std::string(dtype_name(static_cast<DType>(r.dtype)));
     if (c == Collective::Barrier) return "barrier";
     if (collective_reduces(c)) s += " " + std::string(reduce_op_name(static_cast<ReduceOp>(r.op)));
+    if (r.wire != 0) s += " over a " + std::string(wire_format_name(static_cast<WireFormat>(r.wire))) + " wire";
     if (collective_is_rooted(c)) s += (c == Collective::Broadcast ? " from rank " : " to rank ") + std::to_string(r.root);
     return c == Collective::Allreduce ? s : std::string(collective_name(c)) + " of " + s;
 }
@@ -376,7 +377,8 @@ void Coordinator::report(uint32_t host, const proto::OpReport &r, Clock::time_po
         const bool first = h < host;
         const proto::OpReport &a = first ? *p.by_host[h] : r, &b = first ? r : *p.by_host[h];
         const std::string &an = hosts_[first ? h : host], &bn = hosts_[first ? host : h];
-        if (a.count != b.count || a.dtype != b.dtype || a.op != b.op || a.collective != b.collective || a.root != b.root)
+        if (a.count != b.count || a.dtype != b.dtype || a.op != b.op || a.collective != b.collective || a.root != b.root ||
+            a.wire != b.wire)
             return fail(k, -EINVAL,
                         at(r.group, r.seq) + "mismatch: host " + an + " submitted " + describe(a) + ", host " + bn +
                             " submitted " + describe(b),

@@ -250,6 +250,7 @@ void GroupTable::submit(MemberId id, const proto::Submission &s, Clock::time_poi
         run.offsets.push_back(p.by_rank[r]->offset);
         run.out_offsets.push_back(p.by_rank[r]->out_offset);
         if (p.by_rank[r]->splits) run.splits.resize(g.local_size), run.splits[r] = p.by_rank[r]->splits;
+        if (p.by_rank[r]->feedback && !run.feedback) run.feedback = true, run.feedback_tag = p.by_rank[r]->feedback_tag;
     }
     if (s.desc.collective != Collective::Allreduce) run.ranks = g.ranks;
     g.running[run.op_id] = Running{s.seq, s.bytes, run.members, {}, {}, "none", run.submitted};

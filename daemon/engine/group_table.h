@@ -45,6 +45,9 @@ struct OpRun {
     std::vector<uint32_t> ranks;
     // all_to_all with split sizes: each local rank's (Submission::splits); empty otherwise.
     std::vector<std::shared_ptr<const std::vector<uint64_t>>> splits;
+    // Error feedback for a compressed op: the residual's key (the lowest local rank's that asked).
+    bool feedback = false;
+    uint64_t feedback_tag = 0;
     Clock::time_point deadline;     // the first local rank's submission + timeouts.op
     Clock::time_point submitted;    // the first local rank's submission
 };

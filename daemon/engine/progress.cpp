@@ -333,6 +333,14 @@ EngineResult ProgressEngine::execute_ring(EngineWork &w) {
     op.count = w.desc.count;
     op.avg_divisor = w.avg_divisor;
     op.root = w.desc.root;
+    op.wire = w.desc.wire;
+    if (w.residual && op.compressed()) {
+        // (a tag's first op, or one of another size: it starts over)
+        std::vector<float> &r = w.residual->values;
+        const uint64_t want = w.desc.full_count();
+        if (r.size() != want) r.assign(want, 0.0f);
+        op.residual = r.data();
+    }
     op.data = w.slots[0]->region();
     op.data_offset = w.offsets[0];
     op.out_offset = w.desc.collective == Collective::Allreduce ? w.offsets[0] : w.out_offsets[0];

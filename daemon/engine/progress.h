@@ -32,6 +32,12 @@ namespace ringd {
 class Slot;
 class NetworkTransport;
 
+// An error-feedback residual (RingOp::residual): kept by the group's run on the control thread,
+// sized and written only by the progress thread running the group's op (one at a time).
+struct WireResidual {
+    std::vector<float> values;
+};
+
 struct EngineWork {
     uint64_t op_id = 0;
     OpDesc desc;
@@ -44,6 +50,8 @@ struct EngineWork {
     std::vector<std::vector<uint32_t>> host_ranks;
     // all_to_all with split sizes: each local rank's (OpRun::splits).
     std::vector<std::shared_ptr<const std::vector<uint64_t>>> splits;
+    // A compressed op's error feedback (null: none).
+    std::shared_ptr<WireResidual> residual;
     // Cross-host ops.
     bool ring = false;
     uint64_t generation = 0;

@@ -420,7 +420,7 @@ void ClientGateway::take_submissions(MemberId id) {
             continue;
         }
         c.accept_seq();
-        auto s = proto::validate_submit(d, c.slot()->data_bytes(), true);
+        auto s = proto::validate_submit(d, c.slot()->data_bytes(), true, config_.wire.format);
         if (s)  // (an all_to_all's split sizes: copied out of the slot once, here)
             if (auto t = proto::take_splits(*s, c.slot()->data(), c.slot()->data_bytes(), true); !t) s = t.error();
         auto queue = staging_.find(id);

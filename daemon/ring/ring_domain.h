@@ -215,7 +215,18 @@ private:
         // allgather cannot run.
         std::vector<std::vector<uint32_t>> host_ranks;
         uint64_t skipped = 0;  // the lane is past every seq up to this (ops the coordinator failed ahead)
+        // Error-feedback residuals of its compressed ops, by the caller's tag (feedback_for):
+        // dropped with the run, at most config wire.feedback_max_bytes, least recently used out.
+        struct Feedback {
+            std::shared_ptr<WireResidual> residual;
+            uint64_t bytes = 0, used = 0;
+        };
+        std::map<uint64_t, Feedback> feedback;
+        uint64_t feedback_bytes = 0, feedback_clock = 0;
     };
+    // The residual of a compressed op with error feedback (null: none, or larger than the bound).
+    std::shared_ptr<WireResidual> feedback_for(GroupRun &run, const OpRun &op);
+    uint64_t feedback_evicted_ = 0, feedback_refused_ = 0;
     // A solo lane's ring op on the progress thread: what the coordinator is told if it stalls,
     // and the coordinator's reason once it cancels it.
     struct SoloOp {

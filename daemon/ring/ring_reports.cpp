@@ -300,6 +300,15 @@ proto::Bytes RingDomain::group_join(const std::string &group, const GroupRun &ru
 }
 
 std::string RingDomain::collectives_refused(const GroupRun &run, const OpRun &op) const {
+    if (op.desc.wire != WireFormat::Exact && generation_protocol_ < proto::kWireProtocol) {
+        std::string old;
+        for (const auto &p : control_->status())
+            if (!p.self && p.protocol != 0 && p.protocol < proto::kWireProtocol)
+                old += (old.empty() ? "" : ", ") + p.name + " (peer protocol " + std::to_string(p.protocol) + ")";
+        return "a " + std::string(wire_format_name(op.desc.wire)) + " wire needs peer protocol " +
+               std::to_string(proto::kWireProtocol) + " on every host of the group, and " +
+               (old.empty() ? "a host of its ring" : "host " + old) + " runs an older ringd; the exact wire still runs";
+    }
     if (op.desc.collective == Collective::Allreduce) return {};
     const std::string what(collective_name(op.desc.collective));
     const uint16_t needs = collective_blocked(op.desc.collective) ? proto::kCollectivesProtocol : proto::kRootedProtocol;
@@ -339,6 +348,7 @@ proto::OpReport RingDomain::op_report(const OpKey &key, const OpDesc &desc, uint
     // fails here, collectives_refused.)
     r.collective = generation_protocol_ >= proto::kCollectivesProtocol ? static_cast<uint32_t>(desc.collective) : 0;
     r.root = desc.root;
+    r.wire = generation_protocol_ >= proto::kWireProtocol ? static_cast<uint32_t>(desc.wire) : 0;
     r.local_size = local_size;
     r.remaining_ms = static_cast<uint32_t>(std::clamp<int64_t>(
         std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count(), 0, UINT32_MAX));

@@ -32,6 +32,7 @@ uint32_t RingDomain::solo_op_tag(uint32_t epoch, uint64_t seq, const OpRun *op) 
         uint64_t h = d.count * 0x9e3779b97f4a7c15ull ^ (uint64_t{static_cast<uint32_t>(d.dtype)} << 8 | static_cast<uint32_t>(d.op));
         if (d.collective != Collective::Allreduce)
             h ^= (uint64_t{static_cast<uint32_t>(d.collective)} << 40 | d.ranks | uint64_t{d.root} << 20) * 0xd6e8feb86659fd93ull;
+        if (d.wire != WireFormat::Exact) h ^= uint64_t{static_cast<uint32_t>(d.wire)} * 0x94d049bb133111ebull;
         h ^= h >> 29;
         h *= 0xbf58476d1ce4e5b9ull;
         h ^= h >> 32;
@@ -56,6 +57,33 @@ EngineWork RingDomain::ring_work(HostOp &op, const GroupRun &run, uint32_t total
     return w;
 }
 
+std::shared_ptr<WireResidual> RingDomain::feedback_for(GroupRun &run, const OpRun &op) {
+    if (!op.feedback || op.desc.wire == WireFormat::Exact) return nullptr;
+    const uint64_t bytes = op.desc.full_count() * sizeof(float), limit = config_.wire.feedback_max_bytes;
+    if (bytes > limit) {
+        if (feedback_refused_++ == 0)
+            spdlog::warn("group {} op {}: error feedback needs {} bytes, more than wire.feedback_max_bytes ({}): it runs "
+                         "without (counted in status)", op.group, op.seq, bytes, limit);
+        return nullptr;
+    }
+    GroupRun::Feedback &f = run.feedback[op.feedback_tag];
+    run.feedback_bytes += bytes - f.bytes;
+    f.bytes = bytes;
+    f.used = ++run.feedback_clock;
+    if (!f.residual) f.residual = std::make_shared<WireResidual>();
+    auto mine = f.residual;
+    while (run.feedback_bytes > limit) {  // the least recently used other tag goes (an op still using it keeps it)
+        auto lru = run.feedback.end();
+        for (auto it = run.feedback.begin(); it != run.feedback.end(); ++it)
+            if (it->first != op.feedback_tag && (lru == run.feedback.end() || it->second.used < lru->second.used)) lru = it;
+        if (lru == run.feedback.end()) break;
+        run.feedback_bytes -= lru->second.bytes;
+        run.feedback.erase(lru);
+        ++feedback_evicted_;
+    }
+    return mine;
+}
+
 // A solo lane's ring op goes to its lane's progress thread at once: every host starts it by
 // itself, in the group's order, and the coordinator hears of it only if it stalls here.
 void RingDomain::start_solo(GroupRun &run, HostOp op) {
@@ -72,6 +100,7 @@ void RingDomain::start_solo(GroupRun &run, HostOp op) {
     so.deadline = op.deadline;
     so.posted = Clock::now();
     EngineWork w = ring_work(op, run, run.total_ranks, so.op_tag);
+    w.residual = feedback_for(run, op.run);
     // The coordinator's decision (at the earliest deadline of the hosts that reported it) comes
     // before the ring's own timeout, which would end the generation.
     w.deadline = op.deadline + HostOps::kDecisionGrace;

@@ -121,6 +121,21 @@ RINGD_API int ringd_submit(ringd_client *c, size_t offset, size_t count, ringd_d
  * rank of the group submits the same collective, count, dtype, op and root for the same op.
  * -ENOTSUP from a ringd without the collective; -EINVAL for any collective but allreduce on a
  * client that did not say its rank (ringd_options). */
+/* Wire formats (docs/wire.md): exact, or compressed for the sums and averages of f32 and bf16 data
+ * by allreduce, reduce_scatter and reduce — bf16 (half the bytes), fp16 scaled per block of 256
+ * (half), int8 with an f32 scale per block of 256 (about a quarter) — always accumulated in f32,
+ * each host's ranks reduced before anything is encoded. Every rank of a group uses the same. */
+typedef enum ringd_wire {
+    RINGD_WIRE_DEFAULT = 0, /* the client's default (ringd_set_wire), else ringd's (wire.default) */
+    RINGD_WIRE_EXACT = 1,
+    RINGD_WIRE_BF16 = 2,
+    RINGD_WIRE_FP16 = 3,
+    RINGD_WIRE_INT8 = 4,
+} ringd_wire;
+/* This client's wire for ops that name none (ringd_allreduce, ringd_submit, device ops, ringd_coll
+ * with RINGD_WIRE_DEFAULT), only where it applies (min, max, other dtypes and collectives stay
+ * exact); RINGD_WIRE_DEFAULT: ringd's. 0, -EINVAL, or -ENOTSUP from a ringd without wires. */
+RINGD_API int ringd_set_wire(ringd_client *c, ringd_wire wire);
 typedef struct ringd_coll {
     size_t struct_size; /* sizeof(ringd_coll) */
     ringd_collective collective;
@@ -137,6 +152,16 @@ typedef struct ringd_coll {
     const uint64_t *send_counts;
     const uint64_t *recv_counts;
     size_t splits_offset;
+    /* How this op's values travel between hosts (docs/wire.md): RINGD_WIRE_DEFAULT takes this
+       client's (ringd_set_wire), else ringd's (config wire.default), each only where it applies;
+       any other value is this op's own, refused (-EINVAL) where it cannot apply. */
+    ringd_wire wire;
+    /* Error feedback (compressed wires): nonzero keeps, in ringd, what this host's encodings lost of
+       the op's values under feedback_tag and adds it to the next op of that tag (DDP's bucket index,
+       FSDP's parameter group: a key that follows the tensor, not its place in the slot). An op of
+       another size under a tag starts it over; the residuals go when the group's run ends. */
+    int feedback;
+    uint64_t feedback_tag;
 } ringd_coll;
 RINGD_API int ringd_submit_coll(ringd_client *c, const ringd_coll *coll, uint64_t *ticket);
 /* The collectives this library submits through ringd_submit_coll: bit (1 << RINGD_x) for each

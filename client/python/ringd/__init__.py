@@ -101,7 +101,12 @@ class _Coll(ctypes.Structure):
                 ("op", ctypes.c_int), ("count", ctypes.c_size_t), ("in_offset", ctypes.c_size_t),
                 ("out_offset", ctypes.c_size_t), ("root", ctypes.c_int),
                 ("send_counts", ctypes.POINTER(ctypes.c_uint64)), ("recv_counts", ctypes.POINTER(ctypes.c_uint64)),
-                ("splits_offset", ctypes.c_size_t)]
+                ("splits_offset", ctypes.c_size_t), ("wire", ctypes.c_int), ("feedback", ctypes.c_int),
+                ("feedback_tag", ctypes.c_uint64)]
+
+
+# Wire formats (ringd_wire, docs/wire.md): None / "default" takes the client's, then ringd's.
+WIRES = {"default": 0, "exact": 1, "bf16": 2, "fp16": 3, "int8": 4}
 
 
 class _CollCuda(ctypes.Structure):
@@ -127,6 +132,9 @@ def _declare(lib):
     if hasattr(lib, "ringd_submit_coll"):  # (a library of an older release has allreduce only)
         lib.ringd_submit_coll.restype = ctypes.c_int
         lib.ringd_submit_coll.argtypes = [c_client, ctypes.POINTER(_Coll), ctypes.POINTER(ctypes.c_uint64)]
+    if hasattr(lib, "ringd_set_wire"):
+        lib.ringd_set_wire.restype = ctypes.c_int
+        lib.ringd_set_wire.argtypes = [c_client, ctypes.c_int]
     if hasattr(lib, "ringd_note_copies"):
         lib.ringd_note_copies.restype = None
         lib.ringd_note_copies.argtypes = [c_client, ctypes.c_uint64, ctypes.c_uint64]
@@ -286,15 +294,26 @@ class Client:
                                            OPS[op_name(op)], ctypes.byref(t)))
         return t.value
 
+    def set_wire(self, wire):
+        """This client's wire for ops that name none (ringd_set_wire): "exact", "bf16", "fp16",
+        "int8", or "default" (ringd's config); only where it applies (sums and averages of f32 and
+        bf16 by allreduce, reduce_scatter and reduce), other ops stay exact."""
+        if wire not in WIRES:
+            raise ValueError("wire must be one of " + ", ".join(WIRES) + ", not " + repr(wire))
+        if not hasattr(self._lib, "ringd_set_wire"):
+            raise RingdError(-errno.ENOTSUP, "this libringd-client has no compressed wires (an older release)")
+        self._check(self._lib.ringd_set_wire(self._handle(), WIRES[wire]))
+
     def submit_coll(self, collective, count, dtype, op, in_offset, out_offset=0, root=0, send_counts=None,
-                    recv_counts=None, splits_offset=0):
+                    recv_counts=None, splits_offset=0, wire=None, feedback_tag=None):
         """Queues any collective (ringd_submit_coll) on slot bytes: `count` elements of the buffer
         (allreduce, broadcast and reduce, in place at in_offset; the latter two from and to rank
         `root`), of the output block (reduce_scatter: the input has a block per rank) or of the
         input block (allgather: the output has a block per rank); a barrier has no data. Returns
         its ticket. all_to_all: `count` elements per block, or send_counts and recv_counts (one per
         rank; count 0), which the library writes at splits_offset in the slot (16 x ranks bytes,
-        kept free until the op completes)."""
+        kept free until the op completes). wire: this op's own format (refused where it cannot
+        apply; None: the client's default); feedback_tag: error feedback under that key."""
         d = _Coll(ctypes.sizeof(_Coll), COLLECTIVES[collective], DTYPES[dtype_name(dtype)], OPS[op_name(op)], int(count),
                   int(in_offset), int(out_offset), int(root))
         if send_counts is not None:
@@ -303,6 +322,12 @@ class Client:
             d.send_counts = ctypes.cast(sends, ctypes.POINTER(ctypes.c_uint64))
             d.recv_counts = ctypes.cast(recvs, ctypes.POINTER(ctypes.c_uint64))
             d.splits_offset = int(splits_offset)
+        if wire is not None:
+            if wire not in WIRES:
+                raise ValueError("wire must be one of " + ", ".join(WIRES) + ", not " + repr(wire))
+            d.wire = WIRES[wire]
+        if feedback_tag is not None:
+            d.feedback, d.feedback_tag = 1, int(feedback_tag) & 0xFFFFFFFFFFFFFFFF
         t = ctypes.c_uint64(0)
         self._check(self._lib.ringd_submit_coll(self._handle(), ctypes.byref(d), ctypes.byref(t)))
         return t.value
