@@ -232,11 +232,7 @@ Status RingEngine::run(const RingPosition &pos, const RingOp &op, std::chrono::s
     const uint64_t pad = compressed ? (op.collective == Collective::Allreduce ? pos.size : 1) : 0;
     const uint64_t fits = work / ps / blocks;
     const uint64_t window = in_work ? std::max<uint64_t>(fits > pad ? fits - pad : 1, 1) : std::max<uint64_t>(op.count, 1);
-    if (compressed) {
-        const uint64_t most = std::max<uint64_t>(1, opt_.chunk_bytes / ps);  // (the largest chunk)
-        encoded_.resize(wire_bytes(op.wire, most));
-        decoded_.resize(most);
-    }
+    if (compressed) decoded_.resize(std::max<uint64_t>(1, opt_.chunk_bytes / ps));  // (the largest chunk)
     // The delivery marker (ring_engine.h): from the op's size and the links' kind, which every
     // host shares.
     const bool confirm = op.by_reference();
@@ -369,11 +365,15 @@ Status RingEngine::run_window(const RingPosition &pos, const RingOp &op, Window 
     // (allreduce: avg's scaling, rounding to the dtype).
     auto msg_bytes = [&](const Msg &m) { return compressed ? wire_bytes(op.wire, m.elems) : m.elems * ps; };
     auto encode_in_work = [&](const Msg &m) {
-        wire_encode(op.wire, reinterpret_cast<const float *>(work + m.work * ps), m.elems, encoded_.data(),
+        wire_encode(op.wire, reinterpret_cast<const float *>(work + m.work * ps), m.elems, work + m.work * ps,
                     op.residual ? op.residual + m.elem : nullptr);
-        std::memcpy(work + m.work * ps, encoded_.data(), wire_bytes(op.wire, m.elems));
     };
     auto deliver = [&](const Msg &m) {
+        if (op.dtype == DType::F32 && op.op == ReduceOp::Sum) {  // (nothing to scale or round)
+            wire_decode(op.wire, work + m.work * ps, m.elems, reinterpret_cast<float *>(full + m.elem * es));
+            copy_out(m);
+            return;
+        }
         wire_decode(op.wire, work + m.work * ps, m.elems, decoded_.data());
         partials_.assign(1, decoded_.data());
         dsts_.assign(1, full + m.elem * es);

@@ -277,8 +277,7 @@ private:
     std::vector<const void *> srcs_;
     std::vector<void *> dsts_;
     std::vector<const void *> partials_;
-    // Compressed ops: a chunk's encoding on its way into the work area, and a decoded chunk.
-    std::vector<std::byte> encoded_;
+    // Compressed ops: a decoded chunk.
     std::vector<float> decoded_;
 };
 

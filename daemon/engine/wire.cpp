@@ -84,10 +84,11 @@ RINGD_CLONES void encode_bf16(const float *src, size_t count, unsigned char *out
     encode_blocks(
         src, count, residual,
         [&](size_t base, size_t n, const float *x) __attribute__((always_inline)) {
-            for (size_t i = 0; i < n; ++i) {
-                const Bf16 b = store_bf16(x[i]);
-                std::memcpy(out + 2 * (base + i), &b.bits, 2);
-            }
+            // (The block into L1 first, then out: the whole block is read before any of it is
+            // written, so that encoding in place works, and the loop vectorises.)
+            uint16_t bits[kWireBlock];
+            for (size_t i = 0; i < n; ++i) bits[i] = store_bf16(x[i]).bits;
+            std::memcpy(out + 2 * base, bits, 2 * n);
         },
         [&](size_t base, size_t n, float *back) __attribute__((always_inline)) {
             for (size_t i = 0; i < n; ++i) back[i] = get_bf16(out, base + i);
@@ -160,7 +161,6 @@ RINGD_CLONES void encode_int8(const float *src, size_t count, unsigned char *out
             float scale = !finite ? std::nanf("") : zeros ? 0.0f : m / 127.0f;
             if (finite && !(127.0f * scale <= FLT_MAX)) scale = std::nextafter(scale, 0.0f);  // (m near FLT_MAX: 127 q stays finite)
             const float inv = finite && !zeros ? 127.0f / m : 0.0f;
-            store_scale(blk, scale);
             // (Quantized into a local array, then copied: stores through the message's bytes could
             // alias the values, which would keep the loop from being vectorised.)
             int8_t q[kWireBlock] = {};  // (a block with a NaN or an infinity: zeros, decoded as NaN)
@@ -176,6 +176,7 @@ RINGD_CLONES void encode_int8(const float *src, size_t count, unsigned char *out
                     q[i] = static_cast<int8_t>(k);
                 }
             }
+            store_scale(blk, scale);  // (after every value of the block is read: in place works)
             std::memcpy(blk + kScaleBytes, q, n);
         },
         [&](size_t base, size_t n, float *back) __attribute__((always_inline)) { decode_int8_block(block(base), n, back); });

@@ -87,6 +87,15 @@ TEST_CASE("wire formats: every value within its format's bound, at every scale; 
             for (size_t i = 0; i < n; ++i) want[i] += d[i];
             wire_accumulate(f, buf.data() + 1, n, acc.data());
             CHECK(std::memcmp(acc.data(), want.data(), 4 * n) == 0);
+            // In place (over the values themselves), with and without a residual: the same bytes.
+            for (bool with_residual : {false, true}) {
+                std::vector<float> r1(n, 0.25f), r2(n, 0.25f), in_place = x;
+                std::vector<unsigned char> apart(wire_bytes(f, n));
+                wire_encode(f, x.data(), n, apart.data(), with_residual ? r1.data() : nullptr);
+                wire_encode(f, in_place.data(), n, in_place.data(), with_residual ? r2.data() : nullptr);
+                CHECK(std::memcmp(in_place.data(), apart.data(), apart.size()) == 0);
+                CHECK(std::memcmp(r1.data(), r2.data(), 4 * n) == 0);
+            }
         }
     }
     // exact is the data, byte for byte.

@@ -80,9 +80,10 @@ class _Engine(DeviceOps):
 
     # -- queueing (any thread) --
 
-    def allreduce(self, tensor, op):
+    def allreduce(self, tensor, op, wire=None, feedback_tag=None):
         """Allreduce `tensor` in place; returns a torch Future of [tensor]. The tensor must stay
-        as it is until the future completes (as with every backend's async ops)."""
+        as it is until the future completes (as with every backend's async ops). wire: this op's
+        own wire format (None: the group's); feedback_tag: error feedback under that key."""
         dtype = _DTYPES[tensor.dtype]
         given = tensor.detach()  # ringd's result is not part of any graph (as with every backend)
         tensor = _distinct_elements(given)  # each memory location once (expanded tensors)
@@ -90,6 +91,7 @@ class _Engine(DeviceOps):
         flat = tensor.view(-1) if contiguous else tensor.contiguous().view(-1)
         opf = _compat.OpFuture()
         rec = _Op(tensor, flat, not contiguous, opf, [given], op, dtype)
+        rec.wire, rec.feedback_tag = wire, feedback_tag
         if flat.numel() == 0:
             opf.set_result([given])
             return opf.future
@@ -221,7 +223,7 @@ class _Engine(DeviceOps):
             return i, o
         return None
 
-    def allreduce_resident(self, buffer, op):
+    def allreduce_resident(self, buffer, op, wire=None, feedback_tag=None):
         """The comm hook's path: the bucket (DDP's buffer, the same storage every step) has its
         own slot range from one step to the next, and the result is that range itself (no copy
         back: DDP copies out of it before the bucket's next step). None: the copying path (the
@@ -253,6 +255,7 @@ class _Engine(DeviceOps):
         opf = _compat.OpFuture()
         rec = _Op(view, buffer.detach().view(-1), False, opf, view, op, _DTYPES[buffer.dtype])
         rec.resident, rec.view = res, view.view(-1)
+        rec.wire, rec.feedback_tag = wire, feedback_tag
         try:
             self._queue(rec)
         except BaseException:
@@ -273,7 +276,7 @@ class _Engine(DeviceOps):
                 collective, count, in_off, out_off = plan
                 try:
                     if collective == "allreduce":
-                        ticket = self.client.submit(in_off, count, rec.dtype, rec.op)
+                        ticket = self._submit_allreduce(rec, in_off, count)
                     else:
                         ticket = self.client.submit_coll(collective, count, rec.dtype, rec.op, in_off, out_off)
                 except _ringd.RingdError:
@@ -380,7 +383,7 @@ class _Engine(DeviceOps):
                         view.copy_(part)
                     self._note_copies(nbytes, 0)
                     with self.lock:
-                        ticket = self._submit_locked(offset, n, rec.dtype, rec.op)
+                        ticket = self._submit_locked(offset, n, rec.dtype, rec.op, rec)
                         rec.chunks_left += 1
                         rec.several = rec.several or n < total
                         rec.submitted_all = start + n >= total
@@ -573,7 +576,8 @@ class _Engine(DeviceOps):
         """One ringd op on tensors that lie in the slot: nothing copied in, nothing out."""
         try:
             with self.lock:
-                ticket = self._submit_coll_locked(collective, count, rec.dtype, rec.op, in_off, out_off)
+                ticket = self._submit_coll_locked(collective, count, rec.dtype, rec.op, in_off, out_off,
+                                                  rec=rec if collective == "allreduce" else None)
                 rec.chunks_left += 1
                 rec.submitted_all = True
                 self.in_place_ops += 1
@@ -596,17 +600,28 @@ class _Engine(DeviceOps):
                           f"within {self.timeout} (set RINGD_SLOT_BYTES higher)")
         return got[-1]
 
-    def _submit_locked(self, offset, count, dtype, op):
-        return self._submit_coll_locked("allreduce", count, dtype, op, offset, 0)
+    def _submit_locked(self, offset, count, dtype, op, rec=None):
+        return self._submit_coll_locked("allreduce", count, dtype, op, offset, 0, rec=rec)
 
-    def _submit_coll_locked(self, collective, count, dtype, op, in_offset, out_offset, root=0, splits=None):
+    def _submit_allreduce(self, rec, offset, count):
+        """One ringd op of `rec`'s allreduce: with its own wire and feedback key where it has them
+        (raises RingdError as Client does)."""
+        if rec.wire is None and rec.feedback_tag is None:
+            return self.client.submit(offset, count, rec.dtype, rec.op)
+        tag = None if rec.feedback_tag is None else (int(rec.feedback_tag) << 20) + rec.parts
+        ticket = self.client.submit_coll("allreduce", count, rec.dtype, rec.op, offset, 0, wire=rec.wire, feedback_tag=tag)
+        rec.parts += 1
+        return ticket
+
+    def _submit_coll_locked(self, collective, count, dtype, op, in_offset, out_offset, root=0, splits=None, rec=None):
         end = datetime.datetime.now() + self.timeout
         while True:
             if self.dead:
                 raise RuntimeError(self.dead)
             try:
                 if collective == "allreduce":
-                    return self.client.submit(in_offset, count, dtype, op)
+                    return self._submit_allreduce(rec, in_offset, count) if rec is not None else \
+                        self.client.submit(in_offset, count, dtype, op)
                 if splits is not None:  # all_to_all: (send counts, receive counts, table offset)
                     return self.client.submit_coll(collective, count, dtype, op, in_offset, out_offset, 0, splits[0],
                                                    splits[1], splits[2])

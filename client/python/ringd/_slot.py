@@ -215,6 +215,11 @@ class _Op:
         self.blocks = self.block = 0
         self.root = 0  # broadcast, reduce (collective "broadcast", "reduce"; "barrier" has no tensor)
         self.splits = None  # all_to_all: (send counts, receive counts), or None: equal blocks
+        # An allreduce's own wire (None: the group's) and error-feedback key (None: none); its
+        # ringd ops' keys are (feedback_tag << 20) + the op's chunk number.
+        self.wire = None
+        self.feedback_tag = None
+        self.parts = 0  # ringd ops submitted for it so far
 
 
 class _Resident:

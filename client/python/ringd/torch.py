@@ -18,7 +18,9 @@ which gives the same result. Every process group (the default one and
 each new_group) is a ringd group over the hosts of its ranks (all of the ring's, or part of them),
 its ranks on a host ordered by LOCAL_RANK (torchrun sets it; default 0).
 RINGD_SOCKET (default /run/ringd/ringd.sock) and RINGD_SLOT_BYTES (default 256 MiB, at most
-ringd's memory.slot_bytes) configure the client.
+ringd's memory.slot_bytes) configure the client; RINGD_WIRE (exact, bf16, fp16, int8) the wire of
+every ringd process group's sums and averages of float32 and bfloat16 (allreduce, reduce_scatter,
+reduce; see set_wire and compressed_hook, and docs/wire.md for what each format costs in accuracy).
 Any ringd error is a RuntimeError with ringd's message. The process group's timeout
 (init_process_group(timeout=...), new_group(timeout=...)) is its ringd group's op timeout: every op
 ends within it of its first submission on a host (clamped to ringd's timeouts.op_max); a dead or
@@ -41,7 +43,7 @@ from ringd._engine import _Engine
 from ringd._slot import _DTYPES, _chunk_bytes, _env_bytes, _env_int, _process_slots, _process_slots_lock
 
 
-__all__ = ["ProcessGroupRingd", "allreduce_hook", "BACKEND", "DeviceBuffer"]
+__all__ = ["ProcessGroupRingd", "allreduce_hook", "compressed_hook", "set_wire", "BACKEND", "DeviceBuffer"]
 
 BACKEND = "ringd"
 
@@ -211,6 +213,9 @@ class ProcessGroupRingd(ProcessGroup):
             raise RuntimeError(w if r == rank else f"ringd: rank {r} of this process group could not join its ringd "
                                                    f"group {group}: {w}")
         weakref.finalize(self, _Engine.close, self._engine)
+        wire = os.environ.get("RINGD_WIRE")
+        if wire:
+            set_wire(self, wire)
 
     def getBackendName(self):
         return BACKEND
@@ -325,12 +330,27 @@ class ProcessGroupRingd(ProcessGroup):
             except RuntimeError:
                 pass  # a Gloo group that ended already
 
-    def hook_allreduce(self, index, buffer):
+    def hook_allreduce(self, index, buffer, wire=None, feedback=False):
         """The comm hook: averages bucket `index` in its own slot range; a Future of the result
-        (None: not through ringd, the hook then averages through Gloo)."""
+        (None: not through ringd, the hook then averages through Gloo). wire: the bucket's own
+        wire format where it applies (float32 and bfloat16 buckets; others exact), with error
+        feedback keyed by the bucket's index if `feedback`."""
         name = self._ringd_op([buffer], dist.ReduceOp.AVG)
         if name is None or self._engine is None:
             return None
+        tag = None
+        if wire is not None and buffer.dtype not in (torch.float32, torch.bfloat16):
+            wire = None  # (a compressed wire carries float32 and bfloat16 only)
+        if wire is not None and wire != "exact" and feedback:
+            tag = int(index)
+        if wire is not None and not buffer.is_cuda:
+            fut = self._engine.allreduce_resident(buffer, name, wire, tag)
+            if fut is None:
+                fut = self._engine.allreduce(buffer, name, wire, tag)
+                out = _compat.OpFuture()
+                fut.add_done_callback(lambda f: _chain_first(f, out))
+                return out.future
+            return fut
         if buffer.is_cuda:
             # DDP's bucket buffer itself: the same allocation every step, registered with ringd
             # once (the first step), averaged in place, no copy.
@@ -639,6 +659,48 @@ def allreduce_hook(state, bucket):
         buf = bucket.buffer().div_(pg.size())
         return pg._gloo.allreduce([buf]).get_future().then(lambda f: f.value()[0])
     return fut
+
+
+def set_wire(group, wire):
+    """The wire format of `group`'s (a ringd process group, or None: the default group) sums and
+    averages of float32 and bfloat16 tensors — allreduce, reduce_scatter (FSDP2's gradients) and
+    reduce — from now on: "exact", "bf16", "fp16" or "int8" (docs/wire.md), or "default" (ringd's
+    config wire.default); every rank of the group must set the same. The other collectives, ops and
+    dtypes stay exact. RINGD_WIRE sets it for every ringd process group when it is made."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    if not isinstance(pg, ProcessGroupRingd):
+        raise RuntimeError("ringd.torch.set_wire needs a ringd process group (init_process_group(\"ringd\"))")
+    try:
+        pg._engine.client.set_wire(wire)
+    except (_ringd.RingdError, ValueError) as e:
+        raise RuntimeError(f"ringd: {e}") from None
+
+
+def compressed_hook(wire="bf16", feedback=None):
+    """A DDP comm hook that averages each bucket over a compressed wire, accumulated in float32
+    (model.register_comm_hook(None, ringd.torch.compressed_hook("int8"))): "bf16", "fp16" (half
+    the bytes) or "int8" (about a quarter), with error feedback — what each step's encoding lost
+    is added to the bucket's next step, in ringd — keyed by the bucket's index (default: on for
+    int8, off for the others). Unlike DDP's bf16_compress_hook, the sum is never rounded to 16 bits
+    on its way. float32 and bfloat16 buckets only; others are averaged exact. `state`: the ringd
+    process group, or None for the default group."""
+    if wire not in ("exact", "bf16", "fp16", "int8"):
+        raise ValueError(f"wire must be exact, bf16, fp16 or int8, not {wire!r}")
+    if feedback is None:
+        feedback = wire == "int8"
+
+    def hook(state, bucket):
+        pg = state if state is not None else dist.distributed_c10d._get_default_group()
+        if not isinstance(pg, ProcessGroupRingd):
+            raise RuntimeError("ringd.torch.compressed_hook needs a ringd process group (init_process_group(\"ringd\"))")
+        fut = pg.hook_allreduce(bucket.index(), bucket.buffer(), wire, feedback)
+        if fut is None:
+            buf = bucket.buffer().div_(pg.size())
+            return pg._gloo.allreduce([buf]).get_future().then(lambda f: f.value()[0])
+        return fut
+
+    hook.__name__ = f"ringd_{wire}_hook"
+    return hook
 
 
 def _create(store, rank, size, timeout):
