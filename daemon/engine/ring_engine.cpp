@@ -54,7 +54,7 @@ bool RingOp::by_reference() const { return !compressed() && full_count() * dtype
 
 void RingEngine::segments(const RingPosition &pos, const RingOp &op, Window w) {
     const uint32_t n = pos.size;
-    const uint64_t pad = op.compressed() ? 1 : 0;  // (ring_engine.h: a spare element after each piece)
+    const uint64_t pad = op.compressed() && !wire_in_data_ ? 1 : 0;  // (ring_engine.h: a spare element after each piece)
     seg_pieces_.clear();
     seg_base_.assign(n + 1, 0);
     for (uint32_t k = 0; k < n; ++k) {
@@ -116,9 +116,11 @@ void RingEngine::plan(const RingPosition &pos, const RingOp &op, Window w, uint6
         uint32_t j = 0;
         for (size_t p = seg_base_[seg]; p < seg_base_[seg + 1]; ++p) {
             const Piece &pc = seg_pieces_[p];
-            for (uint64_t at = 0; at < pc.elems; at += chunk_elems, ++j)
-                list.push_back({entry, j, pc.elem + at, std::min(chunk_elems, pc.elems - at), pc.work + at, pc.in_block + at,
-                                pc.owner, false, false, -1, false});
+            for (uint64_t at = 0, len = 0; at < pc.elems; at += len, ++j) {
+                len = std::min(chunk_elems, pc.elems - at);
+                if (wire_in_data_ && pc.elems - at - len == 1) ++len;  // (no chunk of one value: ring_engine.h)
+                list.push_back({entry, j, pc.elem + at, len, pc.work + at, pc.in_block + at, pc.owner, false, false, -1, false});
+            }
         }
     };
     for (uint32_t i = 0; i < schedule_.size(); ++i) {
@@ -194,7 +196,12 @@ Status RingEngine::run(const RingPosition &pos, const RingOp &op, std::chrono::s
     const bool reduces = collective_reduces(op.collective);
     const size_t ps = reduces ? dtype_size(partial_dtype(op.dtype, op.op)) : es;
     const bool compressed = op.compressed();
-    const bool in_work = ps != es || compressed;  // partials in the f32 work area
+    // A compressed op of f32 keeps its partials and encodings in the data region, where they fit,
+    // as long as no piece of it is a single value (its encoding may take more than 4 bytes);
+    // the others in the work area.
+    const uint64_t fewest = op.collective == Collective::Allreduce ? op.count / pos.size : op.count;
+    wire_in_data_ = compressed && ps == es && fewest >= 2;
+    const bool in_work = ps != es || (compressed && !wire_in_data_);  // partials in the f32 work area
     if (compressed && (static_cast<uint32_t>(op.wire) >= kWireFormatCount || !wire_applies(op.collective, op.dtype, op.op)))
         return make_error(-EINVAL, "ring op: a " + std::string(wire_format_name(op.wire)) + " wire carries sums and averages of "
                                    "f32 and bf16 only");
@@ -229,10 +236,10 @@ Status RingEngine::run(const RingPosition &pos, const RingOp &op, std::chrono::s
     // with a spare element after each piece: segments()); the others in one. A reduce_scatter's
     // window is a sub-range of every block.
     const uint64_t blocks = collective_blocked(op.collective) ? std::max<uint64_t>(op.ranks(), 1) : 1;
-    const uint64_t pad = compressed ? (op.collective == Collective::Allreduce ? pos.size : 1) : 0;
+    const uint64_t pad = compressed && in_work ? (op.collective == Collective::Allreduce ? pos.size : 1) : 0;
     const uint64_t fits = work / ps / blocks;
     const uint64_t window = in_work ? std::max<uint64_t>(fits > pad ? fits - pad : 1, 1) : std::max<uint64_t>(op.count, 1);
-    if (compressed) decoded_.resize(std::max<uint64_t>(1, opt_.chunk_bytes / ps));  // (the largest chunk)
+    if (compressed) decoded_.resize(opt_.chunk_bytes / ps + 2);  // (the largest chunk, and a merged last value)
     // The delivery marker (ring_engine.h): from the op's size and the links' kind, which every
     // host shares.
     const bool confirm = op.by_reference();
@@ -293,7 +300,8 @@ Status RingEngine::run_window(const RingPosition &pos, const RingOp &op, Window 
     const bool reduces = collective_reduces(op.collective);
     const size_t ps = reduces ? dtype_size(partial_dtype(op.dtype, op.op)) : es;
     const bool compressed = op.compressed();
-    const bool widened = ps != es || compressed;  // partials in the work area (f32)
+    const bool in_data = wire_in_data_;                // compressed: partials and encodings in the data region
+    const bool widened = ps != es || (compressed && !in_data);  // partials in the work area (f32)
     const bool avg = reduces && op.op == ReduceOp::Avg;
     const bool allreduce = op.collective == Collective::Allreduce;
     // The buffer with a block per rank (allreduce: its buffer) in the data region: the input of
@@ -364,17 +372,18 @@ Status RingEngine::run_window(const RingPosition &pos, const RingOp &op, Window 
     // residual), and a result's encoding there decoded and delivered to every local rank
     // (allreduce: avg's scaling, rounding to the dtype).
     auto msg_bytes = [&](const Msg &m) { return compressed ? wire_bytes(op.wire, m.elems) : m.elems * ps; };
+    auto partial_at = [&](const Msg &m) { return in_data ? full + m.elem * es : work + m.work * ps; };
     auto encode_in_work = [&](const Msg &m) {
-        wire_encode(op.wire, reinterpret_cast<const float *>(work + m.work * ps), m.elems, work + m.work * ps,
+        wire_encode(op.wire, reinterpret_cast<const float *>(partial_at(m)), m.elems, partial_at(m),
                     op.residual ? op.residual + m.elem : nullptr);
     };
     auto deliver = [&](const Msg &m) {
-        if (op.dtype == DType::F32 && op.op == ReduceOp::Sum) {  // (nothing to scale or round)
+        if (!in_data && op.dtype == DType::F32 && op.op == ReduceOp::Sum) {  // (nothing to scale or round)
             wire_decode(op.wire, work + m.work * ps, m.elems, reinterpret_cast<float *>(full + m.elem * es));
             copy_out(m);
             return;
         }
-        wire_decode(op.wire, work + m.work * ps, m.elems, decoded_.data());
+        wire_decode(op.wire, partial_at(m), m.elems, decoded_.data());
         partials_.assign(1, decoded_.data());
         dsts_.assign(1, full + m.elem * es);
         for (size_t l = 0; l < nlocal; ++l) dsts_.push_back(local_full(l) + m.elem * es);
@@ -384,7 +393,8 @@ Status RingEngine::run_window(const RingPosition &pos, const RingOp &op, Window 
         reduce(a);
     };
     auto send_work = [&](const Msg &m) {
-        return pos.next->post_send(op.staging, work_offset + m.work * ps, msg_bytes(m), tag(op, m.entry, m.chunk));
+        return in_data ? pos.next->post_send(op.data, full_offset + m.elem * es, msg_bytes(m), tag(op, m.entry, m.chunk))
+                       : pos.next->post_send(op.staging, work_offset + m.work * ps, msg_bytes(m), tag(op, m.entry, m.chunk));
     };
     // The staging slots: as many of this window's chunks as fit where depth full ones do.
     plan(pos, op, w, std::max<uint64_t>(1, chunk_bytes / ps), static_cast<uint32_t>(opt_.chunk_bytes * opt_.depth / chunk_bytes));
@@ -411,8 +421,10 @@ Status RingEngine::run_window(const RingPosition &pos, const RingOp &op, Window 
             } else {
                 const int32_t after = recv_after_send_[m.entry];
                 if (after >= 0 && !sends_[index(send_base_, static_cast<uint32_t>(after), m.chunk)].done) break;
-                s = compressed ? pos.prev->post_recv(op.staging, work_offset + m.work * ps, msg_bytes(m), tag(op, m.entry, m.chunk))
-                               : pos.prev->post_recv(op.data, full_offset + m.elem * es, m.elems * es, tag(op, m.entry, m.chunk));
+                s = compressed && !in_data
+                        ? pos.prev->post_recv(op.staging, work_offset + m.work * ps, msg_bytes(m), tag(op, m.entry, m.chunk))
+                        : pos.prev->post_recv(op.data, full_offset + m.elem * es, compressed ? msg_bytes(m) : m.elems * es,
+                                              tag(op, m.entry, m.chunk));
             }
             if (!s) return s;
             m.posted = true;
@@ -428,7 +440,7 @@ Status RingEngine::run_window(const RingPosition &pos, const RingOp &op, Window 
                 // first (and avg's contributions scaled, widened ones converted to f32).
                 if (widened || !op.locals.empty() || (avg && !raw_step0)) fold(m, nullptr, false);
                 if (compressed) encode_in_work(m);
-                s = widened ? send_work(m) : send_data(m);
+                s = compressed || widened ? send_work(m) : send_data(m);
             } else if (p == Prim::CopySend) {
                 gather(m);
                 s = send_data(m);
@@ -440,7 +452,7 @@ Status RingEngine::run_window(const RingPosition &pos, const RingOp &op, Window 
                     s = pos.next->post_send(op.staging, static_cast<uint64_t>(m.slot) * chunk_bytes, m.elems * ps,
                                             tag(op, m.entry, m.chunk));
                 } else {
-                    s = widened ? send_work(m) : send_data(m);
+                    s = compressed || widened ? send_work(m) : send_data(m);
                 }
             } else {
                 s = compressed ? send_work(m) : send_data(m);  // a final value (compressed: its encoding in the work area)
@@ -499,6 +511,9 @@ Status RingEngine::run_window(const RingPosition &pos, const RingOp &op, Window 
                 ++sends_done;
                 m.done = true;
                 if (m.slot >= 0) free_slots_.push_back(m.slot);
+                // Compressed in the data region: an allgather chunk's encoding, forwarded, is
+                // decoded over itself now that it is out.
+                if (in_data && schedule_[entry].phase == kAllgather) deliver(m);
             } else if (e.kind == LinkEvent::Kind::RecvDone && e.link == pos.prev) {
                 Msg &m = recvs_[index(recv_base_, entry, chunk)];
                 if (m.done) continue;
@@ -508,18 +523,21 @@ Status RingEngine::run_window(const RingPosition &pos, const RingOp &op, Window 
                     // with this host's contribution: final (reduce_scatter, reduce: to the
                     // block's owner), or the partial encoded in place to be sent on; allreduce's
                     // sum is also delivered here as every host will decode it.
-                    float *acc = reinterpret_cast<float *>(work + m.work * ps);
+                    float *acc = in_data ? decoded_.data() : reinterpret_cast<float *>(work + m.work * ps);
                     wire_decode(op.wire, op.staging.base + static_cast<uint64_t>(m.slot) * chunk_bytes, m.elems, acc);
                     free_slots_.push_back(m.slot);
                     if (p == Prim::RecvReduceCopy) {
                         fold(m, reinterpret_cast<const std::byte *>(acc), true);
                     } else {
-                        fold(m, reinterpret_cast<const std::byte *>(acc), false, reinterpret_cast<std::byte *>(acc));
+                        fold(m, reinterpret_cast<const std::byte *>(acc), false, partial_at(m));
                         encode_in_work(m);
-                        if (p == Prim::RecvReduceCopySend) deliver(m);
+                        // (in the data region: once the allgather's first send of it is out)
+                        if (p == Prim::RecvReduceCopySend && !in_data) deliver(m);
                     }
                 } else if (compressed) {
-                    deliver(m);  // an allgather receive: the encoded result, forwarded from where it is
+                    // An allgather receive: the encoded result, forwarded from where it is (in the
+                    // data region decoded once the forward is out, or now when it is the last step).
+                    if (!in_data || p == Prim::RecvCopy) deliver(m);
                 } else if (lands_in_staging(p)) {
                     // Reduce while the chunk is hot, the local ranks' contributions with it (this
                     // is the first time the ring touches the chunk); the last step's result is

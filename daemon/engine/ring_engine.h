@@ -57,21 +57,24 @@
 // hosts share.
 //
 // Compressed wire (op.wire, wire.h; allreduce, reduce_scatter and reduce of f32/bf16 sum/avg):
-// every partial is f32 in the work area (as for f16/bf16 sums, and in windows the same way), and
-// what travels is its encoding. A host encodes a partial once, when it is complete (its own
-// contribution at step 0, or its contribution plus what it received, decoded and accumulated in
-// f32), into the work area where the partial was, and sends it from there. A reduce-scatter
-// receive lands encoded in a staging slot, which is free again as soon as it is decoded. The last
-// reduce-scatter step of a reduce_scatter or reduce delivers the f32 sum rounded to the dtype (no
-// encoding); allreduce's encodes the sum once more, and that encoding is what the allgather
-// forwards unchanged: every host, the sum's own included, delivers its decoding, so that every
-// rank ends with the same values. Allgather receives land in the work area too (after the
-// reduce-scatter's send of the same segment is done) and are forwarded from there. Each value is
-// thus encoded at most once per host in the reduce-scatter and once more for the allgather. With
-// error feedback (op.residual), every encoding adds the value's residual from the previous op
-// and keeps what it lost of it. Sends never come from the data region, so no delivery marker.
-// Work-area offsets leave one spare element after each piece: a piece's last chunk of one value
-// may take more bytes encoded (fp16/int8: its block's scale) than as an f32.
+// every partial is f32 — for f32 data in the data region, as exact f32 keeps its partials; for
+// bf16 in the work area, in windows, as f16/bf16 sums do — and what travels is its encoding. A
+// host encodes a partial once, when it is complete (its own contribution at step 0, or its
+// contribution plus what it received, decoded and accumulated in f32), in place (the encoding
+// takes at most the f32's bytes), and sends it from there. A reduce-scatter receive lands encoded
+// in a staging slot, which is free again as soon as it is decoded. The last reduce-scatter step
+// of a reduce_scatter or reduce delivers the f32 sum rounded to the dtype (no encoding);
+// allreduce's encodes the sum once more, and that encoding is what the allgather forwards
+// unchanged: every host, the sum's own included, delivers its decoding, so that every rank ends
+// with the same values. Allgather receives land where the chunk's partial was (after the
+// reduce-scatter's send of it is done) and are forwarded from there; in the data region a chunk is
+// decoded over its encoding only once that forward is out. Each value is thus encoded at most
+// once per host in the reduce-scatter and once more for the allgather. With error feedback
+// (op.residual), every encoding adds the value's residual from the previous op and keeps what it
+// lost of it. Sends go by copy, never by reference, so no delivery marker. A chunk of one value
+// may take more bytes encoded (fp16/int8: its block's scale) than as an f32: in the data region a
+// piece's last value joins the chunk before it (an op with a piece of one value runs in the work
+// area), and work-area offsets leave one spare element after each piece.
 //
 // The messages of allreduce are those of peer protocol 1's ring (tests/unit/test_ring_golden.cpp
 // pins them): tags, sizes, order and bytes.
@@ -263,6 +266,7 @@ private:
     uint32_t chunk_base_ = 0;  // the window's first chunk number in tags (unique in the op)
     uint32_t root_host_ = 0, root_local_ = 0;  // broadcast, reduce (find_root)
     bool stable_ = false;      // the op's sends from the data region may go by reference
+    bool wire_in_data_ = false;  // a compressed op's partials and encodings in the data region (run())
     // Reused from op to op (capacity stays): the schedule, the window's segments (pieces of
     // segment k: seg_pieces_[seg_base_[k] .. seg_base_[k + 1])), its messages sent and received.
     std::vector<RingStep> schedule_;

@@ -292,6 +292,7 @@ void RingDomain::on_start(const proto::OpStart &s) {
     const bool agreed = run != runs_.end() && run->second.agreed == s.incarnation;
     EngineWork w = ring_work(op, agreed ? run->second : kNoRun, s.total_ranks, static_cast<uint32_t>(s.op_id));
     if (agreed) w.residual = feedback_for(run->second, op.run);
+    else ++wire_ops_[static_cast<size_t>(op.run.desc.wire) % kWireFormatCount];
     w.deadline = op.deadline;
     ops_.running(w.op_id, local_generation_, w.deadline, key, op.run.submitted);
     lanes_[s.lane % lanes_.size()]->engine->post(std::move(w));

@@ -32,6 +32,7 @@
 // coordinator sees the same reports and fails the op with OpFail when something is wrong.
 #pragma once
 
+#include <array>
 #include <chrono>
 #include <functional>
 #include <map>
@@ -224,9 +225,11 @@ private:
         std::map<uint64_t, Feedback> feedback;
         uint64_t feedback_bytes = 0, feedback_clock = 0;
     };
-    // The residual of a compressed op with error feedback (null: none, or larger than the bound).
+    // The residual of a compressed op with error feedback (null: none, or larger than the bound);
+    // called for every ring op (it counts them by wire format).
     std::shared_ptr<WireResidual> feedback_for(GroupRun &run, const OpRun &op);
     uint64_t feedback_evicted_ = 0, feedback_refused_ = 0;
+    std::array<uint64_t, kWireFormatCount> wire_ops_{};  // ring ops by wire format
     // A solo lane's ring op on the progress thread: what the coordinator is told if it stalls,
     // and the coordinator's reason once it cancels it.
     struct SoloOp {

@@ -58,6 +58,7 @@ EngineWork RingDomain::ring_work(HostOp &op, const GroupRun &run, uint32_t total
 }
 
 std::shared_ptr<WireResidual> RingDomain::feedback_for(GroupRun &run, const OpRun &op) {
+    ++wire_ops_[static_cast<size_t>(op.desc.wire) % kWireFormatCount];
     if (!op.feedback || op.desc.wire == WireFormat::Exact) return nullptr;
     const uint64_t bytes = op.desc.full_count() * sizeof(float), limit = config_.wire.feedback_max_bytes;
     if (bytes > limit) {

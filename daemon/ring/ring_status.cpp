@@ -62,6 +62,21 @@ nlohmann::json RingDomain::status() const {
     json hosts = json::array();
     for (const auto &h : config_.hosts) hosts.push_back(h.name);
     const HostOps::Counts oc = ops_.counts();
+    // Compressed wires (docs/wire.md): ring ops by format, and the error-feedback residuals the
+    // group runs here keep.
+    json wire = json::object(), by_format = json::object();
+    for (uint32_t f = 0; f < kWireFormatCount; ++f) by_format[std::string(wire_format_name(static_cast<WireFormat>(f)))] = wire_ops_[f];
+    uint64_t fb_bytes = 0, fb_tags = 0;
+    for (const auto &[name, run] : runs_) {
+        fb_bytes += run.feedback_bytes;
+        fb_tags += run.feedback.size();
+    }
+    wire = {{"ops_ring", by_format},
+            {"feedback_bytes", fb_bytes},
+            {"feedback_tags", fb_tags},
+            {"feedback_limit_bytes", config_.wire.feedback_max_bytes},
+            {"feedback_evicted", feedback_evicted_},
+            {"feedback_refused", feedback_refused_}};
     return {{"generation", control_->generation()},
             {"state", control_->ring_up() ? "up" : "forming"},
             // The version the ring's generation runs at, as its coordinator decided it for every
@@ -77,6 +92,7 @@ nlohmann::json RingDomain::status() const {
             {"ops_doubling", ops_doubling_},
             {"ops_halving_doubling", ops_halving_doubling_},
             {"deferred_reports", deferred_reports_},
+            {"wire", wire},
             // Frames of this ring domain since it was made, heartbeats and ring formation aside:
             // coordination (reports, joins, decisions) and op data (one-/two-shot, doubling,
             // halving-doubling); and the reports this host's coordinator handled (one-/two-shot data

@@ -167,6 +167,23 @@ std::string Daemon::metrics_text() const {
             if (m.contains("data_out") && m["data_out"].contains("by_reference_bytes"))
                 e.sample("ringd_link_bytes_by_reference_total", {{"hosts", hosts_label(*r)}, {"peer", m.value("name", "")}},
                          num(m["data_out"], "by_reference_bytes"));
+    e.family("ringd_wire_ops_total", "counter", "Ring ops by wire format (exact, or compressed: bf16, fp16, int8).");
+    for (const json *r : rings)
+        if (r->contains("wire"))
+            for (const auto &[f, n] : (*r)["wire"]["ops_ring"].items())
+                e.sample("ringd_wire_ops_total", {{"hosts", hosts_label(*r)}, {"wire", f}}, n.get<double>());
+    e.family("ringd_wire_feedback_bytes", "gauge", "Error-feedback residuals the group runs keep (wire.feedback_max_bytes each).");
+    for (const json *r : rings)
+        if (r->contains("wire")) e.sample("ringd_wire_feedback_bytes", {{"hosts", hosts_label(*r)}}, num((*r)["wire"], "feedback_bytes"));
+    e.family("ringd_wire_feedback_evicted_total", "counter",
+             "Error-feedback residuals let go for newer tags (a run past wire.feedback_max_bytes).");
+    for (const json *r : rings)
+        if (r->contains("wire"))
+            e.sample("ringd_wire_feedback_evicted_total", {{"hosts", hosts_label(*r)}}, num((*r)["wire"], "feedback_evicted"));
+    e.family("ringd_wire_feedback_refused_total", "counter", "Ops that ran without error feedback: larger than wire.feedback_max_bytes.");
+    for (const json *r : rings)
+        if (r->contains("wire"))
+            e.sample("ringd_wire_feedback_refused_total", {{"hosts", hosts_label(*r)}}, num((*r)["wire"], "feedback_refused"));
     e.family("ringd_peer_backlog_bytes", "gauge", "Control frames queued for a peer that its socket has not taken yet.");
     for (const json *r : rings)
         for (const auto &m : (*r)["members"])

@@ -1,6 +1,7 @@
 // Compressed wires on the ring engine (ring_engine.h, wire.h): allreduce, reduce_scatter and reduce
 // of f32 and bf16 sums and averages over bf16, fp16 and int8 wires, 1..5 hosts (each a thread with
-// its own transport), one or several local ranks per host, in windows and in one; every value
+// its own transport), one or several local ranks per host, f32 partials in the data region and
+// bf16's (or a piece of one value's) in the work area, in windows and in one; every value
 // of every rank checked against the f64 sum of the inputs (computed here, never through ringd)
 // within the documented bound, every rank of an allreduce with the same values, guard bytes
 // intact; and error feedback: over repeated ops the results' mean converges to the exact sum.
@@ -249,7 +250,9 @@ TEST_CASE("compressed wires: every format, dtype, op and host count within the b
                         const uint32_t ranks = std::accumulate(per.begin(), per.end(), 0u);
                         const uint32_t root = tag % ranks;
                         const uint64_t large = 3 * opt.work_bytes / 4 / (coll == Collective::ReduceScatter ? ranks : 1) + 77;
-                        for (uint64_t count : {uint64_t{1}, uint64_t{300}, large}) {
+                        // (1025 per segment or block: a chunk and one value, which joins it)
+                        const uint64_t tail = 1025 * (coll == Collective::Allreduce ? n : 1);
+                        for (uint64_t count : {uint64_t{1}, uint64_t{300}, tail, large}) {
                             const uint32_t op_tag = tag++;
                             run_and_check(ring, hosts, {coll, t, op, f, count, per, root}, opt, op_tag, op_tag, false);
                         }
