@@ -51,6 +51,7 @@ struct Options {
     double connect_deadline_s = 30;
     int pause_ms = 20;             // "compute" between steps
     int ops_per_step = 4;
+    std::string wire = "default";  // ringd_set_wire: the trainer's wire (docs/wire.md)
 };
 
 double now_s() {
@@ -112,6 +113,7 @@ struct Prepared {
     std::vector<unsigned char> input;
     std::vector<double> want;
     double tol = 0;
+    double abs_tol = 0;  // a compressed wire's bound (bench::wire_tolerance)
 };
 
 struct InFlight {
@@ -163,6 +165,8 @@ int main(int argc, char **argv) {
     app.add_option("--pause-ms", o.pause_ms, "pause between steps")->capture_default_str();
     app.add_option("--ops-per-step", o.ops_per_step, "ops per step (half small, half large)")->capture_default_str()
         ->check(CLI::Range(2, 12));
+    app.add_option("--wire", o.wire, "default exact bf16 fp16 int8: this trainer's wire; results checked within its bound")
+        ->capture_default_str();
     app.add_option("--stop-file", o.stop_file, "finish the current step and exit 0 once this exists");
     CLI11_PARSE(app, argc, argv);
     std::setvbuf(stdout, nullptr, _IOLBF, 0);
@@ -201,6 +205,8 @@ int main(int argc, char **argv) {
                                                                                    grank * s.count + i % s.count))))
                             : bench::want(nranks, i, s.dtype, s.op);
         p.tol = bench::tolerance(s.dtype, s.op);
+        if (const auto w = parse_wire_format(o.wire); w && wire_applies(s.coll, s.dtype, s.op))
+            p.abs_tol = bench::wire_tolerance(*w, static_cast<uint64_t>(o.hosts), nranks, s.dtype, s.op);
         prep.push_back(std::move(p));
         pos = (pos + bytes + 2 * bench::kGuardBytes + 63) / 64 * 64;
     }
@@ -223,6 +229,11 @@ int main(int argc, char **argv) {
         std::this_thread::sleep_for(std::chrono::milliseconds(100));  // ringd is not there yet: nothing to wait on
     }
     std::printf("connected t=%.6f tries=%d\n", now_s(), tries);
+    if (const auto w = parse_wire_format(o.wire); w && ringd_set_wire(c, static_cast<ringd_wire>(static_cast<int>(*w) + 1)) != 0) {
+        const std::string msg = ringd_last_error(c);
+        ringd_close(c);
+        return finish(2, "ringd_set_wire: " + msg);
+    }
     size_t have = 0;
     auto *base = static_cast<unsigned char *>(ringd_slot(c, &have));
     if (!base || have < slot_bytes) {
@@ -315,7 +326,7 @@ int main(int argc, char **argv) {
                                             ? bench::round_to(p.spec.dtype, static_cast<double>(bench::value(f.root, i)))
                                             : p.want[i];
                     const double got = bench::load(base + p.offset, i, p.spec.dtype);
-                    if (!(std::fabs(got - want) <= p.tol * std::fabs(want))) ++wrong;
+                    if (!(std::fabs(got - want) <= p.tol * std::fabs(want) + p.abs_tol)) ++wrong;
                 }
             } else {
                 step_ok = false;

@@ -334,7 +334,9 @@ EngineResult ProgressEngine::execute_ring(EngineWork &w) {
     op.avg_divisor = w.avg_divisor;
     op.root = w.desc.root;
     op.wire = w.desc.wire;
-    if (w.residual && op.compressed()) {
+    std::unique_lock<std::mutex> residual_lock;
+    if (w.residual && op.compressed()) residual_lock = std::unique_lock(w.residual->mu, std::try_to_lock);
+    if (residual_lock.owns_lock()) {
         // (a tag's first op, or one of another size: it starts over)
         std::vector<float> &r = w.residual->values;
         const uint64_t want = w.desc.full_count();

@@ -33,8 +33,10 @@ class Slot;
 class NetworkTransport;
 
 // An error-feedback residual (RingOp::residual): kept by the group's run on the control thread,
-// sized and written only by the progress thread running the group's op (one at a time).
+// sized and written by the progress thread running the group's op, under `mu` (an op of the group
+// still ending on another lane's thread after a new generation keeps it: the next runs without).
 struct WireResidual {
+    std::mutex mu;
     std::vector<float> values;
 };
 

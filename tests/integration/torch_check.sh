@@ -5,9 +5,9 @@
 # Python it runs, or (torch 1.13) when ringd._torch_work was not built.
 #   torch_check.sh [--python PYTHON] [SCENARIO...]
 # PYTHON: /usr/bin/python3 (Debian's torch 1.13) by default, or the project's venv (torch 2.13).
-# Default scenarios on 1.13: ops+async+ddp+tensors+collectives+rooted+a2a groups slots,refused spawn part
+# Default scenarios on 1.13: ops+async+ddp+tensors+collectives+rooted+a2a+wire groups slots,refused spawn part
 # die,restart; on torch 2 what differs there (the Work, futures and errors, the process-group
-# contract, sharded training): ops+async+ddp+tensors+collectives+rooted+a2a+contract+sharded die,restart. "a+b" runs a and b in
+# contract, sharded training): ops+async+ddp+tensors+collectives+rooted+a2a+contract+sharded+wire die,restart. "a+b" runs a and b in
 # one process per rank (one torch import), "a,b" one after the other in new processes on the
 # same daemons; "part" runs two jobs at once on 4 hosts, each on 2 of them; "spawn" is one process
 # on one host that spawns its ranks; "groups" runs with two slots per host (memory.max_slots: 2),
@@ -33,9 +33,9 @@ echo "torch $version ($py)"
 scenarios=("$@")
 if [ ${#scenarios[@]} -eq 0 ]; then
     if [ "${version%%.*}" -lt 2 ]; then
-        scenarios=(ops+async+ddp+tensors+collectives+rooted+a2a groups slots,refused spawn part die,restart)
+        scenarios=(ops+async+ddp+tensors+collectives+rooted+a2a+wire groups slots,refused spawn part die,restart)
     else
-        scenarios=(ops+async+ddp+tensors+collectives+rooted+a2a+contract+sharded die,restart)
+        scenarios=(ops+async+ddp+tensors+collectives+rooted+a2a+contract+sharded+wire die,restart)
     fi
 fi
 op_timeout=5

@@ -1036,7 +1036,62 @@ def scenario_a2a():
     print(f"torch_ranks: rank {RANK}: {calls} all_to_alls through ringd ({ran} ringd ops)", flush=True)
 
 
-SCENARIOS = {"rooted": scenario_rooted, "a2a": scenario_a2a, "collectives": scenario_collectives, "contract": scenario_contract, "sharded": scenario_sharded, "ops": scenario_ops, "slots": scenario_slots, "tensors": scenario_tensors, "spawn": scenario_spawn, "refused": scenario_refused, "async": scenario_async, "ddp": scenario_ddp, "die": scenario_die,
+def scenario_wire():
+    """Compressed wires (docs/wire.md): a group's wire for its float32 sums (within the documented
+    bound of the f64 sum, not exact, the same on every rank), a max under it exact, and DDP with
+    ringd.torch.compressed_hook (int8 with error feedback, bf16) training as Gloo does."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    init()
+    gloo = dist.new_group(backend="gloo")
+    hosts = WORLD // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    n = 300_001  # (past tuning.direct_max_bytes: the ring)
+
+    def grads(rank):
+        g = torch.Generator().manual_seed(77 + rank)
+        scale = torch.pow(2.0, torch.randint(-8, 5, ((n + 255) // 256,), generator=g).float()).repeat_interleave(256)[:n]
+        return torch.randn(n, generator=g) * scale
+
+    xs = [grads(r) for r in range(WORLD)]
+    exact = torch.stack([x.double() for x in xs]).sum(0)
+    mags = torch.stack([x.double().abs() for x in xs]).sum(0)
+    blockmax = sum(torch.nn.functional.max_pool1d(x.double().abs().view(1, 1, -1), 511, stride=1, padding=255).view(-1)
+                   for x in xs)
+    for wire, unit in (("bf16", 2.0 ** -8), ("fp16", 2.0 ** -11), ("int8", (1 + 2.0 ** -14) / 254)):
+        ringd.torch.set_wire(None, wire)
+        t = xs[RANK].clone()
+        dist.all_reduce(t)
+        err = (t.double() - exact).abs()
+        bound = hosts * unit * (blockmax if wire == "int8" else mags) + (hosts + WORLD + 2) * 2.0 ** -24 * mags
+        check(bool((err <= bound).all()), f"{wire}: {int((err > bound).sum())} values past the bound "
+                                          f"(largest error {err.max().item():.3g})")
+        check(err.max().item() > 1e-5 * exact.abs().max().item(), f"{wire}: the sum is exact: did it go compressed?")
+        everyone = [torch.empty_like(t) for _ in range(WORLD)]
+        dist.all_gather(everyone, t, group=gloo)
+        check(all(torch.equal(e, t) for e in everyone), f"{wire}: ranks' results differ")
+    t = xs[RANK].clone()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # (the group's int8 leaves a max exact)
+    check(torch.equal(t.double(), torch.stack([x.double() for x in xs]).max(0).values), "a max under an int8 wire")
+    ringd.torch.set_wire(None, "exact")
+
+    def big():
+        torch.manual_seed(99)
+        return torch.nn.Sequential(torch.nn.Linear(32, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256), torch.nn.ReLU(),
+                                   torch.nn.Linear(256, 4))
+    ref = train(DDP(big(), process_group=gloo, bucket_cap_mb=1), steps=12)
+    for wire in ("int8", "bf16"):
+        m = DDP(big(), bucket_cap_mb=1)
+        m.register_comm_hook(None, ringd.torch.compressed_hook(wire))
+        losses = train(m, steps=12)
+        check(abs(losses[-1] - ref[-1]) <= 0.02 * abs(ref[-1]), f"{wire} hook: last loss {losses[-1]} vs gloo's {ref[-1]}")
+        flat = torch.cat([p.detach().view(-1) for p in m.parameters()])
+        everyone = [torch.empty_like(flat) for _ in range(WORLD)]
+        dist.all_gather(everyone, flat, group=gloo)
+        check(all(torch.equal(e, flat) for e in everyone), f"{wire} hook: ranks' parameters differ")
+        print(f"torch_ranks: rank {RANK}: {wire} hook: last loss {losses[-1]:.6f}, gloo's {ref[-1]:.6f}", flush=True)
+    check(ringd.status()["ring"]["wire"]["feedback_tags"] >= 1, "int8 hook: no error-feedback residual in ringd")
+
+
+SCENARIOS = {"wire": scenario_wire, "rooted": scenario_rooted, "a2a": scenario_a2a, "collectives": scenario_collectives, "contract": scenario_contract, "sharded": scenario_sharded, "ops": scenario_ops, "slots": scenario_slots, "tensors": scenario_tensors, "spawn": scenario_spawn, "refused": scenario_refused, "async": scenario_async, "ddp": scenario_ddp, "die": scenario_die,
              "restart": scenario_restart, "groups": scenario_groups, "part": scenario_part}
 
 if __name__ == "__main__":
