@@ -45,7 +45,8 @@ inline constexpr uint16_t kProtocolVersion = 1;      // frames between trainers/
 //  11: broadcast, reduce and barrier (OpReport collectives 3-5; a broadcast's or reduce's root rank
 //      in bits 8-31 of the op word), their one-shot OpData (proto/peer.h); an incarnation's end
 //      says through which seq its ops go on (the end OpReport's count, the end OpFail's `after`
-//      after its message). Sent only in a generation of 11; every other op's frames are 10's,
+//      after its message). Compressed wires: an OpReport's (and OpData's) wire format in bits
+//      8-15 of its dtype word. Sent only in a generation of 11; every other op's frames are 10's,
 //      byte for byte.
 // A ringd of 6 (before 0.2.0) is no longer spoken to: it closed the connection at a hello it could
 // not read, which a dialer cannot tell from a host that died. Every release since refuses with an

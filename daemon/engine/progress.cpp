@@ -334,15 +334,6 @@ EngineResult ProgressEngine::execute_ring(EngineWork &w) {
     op.avg_divisor = w.avg_divisor;
     op.root = w.desc.root;
     op.wire = w.desc.wire;
-    std::unique_lock<std::mutex> residual_lock;
-    if (w.residual && op.compressed()) residual_lock = std::unique_lock(w.residual->mu, std::try_to_lock);
-    if (residual_lock.owns_lock()) {
-        // (a tag's first op, or one of another size: it starts over)
-        std::vector<float> &r = w.residual->values;
-        const uint64_t want = w.desc.full_count();
-        if (r.size() != want) r.assign(want, 0.0f);
-        op.residual = r.data();
-    }
     op.data = w.slots[0]->region();
     op.data_offset = w.offsets[0];
     op.out_offset = w.desc.collective == Collective::Allreduce ? w.offsets[0] : w.out_offsets[0];
@@ -350,6 +341,16 @@ EngineResult ProgressEngine::execute_ring(EngineWork &w) {
     op.locals = locals_;
     op.local_outputs = local_outputs_;
     op.host_ranks = w.host_ranks;
+    std::unique_lock<std::mutex> residual_lock;
+    if (w.residual && op.compressed()) residual_lock = std::unique_lock(w.residual->mu, std::try_to_lock);
+    if (residual_lock.owns_lock()) {
+        // (a tag's first op, or one of another size: it starts over; the engine's count of the
+        // buffer with a block per rank, from the rank map it runs with)
+        std::vector<float> &r = w.residual->values;
+        const uint64_t want = op.full_count();
+        if (r.size() != want) r.assign(want, 0.0f);
+        op.residual = r.data();
+    }
     op.op_tag = w.op_tag;
     op.aborted_generation = &aborted_generation_;
     op.generation = w.generation;

@@ -223,6 +223,14 @@ class _Engine(DeviceOps):
             return i, o
         return None
 
+    def set_wire(self, wire):
+        """The client's wire for ops that name none, from the next op queued on: ops queued before
+        are submitted first (the submitting thread reads the client's wire as it submits, and
+        every rank must submit each op with the same)."""
+        with self.lock:
+            self._wait_locked(lambda: not self.pending, f"ringd: the ops queued did not go out within {self.timeout}")
+            self.client.set_wire(wire)
+
     def allreduce_resident(self, buffer, op, wire=None, feedback_tag=None):
         """The comm hook's path: the bucket (DDP's buffer, the same storage every step) has its
         own slot range from one step to the next, and the result is that range itself (no copy

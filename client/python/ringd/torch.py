@@ -343,6 +343,11 @@ class ProcessGroupRingd(ProcessGroup):
             wire = None  # (a compressed wire carries float32 and bfloat16 only)
         if wire is not None and wire != "exact" and feedback:
             tag = int(index)
+        if wire is not None and buffer.is_cuda and not getattr(self, "_warned_cuda_wire", False):
+            import warnings
+            self._warned_cuda_wire = True
+            warnings.warn("ringd.torch.compressed_hook: CUDA buckets take the group's wire (ringd.torch.set_wire), "
+                          "without error feedback; this hook's own wire is for CPU buckets")
         if wire is not None and not buffer.is_cuda:
             fut = self._engine.allreduce_resident(buffer, name, wire, tag)
             if fut is None:
@@ -671,7 +676,7 @@ def set_wire(group, wire):
     if not isinstance(pg, ProcessGroupRingd):
         raise RuntimeError("ringd.torch.set_wire needs a ringd process group (init_process_group(\"ringd\"))")
     try:
-        pg._engine.client.set_wire(wire)
+        pg._engine.set_wire(wire)
     except (_ringd.RingdError, ValueError) as e:
         raise RuntimeError(f"ringd: {e}") from None
 
