@@ -120,9 +120,7 @@ RINGD_INLINE Fp16Scale fp16_scale(float m, bool finite) {
 }
 
 RINGD_CLONES void decode_fp16_block(const unsigned char *blk, size_t n, float *out) {
-    const float down = load_scale(blk);
-    kHalf.to_float(out, reinterpret_cast<const Half *>(blk + kScaleBytes), n);
-    for (size_t i = 0; i < n; ++i) out[i] *= down;
+    kHalf.to_float_scaled(out, reinterpret_cast<const Half *>(blk + kScaleBytes), n, load_scale(blk));
 }
 
 RINGD_CLONES void encode_fp16(const float *src, size_t count, unsigned char *out, float *residual) {
@@ -130,13 +128,15 @@ RINGD_CLONES void encode_fp16(const float *src, size_t count, unsigned char *out
     encode_blocks(
         src, count, residual,
         [&](size_t base, size_t n, const float *x) __attribute__((always_inline)) {
-            float scaled[kWireBlock];
+            // (The block's halves into L1 first, then out: in place, the scale's bytes would land
+            // on values not yet read.)
+            Half halves[kWireBlock];
             bool finite = true;
             const float m = block_max(x, n, finite);
             const Fp16Scale s = fp16_scale(m, finite);
-            for (size_t i = 0; i < n; ++i) scaled[i] = x[i] * s.up1 * s.up2;
+            kHalf.from_float_scaled(halves, x, n, s.up1, s.up2);
             store_scale(block(base), s.down);
-            kHalf.from_float(reinterpret_cast<Half *>(block(base) + kScaleBytes), scaled, n);  // (unaligned stores)
+            std::memcpy(block(base) + kScaleBytes, halves, 2 * n);
         },
         [&](size_t base, size_t n, float *back) __attribute__((always_inline)) { decode_fp16_block(block(base), n, back); });
 }
@@ -261,8 +261,16 @@ void wire_decode(WireFormat f, const void *in, size_t count, float *out) {
     switch (f) {
     case WireFormat::Exact: std::memcpy(out, in, 4 * count); return;
     case WireFormat::BF16: return decode_bf16(static_cast<const unsigned char *>(in), count, out);
-    default:
-        per_block(f, in, count, [&](size_t base, size_t n, const float *v) { std::memcpy(out + base, v, 4 * n); });
+    default: {
+        // Each block straight into its place (no copy through L1, as accumulate needs).
+        const auto *p = static_cast<const unsigned char *>(in);
+        for (size_t base = 0; base < count; base += kWireBlock) {
+            const size_t n = std::min(kWireBlock, count - base);
+            const unsigned char *blk = p + (base / kWireBlock) * block_bytes(f);
+            if (f == WireFormat::FP16) decode_fp16_block(blk, n, out + base);
+            else decode_int8_block(blk, n, out + base);
+        }
+    }
     }
 }
 
