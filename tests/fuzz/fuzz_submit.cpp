@@ -55,6 +55,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         (!allreduce && (desc.ranks == 0 || desc.ranks > kMaxGroupRanks)) ||
         s->cuda != (d.buffer_kind == 1))
         __builtin_trap();
+    // A wire format ringd knows, compressed only where it applies; feedback only with one.
+    if (static_cast<uint32_t>(desc.wire) >= kWireFormatCount ||
+        (desc.wire != WireFormat::Exact && !wire_applies(desc.collective, desc.dtype, desc.op)) ||
+        (s->feedback && desc.wire == WireFormat::Exact))
+        __builtin_trap();
     // A device reduce_scatter/allgather's part lies inside its block, and its blocks' bytes do not
     // overflow; every other op carries no device-collective fields.
     if (s->cuda && !allreduce) {
