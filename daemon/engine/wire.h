@@ -47,8 +47,9 @@ inline constexpr size_t kWireBlock = 256;  // values per block (fp16's and int8'
 size_t wire_bytes(WireFormat f, size_t count);
 
 // Writes `count` values of src (plus residual[i], where residual is given) in format f to `out`
-// (wire_bytes(f, count) bytes, any alignment), which may be src itself (in place: every format
-// takes at most 4 bytes a value, and each block of values is read before it is written). With a residual, residual[i] becomes the value
+// (wire_bytes(f, count) bytes, any alignment), which may be src itself where the encoding fits
+// its values (wire_bytes(f, count) <= 4 count: every count but a single value of fp16 or int8,
+// whose block's scale takes 4 bytes more): each block of values is read before it is written. With a residual, residual[i] becomes the value
 // minus what the receiver decodes of it (0 for exact; a non-finite value's is 0).
 void wire_encode(WireFormat f, const float *src, size_t count, void *out, float *residual = nullptr);
 

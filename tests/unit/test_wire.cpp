@@ -87,8 +87,10 @@ TEST_CASE("wire formats: every value within its format's bound, at every scale; 
             for (size_t i = 0; i < n; ++i) want[i] += d[i];
             wire_accumulate(f, buf.data() + 1, n, acc.data());
             CHECK(std::memcmp(acc.data(), want.data(), 4 * n) == 0);
-            // In place (over the values themselves), with and without a residual: the same bytes.
+            // In place (over the values themselves, where the encoding fits them: not one value
+            // with a scale), with and without a residual: the same bytes.
             for (bool with_residual : {false, true}) {
+                if (wire_bytes(f, n) > 4 * n) break;
                 std::vector<float> r1(n, 0.25f), r2(n, 0.25f), in_place = x;
                 std::vector<unsigned char> apart(wire_bytes(f, n));
                 wire_encode(f, x.data(), n, apart.data(), with_residual ? r1.data() : nullptr);
