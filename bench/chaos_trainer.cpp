@@ -172,6 +172,15 @@ int main(int argc, char **argv) {
     std::setvbuf(stdout, nullptr, _IOLBF, 0);
 
     const uint64_t nranks = static_cast<uint64_t>(o.hosts) * static_cast<uint64_t>(o.local_size);
+    // The trainer's wire (--wire; "default": ringd's, whose sums are then checked exact).
+    WireFormat wire = WireFormat::Exact;
+    bool wire_given = false;
+    if (o.wire != "default") {
+        const auto w = parse_wire_format(o.wire);
+        if (!w) return finish(2, "unknown wire " + o.wire);
+        wire = *w;
+        wire_given = true;
+    }
     const uint64_t grank = static_cast<uint64_t>(o.host) * static_cast<uint64_t>(o.local_size) +
                            static_cast<uint64_t>(o.local_rank);
 
@@ -205,8 +214,8 @@ int main(int argc, char **argv) {
                                                                                    grank * s.count + i % s.count))))
                             : bench::want(nranks, i, s.dtype, s.op);
         p.tol = bench::tolerance(s.dtype, s.op);
-        if (const auto w = parse_wire_format(o.wire); w && wire_applies(s.coll, s.dtype, s.op))
-            p.abs_tol = bench::wire_tolerance(*w, static_cast<uint64_t>(o.hosts), nranks, s.dtype, s.op);
+        if (wire_given && wire_applies(s.coll, s.dtype, s.op))
+            p.abs_tol = bench::wire_tolerance(wire, static_cast<uint64_t>(o.hosts), nranks, s.dtype, s.op);
         prep.push_back(std::move(p));
         pos = (pos + bytes + 2 * bench::kGuardBytes + 63) / 64 * 64;
     }
@@ -229,7 +238,7 @@ int main(int argc, char **argv) {
         std::this_thread::sleep_for(std::chrono::milliseconds(100));  // ringd is not there yet: nothing to wait on
     }
     std::printf("connected t=%.6f tries=%d\n", now_s(), tries);
-    if (const auto w = parse_wire_format(o.wire); w && ringd_set_wire(c, static_cast<ringd_wire>(static_cast<int>(*w) + 1)) != 0) {
+    if (wire_given && ringd_set_wire(c, static_cast<ringd_wire>(static_cast<int>(wire) + 1)) != 0) {
         const std::string msg = ringd_last_error(c);
         ringd_close(c);
         return finish(2, "ringd_set_wire: " + msg);
@@ -282,7 +291,7 @@ int main(int argc, char **argv) {
                                : p.spec.coll == Collective::AllToAll    ? p.offset + p.input.size() / 2
                                : blocked                                ? p.offset
                                                                         : 0,
-                               collective_is_rooted(p.spec.coll) ? static_cast<int>(f.root) : 0, nullptr, nullptr, 0};
+                               collective_is_rooted(p.spec.coll) ? static_cast<int>(f.root) : 0, nullptr, nullptr, 0, RINGD_WIRE_DEFAULT, 0, 0};
             const int rc = ringd_submit_coll(c, &d, &f.ticket);
             if (rc != 0) {
                 const std::string msg = std::string("submit: ") + ringd_last_error(c);

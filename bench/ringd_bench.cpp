@@ -95,8 +95,13 @@ int main(int argc, char **argv) {
     const auto min_b = parse_size(o.min_bytes), max_b = parse_size(o.max_bytes);
     if (!dtype) return fail(o, "unknown dtype " + o.dtype);
     if (!op) return fail(o, "unknown op " + o.op);
-    const auto wire = o.wire == "default" ? std::optional<WireFormat>{} : parse_wire_format(o.wire);
-    if (o.wire != "default" && !wire) return fail(o, "unknown wire " + o.wire + " (default, exact, bf16, fp16, int8)");
+    const bool wire_given = o.wire != "default";
+    WireFormat wire = WireFormat::Exact;
+    if (wire_given) {
+        const auto w = parse_wire_format(o.wire);
+        if (!w) return fail(o, "unknown wire " + o.wire + " (default, exact, bf16, fp16, int8)");
+        wire = *w;
+    }
     const auto coll = parse_collective(o.coll);
     if (!coll || *coll == Collective::Barrier)
         return fail(o, "unknown collective " + o.coll + " (allreduce, reduce_scatter, allgather, broadcast, reduce, all_to_all)");
@@ -163,15 +168,15 @@ int main(int argc, char **argv) {
         ringd_close(c);
         return fail(o, "the slot has " + std::to_string(have) + " bytes, " + std::to_string(slot_bytes) + " asked");
     }
-    if (wire)
-        if (int rc = ringd_set_wire(c, static_cast<ringd_wire>(static_cast<int>(*wire) + 1)); rc != 0) {
+    if (wire_given)
+        if (int rc = ringd_set_wire(c, static_cast<ringd_wire>(static_cast<int>(wire) + 1)); rc != 0) {
             const std::string msg = ringd_last_error(c);
             ringd_close(c);
             return fail(o, msg);
         }
     // The values are checked within the wire's bound where it applies (ringd's default wire is
     // not known here: give --wire to check a compressed one).
-    const WireFormat checked = wire && wire_applies(*coll, *dtype, *op) ? *wire : WireFormat::Exact;
+    const WireFormat checked = wire_given && wire_applies(*coll, *dtype, *op) ? wire : WireFormat::Exact;
     const double tol = bench::wire_tolerance(checked, hosts, nranks, *dtype, *op);
     const auto cdt = static_cast<ringd_dtype>(*dtype);
     const auto cop = static_cast<ringd_op>(*op);

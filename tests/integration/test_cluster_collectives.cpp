@@ -34,7 +34,7 @@ Verdict run_checked(std::vector<Trainer> &tr, Collective coll, DType t, ReduceOp
     }
     for (size_t g = 0; g < tr.size(); ++g) {
         const ringd_coll d{sizeof(ringd_coll), static_cast<ringd_collective>(coll), static_cast<ringd_dtype>(t),
-                           static_cast<ringd_op>(op), count, pl[g].in, pl[g].out, 0, nullptr, nullptr, 0};
+                           static_cast<ringd_op>(op), count, pl[g].in, pl[g].out, 0, nullptr, nullptr, 0, RINGD_WIRE_DEFAULT, 0, 0};
         const int rc = ringd_submit_coll(tr[g].c.get(), &d, &tickets[g]);
         INFO("rank " << tr[g].rank << ": " << ringd_last_error(tr[g].c.get()));
         REQUIRE(rc == 0);
@@ -91,7 +91,7 @@ Verdict run_rooted(std::vector<Trainer> &tr, Collective coll, DType t, ReduceOp 
     }
     for (size_t g = 0; g < tr.size(); ++g) {
         const ringd_coll d{sizeof(ringd_coll), static_cast<ringd_collective>(coll), static_cast<ringd_dtype>(t),
-                           static_cast<ringd_op>(op), count, pl[g].in, 0, static_cast<int>(root), nullptr, nullptr, 0};
+                           static_cast<ringd_op>(op), count, pl[g].in, 0, static_cast<int>(root), nullptr, nullptr, 0, RINGD_WIRE_DEFAULT, 0, 0};
         const int rc = ringd_submit_coll(tr[g].c.get(), &d, &tickets[g]);
         INFO("rank " << tr[g].rank << ": " << ringd_last_error(tr[g].c.get()));
         REQUIRE(rc == 0);
@@ -351,7 +351,7 @@ TEST_CASE("ranks that leave once their ops ended on their host: the others' ops 
     auto submit = [&](size_t g) {
         for (size_t i = 0; i < count; ++i) bench::store(tr[g].slot + pl[g].in, i, DType::F32, static_cast<double>(bench::value(tr[g].rank, i)));
         const ringd_coll d{sizeof(ringd_coll), static_cast<ringd_collective>(coll), RINGD_F32, RINGD_SUM, count, pl[g].in, 0, 0,
-                           nullptr, nullptr, 0};
+                           nullptr, nullptr, 0, RINGD_WIRE_DEFAULT, 0, 0};
         uint64_t t = 0;
         REQUIRE(ringd_submit_coll(tr[g].c.get(), &d, &t) == 0);
         return t;
@@ -432,7 +432,7 @@ TEST_CASE("broadcast, reduce on 3 hosts: ranks 1, 2, 3 per host numbered unlike 
     }
     // A barrier ends on no rank before every rank submitted it, then on all of them.
     std::vector<uint64_t> tickets(tr.size());
-    const ringd_coll b{sizeof(ringd_coll), RINGD_BARRIER, RINGD_F32, RINGD_SUM, 0, 0, 0, 0, nullptr, nullptr, 0};
+    const ringd_coll b{sizeof(ringd_coll), RINGD_BARRIER, RINGD_F32, RINGD_SUM, 0, 0, 0, 0, nullptr, nullptr, 0, RINGD_WIRE_DEFAULT, 0, 0};
     for (size_t g = 0; g + 1 < tr.size(); ++g) REQUIRE(ringd_submit_coll(tr[g].c.get(), &b, &tickets[g]) == 0);
     std::this_thread::sleep_for(std::chrono::milliseconds(300));
     for (size_t g = 0; g + 1 < tr.size(); ++g) CHECK(ringd_test(tr[g].c.get(), tickets[g]) == -EINPROGRESS);
@@ -456,7 +456,7 @@ TEST_CASE("broadcast, reduce, barrier on one host: its local ranks, the root on 
     REQUIRE(tr.size() == 3);
     sweep_rooted(tr, {1, 1001});
     std::vector<uint64_t> tickets(tr.size());
-    const ringd_coll b{sizeof(ringd_coll), RINGD_BARRIER, RINGD_F32, RINGD_SUM, 0, 0, 0, 0, nullptr, nullptr, 0};
+    const ringd_coll b{sizeof(ringd_coll), RINGD_BARRIER, RINGD_F32, RINGD_SUM, 0, 0, 0, 0, nullptr, nullptr, 0, RINGD_WIRE_DEFAULT, 0, 0};
     for (size_t g = 0; g < tr.size(); ++g) REQUIRE(ringd_submit_coll(tr[g].c.get(), &b, &tickets[g]) == 0);
     for (size_t g = 0; g < tr.size(); ++g) CHECK(ringd_wait(tr[g].c.get(), tickets[g], 10000) == 0);
 }
@@ -521,7 +521,7 @@ TEST_CASE("collectives gone wrong: no ranks said, a rank twice, sizes that diffe
         std::string err;
         ClientPtr cl = join_opts(c, 0, "plain", 0, 1, "node0", err);
         REQUIRE(cl);
-        const ringd_coll d{sizeof(ringd_coll), RINGD_REDUCE_SCATTER, RINGD_F32, RINGD_SUM, 4, 0, 64, 0, nullptr, nullptr, 0};
+        const ringd_coll d{sizeof(ringd_coll), RINGD_REDUCE_SCATTER, RINGD_F32, RINGD_SUM, 4, 0, 64, 0, nullptr, nullptr, 0, RINGD_WIRE_DEFAULT, 0, 0};
         uint64_t t = 0;
         CHECK(ringd_submit_coll(cl.get(), &d, &t) == -EINVAL);
         CHECK_THAT(ringd_last_error(cl.get()), Catch::Contains("ringd_options.rank"));
@@ -530,7 +530,7 @@ TEST_CASE("collectives gone wrong: no ranks said, a rank twice, sizes that diffe
         auto tr = join_ranked(c, "overlap", {1, 1}, {1, 0}, 1 << 20);
         REQUIRE(tr.size() == 2);
         // Rank 1's block is [64, 128) of the input; an output at 32 overlaps it elsewhere.
-        const ringd_coll d{sizeof(ringd_coll), RINGD_REDUCE_SCATTER, RINGD_F32, RINGD_SUM, 16, 0, 32, 0, nullptr, nullptr, 0};
+        const ringd_coll d{sizeof(ringd_coll), RINGD_REDUCE_SCATTER, RINGD_F32, RINGD_SUM, 16, 0, 32, 0, nullptr, nullptr, 0, RINGD_WIRE_DEFAULT, 0, 0};
         uint64_t t = 0;
         REQUIRE(ringd_submit_coll(tr[0].c.get(), &d, &t) == 0);
         CHECK(ringd_wait(tr[0].c.get(), t, 10000) == -EINVAL);
@@ -580,7 +580,7 @@ TEST_CASE("collectives gone wrong: no ranks said, a rank twice, sizes that diffe
         std::vector<uint64_t> tickets(2);
         for (size_t g = 0; g < 2; ++g) {
             const ringd_coll d{sizeof(ringd_coll), g == 0 ? RINGD_REDUCE_SCATTER : RINGD_ALLGATHER, RINGD_F32, RINGD_SUM,
-                               16, 0, 4096, 0, nullptr, nullptr, 0};
+                               16, 0, 4096, 0, nullptr, nullptr, 0, RINGD_WIRE_DEFAULT, 0, 0};
             REQUIRE(ringd_submit_coll(tr[g].c.get(), &d, &tickets[g]) == 0);
         }
         for (size_t g = 0; g < 2; ++g) {

@@ -96,6 +96,15 @@ public:
         return t;
     }
     void wait(uint64_t ticket, int timeout_ms = -1) { check(ringd_wait(c_, ticket, timeout_ms)); }
+    // This client's wire for ops that name none (ringd_set_wire; docs/wire.md).
+    void set_wire(ringd_wire wire) { check(ringd_set_wire(c_, wire)); }
+    // Any collective with every field of ringd_coll (its wire, error feedback): struct_size is set here.
+    uint64_t submit(ringd_coll d) {
+        d.struct_size = sizeof d;
+        uint64_t t = 0;
+        check(ringd_submit_coll(c_, &d, &t));
+        return t;
+    }
 
     ringd_client *get() const { return c_; }
 
