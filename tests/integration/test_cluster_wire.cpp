@@ -180,3 +180,43 @@ TEST_CASE("compressed wires refused where they cannot apply or differ, each name
         CHECK(w["feedback_refused"] == 0);
     }
 }
+
+TEST_CASE("error-feedback residuals are bounded per group run: the least recently used tag goes, an op past the "
+          "bound runs without; both counted",
+          "[cluster][wire]") {
+    // 1 MiB of residuals per run: two tags of 100,000 floats fit, a third evicts the oldest.
+    TestCluster c(2, "5s", "wire: {default: int8, feedback_max_bytes: 1MiB}\n");
+    REQUIRE(c.wait_up());
+    auto tr = join_ranked(c, "bound", {1, 1}, {0, 1}, 4 << 20);
+    REQUIRE(tr.size() == 2);
+    auto op = [&](size_t count, uint64_t tag) {
+        std::vector<uint64_t> tickets(tr.size());
+        for (size_t g = 0; g < tr.size(); ++g) {
+            for (size_t i = 0; i < count; ++i)
+                bench::store(tr[g].slot + kG, i, DType::F32, static_cast<double>(bench::value(tr[g].rank, i)));
+            ringd_coll d{sizeof(ringd_coll), RINGD_ALLREDUCE, RINGD_F32, RINGD_SUM, count, kG, 0, 0,
+                         nullptr, nullptr, 0, RINGD_WIRE_DEFAULT, 1, tag};
+            REQUIRE(ringd_submit_coll(tr[g].c.get(), &d, &tickets[g]) == 0);
+        }
+        for (size_t g = 0; g < tr.size(); ++g) REQUIRE(ringd_wait(tr[g].c.get(), tickets[g], 20000) == 0);
+        // (ringd's default wire, int8, within its bound)
+        for (auto &x : tr)
+            CHECK(bench::count_wrong(x.slot + kG, count, DType::F32, ReduceOp::Sum, 2,
+                                     bench::wire_tolerance(WireFormat::Int8, 2, 2, DType::F32, ReduceOp::Sum)) == 0);
+    };
+    op(100000, 1);
+    op(100000, 2);
+    op(100000, 1);  // (tag 1 used last: tag 2 is the least recently used)
+    op(100000, 3);
+    op(300000, 4);  // 1.2 MB: more than the bound, runs without feedback
+    for (uint32_t h = 0; h < c.n; ++h) {
+        INFO("host " << h);
+        const auto w = c.status(h)["ring"]["wire"];
+        CHECK(w["ops_ring"]["int8"] == 5);
+        CHECK(w["feedback_tags"] == 2);
+        CHECK(w["feedback_bytes"] == 2 * 100000 * 4);
+        CHECK(w["feedback_evicted"] == 1);
+        CHECK(w["feedback_refused"] == 1);
+        CHECK(w["feedback_limit_bytes"] == 1 << 20);
+    }
+}
