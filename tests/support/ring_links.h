@@ -98,5 +98,22 @@ struct Ring {
     }
 };
 
+// One op on every host of the ring at once, each on a thread of its own with an engine of its
+// own: host r runs op(r) (its RingOp, filled but for nothing the engine owns). Every host's
+// status, by ring position; each host's deadline `limit` from now.
+template <class MakeOp>
+std::vector<Status> run_on_every_host(Ring &ring, const RingOptions &opt, MakeOp op,
+                                      std::chrono::seconds limit = std::chrono::seconds(30)) {
+    std::vector<Status> results(ring.n, Ok{});
+    std::vector<std::thread> threads;
+    for (uint32_t r = 0; r < ring.n; ++r)
+        threads.emplace_back([&, r] {
+            RingEngine e(*ring.transports[r], opt);
+            const RingOp o = op(r);
+            results[r] = e.run(ring.pos[r], o, std::chrono::steady_clock::now() + limit);
+        });
+    for (auto &t : threads) t.join();
+    return results;
+}
 
 }  // namespace ringd::test

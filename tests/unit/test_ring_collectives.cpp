@@ -109,11 +109,7 @@ void run_and_check(Ring &ring, const Case &c, RingOptions opt, uint32_t op_tag) 
             h.outs.push_back(h.ranks[l].buf.data() + h.ranks[l].at.out_at);
         }
     }
-    std::vector<Status> results(n, Ok{});
-    std::vector<std::thread> threads;
-    for (uint32_t r = 0; r < n; ++r)
-        threads.emplace_back([&, r] {
-            RingEngine e(*ring.transports[r], opt);
+    const auto results = ringd::test::run_on_every_host(ring, opt, [&](uint32_t r) {
             RingOp o;
             o.collective = c.coll;
             o.dtype = c.dtype;
@@ -129,9 +125,8 @@ void run_and_check(Ring &ring, const Case &c, RingOptions opt, uint32_t op_tag) 
             o.host_ranks = host_ranks;
             o.root = c.root;
             o.op_tag = op_tag;
-            results[r] = e.run(ring.pos[r], o, std::chrono::steady_clock::now() + 30s);
+            return o;
         });
-    for (auto &t : threads) t.join();
     for (uint32_t r = 0; r < n; ++r) {
         INFO(collective_name(c.coll) << " " << dtype_name(c.dtype) << " " << reduce_op_name(c.op) << ", " << c.count
                                      << " per rank, host " << r << " of " << n << ", " << ranks << " ranks"

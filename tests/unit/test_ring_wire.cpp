@@ -9,7 +9,6 @@
 
 #include <cmath>
 #include <numeric>
-#include <thread>
 
 #include "bench/bench_data.h"
 #include "tests/support/matrix.h"
@@ -18,7 +17,6 @@
 using namespace ringd;
 using ringd::test::full_matrix;
 using ringd::test::Ring;
-using namespace std::chrono_literals;
 
 namespace {
 
@@ -121,11 +119,7 @@ std::vector<double> run_and_check(Ring &ring, std::vector<Host> &hosts, const Ca
         }
         if (feedback && h.residual.size() != full) h.residual.assign(full, 0.0f);
     }
-    std::vector<Status> results(n, Ok{});
-    std::vector<std::thread> threads;
-    for (uint32_t r = 0; r < n; ++r)
-        threads.emplace_back([&, r] {
-            RingEngine e(*ring.transports[r], opt);
+    const auto results = ringd::test::run_on_every_host(ring, opt, [&](uint32_t r) {
             RingOp o;
             o.collective = c.coll;
             o.dtype = c.dtype;
@@ -143,16 +137,16 @@ std::vector<double> run_and_check(Ring &ring, std::vector<Host> &hosts, const Ca
             o.host_ranks = host_ranks;
             o.op_tag = op_tag;
             o.residual = feedback ? hosts[r].residual.data() : nullptr;
-            results[r] = e.run(ring.pos[r], o, std::chrono::steady_clock::now() + 30s);
+            return o;
         });
-    for (auto &t : threads) t.join();
 
-    // The exact result of element i (f64), and its bound: (hosts + 1) encodings' error (the
-    // reduce-scatter's, at most one per host, and the allgather's) over the sum of the inputs'
-    // magnitudes (int8: of their block maxima, over any 256 values around i), the f32
-    // accumulation's roundings, and bf16's rounding of the result.
+    // The exact result of element i (f64), and docs/wire.md's bound: one encoding's error per
+    // host that encodes the value's partial sum (every host but the one that ends with it: n - 1)
+    // and, for allreduce, the finished sum's (n in all), over the sum of the inputs' magnitudes
+    // (int8: of their block maxima, over any 256 values around i), the f32 accumulation's
+    // roundings, and bf16's rounding of the result.
     const double u = unit_error(c.wire);
-    const uint32_t encodings = n == 1 ? 0 : n + 1;
+    const uint32_t encodings = n == 1 ? 0 : c.coll == Collective::Allreduce ? n : n - 1;
     std::vector<std::vector<double>> x(ranks, std::vector<double>(full));
     std::vector<std::vector<double>> blockmax(ranks, std::vector<double>(full / 256 + 1, 0.0));
     for (uint32_t g = 0; g < ranks; ++g)
