@@ -125,7 +125,7 @@ void parse_hosts(const YAML::Node &n, Config &c) {
 Config parse_root(const YAML::Node &root) {
     Config c;
     check_keys(root, "", {"cluster", "hosts", "transport", "tcp", "ibverbs", "socket", "socket_group", "allow_uids",
-                          "allow_gids", "memory", "limits", "timeouts", "poll", "tuning", "auth", "cuda", "log", "metrics", "wire"});
+                          "allow_gids", "memory", "limits", "timeouts", "poll", "tuning", "auth", "cuda", "log", "metrics", "wire", "topology"});
     if (!root["cluster"]) fail("cluster", "missing (a name shared by every host of the ring)");
     c.cluster = scalar(root["cluster"], "cluster");
     if (c.cluster.empty()) fail("cluster", "is empty");
@@ -258,6 +258,19 @@ Config parse_root(const YAML::Node &root) {
         if (n["depth"]) c.tuning.depth = static_cast<uint32_t>(get_uint(n["depth"], "tuning.depth", 1, 256));
         if (c.tuning.chunk_bytes * c.tuning.depth > (1ull << 30))
             fail("tuning.depth", "chunk_bytes x depth (the ring's staging memory) must be at most 1GiB");
+    }
+    if (auto n = root["topology"]) {
+        check_keys(n, "topology", {"sysfs_root", "pin"});
+        if (n["sysfs_root"]) {
+            c.topology.sysfs_root = scalar(n["sysfs_root"], "topology.sysfs_root");
+            if (c.topology.sysfs_root.empty() || c.topology.sysfs_root.front() != '/')
+                fail("topology.sysfs_root", "must be an absolute path (\"/\": this machine's sysfs), got \"" +
+                                                c.topology.sysfs_root + "\"");
+        }
+        if (n["pin"]) {
+            const std::string pin = get_choice(n["pin"], "topology.pin", {"on", "off", "true", "false"});
+            c.topology.pin = pin == "on" || pin == "true";
+        }
     }
     if (auto n = root["wire"]) {
         check_keys(n, "wire", {"default", "feedback_max_bytes"});

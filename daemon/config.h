@@ -108,6 +108,13 @@ struct Config {
     } tuning;
     // Compressed wires (docs/wire.md): the format of the ops of groups that name none (each op
     // where it applies: wire_applies), and each group run's bound on error-feedback residuals.
+    // Where ringd's threads and memory go (daemon/topology/topology.h): the sysfs tree the
+    // machine is read from ("/": this one; a test describes another in a directory), and
+    // whether progress threads are pinned and memory placed on their NIC's node.
+    struct Topology {
+        std::string sysfs_root = "/";
+        bool pin = true;
+    } topology;
     struct Wire {
         WireFormat format = WireFormat::Exact;  // wire.default
         uint64_t feedback_max_bytes = 1ull << 30;

@@ -180,6 +180,7 @@ Status Daemon::setup() {
     if (!e) return e.error();
     engine_ = std::move(*e);
     engine_->set_name("ringd-local");
+    setup_topology();
     if (multi_host()) {
         if (auto s = setup_ring(); !s) return s;
     } else {
@@ -207,6 +208,15 @@ Status Daemon::setup() {
         return Ok{};
     };
     hooks.before_welcome = [this] { hand_over_failures(); };
+    hooks.slot_node = [this](pid_t pid, std::string &why) {
+        if (!machine_ || !config_.topology.pin) {
+            why = machine_ ? "topology.pin is off" : "the machine is not known (" + machine_error_ + ")";
+            return -1;
+        }
+        int current = -1;
+        const auto cpus = topology::process_cpus(pid, &current);
+        return topology::slot_node(*machine_, cpus, current, why);
+    };
     gateway_ = std::make_unique<ClientGateway>(config_, self_index_, *transport_, groups_, cuda_.get(), no_cuda_,
                                                std::move(hooks), done_, ready_);
     shared_.gateway = gateway_.get();

@@ -36,6 +36,7 @@
 #include "daemon/ipc/client_conn.h"
 #include "daemon/ops/host_ops.h"
 #include "daemon/ring/ring_domain.h"
+#include "daemon/topology/topology.h"
 #include "daemon/status/metrics_server.h"
 #include "daemon/transport/transport.h"
 
@@ -112,6 +113,13 @@ private:
     // which uses it, and after the transport, which its slots' registrations need.
     std::unique_ptr<CudaService> cuda_;
     std::string no_cuda_;
+    // The machine (topology.sysfs_root) and where ringd's threads and memory go (setup_topology;
+    // before the ring domains, whose lanes follow plan_).
+    std::optional<topology::Machine> machine_;
+    std::string machine_error_;
+    topology::Plan plan_;
+    void setup_topology();
+    nlohmann::json topology_status() const;
     GroupTable groups_{"", std::chrono::milliseconds(1)};
     uint64_t watchdog_usec_ = 0;
     Clock::time_point next_watchdog_{};

@@ -2,6 +2,7 @@
 // ringctl [--socket PATH] watch [--interval S] [--count N] [--json]: the same, refreshed.
 // ringctl [--socket PATH] drain [--wait [--timeout S]] | undrain: the host takes no new groups / takes them again.
 // ringctl [--socket PATH] reload: ringd reads its config file again (as systemctl reload).
+// ringctl [--socket PATH] topology [--json]: the machine as ringd sees it, and where it put its threads and memory.
 #include <unistd.h>
 
 #include <chrono>
@@ -26,7 +27,7 @@ namespace {
 
 // One look: fetched, parsed and printed. Returns false (and says why on stderr) when ringd did
 // not answer or answered with something that is not its status document.
-bool show(const std::string &socket, bool as_json, bool compact) {
+bool show(const std::string &socket, bool as_json, bool compact, bool topology = false) {
     auto s = fetch_status(socket);
     if (!s) {
         std::fprintf(stderr, "ringctl: %s\n", s.error().message.c_str());
@@ -34,7 +35,9 @@ bool show(const std::string &socket, bool as_json, bool compact) {
     }
     try {
         const json j = json::parse(*s);
-        if (as_json) std::printf("%s\n", compact ? j.dump().c_str() : j.dump(2).c_str());
+        if (topology && as_json) std::printf("%s\n", j.at("topology").dump(2).c_str());
+        else if (topology) print_topology(j);
+        else if (as_json) std::printf("%s\n", compact ? j.dump().c_str() : j.dump(2).c_str());
         else print_status(j);
     } catch (const std::exception &e) {
         std::fprintf(stderr, "ringctl: bad status from ringd: %s\n", e.what());
@@ -131,6 +134,8 @@ int main(int argc, char **argv) {
     drain->add_option("--timeout", drain_timeout, "seconds --wait waits at most")->capture_default_str()->check(CLI::Range(1.0, 1e6));
     auto *undrain = app.add_subcommand("undrain", "take new groups again");
     auto *reload_cmd = app.add_subcommand("reload", "read the config file again, as systemctl reload (root or ringd's user)");
+    auto *topo = app.add_subcommand("topology", "the machine as ringd sees it (NUMA nodes, NICs, GPUs) and where it put its threads and memory, with the reasons");
+    topo->add_flag("--json", as_json, "the status document's topology section");
     app.require_subcommand(1);
     CLI11_PARSE(app, argc, argv);
 
@@ -139,6 +144,7 @@ int main(int argc, char **argv) {
     if (*reload_cmd) return reload(socket);
 
     if (*status) return show(socket, as_json, false) ? 0 : 1;
+    if (*topo) return show(socket, as_json, false, true) ? 0 : 1;
 
     // watch: a daemon that does not answer is shown as such and looked at again (a restart
     // shows up); the exit status is that of the last look.

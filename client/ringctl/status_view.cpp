@@ -206,4 +206,54 @@ void print_status(const nlohmann::json &j) {
 }
 
 
+void print_topology(const nlohmann::json &j) {
+    const auto &t = j.at("topology");
+    std::printf("host %s, sysfs %s, pinning %s\n", j.at("host").get<std::string>().c_str(),
+                t.at("sysfs_root").get<std::string>().c_str(), t.at("pin").get<bool>() ? "on" : "off (topology.pin)");
+    if (t.contains("error")) {
+        std::printf("machine not known: %s\n", t.at("error").get<std::string>().c_str());
+        return;
+    }
+    std::printf("ringd may run on CPUs %s\n\nNUMA nodes\n", t.at("allowed_cpus").get<std::string>().c_str());
+    for (const auto &n : t.at("nodes")) std::printf("  node %d: CPUs %s\n", n.at("node").get<int>(), n.at("cpus").get<std::string>().c_str());
+    auto node = [](const nlohmann::json &x) { return x.at("node").get<int>() < 0 ? std::string("?") : std::to_string(x.at("node").get<int>()); };
+    std::printf("\nNICs (PCI)\n");
+    if (t.at("nics").empty()) std::printf("  none\n");
+    for (const auto &n : t.at("nics"))
+        std::printf("  %-12s %-10s node %-2s %s\n", n.at("name").get<std::string>().c_str(), n.at("kind").get<std::string>().c_str(),
+                    node(n).c_str(), n.at("pci_path").get<std::string>().c_str());
+    std::printf("\nrails\n");
+    for (const auto &r : t.at("rails")) {
+        const std::string cpus = r.at("cpus").get<std::string>();
+        std::printf("  rail %u (%s, node %s)\n    progress threads on CPUs %s: %s\n    staging memory on %s: %s\n",
+                    r.at("rail").get<unsigned>(), r.at("nic").get<std::string>().c_str(), node(r).c_str(),
+                    cpus.empty() ? "any" : cpus.c_str(), r.at("cpus_why").get<std::string>().c_str(),
+                    r.at("memory_node").get<int>() < 0 ? "any node" : ("node " + std::to_string(r.at("memory_node").get<int>())).c_str(),
+                    r.at("memory_why").get<std::string>().c_str());
+    }
+    auto lanes = [](const char *what, const nlohmann::json &d) {
+        if (!d.is_object() || !d.contains("placement")) return;
+        for (const auto &l : d.at("placement"))
+            std::printf("  %s lane %u: runs on CPUs %s; staging: %s\n", what, l.at("lane").get<unsigned>(),
+                        l.at("cpus").get<std::string>().c_str(), l.at("staging").get<std::string>().c_str());
+    };
+    if (j.contains("ring") && j.at("ring").is_object() && j.at("ring").contains("placement")) {
+        std::printf("\nring lanes (read back)\n");
+        lanes("ring", j.at("ring"));
+        if (j.contains("domains"))
+            for (const auto &d : j.at("domains")) lanes(("domain " + d.value("key", std::string("?"))).c_str(), d);
+    }
+    std::printf("\nGPUs (PCI bus order)\n");
+    if (t.at("gpus").empty()) std::printf("  none\n");
+    for (const auto &g : t.at("gpus"))
+        std::printf("  GPU %u %s node %s -> %s\n", g.at("gpu").get<unsigned>(), g.at("bus_id").get<std::string>().c_str(),
+                    node(g).c_str(), g.at("why").get<std::string>().c_str());
+    std::printf("\ntrainers' slots\n");
+    if (t.at("slots").empty()) std::printf("  none\n");
+    for (const auto &s : t.at("slots"))
+        std::printf("  %s rank %u (pid %d): %s: %s\n", s.at("group").get<std::string>().c_str(), s.at("local_rank").get<unsigned>(),
+                    s.at("pid").get<int>(), s.at("node").get<int>() < 0 ? "any node" : ("node " + std::to_string(s.at("node").get<int>())).c_str(),
+                    s.at("why").get<std::string>().c_str());
+}
+
 }  // namespace ringd

@@ -1,5 +1,6 @@
 #include "daemon/engine/progress.h"
 
+
 #include <poll.h>
 #include <sys/eventfd.h>
 
@@ -11,6 +12,7 @@
 #include "daemon/engine/all_to_all.h"
 #include "daemon/engine/reduce.h"
 #include "daemon/ipc/slot.h"
+#include "daemon/topology/topology.h"
 #include "daemon/transport/transport.h"
 #include "proto/frame.h"
 
@@ -55,6 +57,12 @@ Clock::duration ProgressEngine::stalled_for(Clock::time_point now) const {
 
 void ProgressEngine::set_name(const std::string &name) {
     if (thread_.joinable()) ::pthread_setname_np(thread_.native_handle(), name.substr(0, 15).c_str());
+}
+
+Status ProgressEngine::pin(const std::vector<uint32_t> &cpus) { return topology::pin_thread(thread_, cpus); }
+
+std::vector<uint32_t> ProgressEngine::cpus() const {
+    return topology::thread_cpus(const_cast<std::thread &>(thread_));  // (native_handle is not const)
 }
 
 void ProgressEngine::enqueue(Item item) {

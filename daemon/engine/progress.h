@@ -119,6 +119,10 @@ public:
     }
     // Names the thread (pthread_setname_np, at most 15 characters), for ps, top and gdb.
     void set_name(const std::string &name);
+    // Runs the thread on these CPUs only (daemon/topology/topology.h; empty: anywhere).
+    Status pin(const std::vector<uint32_t> &cpus);
+    // The CPUs the thread may run on now (read back from the kernel).
+    std::vector<uint32_t> cpus() const;
     uint64_t bytes_to_next() const { return bytes_to_next_.load(std::memory_order_relaxed); }
     // Of bytes_to_next(): sent by reference (TCP sendfile from a trainer's slot), not copied.
     uint64_t bytes_by_reference_to_next() const { return bytes_by_reference_.load(std::memory_order_relaxed); }

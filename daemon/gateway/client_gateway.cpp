@@ -293,11 +293,15 @@ void ClientGateway::handle_hello(ClientConn &c, const proto::Hello &h) {
             return;
         }
     const std::string name = "ringd-" + h.group + "-" + std::to_string(h.local_rank);
-    auto slot = base ? Slot::share(name, base) : Slot::create(name, h.slot_bytes, transport_);
+    std::string why;
+    const int node = base || !hooks_.slot_node ? -1 : hooks_.slot_node(c.cred().pid, why);
+    std::string placed;
+    auto slot = base ? Slot::share(name, base) : Slot::create(name, h.slot_bytes, transport_, node, &placed);
     if (!slot) {
         drop(id, slot.error(), true);
         return;
     }
+    if (!base) (*slot)->set_placement(node, node >= 0 ? why + ": " + placed : why);
     UniqueFd doorbell(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
     UniqueFd completion(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
     if (!doorbell || !completion) {
@@ -528,6 +532,14 @@ std::pair<uint64_t, uint64_t> ClientGateway::copies() const {
             out += c->slot()->header().copied_out.load(std::memory_order_relaxed);
         }
     return {in, out};
+}
+
+std::vector<ClientGateway::SlotPlace> ClientGateway::slot_places() const {
+    std::vector<SlotPlace> out;
+    for (const auto &[id, c] : clients_)
+        if (c->slot() && c->state() == ClientConn::State::Joined)
+            out.push_back({c->group(), c->local_rank(), c->cred().pid, c->slot()->node(), c->slot()->placement()});
+    return out;
 }
 
 void ClientGateway::drop(MemberId id, const Error &why, bool tell_client) {

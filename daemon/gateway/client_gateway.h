@@ -12,6 +12,7 @@
 
 #include <deque>
 #include <functional>
+#include <sys/types.h>
 #include <map>
 #include <memory>
 #include <set>
@@ -48,6 +49,8 @@ public:
         // Before a trainer is welcomed: the local failures so far go to the ring domains (a run
         // of its group that ended here is withdrawn before a new one can be agreed).
         std::function<void()> before_welcome;
+        // The NUMA node for a trainer's slot (process `pid`), and why; -1: no placement.
+        std::function<int(pid_t pid, std::string &why)> slot_node;
     };
 
     // `cuda`: the trainers' device memory, or null with `no_cuda` saying why there is none.
@@ -81,6 +84,15 @@ public:
     // The bytes the clients say they copied into and out of their slots for ops (SlotHeader's
     // copy counters: those connected now, and those gone).
     std::pair<uint64_t, uint64_t> copies() const;
+    // Where each joined client's slot lies (Hooks::slot_node), for `ringctl topology`.
+    struct SlotPlace {
+        std::string group;
+        uint32_t local_rank = 0;
+        pid_t pid = 0;
+        int node = -1;
+        std::string why;
+    };
+    std::vector<SlotPlace> slot_places() const;
     size_t joined() const { return *live_slots_; }
 
 private:

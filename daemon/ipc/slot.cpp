@@ -7,6 +7,7 @@
 #include <new>
 
 #include "common/fd_io.h"
+#include "daemon/topology/topology.h"
 
 namespace ringd {
 
@@ -53,11 +54,18 @@ Result<std::shared_ptr<Slot>> Slot::share(const std::string &name, std::shared_p
     return s;
 }
 
-Result<std::shared_ptr<Slot>> Slot::create(const std::string &name, uint64_t data_bytes, Transport &transport) {
+Result<std::shared_ptr<Slot>> Slot::create(const std::string &name, uint64_t data_bytes, Transport &transport, int node,
+                                           std::string *placed) {
     auto geo = proto::slot_geometry(data_bytes);
     if (!geo) return geo.error();
     auto s = make(name, *geo, "slot");
     if (!s) return s;
+    if (node >= 0) {
+        // A memfd's policy is the file's: pages the trainer touches first go there too.
+        std::string why;
+        const bool ok = topology::prefer_node((*s)->map_.data() + geo->data_offset, geo->data_bytes, node, why);
+        if (placed) *placed = ok ? why : "not placed: " + why;
+    }
     // With its memfd: a transport may send the data region by reference (post_send_stable).
     auto reg = transport.register_region((*s)->data(), geo->data_bytes, (*s)->memfd_.get(), geo->data_offset);
     if (!reg) return reg.error();

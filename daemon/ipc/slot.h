@@ -20,7 +20,10 @@ namespace ringd {
 
 class Slot {
 public:
-    static Result<std::shared_ptr<Slot>> create(const std::string &name, uint64_t data_bytes, Transport &transport);
+    // `node` >= 0: the data area is placed on that NUMA node (a preferred-node policy on the
+    // memfd, set before anything touches or registers it); `placed` says how that went.
+    static Result<std::shared_ptr<Slot>> create(const std::string &name, uint64_t data_bytes, Transport &transport,
+                                                int node = -1, std::string *placed = nullptr);
     // A slot with queues of its own (a new memfd: header and queues only, its geometry's data_bytes
     // 0) over the data area of `base` (another client's of the same process: HelloShared), which
     // it keeps alive.
@@ -40,6 +43,13 @@ public:
     const RegionHandle &region() const { return base_ ? base_->region() : registration_.handle(); }
     // The slot whose data area this one uses (itself when it has its own).
     const Slot &data_owner() const { return base_ ? *base_ : *this; }
+    // Where its data area was placed (create's `node`, -1: nowhere in particular), and why.
+    int node() const { return data_owner().node_; }
+    const std::string &placement() const { return data_owner().placement_; }
+    void set_placement(int node, std::string why) {
+        node_ = node;
+        placement_ = std::move(why);
+    }
 
 private:
     Slot() = default;
@@ -50,6 +60,8 @@ private:
     SharedMapping map_;
     RegisteredRegion registration_;
     std::shared_ptr<Slot> base_;  // share(): the data area's slot (its own has none)
+    int node_ = -1;
+    std::string placement_;
 };
 
 }  // namespace ringd

@@ -52,6 +52,7 @@
 #include "daemon/engine/progress.h"
 #include "daemon/exchange/direct_exchange.h"
 #include "daemon/ops/host_ops.h"
+#include "daemon/topology/topology.h"
 #include "daemon/transport/transport.h"
 
 namespace ringd {
@@ -90,6 +91,9 @@ public:
         // start); every other lane, and a whole ring made while that one still runs (a reload),
         // runs on a sibling of it: one progress thread per transport.
         bool transport_taken = false;
+        // Where the lanes' progress threads run and their staging lies (the rail's choices);
+        // nullptr: anywhere.
+        const topology::Plan *topology = nullptr;
     };
 
     // `members`: config indices in ring order, this host among them (every host: the whole ring).
@@ -319,7 +323,7 @@ private:
     struct Lane {
         std::unique_ptr<NetworkTransport> own_transport;
         NetworkTransport *transport = nullptr;
-        std::unique_ptr<std::byte[]> staging_mem;
+        topology::NodeMemory staging_mem;  // on its NIC's node (Shared::topology)
         RegisteredRegion staging;  // after staging_mem: deregistered before it is freed
         // Last: the progress thread stops (and drops its references to slots and links) before
         // anything above goes away.

@@ -62,6 +62,11 @@ nlohmann::json RingDomain::status() const {
     json hosts = json::array();
     for (const auto &h : config_.hosts) hosts.push_back(h.name);
     const HostOps::Counts oc = ops_.counts();
+    json placement = json::array();
+    for (uint32_t k = 0; k < lanes_.size(); ++k)
+        placement.push_back({{"lane", k},
+                             {"cpus", topology::format_cpulist(lanes_[k]->engine->cpus())},
+                             {"staging", lanes_[k]->staging_mem.why()}});
     // Compressed wires (docs/wire.md): ring ops by format, and the error-feedback residuals the
     // group runs here keep.
     json wire = json::object(), by_format = json::object();
@@ -105,6 +110,8 @@ nlohmann::json RingDomain::status() const {
             {"coordinator_reports", coordinator_reports_},
             {"size", n},
             {"lanes", lanes_.size()},
+            // Where each lane's progress thread may run (read back) and its staging lies.
+            {"placement", placement},
             {"hosts", hosts},
             {"members", members},
             {"op_states", {{"queued", oc.queued}, {"reported", oc.reported}, {"running", oc.running}, {"releasing", oc.releasing}}},

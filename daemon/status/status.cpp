@@ -182,6 +182,7 @@ nlohmann::json Daemon::status_doc(uint32_t viewer) const {
 #else
     constexpr bool built = false;
 #endif
+    j["topology"] = topology_status();
     j["cuda"] = cuda_ ? cuda_->status() : json::object();
     j["cuda"]["built"] = built;
     j["cuda"]["available"] = cuda_ != nullptr;

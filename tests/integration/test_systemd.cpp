@@ -186,3 +186,172 @@ TEST_CASE("the unit runs ringd as its own user without capabilities; a 2-host ri
     allreduce_checked(cl, DType::F32, ReduceOp::Avg, 1001, 1);   // direct exchange
     allreduce_checked(cl, DType::F32, ReduceOp::Sum, 200001, 2);  // the ring
 }
+
+namespace {
+
+// Every thread of `pid`: its name (comm) and the CPUs it may run on (Cpus_allowed_list).
+std::vector<std::pair<std::string, std::string>> threads_cpus(pid_t pid) {
+    std::vector<std::pair<std::string, std::string>> out;
+    const std::string dir = "/proc/" + std::to_string(pid) + "/task";
+    for (const auto &e : std::filesystem::directory_iterator(dir)) {
+        std::string comm = read_file(e.path().string() + "/comm");
+        while (!comm.empty() && comm.back() == '\n') comm.pop_back();
+        std::ifstream in(e.path().string() + "/status");
+        for (std::string line; std::getline(in, line);)
+            if (line.rfind("Cpus_allowed_list:", 0) == 0) out.emplace_back(comm, line.substr(line.find_first_not_of(" \t", 18)));
+    }
+    return out;
+}
+
+// The lines of /proc/PID/numa_maps that contain `part`.
+std::vector<std::string> numa_maps(pid_t pid, const std::string &part) {
+    std::vector<std::string> out;
+    std::ifstream in("/proc/" + std::to_string(pid) + "/numa_maps");
+    for (std::string line; std::getline(in, line);)
+        if (line.find(part) != std::string::npos) out.push_back(line);
+    return out;
+}
+
+std::vector<int> this_process_cpus() {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    std::vector<int> out;
+    if (::sched_getaffinity(0, sizeof set, &set) == 0)
+        for (int c = 0; c < CPU_SETSIZE; ++c)
+            if (CPU_ISSET(c, &set)) out.push_back(c);
+    return out;
+}
+
+std::string cpulist(const std::vector<int> &cpus) {  // (contiguous or single CPUs, as used here)
+    if (cpus.empty()) return "";
+    if (cpus.size() == 1) return std::to_string(cpus[0]);
+    return std::to_string(cpus.front()) + "-" + std::to_string(cpus.back());
+}
+
+// A ring of two hosts whose peer never comes: the ring's lanes (progress threads, staging) exist.
+DaemonOptions ring_of_two(int port) {
+    DaemonOptions o;
+    o.hosts_yaml = "hosts:\n  - {name: node0, address: 127.0.0.1, port: " + std::to_string(port) +
+                   "}\n  - {name: node1, address: 127.0.0.2, port: " + std::to_string(port) + "}\n";
+    o.extra_yaml = "auth: {insecure: true}\ntuning: {lanes: 2}\n";
+    return o;
+}
+
+}  // namespace
+
+TEST_CASE("ringd keeps every thread within the unit's CPUAffinity=, pins its ring lanes to their NIC's node and places "
+          "memory there",
+          "[systemd][topology]") {
+    const std::vector<int> mine = this_process_cpus();
+    REQUIRE_FALSE(mine.empty());
+    SECTION("CPUAffinity= of one CPU: every thread runs there") {
+        DaemonOptions o = ring_of_two(7461);
+        o.cpus = {mine.back()};
+        Daemon d(o);
+        REQUIRE(d.ready());
+        const auto threads = threads_cpus(d.pid());
+        CHECK(threads.size() >= 4);  // main, local path, two ring lanes
+        for (const auto &[name, cpus] : threads) {
+            INFO(name);
+            CHECK(cpus == std::to_string(mine.back()));
+        }
+        const json t = json::parse(*fetch_status(d.socket()))["topology"];
+        CHECK(t["allowed_cpus"] == std::to_string(mine.back()));
+        CHECK(t["rails"][0]["cpus"] == std::to_string(mine.back()));
+    }
+    SECTION("no restriction: the ring's lanes on the node of this machine's sysfs, staging there") {
+        Daemon d(ring_of_two(7462));
+        REQUIRE(d.ready());
+        const json j = json::parse(*fetch_status(d.socket()));
+        const json &t = j["topology"];
+        REQUIRE(t["nodes"].size() >= 1);
+        // 127.0.0.1 is lo's, a virtual interface: on a machine of one node, that node's CPUs;
+        // on one of several, anywhere.
+        const bool one_node = t["nodes"].size() == 1;
+        const std::string node_cpus = t["nodes"][0]["cpus"];
+        CHECK(t["rails"][0]["nic"] == "lo");
+        CHECK(t["rails"][0]["cpus"] == (one_node ? node_cpus : std::string()));
+        size_t lanes = 0;
+        for (const auto &[name, cpus] : threads_cpus(d.pid()))
+            if (name.rfind("ringd-ring", 0) == 0) {
+                ++lanes;
+                CHECK(cpus == (one_node ? node_cpus : cpulist(mine)));
+            }
+        CHECK(lanes == 2);
+        REQUIRE(j["ring"]["placement"].size() == 2);
+        if (one_node) {
+            CHECK(j["ring"]["placement"][0]["staging"] == "node 0 preferred");
+            CHECK(numa_maps(d.pid(), "prefer:0").size() >= 2);  // the two lanes' staging
+        }
+    }
+    SECTION("a described machine: the lanes on the NIC's node, a trainer's slot on the trainer's node") {
+        if (mine.size() < 2) RINGD_SKIP("a described machine of two nodes needs two CPUs here to pin to");
+        // node 0 = the last CPU here, holding the NIC that 127.0.0.1's interface (lo) is made out to
+        // be; node 1 = the others.
+        char root[] = "/tmp/ringd-sysfs-XXXXXX";
+        REQUIRE(::mkdtemp(root));
+        const std::string r = root;
+        auto write = [&](const std::string &rel, const std::string &text) {
+            std::filesystem::create_directories(std::filesystem::path(r + "/" + rel).parent_path());
+            std::ofstream(r + "/" + rel) << text << "\n";
+        };
+        std::vector<int> others(mine.begin(), mine.end() - 1);
+        write("sys/devices/system/node/node0/cpulist", std::to_string(mine.back()));
+        write("sys/devices/system/node/node1/cpulist", cpulist(others));
+        write("sys/devices/pci0000:00/0000:00:01.0/0000:01:00.0/numa_node", "0");
+        std::filesystem::create_directories(r + "/sys/class/net/lo");
+        std::filesystem::create_symlink("../../../devices/pci0000:00/0000:00:01.0/0000:01:00.0", r + "/sys/class/net/lo/device");
+        DaemonOptions o = ring_of_two(7463);
+        o.extra_yaml += "topology: {sysfs_root: " + r + "}\n";
+        Daemon d(o);
+        REQUIRE(d.ready());
+        for (const auto &[name, cpus] : threads_cpus(d.pid()))
+            if (name.rfind("ringd-ring", 0) == 0) CHECK(cpus == std::to_string(mine.back()));
+        // This process as a trainer that runs on node 0's CPU, then one on node 1's.
+        cpu_set_t set, saved;
+        REQUIRE(::sched_getaffinity(0, sizeof saved, &saved) == 0);
+        CPU_ZERO(&set);
+        CPU_SET(mine.back(), &set);
+        REQUIRE(::sched_setaffinity(0, sizeof set, &set) == 0);
+        auto a = std::make_unique<Client>(d.socket(), "placed", 0, 1, 4 << 20);
+        CPU_ZERO(&set);
+        CPU_SET(others.front(), &set);
+        REQUIRE(::sched_setaffinity(0, sizeof set, &set) == 0);
+        auto b = std::make_unique<Client>(d.socket(), "elsewhere", 0, 1, 4 << 20);
+        REQUIRE(::sched_setaffinity(0, sizeof saved, &saved) == 0);
+        const json j = json::parse(*fetch_status(d.socket()));
+        const json &t = j["topology"];
+        CHECK(t["rails"][0]["node"] == 0);
+        CHECK(t["rails"][0]["cpus"] == std::to_string(mine.back()));
+        CHECK(j["ring"]["placement"][0]["staging"] == "node 0 preferred");
+        REQUIRE(t["slots"].size() == 2);
+        for (const auto &s : t["slots"]) {
+            INFO(s.dump());
+            if (s["group"] == "placed") {
+                CHECK(s["node"] == 0);
+                CHECK_THAT(s["why"].get<std::string>(), Catch::Contains("all on node 0") && Catch::EndsWith("node 0 preferred"));
+            } else {
+                CHECK(s["node"] == 1);  // this machine has no node 1: chosen, not placed
+                CHECK_THAT(s["why"].get<std::string>(), Catch::Contains("not placed: node 1 is not a NUMA node of this machine"));
+            }
+        }
+        // The slot's data area (its queues before it stay where the daemon wrote them).
+        auto preferring = [&](const std::string &slot) {
+            size_t n = 0;
+            for (const auto &line : numa_maps(d.pid(), "memfd:" + slot)) n += line.find(" prefer:0 ") != std::string::npos;
+            return n;
+        };
+        CHECK(preferring("ringd-placed-0") == 1);
+        CHECK(preferring("ringd-elsewhere-0") == 0);
+        CHECK(numa_maps(d.pid(), "memfd:ringd-elsewhere-0").size() == 1);
+        // ringctl topology shows each choice with its reason.
+        const std::string shown = run_command(env_or("RINGCTL_BIN", "build/client/ringctl") + " --socket " + d.socket() + " topology").output;
+        CHECK_THAT(shown, Catch::Contains("rail 0 (lo, node 0)") && Catch::Contains("lo (0000:01:00.0) is on node 0") &&
+                              Catch::Contains("ring lane 1: runs on CPUs " + std::to_string(mine.back())) &&
+                              Catch::Contains("placed rank 0 (pid " + std::to_string(::getpid()) + "): node 0"));
+        a.reset();
+        b.reset();
+        std::error_code ec;
+        std::filesystem::remove_all(r, ec);
+    }
+}

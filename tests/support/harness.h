@@ -165,6 +165,7 @@ struct DaemonOptions {
     gid_t gid = 0;
     std::string bin;                // the ringd to run; empty: $RINGD_BIN
     std::string netns;              // the network namespace it runs in (tests/support/netns.h); empty: this one
+    std::vector<int> cpus;          // the CPUs it may run on (as the unit's CPUAffinity=); empty: the test's
 };
 
 class Daemon {
@@ -186,6 +187,7 @@ public:
         env_ = o.env;
         bin_ = o.bin;
         netns_ = o.netns;
+        cpus_ = o.cpus;
         // Its state directory, as the unit's StateDirectory= gives it (kept across restarts).
         std::filesystem::create_directory(dir_ + "/state");
         env_.push_back("STATE_DIRECTORY=" + dir_ + "/state");
@@ -248,6 +250,12 @@ public:
                 const rlimit lim{static_cast<rlim_t>(nofile_), static_cast<rlim_t>(nofile_)};
                 ::setrlimit(RLIMIT_NOFILE, &lim);
             }
+            if (!cpus_.empty()) {  // as systemd applies CPUAffinity= before it executes the unit
+                cpu_set_t set;
+                CPU_ZERO(&set);
+                for (int c : cpus_) CPU_SET(c, &set);
+                if (::sched_setaffinity(0, sizeof set, &set) != 0) ::_exit(124);
+            }
             ::execl(bin.c_str(), bin.c_str(), "--config", config_.c_str(), "--host", host_.c_str(), nullptr);
             ::_exit(127);
         }
@@ -282,6 +290,7 @@ public:
 private:
     std::string dir_, socket_, config_, log_, host_;
     std::string bin_, netns_;
+    std::vector<int> cpus_;
     std::vector<std::string> env_;
     int nofile_ = 0;
     uid_t uid_ = 0;

@@ -214,3 +214,18 @@ TEST_CASE("metrics.listen: off by default, ADDRESS:PORT with an IPv4 or brackete
     }
     CHECK_THAT(error_of(kBase + "metrics: {port: 9465}\n"), Catch::StartsWith("metrics.port: unknown key"));
 }
+
+TEST_CASE("topology: this machine's sysfs, pinned by default; pin on/off, an absolute root", "[config]") {
+    auto c = parse_config(kBase);
+    REQUIRE(c.ok());
+    CHECK(c->topology.sysfs_root == "/");
+    CHECK(c->topology.pin);
+    auto off = parse_config(kBase + "topology: {pin: off, sysfs_root: /tmp/machine}\n");
+    REQUIRE(off.ok());
+    CHECK_FALSE(off->topology.pin);
+    CHECK(off->topology.sysfs_root == "/tmp/machine");
+    CHECK(parse_config(kBase + "topology: {pin: true}\n")->topology.pin);
+    CHECK_THAT(error_of(kBase + "topology: {pin: maybe}\n"), Catch::StartsWith("topology.pin:"));
+    CHECK_THAT(error_of(kBase + "topology: {sysfs_root: machine}\n"), Catch::StartsWith("topology.sysfs_root: must be an absolute path"));
+    CHECK_THAT(error_of(kBase + "topology: {numa: 1}\n"), Catch::StartsWith("topology.numa: unknown key"));
+}
