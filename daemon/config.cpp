@@ -102,12 +102,36 @@ void parse_hosts(const YAML::Node &n, Config &c) {
     std::set<std::string> names, endpoints;
     for (size_t i = 0; i < n.size(); ++i) {
         const std::string at = "hosts[" + std::to_string(i) + "]";
-        check_keys(n[i], at, {"name", "address", "port"});
+        check_keys(n[i], at, {"name", "address", "port", "weights"});
         HostEntry h;
         if (!n[i]["name"]) fail(at + ".name", "missing");
         if (!n[i]["address"]) fail(at + ".address", "missing");
         h.name = scalar(n[i]["name"], at + ".name");
-        h.address = scalar(n[i]["address"], at + ".address");
+        if (n[i]["address"].IsSequence()) {
+            // One address per rail (NIC), rail 0 first.
+            const auto &list = n[i]["address"];
+            if (list.size() == 0 || list.size() > kMaxRails)
+                fail(at + ".address", "a list of 1 to " + std::to_string(kMaxRails) + " addresses (one per rail)");
+            h.address = scalar(list[0], at + ".address[0]");
+            for (size_t r = 1; r < list.size(); ++r) {
+                h.rails.push_back(scalar(list[r], at + ".address[" + std::to_string(r) + "]"));
+                if (h.rails.back().empty()) fail(at + ".address[" + std::to_string(r) + "]", "is empty");
+            }
+        } else {
+            h.address = scalar(n[i]["address"], at + ".address");
+        }
+        if (auto w = n[i]["weights"]) {
+            if (!w.IsSequence() || w.size() != h.rail_count())
+                fail(at + ".weights", "one weight per address (" + std::to_string(h.rail_count()) + ")");
+            for (size_t r = 0; r < w.size(); ++r) {
+                const std::string key = at + ".weights[" + std::to_string(r) + "]";
+                const std::string v = scalar(w[r], key);
+                char *end = nullptr;
+                const double x = std::strtod(v.c_str(), &end);
+                if (v.empty() || *end || !(x > 0) || x > 1e6) fail(key, "'" + v + "' is not a positive number");
+                h.weights.push_back(x);
+            }
+        }
         if (h.name.empty()) fail(at + ".name", "is empty");
         // Trainers list a group's hosts by these names (ringd_connect_opts), comma-separated.
         for (char ch : h.name)
@@ -116,8 +140,13 @@ void parse_hosts(const YAML::Node &n, Config &c) {
         if (h.address.empty()) fail(at + ".address", "is empty");
         if (n[i]["port"]) h.port = static_cast<uint16_t>(get_uint(n[i]["port"], at + ".port", 1, 65535));
         if (!names.insert(h.name).second) fail(at + ".name", "'" + h.name + "' appears twice");
-        if (!endpoints.insert(h.address + ":" + std::to_string(h.port)).second)
-            fail(at, "address " + h.address + ":" + std::to_string(h.port) + " appears twice");
+        for (uint32_t r = 0; r < h.rail_count(); ++r)
+            if (!endpoints.insert(h.rail_address(r) + ":" + std::to_string(h.port)).second)
+                fail(at, "address " + h.rail_address(r) + ":" + std::to_string(h.port) + " appears twice");
+        if (!c.hosts.empty() && h.rail_count() != c.hosts.front().rail_count())
+            fail(at + ".address", "every host lists as many addresses (rails): " + c.hosts.front().name + " has " +
+                                      std::to_string(c.hosts.front().rail_count()) + ", " + h.name + " " +
+                                      std::to_string(h.rail_count()));
         c.hosts.push_back(std::move(h));
     }
 }
@@ -291,6 +320,9 @@ Config parse_root(const YAML::Node &root) {
         }
     }
     if (c.transport != "tcp") c.data_mac = false;
+    if (c.transport != "tcp" && !c.hosts.empty() && c.hosts.front().rail_count() > 1)
+        fail("hosts", "several addresses per host (rails) are for transport: tcp; with " + c.transport +
+                          " each host lists one address");
     // Secure by default: daemons of a ring accept each other only with a shared secret.
     if (c.hosts.size() > 1 && c.secret_file.empty() && !c.insecure)
         fail("auth.secret_file", "missing: the daemons of a ring of several hosts authenticate each other with a "

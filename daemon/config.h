@@ -15,10 +15,20 @@ namespace ringd {
 
 enum class PollMode { Event, Busy, Adaptive };
 
+constexpr uint32_t kMaxRails = 16;  // addresses (NICs) per host
+
 struct HostEntry {
     std::string name;
-    std::string address;
+    std::string address;  // rail 0's: the control connections, and the ring's data on rail 0
     uint16_t port = 7400;
+    // Several NICs (`address: [a0, a1, ...]`): the addresses of rails 1, 2, ... (every host lists
+    // as many), and each rail's weight (`weights:`, rail 0 first; empty: all equal) by which the
+    // ring's messages are spread over them.
+    std::vector<std::string> rails;
+    std::vector<double> weights;
+    uint32_t rail_count() const { return 1 + static_cast<uint32_t>(rails.size()); }
+    const std::string &rail_address(uint32_t r) const { return r == 0 ? address : rails.at(r - 1); }
+    double rail_weight(uint32_t r) const { return weights.empty() ? 1.0 : weights.at(r); }
 };
 
 struct Config {

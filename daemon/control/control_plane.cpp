@@ -2,6 +2,7 @@
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <ifaddrs.h>
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/epoll.h>
@@ -65,6 +66,28 @@ std::string ip_of(const sockaddr_storage &ss) {
 }
 
 // Same address, whatever the spelling ("::ffff:10.0.0.1" and "10.0.0.1" included).
+bool same_ip(const std::string &a, const std::string &b);
+
+// Whether an interface of this machine holds `ip`.
+bool address_is_local(const std::string &ip) {
+    ifaddrs *all = nullptr;
+    if (::getifaddrs(&all) != 0) return true;  // (cannot tell: the bind of a data stream will)
+    bool found = false;
+    for (ifaddrs *a = all; a && !found; a = a->ifa_next) {
+        if (!a->ifa_addr || (a->ifa_addr->sa_family != AF_INET && a->ifa_addr->sa_family != AF_INET6)) continue;
+        found = same_ip(ip_of(*reinterpret_cast<sockaddr_storage *>(a->ifa_addr)), ip);
+    }
+    ::freeifaddrs(all);
+    return found;
+}
+
+// Whether `ip` is one of host `h`'s addresses (any rail).
+bool is_host_ip(const HostEntry &h, const std::string &ip) {
+    for (uint32_t r = 0; r < h.rail_count(); ++r)
+        if (same_ip(h.rail_address(r), ip)) return true;
+    return false;
+}
+
 bool same_ip(const std::string &a, const std::string &b) {
     auto norm = [](const std::string &s) { return s.rfind("::ffff:", 0) == 0 ? s.substr(7) : s; };
     return norm(a) == norm(b);
@@ -91,6 +114,13 @@ Result<std::unique_ptr<ControlPlane>> ControlPlane::create(const Config &config,
         if (!make_addr(h.address, h.port, ss, len))
             return make_error(-EINVAL, "hosts[" + std::to_string(i) + "].address: '" + h.address +
                                            "' is not an IPv4 or IPv6 address");
+        for (uint32_t r = 1; r < h.rail_count(); ++r) {
+            sockaddr_storage rs;
+            socklen_t rlen;
+            if (!make_addr(h.rail_address(r), h.port, rs, rlen) || rs.ss_family != ss.ss_family)
+                return make_error(-EINVAL, "hosts[" + std::to_string(i) + "].address[" + std::to_string(r) + "]: '" +
+                                               h.rail_address(r) + "' is not an address of the family of " + h.address);
+        }
         if (auto why = proto::check_name("host name", h.name); !why.empty())
             return make_error(-EINVAL, "hosts[" + std::to_string(i) + "].name: " + why);
         Peer p;
@@ -102,7 +132,11 @@ Result<std::unique_ptr<ControlPlane>> ControlPlane::create(const Config &config,
     // TCP stripes a link over tcp.streams connections; an ibverbs link needs one (bring-up, then
     // liveness); each of the domain's lanes has a link of its own (ring_up hands them over lane by
     // lane, in stream order).
-    const uint32_t streams = (config.transport == "tcp" ? config.tcp.streams : 1) * std::max<uint32_t>(1, config.tuning.lanes);
+    // Several rails (TCP): tcp.streams per rail, rail r's between the hosts' rail-r addresses;
+    // stream s is lane s / (streams x rails)'s, on rail (s / streams) % rails.
+    cp->rails_ = config.transport == "tcp" ? config.hosts[self_index].rail_count() : 1;
+    const uint32_t streams =
+        (config.transport == "tcp" ? config.tcp.streams : 1) * cp->rails_ * std::max<uint32_t>(1, config.tuning.lanes);
     cp->data_out_.assign(streams, 0);
     cp->data_in_.assign(streams, 0);
     cp->epoll_ = UniqueFd(::epoll_create1(EPOLL_CLOEXEC));
@@ -159,6 +193,15 @@ Status ControlPlane::listen() {
     sockaddr_storage ss;
     socklen_t len;
     make_addr(me.address, me.port, ss, len);
+    if (rails_ > 1) {
+        // Several rails: the port on every address of the host (connections from anything but
+        // the configured hosts' addresses are refused at accept), each rail's address checked here.
+        for (uint32_t r = 0; r < rails_; ++r)
+            if (!address_is_local(me.rail_address(r)))
+                return make_error(-EADDRNOTAVAIL, "hosts[" + std::to_string(self_) + "].address[" + std::to_string(r) + "]: " +
+                                                      me.rail_address(r) + " is not an address of this machine");
+        make_addr(ss.ss_family == AF_INET ? "0.0.0.0" : "::", me.port, ss, len);
+    }
     listener_ = UniqueFd(::socket(ss.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
     const int one = 1;
     ::setsockopt(listener_.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
@@ -202,7 +245,7 @@ void ControlPlane::accept_all() {
         if (!fd) return;
         const std::string ip = ip_of(ss);
         bool known = false;
-        for (uint32_t i = 0; i < n_; ++i) known = known || (i != self_ && same_ip(peers_[i].host.address, ip));
+        for (uint32_t i = 0; i < n_; ++i) known = known || (i != self_ && is_host_ip(peers_[i].host, ip));
         if (!known) {
             spdlog::warn("refused a connection from {}: not the address of any host in the config", ip);
             continue;
@@ -221,7 +264,7 @@ void ControlPlane::accept_all() {
             if (!oldest) oldest = cid;
             if (conn->remote == ip && !from_ip++) oldest_from_ip = cid;
         }
-        for (uint32_t i = 0; i < n_; ++i) hosts_there += i != self_ && same_ip(peers_[i].host.address, ip);
+        for (uint32_t i = 0; i < n_; ++i) hosts_there += i != self_ && is_host_ip(peers_[i].host, ip);
         const size_t per_host = 2 * (1 + config_.tcp.streams) * domains_;
         const uint64_t victim = from_ip >= hosts_there * per_host                              ? oldest_from_ip
                                 : total >= std::max<size_t>(16, (n_ - 1) * per_host) ? oldest
@@ -249,7 +292,7 @@ void ControlPlane::accept_all() {
             // checks once its plane has the connection.
             for (uint32_t i = 0; i < n_; ++i) {
                 if (peers_[i].host.name != h.from || i == self_) continue;
-                if (!same_ip(peers_[i].host.address, ip))
+                if (!is_host_ip(peers_[i].host, ip))
                     return make_error(-EACCES, "host " + h.from + " connected from " + ip + ", its configured address is " +
                                                    peers_[i].host.address);
                 if (!cb_.foreign_check) return make_error(-EPROTO, "host " + h.from + " dialed for ring domain " + h.domain);
@@ -269,9 +312,12 @@ Status ControlPlane::check_hello(const proto::PeerHello &h, const std::string &i
     for (uint32_t i = 0; i < n_; ++i) {
         if (peers_[i].host.name != h.from) continue;
         if (i == self_) break;
-        if (!same_ip(peers_[i].host.address, ip))
-            return make_error(-EACCES, "host " + h.from + " connected from " + ip + ", its configured address is " +
-                                           peers_[i].host.address);
+        // The control connection on rail 0, a data stream on its rail.
+        const uint32_t rail = h.kind == proto::ConnKind::Data ? rail_of(h.stream) : 0;
+        if (rail >= peers_[i].host.rail_count() || !same_ip(peers_[i].host.rail_address(rail), ip))
+            return make_error(-EACCES, "host " + h.from + " connected from " + ip + ", its configured address" +
+                                           (rails_ > 1 ? " on rail " + std::to_string(rail) : std::string()) + " is " +
+                                           peers_[i].host.rail_address(std::min(rail, peers_[i].host.rail_count() - 1)));
         if (h.kind == proto::ConnKind::Control && i > self_)
             return make_error(-EPROTO, "host " + h.from + " dialed a control connection it should accept");
         if (h.kind == proto::ConnKind::Data && (i != prev() || h.stream >= data_in_.size()))
@@ -324,18 +370,34 @@ void ControlPlane::adopt(UniqueFd fd, const proto::PeerHello &h, const std::stri
 
 void ControlPlane::dial(uint32_t peer, proto::ConnKind kind, uint32_t stream) {
     const auto &h = peers_[peer].host;
+    const uint32_t rail = kind == proto::ConnKind::Data ? rail_of(stream) : 0;
+    const std::string &address = h.rail_address(rail);
     sockaddr_storage ss;
     socklen_t len;
-    make_addr(h.address, h.port, ss, len);
+    make_addr(address, h.port, ss, len);
     auto c = std::make_unique<Conn>();
     c->id = next_conn_id_++;
     c->dialer = true;
     c->peer = peer;
     c->kind = kind;
     c->stream = stream;
-    c->remote = h.address + ":" + std::to_string(h.port);
+    c->remote = address + ":" + std::to_string(h.port);
     c->deadline = Clock::now() + std::min<Clock::duration>(config_.timeouts.connect, std::chrono::seconds(5));
     c->fd = UniqueFd(::socket(ss.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+    if (rails_ > 1 && c->fd) {
+        // From this host's address on the same rail: the peer checks it, and the route is the rail's.
+        sockaddr_storage local;
+        socklen_t local_len;
+        make_addr(peers_[self_].host.rail_address(rail), 0, local, local_len);
+        if (::bind(c->fd.get(), reinterpret_cast<sockaddr *>(&local), local_len) != 0) {
+            const int err = errno;
+            const uint64_t id = c->id;
+            conns_.emplace(id, std::move(c));
+            if (kind == proto::ConnKind::Data) data_out_[stream] = id;
+            return conn_failed(id, "binding " + peers_[self_].host.rail_address(rail) + " for rail " + std::to_string(rail) +
+                                       ": " + errno_string(err));
+        }
+    }
     if (kind == proto::ConnKind::Control) {
         peers_[peer].dialing = true;
         set_state(peer, "connecting");
@@ -350,7 +412,7 @@ void ControlPlane::dial(uint32_t peer, proto::ConnKind kind, uint32_t stream) {
     const int fd = c->fd.get();
     conns_.emplace(id, std::move(c));
     if (kind == proto::ConnKind::Data) data_out_[stream] = id;
-    if (rc != 0 && err != EINPROGRESS) return conn_failed(id, "connect to " + h.address + ": " + errno_string(err));
+    if (rc != 0 && err != EINPROGRESS) return conn_failed(id, "connect to " + address + ": " + errno_string(err));
     if (auto s = watch(fd, id, EPOLLOUT); !s) return conn_failed(id, s.error().message);
 }
 
@@ -641,6 +703,7 @@ void ControlPlane::on_ring_start(uint64_t g, uint16_t protocol) {
     DataSockets out, in;
     for (uint64_t &id : data_out_) {
         ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, conns_.at(id)->fd.get(), nullptr);
+        out.rails.push_back(rail_of(static_cast<uint32_t>(&id - data_out_.data())));
         out.fds.push_back(std::move(conns_.at(id)->fd));
         out.keys.push_back(conns_.at(id)->keys);
         conns_.erase(id);
@@ -648,6 +711,7 @@ void ControlPlane::on_ring_start(uint64_t g, uint16_t protocol) {
     }
     for (uint64_t &id : data_in_) {
         ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, conns_.at(id)->fd.get(), nullptr);
+        in.rails.push_back(rail_of(static_cast<uint32_t>(&id - data_in_.data())));
         in.fds.push_back(std::move(conns_.at(id)->fd));
         in.keys.push_back(conns_.at(id)->keys);
         conns_.erase(id);

@@ -39,6 +39,7 @@ namespace ringd {
 struct DataSockets {
     std::vector<UniqueFd> fds;
     std::vector<SessionKeys> keys;  // one per fd
+    std::vector<uint32_t> rails;    // each fd's rail (HostEntry::rails)
 };
 
 class ControlPlane {
@@ -263,6 +264,12 @@ private:
     std::string domain_;
     size_t domains_ = 1;
     uint32_t self_ = 0, n_ = 1;
+    uint32_t rails_ = 1;  // TCP: the addresses (NICs) per host
+    // Data stream s's rail (ordering: lanes, then rails, then tcp.streams).
+    uint32_t rail_of(uint32_t stream) const {
+        const uint32_t per_rail = config_.transport == "tcp" ? config_.tcp.streams : 1;
+        return (stream / per_rail) % rails_;
+    }
     const PeerSecret *secret_ = nullptr;
     PeerSecret no_secret_;
     Callbacks cb_;

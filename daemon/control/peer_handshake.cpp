@@ -21,7 +21,13 @@ proto::Bytes cat(const proto::Bytes &a, const proto::Bytes &b) {
 
 proto::HostsDigest hosts_digest(const std::vector<HostEntry> &hosts) {
     std::string text;
-    for (const auto &h : hosts) text += h.name + " " + h.address + " " + std::to_string(h.port) + "\n";
+    for (const auto &h : hosts) {
+        text += h.name + " " + h.address + " " + std::to_string(h.port);
+        // (A host of one rail writes what every release before rails wrote.)
+        for (uint32_t r = 1; r < h.rail_count(); ++r) text += " " + h.rail_address(r);
+        for (double w : h.weights) text += " w" + std::to_string(w);
+        text += "\n";
+    }
     uint8_t md[EVP_MAX_MD_SIZE];
     unsigned int len = 0;
     EVP_Digest(text.data(), text.size(), md, &len, EVP_sha256(), nullptr);

@@ -200,6 +200,8 @@ void ProgressEngine::run() {
             // before it reads, so the ring of hosts cannot wait on itself.
             std::vector<LinkSetup> setups;
             setups.emplace_back(l.next_name, std::move(l.to_next), std::move(l.to_next_keys));
+            setups.back().rails = std::move(l.to_next_rails);
+            setups.back().weights = std::move(l.to_next_weights);
             setups.emplace_back(l.prev_name, std::move(l.from_prev), std::move(l.from_prev_keys));
             auto links = transport_->add_links(std::move(setups), Clock::now() + kLinkSetupTimeout);
             if (!links) {

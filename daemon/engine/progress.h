@@ -77,6 +77,9 @@ struct RingLinks {
     std::string next_name, prev_name;
     std::vector<UniqueFd> to_next, from_prev;
     std::vector<SessionKeys> to_next_keys, from_prev_keys;  // one per connection
+    // Several rails: each connection's rail and its weight (LinkSetup::rails, weights).
+    std::vector<uint32_t> to_next_rails;
+    std::vector<double> to_next_weights;
 };
 
 class ProgressEngine {

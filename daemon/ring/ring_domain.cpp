@@ -118,7 +118,7 @@ void RingDomain::on_ring_up(uint64_t generation, DataSockets to_next, DataSocket
     local_generation_ = generation;
     if (sh_.generation_seen) sh_.generation_seen(generation);
     const uint32_t n = static_cast<uint32_t>(config_.hosts.size());
-    // The data connections lane by lane (ControlPlane: streams x lanes, in stream order).
+    // The data connections lane by lane (ControlPlane: streams x rails x lanes, in stream order).
     const size_t per = to_next.fds.size() / lanes_.size();
     for (size_t k = 0; k < lanes_.size(); ++k) {
         RingLinks l;
@@ -127,9 +127,14 @@ void RingDomain::on_ring_up(uint64_t generation, DataSockets to_next, DataSocket
         l.size = n;
         l.next_name = config_.hosts[(self_index_ + 1) % n].name;
         l.prev_name = config_.hosts[(self_index_ + n - 1) % n].name;
+        const HostEntry &me = config_.hosts[self_index_];
         for (size_t i = k * per; i < (k + 1) * per && i < to_next.fds.size(); ++i) {
             l.to_next.push_back(std::move(to_next.fds[i]));
             l.to_next_keys.push_back(to_next.keys.at(i));
+            if (me.rail_count() > 1) {
+                l.to_next_rails.push_back(to_next.rails.at(i));
+                l.to_next_weights.push_back(me.rail_weight(to_next.rails.at(i)));
+            }
         }
         for (size_t i = k * per; i < (k + 1) * per && i < from_prev.fds.size(); ++i) {
             l.from_prev.push_back(std::move(from_prev.fds[i]));

@@ -176,6 +176,10 @@ struct LinkSetup {
     // Each connection's frame keys from its handshake (daemon/transport/frame_mac.h); empty or
     // disabled: nothing is tagged (no auth.secret_file).
     std::vector<SessionKeys> keys;
+    // Several rails: each connection's rail and that rail's weight (HostEntry::weights), by which
+    // the link's messages are shared out; empty: all connections alike, in turn.
+    std::vector<uint32_t> rails;
+    std::vector<double> weights;
 };
 
 // A transport between hosts (tcp, ibverbs): links are made from data connections that the

@@ -16,6 +16,8 @@
 #include <thread>
 
 #include "tests/support/cluster.h"
+#include "tests/support/netns.h"
+#include "tests/support/skip.h"
 #include "tests/support/net.h"
 
 using namespace ringd;
@@ -621,4 +623,59 @@ TEST_CASE("solo lane: a group's ring ops start on every host without the coordin
         CHECK(j["ring"]["ops_ring"] == 25 + 7);
         CHECK(j["ops"]["failed"] == 0);
     }
+}
+
+TEST_CASE("rails: each host's NICs carry the ring's data in proportion to their weights, every value exact", "[cluster][rails]") {
+    if (!NetnsHosts::available()) RINGD_SKIP("network namespaces are needed for hosts with two NICs");
+    NetnsHosts hosts(3, 2);
+    const bool weighted = GENERATE(false, true);
+    INFO((weighted ? "rails of 300 and 100 Mbit/s, weights 3:1" : "rails of 200 Mbit/s each"));
+    for (uint32_t h = 0; h < 3; ++h) {  // the rails are what limits the ring, as a cluster's NICs do
+        hosts.limit(h, 0, weighted ? "300mbit" : "200mbit");
+        hosts.limit(h, 1, weighted ? "100mbit" : "200mbit");
+    }
+    ClusterOptions o;
+    o.netns = &hosts;
+    o.op_timeout = "20s";
+    o.host_yaml = weighted ? ", weights: [3, 1]" : "";
+    TestCluster c(3, o);
+    REQUIRE(c.wait_up());
+    auto cl = connect_all(c, "railed", 2, 64 << 20);
+    std::vector<std::array<uint64_t, 2>> before(3);
+    for (uint32_t h = 0; h < 3; ++h) before[h] = {hosts.tx_bytes(h, 0), hosts.tx_bytes(h, 1)};
+    uint64_t seed = 1;
+    for (int k = 0; k < 2; ++k) allreduce_checked(cl, DType::F32, ReduceOp::Sum, 4'000'003, seed++);  // the ring
+    allreduce_checked(cl, DType::F32, ReduceOp::Avg, 1001, seed++);                                  // direct exchange
+    allreduce_checked(cl, DType::BF16, ReduceOp::Max, 1'000'001, seed++);
+    for (uint32_t h = 0; h < 3; ++h) {
+        const double r0 = static_cast<double>(hosts.tx_bytes(h, 0) - before[h][0]);
+        const double r1 = static_cast<double>(hosts.tx_bytes(h, 1) - before[h][1]);
+        INFO("host " << h << ": rail 0 sent " << r0 << " bytes, rail 1 " << r1);
+        CHECK(r0 + r1 > 2 * 2 * 2.0 / 3 * 16e6);  // the ring's bytes went out
+        if (weighted) {
+            CHECK(r0 / r1 > 2.4);
+            CHECK(r0 / r1 < 3.6);
+        } else {
+            CHECK(r0 / (r0 + r1) > 0.42);
+            CHECK(r0 / (r0 + r1) < 0.58);
+        }
+    }
+    CHECK(c.status(0)["ops"]["failed"] == 0);
+}
+
+TEST_CASE("rails: a rail address the host does not have, or lists of different lengths, stop ringd at start", "[cluster][rails]") {
+    const std::string dir = make_temp_dir();
+    auto start = [&](const std::string &hosts) {
+        std::ofstream(dir + "/c.yaml") << "cluster: c\nhosts:\n" << hosts << "socket: " << dir << "/s.sock\nauth: {insecure: true}\n";
+        return run_command("timeout 10 " + env_or("RINGD_BIN", "build/daemon/ringd") + " --config " + dir + "/c.yaml --host a 2>&1");
+    };
+    auto r = start("  - {name: a, address: [127.0.0.1, 192.0.2.9], port: 7400}\n  - {name: b, address: [127.0.0.2, 192.0.2.10], port: 7400}\n");
+    CHECK(r.exit_code != 0);
+    CHECK_THAT(r.output, Catch::Contains("hosts[0].address[1]: 192.0.2.9 is not an address of this machine"));
+    r = start("  - {name: a, address: [127.0.0.1, 127.0.0.3], port: 7400}\n  - {name: b, address: 127.0.0.2, port: 7400}\n");
+    CHECK(r.exit_code != 0);
+    CHECK_THAT(r.output, Catch::Contains("every host lists as many addresses (rails): a has 2, b 1"));
+    r = start("  - {name: a, address: [127.0.0.1, 127.0.0.3], port: 7400, weights: [1]}\n");
+    CHECK(r.exit_code != 0);
+    CHECK_THAT(r.output, Catch::Contains("hosts[0].weights: one weight per address (2)"));
 }

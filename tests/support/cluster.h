@@ -40,6 +40,7 @@ struct ClusterOptions {
     // Hosts as network namespaces (its first n hosts), each ringd at its own address, port 7400;
     // null: 127.0.0.1, a port each.
     const NetnsHosts *netns = nullptr;
+    std::string host_yaml{};  // appended to every host's entry in hosts: (e.g. ", weights: [3, 1]")
 };
 
 struct TestCluster {
@@ -56,8 +57,8 @@ struct TestCluster {
         auto hosts_yaml = [&](uint32_t self) {
             std::string yaml = "hosts:\n";
             for (uint32_t i = 0; i < n; ++i)
-                yaml += "  - {name: node" + std::to_string(i) + ", address: " + address(i) + ", port: " +
-                        std::to_string(i == o.relayed && i != self ? o.relay_port : port(i)) + "}\n";
+                yaml += "  - {name: node" + std::to_string(i) + ", address: " + (netns ? netns->addresses_yaml(i) : address(i)) +
+                        ", port: " + std::to_string(i == o.relayed && i != self ? o.relay_port : port(i)) + o.host_yaml + "}\n";
             return yaml;
         };
         for (uint32_t i = 0; i < n; ++i) {

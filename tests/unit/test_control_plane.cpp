@@ -30,7 +30,7 @@ uint16_t base_port() { return static_cast<uint16_t>(10000 + (::getpid() * 7) % 2
 Config ring_config(uint32_t n, uint16_t port0, int streams = 2, std::chrono::milliseconds heartbeat = 100ms) {
     Config c;
     c.cluster = "test";
-    for (uint32_t i = 0; i < n; ++i) c.hosts.push_back({"node" + std::to_string(i), "127.0.0.1", static_cast<uint16_t>(port0 + i)});
+    for (uint32_t i = 0; i < n; ++i) c.hosts.push_back({"node" + std::to_string(i), "127.0.0.1", static_cast<uint16_t>(port0 + i), {}, {}});
     c.tcp.streams = static_cast<uint32_t>(streams);
     c.tuning.lanes = 1;  // data streams per link = tcp.streams x lanes
     c.timeouts.heartbeat = heartbeat;

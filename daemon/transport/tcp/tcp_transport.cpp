@@ -3,11 +3,14 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <linux/sockios.h>
 #include <sys/epoll.h>
+#include <sys/ioctl.h>
 #include <sys/sendfile.h>
 #include <sys/socket.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdlib>
 #include <cstring>
 
@@ -101,15 +104,25 @@ Result<RegionHandle> TcpTransport::do_register(std::byte *base, size_t bytes) {
 void TcpTransport::do_deregister(RegionHandle) {}
 
 Result<Link *> TcpTransport::add_link(const std::string &peer, std::vector<UniqueFd> streams,
-                                      const std::vector<SessionKeys> &keys) {
+                                      const std::vector<SessionKeys> &keys, const std::vector<uint32_t> &rails,
+                                      const std::vector<double> &weights) {
     if (!epoll_) return make_error(-EMFILE, "epoll_create1 failed");
     if (streams.empty()) return make_error(-EINVAL, "a link needs at least one stream");
     if (!keys.empty() && keys.size() != streams.size()) return make_error(-EINVAL, "a link needs keys for every stream");
+    if (rails.size() != weights.size() || (!rails.empty() && rails.size() != streams.size()))
+        return make_error(-EINVAL, "a link of several rails needs every stream's rail and weight");
+    for (size_t i = 0; i < rails.size(); ++i)
+        if (rails[i] >= kMaxLinkRails || !(weights[i] > 0)) return make_error(-EINVAL, "a stream's rail or weight is out of range");
     auto link = std::make_unique<TcpLink>(*this, peer);
     for (size_t i = 0; i < streams.size(); ++i) {
         const SessionKeys k = data_mac_ && !keys.empty() ? keys[i] : SessionKeys{};
         if (auto s = link->add_stream(std::move(streams[i]), k); !s) return s.error();
+        if (!rails.empty()) {
+            link->streams_.back()->rail = rails[i];
+            link->streams_.back()->weight = weights[i];
+        }
     }
+    link->weighted_ = !rails.empty();
     if (!link->late_congestion_.empty())
         spdlog::warn("data link to {}: a stream was connected under TCP congestion control {}; the kernel keeps what the "
                      "first one set up at connection time (BBR: its pacing, a timer per burst); ringd sets tcp.congestion "
@@ -123,7 +136,7 @@ Result<std::vector<Link *>> TcpTransport::add_links(std::vector<LinkSetup> links
                                                     std::chrono::steady_clock::time_point) {
     std::vector<Link *> out;
     for (auto &l : links) {
-        auto link = add_link(l.peer, std::move(l.streams), l.keys);
+        auto link = add_link(l.peer, std::move(l.streams), l.keys, l.rails, l.weights);
         if (!link) {
             for (Link *done : out) remove_link(done);
             return link.error();
@@ -214,9 +227,51 @@ Status TcpLink::post(const RegionHandle &region, uint64_t offset, uint64_t bytes
     if (error()) return *error();
     if (offset > region.bytes || bytes > region.bytes - offset)
         return make_error(-ERANGE, "send outside its registered region");
-    Stream &s = *streams_[next_stream_++ % streams_.size()];
+    Stream &s = pick_stream(bytes);
     enqueue(s, region.base + offset, bytes, tag, 0, by_reference ? region.fd : -1, by_reference ? region.fd_offset + offset : 0);
     return Ok{};
+}
+
+TcpLink::Stream &TcpLink::pick_stream(uint64_t bytes) {
+    const size_t n = streams_.size();
+    const size_t first = next_stream_++ % n;
+    if (!weighted_) return *streams_[first];
+    // The receiver matches messages to receives by tag on any stream, so any stream will do.
+    std::array<uint64_t, kMaxLinkRails> rail_backlog{};
+    std::array<double, kMaxLinkRails> rail_weight{};
+    std::array<size_t, kMaxLinkRails> rail_best{};
+    std::array<uint64_t, kMaxLinkRails> rail_best_backlog{};
+    std::array<bool, kMaxLinkRails> seen{};
+    for (size_t k = 0; k < n; ++k) {
+        const size_t i = (first + k) % n;  // (ties go round)
+        Stream &s = *streams_[i];
+        uint64_t backlog = 0;
+        for (const SendOp &op : s.sendq) backlog += kHeaderBytes + op.bytes + op.mac_bytes - op.done;
+        int outq = 0;
+        if (::ioctl(s.fd.get(), SIOCOUTQ, &outq) == 0 && outq > 0) backlog += static_cast<uint64_t>(outq);
+        rail_backlog[s.rail] += backlog;
+        rail_weight[s.rail] = s.weight;
+        if (!seen[s.rail] || backlog < rail_best_backlog[s.rail]) {
+            rail_best[s.rail] = i;
+            rail_best_backlog[s.rail] = backlog;
+        }
+        seen[s.rail] = true;
+    }
+    size_t best = first;
+    double best_done = 0;
+    bool any = false;
+    for (size_t k = 0; k < n; ++k) {  // the rails in the order their streams come from `first`
+        const uint32_t r = streams_[(first + k) % n]->rail;
+        if (!seen[r]) continue;
+        seen[r] = false;
+        const double done = static_cast<double>(rail_backlog[r] + bytes) / rail_weight[r];
+        if (!any || done < best_done) {
+            best = rail_best[r];
+            best_done = done;
+            any = true;
+        }
+    }
+    return *streams_[best];
 }
 
 void TcpLink::enqueue(Stream &s, const std::byte *data, uint64_t bytes, uint64_t tag, uint32_t flags, int fd,

@@ -45,6 +45,8 @@ namespace ringd {
 
 class TcpTransport;
 
+constexpr uint32_t kMaxLinkRails = 16;  // (config: kMaxRails)
+
 class TcpLink final : public Link {
 public:
     TcpLink(TcpTransport &t, std::string peer);
@@ -105,7 +107,15 @@ private:
         bool discard = false;
         std::vector<std::byte> scratch;
         uint32_t in_flags = 0;  // the header flags of the message being read (fence, fence ack)
+        uint32_t rail = 0;      // several rails (weighted_): its rail, and the rail's weight
+        double weight = 1;
     };
+    // The stream a message of `bytes` goes on: in turn; with several rails, on the rail whose
+    // backlog (its streams' queues here and their sockets' unsent and unacknowledged bytes) would
+    // be done first at its weight, so that a slower rail gets fewer messages and every rail stays
+    // busy to the end of an op, the stream of that rail with the least backlog.
+    Stream &pick_stream(uint64_t bytes);
+    bool weighted_ = false;
     // Queues a message on `s` (post(); fences and their acks: empty, with their flag).
     void enqueue(Stream &s, const std::byte *data, uint64_t bytes, uint64_t tag, uint32_t flags, int fd, uint64_t fd_offset);
     // Messages of cancelled ops larger than this fail the link instead of being read to drop
@@ -183,7 +193,8 @@ public:
     // Takes over connected sockets to `peer` as one link (>= 1 stream). They are made
     // non-blocking and TCP_NODELAY, with the socket buffers asked for (else the kernel's).
     // `keys`: one per stream, or empty (nothing tagged).
-    Result<Link *> add_link(const std::string &peer, std::vector<UniqueFd> streams, const std::vector<SessionKeys> &keys = {});
+    Result<Link *> add_link(const std::string &peer, std::vector<UniqueFd> streams, const std::vector<SessionKeys> &keys = {},
+                            const std::vector<uint32_t> &rails = {}, const std::vector<double> &weights = {});
     Result<std::vector<Link *>> add_links(std::vector<LinkSetup> links,
                                           std::chrono::steady_clock::time_point deadline) override;
     void remove_link(Link *link) override;
