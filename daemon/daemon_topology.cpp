@@ -18,21 +18,26 @@ void Daemon::setup_topology() {
         return;
     }
     machine_ = std::move(*m);
-    // The ring's NIC: the interface that holds this host's address (TCP), or the RDMA device.
-    std::string nic;
+    // The ring's NICs, rail by rail: the interfaces that hold this host's addresses (TCP), or the
+    // RDMA device.
+    std::vector<std::string> nics;
     if (config_.transport == "ibverbs") {
-        nic = config_.ibverbs.device;
+        std::string nic = config_.ibverbs.device;
         if (nic == "auto")
             for (const auto &n : machine_->nics)
                 if (n.kind == "infiniband") {
                     nic = n.name;
                     break;
                 }
+        nics.push_back(nic);
     } else {
-        nic = topology::interface_of(config_.hosts[self_index_].address);
-        if (nic.empty()) nic = config_.hosts[self_index_].address;  // (no interface holds it: named by the address)
+        const HostEntry &me = config_.hosts[self_index_];
+        for (uint32_t r = 0; r < me.rail_count(); ++r) {
+            std::string nic = topology::interface_of(me.rail_address(r));
+            nics.push_back(nic.empty() ? me.rail_address(r) : nic);  // (no interface holds it: named by the address)
+        }
     }
-    plan_ = topology::plan(*machine_, {nic}, topology::allowed_cpus(), config_.topology.pin);
+    plan_ = topology::plan(*machine_, nics, topology::allowed_cpus(), config_.topology.pin);
     shared_.topology = &plan_;
     spdlog::info("topology ({}): {} NUMA node(s), {} PCI NIC(s), {} GPU(s); the daemon may run on CPUs {}",
                  machine_->root, machine_->nodes.size(), machine_->nics.size(), machine_->gpus.size(),

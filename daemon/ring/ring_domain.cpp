@@ -65,9 +65,8 @@ Status RingDomain::setup(UniqueFd listener) {
         // Receive staging for the ring and its f32 work area (f16/bf16 sums and averages),
         // registered once for the domain's lifetime, on the NIC's node; the progress thread on
         // its CPUs.
-        const topology::RailChoice *rail =
-            sh_.topology && !sh_.topology->rails.empty() ? &sh_.topology->rails.front() : nullptr;
-        auto mem = topology::NodeMemory::allocate(staging_bytes, rail ? rail->memory_node : -1);
+        const topology::Plan *plan = sh_.topology;
+        auto mem = topology::NodeMemory::allocate(staging_bytes, plan ? plan->lane_memory_node() : -1);
         if (!mem) return make_error(mem.error().code, "cannot set up the ring's staging memory: " + mem.error().message);
         l->staging_mem = std::move(*mem);
         auto reg = l->transport->register_region(l->staging_mem.get(), staging_bytes);
@@ -77,8 +76,8 @@ Status RingDomain::setup(UniqueFd listener) {
         if (!e) return e.error();
         l->engine = std::move(*e);
         l->engine->set_name("ringd-ring" + std::to_string(lanes_.size()));
-        if (rail)
-            if (auto ok = l->engine->pin(rail->cpus); !ok) spdlog::warn("ring lane {}: {}", lanes_.size(), ok.error().message);
+        if (plan)
+            if (auto ok = l->engine->pin(plan->lane_cpus()); !ok) spdlog::warn("ring lane {}: {}", lanes_.size(), ok.error().message);
         lanes_.push_back(std::move(l));
     }
 

@@ -306,6 +306,23 @@ Plan plan(const Machine &m, const std::vector<std::string> &rails, const CpuList
     return p;
 }
 
+CpuList Plan::lane_cpus() const {
+    CpuList all;
+    for (const auto &r : rails) {
+        if (r.cpus.empty()) return {};
+        CpuList u;
+        std::set_union(all.begin(), all.end(), r.cpus.begin(), r.cpus.end(), std::back_inserter(u));
+        all = std::move(u);
+    }
+    return all;
+}
+
+int Plan::lane_memory_node() const {
+    int node = -2;
+    for (const auto &r : rails) node = node == -2 || node == r.memory_node ? r.memory_node : -1;
+    return node < 0 ? -1 : node;
+}
+
 int slot_node(const Machine &m, const CpuList &allowed, int current, std::string &why) {
     int node = -2;
     for (uint32_t cpu : allowed) {

@@ -105,6 +105,10 @@ struct Plan {
     CpuList allowed;  // the CPUs the daemon may run on (sched_getaffinity at start)
     std::vector<RailChoice> rails;
     std::vector<GpuChoice> gpus;
+    // A ring lane's progress thread serves every rail: the CPUs of all their nodes (empty: a rail
+    // that may run anywhere), and its staging the node they share (-1: they do not share one).
+    CpuList lane_cpus() const;
+    int lane_memory_node() const;
 };
 
 // `rails`: the NICs the ring sends on, in rail order (names as in sys/class/net or

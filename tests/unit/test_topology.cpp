@@ -112,6 +112,12 @@ TEST_CASE("each rail's threads and memory go to its NIC's node; each GPU to its 
         CHECK(p.gpus[3].rail == 1);
         CHECK(contains(p.gpus[0].why, "PCIe switch"));
         CHECK(contains(p.gpus[1].why, "host bridge"));
+        // A lane serves both rails: the CPUs of both nodes, its staging on neither in particular.
+        CHECK(p.lane_cpus() == cpus("0-15"));
+        CHECK(p.lane_memory_node() == -1);
+        const Plan one = plan(*m, {rails[1]}, cpus("0-15"), true);
+        CHECK(one.lane_cpus() == cpus("8-15"));
+        CHECK(one.lane_memory_node() == 1);
     }
     SECTION("the unit's CPUAffinity= bounds every choice") {
         const Plan p = plan(*m, {"mlx5_0", "mlx5_1"}, cpus("1"), true);
