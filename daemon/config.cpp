@@ -320,6 +320,9 @@ Config parse_root(const YAML::Node &root) {
         }
     }
     if (c.transport != "tcp") c.data_mac = false;
+    if (!c.hosts.empty() && c.tcp.streams * c.hosts.front().rail_count() > 256)
+        fail("tcp.streams", std::to_string(c.tcp.streams) + " streams on each of " + std::to_string(c.hosts.front().rail_count()) +
+                                " rails: at most 256 connections per link");
     if (c.transport != "tcp" && !c.hosts.empty() && c.hosts.front().rail_count() > 1)
         fail("hosts", "several addresses per host (rails) are for transport: tcp; with " + c.transport +
                           " each host lists one address");

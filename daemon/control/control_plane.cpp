@@ -68,17 +68,22 @@ std::string ip_of(const sockaddr_storage &ss) {
 // Same address, whatever the spelling ("::ffff:10.0.0.1" and "10.0.0.1" included).
 bool same_ip(const std::string &a, const std::string &b);
 
-// Whether an interface of this machine holds `ip`.
+// Whether `ip` is an address of this machine (one a socket can be bound to).
 bool address_is_local(const std::string &ip) {
-    ifaddrs *all = nullptr;
-    if (::getifaddrs(&all) != 0) return true;  // (cannot tell: the bind of a data stream will)
-    bool found = false;
-    for (ifaddrs *a = all; a && !found; a = a->ifa_next) {
-        if (!a->ifa_addr || (a->ifa_addr->sa_family != AF_INET && a->ifa_addr->sa_family != AF_INET6)) continue;
-        found = same_ip(ip_of(*reinterpret_cast<sockaddr_storage *>(a->ifa_addr)), ip);
-    }
-    ::freeifaddrs(all);
-    return found;
+    sockaddr_storage ss;
+    socklen_t len;
+    if (!make_addr(ip, 0, ss, len)) return false;
+    UniqueFd fd(::socket(ss.ss_family, SOCK_DGRAM | SOCK_CLOEXEC, 0));
+    if (!fd) return true;  // (cannot tell: the bind of a data stream will)
+    return ::bind(fd.get(), reinterpret_cast<sockaddr *>(&ss), len) == 0 || errno != EADDRNOTAVAIL;
+}
+
+// The local address of a connected socket ("" when it cannot be read).
+std::string local_ip(int fd) {
+    sockaddr_storage ss{};
+    socklen_t len = sizeof ss;
+    if (::getsockname(fd, reinterpret_cast<sockaddr *>(&ss), &len) != 0) return "";
+    return ip_of(ss);
 }
 
 // Whether `ip` is one of host `h`'s addresses (any rail).
@@ -265,7 +270,8 @@ void ControlPlane::accept_all() {
             if (conn->remote == ip && !from_ip++) oldest_from_ip = cid;
         }
         for (uint32_t i = 0; i < n_; ++i) hosts_there += i != self_ && is_host_ip(peers_[i].host, ip);
-        const size_t per_host = 2 * (1 + config_.tcp.streams) * domains_;
+        // (Several rails: tcp.streams per rail; one rail: as it always was.)
+        const size_t per_host = 2 * (1 + size_t{config_.tcp.streams} * rails_) * domains_;
         const uint64_t victim = from_ip >= hosts_there * per_host                              ? oldest_from_ip
                                 : total >= std::max<size_t>(16, (n_ - 1) * per_host) ? oldest
                                                                                        : 0;
@@ -286,8 +292,9 @@ void ControlPlane::accept_all() {
         c->remote = ip;
         // An honest peer's hello follows at once: an idle connection is not kept long.
         c->deadline = Clock::now() + std::min<Clock::duration>(config_.timeouts.connect, std::chrono::seconds(5));
-        c->hs.emplace(PeerHandshake::listen(std::move(fd), identity(), [this, ip](const proto::PeerHello &h) -> Status {
-            if (h.domain == domain_) return check_hello(h, ip);
+        const std::string local = rails_ > 1 ? local_ip(fd.get()) : std::string();
+        c->hs.emplace(PeerHandshake::listen(std::move(fd), identity(), [this, ip, local](const proto::PeerHello &h) -> Status {
+            if (h.domain == domain_) return check_hello(h, ip, local);
             // Another ring domain's: a configured host at its address, then the domain's own
             // checks once its plane has the connection.
             for (uint32_t i = 0; i < n_; ++i) {
@@ -308,7 +315,7 @@ void ControlPlane::accept_all() {
 
 // What a connection of this domain must be: from a host of it, at its configured address, a
 // control connection from a host earlier in ring order, data streams from the previous host.
-Status ControlPlane::check_hello(const proto::PeerHello &h, const std::string &ip) const {
+Status ControlPlane::check_hello(const proto::PeerHello &h, const std::string &ip, const std::string &local) const {
     for (uint32_t i = 0; i < n_; ++i) {
         if (peers_[i].host.name != h.from) continue;
         if (i == self_) break;
@@ -318,6 +325,9 @@ Status ControlPlane::check_hello(const proto::PeerHello &h, const std::string &i
             return make_error(-EACCES, "host " + h.from + " connected from " + ip + ", its configured address" +
                                            (rails_ > 1 ? " on rail " + std::to_string(rail) : std::string()) + " is " +
                                            peers_[i].host.rail_address(std::min(rail, peers_[i].host.rail_count() - 1)));
+        if (!local.empty() && !same_ip(peers_[self_].host.rail_address(rail), local))
+            return make_error(-EACCES, "host " + h.from + " connected to " + local + " for rail " + std::to_string(rail) +
+                                           ", which is " + peers_[self_].host.rail_address(rail) + " here");
         if (h.kind == proto::ConnKind::Control && i > self_)
             return make_error(-EPROTO, "host " + h.from + " dialed a control connection it should accept");
         if (h.kind == proto::ConnKind::Data && (i != prev() || h.stream >= data_in_.size()))
@@ -353,7 +363,7 @@ Status ControlPlane::check_runs_on(const proto::PeerHello &h) const {
 }
 
 void ControlPlane::adopt(UniqueFd fd, const proto::PeerHello &h, const std::string &ip, const SessionKeys &keys) {
-    if (auto ok = check_hello(h, ip); !ok) {
+    if (auto ok = check_hello(h, ip, rails_ > 1 ? local_ip(fd.get()) : std::string()); !ok) {
         spdlog::warn("ring domain {}: refused a connection from {}: {}", domain_, ip, ok.error().message);
         return;
     }
@@ -389,6 +399,8 @@ void ControlPlane::dial(uint32_t peer, proto::ConnKind kind, uint32_t stream) {
         sockaddr_storage local;
         socklen_t local_len;
         make_addr(peers_[self_].host.rail_address(rail), 0, local, local_len);
+        const int one = 1;  // the port is chosen at connect, with the peer's address known
+        ::setsockopt(c->fd.get(), IPPROTO_IP, IP_BIND_ADDRESS_NO_PORT, &one, sizeof one);
         if (::bind(c->fd.get(), reinterpret_cast<sockaddr *>(&local), local_len) != 0) {
             const int err = errno;
             const uint64_t id = c->id;

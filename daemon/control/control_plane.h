@@ -236,7 +236,9 @@ private:
     void on_conn(uint64_t id, uint32_t events);
     void promote(Conn &c);
     void promote_up(Conn &c, const proto::PeerHello &h, uint64_t peer_generation, const PeerRuns &runs);
-    Status check_hello(const proto::PeerHello &h, const std::string &ip) const;
+    // `local`: the address of this host the connection came in on (several rails: it must be the
+    // rail's own; "" skips that check).
+    Status check_hello(const proto::PeerHello &h, const std::string &ip, const std::string &local = {}) const;
     void close_conn(uint64_t id);
     bool flush(Conn &c);  // false: the connection failed
     // Writes the control connections' queues until they are empty or `deadline` passes, waiting

@@ -174,7 +174,8 @@ Result<Machine> read_machine(const std::string &root_in, std::vector<std::string
         std::vector<Nic> found;
         for (fs::directory_iterator it(root / "sys/class" / kind, ec), end; !ec && it != end; it.increment(ec)) {
             Nic n{it->path().filename().string(), kind, {}};
-            if (!fs::exists(it->path() / "device")) {
+            std::error_code gone;
+            if (!fs::exists(it->path() / "device", gone)) {
                 m.virtual_nics.push_back(n.name);
                 continue;
             }
@@ -429,8 +430,9 @@ std::string interface_of(const std::string &address) {
 
 bool node_online(int node) {
     if (node < 0) return false;
-    std::error_code ec;
-    return fs::exists("/sys/devices/system/node/node" + std::to_string(node), ec) || (node == 0 && !fs::exists("/sys/devices/system/node", ec));
+    std::error_code ec, ec2;
+    return fs::exists("/sys/devices/system/node/node" + std::to_string(node), ec) ||
+           (node == 0 && !fs::exists("/sys/devices/system/node", ec2));
 }
 
 bool prefer_node(void *addr, size_t bytes, int node, std::string &why) {
@@ -444,7 +446,16 @@ bool prefer_node(void *addr, size_t bytes, int node, std::string &why) {
         return false;
     }
     mask[static_cast<size_t>(node) / (8 * sizeof(unsigned long))] |= 1ul << (static_cast<size_t>(node) % (8 * sizeof(unsigned long)));
-    if (::syscall(SYS_mbind, addr, bytes, MPOL_PREFERRED, mask, 8 * sizeof mask, 0) != 0) {
+    // Whole pages only (a slot's data area is aligned to 4 KiB, the page may be larger); the
+    // kernel reads one bit fewer than maxnode says, hence the + 1 (as libnuma passes it).
+    const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+    const uintptr_t begin = (reinterpret_cast<uintptr_t>(addr) + page - 1) / page * page;
+    const uintptr_t end = (reinterpret_cast<uintptr_t>(addr) + bytes) / page * page;
+    if (end <= begin) {
+        why = "less than a page to place";
+        return false;
+    }
+    if (::syscall(SYS_mbind, begin, end - begin, MPOL_PREFERRED, mask, 8 * sizeof mask + 1, 0) != 0) {
         why = std::string("mbind: ") + std::strerror(errno);
         return false;
     }

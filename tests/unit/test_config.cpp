@@ -229,3 +229,32 @@ TEST_CASE("topology: this machine's sysfs, pinned by default; pin on/off, an abs
     CHECK_THAT(error_of(kBase + "topology: {sysfs_root: machine}\n"), Catch::StartsWith("topology.sysfs_root: must be an absolute path"));
     CHECK_THAT(error_of(kBase + "topology: {numa: 1}\n"), Catch::StartsWith("topology.numa: unknown key"));
 }
+
+TEST_CASE("hosts: one address per rail, every host as many, optional weights; tcp only", "[config][rails]") {
+    const std::string two = "cluster: c\nauth: {insecure: true}\nhosts:\n"
+                            "  - {name: a, address: [10.0.0.1, 10.1.0.1], port: 7400, weights: [2, 0.5]}\n"
+                            "  - {name: b, address: [10.0.0.2, 10.1.0.2], port: 7400}\n";
+    auto c = parse_config(two);
+    REQUIRE(c.ok());
+    CHECK(c->hosts[0].address == "10.0.0.1");
+    CHECK(c->hosts[0].rail_count() == 2);
+    CHECK(c->hosts[0].rail_address(1) == "10.1.0.1");
+    CHECK(c->hosts[0].rail_weight(0) == 2);
+    CHECK(c->hosts[0].rail_weight(1) == 0.5);
+    CHECK(c->hosts[1].rail_weight(1) == 1);
+    CHECK(parse_config(kBase)->hosts[0].rail_count() == 1);
+    const std::string h = "cluster: c\nauth: {insecure: true}\nhosts:\n";
+    CHECK_THAT(error_of(h + "  - {name: a, address: [10.0.0.1, 10.1.0.1]}\n  - {name: b, address: 10.0.0.2}\n"),
+               Catch::StartsWith("hosts[1].address: every host lists as many addresses (rails): a has 2, b 1"));
+    CHECK_THAT(error_of(h + "  - {name: a, address: []}\n"), Catch::StartsWith("hosts[0].address: a list of 1 to 16"));
+    CHECK_THAT(error_of(h + "  - {name: a, address: [10.0.0.1, \"\"]}\n"), Catch::StartsWith("hosts[0].address[1]: is empty"));
+    CHECK_THAT(error_of(h + "  - {name: a, address: [10.0.0.1, 10.0.0.1]}\n"), Catch::StartsWith("hosts[0]: address 10.0.0.1:7400 appears twice"));
+    CHECK_THAT(error_of(h + "  - {name: a, address: 10.0.0.1, weights: [1, 2]}\n"), Catch::StartsWith("hosts[0].weights: one weight per address (1)"));
+    CHECK_THAT(error_of(h + "  - {name: a, address: [10.0.0.1, 10.1.0.1], weights: [1, 0]}\n"),
+               Catch::StartsWith("hosts[0].weights[1]: '0' is not a positive number"));
+    CHECK_THAT(error_of(h + "  - {name: a, address: [10.0.0.1, 10.1.0.1], weights: [1, x]}\n"), Catch::StartsWith("hosts[0].weights[1]:"));
+    CHECK_THAT(error_of(two + "transport: ibverbs\n"), Catch::StartsWith("hosts: several addresses per host (rails) are for transport: tcp"));
+    CHECK_THAT(error_of(h + "  - {name: a, address: [10.0.0.1, 10.1.0.1, 10.2.0.1, 10.3.0.1, 10.4.0.1]}\ntcp: {streams: 64}\n"),
+               Catch::StartsWith("tcp.streams: 64 streams on each of 5 rails: at most 256 connections per link"));
+    CHECK(parse_config(h + "  - {name: a, address: [10.0.0.1, 10.1.0.1, 10.2.0.1, 10.3.0.1], weights: [1, 1, 1, 1]}\ntcp: {streams: 64}\n").ok());
+}

@@ -44,6 +44,7 @@ struct Host {
     std::string last_down;
     std::vector<UniqueFd> to_next, from_prev;
     std::vector<SessionKeys> to_next_keys, from_prev_keys;
+    std::vector<uint32_t> to_next_rails, from_prev_rails;
     bool frozen = false;  // a hung host: nobody drives it
     std::vector<std::string> events;  // "frame <type>: <payload bytes>" and "down: <why>", in order
     std::vector<proto::Bytes> frames;  // the payloads of the frames of type OpData it received
@@ -60,6 +61,9 @@ struct Cluster {
         : config(ring_config(n, base_port(), 2, heartbeat)), hosts(n), secret(std::move(s)), prepare(std::move(prep)) {
         for (uint32_t i = 0; i < n; ++i) start(i);
     }
+    explicit Cluster(Config c) : config(std::move(c)), hosts(config.hosts.size()) {
+        for (uint32_t i = 0; i < hosts.size(); ++i) start(i);
+    }
     void start(uint32_t i, const PeerSecret *secret_override = nullptr) {
         Host &h = hosts[i];
         h.cp.reset();  // a restart: the old instance's port is free again
@@ -67,6 +71,8 @@ struct Cluster {
         cb.ring_up = [&h](uint64_t g, DataSockets out, DataSockets in) {
             ++h.ups;
             h.generation = g;
+            h.to_next_rails = out.rails;
+            h.from_prev_rails = in.rails;
             h.to_next = std::move(out.fds);
             h.from_prev = std::move(in.fds);
             h.to_next_keys = std::move(out.keys);
@@ -152,6 +158,42 @@ TEST_CASE("a ring forms and its data sockets join each host to its neighbours", 
         for (auto &h : c.hosts) {
             auto st = h.cp->status();
             for (const auto &p : st) CHECK((p.self || p.control == "up"));
+        }
+    }
+}
+
+TEST_CASE("rails: each data stream joins the two hosts' addresses of its rail; the control connection stays on rail 0",
+          "[control][rails]") {
+    spdlog::set_level(spdlog::level::warn);
+    // Rail 0 on 127.0.0.1 (a port per host), rail 1 on 127.0.1.(i + 1): loopback addresses, so a
+    // stream that did not bind its own rail's address would come from 127.0.0.1 and be refused.
+    Config cfg = ring_config(3, base_port());
+    cfg.tuning.lanes = 2;
+    for (uint32_t i = 0; i < 3; ++i) cfg.hosts[i].rails = {"127.0.1." + std::to_string(i + 1)};
+    Cluster c(cfg);
+    REQUIRE(c.run_until([&] { return c.all_up(); }, 10s));
+    auto addr = [](int fd, bool peer) {
+        sockaddr_in a{};
+        socklen_t len = sizeof a;
+        REQUIRE((peer ? ::getpeername(fd, reinterpret_cast<sockaddr *>(&a), &len) : ::getsockname(fd, reinterpret_cast<sockaddr *>(&a), &len)) == 0);
+        char b[INET_ADDRSTRLEN];
+        ::inet_ntop(AF_INET, &a.sin_addr, b, sizeof b);
+        return std::string(b);
+    };
+    for (uint32_t i = 0; i < 3; ++i) {
+        const Host &h = c.hosts[i];
+        // lanes x rails x streams, in that order.
+        REQUIRE(h.to_next.size() == 8);
+        REQUIRE(h.from_prev.size() == 8);
+        CHECK(h.to_next_rails == std::vector<uint32_t>{0, 0, 1, 1, 0, 0, 1, 1});
+        CHECK(h.from_prev_rails == h.to_next_rails);
+        const uint32_t next = (i + 1) % 3, prev = (i + 2) % 3;
+        for (size_t k = 0; k < 8; ++k) {
+            INFO("host " << i << " stream " << k);
+            const bool rail1 = h.to_next_rails[k] == 1;
+            CHECK(addr(h.to_next[k].get(), false) == (rail1 ? "127.0.1." + std::to_string(i + 1) : "127.0.0.1"));
+            CHECK(addr(h.to_next[k].get(), true) == (rail1 ? "127.0.1." + std::to_string(next + 1) : "127.0.0.1"));
+            CHECK(addr(h.from_prev[k].get(), true) == (rail1 ? "127.0.1." + std::to_string(prev + 1) : "127.0.0.1"));
         }
     }
 }

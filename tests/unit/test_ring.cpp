@@ -1135,3 +1135,45 @@ TEST_CASE("auth.data: mac tags every TCP data message; a corrupted payload or a 
         CHECK(p.receive().kind == LinkEvent::Kind::RecvDone);
     }
 }
+
+TEST_CASE("rails: a message goes to the rail whose backlog drains first at its weight, so rails share an op by their rates",
+          "[ring][tcp][rails]") {
+    using Load = TcpLink::StreamLoad;
+    // Two rails of two streams each, weights 3 and 1.
+    std::vector<Load> s = {{0, 3, 0}, {0, 3, 0}, {1, 1, 0}, {1, 1, 0}};
+    CHECK(TcpLink::choose_stream(s, 1000, 0) < 2);  // idle: the heavier rail
+    CHECK(TcpLink::choose_stream(s, 1000, 2) < 2);
+    s[0].backlog = 2000;
+    CHECK(TcpLink::choose_stream(s, 1000, 0) == 1);  // its rail, its emptier stream
+    s[0].backlog = s[1].backlog = 1000;  // rail 0: (2000 + 1000) / 3, rail 1: 1000 / 1: a tie goes round from `first`
+    CHECK(TcpLink::choose_stream(s, 1000, 0) < 2);
+    CHECK(TcpLink::choose_stream(s, 1000, 2) >= 2);
+    s[1].backlog = 9000;
+    CHECK(TcpLink::choose_stream(s, 1000, 0) >= 2);
+    s[3].backlog = 500;
+    CHECK(TcpLink::choose_stream(s, 1000, 0) == 2);
+    // Streams in any order, a rail of one stream.
+    std::vector<Load> t = {{1, 1, 500}, {0, 1, 0}};
+    CHECK(TcpLink::choose_stream(t, 1000, 0) == 1);
+
+    // Rails drained at their rates: what each is sent follows them, with weights that say so and
+    // also with equal weights (the backlog is the measure), never all on one rail.
+    auto share = [](double rate0, double rate1, double w0, double w1) {
+        std::vector<Load> l = {{0, w0, 0}, {1, w1, 0}};
+        uint64_t sent[2] = {0, 0};
+        for (size_t k = 0; k < 20000; ++k) {
+            const size_t i = TcpLink::choose_stream(l, 1 << 16, k);
+            l[i].backlog += 1 << 16;
+            sent[i] += 1 << 16;
+            // One message's time at the pair's total rate passes.
+            const double dt = (1 << 16) / (rate0 + rate1);
+            l[0].backlog -= std::min<uint64_t>(l[0].backlog, static_cast<uint64_t>(rate0 * dt));
+            l[1].backlog -= std::min<uint64_t>(l[1].backlog, static_cast<uint64_t>(rate1 * dt));
+        }
+        return static_cast<double>(sent[0]) / static_cast<double>(sent[1]);
+    };
+    CHECK(share(3, 1, 3, 1) == Approx(3).epsilon(0.05));
+    CHECK(share(1, 1, 1, 1) == Approx(1).epsilon(0.05));
+    CHECK(share(3, 1, 1, 1) == Approx(3).epsilon(0.1));
+    CHECK(share(1, 2, 1, 2) == Approx(0.5).epsilon(0.05));
+}

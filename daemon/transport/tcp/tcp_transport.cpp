@@ -113,6 +113,8 @@ Result<Link *> TcpTransport::add_link(const std::string &peer, std::vector<Uniqu
         return make_error(-EINVAL, "a link of several rails needs every stream's rail and weight");
     for (size_t i = 0; i < rails.size(); ++i)
         if (rails[i] >= kMaxLinkRails || !(weights[i] > 0)) return make_error(-EINVAL, "a stream's rail or weight is out of range");
+    if (!rails.empty() && streams.size() > kMaxLinkStreams)
+        return make_error(-EINVAL, "a link of several rails has at most " + std::to_string(kMaxLinkStreams) + " streams");
     auto link = std::make_unique<TcpLink>(*this, peer);
     for (size_t i = 0; i < streams.size(); ++i) {
         const SessionKeys k = data_mac_ && !keys.empty() ? keys[i] : SessionKeys{};
@@ -232,46 +234,50 @@ Status TcpLink::post(const RegionHandle &region, uint64_t offset, uint64_t bytes
     return Ok{};
 }
 
+size_t TcpLink::choose_stream(std::span<const StreamLoad> streams, uint64_t bytes, size_t first) {
+    const size_t n = streams.size();
+    std::array<uint64_t, kMaxLinkRails> rail_backlog{};
+    std::array<size_t, kMaxLinkRails> rail_best{};
+    std::array<bool, kMaxLinkRails> seen{};
+    for (size_t k = 0; k < n; ++k) {
+        const size_t i = (first + k) % n;
+        const StreamLoad &s = streams[i];
+        rail_backlog[s.rail] += s.backlog;
+        if (!seen[s.rail] || s.backlog < streams[rail_best[s.rail]].backlog) rail_best[s.rail] = i;
+        seen[s.rail] = true;
+    }
+    size_t best = first % n;
+    double best_done = 0;
+    bool any = false;
+    for (size_t k = 0; k < n; ++k) {  // the rails in the order their streams come from `first`
+        const StreamLoad &s = streams[(first + k) % n];
+        if (!seen[s.rail]) continue;
+        seen[s.rail] = false;
+        const double done = static_cast<double>(rail_backlog[s.rail] + bytes) / s.weight;
+        if (!any || done < best_done) {
+            best = rail_best[s.rail];
+            best_done = done;
+            any = true;
+        }
+    }
+    return best;
+}
+
 TcpLink::Stream &TcpLink::pick_stream(uint64_t bytes) {
     const size_t n = streams_.size();
     const size_t first = next_stream_++ % n;
     if (!weighted_) return *streams_[first];
     // The receiver matches messages to receives by tag on any stream, so any stream will do.
-    std::array<uint64_t, kMaxLinkRails> rail_backlog{};
-    std::array<double, kMaxLinkRails> rail_weight{};
-    std::array<size_t, kMaxLinkRails> rail_best{};
-    std::array<uint64_t, kMaxLinkRails> rail_best_backlog{};
-    std::array<bool, kMaxLinkRails> seen{};
-    for (size_t k = 0; k < n; ++k) {
-        const size_t i = (first + k) % n;  // (ties go round)
+    std::array<StreamLoad, kMaxLinkStreams> load;
+    for (size_t i = 0; i < n; ++i) {
         Stream &s = *streams_[i];
         uint64_t backlog = 0;
         for (const SendOp &op : s.sendq) backlog += kHeaderBytes + op.bytes + op.mac_bytes - op.done;
         int outq = 0;
         if (::ioctl(s.fd.get(), SIOCOUTQ, &outq) == 0 && outq > 0) backlog += static_cast<uint64_t>(outq);
-        rail_backlog[s.rail] += backlog;
-        rail_weight[s.rail] = s.weight;
-        if (!seen[s.rail] || backlog < rail_best_backlog[s.rail]) {
-            rail_best[s.rail] = i;
-            rail_best_backlog[s.rail] = backlog;
-        }
-        seen[s.rail] = true;
+        load[i] = {s.rail, s.weight, backlog};
     }
-    size_t best = first;
-    double best_done = 0;
-    bool any = false;
-    for (size_t k = 0; k < n; ++k) {  // the rails in the order their streams come from `first`
-        const uint32_t r = streams_[(first + k) % n]->rail;
-        if (!seen[r]) continue;
-        seen[r] = false;
-        const double done = static_cast<double>(rail_backlog[r] + bytes) / rail_weight[r];
-        if (!any || done < best_done) {
-            best = rail_best[r];
-            best_done = done;
-            any = true;
-        }
-    }
-    return *streams_[best];
+    return *streams_[choose_stream(std::span(load.data(), n), bytes, first)];
 }
 
 void TcpLink::enqueue(Stream &s, const std::byte *data, uint64_t bytes, uint64_t tag, uint32_t flags, int fd,

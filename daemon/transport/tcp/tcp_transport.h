@@ -35,6 +35,7 @@
 #pragma once
 
 #include <deque>
+#include <span>
 #include <memory>
 #include <unordered_map>
 #include <vector>
@@ -45,10 +46,22 @@ namespace ringd {
 
 class TcpTransport;
 
-constexpr uint32_t kMaxLinkRails = 16;  // (config: kMaxRails)
+constexpr uint32_t kMaxLinkRails = 16;     // (config: kMaxRails)
+constexpr uint32_t kMaxLinkStreams = 256;  // of a link of several rails (config: tcp.streams x rails)
 
 class TcpLink final : public Link {
 public:
+    // A stream's rail, the rail's weight and what waits to go out on it (its queue in ringd and
+    // its socket's unsent and unacknowledged bytes).
+    struct StreamLoad {
+        uint32_t rail = 0;
+        double weight = 1;
+        uint64_t backlog = 0;
+    };
+    // The stream a message of `bytes` goes on, of streams with these loads: on the rail whose
+    // backlog (all its streams') would be done first at its weight, that rail's least backlogged
+    // stream; ties go to the rail, then the stream, met first going round from `first`.
+    static size_t choose_stream(std::span<const StreamLoad> streams, uint64_t bytes, size_t first);
     TcpLink(TcpTransport &t, std::string peer);
     ~TcpLink() override;
     Status post_send(const RegionHandle &region, uint64_t offset, uint64_t bytes, uint64_t tag) override;
