@@ -120,6 +120,13 @@ void print_status(const nlohmann::json &j) {
                         m.at("link").get<std::string>().c_str(), backlog ? format_bytes(backlog).c_str() : "-",
                         data.empty() ? "-" : data.c_str(), m.value("last_error", "").c_str());
         }
+        // Several NICs: what each rail of this host carried to the next host.
+        const json rails = ring.value("rails", json::array());
+        if (rails.size() > 1)
+            for (const auto &r : rails)
+                std::printf("  rail %u  %-22s weight %-6g -> %s %.1f MB/s\n", r.at("rail").get<unsigned>(),
+                            r.at("address").get<std::string>().c_str(), r.at("weight").get<double>(),
+                            format_bytes(integer<uint64_t>(r.at("bytes_out"))).c_str(), r.at("rate_Bps").get<double>() / 1e6);
     };
     print_ring("ring", j.at("ring"));
     const json domains = j.value("domains", json::array());

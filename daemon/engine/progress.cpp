@@ -369,10 +369,14 @@ EngineResult ProgressEngine::execute_ring(EngineWork &w) {
     op.progress_ns = &progress_ns_;
     progress_ns_.store(now_ns(), std::memory_order_relaxed);
     const uint64_t sent0 = next_->bytes_sent(), recv0 = prev_->bytes_received(), ref0 = next_->bytes_sent_by_reference();
+    std::array<uint64_t, kMaxRailsPerLink> rail0;
+    for (uint32_t r = 0; r < kMaxRailsPerLink; ++r) rail0[r] = next_->bytes_sent_on_rail(r);
     Status s = ring_->run(pos_, op, w.deadline != std::chrono::steady_clock::time_point{} ? w.deadline : Clock::now() + op_timeout_);
     bytes_to_next_ += next_->bytes_sent() - sent0;
     bytes_from_prev_ += prev_->bytes_received() - recv0;
     bytes_by_reference_ += next_->bytes_sent_by_reference() - ref0;
+    for (uint32_t r = 0; r < kMaxRailsPerLink; ++r)
+        if (const uint64_t d = next_->bytes_sent_on_rail(r) - rail0[r]) rail_bytes_to_next_[r] += d;
     if (!s && s.error().code == -ECANCELED && solo) {
         // (An op this large may have sent from the trainer's slot by reference: ring_engine.h.)
         const bool by_reference = op.by_reference() && !next_->delivered_at_send_done();

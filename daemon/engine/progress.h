@@ -12,6 +12,7 @@
 // last reference to a slot is dropped on the control thread (which owns registration).
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -130,6 +131,10 @@ public:
     // Of bytes_to_next(): sent by reference (TCP sendfile from a trainer's slot), not copied.
     uint64_t bytes_by_reference_to_next() const { return bytes_by_reference_.load(std::memory_order_relaxed); }
     uint64_t bytes_from_prev() const { return bytes_from_prev_.load(std::memory_order_relaxed); }
+    // Of bytes_to_next(): sent on rail r (several rails; one rail: all on rail 0).
+    uint64_t bytes_to_next_on_rail(uint32_t r) const {
+        return r < kMaxRailsPerLink ? rail_bytes_to_next_[r].load(std::memory_order_relaxed) : 0;
+    }
 
     // Runs one single-host op on the calling thread (the progress thread, or the control thread
     // for ops so small that a thread hop would cost more than the reduction).
@@ -175,6 +180,7 @@ private:
     uint64_t running_op_ = 0;
     std::atomic<bool> cancel_running_{false};
     std::atomic<uint64_t> bytes_to_next_{0}, bytes_from_prev_{0}, bytes_by_reference_{0};
+    std::array<std::atomic<uint64_t>, kMaxRailsPerLink> rail_bytes_to_next_{};
 
     // Progress thread only.
     NetworkTransport *transport_ = nullptr;

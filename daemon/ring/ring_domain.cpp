@@ -514,6 +514,11 @@ void RingDomain::tick(Clock::time_point now) {
         rate_prev_ = static_cast<double>(in - rate_bytes_prev_) / dt;
         rate_bytes_next_ = out;
         rate_bytes_prev_ = in;
+        for (uint32_t r = 0; r < config_.hosts[self_index_].rail_count() && r < kMaxRailsPerLink; ++r) {
+            const uint64_t b = bytes_to_next_on_rail(r);
+            rate_rail_[r] = static_cast<double>(b - rate_bytes_rail_[r]) / dt;
+            rate_bytes_rail_[r] = b;
+        }
         rate_at_ = now;
     }
 }

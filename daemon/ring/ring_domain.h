@@ -317,6 +317,10 @@ private:
     Clock::time_point rate_at_{};
     uint64_t rate_bytes_next_ = 0, rate_bytes_prev_ = 0;
     double rate_next_ = 0, rate_prev_ = 0;
+    // Several rails: what this host sent to the next on each (lanes summed), and the rate of it.
+    uint64_t bytes_to_next_on_rail(uint32_t r) const;
+    std::array<uint64_t, kMaxRailsPerLink> rate_bytes_rail_{};
+    std::array<double, kMaxRailsPerLink> rate_rail_{};
     // A lane (tuning.lanes): its data links, staging and progress thread; the coordinator puts
     // each group's incarnation in one (OpStart::lane). Lane 0 of the whole ring runs on the
     // daemon's transport, every other lane on a sibling of it.

@@ -36,6 +36,12 @@ uint64_t RingDomain::bytes_from_prev() const {
     return b;
 }
 
+uint64_t RingDomain::bytes_to_next_on_rail(uint32_t r) const {
+    uint64_t b = 0;
+    for (const auto &l : lanes_) b += l->engine->bytes_to_next_on_rail(r);
+    return b;
+}
+
 nlohmann::json RingDomain::status() const {
     using nlohmann::json;
     json members = json::array();
@@ -62,6 +68,12 @@ nlohmann::json RingDomain::status() const {
     json hosts = json::array();
     for (const auto &h : config_.hosts) hosts.push_back(h.name);
     const HostOps::Counts oc = ops_.counts();
+    // This host's rails (NICs): the ring data it sent to the next host on each, and the rate.
+    json rails = json::array();
+    const HostEntry &me = config_.hosts[self_index_];
+    for (uint32_t r = 0; r < me.rail_count() && r < kMaxRailsPerLink; ++r)
+        rails.push_back({{"rail", r}, {"address", me.rail_address(r)}, {"weight", me.rail_weight(r)},
+                         {"bytes_out", bytes_to_next_on_rail(r)}, {"rate_Bps", rate_rail_[r]}});
     json placement = json::array();
     for (uint32_t k = 0; k < lanes_.size(); ++k)
         placement.push_back({{"lane", k},
@@ -112,6 +124,7 @@ nlohmann::json RingDomain::status() const {
             {"lanes", lanes_.size()},
             // Where each lane's progress thread may run (read back) and its staging lies.
             {"placement", placement},
+            {"rails", rails},
             {"hosts", hosts},
             {"members", members},
             {"op_states", {{"queued", oc.queued}, {"reported", oc.reported}, {"running", oc.running}, {"releasing", oc.releasing}}},

@@ -167,6 +167,14 @@ std::string Daemon::metrics_text() const {
             if (m.contains("data_out") && m["data_out"].contains("by_reference_bytes"))
                 e.sample("ringd_link_bytes_by_reference_total", {{"hosts", hosts_label(*r)}, {"peer", m.value("name", "")}},
                          num(m["data_out"], "by_reference_bytes"));
+    e.family("ringd_rail_bytes_total", "counter",
+             "Bytes of ring data sent to the next host on each of this host's rails (NICs: hosts[].address).");
+    for (const json *r : rings)
+        if (r->contains("rails"))
+            for (const auto &rail : (*r)["rails"])
+                e.sample("ringd_rail_bytes_total",
+                         {{"hosts", hosts_label(*r)}, {"rail", std::to_string(rail.value("rail", 0))}, {"address", rail.value("address", "")}},
+                         num(rail, "bytes_out"));
     e.family("ringd_wire_ops_total", "counter", "Ring ops by wire format (exact, or compressed: bf16, fp16, int8).");
     for (const json *r : rings)
         if (r->contains("wire"))

@@ -20,6 +20,7 @@
 // not (the owner keeps it registered until the op ends).
 #pragma once
 
+#include <array>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -58,6 +59,8 @@ struct TransportStats {
 };
 
 class Link;
+
+constexpr uint32_t kMaxRailsPerLink = 16;  // (config: kMaxRails)
 
 struct LinkEvent {
     enum class Kind { SendDone, RecvDone, Failed };
@@ -111,6 +114,8 @@ public:
     const std::optional<Error> &error() const { return error_; }
     uint64_t bytes_sent() const { return bytes_sent_; }
     uint64_t bytes_sent_by_reference() const { return bytes_by_reference_; }  // of bytes_sent(): not copied
+    // Of bytes_sent(): on rail r (LinkSetup::rails; a link of one rail sends everything on rail 0).
+    uint64_t bytes_sent_on_rail(uint32_t r) const { return r < kMaxRailsPerLink ? bytes_by_rail_[r] : 0; }
     uint64_t bytes_received() const { return bytes_received_; }
 
 protected:
@@ -122,6 +127,7 @@ protected:
     }
     uint64_t bytes_sent_ = 0;
     uint64_t bytes_by_reference_ = 0;
+    std::array<uint64_t, kMaxRailsPerLink> bytes_by_rail_{};  // (a transport of rails counts them)
     uint64_t bytes_received_ = 0;
 
 private:

@@ -659,6 +659,15 @@ TEST_CASE("rails: each host's NICs carry the ring's data in proportion to their 
             CHECK(r0 / (r0 + r1) > 0.42);
             CHECK(r0 / (r0 + r1) < 0.58);
         }
+        // ringd's own count per rail (status, metrics): the ring's data, within the NICs' totals.
+        const json rails = c.status(h)["ring"]["rails"];
+        REQUIRE(rails.size() == 2);
+        const double s0 = rails[0]["bytes_out"].get<double>(), s1 = rails[1]["bytes_out"].get<double>();
+        CHECK(rails[1]["address"] == hosts.address(h, 1));
+        CHECK(s0 + s1 > 2 * 2 * 2.0 / 3 * 16e6);
+        CHECK(s0 <= r0);
+        CHECK(s1 <= r1);
+        CHECK(s0 / (s0 + s1) == Approx(r0 / (r0 + r1)).margin(0.05));
     }
     CHECK(c.status(0)["ops"]["failed"] == 0);
 }

@@ -390,6 +390,7 @@ void TcpLink::write_some(Stream &s) {
         op.done += static_cast<uint64_t>(w);
         if (op.done < kHeaderBytes + op.bytes + op.mac_bytes) continue;
         bytes_sent_ += op.bytes;
+        bytes_by_rail_[s.rail] += op.bytes;
         if (op.fd >= 0) bytes_by_reference_ += op.bytes;
         if (!op.transport_own) t_.complete({this, LinkEvent::Kind::SendDone, op.tag, {}});
         s.sendq.pop_front();

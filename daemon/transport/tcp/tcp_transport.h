@@ -46,7 +46,7 @@ namespace ringd {
 
 class TcpTransport;
 
-constexpr uint32_t kMaxLinkRails = 16;     // (config: kMaxRails)
+constexpr uint32_t kMaxLinkRails = kMaxRailsPerLink;
 constexpr uint32_t kMaxLinkStreams = 256;  // of a link of several rails (config: tcp.streams x rails)
 
 class TcpLink final : public Link {
