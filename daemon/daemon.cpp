@@ -595,7 +595,16 @@ void Daemon::reload() {
                                           [](const HostEntry &a, const HostEntry &b) {
                                               return a.name == b.name && a.address == b.address && a.port == b.port;
                                           });
-    if (hosts_differ) {
+    // A host's rails (its addresses after the first, their weights) are its links' from the start:
+    // a change of them, with or without other changes to the list, waits for a restart.
+    bool rails_differ = !fresh->hosts.empty() && !config_.hosts.empty() &&
+                        fresh->hosts.front().rail_count() != config_.hosts.front().rail_count();
+    for (const auto &h : fresh->hosts)
+        for (const auto &o : config_.hosts)
+            if (h.name == o.name && (h.rails != o.rails || h.weights != o.weights)) rails_differ = true;
+    if (rails_differ) {
+        pending.push_back("hosts (rails changed: NICs are set up when ringd starts)");
+    } else if (hosts_differ) {
         if (const std::string why = apply_hosts(fresh->hosts); why.empty()) applied.push_back("hosts");
         else pending.push_back("hosts (" + why + ")");
     }

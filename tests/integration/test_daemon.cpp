@@ -523,6 +523,13 @@ TEST_CASE("SIGHUP reloads the config: the log level at once, the rest by name; b
         CHECK(j["pending_restart"].empty());
         CHECK(j["version"] == v0);
     }
+    SECTION("a host's rails wait for a restart, named") {
+        auto j = reload(with("address: 127.0.0.1,", "address: [127.0.0.1, 127.0.0.5],"));
+        CHECK(j["pending_restart"] == json::array({"hosts (rails changed: NICs are set up when ringd starts)"}));
+        CHECK_THAT(j["last_reload"].get<std::string>(), Catch::Contains("applied: nothing"));
+        j = reload(original);
+        CHECK(j["pending_restart"].empty());
+    }
     SECTION("what cannot change at run time is refused by key; the running config stays") {
         auto j = reload(with("socket: " + d.socket(), "socket: " + d.dir() + "/other.sock"));
         CHECK_THAT(j["last_reload"].get<std::string>(), Catch::Contains("refused: socket cannot change") &&
