@@ -375,14 +375,21 @@ CpuList process_cpus(int pid, int *current) {
     return allowed;
 }
 
-CpuList allowed_cpus() {
-    cpu_set_t set;
-    CPU_ZERO(&set);
+namespace {
+
+CpuList cpus_of(const cpu_set_t &set) {
     CpuList out;
-    if (::sched_getaffinity(0, sizeof set, &set) != 0) return out;
     for (uint32_t c = 0; c < CPU_SETSIZE; ++c)
         if (CPU_ISSET(c, &set)) out.push_back(c);
     return out;
+}
+
+}  // namespace
+
+CpuList allowed_cpus() {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    return ::sched_getaffinity(0, sizeof set, &set) == 0 ? cpus_of(set) : CpuList{};
 }
 
 Status pin_thread(std::thread &t, const CpuList &cpus) {
@@ -397,14 +404,9 @@ Status pin_thread(std::thread &t, const CpuList &cpus) {
 }
 
 CpuList thread_cpus(std::thread &t) {
-    CpuList out;
-    if (!t.joinable()) return out;
     cpu_set_t set;
     CPU_ZERO(&set);
-    if (::pthread_getaffinity_np(t.native_handle(), sizeof set, &set) != 0) return out;
-    for (uint32_t c = 0; c < CPU_SETSIZE; ++c)
-        if (CPU_ISSET(c, &set)) out.push_back(c);
-    return out;
+    return t.joinable() && ::pthread_getaffinity_np(t.native_handle(), sizeof set, &set) == 0 ? cpus_of(set) : CpuList{};
 }
 
 std::string interface_of(const std::string &address) {

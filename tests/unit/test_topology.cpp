@@ -7,6 +7,7 @@
 
 #include <cstdlib>
 #include <filesystem>
+#include <future>
 #include <fstream>
 #include <sstream>
 #include <thread>
@@ -34,6 +35,18 @@ struct TempRoot {
 
 CpuList cpus(const std::string &s) { return parse_cpulist(s); }
 
+// Issue 48's machine (tests/support/sysfs.h), described in a directory and read back.
+struct Described {
+    TempRoot root;
+    Machine m;
+    Described() {
+        test::FakeSysfs(root.path).two_node_gpu_machine();
+        auto r = read_machine(root.path);
+        REQUIRE(r);
+        m = std::move(*r);
+    }
+};
+
 bool contains(const std::string &s, const std::string &part) { return s.find(part) != std::string::npos; }
 
 }  // namespace
@@ -56,11 +69,8 @@ TEST_CASE("cpu lists parse and print as the kernel writes them", "[topology]") {
 }
 
 TEST_CASE("a described two-node GPU machine is read as it is laid out", "[topology]") {
-    TempRoot t;
-    test::FakeSysfs fs(t.path);
-    fs.two_node_gpu_machine();
-    auto m = read_machine(t.path);
-    REQUIRE(m);
+    Described d;
+    const Machine *m = &d.m;
     REQUIRE(m->nodes.size() == 2);
     CHECK(m->nodes[0].cpus == cpus("0-7"));
     CHECK(m->nodes[1].cpus == cpus("8-15"));
@@ -91,11 +101,8 @@ TEST_CASE("a described two-node GPU machine is read as it is laid out", "[topolo
 }
 
 TEST_CASE("each rail's threads and memory go to its NIC's node; each GPU to its nearest rail", "[topology]") {
-    TempRoot t;
-    test::FakeSysfs fs(t.path);
-    fs.two_node_gpu_machine();
-    auto m = read_machine(t.path);
-    REQUIRE(m);
+    Described d;
+    const Machine *m = &d.m;
     for (const std::vector<std::string> &rails : {std::vector<std::string>{"mlx5_0", "mlx5_1"}, {"ens1f0", "ens2f0"}}) {
         INFO(rails[0]);
         const Plan p = plan(*m, rails, cpus("0-15"), true);
@@ -152,11 +159,8 @@ TEST_CASE("each rail's threads and memory go to its NIC's node; each GPU to its 
 }
 
 TEST_CASE("a trainer's slot goes on the node it runs on", "[topology]") {
-    TempRoot t;
-    test::FakeSysfs fs(t.path);
-    fs.two_node_gpu_machine();
-    auto m = read_machine(t.path);
-    REQUIRE(m);
+    Described d;
+    const Machine *m = &d.m;
     std::string why;
     CHECK(slot_node(*m, cpus("8-15"), -1, why) == 1);
     CHECK(contains(why, "all on node 1"));
@@ -211,11 +215,13 @@ TEST_CASE("what cannot be read of a machine is left out, not guessed", "[topolog
 TEST_CASE("pinning and placement are read back from the kernel", "[topology]") {
     const CpuList allowed = allowed_cpus();
     REQUIRE_FALSE(allowed.empty());
-    std::thread th([] { std::this_thread::sleep_for(std::chrono::milliseconds(200)); });
+    std::promise<void> done;
+    std::thread th([f = done.get_future()]() mutable { f.wait(); });  // alive until the checks end
     REQUIRE(pin_thread(th, {allowed.back()}));
     CHECK(thread_cpus(th) == CpuList{allowed.back()});
     REQUIRE(pin_thread(th, {}));  // nothing: left as it is
     CHECK(thread_cpus(th) == CpuList{allowed.back()});
+    done.set_value();
     th.join();
 
     auto mem = NodeMemory::allocate(4 << 20, 0);
