@@ -162,8 +162,13 @@ Config parse_root(const YAML::Node &root) {
     parse_hosts(root["hosts"], c);
     if (auto n = root["transport"]) c.transport = get_choice(n, "transport", {"tcp", "ibverbs"});
     if (auto n = root["tcp"]) {
-        check_keys(n, "tcp", {"streams", "congestion", "socket_buffer", "zero_copy"});
+        check_keys(n, "tcp", {"streams", "congestion", "socket_buffer", "zero_copy", "rail_timeout"});
         if (n["zero_copy"]) c.tcp.zero_copy = get_bool(n["zero_copy"], "tcp.zero_copy");
+        if (n["rail_timeout"]) {
+            c.tcp.rail_timeout = get_duration(n["rail_timeout"], "tcp.rail_timeout");
+            if (c.tcp.rail_timeout < std::chrono::milliseconds(200) || c.tcp.rail_timeout > std::chrono::minutes(10))
+                fail("tcp.rail_timeout", "must be between 200ms (the kernel's least retransmission timeout) and 10m");
+        }
         if (n["streams"]) c.tcp.streams = static_cast<uint32_t>(get_uint(n["streams"], "tcp.streams", 1, 64));
         if (n["socket_buffer"]) {
             const std::string v = scalar(n["socket_buffer"], "tcp.socket_buffer");

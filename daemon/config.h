@@ -50,6 +50,10 @@ struct Config {
         // Large ring messages from the trainers' slots go by reference (sendfile from the slot's
         // memfd), not copied into the socket buffers (daemon/transport/tcp/tcp_transport.h).
         bool zero_copy = true;
+        // Several rails: how long a stream's sent data may go unacknowledged by the peer's kernel
+        // while retransmitted (TCP_USER_TIMEOUT) before its rail counts as down and its messages
+        // go on the other rails (a link of one rail keeps the kernel's default).
+        std::chrono::milliseconds rail_timeout{2000};
     } tcp;
     struct Ibverbs {
         std::string provider = "hardware";  // hardware (libibverbs) | emulated (software test device)

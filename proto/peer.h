@@ -52,7 +52,7 @@ struct PeerHello {
     std::string from;  // the dialer's host name
     std::string to;    // the listener's host name, as the dialer knows it
     ConnKind kind = ConnKind::Control;
-    uint32_t stream = 0;  // data stream index (< tcp.streams); 0 for control
+    uint32_t stream = 0;  // data stream index (< tcp.streams); 0 for control; kRejoinStream: see there
     uint64_t generation = 0;
     Nonce nonce{};
     // The ring domain the connection belongs to (after the fixed part, protocol v4): the names
@@ -66,6 +66,10 @@ struct PeerHello {
     KeyId key{}, previous_key{};              // its secret's id and the one it still accepts (0: none)
     uint64_t instance = 0;                    // its ringd process's (random at start): a restart shows
 };
+// A data stream's index with this bit: a new connection for a rail that failed in the running
+// generation (its hello's generation), replacing one of that rail's (several rails, TCP); it
+// does not re-form the ring.
+inline constexpr uint32_t kRejoinStream = 1u << 31;
 inline constexpr size_t kPeerHelloBytes = 3 * kNameBytes + 16 + kNonceBytes;  // the fixed part
 inline constexpr size_t kPeerHelloV7Bytes = kDigestBytes + kConfigVersionBytes + 2 * kKeyIdBytes + 8;  // then this
 inline constexpr size_t kMaxDomainBytes = 3072;

@@ -124,9 +124,16 @@ void print_status(const nlohmann::json &j) {
         const json rails = ring.value("rails", json::array());
         if (rails.size() > 1)
             for (const auto &r : rails)
-                std::printf("  rail %u  %-22s weight %-6g -> %s %.1f MB/s\n", r.at("rail").get<unsigned>(),
+                std::printf("  rail %u  %-22s weight %-6g %-4s -> %s %.1f MB/s%s\n", r.at("rail").get<unsigned>(),
                             r.at("address").get<std::string>().c_str(), r.at("weight").get<double>(),
-                            format_bytes(integer<uint64_t>(r.at("bytes_out"))).c_str(), r.at("rate_Bps").get<double>() / 1e6);
+                            r.value("to_next", "up") == "up" && r.value("from_prev", "up") == "up" ? "up" : "DOWN",
+                            format_bytes(integer<uint64_t>(r.at("bytes_out"))).c_str(), r.at("rate_Bps").get<double>() / 1e6,
+                            r.value("to_next", "up") != r.value("from_prev", "up")
+                                ? (" (to next host " + r.value("to_next", "up") + ", from previous " + r.value("from_prev", "up") + ")").c_str()
+                                : "");
+        if (rails.size() > 1 && ring.value("resent_messages", 0) > 0)
+            std::printf("  messages sent again on another rail: %s (%s)\n", std::to_string(ring.value("resent_messages", 0)).c_str(),
+                        format_bytes(integer<uint64_t>(ring.at("resent_bytes"))).c_str());
     };
     print_ring("ring", j.at("ring"));
     const json domains = j.value("domains", json::array());

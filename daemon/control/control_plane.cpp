@@ -320,7 +320,9 @@ Status ControlPlane::check_hello(const proto::PeerHello &h, const std::string &i
         if (peers_[i].host.name != h.from) continue;
         if (i == self_) break;
         // The control connection on rail 0, a data stream on its rail.
-        const uint32_t rail = h.kind == proto::ConnKind::Data ? rail_of(h.stream) : 0;
+        const uint32_t stream = h.stream & ~proto::kRejoinStream;
+        const bool rejoin = h.kind == proto::ConnKind::Data && (h.stream & proto::kRejoinStream);
+        const uint32_t rail = h.kind == proto::ConnKind::Data ? rail_of(stream) : 0;
         if (rail >= peers_[i].host.rail_count() || !same_ip(peers_[i].host.rail_address(rail), ip))
             return make_error(-EACCES, "host " + h.from + " connected from " + ip + ", its configured address" +
                                            (rails_ > 1 ? " on rail " + std::to_string(rail) : std::string()) + " is " +
@@ -330,10 +332,14 @@ Status ControlPlane::check_hello(const proto::PeerHello &h, const std::string &i
                                            ", which is " + peers_[self_].host.rail_address(rail) + " here");
         if (h.kind == proto::ConnKind::Control && i > self_)
             return make_error(-EPROTO, "host " + h.from + " dialed a control connection it should accept");
-        if (h.kind == proto::ConnKind::Data && (i != prev() || h.stream >= data_in_.size()))
-            return make_error(-EPROTO, "host " + h.from + " offered data stream " + std::to_string(h.stream) +
+        if (h.kind == proto::ConnKind::Data && (i != prev() || stream >= data_in_.size()))
+            return make_error(-EPROTO, "host " + h.from + " offered data stream " + std::to_string(stream) +
                                            "; only the previous host sends data, on " + std::to_string(data_in_.size()) +
                                            " stream(s)");
+        if (rejoin && (rails_ < 2 || !ring_up_ || h.generation != generation_))
+            return make_error(-EAGAIN, "host " + h.from + " offered a new connection for rail " + std::to_string(rail) +
+                                           " of ring generation " + std::to_string(h.generation) + "; this host " +
+                                           (ring_up_ ? "runs generation " + std::to_string(generation_) : std::string("has no ring up")));
         return Ok{};
     }
     return make_error(-EACCES, "host '" + h.from + "' is not in " + (domain_.empty() ? "this ring's config" : "ring domain " + domain_));
@@ -351,7 +357,8 @@ Status ControlPlane::check_runs_on(const proto::PeerHello &h) const {
         if (peers_[i].host.name != h.from) continue;
         const bool runs = h.kind == proto::ConnKind::Control
                               ? peers_[i].control != 0
-                              : ring_up_ || (h.stream < data_in_.size() && data_in_[h.stream] != 0);
+                              : (h.stream & proto::kRejoinStream) == 0 &&
+                                    (ring_up_ || (h.stream < data_in_.size() && data_in_[h.stream] != 0));
         if (!runs) return Ok{};
         return make_error(-EAGAIN, "host " + h.from + "'s host list (config version " +
                                        (h.config_version.empty() ? "?" : h.config_version) + ") differs from this host's (" +
@@ -378,7 +385,7 @@ void ControlPlane::adopt(UniqueFd fd, const proto::PeerHello &h, const std::stri
     promote_up(ref, h, h.generation, PeerRuns{h.version, h.hosts, h.config_version, h.instance});
 }
 
-void ControlPlane::dial(uint32_t peer, proto::ConnKind kind, uint32_t stream) {
+void ControlPlane::dial(uint32_t peer, proto::ConnKind kind, uint32_t stream, bool rejoin) {
     const auto &h = peers_[peer].host;
     const uint32_t rail = kind == proto::ConnKind::Data ? rail_of(stream) : 0;
     const std::string &address = h.rail_address(rail);
@@ -391,6 +398,7 @@ void ControlPlane::dial(uint32_t peer, proto::ConnKind kind, uint32_t stream) {
     c->peer = peer;
     c->kind = kind;
     c->stream = stream;
+    c->rejoin = rejoin;
     c->remote = address + ":" + std::to_string(h.port);
     c->deadline = Clock::now() + std::min<Clock::duration>(config_.timeouts.connect, std::chrono::seconds(5));
     c->fd = UniqueFd(::socket(ss.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
@@ -405,7 +413,7 @@ void ControlPlane::dial(uint32_t peer, proto::ConnKind kind, uint32_t stream) {
             const int err = errno;
             const uint64_t id = c->id;
             conns_.emplace(id, std::move(c));
-            if (kind == proto::ConnKind::Data) data_out_[stream] = id;
+            if (kind == proto::ConnKind::Data) (rejoin ? rejoin_out_[stream] : data_out_[stream]) = id;
             return conn_failed(id, "binding " + peers_[self_].host.rail_address(rail) + " for rail " + std::to_string(rail) +
                                        ": " + errno_string(err));
         }
@@ -423,7 +431,7 @@ void ControlPlane::dial(uint32_t peer, proto::ConnKind kind, uint32_t stream) {
     const int err = errno;
     const int fd = c->fd.get();
     conns_.emplace(id, std::move(c));
-    if (kind == proto::ConnKind::Data) data_out_[stream] = id;
+    if (kind == proto::ConnKind::Data) (rejoin ? rejoin_out_[stream] : data_out_[stream]) = id;
     if (rc != 0 && err != EINPROGRESS) return conn_failed(id, "connect to " + address + ": " + errno_string(err));
     if (auto s = watch(fd, id, EPOLLOUT); !s) return conn_failed(id, s.error().message);
 }
@@ -438,7 +446,8 @@ void ControlPlane::on_conn(uint64_t id, uint32_t events) {
         ::getsockopt(c.fd.get(), SOL_SOCKET, SO_ERROR, &err, &len);
         if (err != 0) return conn_failed(id, "connect to " + c.remote + ": " + errno_string(err));
         if (!(events & EPOLLOUT)) return;
-        c.hs.emplace(PeerHandshake::dial(std::move(c.fd), identity(), peers_[c.peer].host.name, c.kind, c.stream,
+        c.hs.emplace(PeerHandshake::dial(std::move(c.fd), identity(), peers_[c.peer].host.name, c.kind,
+                                         c.stream | (c.rejoin ? proto::kRejoinStream : 0u),
                                          peers_[c.peer].speaks));
         c.state = ConnState::Handshaking;
         if (c.kind == proto::ConnKind::Control) set_state(c.peer, "handshaking");
@@ -572,7 +581,8 @@ void ControlPlane::promote_up(Conn &c, const proto::PeerHello &h, uint64_t peer_
         for (uint32_t i = 0; i < n_; ++i)
             if (peers_[i].host.name == h.from) c.peer = i;
         c.kind = h.kind;
-        c.stream = h.stream;
+        c.stream = h.stream & ~proto::kRejoinStream;
+        c.rejoin = h.kind == proto::ConnKind::Data && (h.stream & proto::kRejoinStream);
     }
     // A host that restarted counts its generations from 0 again; the ring it forms next must
     // still be newer than any its peers saw, or they would take its ops for a finished
@@ -624,6 +634,14 @@ void ControlPlane::promote_up(Conn &c, const proto::PeerHello &h, uint64_t peer_
         p.last_error.clear();
         p.last_heard = Clock::now();
         set_state(peer, "up");
+    } else if (c.rejoin) {
+        (void)watch(c.fd.get(), id, EPOLLRDHUP);
+        if (!c.dialer) {
+            if (auto old = rejoin_in_.find(c.stream); old != rejoin_in_.end() && old->second != id) close_conn(old->second);
+            rejoin_in_[c.stream] = id;
+        }
+        spdlog::debug("data stream {} {} {} (rail {}): up again", c.stream, c.dialer ? "to" : "from", p.host.name, rail_of(c.stream));
+        return maybe_rail_up(c.stream, c.dialer);
     } else if (c.dialer) {
         (void)watch(c.fd.get(), id, EPOLLRDHUP);
         spdlog::debug("data stream {} to {}: up", c.stream, p.host.name);
@@ -763,6 +781,10 @@ void ControlPlane::close_conn(uint64_t id) {
         if (d == id) d = 0;
     for (auto &d : data_in_)
         if (d == id) d = 0;
+    if (c.rejoin) {
+        auto &m = c.dialer ? rejoin_out_ : rejoin_in_;
+        if (auto r = m.find(c.stream); r != m.end() && r->second == id) m.erase(r);
+    }
     if (c.kind == proto::ConnKind::Control && c.dialer && peers_[c.peer].control != id) peers_[c.peer].dialing = false;
     conns_.erase(it);
 }
@@ -790,6 +812,8 @@ void ControlPlane::conn_failed(uint64_t id, const std::string &why) {
         peers_[c.peer].last_error = why;
         peers_[c.peer].next_dial = Clock::now() + kRedial;
         set_state(c.peer, "failed");
+    } else if (c.dialer && c.rejoin) {
+        rejoin_next_dial_[c.stream] = Clock::now() + kRedial;
     } else if (c.dialer) {
         next_data_dial_ = Clock::now() + kRedial;
         peers_[c.peer].last_error = why;
@@ -832,6 +856,7 @@ void ControlPlane::abort_ring(const std::string &why, bool tell_peers) {
         flush_all(Clock::now() + kAbortFlush);
     }
     // Data connections of the next generation are made afresh by everyone.
+    close_rejoins();
     for (uint64_t id : data_out_)
         if (id) close_conn(id);
     for (uint64_t id : data_in_)
@@ -861,6 +886,10 @@ bool ControlPlane::dispatch() {
             break;
         case Event::Kind::Adopt:
             if (cb_.adopt) cb_.adopt(std::move(e.fd), e.hello, e.why, e.keys);
+            break;
+        case Event::Kind::RailStreams:
+            if (cb_.rail_streams)
+                cb_.rail_streams(e.generation, e.lane, e.rail, e.outgoing, std::move(e.outgoing ? e.to_next : e.from_prev));
             break;
         }
     }
@@ -1055,6 +1084,62 @@ std::vector<std::string> ControlPlane::hosts_differ() const {
     for (uint32_t i = 0; i < n_; ++i)
         if (i != self_ && peers_[i].hosts_differ) v.push_back(peers_[i].host.name);
     return v;
+}
+
+}  // namespace ringd
+
+namespace ringd {
+
+void ControlPlane::redial_rail(uint32_t lane, uint32_t rail, Clock::time_point now) {
+    if (!ring_up_ || rails_ < 2 || rail >= rails_ || n_ < 2) return;
+    const uint32_t per = per_rail();
+    for (uint32_t j = 0; j < per; ++j) {
+        const uint32_t s = (lane * rails_ + rail) * per + j;
+        if (s >= data_out_.size() || rejoin_out_.count(s)) continue;
+        if (auto t = rejoin_next_dial_.find(s); t != rejoin_next_dial_.end() && now < t->second) continue;
+        dial(next(), proto::ConnKind::Data, s, true);
+    }
+}
+
+void ControlPlane::maybe_rail_up(uint32_t stream, bool to_next) {
+    auto &m = to_next ? rejoin_out_ : rejoin_in_;
+    const uint32_t per = per_rail(), lane = lane_of(stream), rail = rail_of(stream);
+    const uint32_t first = (lane * rails_ + rail) * per;
+    for (uint32_t s = first; s < first + per; ++s) {
+        auto it = m.find(s);
+        if (it == m.end() || conns_.at(it->second)->state != ConnState::Up) return;
+    }
+    Event e;
+    e.kind = Event::Kind::RailStreams;
+    e.generation = generation_;
+    e.lane = lane;
+    e.rail = rail;
+    e.outgoing = to_next;
+    DataSockets &d = to_next ? e.to_next : e.from_prev;
+    for (uint32_t s = first; s < first + per; ++s) {
+        const uint64_t id = m.at(s);
+        Conn &c = *conns_.at(id);
+        ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, c.fd.get(), nullptr);
+        d.fds.push_back(std::move(c.fd));
+        d.keys.push_back(c.keys);
+        d.rails.push_back(rail);
+        conns_.erase(id);
+        m.erase(s);
+        rejoin_next_dial_.erase(s);
+    }
+    spdlog::info("{}data streams of rail {} {} {}: connected again", label(), rail, to_next ? "to" : "from",
+                 peers_[to_next ? next() : prev()].host.name);
+    events_.push_back(std::move(e));
+}
+
+void ControlPlane::close_rejoins() {
+    std::vector<uint64_t> ids;
+    for (const auto &[s, id] : rejoin_out_) ids.push_back(id);
+    for (const auto &[s, id] : rejoin_in_) ids.push_back(id);
+    for (uint64_t id : ids) close_conn(id);
+    rejoin_out_.clear();
+    rejoin_in_.clear();
+    rejoin_next_dial_.clear();
 }
 
 }  // namespace ringd

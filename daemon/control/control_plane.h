@@ -67,6 +67,10 @@ public:
         // NetworkTransport::prepare_socket): called on every data socket before it connects, and
         // on the listener before it listens, whose accepted connections inherit them.
         std::function<void(int fd)> prepare_socket;
+        // Several rails: new connections for rail `rail` of lane `lane`'s link of `generation` to
+        // the next host (to_next: this host dialed them) or from the previous one, replacing
+        // those of a rail that failed (redial_rail).
+        std::function<void(uint64_t generation, uint32_t lane, uint32_t rail, bool to_next, DataSockets sockets)> rail_streams;
     };
 
     struct PeerStatus {
@@ -151,6 +155,11 @@ public:
     // `seen_here`: the failure's cause was found on this host (bad bytes received): the ring
     // ends at once with this reason.
     void data_link_failed(const std::string &why, bool seen_here = false);
+    // Several rails: rail `rail` of lane `lane`'s link to the next host failed and both ends have
+    // said what they had of it: its connections are dialed anew (at most one dial at a time per
+    // stream, again kRedial after one fails) and handed over through Callbacks::rail_streams.
+    void redial_rail(uint32_t lane, uint32_t rail, Clock::time_point now);
+    uint32_t rails() const { return rails_; }
     // Queues what the socket does not take at once (small ops carry data); a peer that lets
     // more than kMaxBacklog pile up is not keeping up and fails. The frame is sealed (MAC) and
     // queued as it is, not copied: hand a large one over with std::move.
@@ -189,6 +198,7 @@ private:
         uint32_t peer = 0;  // known from the start when dialing, from the hello when accepting
         proto::ConnKind kind = proto::ConnKind::Control;
         uint32_t stream = 0;
+        bool rejoin = false;  // a data stream replacing one of a failed rail (proto::kRejoinStream)
         ConnState state = ConnState::Connecting;
         UniqueFd fd;                         // Connecting, Up
         std::optional<PeerHandshake> hs;     // Handshaking (owns the socket)
@@ -232,7 +242,10 @@ private:
     Status listen();
     Status check_runs_on(const proto::PeerHello &h) const;
     void accept_all();
-    void dial(uint32_t peer, proto::ConnKind kind, uint32_t stream);
+    void dial(uint32_t peer, proto::ConnKind kind, uint32_t stream, bool rejoin = false);
+    // A rejoining stream is up: once every stream of its lane and rail is, they are handed over.
+    void maybe_rail_up(uint32_t stream, bool to_next);
+    void close_rejoins();
     void on_conn(uint64_t id, uint32_t events);
     void promote(Conn &c);
     void promote_up(Conn &c, const proto::PeerHello &h, uint64_t peer_generation, const PeerRuns &runs);
@@ -268,15 +281,16 @@ private:
     uint32_t self_ = 0, n_ = 1;
     uint32_t rails_ = 1;  // TCP: the addresses (NICs) per host
     // Data stream s's rail (ordering: lanes, then rails, then tcp.streams).
-    uint32_t rail_of(uint32_t stream) const {
-        const uint32_t per_rail = config_.transport == "tcp" ? config_.tcp.streams : 1;
-        return (stream / per_rail) % rails_;
-    }
+    uint32_t per_rail() const { return config_.transport == "tcp" ? config_.tcp.streams : 1; }
+    uint32_t rail_of(uint32_t stream) const { return (stream / per_rail()) % rails_; }
+    uint32_t lane_of(uint32_t stream) const { return stream / (per_rail() * rails_); }
     const PeerSecret *secret_ = nullptr;
     PeerSecret no_secret_;
     Callbacks cb_;
     struct Event {
-        enum class Kind { RingUp, RingDown, Message, Adopt } kind = Kind::Message;
+        enum class Kind { RingUp, RingDown, Message, Adopt, RailStreams } kind = Kind::Message;
+        uint32_t lane = 0, rail = 0;  // RailStreams (to_next: in `to_next`, else in `from_prev`)
+        bool outgoing = false;
         uint64_t generation = 0;
         DataSockets to_next, from_prev;
         std::string why;
@@ -294,6 +308,8 @@ private:
     std::map<uint64_t, std::unique_ptr<Conn>> conns_;
     uint64_t next_conn_id_ = 1;
     std::vector<uint64_t> data_out_, data_in_;  // conn ids by stream, 0 = none
+    std::map<uint32_t, uint64_t> rejoin_out_, rejoin_in_;  // rejoining streams' conn ids, by stream
+    std::map<uint32_t, Clock::time_point> rejoin_next_dial_;  // by stream, after a failed one
     uint64_t handshakes_refused_ = 0;            // handshaking connections closed by the cap
     uint64_t frames_rejected_ = 0;               // control frames that failed their MAC check
     Clock::time_point last_refusal_log_{};

@@ -147,10 +147,33 @@ void ProgressEngine::push_result(EngineResult r) {
     (void)!::write(result_fd_.get(), &one, sizeof one);
 }
 
+void ProgressEngine::count_resent() {
+    uint64_t m = resent_messages_before_, b = resent_bytes_before_;
+    for (Link *l : {next_, prev_ != next_ ? prev_ : nullptr})
+        if (l) {
+            m += l->messages_resent();
+            b += l->bytes_resent();
+        }
+    resent_messages_.store(m, std::memory_order_relaxed);
+    resent_bytes_.store(b, std::memory_order_relaxed);
+}
+
 void ProgressEngine::drop_links() {
+    count_resent();
+    resent_messages_before_ = resent_messages_.load();
+    resent_bytes_before_ = resent_bytes_.load();
     if (next_) transport_->remove_link(next_);
     if (prev_ && prev_ != next_) transport_->remove_link(prev_);
     next_ = prev_ = nullptr;
+    links_generation_.store(0);
+    next_rails_.store(0);
+    prev_rails_.store(0);
+}
+
+Status ProgressEngine::offer_rail_streams(uint64_t generation, bool to_next, uint32_t rail, std::vector<UniqueFd> fds,
+                                          std::vector<SessionKeys> keys) {
+    if (!transport_) return make_error(-ENOTSUP, "no network transport");
+    return transport_->offer_rail_streams(link_key(generation, to_next), rail, std::move(fds), std::move(keys));
 }
 
 // Between ops the links are still watched, so that a neighbour that goes away is noticed (and
@@ -158,6 +181,7 @@ void ProgressEngine::drop_links() {
 void ProgressEngine::watch_idle_links() {
     std::vector<LinkEvent> events;
     (void)transport_->poll(events, 0);
+    count_resent();
     for (const auto &e : events) {
         if (e.kind != LinkEvent::Kind::Failed || (e.link != next_ && e.link != prev_) || link_failure_reported_) continue;
         link_failure_reported_ = true;
@@ -202,7 +226,13 @@ void ProgressEngine::run() {
             setups.emplace_back(l.next_name, std::move(l.to_next), std::move(l.to_next_keys));
             setups.back().rails = std::move(l.to_next_rails);
             setups.back().weights = std::move(l.to_next_weights);
+            setups.back().key = link_key(l.generation, true);
+            setups.back().rail_state = &next_rails_;
             setups.emplace_back(l.prev_name, std::move(l.from_prev), std::move(l.from_prev_keys));
+            setups.back().rails = std::move(l.from_prev_rails);
+            setups.back().weights = std::move(l.from_prev_weights);
+            setups.back().key = link_key(l.generation, false);
+            setups.back().rail_state = &prev_rails_;
             auto links = transport_->add_links(std::move(setups), Clock::now() + kLinkSetupTimeout);
             if (!links) {
                 link_failure_reported_ = true;
@@ -211,6 +241,7 @@ void ProgressEngine::run() {
             }
             next_ = (*links)[0];
             prev_ = (*links)[1];
+            links_generation_.store(l.generation);
             pos_ = RingPosition{l.rank, l.size, next_, prev_};
             break;
         }
@@ -377,6 +408,7 @@ EngineResult ProgressEngine::execute_ring(EngineWork &w) {
     bytes_by_reference_ += next_->bytes_sent_by_reference() - ref0;
     for (uint32_t r = 0; r < kMaxRailsPerLink; ++r)
         if (const uint64_t d = next_->bytes_sent_on_rail(r) - rail0[r]) rail_bytes_to_next_[r] += d;
+    count_resent();
     if (!s && s.error().code == -ECANCELED && solo) {
         // (An op this large may have sent from the trainer's slot by reference: ring_engine.h.)
         const bool by_reference = op.by_reference() && !next_->delivered_at_send_done();

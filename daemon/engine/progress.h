@@ -79,8 +79,8 @@ struct RingLinks {
     std::vector<UniqueFd> to_next, from_prev;
     std::vector<SessionKeys> to_next_keys, from_prev_keys;  // one per connection
     // Several rails: each connection's rail and its weight (LinkSetup::rails, weights).
-    std::vector<uint32_t> to_next_rails;
-    std::vector<double> to_next_weights;
+    std::vector<uint32_t> to_next_rails, from_prev_rails;
+    std::vector<double> to_next_weights, from_prev_weights;
 };
 
 class ProgressEngine {
@@ -135,6 +135,19 @@ public:
     uint64_t bytes_to_next_on_rail(uint32_t r) const {
         return r < kMaxRailsPerLink ? rail_bytes_to_next_[r].load(std::memory_order_relaxed) : 0;
     }
+    // Several rails: the state of the links' rails (transport.h, rails_down_of / rails_resynced_of)
+    // to the next host and from the previous one, and the generation those links are of (0: none).
+    uint64_t next_rails() const { return next_rails_.load(); }
+    uint64_t prev_rails() const { return prev_rails_.load(); }
+    uint64_t links_generation() const { return links_generation_.load(); }
+    // Messages (and bytes) its links sent again on another rail since start: theirs failed before
+    // the peer had them.
+    uint64_t messages_resent() const { return resent_messages_.load(std::memory_order_relaxed); }
+    uint64_t bytes_resent() const { return resent_bytes_.load(std::memory_order_relaxed); }
+    // New connections for rail `rail` of the link of `generation` to the next host (to_next) or
+    // from the previous one, taken by the transport even in the middle of an op. Any thread.
+    Status offer_rail_streams(uint64_t generation, bool to_next, uint32_t rail, std::vector<UniqueFd> fds,
+                              std::vector<SessionKeys> keys);
 
     // Runs one single-host op on the calling thread (the progress thread, or the control thread
     // for ops so small that a thread hop would cost more than the reduction).
@@ -181,6 +194,11 @@ private:
     std::atomic<bool> cancel_running_{false};
     std::atomic<uint64_t> bytes_to_next_{0}, bytes_from_prev_{0}, bytes_by_reference_{0};
     std::array<std::atomic<uint64_t>, kMaxRailsPerLink> rail_bytes_to_next_{};
+    std::atomic<uint64_t> next_rails_{0}, prev_rails_{0}, links_generation_{0};
+    std::atomic<uint64_t> resent_messages_{0}, resent_bytes_{0};
+    uint64_t resent_messages_before_ = 0, resent_bytes_before_ = 0;  // of links dropped (progress thread)
+    void count_resent();  // from the links now, and those dropped
+    static uint64_t link_key(uint64_t generation, bool to_next) { return generation * 2 + (to_next ? 0 : 1); }
 
     // Progress thread only.
     NetworkTransport *transport_ = nullptr;

@@ -88,6 +88,11 @@ Status RingDomain::setup(UniqueFd listener) {
     cb.ring_down = [this](const std::string &why) { on_ring_down(why); };
     cb.message = [this](uint32_t host, Frame &f) { on_peer_message(host, f); };
     cb.prepare_socket = [t = sh_.transport](int fd) { t->prepare_socket(fd); };
+    cb.rail_streams = [this](uint64_t g, uint32_t lane, uint32_t rail, bool to_next, DataSockets d) {
+        if (lane >= lanes_.size()) return;
+        if (auto ok = lanes_[lane]->engine->offer_rail_streams(g, to_next, rail, std::move(d.fds), std::move(d.keys)); !ok)
+            spdlog::warn("ring lane {}: new connections for rail {}: {}", lane, rail, ok.error().message);
+    };
     if (whole_ring()) {
         cb.foreign_check = sh_.foreign_check;
         cb.adopt = sh_.adopt;
@@ -138,6 +143,10 @@ void RingDomain::on_ring_up(uint64_t generation, DataSockets to_next, DataSocket
         for (size_t i = k * per; i < (k + 1) * per && i < from_prev.fds.size(); ++i) {
             l.from_prev.push_back(std::move(from_prev.fds[i]));
             l.from_prev_keys.push_back(from_prev.keys.at(i));
+            if (me.rail_count() > 1) {
+                l.from_prev_rails.push_back(from_prev.rails.at(i));
+                l.from_prev_weights.push_back(me.rail_weight(from_prev.rails.at(i)));
+            }
         }
         lanes_[k]->engine->ring_up(std::move(l));
     }
@@ -486,6 +495,15 @@ void RingDomain::on_engine_results(uint32_t lane) {
 
 void RingDomain::tick(Clock::time_point now) {
     control_->tick(now);
+    // Rails of the links to the next host that failed and are settled: dialed anew.
+    if (control_->rails() > 1 && control_->ring_up())
+        for (uint32_t k = 0; k < lanes_.size(); ++k) {
+            const ProgressEngine &e = *lanes_[k]->engine;
+            if (e.links_generation() != control_->generation()) continue;
+            const uint32_t resynced = rails_resynced_of(e.next_rails());
+            for (uint32_t r = 0; r < control_->rails(); ++r)
+                if (resynced & (1u << r)) control_->redial_rail(k, r, now);
+        }
     if (coord_known_)  // deferred direct ops that have not completed yet: the coordinator hears of them
         ops_.for_each_reported([&](const OpKey &key, HostOp &op) {
             if (deferred(op.algorithm) && !op.told_coordinator && op.stall_at <= now) tell_coordinator(key, op, 0);

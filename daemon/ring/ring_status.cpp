@@ -71,9 +71,22 @@ nlohmann::json RingDomain::status() const {
     // This host's rails (NICs): the ring data it sent to the next host on each, and the rate.
     json rails = json::array();
     const HostEntry &me = config_.hosts[self_index_];
+    // Its state on the links to the next host and from the previous one (down on any lane's link:
+    // down), and what the links sent again on other rails.
+    uint32_t down_next = 0, down_prev = 0;
+    uint64_t resent = 0, resent_bytes = 0;
+    for (const auto &l : lanes_) {
+        if (l->engine->links_generation() != 0) {
+            down_next |= rails_down_of(l->engine->next_rails());
+            down_prev |= rails_down_of(l->engine->prev_rails());
+        }
+        resent += l->engine->messages_resent();
+        resent_bytes += l->engine->bytes_resent();
+    }
     for (uint32_t r = 0; r < me.rail_count() && r < kMaxRailsPerLink; ++r)
         rails.push_back({{"rail", r}, {"address", me.rail_address(r)}, {"weight", me.rail_weight(r)},
-                         {"bytes_out", bytes_to_next_on_rail(r)}, {"rate_Bps", rate_rail_[r]}});
+                         {"bytes_out", bytes_to_next_on_rail(r)}, {"rate_Bps", rate_rail_[r]},
+                         {"to_next", (down_next >> r) & 1u ? "down" : "up"}, {"from_prev", (down_prev >> r) & 1u ? "down" : "up"}});
     json placement = json::array();
     for (uint32_t k = 0; k < lanes_.size(); ++k)
         placement.push_back({{"lane", k},
@@ -125,6 +138,8 @@ nlohmann::json RingDomain::status() const {
             // Where each lane's progress thread may run (read back) and its staging lies.
             {"placement", placement},
             {"rails", rails},
+            {"resent_messages", resent},
+            {"resent_bytes", resent_bytes},
             {"hosts", hosts},
             {"members", members},
             {"op_states", {{"queued", oc.queued}, {"reported", oc.reported}, {"running", oc.running}, {"releasing", oc.releasing}}},

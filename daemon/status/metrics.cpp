@@ -175,6 +175,18 @@ std::string Daemon::metrics_text() const {
                 e.sample("ringd_rail_bytes_total",
                          {{"hosts", hosts_label(*r)}, {"rail", std::to_string(rail.value("rail", 0))}, {"address", rail.value("address", "")}},
                          num(rail, "bytes_out"));
+    e.family("ringd_rail_up", "gauge",
+             "Whether each of this host's rails carries ring data to the next host (1) or is down (0; its messages go on the others).");
+    for (const json *r : rings)
+        if (r->contains("rails") && (*r)["rails"].size() > 1)
+            for (const auto &rail : (*r)["rails"])
+                e.sample("ringd_rail_up", {{"hosts", hosts_label(*r)}, {"rail", std::to_string(rail.value("rail", 0))}, {"address", rail.value("address", "")}},
+                         rail.value("to_next", "up") == "up" ? 1.0 : 0.0);
+    e.family("ringd_rail_resent_messages_total", "counter",
+             "Ring messages sent again on another rail because theirs failed before the peer had them.");
+    for (const json *r : rings)
+        if (r->contains("resent_messages") && r->contains("rails") && (*r)["rails"].size() > 1)
+            e.sample("ringd_rail_resent_messages_total", {{"hosts", hosts_label(*r)}}, num(*r, "resent_messages"));
     e.family("ringd_wire_ops_total", "counter", "Ring ops by wire format (exact, or compressed: bf16, fp16, int8).");
     for (const json *r : rings)
         if (r->contains("wire"))

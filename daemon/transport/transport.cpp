@@ -55,7 +55,8 @@ Result<std::unique_ptr<NetworkTransport>> make_transport(const Config &config) {
             if (const auto why = TcpTransport::socket_buffer_cap(config.tcp.socket_buffer); !why.empty())
                 spdlog::warn("tcp.socket_buffer ({} bytes): {}", config.tcp.socket_buffer, why);
         auto t = std::make_unique<TcpTransport>(std::move(cc), config.data_mac && !config.secret_file.empty(),
-                                                config.tcp.socket_buffer, config.tcp.zero_copy);
+                                                config.tcp.socket_buffer, config.tcp.zero_copy,
+                                                static_cast<uint32_t>(config.tcp.rail_timeout.count()));
         t->set_congestion_note(std::move(note));
         return std::unique_ptr<NetworkTransport>(std::move(t));
     }

@@ -21,6 +21,7 @@
 #pragma once
 
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -117,6 +118,13 @@ public:
     // Of bytes_sent(): on rail r (LinkSetup::rails; a link of one rail sends everything on rail 0).
     uint64_t bytes_sent_on_rail(uint32_t r) const { return r < kMaxRailsPerLink ? bytes_by_rail_[r] : 0; }
     uint64_t bytes_received() const { return bytes_received_; }
+    // Several rails: whether rail r carries messages now (a link of one rail: always), and the
+    // messages (and their bytes) sent again on other rails because theirs went down before the
+    // peer had them.
+    bool rail_up(uint32_t r) const { return r >= kMaxRailsPerLink || !((rails_down_ >> r) & 1u); }
+    uint32_t rails_down() const { return rails_down_; }
+    uint64_t messages_resent() const { return resent_messages_; }
+    uint64_t bytes_resent() const { return resent_bytes_; }
 
 protected:
     explicit Link(std::string peer) : peer_(std::move(peer)) {}
@@ -129,6 +137,8 @@ protected:
     uint64_t bytes_by_reference_ = 0;
     std::array<uint64_t, kMaxRailsPerLink> bytes_by_rail_{};  // (a transport of rails counts them)
     uint64_t bytes_received_ = 0;
+    uint32_t rails_down_ = 0;  // bit r: rail r is down
+    uint64_t resent_messages_ = 0, resent_bytes_ = 0;
 
 private:
     std::string peer_;
@@ -186,7 +196,17 @@ struct LinkSetup {
     // the link's messages are shared out; empty: all connections alike, in turn.
     std::vector<uint32_t> rails;
     std::vector<double> weights;
+    // Several rails: the owner's name for the link (offer_rail_streams finds it by it), and where
+    // the link publishes its rails' state for other threads (RailState below; may be null).
+    uint64_t key = 0;
+    std::atomic<uint64_t> *rail_state = nullptr;
 };
+
+// A link's rails as it publishes them (LinkSetup::rail_state): bit r of the low half, rail r is
+// down; of the high half, rail r is down and both ends have said what they had of it, so new
+// connections may replace its old ones (the control plane dials them).
+inline uint32_t rails_down_of(uint64_t state) { return static_cast<uint32_t>(state); }
+inline uint32_t rails_resynced_of(uint64_t state) { return static_cast<uint32_t>(state >> 32); }
 
 // A transport between hosts (tcp, ibverbs): links are made from data connections that the
 // control plane established and authenticated.
@@ -213,6 +233,13 @@ public:
     // TCP: the congestion control (TcpTransport). Called on the control thread while the progress
     // thread runs the links: it must not touch link state.
     virtual void prepare_socket(int fd) const { (void)fd; }
+    // New connections for rail `rail` of the link set up with `key` (LinkSetup::key), in the
+    // order of its old ones. Any thread: the progress thread takes them in its next poll(), even
+    // in the middle of an op; they are closed if no such link exists by then.
+    virtual Status offer_rail_streams(uint64_t key, uint32_t rail, std::vector<UniqueFd> fds, std::vector<SessionKeys> keys) {
+        (void)key, (void)rail, (void)fds, (void)keys;
+        return make_error(-ENOTSUP, std::string(name()) + " links have one rail");
+    }
 };
 
 // A registration that undoes itself. Move-only.

@@ -31,8 +31,9 @@ struct Ring {
     std::vector<std::vector<Link *>> links_of;  // every link a rank owns
 
     // kind: loopback | tcp (`streams` per link) | ibverbs (emulated device, `streams` QPs per link)
-    // zero_copy: TCP's (tcp.zero_copy).
-    Ring(uint32_t hosts, const std::string &kind, int streams = 2, bool zero_copy = true) : n(hosts), pos(hosts), links_of(hosts) {
+    // zero_copy: TCP's (tcp.zero_copy). rails (TCP): `streams` per rail per link, weights alike.
+    Ring(uint32_t hosts, const std::string &kind, int streams = 2, bool zero_copy = true, uint32_t rails = 1)
+        : n(hosts), pos(hosts), links_of(hosts), rails_(rails), per_rail_(static_cast<uint32_t>(streams)), sending_(hosts) {
         for (uint32_t r = 0; r < n; ++r) {
             if (kind == "loopback") transports.push_back(std::make_unique<LoopbackTransport>());
 #ifdef RINGD_HAVE_IBVERBS
@@ -45,7 +46,7 @@ struct Ring {
                 transports.push_back(std::move(*t));
             }
 #endif
-            else transports.push_back(std::make_unique<TcpTransport>("", false, 0, zero_copy));
+            else transports.push_back(std::make_unique<TcpTransport>("", false, 0, zero_copy, 500));
             pos[r].rank = r;
             pos[r].size = n;
         }
@@ -62,13 +63,16 @@ struct Ring {
                 b = y;
             } else {
                 std::vector<UniqueFd> sa, sb;
-                for (int i = 0; i < streams; ++i) {
+                std::vector<uint32_t> stream_rails;
+                for (int i = 0; i < streams * static_cast<int>(rails); ++i) {
                     auto [c, s] = tcp_pair();
+                    if (rails > 1) sending_[r].emplace_back(::dup(c.get()));  // (a dup keeps the connection open)
                     sa.push_back(std::move(c));
                     sb.push_back(std::move(s));
+                    stream_rails.push_back(static_cast<uint32_t>(i / streams));
                 }
                 // Both ends at once: a transport may exchange something first (ibverbs does).
-                const int conns = kind == "ibverbs" ? 1 : streams;
+                const int conns = kind == "ibverbs" ? 1 : streams * static_cast<int>(rails);
                 sa.resize(static_cast<size_t>(conns));
                 sb.resize(static_cast<size_t>(conns));
                 auto &ta = static_cast<NetworkTransport &>(*transports[r]);
@@ -78,6 +82,10 @@ struct Ring {
                 std::vector<LinkSetup> ua(1), ub(1);
                 ua[0] = {host(q), std::move(sa)};
                 ub[0] = {host(r), std::move(sb)};
+                if (rails > 1) {
+                    ua[0].rails = ub[0].rails = stream_rails;
+                    ua[0].weights = ub[0].weights = std::vector<double>(stream_rails.size(), 1.0);
+                }
                 std::thread other([&] { lb = tb.add_links(std::move(ub), deadline); });
                 la = ta.add_links(std::move(ua), deadline);
                 other.join();
@@ -96,6 +104,16 @@ struct Ring {
             pos[1].next = pos[1].prev;
         }
     }
+    // TCP: the connections of rail `rail` of host r's link to its next host fail at both ends
+    // (as when the NIC goes: a reset, the kernel's timeout). Any thread.
+    void take_down(uint32_t r, uint32_t rail) {
+        for (uint32_t i = rail * per_rail_; i < (rail + 1) * per_rail_ && i < sending_[r].size(); ++i)
+            ::shutdown(sending_[r][i].get(), SHUT_RDWR);
+    }
+
+private:
+    uint32_t rails_ = 1, per_rail_ = 1;
+    std::vector<std::vector<UniqueFd>> sending_;  // dup()s of each host's streams to its next host
 };
 
 // One op on every host of the ring at once, each on a thread of its own with an engine of its

@@ -67,8 +67,9 @@ constexpr size_t kG = bench::kGuardBytes;
 // host r (rank 0's buffer is the data region, the others go in as RingOp::locals), and checks every value of every rank
 // and the guard bytes on both sides of every rank's range: the data region's (each host's op at
 // its own offset), every local rank's buffer's and the staging area's.
+// progress: host 0's op stores the time of its messages' progress there (RingOp::progress_ns).
 void allreduce_and_check(Ring &ring, DType t, ReduceOp op, uint64_t count, RingOptions opt, uint32_t op_tag,
-                         uint32_t local = 1, std::vector<uint32_t> per_host = {}) {
+                         uint32_t local = 1, std::vector<uint32_t> per_host = {}, std::atomic<int64_t> *progress = nullptr) {
     const size_t es = dtype_size(t);
     std::vector<HostBuffers> bufs(ring.n);
     std::vector<Status> results(ring.n, Ok{});
@@ -116,6 +117,7 @@ void allreduce_and_check(Ring &ring, DType t, ReduceOp op, uint64_t count, RingO
             o.staging = bufs[r].staging_reg.handle();
             o.op_tag = op_tag;
             o.locals = bufs[r].local_ptrs;
+            if (r == 0) o.progress_ns = progress;
             results[r] = ar.run(ring.pos[r], o, std::chrono::steady_clock::now() + 20s);
         });
     }
@@ -351,6 +353,7 @@ TEST_CASE("a peer that disappears mid-op fails its neighbours with an error nami
                                           , std::string("ibverbs")
 #endif
     );
+    INFO("transport " << kind);
     Ring ring(3, kind);
     const uint64_t count = 1 << 20;
     std::vector<HostBuffers> bufs(3);
@@ -1176,4 +1179,179 @@ TEST_CASE("rails: a message goes to the rail whose backlog drains first at its w
     CHECK(share(1, 1, 1, 1) == Approx(1).epsilon(0.05));
     CHECK(share(3, 1, 1, 1) == Approx(3).epsilon(0.1));
     CHECK(share(1, 2, 1, 2) == Approx(0.5).epsilon(0.05));
+}
+
+namespace {
+
+// A TCP link a -> b of `rails` rails x `per_rail` streams between two transports, with a second
+// descriptor of every stream's sending end, by which a test takes a rail's connections down.
+struct RailLinkPair {
+    TcpTransport ta, tb;
+    TcpLink *a = nullptr, *b = nullptr;
+    uint32_t rails, per_rail;
+    std::vector<UniqueFd> a_side;  // dup()s of a's streams, in stream order
+    RailLinkPair(uint32_t rails_, uint32_t per_rail_, bool mac = false)
+        : ta("", mac, 0, true, 500), tb("", mac, 0, true, 500), rails(rails_), per_rail(per_rail_) {
+        std::vector<UniqueFd> sa, sb;
+        std::vector<uint32_t> r;
+        std::vector<double> w;
+        std::vector<SessionKeys> ka, kb;
+        for (uint32_t i = 0; i < rails * per_rail; ++i) {
+            auto [x, y] = tcp_pair();
+            a_side.emplace_back(::dup(x.get()));
+            sa.push_back(std::move(x));
+            sb.push_back(std::move(y));
+            r.push_back(i / per_rail);
+            w.push_back(1.0);
+            auto [k1, k2] = keys(i);
+            ka.push_back(k1);
+            kb.push_back(k2);
+        }
+        auto la = ta.add_link("nodeB", std::move(sa), ka, r, w);
+        auto lb = tb.add_link("nodeA", std::move(sb), kb, r, w);
+        REQUIRE((la.ok() && lb.ok()));
+        a = static_cast<TcpLink *>(*la);
+        b = static_cast<TcpLink *>(*lb);
+    }
+    static std::pair<SessionKeys, SessionKeys> keys(uint32_t salt) {
+        SessionKeys x, y;
+        x.enabled = y.enabled = true;
+        for (size_t i = 0; i < kSessionKeyBytes; ++i) {
+            x.send[i] = y.recv[i] = static_cast<uint8_t>(i + salt);
+            x.recv[i] = y.send[i] = static_cast<uint8_t>(100 + i + salt);
+        }
+        return {x, y};
+    }
+    // Rail r's connections fail at both ends (as when its NIC goes: the kernel's timeout, a reset).
+    void take_down(uint32_t r) {
+        for (uint32_t i = r * per_rail; i < (r + 1) * per_rail; ++i) ::shutdown(a_side[i].get(), SHUT_RDWR);
+    }
+    // New connections for rail r, handed to both ends.
+    void bring_back(uint32_t r) {
+        std::vector<UniqueFd> fa, fb;
+        std::vector<SessionKeys> ka, kb;
+        for (uint32_t i = r * per_rail; i < (r + 1) * per_rail; ++i) {
+            auto [x, y] = tcp_pair();
+            a_side[i] = UniqueFd(::dup(x.get()));
+            fa.push_back(std::move(x));
+            fb.push_back(std::move(y));
+            auto [k1, k2] = keys(1000 + i);
+            ka.push_back(k1);
+            kb.push_back(k2);
+        }
+        REQUIRE(a->add_rail_streams(r, std::move(fa), ka).ok());
+        REQUIRE(b->add_rail_streams(r, std::move(fb), kb).ok());
+    }
+    // Polls both until `until` holds or `limit` passes; every event is kept.
+    std::vector<LinkEvent> events;
+    template <class Until> bool poll(Until until, std::chrono::milliseconds limit = 10s) {
+        const auto deadline = std::chrono::steady_clock::now() + limit;
+        while (!until()) {
+            if (std::chrono::steady_clock::now() >= deadline) return false;
+            REQUIRE(ta.poll(events, 1).ok());
+            REQUIRE(tb.poll(events, 1).ok());
+        }
+        return true;
+    }
+    size_t count(Link *l, LinkEvent::Kind k) const {
+        return static_cast<size_t>(std::count_if(events.begin(), events.end(), [&](const LinkEvent &e) { return e.link == l && e.kind == k; }));
+    }
+};
+
+}  // namespace
+
+TEST_CASE("rails: a rail whose connections fail costs no message: what the peer did not read goes again on the other "
+          "rails, exact, with no link error; new connections bring it back; only the last rail down fails the link",
+          "[ring][tcp][rails]") {
+    const bool mac = GENERATE(false, true);
+    INFO("auth.data mac: " << mac);
+    RailLinkPair p(2, 2, mac);
+    constexpr uint64_t kMsg = 1 << 20;
+    constexpr size_t kN = 16;
+    std::vector<std::byte> src(kMsg * kN), dst(kMsg * kN + 2 * kG, std::byte{0x5a});
+    for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<std::byte>((i * 2654435761u) >> 13);
+    auto rs = p.ta.register_region(src.data(), src.size());
+    auto rd = p.tb.register_region(dst.data(), dst.size());
+    REQUIRE((rs.ok() && rd.ok()));
+    auto sends_done = [&] { return p.count(p.a, LinkEvent::Kind::SendDone); };
+    auto recvs_done = [&] { return p.count(p.b, LinkEvent::Kind::RecvDone); };
+    auto check_dst = [&](size_t messages) {
+        CHECK(std::memcmp(dst.data() + kG, src.data(), messages * kMsg) == 0);
+        for (size_t i = 0; i < kG; ++i) {
+            CHECK(dst[i] == std::byte{0x5a});
+            CHECK(dst[dst.size() - 1 - i] == std::byte{0x5a});
+        }
+    };
+
+    // Every message sent, only the first half received: the rest wait in the streams, unread.
+    for (size_t m = 0; m < kN; ++m) REQUIRE(p.a->post_send(*rs, m * kMsg, kMsg, m).ok());
+    for (size_t m = 0; m < kN / 2; ++m) REQUIRE(p.b->post_recv(*rd, kG + m * kMsg, kMsg, m).ok());
+    REQUIRE(p.poll([&] { return recvs_done() == kN / 2; }));
+    // A SendDone says that the peer has the message (its ack), not that the socket took it.
+    CHECK(sends_done() <= kN / 2);
+    CHECK(p.a->bytes_sent_on_rail(0) > 0);
+    CHECK(p.a->bytes_sent_on_rail(1) > 0);
+
+    p.take_down(1);
+    for (size_t m = kN / 2; m < kN; ++m) REQUIRE(p.b->post_recv(*rd, kG + m * kMsg, kMsg, m).ok());
+    REQUIRE(p.poll([&] { return recvs_done() == kN && sends_done() == kN; }));
+    CHECK(!p.a->error());
+    CHECK(!p.b->error());
+    CHECK(p.count(p.a, LinkEvent::Kind::Failed) == 0);
+    CHECK(p.count(p.b, LinkEvent::Kind::Failed) == 0);
+    CHECK(!p.a->rail_up(1));
+    CHECK(!p.b->rail_up(1));  // told by a's notice (its own streams saw the close too)
+    CHECK(p.a->rail_up(0));
+    CHECK(p.a->messages_resent() > 0);
+    CHECK(p.a->messages_resent() <= kN / 2);
+    CHECK(p.a->rail_resynced(1));
+    check_dst(kN);
+
+    // New connections: the rail carries messages again, and the link stays exact.
+    p.bring_back(1);
+    CHECK(p.a->rail_up(1));
+    CHECK(p.b->rail_up(1));
+    const uint64_t on_rail1 = p.a->bytes_sent_on_rail(1);
+    p.events.clear();
+    std::fill(dst.begin() + kG, dst.end() - kG, std::byte{0});
+    for (size_t m = 0; m < kN; ++m) {
+        REQUIRE(p.b->post_recv(*rd, kG + m * kMsg, kMsg, 100 + m).ok());
+        REQUIRE(p.a->post_send(*rs, m * kMsg, kMsg, 100 + m).ok());
+    }
+    REQUIRE(p.poll([&] { return recvs_done() == kN && sends_done() == kN; }));
+    CHECK(p.a->bytes_sent_on_rail(1) > on_rail1);
+    check_dst(kN);
+    CHECK(p.b->held_bytes() == 0);
+
+    // The last rail: the link fails, naming it, and every pending op with it.
+    p.events.clear();
+    REQUIRE(p.b->post_recv(*rd, kG, kMsg, 200).ok());
+    p.take_down(0);
+    p.take_down(1);
+    REQUIRE(p.poll([&] { return p.a->error() && p.b->error(); }));
+    CHECK_THAT(p.b->error()->message, Catch::Contains("every rail of the link is down"));
+    CHECK(p.count(p.b, LinkEvent::Kind::Failed) >= 1);
+}
+
+TEST_CASE("rails: the ring's ops stay exact when a rail goes down in the middle of one; no link fails", "[ring][tcp][rails]") {
+    // Three hosts, two rails of two streams per link; host 0's rail 1 to host 1 fails mid-op.
+    Ring ring(3, "tcp", 2, true, 2);
+    RingOptions opt;
+    opt.chunk_bytes = 1 << 20;
+    const uint64_t count = kTsan ? (4u << 20) : (24u << 20);  // f32 elements
+    std::atomic<int64_t> progress{0};
+    std::thread killer([&] {
+        const auto until = std::chrono::steady_clock::now() + 20s;
+        while (progress.load() == 0 && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(1ms);
+        std::this_thread::sleep_for(2ms);
+        ring.take_down(0, 1);
+    });
+    allreduce_and_check(ring, DType::F32, ReduceOp::Sum, count, opt, 7, 1, {}, &progress);
+    killer.join();
+    auto *l = static_cast<TcpLink *>(ring.pos[0].next);
+    CHECK(!l->error());
+    CHECK(!l->rail_up(1));
+    CHECK(!static_cast<TcpLink *>(ring.pos[1].prev)->rail_up(1));
+    // The next op, on the rail that is left: exact.
+    allreduce_and_check(ring, DType::F32, ReduceOp::Sum, 100003, opt, 8);
 }

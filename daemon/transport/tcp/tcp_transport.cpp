@@ -5,6 +5,7 @@
 #include <netinet/tcp.h>
 #include <linux/sockios.h>
 #include <sys/epoll.h>
+#include <sys/eventfd.h>
 #include <sys/ioctl.h>
 #include <sys/sendfile.h>
 #include <sys/socket.h>
@@ -38,9 +39,45 @@ std::string read_sysctl(const char *path) {
 
 }  // namespace
 
-TcpTransport::TcpTransport(std::string congestion, bool data_mac, uint64_t socket_buffer, bool zero_copy)
+TcpTransport::TcpTransport(std::string congestion, bool data_mac, uint64_t socket_buffer, bool zero_copy,
+                           uint32_t rail_timeout_ms)
     : epoll_(::epoll_create1(EPOLL_CLOEXEC)), congestion_(std::move(congestion)), data_mac_(data_mac),
-      socket_buffer_(static_cast<int>(std::min<uint64_t>(socket_buffer, 1u << 30))), zero_copy_(zero_copy) {}
+      socket_buffer_(static_cast<int>(std::min<uint64_t>(socket_buffer, 1u << 30))), zero_copy_(zero_copy),
+      rail_timeout_ms_(rail_timeout_ms), offered_(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) {
+    if (epoll_ && offered_) {
+        epoll_event ev{};
+        ev.events = EPOLLIN;
+        ev.data.ptr = nullptr;  // (streams have theirs)
+        ::epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, offered_.get(), &ev);
+    }
+}
+
+Status TcpTransport::offer_rail_streams(uint64_t key, uint32_t rail, std::vector<UniqueFd> fds, std::vector<SessionKeys> keys) {
+    if (!offered_) return make_error(-EMFILE, "eventfd failed");
+    {
+        std::lock_guard lock(offers_mu_);
+        offers_.push_back(Offer{key, rail, std::move(fds), std::move(keys)});
+    }
+    const uint64_t one = 1;
+    (void)!::write(offered_.get(), &one, sizeof one);
+    return Ok{};
+}
+
+void TcpTransport::take_offers() {
+    uint64_t n;
+    (void)!::read(offered_.get(), &n, sizeof n);
+    std::vector<Offer> offers;
+    {
+        std::lock_guard lock(offers_mu_);
+        offers.swap(offers_);
+    }
+    for (Offer &o : offers) {
+        auto it = std::find_if(links_.begin(), links_.end(), [&](const auto &l) { return l->weighted_ && l->key_ == o.key; });
+        if (it == links_.end()) continue;  // gone (a new generation): the connections close
+        if (auto ok = (*it)->add_rail_streams(o.rail, std::move(o.fds), o.keys); !ok)
+            spdlog::warn("data link to {}: new connections for rail {} not taken: {}", (*it)->peer(), o.rail, ok.error().message);
+    }
+}
 
 std::string TcpTransport::detail() const {
     const std::string mac = std::string(data_mac_ ? ", auth.data: mac" : "") + (zero_copy_ ? ", zero-copy sends" : "");
@@ -105,7 +142,7 @@ void TcpTransport::do_deregister(RegionHandle) {}
 
 Result<Link *> TcpTransport::add_link(const std::string &peer, std::vector<UniqueFd> streams,
                                       const std::vector<SessionKeys> &keys, const std::vector<uint32_t> &rails,
-                                      const std::vector<double> &weights) {
+                                      const std::vector<double> &weights, uint64_t key, std::atomic<uint64_t> *rail_state) {
     if (!epoll_) return make_error(-EMFILE, "epoll_create1 failed");
     if (streams.empty()) return make_error(-EINVAL, "a link needs at least one stream");
     if (!keys.empty() && keys.size() != streams.size()) return make_error(-EINVAL, "a link needs keys for every stream");
@@ -116,15 +153,19 @@ Result<Link *> TcpTransport::add_link(const std::string &peer, std::vector<Uniqu
     if (!rails.empty() && streams.size() > kMaxLinkStreams)
         return make_error(-EINVAL, "a link of several rails has at most " + std::to_string(kMaxLinkStreams) + " streams");
     auto link = std::make_unique<TcpLink>(*this, peer);
+    link->weighted_ = !rails.empty();
+    link->key_ = key;
+    link->published_ = rail_state;
+    if (rail_state) rail_state->store(0);
     for (size_t i = 0; i < streams.size(); ++i) {
         const SessionKeys k = data_mac_ && !keys.empty() ? keys[i] : SessionKeys{};
         if (auto s = link->add_stream(std::move(streams[i]), k); !s) return s.error();
         if (!rails.empty()) {
             link->streams_.back()->rail = rails[i];
             link->streams_.back()->weight = weights[i];
+            link->rail_count_ = std::max(link->rail_count_, rails[i] + 1);
         }
     }
-    link->weighted_ = !rails.empty();
     if (!link->late_congestion_.empty())
         spdlog::warn("data link to {}: a stream was connected under TCP congestion control {}; the kernel keeps what the "
                      "first one set up at connection time (BBR: its pacing, a timer per burst); ringd sets tcp.congestion "
@@ -138,7 +179,7 @@ Result<std::vector<Link *>> TcpTransport::add_links(std::vector<LinkSetup> links
                                                     std::chrono::steady_clock::time_point) {
     std::vector<Link *> out;
     for (auto &l : links) {
-        auto link = add_link(l.peer, std::move(l.streams), l.keys, l.rails, l.weights);
+        auto link = add_link(l.peer, std::move(l.streams), l.keys, l.rails, l.weights, l.key, l.rail_state);
         if (!link) {
             for (Link *done : out) remove_link(done);
             return link.error();
@@ -160,8 +201,15 @@ Status TcpTransport::poll(std::vector<LinkEvent> &out, int timeout_ms) {
     if (n < 0 && errno != EINTR) return make_error(-errno, "epoll_wait: " + errno_string(errno));
     for (int i = 0; i < n; ++i) {
         auto *s = static_cast<TcpLink::Stream *>(events[i].data.ptr);
+        if (!s) {
+            take_offers();
+            continue;
+        }
         s->link->on_event(*s, events[i].events);
     }
+    const auto now = std::chrono::steady_clock::now();
+    for (auto &l : links_)
+        if (l->weighted_ && !l->error()) l->hold_stalled(now);
     out.insert(out.end(), std::make_move_iterator(ready_.begin()), std::make_move_iterator(ready_.end()));
     ready_.clear();
     return Ok{};
@@ -175,6 +223,14 @@ TcpLink::~TcpLink() {
 }
 
 Status TcpLink::add_stream(UniqueFd fd, const SessionKeys &keys) {
+    auto s = std::make_unique<Stream>();
+    s->link = this;
+    if (auto ok = attach(*s, std::move(fd), keys); !ok) return ok;
+    streams_.push_back(std::move(s));
+    return Ok{};
+}
+
+Status TcpLink::attach(Stream &s, UniqueFd fd, const SessionKeys &keys) {
     const int flags = ::fcntl(fd.get(), F_GETFL);
     if (flags < 0 || ::fcntl(fd.get(), F_SETFL, flags | O_NONBLOCK) != 0)
         return make_error(-errno, "fcntl: " + errno_string(errno));
@@ -203,17 +259,24 @@ Status TcpLink::add_stream(UniqueFd fd, const SessionKeys &keys) {
         ::setsockopt(fd.get(), SOL_SOCKET, SO_SNDBUF, &sb, sizeof sb);
         ::setsockopt(fd.get(), SOL_SOCKET, SO_RCVBUF, &sb, sizeof sb);
     }
-    auto s = std::make_unique<Stream>();
-    s->link = this;
-    s->fd = std::move(fd);
-    s->mac = SessionMac(keys);
-    s->interest = EPOLLIN;
+    // Several rails: a rail whose peer does not acknowledge data for this long is down (its
+    // messages go on the others) rather than retransmitted into for the kernel's ~15 minutes.
+    if (weighted_) {
+        const unsigned timeout = t_.rail_timeout_ms_;
+        ::setsockopt(fd.get(), IPPROTO_TCP, TCP_USER_TIMEOUT, &timeout, sizeof timeout);  // (not on socketpairs)
+    }
+    s.fd = std::move(fd);
+    s.mac = SessionMac(keys);
+    s.interest = EPOLLIN;
+    s.rcvlowat = 1;
     epoll_event ev{};
-    ev.events = s->interest;
-    ev.data.ptr = s.get();
-    if (::epoll_ctl(t_.epoll_.get(), EPOLL_CTL_ADD, s->fd.get(), &ev) != 0)
-        return make_error(-errno, "epoll_ctl: " + errno_string(errno));
-    streams_.push_back(std::move(s));
+    ev.events = s.interest;
+    ev.data.ptr = &s;
+    if (::epoll_ctl(t_.epoll_.get(), EPOLL_CTL_ADD, s.fd.get(), &ev) != 0) {
+        const int e = errno;
+        s.fd.reset();
+        return make_error(-e, "epoll_ctl: " + errno_string(e));
+    }
     return Ok{};
 }
 
@@ -267,47 +330,60 @@ TcpLink::Stream &TcpLink::pick_stream(uint64_t bytes) {
     const size_t n = streams_.size();
     const size_t first = next_stream_++ % n;
     if (!weighted_) return *streams_[first];
-    // The receiver matches messages to receives by tag on any stream, so any stream will do.
+    // The receiver matches messages to receives by tag on any stream, so any stream of a rail
+    // that is up will do (the streams in turn from `first`, for choose_stream's ties).
     std::array<StreamLoad, kMaxLinkStreams> load;
-    for (size_t i = 0; i < n; ++i) {
+    std::array<uint32_t, kMaxLinkStreams> which;
+    size_t m = 0;
+    for (size_t k = 0; k < n; ++k) {
+        const size_t i = (first + k) % n;
         Stream &s = *streams_[i];
+        if (!s.up()) continue;
         uint64_t backlog = 0;
         for (const SendOp &op : s.sendq) backlog += kHeaderBytes + op.bytes + op.mac_bytes - op.done;
         int outq = 0;
         if (::ioctl(s.fd.get(), SIOCOUTQ, &outq) == 0 && outq > 0) backlog += static_cast<uint64_t>(outq);
-        load[i] = {s.rail, s.weight, backlog};
+        load[m] = {s.rail, s.weight, backlog};
+        which[m++] = static_cast<uint32_t>(i);
     }
-    return *streams_[choose_stream(std::span(load.data(), n), bytes, first)];
+    if (m == 0) return *streams_[first];  // (the link has failed: every rail is down)
+    return *streams_[which[choose_stream(std::span(load.data(), m), bytes, 0)]];
 }
 
 void TcpLink::enqueue(Stream &s, const std::byte *data, uint64_t bytes, uint64_t tag, uint32_t flags, int fd,
-                      uint64_t fd_offset) {
+                      uint64_t fd_offset, std::vector<std::byte> owned) {
     SendOp op;
     op.tag = tag;
-    op.data = data;
-    op.bytes = bytes;
+    op.owned = std::move(owned);
+    op.data = op.owned.empty() ? data : op.owned.data();
+    op.bytes = op.owned.empty() ? bytes : op.owned.size();
     op.fd = fd;
     op.fd_offset = fd_offset;
     op.transport_own = flags != 0;
+    if (!op.transport_own) op.seq = s.sent_seq++;
+    if (flags == kFlagFence) s.fence_ops.push_back(static_cast<uint32_t>(tag >> 32));
     proto::le::put<uint32_t>(&op.header[0], kDataMagic);
     proto::le::put<uint32_t>(&op.header[4], (s.mac.enabled() ? kFlagTagged : 0) | flags);
     proto::le::put<uint64_t>(&op.header[8], tag);
-    proto::le::put<uint64_t>(&op.header[16], bytes);
+    proto::le::put<uint64_t>(&op.header[16], op.bytes);
     if (s.mac.enabled()) {
         // The payload is final once posted (the engine does not touch it until SendDone).
         op.mac = s.mac.send.seal({std::span<const uint8_t>(op.header, kHeaderBytes),
-                                  std::span(reinterpret_cast<const uint8_t *>(op.data), bytes)});
+                                  std::span(reinterpret_cast<const uint8_t *>(op.data), op.bytes)});
         op.mac_bytes = kTagBytes;
     }
-    s.sendq.push_back(op);
+    s.sendq.push_back(std::move(op));
     if (s.sendq.size() == 1) write_some(s);  // opportunistic: most sends leave right away
     if (!error()) update_interest(s);
 }
 
 void TcpLink::fence(uint32_t op_tag) {
     if (error()) return;
-    fences_[op_tag] += static_cast<uint32_t>(streams_.size());
+    // On every stream that is up (a rail that goes down meanwhile takes its streams' fences off).
+    for (auto &sp : streams_)
+        if (sp->up()) ++fences_[op_tag];
     for (auto &sp : streams_) {
+        if (!sp->up()) continue;
         enqueue(*sp, nullptr, 0, uint64_t{op_tag} << 32, kFlagFence, -1, 0);
         if (error()) return;
     }
@@ -318,6 +394,20 @@ Status TcpLink::post_recv(const RegionHandle &region, uint64_t offset, uint64_t 
     if (offset > region.bytes || bytes > region.bytes - offset)
         return make_error(-ERANGE, "receive outside its registered region");
     RecvOp op{region.base + offset, bytes};
+    // Read already, while a rail was down (held).
+    if (auto h = held_.find(tag); h != held_.end()) {
+        if (h->second.data.size() != bytes) {
+            fail(-EPROTO, "message " + std::to_string(tag) + " has " + std::to_string(h->second.data.size()) +
+                              " bytes, the receive expects " + std::to_string(bytes));
+            return *error();
+        }
+        if (bytes) std::memcpy(op.data, h->second.data.data(), bytes);
+        held_bytes_ -= bytes;
+        held_.erase(h);
+        bytes_received_ += bytes;
+        t_.complete({this, LinkEvent::Kind::RecvDone, tag, {}});
+        return Ok{};
+    }
     // A stream may already hold this message's header, waiting for exactly this receive.
     for (auto &sp : streams_) {
         Stream &s = *sp;
@@ -338,9 +428,16 @@ Status TcpLink::post_recv(const RegionHandle &region, uint64_t offset, uint64_t 
 }
 
 void TcpLink::on_event(Stream &s, uint32_t events) {
-    if (error()) return;
+    if (error() || !s.up()) return;
+    if (weighted_ && (events & (EPOLLERR | EPOLLHUP))) {
+        // Also when the stream is left unread (its next message has no receive yet).
+        int err = 0;
+        socklen_t len = sizeof err;
+        ::getsockopt(s.fd.get(), SOL_SOCKET, SO_ERROR, &err, &len);
+        return stream_failed(s, err ? -err : -ECONNRESET, err ? "socket: " + errno_string(err) : "connection closed by peer");
+    }
     if (events & EPOLLOUT) write_some(s);
-    if (!error() && (events & (EPOLLIN | EPOLLHUP | EPOLLERR))) read_some(s);
+    if (!error() && s.up() && (events & (EPOLLIN | EPOLLHUP | EPOLLERR))) read_some(s);
     if (!error()) update_interest(s);
 }
 
@@ -370,7 +467,8 @@ void TcpLink::write_some(Stream &s) {
             }
             if (w < 0) {
                 if (errno == EAGAIN || errno == EINTR) return;
-                fail(-errno, std::string(op.done < kHeaderBytes ? "send: " : "sendfile: ") + errno_string(errno));
+                const int e = errno;
+                stream_failed(s, -e, std::string(op.done < kHeaderBytes ? "send: " : "sendfile: ") + errno_string(e));
                 return;
             }
             op.done += static_cast<uint64_t>(w);
@@ -383,7 +481,8 @@ void TcpLink::write_some(Stream &s) {
             w = ::sendmsg(s.fd.get(), &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
             if (w < 0) {
                 if (errno == EAGAIN || errno == EINTR) return;
-                fail(-errno, "send: " + errno_string(errno));
+                const int e = errno;
+                stream_failed(s, -e, "send: " + errno_string(e));
                 return;
             }
         }
@@ -392,7 +491,12 @@ void TcpLink::write_some(Stream &s) {
         bytes_sent_ += op.bytes;
         bytes_by_rail_[s.rail] += op.bytes;
         if (op.fd >= 0) bytes_by_reference_ += op.bytes;
-        if (!op.transport_own) t_.complete({this, LinkEvent::Kind::SendDone, op.tag, {}});
+        if (!op.transport_own) {
+            if (weighted_)
+                s.inflight.push_back(std::move(op));  // SendDone when the peer's ack says it has it
+            else
+                t_.complete({this, LinkEvent::Kind::SendDone, op.tag, {}});
+        }
         s.sendq.pop_front();
     }
 }
@@ -400,11 +504,12 @@ void TcpLink::write_some(Stream &s) {
 bool TcpLink::receive_into(Stream &s, void *at, size_t want, size_t &got) {
     const ssize_t r = ::recv(s.fd.get(), at, want, MSG_DONTWAIT);
     if (r == 0) {
-        fail(-ECONNRESET, "connection closed by peer");
+        stream_failed(s, -ECONNRESET, "connection closed by peer");
         return false;
     }
     if (r < 0) {
-        if (errno != EAGAIN && errno != EINTR) fail(-errno, "receive: " + errno_string(errno));
+        const int e = errno;
+        if (e != EAGAIN && e != EINTR) stream_failed(s, -e, "receive: " + errno_string(e));
         return false;
     }
     got += static_cast<size_t>(r);
@@ -412,7 +517,7 @@ bool TcpLink::receive_into(Stream &s, void *at, size_t want, size_t &got) {
 }
 
 void TcpLink::wake_at(Stream &s, size_t want) {
-    if (error()) return;
+    if (error() || !s.up()) return;
     const int v = static_cast<int>(std::clamp<size_t>(want, 1, kMaxWakeBytes));
     if (v == s.rcvlowat) return;
     ::setsockopt(s.fd.get(), SOL_SOCKET, SO_RCVLOWAT, &v, sizeof v);  // a hint: failing only costs wake-ups
@@ -420,7 +525,17 @@ void TcpLink::wake_at(Stream &s, size_t want) {
 }
 
 void TcpLink::read_some(Stream &s) {
+    read_messages(s);
+    // One ack for what this call read (several rails): the peer's SendDone of those messages.
+    if (s.ack_due && !error() && s.up()) {
+        s.ack_due = false;
+        enqueue(s, nullptr, 0, s.recvd, kFlagAck, -1, 0);
+    }
+}
+
+void TcpLink::read_messages(Stream &s) {
     for (;;) {
+        if (error() || !s.up()) return;
         if (!s.have_header) {
             if (!receive_into(s, s.header + s.header_got, kHeaderBytes - s.header_got, s.header_got)) return wake_at(s, 1);
             if (s.header_got < kHeaderBytes) continue;
@@ -428,9 +543,11 @@ void TcpLink::read_some(Stream &s) {
                 return fail(-EPROTO, "bad data header (not a ringd peer, or a corrupted stream)");
             const uint32_t flags = proto::le::get<uint32_t>(&s.header[4]);
             const uint32_t want = s.mac.enabled() ? kFlagTagged : 0;
-            s.in_flags = flags & (kFlagFence | kFlagFenceAck);
-            if ((flags & ~(kFlagFence | kFlagFenceAck)) != want || s.in_flags == (kFlagFence | kFlagFenceAck))
-                return fail(-EPROTO, flags & ~(kFlagTagged | kFlagFence | kFlagFenceAck) || s.in_flags == (kFlagFence | kFlagFenceAck)
+            s.in_flags = flags & kTransportFlags;
+            // At most one kind of the transport's own; acks and notices only between rails.
+            const bool bad_kind = (s.in_flags & (s.in_flags - 1)) != 0 || (!weighted_ && (s.in_flags & (kFlagAck | kFlagRail)));
+            if ((flags & ~kTransportFlags) != want || bad_kind)
+                return fail(-EPROTO, flags & ~(kFlagTagged | kTransportFlags) || bad_kind
                                          ? "bad data header flags (not a ringd peer, or a corrupted stream)"
                                      : want ? "data without MACs from a host that should tag it (auth.data must be the same on every host)"
                                             : "data with MACs from a host configured otherwise (auth.data must be the same on every host)");
@@ -438,9 +555,18 @@ void TcpLink::read_some(Stream &s) {
             s.bytes = proto::le::get<uint64_t>(&s.header[16]);
             s.got = 0;
             s.have_header = true;
+            if (s.in_flags == kFlagRail) {
+                // A rail notice: a count per stream of the rail, read whole.
+                if (s.bytes == 0 || s.bytes % 8 || s.bytes > 8 * kMaxLinkStreams)
+                    return fail(-EPROTO, "a rail notice of " + std::to_string(s.bytes) + " bytes (not a ringd peer, or a corrupted stream)");
+                if (s.scratch.size() < s.bytes) s.scratch.resize(s.bytes);
+                s.cur = RecvOp{s.scratch.data(), s.bytes};
+                s.discard = true;
+                continue;
+            }
             if (s.in_flags) {
-                // A fence or its ack: empty, read whatever is posted or dropped.
-                if (s.bytes != 0) return fail(-EPROTO, "a fence with a payload (not a ringd peer, or a corrupted stream)");
+                // A fence, its ack or an ack: empty, read whatever is posted or dropped.
+                if (s.bytes != 0) return fail(-EPROTO, "a fence or ack with a payload (not a ringd peer, or a corrupted stream)");
                 s.cur = RecvOp{s.scratch.data(), 0};
                 s.discard = true;
                 continue;
@@ -450,12 +576,19 @@ void TcpLink::read_some(Stream &s) {
                 continue;
             }
             auto it = posted_.find(s.tag);
-            if (it == posted_.end()) return;  // stall until post_recv(tag)
-            if (it->second.bytes != s.bytes)
-                return fail(-EPROTO, "message " + std::to_string(s.tag) + " has " + std::to_string(s.bytes) +
-                                         " bytes, the receive expects " + std::to_string(it->second.bytes));
-            s.cur = it->second;
-            posted_.erase(it);
+            if (it == posted_.end()) {
+                // Since a rail went down, a message that was sent again may come behind later
+                // ones on a stream: those are read ahead into the link's memory rather than left
+                // in the stream, up to kMaxHeldBytes.
+                s.stalled_since = std::chrono::steady_clock::now();
+                if (!hold_ || !try_hold(s)) return;  // stall until post_recv(tag)
+            } else {
+                if (it->second.bytes != s.bytes)
+                    return fail(-EPROTO, "message " + std::to_string(s.tag) + " has " + std::to_string(s.bytes) +
+                                             " bytes, the receive expects " + std::to_string(it->second.bytes));
+                s.cur = it->second;
+                posted_.erase(it);
+            }
         }
         if (!s.cur) return;  // header waiting for its receive
         if (s.got < s.bytes) {
@@ -474,12 +607,29 @@ void TcpLink::read_some(Stream &s) {
                 return fail(-EACCES, "data message " + std::to_string(s.tag) + " from " + peer() +
                                          " fails its MAC check (forged, replayed, reordered or corrupted)");
         }
-        if (!s.discard) {
+        const uint32_t in_flags = std::exchange(s.in_flags, 0);
+        const uint64_t in_tag = s.tag;
+        if (in_flags == 0 && weighted_) {
+            ++s.recvd;  // read (or dropped): the peer need not send it again
+            s.ack_due = true;
+        }
+        if (s.holding) {
+            s.holding = false;
+            auto it = posted_.find(in_tag);  // posted while it was being read
+            if (it != posted_.end() && it->second.bytes == s.bytes) {
+                if (s.bytes) std::memcpy(it->second.data, s.hold.data(), s.bytes);
+                posted_.erase(it);
+                held_bytes_ -= s.bytes;
+                bytes_received_ += s.bytes;
+                t_.complete({this, LinkEvent::Kind::RecvDone, in_tag, {}});
+            } else {
+                held_.emplace(in_tag, Held{std::move(s.hold)});
+            }
+            s.hold = {};
+        } else if (!s.discard) {
             bytes_received_ += s.bytes;
             t_.complete({this, LinkEvent::Kind::RecvDone, s.tag, {}});
         }
-        const uint32_t in_flags = std::exchange(s.in_flags, 0);
-        const uint64_t in_tag = s.tag;
         s.discard = false;
         s.cur.reset();
         s.have_header = false;
@@ -487,10 +637,14 @@ void TcpLink::read_some(Stream &s) {
         if (in_flags == kFlagFence) {
             // Everything of the op the peer sent on this stream before its fence is read here.
             enqueue(s, nullptr, 0, in_tag, kFlagFenceAck, -1, 0);
-            if (error()) return;
         } else if (in_flags == kFlagFenceAck) {
+            if (!s.fence_ops.empty()) s.fence_ops.pop_front();
             auto f = fences_.find(static_cast<uint32_t>(in_tag >> 32));
             if (f != fences_.end() && --f->second == 0) fences_.erase(f);
+        } else if (in_flags == kFlagAck) {
+            on_ack(s, in_tag);
+        } else if (in_flags == kFlagRail) {
+            on_notice(s, in_tag, s.bytes);
         }
     }
 }
@@ -513,6 +667,11 @@ void TcpLink::set_floor(uint32_t op_tag) {
     if (has_floor_ && !solo_tag_before(floor_, op_tag)) return;
     has_floor_ = true;
     floor_ = op_tag;
+    std::erase_if(held_, [&](const auto &h) {
+        if (!dropped(h.first)) return false;
+        held_bytes_ -= h.second.data.size();
+        return true;
+    });
     for (auto &sp : streams_) {
         Stream &s = *sp;
         if (!s.have_header || s.cur || !dropped(s.tag)) continue;
@@ -527,6 +686,11 @@ void TcpLink::cancel_receives(uint32_t op_tag) {
     if (error()) return;
     for (auto it = posted_.begin(); it != posted_.end();)
         it = static_cast<uint32_t>(it->first >> 32) == op_tag ? posted_.erase(it) : std::next(it);
+    std::erase_if(held_, [&](const auto &h) {
+        if (static_cast<uint32_t>(h.first >> 32) != op_tag) return false;
+        held_bytes_ -= h.second.data.size();
+        return true;
+    });
     for (auto &sp : streams_) {
         Stream &s = *sp;
         if (s.cur && !s.discard && static_cast<uint32_t>(s.tag >> 32) == op_tag && !start_discard(s)) return;
@@ -535,13 +699,17 @@ void TcpLink::cancel_receives(uint32_t op_tag) {
 
 bool TcpLink::sending(uint32_t op_tag) const {
     if (fences_.count(op_tag)) return true;
-    for (const auto &sp : streams_)
+    for (const auto &sp : streams_) {
         for (const auto &op : sp->sendq)
             if (static_cast<uint32_t>(op.tag >> 32) == op_tag) return true;
+        for (const auto &op : sp->inflight)
+            if (static_cast<uint32_t>(op.tag >> 32) == op_tag) return true;
+    }
     return false;
 }
 
 void TcpLink::update_interest(Stream &s) {
+    if (!s.up()) return;
     uint32_t want = 0;
     if (!s.sendq.empty()) want |= EPOLLOUT;
     if (!s.have_header || s.cur) want |= EPOLLIN;  // a stalled stream is left unread
@@ -558,17 +726,264 @@ void TcpLink::fail(int code, const std::string &why) {
     const Error e = set_error(code, why);
     for (auto &sp : streams_) {
         Stream &s = *sp;
-        for (const auto &op : s.sendq) t_.complete({this, LinkEvent::Kind::Failed, op.tag, e});
+        for (const auto &op : s.sendq)
+            if (!op.transport_own) t_.complete({this, LinkEvent::Kind::Failed, op.tag, e});
         s.sendq.clear();
-        if (s.cur) t_.complete({this, LinkEvent::Kind::Failed, s.tag, e});
+        for (const auto &op : s.inflight) t_.complete({this, LinkEvent::Kind::Failed, op.tag, e});
+        s.inflight.clear();
+        if (s.cur && !s.discard && !s.holding) t_.complete({this, LinkEvent::Kind::Failed, s.tag, e});
         s.cur.reset();
-        ::epoll_ctl(t_.epoll_.get(), EPOLL_CTL_DEL, s.fd.get(), nullptr);
+        if (s.up()) ::epoll_ctl(t_.epoll_.get(), EPOLL_CTL_DEL, s.fd.get(), nullptr);
         s.fd.reset();
     }
+    held_.clear();
+    held_bytes_ = 0;
     for (const auto &[tag, op] : posted_) t_.complete({this, LinkEvent::Kind::Failed, tag, e});
     posted_.clear();
     // Also when nothing was pending: the owner learns that the link is gone.
     t_.complete({this, LinkEvent::Kind::Failed, 0, e});
+}
+
+
+void TcpLink::stream_failed(Stream &s, int code, const std::string &why) {
+    if (!weighted_) return fail(code, why);
+    rail_down(s.rail, code, why);
+}
+
+void TcpLink::rail_down(uint32_t r, int code, const std::string &why) {
+    if (error() || r >= rail_count_ || !rail_up(r)) return;
+    rails_down_ |= 1u << r;
+    hold_ = true;
+    publish();
+    RailState &st = rail_state_[r];
+    st.sent_counts = st.got_counts = false;
+    st.peer_counts.clear();
+    st.why = why;
+    for_rail(r, [&](Stream &s) {
+        if (s.up()) ::epoll_ctl(t_.epoll_.get(), EPOLL_CTL_DEL, s.fd.get(), nullptr);
+        s.fd.reset();
+        s.interest = 0;
+        // A receive being filled waits for its message again (sent again on another rail).
+        if (s.cur && !s.discard && !s.holding) posted_.emplace(s.tag, *s.cur);
+        if (s.holding) held_bytes_ -= s.bytes;
+        s.holding = false;
+        s.hold = {};
+        s.cur.reset();
+        s.have_header = false;
+        s.header_got = 0;
+        s.got = 0;
+        s.mac_got = 0;
+        s.discard = false;
+        s.in_flags = 0;
+        s.ack_due = false;
+        // Fence acks that were to come on it will not: what the fence waited for is sent again
+        // (and acknowledged) on the other rails, or the peer has it.
+        for (uint32_t op : s.fence_ops) {
+            auto f = fences_.find(op);
+            if (f != fences_.end() && --f->second == 0) fences_.erase(f);
+        }
+        s.fence_ops.clear();
+        // The transport's own messages belonged to the connection; a payload message that was
+        // partly written goes again whole.
+        std::erase_if(s.sendq, [](const SendOp &op) { return op.transport_own; });
+        for (SendOp &op : s.sendq) op.done = 0;
+    });
+    const uint32_t all = rail_count_ >= 32 ? ~0u : (1u << rail_count_) - 1;
+    if ((rails_down_ & all) == all) return fail(code, "rail " + std::to_string(r) + ": " + why + " (every rail of the link is down)");
+    spdlog::warn("data link to {}: rail {} down: {}; its messages go on the other rails until it is back", peer(), r, why);
+    st.sent_counts = true;
+    send_notice(r);
+    // Notices of other rails that are down may have been on this rail's streams: again (the peer
+    // takes the first of each and ignores repeats).
+    for (uint32_t q = 0; q < rail_count_ && !error(); ++q)
+        if (q != r && !rail_up(q) && rail_state_[q].sent_counts) send_notice(q);
+    if (!error() && rail_state_[r].got_counts && !rail_up(r)) resend(r);
+    // From now on messages that come before their receive are held: those waiting now too.
+    hold_stalled(std::chrono::steady_clock::time_point::max());
+}
+
+bool TcpLink::try_hold(Stream &s) {
+    if (!s.up() || !s.have_header || s.cur || s.in_flags || s.bytes > kMaxDiscardBytes ||
+        held_bytes_ + s.bytes > kMaxHeldBytes || held_.count(s.tag) || posted_.count(s.tag))
+        return false;
+    s.hold.assign(s.bytes, std::byte{0});
+    held_bytes_ += s.bytes;
+    s.cur = RecvOp{s.hold.data(), s.bytes};
+    s.holding = true;
+    return true;
+}
+
+void TcpLink::hold_stalled(std::chrono::steady_clock::time_point now) {
+    for (auto &sp : streams_) {
+        if (error()) return;
+        Stream &s = *sp;
+        if (!s.up() || !s.have_header || s.cur || now - s.stalled_since < kHoldAfter || !try_hold(s)) continue;
+        read_some(s);
+        if (!error()) update_interest(s);
+    }
+}
+
+void TcpLink::send_notice(uint32_t r) {
+    std::vector<std::byte> counts;
+    for_rail(r, [&](Stream &s) {
+        const size_t at = counts.size();
+        counts.resize(at + 8);
+        proto::le::put<uint64_t>(reinterpret_cast<uint8_t *>(counts.data() + at), s.recvd);
+    });
+    // On the stream with the fewest messages the peer has not read: the notice is read the
+    // sooner (one the peer has read everything of is not waiting for a receive there).
+    Stream *to = nullptr;
+    size_t least = SIZE_MAX;
+    for (auto &sp : streams_) {
+        if (!sp->up()) continue;
+        size_t unread = sp->inflight.size();
+        for (const SendOp &op : sp->sendq) unread += op.transport_own ? 0 : 1;
+        if (unread < least) {
+            least = unread;
+            to = sp.get();
+        }
+    }
+    if (!to) return;
+    const uint64_t tag = r | (uint64_t{rail_state_[r].epoch} << 32);
+    enqueue(*to, nullptr, 0, tag, kFlagRail, -1, 0, std::move(counts));
+}
+
+void TcpLink::on_notice(Stream &s, uint64_t tag, uint64_t bytes) {
+    const uint32_t r = static_cast<uint32_t>(tag & 0xffffffffu), epoch = static_cast<uint32_t>(tag >> 32);
+    size_t n = 0;
+    for_rail(r, [&](Stream &) { ++n; });
+    if (r >= rail_count_ || r == s.rail || bytes != 8 * n)
+        return fail(-EPROTO, "a rail notice for rail " + std::to_string(r) + " of " + std::to_string(bytes) +
+                                 " bytes on rail " + std::to_string(s.rail) + " (not a ringd peer, or a corrupted stream)");
+    std::vector<uint64_t> counts(n);
+    for (size_t i = 0; i < n; ++i) counts[i] = proto::le::get<uint64_t>(reinterpret_cast<const uint8_t *>(s.scratch.data() + 8 * i));
+    if (epoch == rail_state_[r].epoch + 1) {
+        // About the rail's next connections, which the peer has and this end does not have yet:
+        // taken once they are here (maybe_attach).
+        rail_state_[r].early = std::move(counts);
+        return;
+    }
+    if (epoch != rail_state_[r].epoch) return;  // about connections of the rail that were replaced since
+    counts_in(r, std::move(counts));
+}
+
+void TcpLink::counts_in(uint32_t r, std::vector<uint64_t> counts) {
+    if (rail_up(r)) rail_down(r, -ENETDOWN, peer() + " found it down");
+    if (error() || rail_up(r)) return;
+    RailState &st = rail_state_[r];
+    if (st.got_counts) return;
+    st.peer_counts = std::move(counts);
+    st.got_counts = true;
+    if (st.sent_counts) resend(r);
+}
+
+void TcpLink::resend(uint32_t r) {
+    RailState &st = rail_state_[r];
+    std::vector<SendOp> again;
+    size_t i = 0;
+    bool bad = false;
+    for_rail(r, [&](Stream &s) {
+        const uint64_t have = i < st.peer_counts.size() ? st.peer_counts[i] : 0;
+        ++i;
+        if (have > s.sent_seq) bad = true;
+        for (SendOp &op : s.inflight) {
+            if (op.seq < have)
+                t_.complete({this, LinkEvent::Kind::SendDone, op.tag, {}});  // the peer has it; its ack was lost
+            else
+                again.push_back(std::move(op));
+        }
+        for (SendOp &op : s.sendq)
+            if (!op.transport_own) again.push_back(std::move(op));
+        s.inflight.clear();
+        s.sendq.clear();
+        s.sent_seq = 0;
+        s.recvd = 0;
+    });
+    if (bad) return fail(-EPROTO, "the peer's notice for rail " + std::to_string(r) + " counts messages never sent on it");
+    // In the ops' order, as far as tags tell it (the receiver takes them in any order).
+    std::stable_sort(again.begin(), again.end(), [](const SendOp &a, const SendOp &b) { return a.tag < b.tag; });
+    uint64_t bytes = 0;
+    for (SendOp &op : again) {
+        if (error()) return;
+        Stream &to = pick_stream(op.bytes);
+        enqueue(to, op.data, op.bytes, op.tag, 0, op.fd, op.fd_offset);
+        ++resent_messages_;
+        resent_bytes_ += op.bytes;
+        bytes += op.bytes;
+    }
+    if (error()) return;
+    publish();  // resynced: new connections may come
+    if (!again.empty())
+        spdlog::info("data link to {}: rail {}: {} message(s) ({} bytes) that {} did not have sent again on the other rails",
+                     peer(), r, again.size(), bytes, peer());
+    maybe_attach(r);
+}
+
+void TcpLink::on_ack(Stream &s, uint64_t count) {
+    if (count > s.sent_seq)
+        return fail(-EPROTO, "an ack for " + std::to_string(count) + " messages, of " + std::to_string(s.sent_seq) +
+                                 " sent (not a ringd peer, or a corrupted stream)");
+    while (!s.inflight.empty() && s.inflight.front().seq < count) {
+        t_.complete({this, LinkEvent::Kind::SendDone, s.inflight.front().tag, {}});
+        s.inflight.pop_front();
+    }
+}
+
+Status TcpLink::add_rail_streams(uint32_t r, std::vector<UniqueFd> fds, const std::vector<SessionKeys> &keys) {
+    if (error()) return *error();
+    if (!weighted_ || r >= rail_count_) return make_error(-EINVAL, "link to " + peer() + " has no rail " + std::to_string(r));
+    if (rail_up(r)) return make_error(-EALREADY, "rail " + std::to_string(r) + " of the link to " + peer() + " is up");
+    size_t n = 0;
+    for_rail(r, [&](Stream &) { ++n; });
+    if (fds.size() != n || (!keys.empty() && keys.size() != n))
+        return make_error(-EINVAL, "rail " + std::to_string(r) + " has " + std::to_string(n) + " streams, not " +
+                                       std::to_string(fds.size()));
+    RailState &st = rail_state_[r];
+    st.pending = std::move(fds);
+    st.pending_keys = keys;
+    maybe_attach(r);
+    return Ok{};
+}
+
+void TcpLink::maybe_attach(uint32_t r) {
+    RailState &st = rail_state_[r];
+    if (error() || rail_up(r) || !st.sent_counts || !st.got_counts || st.pending.empty()) return;
+    size_t i = 0;
+    Status ok = Ok{};
+    for_rail(r, [&](Stream &s) {
+        const SessionKeys k = t_.data_mac_ && i < st.pending_keys.size() ? st.pending_keys[i] : SessionKeys{};
+        if (ok) ok = attach(s, std::move(st.pending[i]), k);
+        s.sent_seq = 0;
+        s.recvd = 0;
+        ++i;
+    });
+    st.pending.clear();
+    st.pending_keys.clear();
+    st.sent_counts = st.got_counts = false;
+    st.peer_counts.clear();
+    ++st.epoch;
+    rails_down_ &= ~(1u << r);
+    publish();
+    if (!ok) return rail_down(r, ok.error().code, "its new connections: " + ok.error().message);
+    spdlog::info("data link to {}: rail {} up again", peer(), r);
+    if (st.early) {
+        // The peer found the new connections down already.
+        std::vector<uint64_t> counts = std::move(*st.early);
+        st.early.reset();
+        counts_in(r, std::move(counts));
+    }
+}
+
+}  // namespace ringd
+
+namespace ringd {
+
+void TcpLink::publish() {
+    if (!published_) return;
+    uint32_t resynced = 0;
+    for (uint32_t r = 0; r < rail_count_; ++r)
+        if (rail_resynced(r)) resynced |= 1u << r;
+    published_->store(uint64_t{rails_down_} | (uint64_t{resynced} << 32));
 }
 
 }  // namespace ringd

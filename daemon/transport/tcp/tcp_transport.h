@@ -31,12 +31,31 @@
 // stall of one host idle the next link, where a loss-based one keeps a standing queue that rides
 // it out (measured in the README's Performance section).
 //
+// Several rails (LinkSetup::rails): a rail that fails costs no message. Every payload message
+// is acknowledged by the receiver (an empty ack frame on the same stream, cumulative per stream,
+// one per batch of messages read), and its SendDone waits for that ack, so that its memory stays
+// as it was until the peer has it. A stream that fails with an I/O error (the peer's kernel does
+// not acknowledge its data for tcp.rail_timeout, TCP_USER_TIMEOUT; the peer closed it; reset)
+// takes its rail down, not the link: the rail's streams are closed, and this end tells the peer,
+// on a surviving rail, how many messages it read on each of them (a rail notice); the peer, on
+// that notice, closes its streams of the rail too and answers with its own. Each end then sends
+// again, on the surviving rails, every message of the rail that the other's notice does not
+// count, and completes the ones it does. Until the rail is back, a message that arrives before its
+// receive is posted is read into a buffer of the link (at most kMaxHeldBytes), so that a message
+// sent again behind later ones on a stream cannot wait on them. A rail comes back when the
+// control plane hands the link new connections for it (add_rail_streams); a link fails as before
+// only when its last rail is down, or on a protocol error (bad frames, MACs).
+//
 // Non-blocking sockets driven by one epoll set; poll() is called by the progress thread only.
 #pragma once
 
+#include <array>
+#include <chrono>
 #include <deque>
 #include <span>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <unordered_map>
 #include <vector>
 
@@ -73,6 +92,15 @@ public:
     void cancel_receives(uint32_t op_tag) override;
     bool sending(uint32_t op_tag) const override;
     void fence(uint32_t op_tag) override;
+    // Several rails: new connections for rail r, once it is down and both ends have exchanged
+    // their notices (rail_resynced), in the order of its old streams (the peer's are those of
+    // the same indices). The rail carries messages again once it has as many as it had.
+    Status add_rail_streams(uint32_t rail, std::vector<UniqueFd> fds, const std::vector<SessionKeys> &keys);
+    bool rail_resynced(uint32_t rail) const {
+        return rail < kMaxLinkRails && !rail_up(rail) && rail_state_[rail].sent_counts && rail_state_[rail].got_counts;
+    }
+    uint32_t rail_count() const { return rail_count_; }
+    uint64_t held_bytes() const { return held_bytes_; }
 
 private:
     static constexpr uint32_t kFlagTagged = 1;  // the message's tag follows its payload
@@ -80,6 +108,11 @@ private:
     // messages on every stream; the peer answers each with a fence ack on the same stream once it
     // has read it, so everything before it.
     static constexpr uint32_t kFlagFence = 2, kFlagFenceAck = 4;
+    // Several rails only: an ack (its tag: the payload messages read on the stream so far), and a
+    // rail notice (its tag: the rail, and the rail's epoch in the high half; its payload: a u64 per
+    // stream of the rail, in order, the payload messages read on it).
+    static constexpr uint32_t kFlagAck = 8, kFlagRail = 16;
+    static constexpr uint32_t kTransportFlags = kFlagFence | kFlagFenceAck | kFlagAck | kFlagRail;
     friend class TcpTransport;
     static constexpr size_t kHeaderBytes = 24;
     struct SendOp {
@@ -92,7 +125,9 @@ private:
         size_t mac_bytes = 0;  // kTagBytes when tagged
         int fd = -1;           // >= 0: the payload goes by reference, sendfile from fd at fd_offset
         uint64_t fd_offset = 0;
-        bool transport_own = false;  // a fence or fence ack: no SendDone
+        bool transport_own = false;  // a fence, ack or notice: no SendDone
+        uint64_t seq = 0;            // several rails: the payload message's number on its stream
+        std::vector<std::byte> owned;  // a notice's payload (`data` points into it)
     };
     // Stable sends of at least this go by reference (sendfile); smaller ones are not worth the
     // header's own system call.
@@ -122,7 +157,40 @@ private:
         uint32_t in_flags = 0;  // the header flags of the message being read (fence, fence ack)
         uint32_t rail = 0;      // several rails (weighted_): its rail, and the rail's weight
         double weight = 1;
+        // Several rails: payload messages queued on it so far (the next one's seq), those written
+        // and not yet acknowledged (their SendDone waits for the ack), and payload messages read.
+        uint64_t sent_seq = 0;
+        std::deque<SendOp> inflight;
+        uint64_t recvd = 0;
+        bool ack_due = false;
+        std::deque<uint32_t> fence_ops;  // fences sent on it whose acks are still to come (op tags)
+        bool up() const { return static_cast<bool>(fd); }
+        // The message being read is held (read before its receive was posted): into `hold`.
+        bool holding = false;
+        std::vector<std::byte> hold;
+        std::chrono::steady_clock::time_point stalled_since{};  // its next message waits for a receive since
     };
+    struct RailState {
+        uint32_t epoch = 0;  // its connections so far, less one: notices name it
+        bool sent_counts = false, got_counts = false;  // while down: the notices exchanged
+        std::vector<uint64_t> peer_counts;
+        std::optional<std::vector<uint64_t>> early;  // a notice about its next connections
+        std::vector<UniqueFd> pending;  // add_rail_streams before the notices were exchanged
+        std::vector<SessionKeys> pending_keys;
+        std::string why;  // why it went down
+    };
+    // A message read before its receive was posted, while a rail is down.
+    struct Held {
+        std::vector<std::byte> data;
+    };
+    static constexpr uint64_t kMaxHeldBytes = 64ull << 20;
+    // A stream whose next message has had no receive for this long is read ahead too (held), on
+    // a link of several rails, so that a rail notice behind it cannot wait on it.
+    static constexpr auto kHoldAfter = std::chrono::milliseconds(50);
+    // Starts holding the message `s` waits with (false: not a payload message, or no room).
+    bool try_hold(Stream &s);
+    // Streams stalled for kHoldAfter: held (TcpTransport::poll).
+    void hold_stalled(std::chrono::steady_clock::time_point now);
     // The stream a message of `bytes` goes on: in turn; with several rails, on the rail whose
     // backlog (its streams' queues here and their sockets' unsent and unacknowledged bytes) would
     // be done first at its weight, so that a slower rail gets fewer messages and every rail stays
@@ -130,12 +198,15 @@ private:
     Stream &pick_stream(uint64_t bytes);
     bool weighted_ = false;
     // Queues a message on `s` (post(); fences and their acks: empty, with their flag).
-    void enqueue(Stream &s, const std::byte *data, uint64_t bytes, uint64_t tag, uint32_t flags, int fd, uint64_t fd_offset);
+    void enqueue(Stream &s, const std::byte *data, uint64_t bytes, uint64_t tag, uint32_t flags, int fd, uint64_t fd_offset,
+                 std::vector<std::byte> owned = {});
     // Messages of cancelled ops larger than this fail the link instead of being read to drop
     // (a ring message is a chunk: tuning.chunk_bytes at most).
     static constexpr uint64_t kMaxDiscardBytes = 256ull << 20;
 
     Status add_stream(UniqueFd fd, const SessionKeys &keys);
+    // Makes `fd` the stream's connection (non-blocking, its options, watched).
+    Status attach(Stream &s, UniqueFd fd, const SessionKeys &keys);
     Status post(const RegionHandle &region, uint64_t offset, uint64_t bytes, uint64_t tag, bool by_reference);
     void on_event(Stream &s, uint32_t events);
     void write_some(Stream &s);
@@ -150,6 +221,24 @@ private:
     static constexpr size_t kMaxWakeBytes = 256 << 10;
     void update_interest(Stream &s);
     void fail(int code, const std::string &why);
+    // An I/O error on `s`: its rail goes down (several rails), or the link fails.
+    void stream_failed(Stream &s, int code, const std::string &why);
+    void rail_down(uint32_t rail, int code, const std::string &why);
+    void send_notice(uint32_t rail);
+    void on_notice(Stream &s, uint64_t tag, uint64_t bytes);
+    // The peer's counts of rail r's messages (its notice): the rail goes down here too, and what
+    // the peer does not have goes again.
+    void counts_in(uint32_t rail, std::vector<uint64_t> counts);
+    void resend(uint32_t rail);
+    void maybe_attach(uint32_t rail);
+    void on_ack(Stream &s, uint64_t count);
+    // read_some's body; read_some sends the stream's ack after it.
+    void read_messages(Stream &s);
+    // Streams of rail r, in order.
+    template <class F> void for_rail(uint32_t r, F f) {
+        for (auto &sp : streams_)
+            if (sp->rail == r) f(*sp);
+    }
     bool dropped(uint64_t tag) const {
         const uint32_t op = static_cast<uint32_t>(tag >> 32);
         return has_floor_ && solo_tag(op) && solo_tag_before(op, floor_);
@@ -165,6 +254,14 @@ private:
     bool has_floor_ = false;
     uint32_t floor_ = 0;  // set_floor
     std::unordered_map<uint32_t, uint32_t> fences_;  // op tag -> fence acks still to come
+    uint32_t rail_count_ = 1;
+    std::array<RailState, kMaxLinkRails> rail_state_;
+    uint64_t key_ = 0;
+    std::atomic<uint64_t> *published_ = nullptr;  // LinkSetup::rail_state
+    void publish();
+    std::unordered_map<uint64_t, Held> held_;  // by tag
+    uint64_t held_bytes_ = 0;
+    bool hold_ = false;  // since a rail first went down: messages that come early are held
     std::string late_congestion_;  // a stream connected under another congestion control, and what came of it ("": none)
 };
 
@@ -174,8 +271,9 @@ public:
     // data_mac: tag every message of a link whose connections have keys (auth.data: mac).
     // socket_buffer: every stream's SO_SNDBUF/SO_RCVBUF; 0 leaves them to the kernel's autotuning.
     // zero_copy: stable sends from regions with a file go by reference (tcp.zero_copy).
+    // rail_timeout_ms: several rails' streams' TCP_USER_TIMEOUT (tcp.rail_timeout).
     explicit TcpTransport(std::string congestion = {}, bool data_mac = false, uint64_t socket_buffer = 0,
-                          bool zero_copy = true);
+                          bool zero_copy = true, uint32_t rail_timeout_ms = 2000);
     std::string_view name() const override { return "tcp"; }
     std::string detail() const override;
 
@@ -198,7 +296,7 @@ public:
     static std::string congestion_of(int fd);
     // TCP posts read only the RegionHandle's address: any TcpTransport takes any other's handles.
     Result<std::unique_ptr<NetworkTransport>> sibling() override {
-        auto t = std::make_unique<TcpTransport>(congestion_, data_mac_, socket_buffer_, zero_copy_);
+        auto t = std::make_unique<TcpTransport>(congestion_, data_mac_, socket_buffer_, zero_copy_, rail_timeout_ms_);
         t->set_congestion_note(congestion_note_);
         return std::unique_ptr<NetworkTransport>(std::move(t));
     }
@@ -207,7 +305,8 @@ public:
     // non-blocking and TCP_NODELAY, with the socket buffers asked for (else the kernel's).
     // `keys`: one per stream, or empty (nothing tagged).
     Result<Link *> add_link(const std::string &peer, std::vector<UniqueFd> streams, const std::vector<SessionKeys> &keys = {},
-                            const std::vector<uint32_t> &rails = {}, const std::vector<double> &weights = {});
+                            const std::vector<uint32_t> &rails = {}, const std::vector<double> &weights = {},
+                            uint64_t key = 0, std::atomic<uint64_t> *rail_state = nullptr);
     Result<std::vector<Link *>> add_links(std::vector<LinkSetup> links,
                                           std::chrono::steady_clock::time_point deadline) override;
     void remove_link(Link *link) override;
@@ -220,6 +319,7 @@ public:
 
     Status poll(std::vector<LinkEvent> &out, int timeout_ms) override;
     int fd() const override { return epoll_.get(); }
+    Status offer_rail_streams(uint64_t key, uint32_t rail, std::vector<UniqueFd> fds, std::vector<SessionKeys> keys) override;
 
 protected:
     Result<RegionHandle> do_register(std::byte *base, size_t bytes) override;
@@ -235,9 +335,22 @@ private:
     bool data_mac_ = false;
     int socket_buffer_ = 0;
     bool zero_copy_ = true;
+    uint32_t rail_timeout_ms_ = 2000;
     uint64_t next_region_ = 1;
     std::vector<std::unique_ptr<TcpLink>> links_;
     std::vector<LinkEvent> ready_;  // completions produced outside poll(), handed out by the next poll()
+    // offer_rail_streams: what other threads handed over, taken by poll() (woken by `offered_`, an
+    // eventfd in the epoll set).
+    struct Offer {
+        uint64_t key = 0;
+        uint32_t rail = 0;
+        std::vector<UniqueFd> fds;
+        std::vector<SessionKeys> keys;
+    };
+    std::mutex offers_mu_;
+    std::vector<Offer> offers_;
+    UniqueFd offered_;
+    void take_offers();
 };
 
 }  // namespace ringd
