@@ -672,6 +672,66 @@ TEST_CASE("rails: each host's NICs carry the ring's data in proportion to their 
     CHECK(c.status(0)["ops"]["failed"] == 0);
 }
 
+TEST_CASE("rails: a NIC that goes down mid-job costs no op: its messages go on the other rail, the ring keeps its "
+          "generation, and the rail carries data again once it is back",
+          "[cluster][rails]") {
+    if (!NetnsHosts::available()) RINGD_SKIP("network namespaces are needed for hosts with two NICs");
+    NetnsHosts hosts(3, 2);
+    for (uint32_t h = 0; h < 3; ++h)
+        for (uint32_t r = 0; r < 2; ++r) hosts.limit(h, r, "200mbit");
+    ClusterOptions o;
+    o.netns = &hosts;
+    o.op_timeout = "20s";
+    TestCluster c(3, o);
+    REQUIRE(c.wait_up());
+    const uint64_t generation = c.status(0)["ring"]["generation"].get<uint64_t>();
+    auto rail = [&](uint32_t h) { return c.status(h)["ring"]["rails"][1]; };
+    auto wait_for = [](auto done, std::chrono::seconds limit) {
+        const auto until = std::chrono::steady_clock::now() + limit;
+        while (!done() && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(50ms);
+        return done();
+    };
+    LoopingJob job(connect_all(c, "failover", 2, 8 << 20));
+    REQUIRE(wait_for([&] { return job.ops() >= 4; }, 20s));
+
+    // Host 1's second NIC goes: its links to host 0 and host 2 lose that rail, both ways.
+    hosts.set_link(1, 1, false);
+    CHECK(wait_for([&] { return rail(1)["to_next"] == "down" && rail(1)["from_prev"] == "down"; }, 10s));
+    CHECK(wait_for([&] { return rail(0)["to_next"] == "down" && rail(2)["from_prev"] == "down"; }, 10s));
+    const uint64_t at_down = job.ops();
+    CHECK(wait_for([&] { return job.ops() >= at_down + 6; }, 20s));  // the job goes on, on rail 0
+    const json down = c.status(1);
+    CHECK(down["ring"]["generation"] == generation);
+    CHECK(down["ring"]["state"] == "up");
+
+    // Back: the control plane dials the rail anew and the links take it.
+    hosts.set_link(1, 1, true);
+    CHECK(wait_for(
+        [&] {
+            for (uint32_t h = 0; h < 3; ++h)
+                if (rail(h)["to_next"] != "up" || rail(h)["from_prev"] != "up") return false;
+            return true;
+        },
+        10s));
+    std::array<uint64_t, 3> before{};
+    for (uint32_t h = 0; h < 3; ++h) before[h] = rail(h)["bytes_out"].get<uint64_t>();
+    const uint64_t at_up = job.ops();
+    CHECK(wait_for([&] { return job.ops() >= at_up + 6; }, 20s));
+    const auto counts = job.stop();
+    INFO("last error: " << counts.last_error);
+    CHECK(counts.ops > at_up);
+    CHECK(counts.failed == 0);
+    CHECK(counts.wrong == 0);
+    CHECK(counts.guard == 0);
+    for (uint32_t h = 0; h < 3; ++h) {
+        INFO("host " << h);
+        const json j = c.status(h);
+        CHECK(j["ring"]["generation"] == generation);  // no op failed, no new generation
+        CHECK(j["ops"]["failed"] == 0);
+        CHECK(j["ring"]["rails"][1]["bytes_out"].get<uint64_t>() > before[h]);  // rail 1 carries data again
+    }
+}
+
 TEST_CASE("rails: a rail address the host does not have, or lists of different lengths, stop ringd at start", "[cluster][rails]") {
     const std::string dir = make_temp_dir();
     auto start = [&](const std::string &hosts) {

@@ -78,6 +78,10 @@ public:
         sh("ip netns exec " + ns(i) + " tc qdisc replace dev eth" + std::to_string(rail) + " root tbf rate " + rate +
            " burst 256kb latency 100ms");
     }
+    // Takes host i's NIC of rail r down or up (ip link set), as when a cable or a switch port goes.
+    void set_link(uint32_t i, uint32_t rail, bool up) const {
+        sh("ip -n " + ns(i) + " link set eth" + std::to_string(rail) + (up ? " up" : " down"));
+    }
     // Bytes host i has sent on rail r's NIC.
     uint64_t tx_bytes(uint32_t i, uint32_t rail) const {
         const auto r = run_command("ip netns exec " + ns(i) + " cat /sys/class/net/eth" + std::to_string(rail) + "/statistics/tx_bytes");
