@@ -108,7 +108,10 @@ Result<PeerHello> decode_peer_hello(std::span<const uint8_t> p, uint16_t version
     if (kind > static_cast<uint32_t>(ConnKind::Data)) return bad("unknown connection kind " + std::to_string(kind));
     h.kind = static_cast<ConnKind>(kind);
     h.stream = le::get<uint32_t>(&p[3 * kNameBytes + 4]);
-    if (h.kind == ConnKind::Control && h.stream != 0) return bad("control connection with a stream index");
+    // A control connection's stream field is its rail (several NICs per host: it moves to another
+    // rail when its own fails); 0 with one.
+    if (h.kind == ConnKind::Control && h.stream >= kMaxControlRails)
+        return bad("control connection on rail " + std::to_string(h.stream) + " (at most " + std::to_string(kMaxControlRails) + ")");
     h.generation = le::get<uint64_t>(&p[3 * kNameBytes + 8]);
     if (h.generation > kMaxGeneration) return bad("hello announces generation " + std::to_string(h.generation) + ", beyond 2^40");
     std::memcpy(h.nonce.data(), &p[3 * kNameBytes + 16], kNonceBytes);

@@ -52,7 +52,7 @@ struct PeerHello {
     std::string from;  // the dialer's host name
     std::string to;    // the listener's host name, as the dialer knows it
     ConnKind kind = ConnKind::Control;
-    uint32_t stream = 0;  // data stream index (< tcp.streams); 0 for control; kRejoinStream: see there
+    uint32_t stream = 0;  // data stream index (< tcp.streams); kRejoinStream: see there; control: its rail (0 with one)
     uint64_t generation = 0;
     Nonce nonce{};
     // The ring domain the connection belongs to (after the fixed part, protocol v4): the names
@@ -70,6 +70,8 @@ struct PeerHello {
 // generation (its hello's generation), replacing one of that rail's (several rails, TCP); it
 // does not re-form the ring.
 inline constexpr uint32_t kRejoinStream = 1u << 31;
+// A control connection's "stream" is the rail it runs on, below this (config: kMaxRails).
+inline constexpr uint32_t kMaxControlRails = 16;
 inline constexpr size_t kPeerHelloBytes = 3 * kNameBytes + 16 + kNonceBytes;  // the fixed part
 inline constexpr size_t kPeerHelloV7Bytes = kDigestBytes + kConfigVersionBytes + 2 * kKeyIdBytes + 8;  // then this
 inline constexpr size_t kMaxDomainBytes = 3072;

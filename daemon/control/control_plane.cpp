@@ -5,7 +5,9 @@
 #include <ifaddrs.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <linux/sockios.h>
 #include <sys/epoll.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 
 #include <spdlog/spdlog.h>
@@ -322,7 +324,8 @@ Status ControlPlane::check_hello(const proto::PeerHello &h, const std::string &i
         // The control connection on rail 0, a data stream on its rail.
         const uint32_t stream = h.stream & ~proto::kRejoinStream;
         const bool rejoin = h.kind == proto::ConnKind::Data && (h.stream & proto::kRejoinStream);
-        const uint32_t rail = h.kind == proto::ConnKind::Data ? rail_of(stream) : 0;
+        // A control connection on the rail its stream names (several rails: it moves when its rail fails).
+        const uint32_t rail = h.kind == proto::ConnKind::Data ? rail_of(stream) : rails_ > 1 ? h.stream : 0;
         if (rail >= peers_[i].host.rail_count() || !same_ip(peers_[i].host.rail_address(rail), ip))
             return make_error(-EACCES, "host " + h.from + " connected from " + ip + ", its configured address" +
                                            (rails_ > 1 ? " on rail " + std::to_string(rail) : std::string()) + " is " +
@@ -387,7 +390,7 @@ void ControlPlane::adopt(UniqueFd fd, const proto::PeerHello &h, const std::stri
 
 void ControlPlane::dial(uint32_t peer, proto::ConnKind kind, uint32_t stream, bool rejoin) {
     const auto &h = peers_[peer].host;
-    const uint32_t rail = kind == proto::ConnKind::Data ? rail_of(stream) : 0;
+    const uint32_t rail = kind == proto::ConnKind::Data ? rail_of(stream) : rails_ > 1 ? peers_[peer].control_rail : 0;
     const std::string &address = h.rail_address(rail);
     sockaddr_storage ss;
     socklen_t len;
@@ -446,8 +449,10 @@ void ControlPlane::on_conn(uint64_t id, uint32_t events) {
         ::getsockopt(c.fd.get(), SOL_SOCKET, SO_ERROR, &err, &len);
         if (err != 0) return conn_failed(id, "connect to " + c.remote + ": " + errno_string(err));
         if (!(events & EPOLLOUT)) return;
-        c.hs.emplace(PeerHandshake::dial(std::move(c.fd), identity(), peers_[c.peer].host.name, c.kind,
-                                         c.stream | (c.rejoin ? proto::kRejoinStream : 0u),
+        // A control connection's "stream": its rail (several rails; 0 otherwise).
+        const uint32_t stream = c.kind == proto::ConnKind::Control ? (rails_ > 1 ? peers_[c.peer].control_rail : 0u)
+                                                                   : c.stream | (c.rejoin ? proto::kRejoinStream : 0u);
+        c.hs.emplace(PeerHandshake::dial(std::move(c.fd), identity(), peers_[c.peer].host.name, c.kind, stream,
                                          peers_[c.peer].speaks));
         c.state = ConnState::Handshaking;
         if (c.kind == proto::ConnKind::Control) set_state(c.peer, "handshaking");
@@ -500,13 +505,26 @@ void ControlPlane::on_conn(uint64_t id, uint32_t events) {
     }
     // An up control connection: heartbeats and engine messages (small ops' data included).
     if ((events & EPOLLOUT) && !flush(c)) return;
+    read_control(c, false);
+}
+
+void ControlPlane::read_control(Conn &c, bool draining) {
+    const uint64_t id = c.id;
     for (;;) {
         auto f = c.reader.read(c.fd.get(), kMaxControlPayload + (c.mac.enabled() ? kTagBytes : 0));
-        if (!f) return peer_failed(c.peer, f.error().code == -ECONNRESET ? "connection closed" : f.error().message);
+        if (!f) {
+            if (draining) return;
+            const int code = f.error().code;
+            const bool io = code == -ECONNRESET || code == -ETIMEDOUT || code == -EHOSTUNREACH || code == -ENETUNREACH ||
+                            code == -ENETDOWN || code == -EPIPE;
+            const std::string why = code == -ECONNRESET ? "connection closed" : f.error().message;
+            return io ? control_lost(c.peer, why) : peer_failed(c.peer, why);
+        }
         if (!*f) return;
         if (c.mac.enabled())
             if (auto ok = open_frame(c.mac.recv, **f); !ok) {
                 ++frames_rejected_;
+                if (draining) return;
                 spdlog::warn("{}control connection from {} ({}): {}; closing it", label(), peers_[c.peer].host.name,
                              c.remote, ok.error().message);
                 return peer_failed(c.peer, "control frame from " + peers_[c.peer].host.name + ": " + ok.error().message);
@@ -594,6 +612,7 @@ void ControlPlane::promote_up(Conn &c, const proto::PeerHello &h, uint64_t peer_
     const uint64_t id = c.id;
     const uint32_t peer = c.peer;
     Peer &p = peers_[peer];
+    const uint64_t known_instance = p.instance;  // before this handshake's
     // What the peer runs, from any of its connections' handshakes (a host that cannot dial this
     // one for want of the right address still dials its data streams, or is dialed): a ringd of
     // 6 says nothing of its host list, one of 7 on says its digest.
@@ -619,13 +638,30 @@ void ControlPlane::promote_up(Conn &c, const proto::PeerHello &h, uint64_t peer_
         // prio/mq qdisc takes SO_PRIORITY, switches the DSCP): a small op next to a bulk one
         // does not wait behind its data. Best effort: unprivileged values, failures ignored.
         mark_latency_sensitive(c.fd.get());
+        // Several rails: the same ringd process (its instance) on another rail is a control
+        // connection that moved there (its rail failed), not a restart: the ring runs on.
+        const bool moved = ring_up_ && rails_ > 1 && runs.version >= 7 && runs.instance != 0 && runs.instance == known_instance;
+        if (rails_ > 1) {
+            const unsigned timeout = static_cast<unsigned>(config_.tcp.rail_timeout.count());
+            ::setsockopt(c.fd.get(), IPPROTO_TCP, TCP_USER_TIMEOUT, &timeout, sizeof timeout);
+            if (!c.dialer) p.control_rail = h.stream < rails_ ? h.stream : 0;
+        }
         if (p.control && p.control != id) {
-            // The peer came back (restart) while we still had its old connection.
+            // The peer came back (restart) while we still had its old connection, or (moved) its
+            // connection's rail failed before this host noticed.
             const uint64_t old = p.control;
             p.control = 0;
+            if (moved) salvage(p, *conns_.at(old));
             close_conn(old);
-            if (ring_up_) abort_ring("host " + p.host.name + " reconnected (restarted?)");
+            if (ring_up_ && !moved) abort_ring("host " + p.host.name + " reconnected (restarted?)");
+        } else if (ring_up_ && !moved && p.failover_until != Clock::time_point{}) {
+            abort_ring("host " + p.host.name + " restarted while its control connection was moving to another rail");
         }
+        const bool was_moving = p.failover_until != Clock::time_point{};
+        p.failover_until = {};
+        std::deque<proto::Bytes> held = std::move(p.held);
+        p.held.clear();
+        p.held_bytes = 0;
         p.control = id;
         p.dialing = false;
         p.protocol = runs.version;
@@ -634,6 +670,12 @@ void ControlPlane::promote_up(Conn &c, const proto::PeerHello &h, uint64_t peer_
         p.last_error.clear();
         p.last_heard = Clock::now();
         set_state(peer, "up");
+        if (moved || was_moving) {
+            spdlog::info("{}control connection to {}: on rail {} now ({} frame(s) held meanwhile sent on it)", label(), p.host.name,
+                         p.control_rail, held.size());
+            if (moved)
+                for (proto::Bytes &f : held) (void)send(peer, std::move(f));
+        }
     } else if (c.rejoin) {
         (void)watch(c.fd.get(), id, EPOLLRDHUP);
         if (!c.dialer) {
@@ -808,10 +850,17 @@ void ControlPlane::conn_failed(uint64_t id, const std::string &why) {
     if (c.dialer && c.kind == proto::ConnKind::Control) {
         // The version is learnt afresh on the next connection (a host that was down may come
         // back upgraded; one that refused a version may have been restarted on a newer one).
-        peers_[c.peer].speaks = proto::kPeerProtocolVersion;
-        peers_[c.peer].last_error = why;
-        peers_[c.peer].next_dial = Clock::now() + kRedial;
-        set_state(c.peer, "failed");
+        Peer &p = peers_[c.peer];
+        p.speaks = proto::kPeerProtocolVersion;
+        p.last_error = why;
+        p.next_dial = Clock::now() + kRedial;
+        if (p.failover_until != Clock::time_point{}) {
+            // Moving: the next rail, at once.
+            p.control_rail = (p.control_rail + 1) % rails_;
+            p.next_dial = Clock::now() + std::chrono::milliseconds(100);
+        } else {
+            set_state(c.peer, "failed");
+        }
     } else if (c.dialer && c.rejoin) {
         rejoin_next_dial_[c.stream] = Clock::now() + kRedial;
     } else if (c.dialer) {
@@ -942,13 +991,92 @@ void ControlPlane::tick(Clock::time_point now) {
     }
     for (uint32_t i = 0; i < n_; ++i)
         if (peers_[i].control && now - peers_[i].last_heard > kMissedHeartbeats * hb)
-            peer_failed(i, "no heartbeat for " + std::to_string(kMissedHeartbeats * hb.count()) + " ms (hung or unreachable)");
+            control_lost(i, "no heartbeat for " + std::to_string(kMissedHeartbeats * hb.count()) + " ms (hung or unreachable)");
+    if (rails_ > 1)
+        for (auto &p : peers_)
+            if (p.control) trim_sent_log(*conns_.at(p.control));
+    // Control connections being moved to another rail that did not come back in time.
+    for (uint32_t i = 0; i < n_; ++i) {
+        Peer &p = peers_[i];
+        if (p.failover_until == Clock::time_point{} || p.control || now < p.failover_until) continue;
+        p.failover_until = {};
+        p.held.clear();
+        p.held_bytes = 0;
+        const std::string why = p.failover_why + "; its control connection did not come back on any rail within " +
+                                std::to_string(kMissedHeartbeats * hb.count()) + " ms";
+        p.last_error = why;
+        set_state(i, "failed");
+        if (ring_up_) abort_ring("host " + p.host.name + ": " + why);
+    }
+}
+
+void ControlPlane::trim_sent_log(Conn &c) {
+    int unacked = 0;
+    if (c.sent_log.empty() || ::ioctl(c.fd.get(), SIOCOUTQ, &unacked) != 0) return;
+    const uint64_t acked = c.logged_bytes - c.out_bytes - static_cast<uint64_t>(std::max(unacked, 0));
+    while (!c.sent_log.empty() && c.sent_log.front().first <= acked) c.sent_log.pop_front();
+}
+
+void ControlPlane::salvage(Peer &p, Conn &c) {
+    // Sent: the frames past what the peer's kernel acknowledged (it reads those, draining its end
+    // of this connection, before anything of the next one), whole, in order.
+    int unacked = 0;
+    if (::ioctl(c.fd.get(), SIOCOUTQ, &unacked) != 0) unacked = 0;
+    const uint64_t acked = c.logged_bytes - c.out_bytes - static_cast<uint64_t>(std::max(unacked, 0));
+    std::deque<proto::Bytes> again;
+    uint64_t bytes = 0;
+    for (auto &[end, f] : c.sent_log)
+        if (end > acked) {
+            bytes += f.size();
+            again.push_back(std::move(f));
+        }
+    c.sent_log.clear();
+    c.outq.clear();
+    c.out_bytes = 0;
+    for (auto it = again.rbegin(); it != again.rend(); ++it) p.held.push_front(std::move(*it));
+    p.held_bytes += bytes;
+    // Received: every whole frame still in this end's socket.
+    ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, c.fd.get(), nullptr);
+    read_control(c, true);
+}
+
+void ControlPlane::control_lost(uint32_t peer, const std::string &why) {
+    Peer &p = peers_[peer];
+    if (rails_ < 2 || !ring_up_ || p.instance == 0 || !p.control || p.failover_until != Clock::time_point{})
+        return peer_failed(peer, why);
+    // What it received is taken; what the peer did not get goes on the next connection.
+    if (auto it = conns_.find(p.control); it != conns_.end()) salvage(p, *it->second);
+    if (!p.control) return;  // (a frame read meanwhile ended it)
+    const uint32_t from = p.control_rail;
+    p.control_rail = (p.control_rail + 1) % rails_;
+    spdlog::warn("{}control connection to {} on rail {} lost ({}): it moves to rail {}; the ring runs on", label(), p.host.name,
+                 from, why, p.control_rail);
+    close_conn(p.control);
+    p.control = 0;
+    p.dialing = false;
+    p.next_dial = Clock::now();
+    p.down_since = Clock::now();
+    p.failover_why = why;
+    p.failover_until = Clock::now() + kMissedHeartbeats * config_.timeouts.heartbeat;
+    set_state(peer, "moving");
 }
 
 Status ControlPlane::send(uint32_t host_index, proto::Bytes frame) {
     Peer &p = peers_.at(host_index);
+    if (!p.control && p.failover_until != Clock::time_point{}) {
+        // Its control connection is moving to another rail: sent once it is there.
+        if (p.held_bytes + frame.size() > kMaxBacklog) return make_error(-EPIPE, "control connection to " + p.host.name + " is congested");
+        p.held_bytes += frame.size();
+        p.held.push_back(std::move(frame));
+        return Ok{};
+    }
     if (!p.control) return make_error(-ENOTCONN, "no control connection to " + p.host.name);
     Conn &c = *conns_.at(p.control);
+    if (rails_ > 1) {
+        c.logged_bytes += frame.size() + (c.mac.enabled() ? kTagBytes : 0);
+        c.sent_log.emplace_back(c.logged_bytes, frame);
+        if (c.sent_log.size() % 256 == 0) trim_sent_log(c);
+    }
     if (c.mac.enabled()) seal_frame_in_place(c.mac.send, frame);
     return send_bytes(host_index, c, std::move(frame));
 }
@@ -960,6 +1088,11 @@ Status ControlPlane::send_bytes(uint32_t host_index, Conn &c, proto::Bytes frame
         const ssize_t n = ::send(c.fd.get(), frame.data(), frame.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
         if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
             const std::string why = errno_string(errno);
+            if (rails_ > 1 && ring_up_ && p.instance != 0 && p.failover_until == Clock::time_point{}) {
+                // (in the connection's sent log: it goes on the connection on the next rail)
+                control_lost(host_index, "send: " + why);
+                return Ok{};
+            }
             peer_failed(host_index, "send: " + why);
             return make_error(-EPIPE, why);
         }
@@ -996,7 +1129,7 @@ bool ControlPlane::flush(Conn &c) {
         const ssize_t n = ::send(c.fd.get(), f.data() + c.out_off, f.size() - c.out_off, MSG_NOSIGNAL | MSG_DONTWAIT);
         if (n < 0) {
             if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return true;
-            peer_failed(c.peer, "send: " + errno_string(errno));
+            control_lost(c.peer, "send: " + errno_string(errno));
             return false;
         }
         c.out_off += static_cast<size_t>(n);

@@ -210,6 +210,11 @@ private:
         uint64_t out_bytes = 0;
         Clock::time_point deadline;
         std::string remote;                  // address:port, for logs
+        // Several rails (control): every frame sent, unsealed, with where it ends in the bytes
+        // sent on the connection, until the peer's kernel has acknowledged it (SIOCOUTQ): what
+        // goes again on the next connection when this one's rail fails.
+        std::deque<std::pair<uint64_t, proto::Bytes>> sent_log;
+        uint64_t logged_bytes = 0;
     };
     struct Peer {
         HostEntry host;
@@ -228,6 +233,14 @@ private:
         bool hosts_differ = false;
         Clock::time_point down_since{};  // without a control connection since ({}: not yet looked)
         uint64_t instance = 0;
+        // Several rails: the rail its control connection runs on, and while that connection is
+        // being moved to another rail (it failed with the ring up): until when the ring waits
+        // for it, why it failed, and the frames sent meanwhile (unsealed, in order).
+        uint32_t control_rail = 0;
+        Clock::time_point failover_until{};
+        std::string failover_why;
+        std::deque<proto::Bytes> held;
+        uint64_t held_bytes = 0;
     };
     // What the peer said it runs, from its handshake.
     struct PeerRuns {
@@ -260,6 +273,17 @@ private:
     Status send_bytes(uint32_t host_index, Conn &c, proto::Bytes frame);  // as on the wire
     void conn_failed(uint64_t id, const std::string &why);
     void peer_failed(uint32_t peer, const std::string &why);
+    // The control connection to `peer` failed by I/O (closed, reset, unreachable, silent): with
+    // several rails and the ring up it moves to another rail and the ring runs on (failover_until);
+    // else, or when it cannot, peer_failed.
+    void control_lost(uint32_t peer, const std::string &why);
+    // Reads the control frames on `c` (draining: a connection being replaced, whose complete
+    // frames are taken before the next one's, and whose errors end the reading only).
+    void read_control(Conn &c, bool draining);
+    // A control connection being replaced by one on another rail: what it received is read, and
+    // what it sent that the peer's kernel has not acknowledged goes ahead of the peer's held frames.
+    void salvage(Peer &p, Conn &c);
+    void trim_sent_log(Conn &c);
     void abort_ring(const std::string &why, bool tell_peers = true);
     void maybe_ring_up();
     bool links_up() const;

@@ -489,8 +489,10 @@ void RingDomain::on_engine_results(uint32_t lane) {
     }
     // The results (and the slot references they carried back) are released here, on this thread.
     // Bad bytes on a link (a frame or message that fails its MAC, a malformed header) were
-    // seen here: the reason is this host's to tell. A closed or reset link is the other end's.
-    if (!link_failure.empty()) control_->data_link_failed(link_failure, link_code == -EACCES || link_code == -EPROTO);
+    // seen here: the reason is this host's to tell, as is a peer that no rail of the link reaches
+    // (several rails: every one timed out). A closed or reset link is the other end's.
+    if (!link_failure.empty())
+        control_->data_link_failed(link_failure, link_code == -EACCES || link_code == -EPROTO || link_code == -EHOSTUNREACH);
 }
 
 void RingDomain::tick(Clock::time_point now) {

@@ -760,7 +760,9 @@ TEST_CASE("peer hellos are validated", "[proto]") {
     CHECK_THAT(decode_peer_hello(q, 6).error().message, Catch::Contains("kind"));
     q = p;
     q[196] = 1;
-    CHECK_FALSE(decode_peer_hello(q, 6).ok());  // control connections have no stream index
+    CHECK(decode_peer_hello(q, 6)->stream == 1);  // a control connection's rail
+    q[196] = 16;
+    CHECK_THAT(decode_peer_hello(q, 6).error().message, Catch::Contains("control connection on rail 16"));
     q = p;
     q[64] = '/';
     CHECK_FALSE(decode_peer_hello(q, 6).ok());

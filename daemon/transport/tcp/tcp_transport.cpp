@@ -789,7 +789,12 @@ void TcpLink::rail_down(uint32_t r, int code, const std::string &why) {
         for (SendOp &op : s.sendq) op.done = 0;
     });
     const uint32_t all = rail_count_ >= 32 ? ~0u : (1u << rail_count_) - 1;
-    if ((rails_down_ & all) == all) return fail(code, "rail " + std::to_string(r) + ": " + why + " (every rail of the link is down)");
+    if ((rails_down_ & all) == all) {
+        // A peer that no rail reaches any more (timed out, unreachable) is this end's to name.
+        const bool unreachable = code == -ETIMEDOUT || code == -EHOSTUNREACH;
+        return fail(unreachable ? -EHOSTUNREACH : code, "rail " + std::to_string(r) + ": " + why + " (every rail of the link is down" +
+                                                            (unreachable ? ": the host is unreachable)" : ")"));
+    }
     spdlog::warn("data link to {}: rail {} down: {}; its messages go on the other rails until it is back", peer(), r, why);
     st.sent_counts = true;
     send_notice(r);
