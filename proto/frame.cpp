@@ -18,7 +18,7 @@ bool peer_type(uint16_t t) { return t >= static_cast<uint16_t>(FrameType::PeerHe
 
 bool known_type(uint16_t t) {
     return (t >= static_cast<uint16_t>(FrameType::Hello) && t <= static_cast<uint16_t>(FrameType::HelloShared)) ||
-           (t >= static_cast<uint16_t>(FrameType::PeerHello) && t <= static_cast<uint16_t>(FrameType::RingStart));
+           (t >= static_cast<uint16_t>(FrameType::PeerHello) && t <= static_cast<uint16_t>(FrameType::ControlResume));
 }
 
 Result<Ok> expect_size(std::span<const uint8_t> payload, size_t want, const char *what) {

@@ -98,6 +98,8 @@ enum class FrameType : uint16_t {
     GroupIncarnation = 29,  // coordinator -> host: the agreed incarnation, or why it cannot run
     RingReady = 30,         // host -> coordinator: this host's links of the next ring are up (or not)
     RingStart = 31,         // coordinator -> every host: the ring is up as this generation
+    ControlResume = 32,     // either way, first on a control connection that moved to another rail:
+                            // the frames this host read from the one it replaces
 };
 
 struct FrameHeader {

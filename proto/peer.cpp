@@ -219,6 +219,17 @@ Result<Heartbeat> decode_heartbeat(std::span<const uint8_t> p) {
     return Heartbeat{le::get<uint64_t>(&p[0]), le::get<uint64_t>(&p[8])};
 }
 
+Bytes encode_control_resume(const ControlResume &r) {
+    uint8_t p[8];
+    le::put<uint64_t>(&p[0], r.frames);
+    return encode_frame(FrameType::ControlResume, p);
+}
+
+Result<ControlResume> decode_control_resume(std::span<const uint8_t> p) {
+    if (auto s = expect_size(p, 8, "control resume"); !s) return s.error();
+    return ControlResume{le::get<uint64_t>(&p[0])};
+}
+
 Bytes encode_ring_ready(const RingReady &r) {
     uint8_t p[20] = {};
     le::put<uint64_t>(&p[0], r.generation);

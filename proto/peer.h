@@ -363,6 +363,14 @@ Bytes encode_peer_accept(const PeerAccept &a);
 Result<PeerAccept> decode_peer_accept(std::span<const uint8_t> payload, uint16_t version = kPeerBaseVersion);
 Bytes encode_heartbeat(const Heartbeat &h);
 Result<Heartbeat> decode_heartbeat(std::span<const uint8_t> payload);
+// Several rails: the first frame on a control connection that replaces one whose rail failed
+// (same ringd process at both ends): how many frames this host read from the old one, so that
+// the other sends again exactly those it read not (ControlPlane::salvage).
+struct ControlResume {
+    uint64_t frames = 0;
+};
+Bytes encode_control_resume(const ControlResume &r);
+Result<ControlResume> decode_control_resume(std::span<const uint8_t> payload);
 
 // Cluster and host names: 1..63 bytes of [A-Za-z0-9._-]; empty string when valid.
 std::string check_name(std::string_view what, std::string_view name);

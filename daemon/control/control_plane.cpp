@@ -530,6 +530,14 @@ void ControlPlane::read_control(Conn &c, bool draining) {
                 return peer_failed(c.peer, "control frame from " + peers_[c.peer].host.name + ": " + ok.error().message);
             }
         peers_[c.peer].last_heard = Clock::now();
+        ++c.frames_in;
+        if ((*f)->type == proto::FrameType::ControlResume) {
+            auto r = proto::decode_control_resume((*f)->payload);
+            if (!r) return peer_failed(c.peer, r.error().message);
+            if (!draining) on_control_resume(c.peer, r->frames);
+            if (conns_.find(id) == conns_.end()) return;
+            continue;
+        }
         if ((*f)->type == proto::FrameType::Heartbeat) {  // nothing in it for the domain: last_heard is all
             if (auto h = proto::decode_heartbeat((*f)->payload); !h) return peer_failed(c.peer, h.error().message);
             continue;
@@ -659,9 +667,11 @@ void ControlPlane::promote_up(Conn &c, const proto::PeerHello &h, uint64_t peer_
         }
         const bool was_moving = p.failover_until != Clock::time_point{};
         p.failover_until = {};
-        std::deque<proto::Bytes> held = std::move(p.held);
-        p.held.clear();
-        p.held_bytes = 0;
+        if (!moved) {
+            p.held.clear();
+            p.held_bytes = 0;
+            p.prev_log.clear();
+        }
         p.control = id;
         p.dialing = false;
         p.protocol = runs.version;
@@ -670,11 +680,16 @@ void ControlPlane::promote_up(Conn &c, const proto::PeerHello &h, uint64_t peer_
         p.last_error.clear();
         p.last_heard = Clock::now();
         set_state(peer, "up");
-        if (moved || was_moving) {
-            spdlog::info("{}control connection to {}: on rail {} now ({} frame(s) held meanwhile sent on it)", label(), p.host.name,
-                         p.control_rail, held.size());
-            if (moved)
-                for (proto::Bytes &f : held) (void)send(peer, std::move(f));
+        if (moved) {
+            // First on it: what this host read of the old connection; the peer answers alike, and
+            // until its answer comes what this host sends waits (send(): resume_pending).
+            spdlog::info("{}control connection to {}: on rail {} now; {} frame(s) read from the one it replaces", label(),
+                         p.host.name, p.control_rail, p.prev_frames_in);
+            p.resume_pending = true;
+            p.resume_deadline = Clock::now() + kMissedHeartbeats * config_.timeouts.heartbeat;
+            (void)send_now(peer, proto::encode_control_resume({p.prev_frames_in}));
+        } else if (was_moving) {
+            spdlog::info("{}control connection to {}: back, from another ringd process", label(), p.host.name);
         }
     } else if (c.rejoin) {
         (void)watch(c.fd.get(), id, EPOLLRDHUP);
@@ -904,6 +919,9 @@ void ControlPlane::abort_ring(const std::string &why, bool tell_peers) {
             if (peers_[i].control) (void)send(i, frame);
         flush_all(Clock::now() + kAbortFlush);
     }
+    // A control connection that moved: nothing of this generation needs its frames again.
+    for (auto &p : peers_)
+        if (p.resume_pending || p.failover_until != Clock::time_point{} || !p.prev_log.empty()) end_resume(p);
     // Data connections of the next generation are made afresh by everyone.
     close_rejoins();
     for (uint64_t id : data_out_)
@@ -995,6 +1013,10 @@ void ControlPlane::tick(Clock::time_point now) {
     if (rails_ > 1)
         for (auto &p : peers_)
             if (p.control) trim_sent_log(*conns_.at(p.control));
+    for (uint32_t i = 0; i < n_; ++i)
+        if (peers_[i].resume_pending && now >= peers_[i].resume_deadline)
+            peer_failed(i, "its control connection moved to rail " + std::to_string(peers_[i].control_rail) +
+                               " but it did not say what it read of the one it replaced");
     // Control connections being moved to another rail that did not come back in time.
     for (uint32_t i = 0; i < n_; ++i) {
         Peer &p = peers_[i];
@@ -1013,36 +1035,63 @@ void ControlPlane::tick(Clock::time_point now) {
 void ControlPlane::trim_sent_log(Conn &c) {
     int unacked = 0;
     if (c.sent_log.empty() || ::ioctl(c.fd.get(), SIOCOUTQ, &unacked) != 0) return;
-    const uint64_t acked = c.logged_bytes - c.out_bytes - static_cast<uint64_t>(std::max(unacked, 0));
-    while (!c.sent_log.empty() && c.sent_log.front().first <= acked) c.sent_log.pop_front();
+    // (the socket's queue may still hold the end of the handshake, which written_bytes does not count)
+    const uint64_t u = static_cast<uint64_t>(std::max(unacked, 0));
+    const uint64_t acked = c.written_bytes > u ? c.written_bytes - u : 0;
+    while (!c.sent_log.empty() && c.sent_log.front().end <= acked) c.sent_log.pop_front();
 }
 
 void ControlPlane::salvage(Peer &p, Conn &c) {
-    // Sent: the frames past what the peer's kernel acknowledged (it reads those, draining its end
-    // of this connection, before anything of the next one), whole, in order.
-    int unacked = 0;
-    if (::ioctl(c.fd.get(), SIOCOUTQ, &unacked) != 0) unacked = 0;
-    const uint64_t acked = c.logged_bytes - c.out_bytes - static_cast<uint64_t>(std::max(unacked, 0));
-    std::deque<proto::Bytes> again;
-    uint64_t bytes = 0;
-    for (auto &[end, f] : c.sent_log)
-        if (end > acked) {
-            bytes += f.size();
-            again.push_back(std::move(f));
-        }
+    // Received: every whole frame still in this end's socket (the peer's ControlResume-to-be
+    // counts on it), then nothing more: the connection closes.
+    ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, c.fd.get(), nullptr);
+    trim_sent_log(c);
+    read_control(c, true);
+    // Sent: whatever the peer's kernel did not acknowledge may go again, once the peer says how
+    // many frames it read (what it acknowledged, it reads: it drains its end as this one did).
+    p.prev_frames_in = c.frames_in;
+    p.prev_log = std::move(c.sent_log);
     c.sent_log.clear();
     c.outq.clear();
     c.out_bytes = 0;
-    for (auto it = again.rbegin(); it != again.rend(); ++it) p.held.push_front(std::move(*it));
-    p.held_bytes += bytes;
-    // Received: every whole frame still in this end's socket.
-    ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, c.fd.get(), nullptr);
-    read_control(c, true);
+}
+
+void ControlPlane::on_control_resume(uint32_t peer, uint64_t frames) {
+    Peer &p = peers_[peer];
+    if (!p.resume_pending) return;  // (a connection that replaced none: nothing to resume)
+    p.resume_pending = false;
+    uint64_t again = 0;
+    std::deque<Conn::Logged> log = std::move(p.prev_log);
+    p.prev_log.clear();
+    std::deque<proto::Bytes> held = std::move(p.held);
+    p.held.clear();
+    p.held_bytes = 0;
+    for (auto &l : log)
+        if (l.index >= frames) {
+            ++again;
+            if (auto s = send_now(peer, std::move(l.frame)); !s) return;
+        }
+    for (auto &f : held)
+        if (auto s = send_now(peer, std::move(f)); !s) return;
+    spdlog::info("{}control connection to {}: resumed; {} frame(s) it had not read sent again, {} held meanwhile sent", label(),
+                 p.host.name, again, held.size());
+}
+
+void ControlPlane::end_resume(Peer &p) {
+    p.failover_until = {};
+    p.resume_pending = false;
+    p.prev_log.clear();
+    std::deque<proto::Bytes> held = std::move(p.held);
+    p.held.clear();
+    p.held_bytes = 0;
+    const uint32_t peer = static_cast<uint32_t>(&p - peers_.data());
+    if (p.control)
+        for (auto &f : held) (void)send_now(peer, std::move(f));
 }
 
 void ControlPlane::control_lost(uint32_t peer, const std::string &why) {
     Peer &p = peers_[peer];
-    if (rails_ < 2 || !ring_up_ || p.instance == 0 || !p.control || p.failover_until != Clock::time_point{})
+    if (rails_ < 2 || !ring_up_ || p.instance == 0 || !p.control || p.failover_until != Clock::time_point{} || p.resume_pending)
         return peer_failed(peer, why);
     // What it received is taken; what the peer did not get goes on the next connection.
     if (auto it = conns_.find(p.control); it != conns_.end()) salvage(p, *it->second);
@@ -1063,18 +1112,23 @@ void ControlPlane::control_lost(uint32_t peer, const std::string &why) {
 
 Status ControlPlane::send(uint32_t host_index, proto::Bytes frame) {
     Peer &p = peers_.at(host_index);
-    if (!p.control && p.failover_until != Clock::time_point{}) {
+    if ((!p.control && p.failover_until != Clock::time_point{}) || p.resume_pending) {
         // Its control connection is moving to another rail: sent once it is there.
         if (p.held_bytes + frame.size() > kMaxBacklog) return make_error(-EPIPE, "control connection to " + p.host.name + " is congested");
         p.held_bytes += frame.size();
         p.held.push_back(std::move(frame));
         return Ok{};
     }
+    return send_now(host_index, std::move(frame));
+}
+
+Status ControlPlane::send_now(uint32_t host_index, proto::Bytes frame) {
+    Peer &p = peers_.at(host_index);
     if (!p.control) return make_error(-ENOTCONN, "no control connection to " + p.host.name);
     Conn &c = *conns_.at(p.control);
     if (rails_ > 1) {
         c.logged_bytes += frame.size() + (c.mac.enabled() ? kTagBytes : 0);
-        c.sent_log.emplace_back(c.logged_bytes, frame);
+        c.sent_log.push_back(Conn::Logged{c.frames_out++, c.logged_bytes, frame});
         if (c.sent_log.size() % 256 == 0) trim_sent_log(c);
     }
     if (c.mac.enabled()) seal_frame_in_place(c.mac.send, frame);
@@ -1096,6 +1150,7 @@ Status ControlPlane::send_bytes(uint32_t host_index, Conn &c, proto::Bytes frame
             peer_failed(host_index, "send: " + why);
             return make_error(-EPIPE, why);
         }
+        if (n > 0) c.written_bytes += static_cast<uint64_t>(n);
         if (n == static_cast<ssize_t>(frame.size())) return Ok{};
         off = n > 0 ? static_cast<size_t>(n) : 0;
     }
@@ -1133,6 +1188,7 @@ bool ControlPlane::flush(Conn &c) {
             return false;
         }
         c.out_off += static_cast<size_t>(n);
+        c.written_bytes += static_cast<uint64_t>(n);
         c.out_bytes -= static_cast<uint64_t>(n);
         if (c.out_off < f.size()) return true;
         c.outq.pop_front();

@@ -210,11 +210,18 @@ private:
         uint64_t out_bytes = 0;
         Clock::time_point deadline;
         std::string remote;                  // address:port, for logs
-        // Several rails (control): every frame sent, unsealed, with where it ends in the bytes
-        // sent on the connection, until the peer's kernel has acknowledged it (SIOCOUTQ): what
-        // goes again on the next connection when this one's rail fails.
-        std::deque<std::pair<uint64_t, proto::Bytes>> sent_log;
-        uint64_t logged_bytes = 0;
+        // Several rails (control): every frame sent (unsealed, its number on the connection and
+        // where it ends in the bytes written), kept until the peer's kernel has acknowledged it
+        // (SIOCOUTQ): what may go again on the next connection when this one's rail fails; and
+        // the frames read on it.
+        struct Logged {
+            uint64_t index = 0, end = 0;
+            proto::Bytes frame;
+        };
+        std::deque<Logged> sent_log;
+        uint64_t frames_out = 0, frames_in = 0;
+        uint64_t logged_bytes = 0;   // sealed bytes of the frames logged
+        uint64_t written_bytes = 0;  // bytes written to the socket (Up)
     };
     struct Peer {
         HostEntry host;
@@ -241,6 +248,13 @@ private:
         std::string failover_why;
         std::deque<proto::Bytes> held;
         uint64_t held_bytes = 0;
+        // The connection it replaced: the frames read from it, and those sent on it the peer's
+        // kernel may not have had (its log), until the peer's ControlResume says what it read;
+        // frames sent meanwhile wait in `held` (resume_pending, at most until resume_deadline).
+        uint64_t prev_frames_in = 0;
+        std::deque<Conn::Logged> prev_log;
+        bool resume_pending = false;
+        Clock::time_point resume_deadline{};
     };
     // What the peer said it runs, from its handshake.
     struct PeerRuns {
@@ -284,6 +298,12 @@ private:
     // what it sent that the peer's kernel has not acknowledged goes ahead of the peer's held frames.
     void salvage(Peer &p, Conn &c);
     void trim_sent_log(Conn &c);
+    // send() but for the hold of a moving control connection.
+    Status send_now(uint32_t host_index, proto::Bytes frame);
+    // The peer's ControlResume: what it did not read of the old connection goes again, then
+    // what was held.
+    void on_control_resume(uint32_t peer, uint64_t frames);
+    void end_resume(Peer &p);  // the ring is over: held frames go as they are, the old log is dropped
     void abort_ring(const std::string &why, bool tell_peers = true);
     void maybe_ring_up();
     bool links_up() const;

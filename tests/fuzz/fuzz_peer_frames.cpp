@@ -88,6 +88,9 @@ void one(FrameType type, std::span<const uint8_t> p) {
         break;
     case FrameType::RingReady: (void)decode_ring_ready(p); break;
     case FrameType::RingStart: (void)decode_ring_start(p); break;
+    case FrameType::ControlResume:
+        if (auto r = decode_control_resume(p)) must(decode_control_resume(payload_of(encode_control_resume(*r)))->frames == r->frames);
+        break;
     default: break;
     }
 }

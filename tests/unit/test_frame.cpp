@@ -566,6 +566,7 @@ TEST_CASE("decoders survive random mutations of valid frames", "[proto]") {
         case FrameType::GroupJoin: accepted += decode_group_join(p).ok(); break;
         case FrameType::RingReady: accepted += decode_ring_ready(p).ok(); break;
         case FrameType::RingStart: accepted += decode_ring_start(p).ok(); break;
+        case FrameType::ControlResume: accepted += decode_control_resume(p).ok(); break;
         case FrameType::GroupIncarnation:
             if (auto d = decode_group_incarnation(p)) {
                 ++accepted;

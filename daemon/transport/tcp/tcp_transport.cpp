@@ -199,14 +199,17 @@ Status TcpTransport::poll(std::vector<LinkEvent> &out, int timeout_ms) {
     epoll_event events[64];
     const int n = ::epoll_wait(epoll_.get(), events, 64, timeout_ms);
     if (n < 0 && errno != EINTR) return make_error(-errno, "epoll_wait: " + errno_string(errno));
+    bool offered = false;
     for (int i = 0; i < n; ++i) {
         auto *s = static_cast<TcpLink::Stream *>(events[i].data.ptr);
         if (!s) {
-            take_offers();
+            offered = true;
             continue;
         }
         s->link->on_event(*s, events[i].events);
     }
+    // After the batch: an event of a stream's old connection in it is not taken for its new one's.
+    if (offered) take_offers();
     const auto now = std::chrono::steady_clock::now();
     for (auto &l : links_)
         if (l->weighted_ && !l->error()) l->hold_stalled(now);
@@ -379,11 +382,11 @@ void TcpLink::enqueue(Stream &s, const std::byte *data, uint64_t bytes, uint64_t
 
 void TcpLink::fence(uint32_t op_tag) {
     if (error()) return;
-    // On every stream that is up (a rail that goes down meanwhile takes its streams' fences off).
-    for (auto &sp : streams_)
-        if (sp->up()) ++fences_[op_tag];
+    // On every stream that is up (a rail that goes down meanwhile takes its streams' fences off,
+    // those sent and those not).
     for (auto &sp : streams_) {
         if (!sp->up()) continue;
+        ++fences_[op_tag];
         enqueue(*sp, nullptr, 0, uint64_t{op_tag} << 32, kFlagFence, -1, 0);
         if (error()) return;
     }
@@ -616,7 +619,9 @@ void TcpLink::read_messages(Stream &s) {
         if (s.holding) {
             s.holding = false;
             auto it = posted_.find(in_tag);  // posted while it was being read
-            if (it != posted_.end() && it->second.bytes == s.bytes) {
+            if (dropped(in_tag)) {
+                held_bytes_ -= s.bytes;
+            } else if (it != posted_.end() && it->second.bytes == s.bytes) {
                 if (s.bytes) std::memcpy(it->second.data, s.hold.data(), s.bytes);
                 posted_.erase(it);
                 held_bytes_ -= s.bytes;
@@ -657,6 +662,11 @@ bool TcpLink::start_discard(Stream &s) {
     }
     if (s.scratch.size() < s.bytes) s.scratch.resize(s.bytes);
     if (s.cur && s.got) std::memcpy(s.scratch.data(), s.cur->data, s.got);
+    if (s.holding) {  // read ahead, and dropped now: its memory goes back
+        held_bytes_ -= s.bytes;
+        s.holding = false;
+        s.hold = {};
+    }
     s.cur = RecvOp{s.scratch.data(), s.bytes};
     s.discard = true;
     return true;
@@ -756,10 +766,14 @@ void TcpLink::rail_down(uint32_t r, int code, const std::string &why) {
     hold_ = true;
     publish();
     RailState &st = rail_state_[r];
-    st.sent_counts = st.got_counts = false;
+    st.sent_counts = st.got_counts = st.resent = false;
     st.peer_counts.clear();
     st.why = why;
+    st.my_counts.clear();
+    st.notice_epoch = st.epoch;
+    st.notice_rail = -1;
     for_rail(r, [&](Stream &s) {
+        st.my_counts.push_back(s.recvd);  // what this end read of the failed connections, for good
         if (s.up()) ::epoll_ctl(t_.epoll_.get(), EPOLL_CTL_DEL, s.fd.get(), nullptr);
         s.fd.reset();
         s.interest = 0;
@@ -798,10 +812,10 @@ void TcpLink::rail_down(uint32_t r, int code, const std::string &why) {
     spdlog::warn("data link to {}: rail {} down: {}; its messages go on the other rails until it is back", peer(), r, why);
     st.sent_counts = true;
     send_notice(r);
-    // Notices of other rails that are down may have been on this rail's streams: again (the peer
-    // takes the first of each and ignores repeats).
+    // Notices that went on this rail's streams: again, as they were (the peer takes the first of
+    // each for its epoch and ignores repeats).
     for (uint32_t q = 0; q < rail_count_ && !error(); ++q)
-        if (q != r && !rail_up(q) && rail_state_[q].sent_counts) send_notice(q);
+        if (q != r && rail_state_[q].notice_rail == static_cast<int32_t>(r)) send_notice(q);
     if (!error() && rail_state_[r].got_counts && !rail_up(r)) resend(r);
     // From now on messages that come before their receive are held: those waiting now too.
     hold_stalled(std::chrono::steady_clock::time_point::max());
@@ -829,12 +843,10 @@ void TcpLink::hold_stalled(std::chrono::steady_clock::time_point now) {
 }
 
 void TcpLink::send_notice(uint32_t r) {
-    std::vector<std::byte> counts;
-    for_rail(r, [&](Stream &s) {
-        const size_t at = counts.size();
-        counts.resize(at + 8);
-        proto::le::put<uint64_t>(reinterpret_cast<uint8_t *>(counts.data() + at), s.recvd);
-    });
+    RailState &st = rail_state_[r];
+    std::vector<std::byte> counts(8 * st.my_counts.size());
+    for (size_t i = 0; i < st.my_counts.size(); ++i)
+        proto::le::put<uint64_t>(reinterpret_cast<uint8_t *>(counts.data() + 8 * i), st.my_counts[i]);
     // On the stream with the fewest messages the peer has not read: the notice is read the
     // sooner (one the peer has read everything of is not waiting for a receive there).
     Stream *to = nullptr;
@@ -849,7 +861,8 @@ void TcpLink::send_notice(uint32_t r) {
         }
     }
     if (!to) return;
-    const uint64_t tag = r | (uint64_t{rail_state_[r].epoch} << 32);
+    const uint64_t tag = r | (uint64_t{st.notice_epoch} << 32);
+    st.notice_rail = static_cast<int32_t>(to->rail);
     enqueue(*to, nullptr, 0, tag, kFlagRail, -1, 0, std::move(counts));
 }
 
@@ -884,6 +897,8 @@ void TcpLink::counts_in(uint32_t r, std::vector<uint64_t> counts) {
 
 void TcpLink::resend(uint32_t r) {
     RailState &st = rail_state_[r];
+    if (st.resent) return;
+    st.resent = true;
     std::vector<SendOp> again;
     size_t i = 0;
     bool bad = false;
@@ -901,8 +916,6 @@ void TcpLink::resend(uint32_t r) {
             if (!op.transport_own) again.push_back(std::move(op));
         s.inflight.clear();
         s.sendq.clear();
-        s.sent_seq = 0;
-        s.recvd = 0;
     });
     if (bad) return fail(-EPROTO, "the peer's notice for rail " + std::to_string(r) + " counts messages never sent on it");
     // In the ops' order, as far as tags tell it (the receiver takes them in any order).
@@ -964,14 +977,14 @@ void TcpLink::maybe_attach(uint32_t r) {
     });
     st.pending.clear();
     st.pending_keys.clear();
-    st.sent_counts = st.got_counts = false;
+    st.sent_counts = st.got_counts = st.resent = false;
     st.peer_counts.clear();
     ++st.epoch;
     rails_down_ &= ~(1u << r);
     publish();
-    if (!ok) return rail_down(r, ok.error().code, "its new connections: " + ok.error().message);
-    spdlog::info("data link to {}: rail {} up again", peer(), r);
-    if (st.early) {
+    if (!ok) rail_down(r, ok.error().code, "its new connections: " + ok.error().message);
+    else spdlog::info("data link to {}: rail {} up again", peer(), r);
+    if (st.early && !error()) {
         // The peer found the new connections down already.
         std::vector<uint64_t> counts = std::move(*st.early);
         st.early.reset();

@@ -173,7 +173,13 @@ private:
     struct RailState {
         uint32_t epoch = 0;  // its connections so far, less one: notices name it
         bool sent_counts = false, got_counts = false;  // while down: the notices exchanged
+        bool resent = false;                           // resend() ran for this failure
         std::vector<uint64_t> peer_counts;
+        // This end's notice for its last failure, as sent (repeated as it was when the stream it
+        // went on fails: the counts of the connections that failed, under their epoch).
+        std::vector<uint64_t> my_counts;
+        uint32_t notice_epoch = 0;
+        int32_t notice_rail = -1;  // the rail of the stream it went on (-1: none)
         std::optional<std::vector<uint64_t>> early;  // a notice about its next connections
         std::vector<UniqueFd> pending;  // add_rail_streams before the notices were exchanged
         std::vector<SessionKeys> pending_keys;
