@@ -852,7 +852,7 @@ void TcpLink::send_notice(uint32_t r) {
     Stream *to = nullptr;
     size_t least = SIZE_MAX;
     for (auto &sp : streams_) {
-        if (!sp->up()) continue;
+        if (!sp->up() || sp->rail == r) continue;  // (a repeat, once the rail is back: not on it)
         size_t unread = sp->inflight.size();
         for (const SendOp &op : sp->sendq) unread += op.transport_own ? 0 : 1;
         if (unread < least) {
@@ -870,7 +870,9 @@ void TcpLink::on_notice(Stream &s, uint64_t tag, uint64_t bytes) {
     const uint32_t r = static_cast<uint32_t>(tag & 0xffffffffu), epoch = static_cast<uint32_t>(tag >> 32);
     size_t n = 0;
     for_rail(r, [&](Stream &) { ++n; });
-    if (r >= rail_count_ || r == s.rail || bytes != 8 * n)
+    const bool current = r < rail_count_ && (epoch == rail_state_[r].epoch || epoch == rail_state_[r].epoch + 1);
+    // (A repeat about connections of the rail that were replaced since may come on the new ones.)
+    if (r >= rail_count_ || (current && r == s.rail) || bytes != 8 * n)
         return fail(-EPROTO, "a rail notice for rail " + std::to_string(r) + " of " + std::to_string(bytes) +
                                  " bytes on rail " + std::to_string(s.rail) + " (not a ringd peer, or a corrupted stream)");
     std::vector<uint64_t> counts(n);
