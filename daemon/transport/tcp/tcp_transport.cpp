@@ -806,8 +806,10 @@ void TcpLink::rail_down(uint32_t r, int code, const std::string &why) {
     if ((rails_down_ & all) == all) {
         // A peer that no rail reaches any more (timed out, unreachable) is this end's to name.
         const bool unreachable = code == -ETIMEDOUT || code == -EHOSTUNREACH;
-        return fail(unreachable ? -EHOSTUNREACH : code, "rail " + std::to_string(r) + ": " + why + " (every rail of the link is down" +
-                                                            (unreachable ? ": the host is unreachable)" : ")"));
+        const bool cut_off = code == -ENETUNREACH || code == -ENETDOWN;  // this host's NICs
+        return fail(unreachable ? -EHOSTUNREACH : code,
+                    "rail " + std::to_string(r) + ": " + why + " (every rail of the link is down" +
+                        (unreachable ? ": the host is unreachable)" : cut_off ? ": this host reaches no network on any rail)" : ")"));
     }
     spdlog::warn("data link to {}: rail {} down: {}; its messages go on the other rails until it is back", peer(), r, why);
     st.sent_counts = true;
