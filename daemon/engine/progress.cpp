@@ -148,20 +148,23 @@ void ProgressEngine::push_result(EngineResult r) {
 }
 
 void ProgressEngine::count_resent() {
-    uint64_t m = resent_messages_before_, b = resent_bytes_before_;
+    uint64_t m = resent_messages_before_, b = resent_bytes_before_, h = held_before_;
     for (Link *l : {next_, prev_ != next_ ? prev_ : nullptr})
         if (l) {
             m += l->messages_resent();
             b += l->bytes_resent();
+            h += l->messages_held();
         }
     resent_messages_.store(m, std::memory_order_relaxed);
     resent_bytes_.store(b, std::memory_order_relaxed);
+    held_messages_.store(h, std::memory_order_relaxed);
 }
 
 void ProgressEngine::drop_links() {
     count_resent();
     resent_messages_before_ = resent_messages_.load();
     resent_bytes_before_ = resent_bytes_.load();
+    held_before_ = held_messages_.load();
     if (next_) transport_->remove_link(next_);
     if (prev_ && prev_ != next_) transport_->remove_link(prev_);
     next_ = prev_ = nullptr;

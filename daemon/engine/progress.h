@@ -144,6 +144,7 @@ public:
     // the peer had them.
     uint64_t messages_resent() const { return resent_messages_.load(std::memory_order_relaxed); }
     uint64_t bytes_resent() const { return resent_bytes_.load(std::memory_order_relaxed); }
+    uint64_t messages_held() const { return held_messages_.load(std::memory_order_relaxed); }
     // New connections for rail `rail` of the link of `generation` to the next host (to_next) or
     // from the previous one, taken by the transport even in the middle of an op. Any thread.
     Status offer_rail_streams(uint64_t generation, bool to_next, uint32_t rail, std::vector<UniqueFd> fds,
@@ -195,8 +196,8 @@ private:
     std::atomic<uint64_t> bytes_to_next_{0}, bytes_from_prev_{0}, bytes_by_reference_{0};
     std::array<std::atomic<uint64_t>, kMaxRailsPerLink> rail_bytes_to_next_{};
     std::atomic<uint64_t> next_rails_{0}, prev_rails_{0}, links_generation_{0};
-    std::atomic<uint64_t> resent_messages_{0}, resent_bytes_{0};
-    uint64_t resent_messages_before_ = 0, resent_bytes_before_ = 0;  // of links dropped (progress thread)
+    std::atomic<uint64_t> resent_messages_{0}, resent_bytes_{0}, held_messages_{0};
+    uint64_t resent_messages_before_ = 0, resent_bytes_before_ = 0, held_before_ = 0;  // of links dropped (progress thread)
     void count_resent();  // from the links now, and those dropped
     static uint64_t link_key(uint64_t generation, bool to_next) { return generation * 2 + (to_next ? 0 : 1); }
 

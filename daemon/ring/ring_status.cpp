@@ -74,7 +74,7 @@ nlohmann::json RingDomain::status() const {
     // Its state on the links to the next host and from the previous one (down on any lane's link:
     // down), and what the links sent again on other rails.
     uint32_t down_next = 0, down_prev = 0;
-    uint64_t resent = 0, resent_bytes = 0;
+    uint64_t resent = 0, resent_bytes = 0, held = 0;
     for (const auto &l : lanes_) {
         if (l->engine->links_generation() != 0) {
             down_next |= rails_down_of(l->engine->next_rails());
@@ -82,6 +82,7 @@ nlohmann::json RingDomain::status() const {
         }
         resent += l->engine->messages_resent();
         resent_bytes += l->engine->bytes_resent();
+        held += l->engine->messages_held();
     }
     for (uint32_t r = 0; r < me.rail_count() && r < kMaxRailsPerLink; ++r)
         rails.push_back({{"rail", r}, {"address", me.rail_address(r)}, {"weight", me.rail_weight(r)},
@@ -140,6 +141,7 @@ nlohmann::json RingDomain::status() const {
             {"rails", rails},
             {"resent_messages", resent},
             {"resent_bytes", resent_bytes},
+            {"held_messages", held},
             {"hosts", hosts},
             {"members", members},
             {"op_states", {{"queued", oc.queued}, {"reported", oc.reported}, {"running", oc.running}, {"releasing", oc.releasing}}},

@@ -125,6 +125,9 @@ public:
     uint32_t rails_down() const { return rails_down_; }
     uint64_t messages_resent() const { return resent_messages_; }
     uint64_t bytes_resent() const { return resent_bytes_; }
+    // Messages read ahead of their receive into the link's memory (several rails), and copied
+    // from there when it was posted.
+    uint64_t messages_held() const { return held_messages_; }
 
 protected:
     explicit Link(std::string peer) : peer_(std::move(peer)) {}
@@ -138,7 +141,7 @@ protected:
     std::array<uint64_t, kMaxRailsPerLink> bytes_by_rail_{};  // (a transport of rails counts them)
     uint64_t bytes_received_ = 0;
     uint32_t rails_down_ = 0;  // bit r: rail r is down
-    uint64_t resent_messages_ = 0, resent_bytes_ = 0;
+    uint64_t resent_messages_ = 0, resent_bytes_ = 0, held_messages_ = 0;
 
 private:
     std::string peer_;

@@ -126,6 +126,7 @@ void allreduce_and_check(Ring &ring, DType t, ReduceOp op, uint64_t count, RingO
         const auto &b = bufs[r];
         INFO("host " << r << " of " << ring.n << ", " << per_host[r] << " local rank(s) of " << total << ", " << dtype_name(t) << " "
                      << reduce_op_name(op) << " count " << count << ", chunk " << opt.chunk_bytes);
+        INFO((results[r].ok() ? std::string() : results[r].error().message));
         REQUIRE(results[r].ok());
         const auto v = b.range.check(b.data.data(), op, total);
         CHECK(v.wrong == 0);
@@ -1207,6 +1208,9 @@ struct RailLinkPair {
             ka.push_back(k1);
             kb.push_back(k2);
         }
+        // Streams stay unread until the test posts their receives (no read-ahead on a stall).
+        ta.set_hold_after(std::chrono::hours(1));
+        tb.set_hold_after(std::chrono::hours(1));
         auto la = ta.add_link("nodeB", std::move(sa), ka, r, w);
         auto lb = tb.add_link("nodeA", std::move(sb), kb, r, w);
         REQUIRE((la.ok() && lb.ok()));
@@ -1340,14 +1344,22 @@ TEST_CASE("rails: the ring's ops stay exact when a rail goes down in the middle 
     opt.chunk_bytes = 1 << 20;
     const uint64_t count = kTsan ? (4u << 20) : (24u << 20);  // f32 elements
     std::atomic<int64_t> progress{0};
+    std::atomic<bool> done{false};
     std::thread killer([&] {
         const auto until = std::chrono::steady_clock::now() + 20s;
-        while (progress.load() == 0 && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(1ms);
+        while (progress.load() == 0 && !done && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(1ms);
         std::this_thread::sleep_for(2ms);
         ring.take_down(0, 1);
     });
+    struct Join {  // also when a check below throws
+        std::thread &t;
+        std::atomic<bool> &done;
+        ~Join() {
+            done = true;
+            if (t.joinable()) t.join();
+        }
+    } join{killer, done};
     allreduce_and_check(ring, DType::F32, ReduceOp::Sum, count, opt, 7, 1, {}, &progress);
-    killer.join();
     auto *l = static_cast<TcpLink *>(ring.pos[0].next);
     CHECK(!l->error());
     CHECK(!l->rail_up(1));

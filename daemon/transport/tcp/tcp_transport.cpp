@@ -18,6 +18,7 @@
 #include <spdlog/spdlog.h>
 
 #include "common/fd_io.h"
+#include "daemon/transport/tcp/tcp_progress.h"
 #include "proto/le.h"
 
 namespace ringd {
@@ -211,8 +212,13 @@ Status TcpTransport::poll(std::vector<LinkEvent> &out, int timeout_ms) {
     // After the batch: an event of a stream's old connection in it is not taken for its new one's.
     if (offered) take_offers();
     const auto now = std::chrono::steady_clock::now();
+    const bool check = now >= next_rail_check_;
+    if (check) next_rail_check_ = now + std::chrono::milliseconds(100);
     for (auto &l : links_)
-        if (l->weighted_ && !l->error()) l->hold_stalled(now);
+        if (l->weighted_ && !l->error()) {
+            if (check) l->check_rails();
+            if (!l->error()) l->hold_stalled(now);
+        }
     out.insert(out.end(), std::make_move_iterator(ready_.begin()), std::make_move_iterator(ready_.end()));
     ready_.clear();
     return Ok{};
@@ -262,12 +268,9 @@ Status TcpLink::attach(Stream &s, UniqueFd fd, const SessionKeys &keys) {
         ::setsockopt(fd.get(), SOL_SOCKET, SO_SNDBUF, &sb, sizeof sb);
         ::setsockopt(fd.get(), SOL_SOCKET, SO_RCVBUF, &sb, sizeof sb);
     }
-    // Several rails: a rail whose peer does not acknowledge data for this long is down (its
-    // messages go on the others) rather than retransmitted into for the kernel's ~15 minutes.
-    if (weighted_) {
-        const unsigned timeout = t_.rail_timeout_ms_;
-        ::setsockopt(fd.get(), IPPROTO_TCP, TCP_USER_TIMEOUT, &timeout, sizeof timeout);  // (not on socketpairs)
-    }
+    // (Several rails: a rail whose peer's kernel acknowledges nothing for tcp.rail_timeout is
+    // found down by check_rails. Not TCP_USER_TIMEOUT: the kernel applies it to a zero window too,
+    // and a receiver that waits for its trainer with its buffers full is not a rail that failed.)
     s.fd = std::move(fd);
     s.mac = SessionMac(keys);
     s.interest = EPOLLIN;
@@ -364,6 +367,7 @@ void TcpLink::enqueue(Stream &s, const std::byte *data, uint64_t bytes, uint64_t
     op.fd_offset = fd_offset;
     op.transport_own = flags != 0;
     if (!op.transport_own) op.seq = s.sent_seq++;
+    if (s.sendq.empty() && s.inflight.empty()) s.pending_since = std::chrono::steady_clock::now();
     if (flags == kFlagFence) s.fence_ops.push_back(static_cast<uint32_t>(tag >> 32));
     proto::le::put<uint32_t>(&op.header[0], kDataMagic);
     proto::le::put<uint32_t>(&op.header[4], (s.mac.enabled() ? kFlagTagged : 0) | flags);
@@ -829,16 +833,37 @@ bool TcpLink::try_hold(Stream &s) {
         return false;
     s.hold.assign(s.bytes, std::byte{0});
     held_bytes_ += s.bytes;
+    ++held_messages_;
     s.cur = RecvOp{s.hold.data(), s.bytes};
     s.holding = true;
     return true;
+}
+
+void TcpLink::check_rails() {
+    for (auto &sp : streams_) {
+        if (error()) return;
+        Stream &s = *sp;
+        if (!s.up() || (s.sendq.empty() && s.inflight.empty())) continue;
+        const auto waiting = std::chrono::steady_clock::now() - s.pending_since;
+        if (waiting < std::chrono::milliseconds(t_.rail_timeout_ms_)) continue;
+        int outq = 0;
+        TcpProgress tp;
+        if (::ioctl(s.fd.get(), SIOCOUTQ, &outq) != 0 || outq <= 0 || !tcp_progress(s.fd.get(), tp)) continue;  // (not TCP)
+        // Bytes in the socket for as long as the rail's timeout, nothing acknowledged since, and
+        // either segments on the wire or a window open to send them (an unsent queue behind an
+        // open window: the local NIC is down): a path that is gone. A peer that is slow to read
+        // closes its window, and its kernel acknowledges the window probes.
+        if (tp.last_ack_ms >= t_.rail_timeout_ms_ && (tp.unacked > 0 || (tp.have_window && tp.peer_window > 0)))
+            stream_failed(s, -ETIMEDOUT, "no acknowledgement from " + peer() + " for " + std::to_string(tp.last_ack_ms) +
+                                             " ms (tcp.rail_timeout)");
+    }
 }
 
 void TcpLink::hold_stalled(std::chrono::steady_clock::time_point now) {
     for (auto &sp : streams_) {
         if (error()) return;
         Stream &s = *sp;
-        if (!s.up() || !s.have_header || s.cur || now - s.stalled_since < kHoldAfter || !try_hold(s)) continue;
+        if (!s.up() || !s.have_header || s.cur || now - s.stalled_since < t_.hold_after_ || !try_hold(s)) continue;
         read_some(s);
         if (!error()) update_interest(s);
     }

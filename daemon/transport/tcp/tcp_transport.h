@@ -169,6 +169,7 @@ private:
         bool holding = false;
         std::vector<std::byte> hold;
         std::chrono::steady_clock::time_point stalled_since{};  // its next message waits for a receive since
+        std::chrono::steady_clock::time_point pending_since{};  // it has had something to send since (check_rails)
     };
     struct RailState {
         uint32_t epoch = 0;  // its connections so far, less one: notices name it
@@ -190,13 +191,15 @@ private:
         std::vector<std::byte> data;
     };
     static constexpr uint64_t kMaxHeldBytes = 64ull << 20;
-    // A stream whose next message has had no receive for this long is read ahead too (held), on
-    // a link of several rails, so that a rail notice behind it cannot wait on it.
-    static constexpr auto kHoldAfter = std::chrono::milliseconds(50);
+    // A stream whose next message has had no receive for hold_after (200 ms) is read ahead too
+    // (held), on a link of several rails, so that a rail notice behind it cannot wait on it.
     // Starts holding the message `s` waits with (false: not a payload message, or no room).
     bool try_hold(Stream &s);
     // Streams stalled for kHoldAfter: held (TcpTransport::poll).
     void hold_stalled(std::chrono::steady_clock::time_point now);
+    // Streams with data on the wire that the peer's kernel has acknowledged nothing of for
+    // tcp.rail_timeout (TCP_INFO): their rail is down (TcpTransport::poll, every 100 ms).
+    void check_rails();
     // The stream a message of `bytes` goes on: in turn; with several rails, on the rail whose
     // backlog (its streams' queues here and their sockets' unsent and unacknowledged bytes) would
     // be done first at its weight, so that a slower rail gets fewer messages and every rail stays
@@ -325,6 +328,10 @@ public:
 
     Status poll(std::vector<LinkEvent> &out, int timeout_ms) override;
     int fd() const override { return epoll_.get(); }
+    // How long a stream of a link of several rails waits for its next message's receive before
+    // that message is read ahead into the link's memory (tests set it long, to keep a stream
+    // unread).
+    void set_hold_after(std::chrono::milliseconds d) { hold_after_ = d; }
     Status offer_rail_streams(uint64_t key, uint32_t rail, std::vector<UniqueFd> fds, std::vector<SessionKeys> keys) override;
 
 protected:
@@ -345,6 +352,8 @@ private:
     uint64_t next_region_ = 1;
     std::vector<std::unique_ptr<TcpLink>> links_;
     std::vector<LinkEvent> ready_;  // completions produced outside poll(), handed out by the next poll()
+    std::chrono::steady_clock::time_point next_rail_check_{};
+    std::chrono::milliseconds hold_after_{200};
     // offer_rail_streams: what other threads handed over, taken by poll() (woken by `offered_`, an
     // eventfd in the epoll set).
     struct Offer {
