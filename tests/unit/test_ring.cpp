@@ -1337,6 +1337,27 @@ TEST_CASE("rails: a rail whose connections fail costs no message: what the peer 
     CHECK(p.count(p.b, LinkEvent::Kind::Failed) >= 1);
 }
 
+TEST_CASE("rails: a peer that reads nothing for longer than tcp.rail_timeout (its trainer is late, its buffers full) "
+          "takes no rail down; what it then reads is exact",
+          "[ring][tcp][rails]") {
+    RailLinkPair p(2, 1);  // tcp.rail_timeout 500 ms
+    constexpr uint64_t kMsg = 1 << 20;
+    constexpr size_t kN = 48;  // far more than the sockets hold: the receiver's window closes
+    std::vector<std::byte> src(kMsg * kN), dst(kMsg * kN);
+    for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<std::byte>((i * 40503u) >> 7);
+    auto rs = p.ta.register_region(src.data(), src.size());
+    auto rd = p.tb.register_region(dst.data(), dst.size());
+    REQUIRE((rs.ok() && rd.ok()));
+    for (size_t m = 0; m < kN; ++m) REQUIRE(p.a->post_send(*rs, m * kMsg, kMsg, m).ok());
+    // Three times the timeout without a receive posted (the transports polled all along).
+    CHECK_FALSE(p.poll([&] { return p.a->rails_down() != 0 || p.b->rails_down() != 0 || p.a->error(); }, 1500ms));
+    for (size_t m = 0; m < kN; ++m) REQUIRE(p.b->post_recv(*rd, m * kMsg, kMsg, m).ok());
+    REQUIRE(p.poll([&] { return p.count(p.b, LinkEvent::Kind::RecvDone) == kN && p.count(p.a, LinkEvent::Kind::SendDone) == kN; }));
+    CHECK(p.a->rails_down() == 0);
+    CHECK(p.a->messages_resent() == 0);
+    CHECK(std::memcmp(dst.data(), src.data(), src.size()) == 0);
+}
+
 TEST_CASE("rails: the ring's ops stay exact when a rail goes down in the middle of one; no link fails", "[ring][tcp][rails]") {
     // Three hosts, two rails of two streams per link; host 0's rail 1 to host 1 fails mid-op.
     Ring ring(3, "tcp", 2, true, 2);
