@@ -110,11 +110,14 @@ Result<Submission> validate_submit(const SubmitDesc &d, uint64_t data_bytes, boo
     if (d.buffer_kind == static_cast<uint32_t>(BufferKind::Cuda)) {
         if (!cuda_supported) return make_error(-ENOTSUP, at + "this ringd has no CUDA (built without it)");
         s.cuda = true;
-        if (!collective_blocked(s.desc.collective) && s.desc.collective != Collective::Allreduce)
+        // Device buffers: allreduce, broadcast and reduce in place on one buffer, reduce_scatter
+        // and allgather by blocks; the rest on slot buffers only.
+        const bool in_place = s.desc.collective == Collective::Allreduce || collective_is_rooted(s.desc.collective);
+        if (!collective_blocked(s.desc.collective) && !in_place)
             return make_error(-EINVAL, at + "a " + cname + " of device buffers (ringd runs it on slot buffers only)");
-        if (s.desc.collective == Collective::Allreduce) {
+        if (in_place) {
             if (d.cuda_out_reg != 0 || d.cuda_out_offset != 0 || d.cuda_block != 0 || d.cuda_part != 0)
-                return make_error(-EINVAL, at + "a device allreduce with cuda_out_reg, cuda_out_offset, cuda_block or cuda_part set");
+                return make_error(-EINVAL, at + "a device " + cname + " with cuda_out_reg, cuda_out_offset, cuda_block or cuda_part set");
         } else {
             // The part lies inside the device op's blocks; the device ranges (a block per rank on
             // one side) are the CUDA registry's to check against the registrations.

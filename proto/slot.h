@@ -45,6 +45,9 @@ inline constexpr uint16_t kSlotFeatureCopyCounters = 16;
 // older ringd ignores the reserved bytes and would run the op exact: a client never sends them
 // to one).
 inline constexpr uint16_t kSlotFeatureWire = 64;
+// Broadcast and reduce of device buffers (SubmitDesc::root with BufferKind::Cuda; a ringd without
+// it refuses them: EINVAL).
+inline constexpr uint16_t kSlotFeatureCudaRooted = 128;
 inline constexpr size_t kSlotHeaderBytes = 4096;
 inline constexpr size_t kSlotDataAlign = 4096;
 inline constexpr uint32_t kQueueDepth = 64;

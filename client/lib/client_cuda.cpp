@@ -577,8 +577,9 @@ void cuda_pump(ringd_client &c) {
             d.seq = st.next;
             d.count = std::min(st.per, st.count - k * st.per);
             d.offset = st.staging + (k % st.range_seq.size()) * st.part_bytes;
-            if (d.collective == static_cast<uint32_t>(Collective::Allreduce)) {
+            if (!collective_blocked(static_cast<Collective>(d.collective))) {  // in place
                 d.cuda_offset = st.reg_offset + k * st.per * st.esize;
+                if (d.collective != static_cast<uint32_t>(Collective::Allreduce)) d.out_offset = d.offset;
             } else {
                 // The part's input, then its output; the device ranges stay the whole op's, the
                 // part says which elements of each block.
@@ -797,7 +798,8 @@ struct DeviceOpArgs {
     Collective collective;
     uint32_t dtype, op;
     uint64_t count;
-    CUdeviceptr in, out;  // allreduce: the same
+    CUdeviceptr in, out;  // allreduce, broadcast, reduce: the same
+    uint32_t root = 0;    // broadcast, reduce
 };
 
 // Any collective on device buffers (ringd_submit_cuda, ringd_submit_coll_cuda).
@@ -818,15 +820,22 @@ int submit_device(ringd_client *c, const DeviceOpArgs &a, CUstream stream, uint6
         }
         const uint64_t count = a.count;
         if (a.dtype >= kDTypeCount) return c->fail(-EINVAL, "unknown dtype");
-        const bool coll = a.collective != Collective::Allreduce, rs = a.collective == Collective::ReduceScatter;
+        // coll: by blocks (reduce_scatter, allgather); rooted: in place as an allreduce, with a root.
+        const bool coll = collective_blocked(a.collective), rs = a.collective == Collective::ReduceScatter;
+        const bool rooted = collective_is_rooted(a.collective);
         const std::string what(collective_name(a.collective));
-        if (coll) {
-            if (!(c->header->features & proto::kSlotFeatureCudaCollectives))
-                return c->fail(-ENOTSUP, "this ringd runs device buffers' allreduce only (an older release): no " + what +
-                                             " of device buffers");
+        if (!coll && !rooted && a.collective != Collective::Allreduce)
+            return c->fail(-EINVAL, "a " + what + " of device buffers: ringd runs allreduce, reduce_scatter, allgather, "
+                                    "broadcast and reduce of them (this one on slot buffers only)");
+        if (coll || rooted) {
+            if (!(c->header->features & (coll ? proto::kSlotFeatureCudaCollectives : proto::kSlotFeatureCudaRooted)))
+                return c->fail(-ENOTSUP, "this ringd runs no " + what + " of device buffers (an older release)");
             if (c->ranks == 0)
                 return c->fail(-EINVAL, "a " + what + " needs this trainer's rank in its group: connect with "
                                         "ringd_options.rank and .ranks");
+            if (rooted && a.root >= c->ranks)
+                return c->fail(-EINVAL, "a " + what + " with root rank " + std::to_string(a.root) + " in a group of " +
+                                            std::to_string(c->ranks) + " ranks");
         }
         const uint64_t ranks = coll ? c->ranks : 1;
         const uint64_t esize = dtype_size(static_cast<DType>(a.dtype));
@@ -868,6 +877,10 @@ int submit_device(ringd_client *c, const DeviceOpArgs &a, CUstream stream, uint6
             d.cuda_out_reg = out_reg;
             d.cuda_out_offset = out_reg_offset;
             d.cuda_block = count;
+        } else if (rooted) {
+            d.collective = static_cast<uint32_t>(a.collective);
+            d.ranks = c->ranks;
+            d.root = a.root;
         }
         // A large op goes as parts of at most cc.part_bytes: consecutive ringd ops, so that ringd
         // copies part k+1 off the device while part k is on the ring, and copies part k's result
@@ -894,6 +907,7 @@ int submit_device(ringd_client *c, const DeviceOpArgs &a, CUstream stream, uint6
                                        "RINGD_CUDA_PART_BYTES, ringd_set_cuda_part_bytes)");
         d.count = std::min<uint64_t>(count, per);
         if (coll) d.out_offset = (rs ? ranks : 1) * d.count * esize;  // (placed in the window by cuda_pump)
+        if (rooted) d.out_offset = d.offset;                            // (in place; so is its placing)
         d.cuda_ready_seq = d.seq + parts - 1;
         if (parts > 1 && !(c->header->features & proto::kSlotFeatureCudaReadySeq))
             return c->fail(-ENOTSUP, "this ringd is older than this library: a device op larger than a part (" +
@@ -990,15 +1004,30 @@ int ringd_submit_coll_cuda(ringd_client *c, const ringd_coll_cuda *coll, struct 
         std::lock_guard lock(c->mu);
         return c->fail(-EINVAL, "unknown collective " + std::to_string(static_cast<unsigned>(coll->collective)));
     }
+    const auto kind = static_cast<Collective>(coll->collective);
+    const bool in_place = kind == Collective::Allreduce || collective_is_rooted(kind);
     const auto in = reinterpret_cast<CUdeviceptr>(coll->input);
-    const auto out = coll->collective == RINGD_ALLREDUCE || !coll->output ? in : reinterpret_cast<CUdeviceptr>(coll->output);
-    if (coll->collective != RINGD_ALLREDUCE && !coll->output) {
+    const auto out = in_place || !coll->output ? in : reinterpret_cast<CUdeviceptr>(coll->output);
+    if (in_place && coll->output && coll->output != coll->input) {
+        std::lock_guard lock(c->mu);
+        return c->fail(-EINVAL, "ringd_submit_coll_cuda: a " + std::string(collective_name(kind)) +
+                                    " runs in place on its input (output NULL or the input)");
+    }
+    if (collective_blocked(kind) && !coll->output) {
         std::lock_guard lock(c->mu);
         return c->fail(-EINVAL, "ringd_submit_coll_cuda: a reduce_scatter or allgather needs an output");
     }
-    return submit_device(c, {static_cast<Collective>(coll->collective), static_cast<uint32_t>(coll->dtype),
-                             static_cast<uint32_t>(coll->op), coll->count, in, out},
-                         stream, ticket);
+    // (root: in the struct since broadcast and reduce of device buffers; 0 before)
+    const bool has_root = coll->struct_size >= offsetof(ringd_coll_cuda, root) + sizeof(uint32_t);
+    DeviceOpArgs a{kind, static_cast<uint32_t>(coll->dtype), static_cast<uint32_t>(kind == Collective::Broadcast ? RINGD_SUM : coll->op),
+                   coll->count, in, out};
+    a.root = has_root ? coll->root : 0;
+    return submit_device(c, a, stream, ticket);
+}
+
+unsigned int ringd_cuda_collectives(void) {
+    return 1u << RINGD_ALLREDUCE | 1u << RINGD_REDUCE_SCATTER | 1u << RINGD_ALLGATHER | 1u << RINGD_BROADCAST |
+           1u << RINGD_REDUCE;
 }
 
 int ringd_set_cuda_part_bytes(ringd_client *c, size_t bytes) {
@@ -1133,6 +1162,7 @@ int ringd_submit_cuda(ringd_client *c, void *, size_t, ringd_dtype, ringd_op, st
     return RINGD_NO_CUDA(c);
 }
 int ringd_submit_coll_cuda(ringd_client *c, const ringd_coll_cuda *, struct CUstream_st *, uint64_t *) { return RINGD_NO_CUDA(c); }
+unsigned int ringd_cuda_collectives(void) { return 0; }
 int ringd_stream_wait(ringd_client *c, uint64_t, struct CUstream_st *) { return RINGD_NO_CUDA(c); }
 int ringd_set_cuda_part_bytes(ringd_client *c, size_t) { return RINGD_NO_CUDA(c); }
 int ringd_set_cuda_staging(ringd_client *c, size_t, size_t) { return RINGD_NO_CUDA(c); }

@@ -459,7 +459,7 @@ Status CudaService::enqueue_event(CUstream stream, MemberId id, uint64_t seq, Cu
     return Ok{};
 }
 
-Status CudaService::stage_in(MemberId id, const proto::Submission &s) {
+Status CudaService::stage_in(MemberId id, const proto::Submission &s, uint32_t rank) {
     const std::string at = "op " + std::to_string(s.seq) + ": ";
     auto it = clients_.find(id);
     Client *c = it == clients_.end() ? nullptr : it->second.get();
@@ -467,7 +467,7 @@ Status CudaService::stage_in(MemberId id, const proto::Submission &s) {
     // The device ranges, whole (a reduce_scatter's or allgather's part reads and writes a range of
     // each block of them): the input in cuda_reg, the output in cuda_out_reg.
     const OpDesc &d = s.desc;
-    const bool coll = d.collective != Collective::Allreduce, rs = d.collective == Collective::ReduceScatter;
+    const bool coll = collective_blocked(d.collective), rs = d.collective == Collective::ReduceScatter;
     const uint64_t es = dtype_size(d.dtype), block = s.cuda_block * es, part = d.count * es;
     auto in = device_range(c->regs, at, coll ? "input" : "", s.cuda_reg, s.cuda_offset, coll ? (rs ? d.ranks * block : block) : s.bytes);
     if (!in) return in.error();
@@ -507,6 +507,12 @@ Status CudaService::stage_in(MemberId id, const proto::Submission &s) {
     std::byte *host_in = c->slot->data() + s.offset;
     if (!coll) {
         op.in = op.out = Op::Copy{dev_in, host_in, s.bytes};
+        // A broadcast's root and a reduce's other ranks get nothing back; a broadcast's other
+        // ranks send nothing (their buffers are overwritten). The wait for the trainer's stream
+        // stays: what the stage-out writes comes after what the trainer queued before the op.
+        const bool root = collective_is_rooted(d.collective) && rank == d.root;
+        if ((d.collective == Collective::Broadcast && root) || (d.collective == Collective::Reduce && !root)) op.out.bytes = 0;
+        if (d.collective == Collective::Broadcast && !root) op.in.bytes = 0;
     } else {
         // reduce_scatter: every block's part in, one out; allgather: one in, every block's out.
         const CUdeviceptr dev_out = (om ? om->base : m.base) + out_reg->offset + s.cuda_out_offset;
@@ -537,6 +543,7 @@ Status CudaService::stage_in(MemberId id, const proto::Submission &s) {
             break;
         }
     ++stats_.ops_staged;
+    if (op.error.code == 0) stats_.staged_in_bytes += op.in.n * op.in.bytes;
     auto &placed = c->ops.emplace(s.seq, std::move(op)).first->second;
     if (auto o = enqueue_event(c->in, id, s.seq, CudaStageEvent::StagedIn); !o) {
         // No event will come: let the stream pass the wait and see it drain, within a bound.
@@ -619,6 +626,7 @@ Status CudaService::stage_out(MemberId id, uint64_t seq) {
             finish(id, seq);
             return driver_error("op " + std::to_string(seq) + ": host->device copy of the result (cuMemcpyHtoDAsync)", e);
         }
+    if (st.ok()) stats_.staged_out_bytes += op.out.n * op.out.bytes;
     if (CUresult e = api_.cuStreamWriteValue32(c.out, c.sync + kDoneOffset + 4 * op.entry, op.word,
                                                CU_STREAM_WRITE_VALUE_DEFAULT);
         e != CUDA_SUCCESS)
@@ -801,6 +809,8 @@ nlohmann::json CudaService::status() const {
             {"max_mapped_bytes", config_.max_mapped_bytes},
             {"ops_in_flight", ops},
             {"ops_staged", stats_.ops_staged},
+            {"staged_in_bytes", stats_.staged_in_bytes},
+            {"staged_out_bytes", stats_.staged_out_bytes},
             {"stage_timeouts", stats_.stage_timeouts},
             {"abandoned_clients", abandoned_.size()}};
 }
@@ -828,7 +838,7 @@ Result<uint64_t> CudaService::register_memory(MemberId, const std::shared_ptr<Sl
     return make_error(-ENOTSUP, "ringd was built without CUDA");
 }
 Result<bool> CudaService::unregister(MemberId, uint64_t) { return make_error(-ENOTSUP, "ringd was built without CUDA"); }
-Status CudaService::stage_in(MemberId, const proto::Submission &) { return make_error(-ENOTSUP, "ringd was built without CUDA"); }
+Status CudaService::stage_in(MemberId, const proto::Submission &, uint32_t) { return make_error(-ENOTSUP, "ringd was built without CUDA"); }
 Status CudaService::stage_out(MemberId, uint64_t) { return make_error(-ENOTSUP, "ringd was built without CUDA"); }
 void CudaService::finish(MemberId, uint64_t) {}
 bool CudaService::owns_completion(MemberId, uint64_t) const { return false; }

@@ -78,8 +78,11 @@ public:
     Result<bool> unregister(MemberId id, uint64_t reg);
 
     // Queues the op's stage-in (its StagedIn event follows, with an error if part of it could not
-    // be queued). An error here: the op cannot run and nothing was queued.
-    Status stage_in(MemberId id, const proto::Submission &s);
+    // be queued). An error here: the op cannot run and nothing was queued. `rank`: the client's
+    // rank in its group, which decides what a broadcast or reduce copies (a broadcast's root only
+    // in, the others only out; a reduce's root in and out, the others only in: their buffers are
+    // only read).
+    Status stage_in(MemberId id, const proto::Submission &s, uint32_t rank = 0);
     // Whether the op's result is this service's to complete: a device op whose stage-in ended
     // (its StagedIn event came) and whose stage-out has not begun. A completion of anything
     // else (e.g. a seq a client made up) never ends a device op.
@@ -154,6 +157,7 @@ private:
     struct Stats {
         uint64_t opens = 0, closes = 0, mapped_bytes = 0, registrations = 0, evictions = 0;
         uint64_t ops_staged = 0, stage_timeouts = 0;
+        uint64_t staged_in_bytes = 0, staged_out_bytes = 0;  // copied device->host, host->device (queued)
     } stats_;
 };
 

@@ -86,6 +86,13 @@ std::string GroupTable::collective_refused(MemberId id, const proto::Submission 
     return why.empty() ? why : "group " + g.name + " op " + std::to_string(s.seq) + ": " + why;
 }
 
+uint32_t GroupTable::member_rank(MemberId id) const {
+    auto mit = members_.find(id);
+    if (mit == members_.end()) return 0;
+    const Group &g = groups_.at(mit->second.group);
+    return mit->second.local_rank < g.ranks.size() ? g.ranks[mit->second.local_rank] : 0;
+}
+
 const std::vector<uint32_t> *GroupTable::group_ranks(const std::string &group, uint32_t *ranks) const {
     auto it = groups_.find(group);
     if (it == groups_.end() || it->second.group_ranks == 0 || it->second.joined() != it->second.local_size) return nullptr;

@@ -118,6 +118,8 @@ public:
                 GroupRank group_rank = {});
     // The group's ranks of its local ranks (index: local rank) and the group's size, once every
     // local rank joined and said its rank; null otherwise.
+    // The member's rank in its group as its trainer said it (0 where it said none, or is no member).
+    uint32_t member_rank(MemberId id) const;
     const std::vector<uint32_t> *group_ranks(const std::string &group, uint32_t *ranks) const;
     // Whether the group's trainers say their ranks and some of its local ranks have not joined
     // yet: its hosts' agreement waits for them (the rank map needs every one).

@@ -447,7 +447,7 @@ void ClientGateway::take_submissions(MemberId id) {
                 // (Before the stage-in: its copies are one per rank it says.)
                 st.state = Staged::Failed;
                 st.error = make_error(-EINVAL, why);
-            } else if (auto in = cuda_->stage_in(id, *s); !in) {
+            } else if (auto in = cuda_->stage_in(id, *s, groups_.member_rank(id)); !in) {
                 st.state = Staged::Failed;
                 st.error = in.error();
             }

@@ -61,8 +61,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         (s->feedback && desc.wire == WireFormat::Exact))
         __builtin_trap();
     // A device reduce_scatter/allgather's part lies inside its block, and its blocks' bytes do not
-    // overflow; every other op carries no device-collective fields.
-    if (s->cuda && !allreduce) {
+    // overflow; every other op (a device allreduce, broadcast or reduce: in place) carries no
+    // device-collective fields, and no other collective is of device buffers.
+    if (s->cuda && !allreduce && !collective_blocked(desc.collective) && !collective_is_rooted(desc.collective))
+        __builtin_trap();
+    if (s->cuda && collective_blocked(desc.collective)) {
         uint64_t whole = 0;
         if (s->cuda_part > s->cuda_block || s->cuda_block - s->cuda_part < desc.count ||
             __builtin_mul_overflow(s->cuda_block, uint64_t{desc.ranks} * esize, &whole))

@@ -302,7 +302,7 @@ TEST_CASE("reduce_scatter and allgather of device buffers: ranks 2 and 1 per hos
                         REQUIRE(api()->cuMemcpyHtoD(outs[g]->base, out_image[g].data(), kBuf) == CUDA_SUCCESS);
                         const ringd_coll_cuda d{sizeof(ringd_coll_cuda), static_cast<ringd_collective>(coll),
                                                 static_cast<ringd_dtype>(t), static_cast<ringd_op>(op), count,
-                                                bufs[g]->at(p.in), (where == OtherRegistration ? outs[g] : bufs[g])->at(p.out)};
+                                                bufs[g]->at(p.in), (where == OtherRegistration ? outs[g] : bufs[g])->at(p.out), 0};
                         INFO("rank " << tr[g].rank << ": " << ringd_last_error(tr[g].c.get()));
                         REQUIRE(ringd_submit_coll_cuda(tr[g].c.get(), &d, nullptr, &tickets[g]) == 0);
                         pl.push_back(p);
@@ -346,7 +346,7 @@ TEST_CASE("reduce_scatter and allgather of device buffers: ranks 2 and 1 per hos
     // What a caller gets wrong, named to it alone; the group goes on.
     ringd_client *r0 = tr[1].c.get();  // rank 0
     uint64_t ticket = 0;
-    ringd_coll_cuda bad{sizeof(ringd_coll_cuda), RINGD_REDUCE_SCATTER, RINGD_F32, RINGD_SUM, 100, bufs[1]->at(0), bufs[1]->at(400)};
+    ringd_coll_cuda bad{sizeof(ringd_coll_cuda), RINGD_REDUCE_SCATTER, RINGD_F32, RINGD_SUM, 100, bufs[1]->at(0), bufs[1]->at(400), 0};
     CHECK(ringd_submit_coll_cuda(r0, &bad, nullptr, &ticket) == -EINVAL);  // rank 0's own block is at 0, not 400
     CHECK_THAT(ringd_last_error(r0), Catch::Contains("overlaps its input") && Catch::Contains("rank 0's own block"));
     bad.output = reinterpret_cast<void *>(outs[1]->base + kBuf - 200);
@@ -356,9 +356,134 @@ TEST_CASE("reduce_scatter and allgather of device buffers: ranks 2 and 1 per hos
     CHECK(ringd_submit_coll_cuda(r0, &bad, nullptr, &ticket) == -EINVAL);
     Clients unranked = connect_all(c, "unranked", 1, 1 << 20);
     DeviceBuf ub(unranked[0]->get(), 4096, false);
-    ringd_coll_cuda ag{sizeof(ringd_coll_cuda), RINGD_ALLGATHER, RINGD_F32, RINGD_SUM, 10, ub.at(0), ub.at(1024)};
+    ringd_coll_cuda ag{sizeof(ringd_coll_cuda), RINGD_ALLGATHER, RINGD_F32, RINGD_SUM, 10, ub.at(0), ub.at(1024), 0};
     CHECK(ringd_submit_coll_cuda(unranked[0]->get(), &ag, nullptr, &ticket) == -EINVAL);
     CHECK_THAT(ringd_last_error(unranked[0]->get()), Catch::Contains("needs this trainer's rank"));
+}
+
+TEST_CASE("broadcast and reduce of device buffers: ranks 2 and 1 per host numbered unlike the ring, roots on every "
+          "rank, every dtype x op, in one part and in many: exact, the buffers that are only read untouched, guard bytes "
+          "intact",
+          "[cuda][collectives]") {
+    NEED_CUDA();
+    use_device();
+    TestCluster c(2, cuda_cluster("10s", cuda_yaml()));
+    REQUIRE(c.wait_up());
+    std::vector<Trainer> tr = join_ranked(c, "devroot", {2, 1}, {2, 0, 1}, 1 << 20);
+    REQUIRE(tr.size() == 3);
+    constexpr size_t kBuf = 128 << 10;
+    std::vector<std::unique_ptr<DeviceBuf>> bufs;
+    for (size_t g = 0; g < tr.size(); ++g) bufs.push_back(std::make_unique<DeviceBuf>(tr[g].c.get(), kBuf, g == 1));
+    const unsigned have = ringd_cuda_collectives();
+    CHECK((have & (1u << RINGD_BROADCAST)) != 0);
+    CHECK((have & (1u << RINGD_REDUCE)) != 0);
+    CHECK((have & (1u << RINGD_ALL_TO_ALL)) == 0);
+    uint64_t seed = 1, ops = 0;
+    // What each host's ringd copies off and onto the devices: only what the op reads and writes.
+    uint64_t in0[2], out0[2], want_in[2] = {0, 0}, want_out[2] = {0, 0};
+    for (int h = 0; h < 2; ++h) {
+        const json j = status_of(*c.d[h]);
+        in0[h] = j["staged_in_bytes"].get<uint64_t>();
+        out0[h] = j["staged_out_bytes"].get<uint64_t>();
+    }
+    // 1000 elements in one part; 3001 in 4 KiB parts (up to 1024 elements each).
+    for (auto [count, part_bytes] : {std::pair<size_t, size_t>{1000, 0}, std::pair<size_t, size_t>{3001, 4096}}) {
+        for (auto &x : tr) REQUIRE(ringd_set_cuda_part_bytes(x.c.get(), part_bytes) == 0);
+        for (Collective coll : {Collective::Broadcast, Collective::Reduce})
+            for (uint32_t ti = 0; ti < kDTypeCount; ++ti)
+                for (uint32_t oi = 0; oi < kReduceOpCount; ++oi) {
+                    const auto t = static_cast<DType>(ti);
+                    const auto op = static_cast<ReduceOp>(oi);
+                    if (op == ReduceOp::Avg && dtype_is_integer(t)) continue;
+                    if (coll == Collective::Broadcast && op != ReduceOp::Sum) continue;
+                    const uint32_t root = static_cast<uint32_t>(seed % 3);  // every rank in turn
+                    INFO(collective_name(coll) << " " << dtype_name(t) << " " << reduce_op_name(op) << " count " << count
+                                               << " root " << root);
+                    const size_t es = dtype_size(t);
+                    std::vector<std::vector<std::byte>> image(tr.size());
+                    std::vector<size_t> at(tr.size());
+                    std::vector<uint64_t> tickets(tr.size());
+                    for (size_t g = 0; g < tr.size(); ++g) {
+                        at[g] = bench::kGuardBytes + ((seed + tr[g].rank * 7) % 64) * 8;
+                        REQUIRE(at[g] + count * es + bench::kGuardBytes <= kBuf);
+                        image[g].assign(kBuf, std::byte{0});
+                        bench::guard_fill(image[g].data(), 0, kBuf, seed + g);
+                        for (size_t i = 0; i < count; ++i)
+                            bench::store(image[g].data() + at[g], i, t, static_cast<double>(bench::value(tr[g].rank, i)));
+                        REQUIRE(api()->cuMemcpyHtoD(bufs[g]->base, image[g].data(), kBuf) == CUDA_SUCCESS);
+                        const ringd_coll_cuda d{sizeof(ringd_coll_cuda), static_cast<ringd_collective>(coll),
+                                                static_cast<ringd_dtype>(t), static_cast<ringd_op>(op), count,
+                                                bufs[g]->at(at[g]), nullptr, root};
+                        INFO("rank " << tr[g].rank << ": " << ringd_last_error(tr[g].c.get()));
+                        REQUIRE(ringd_submit_coll_cuda(tr[g].c.get(), &d, nullptr, &tickets[g]) == 0);
+                    }
+                    for (size_t g = 0; g < tr.size(); ++g) {
+                        INFO("rank " << tr[g].rank << ": " << ringd_last_error(tr[g].c.get()));
+                        REQUIRE(ringd_wait(tr[g].c.get(), tickets[g], 20000) == 0);
+                    }
+                    for (size_t g = 0; g < tr.size(); ++g) {
+                        std::vector<std::byte> after(kBuf);
+                        REQUIRE(api()->cuMemcpyDtoH(after.data(), bufs[g]->base, kBuf) == CUDA_SUCCESS);
+                        const uint32_t rank = tr[g].rank;
+                        INFO("rank " << rank);
+                        // What must change: a broadcast's buffer on the others, a reduce's on the
+                        // root. Everything else (the root's broadcast, the others' reduce, the
+                        // bytes around every range) is as it was.
+                        const bool written = coll == Collective::Broadcast ? rank != root : rank == root;
+                        const bool read = coll == Collective::Reduce || rank == root;
+                        want_in[g < 2 ? 0 : 1] += read ? count * es : 0;
+                        want_out[g < 2 ? 0 : 1] += written ? count * es : 0;
+                        if (written) {
+                            CHECK(bench::collective_wrong(coll, after.data() + at[g], count, t, op, 3, rank, root) == 0);
+                            CHECK(std::memcmp(after.data(), image[g].data(), at[g]) == 0);
+                            const size_t end = at[g] + count * es;
+                            CHECK(std::memcmp(after.data() + end, image[g].data() + end, kBuf - end) == 0);
+                        } else {
+                            CHECK(after == image[g]);
+                        }
+                    }
+                    ++seed;
+                    ++ops;
+                }
+    }
+    CHECK(ops == 2 * (6 + (6 * 4 - 2)));
+    for (int h = 0; h < 2; ++h) {
+        const json j = status_of(*c.d[h]);
+        INFO("host " << h);
+        CHECK(j["staged_in_bytes"].get<uint64_t>() - in0[h] == want_in[h]);
+        CHECK(j["staged_out_bytes"].get<uint64_t>() - out0[h] == want_out[h]);
+    }
+    // What a caller gets wrong, named to it alone; the group goes on.
+    ringd_client *r0 = tr[1].c.get();  // rank 0
+    uint64_t ticket = 0;
+    ringd_coll_cuda bad{sizeof(ringd_coll_cuda), RINGD_BROADCAST, RINGD_F32, RINGD_SUM, 100, bufs[1]->at(4096), nullptr, 3};
+    CHECK(ringd_submit_coll_cuda(r0, &bad, nullptr, &ticket) == -EINVAL);
+    CHECK_THAT(ringd_last_error(r0), Catch::Contains("root rank 3 in a group of 3"));
+    bad.root = 0;
+    bad.output = bufs[1]->at(8192);
+    CHECK(ringd_submit_coll_cuda(r0, &bad, nullptr, &ticket) == -EINVAL);
+    CHECK_THAT(ringd_last_error(r0), Catch::Contains("in place"));
+    bad.collective = RINGD_ALL_TO_ALL;
+    bad.output = bufs[1]->at(8192);
+    CHECK(ringd_submit_coll_cuda(r0, &bad, nullptr, &ticket) == -EINVAL);
+    CHECK_THAT(ringd_last_error(r0), Catch::Contains("slot buffers only"));
+    // The group still runs: a reduce to rank 0 after the refusals.
+    std::vector<uint64_t> tickets(tr.size());
+    for (size_t g = 0; g < tr.size(); ++g) {
+        std::vector<std::byte> image(kBuf);
+        for (size_t i = 0; i < 100; ++i) bench::store(image.data() + 4096, i, DType::F32, static_cast<double>(bench::value(tr[g].rank, i)));
+        REQUIRE(api()->cuMemcpyHtoD(bufs[g]->base, image.data(), kBuf) == CUDA_SUCCESS);
+        const ringd_coll_cuda d{sizeof(ringd_coll_cuda), RINGD_REDUCE, RINGD_F32, RINGD_SUM, 100, bufs[g]->at(4096), nullptr, 0};
+        INFO(ringd_last_error(tr[g].c.get()));
+        REQUIRE(ringd_submit_coll_cuda(tr[g].c.get(), &d, nullptr, &tickets[g]) == 0);
+    }
+    for (size_t g = 0; g < tr.size(); ++g) {
+        INFO(ringd_last_error(tr[g].c.get()));
+        REQUIRE(ringd_wait(tr[g].c.get(), tickets[g], 20000) == 0);
+    }
+    std::vector<std::byte> after(kBuf);
+    REQUIRE(api()->cuMemcpyDtoH(after.data(), bufs[1]->base, kBuf) == CUDA_SUCCESS);  // rank 0's
+    CHECK(bench::collective_wrong(Collective::Reduce, after.data() + 4096, 100, DType::F32, ReduceOp::Sum, 3, 0, 0) == 0);
 }
 
 TEST_CASE("a delayed producer stream still gives exact results", "[cuda]") {

@@ -352,6 +352,30 @@ TEST_CASE("submit descriptors are validated with overflow-safe bounds", "[proto]
         d.offset = 1024;
         CHECK(validate_submit(d, 1024, true).error().code == -ERANGE);
     }
+    SECTION("CUDA buffers: broadcast and reduce in place with a root, all_to_all and barrier refused") {
+        d.buffer_kind = static_cast<uint32_t>(BufferKind::Cuda);
+        d.cuda_reg = 7;
+        d.collective = static_cast<uint32_t>(Collective::Reduce);
+        d.ranks = 4;
+        d.root = 3;
+        d.out_offset = d.offset;
+        auto s = validate_submit(d, 1024, true);
+        REQUIRE(s.ok());
+        CHECK(s->desc.root == 3);
+        CHECK(s->out_offset == s->offset);
+        d.collective = static_cast<uint32_t>(Collective::Broadcast);
+        CHECK(validate_submit(d, 1024, true).ok());
+        d.cuda_block = 16;  // (a blocked op's field)
+        CHECK_THAT(validate_submit(d, 1024, true).error().message, Catch::Contains("device broadcast with cuda_out_reg"));
+        d.cuda_block = 0;
+        d.root = 4;
+        CHECK_THAT(validate_submit(d, 1024, true).error().message, Catch::Contains("root rank 4 of 4"));
+        d.root = 0;
+        d.collective = static_cast<uint32_t>(Collective::AllToAll);
+        d.out_offset = 512;
+        d.count = 8;
+        CHECK_THAT(validate_submit(d, 1024, true).error().message, Catch::Contains("slot buffers only"));
+    }
     SECTION("CUDA parts wait for their op's ready word: at or after their seq, within 2^31") {
         d.buffer_kind = static_cast<uint32_t>(BufferKind::Cuda);
         d.seq = 100;
@@ -438,7 +462,7 @@ TEST_CASE("submit descriptors are validated with overflow-safe bounds", "[proto]
         d.out_offset = d.offset;
         d.buffer_kind = 1;
         d.cuda_reg = 1;
-        CHECK_THAT(validate_submit(d, 1024, true).error().message, Catch::Contains("slot buffers only"));
+        CHECK(validate_submit(d, 1024, true).ok());  // (of device buffers too: below)
         d.buffer_kind = 0;
         d.cuda_reg = 0;
         d.collective = static_cast<uint32_t>(Collective::Allreduce);

@@ -230,21 +230,30 @@ RINGD_API int ringd_stream_wait(ringd_client *c, uint64_t ticket, struct CUstrea
 /* Any collective on device buffers: ringd_coll's description with device pointers (the struct may
  * grow: struct_size). input and output lie in the client's registrations, apart or in place as
  * for slot buffers (reduce_scatter's output its rank's block of the input, allgather's input its
- * rank's block of the output); allreduce runs in place on input (output NULL or input). Staged,
- * cut into parts and stream-ordered as ringd_submit_cuda: a part of a reduce_scatter or allgather
- * is the same elements of every block, and takes (ranks + 1) x its bytes of staging. -ENOTSUP from
- * a ringd without them (an older release); -EINVAL on a client that did not say its rank. */
+ * rank's block of the output); allreduce, broadcast and reduce run in place on input (output NULL
+ * or input): a broadcast's buffer becomes the root's on every rank (the root's is only read), a
+ * reduce's the reduction on the root only (the others' are only read). Staged, cut into parts
+ * and stream-ordered as ringd_submit_cuda: a part of a reduce_scatter or allgather is the same
+ * elements of every block, and takes (ranks + 1) x its bytes of staging. ringd_cuda_collectives
+ * says which this library submits; -ENOTSUP from a ringd without them (an older release); -EINVAL
+ * on a client that did not say its rank. */
 typedef struct ringd_coll_cuda {
     size_t struct_size; /* sizeof(ringd_coll_cuda) */
     ringd_collective collective;
     ringd_dtype dtype;
-    ringd_op op; /* not used by allgather */
+    ringd_op op; /* not used by allgather and broadcast */
     size_t count;
     void *input;
     void *output;
+    /* Since broadcast and reduce of device buffers (a struct_size without it: 0). */
+    uint32_t root; /* broadcast, reduce: the root's rank in the group (< ringd_options.ranks) */
 } ringd_coll_cuda;
 RINGD_API int ringd_submit_coll_cuda(ringd_client *c, const ringd_coll_cuda *coll, struct CUstream_st *stream,
                                      uint64_t *ticket);
+/* The collectives this library submits through ringd_submit_coll_cuda: bit (1 << RINGD_x) for each
+ * (a library without this function: allreduce, reduce_scatter and allgather; 0 in a library built
+ * without CUDA). What a ringd runs is in its status ("device_collectives"). */
+RINGD_API unsigned int ringd_cuda_collectives(void);
 /* The part size of this client's device ops from now on (0: RINGD_CUDA_PART_BYTES, else a quarter
  * of the staging room in whole pages, 64 KiB to 16 MiB; at least 4096). It decides how an op is cut
  * into ringd ops, so every rank of a group must use the same (by default, the same slot size); the
