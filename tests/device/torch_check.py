@@ -2,8 +2,9 @@
 trainer processes on the one GPU, init_process_group("ringd"), CUDA tensors. Phases:
   ops-2, ops-4  every dtype x op on CUDA tensors (views with guard bytes on both sides, a strided
                 view, 1 to 20M elements), through dist.all_reduce (sync and async) and the comm
-                hook's path, and reduce_scatter_tensor / all_gather_into_tensor (apart and in
-                place); every value and guard byte checked on the host
+                hook's path, reduce_scatter_tensor / all_gather_into_tensor (apart and in
+                place), broadcast and reduce (roots on every rank); every value and guard byte
+                checked on the host
   ddp           DDP, 20 steps of the reference MLP and of a small CNN: over Gloo's CUDA path, over
                 ringd, over ringd with allreduce_hook; losses against Gloo's, parameters identical on
                 every rank; step times side by side
@@ -171,6 +172,28 @@ def phase_ops(torch, dist, rank, world, dev, sync, fail, rep, gloo, write):
             fail(f"{'all_gather_into_tensor' if gather else 'reduce_scatter_tensor ' + op} {dtype} n={n}"
                  f"{' in place' if in_place else ''}: {wrong} wrong values, {changed} elements changed outside the output")
 
+    def rooted(dtype, op, n, salt, root):
+        """broadcast (op "bcast") or reduce (op) from or to `root` of n elements inside a guarded
+        tensor: every rank's becomes the root's (broadcast), the root's the reduction (reduce);
+        the buffers the op only reads and the guards unchanged."""
+        t = getattr(torch, dtype)
+        big = torch.full((2 * guard_n + n,), 3, dtype=t, device=dev)
+        buf = big[guard_n:guard_n + n]
+        buf.copy_(inputs(dtype, n, rank, salt).to(dev))
+        if op == "bcast":
+            dist.broadcast(buf, src=root)
+            want = inputs(dtype, n, root, salt)
+        else:
+            dist.reduce(buf, dst=root, op=red[op])
+            want = expect(dtype, op, n, salt) if rank == root else inputs(dtype, n, rank, salt)
+        host = big.cpu()
+        wrong = int((host[guard_n:guard_n + n] != want).sum())
+        changed = int((host[:guard_n] != 3).sum() + (host[guard_n + n:] != 3).sum())
+        rep["checked"] += n
+        if wrong or changed:
+            fail(f"{'broadcast' if op == 'bcast' else 'reduce ' + op} {dtype} n={n} root {root}: {wrong} wrong values, "
+                 f"{changed} guard elements changed")
+
     salt = 0
     for dtype in DTYPES:
         for op in OPS:
@@ -194,6 +217,14 @@ def phase_ops(torch, dist, rank, world, dev, sync, fail, rep, gloo, write):
                 for in_place in (False, True):
                     salt += 1
                     collective(dtype, op, n, salt, in_place)
+    # broadcast and reduce (ZeRO's and DDP's broadcasts): every dtype x op, roots on every rank
+    for dtype in DTYPES:
+        for op in OPS + ["bcast"]:
+            if op == "avg" and dtype.startswith("int"):
+                continue
+            for n in (1000, 300_001):
+                salt += 1
+                rooted(dtype, op, n, salt, salt % world)
     one("float32", "sum", 50_000, 901, "strided")
     one("float32", "sum", 20_000_000, 902, "sync")  # 80 MB: parts through the staging range
     one("float32", "avg", 20_000_000, 903, "hook")

@@ -12,6 +12,8 @@ on both sides of each op's range:
   - an op 16 x the slot (parts through the group's staging range);
   - reduce_scatter and allgather (a ranked group, ranks numbered unlike the hosts): every dtype x op,
     apart and in place, in one part and in several, every byte of the buffer checked;
+  - broadcast and reduce (the same group): roots on every rank, every dtype x op, in one part and in
+    several; what the op only reads (the root's broadcast, the others' reduce) unchanged;
   - a rank that dies before an op: the others get RuntimeError within timeouts.op + margin, and a
     stream waiting on the op moves on.
 Usage: torch_cuda_path.py RINGD_BIN LIBRINGD_CLIENT EMULATED_CUDA_LIB. Exit 0 when every check held,
@@ -278,6 +280,46 @@ def worker(rank, sock, group, out):
                         coll_ops += 1
                         if wrong or elsewhere:
                             fail(f"{what}: {wrong} wrong values, {elsewhere} bytes changed outside the output")
+    # 4c. broadcast and reduce through the CUDA path (the same ranked group): roots on every rank,
+    # every dtype x op, in one part and in several; the root's (broadcast) and the others'
+    # (reduce) buffers only read, every byte checked
+    rooted_ops = 0
+    for name in ("broadcast", "reduce"):
+        for dtype in tdtypes:
+            for op in (("sum", "avg", "min", "max") if name == "reduce" else ("sum",)):
+                if op == "avg" and dtype.startswith("int"):
+                    continue
+                for count in ((700, 40000) if dtype in ("float32", "bfloat16") else (700,)):
+                    salt += 1
+                    root = salt % WORLD
+                    esize = torch.tensor([], dtype=tdtypes[dtype]).element_size()
+                    at = GUARD + (salt % 8) * 64
+                    mem = tensor_at(cbase, cbytes)
+                    image = torch.full((cbytes,), (rank * 31 + salt) % 251, dtype=torch.uint8)
+                    image[at:at + count * esize].copy_(values(dtype, count, g, salt).view(torch.uint8))
+                    mem.copy_(image)
+                    opf = _compat.OpFuture()
+                    what = f"{name} {dtype} {op} count {count} root {root}"
+                    try:
+                        ceng.rooted_device(name, DeviceBuffer(cbase + at, count, dtype, 0, 0), root, op, opf, "done")
+                        opf.future.wait()
+                    except RuntimeError as e:
+                        fail(f"{what}: {e}")
+                        continue
+                    expected = image.clone()
+                    if name == "broadcast" and g != root:
+                        expected[at:at + count * esize].copy_(values(dtype, count, root, salt).view(torch.uint8))
+                    elif name == "reduce" and g == root:
+                        stack = torch.stack([values(dtype, count, q, salt).to(torch.float64) for q in range(WORLD)])
+                        want = {"sum": stack.sum(0), "avg": stack.mean(0), "min": stack.min(0).values,
+                                "max": stack.max(0).values}[op].to(tdtypes[dtype])
+                        expected[at:at + count * esize].copy_(want.view(torch.uint8))
+                    changed = int((mem != expected).sum())
+                    report["checks"] += count
+                    rooted_ops += 1
+                    if changed:
+                        fail(f"{what}: {changed} bytes differ from what the op must leave")
+    report["rooted_ops"] = rooted_ops
     report["collective_ops"] = coll_ops
     # 5. the last rank dies before the next op: the others fail within the op timeout, no stream hangs
     if rank == WORLD - 1:

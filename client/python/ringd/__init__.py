@@ -113,7 +113,7 @@ class _CollCuda(ctypes.Structure):
     """ringd_coll_cuda (ringd.h)."""
     _fields_ = [("struct_size", ctypes.c_size_t), ("collective", ctypes.c_int), ("dtype", ctypes.c_int),
                 ("op", ctypes.c_int), ("count", ctypes.c_size_t), ("input", ctypes.c_void_p),
-                ("output", ctypes.c_void_p)]
+                ("output", ctypes.c_void_p), ("root", ctypes.c_uint32)]
 
 
 def _declare(lib):
@@ -141,6 +141,9 @@ def _declare(lib):
     if hasattr(lib, "ringd_collectives"):
         lib.ringd_collectives.restype = ctypes.c_uint
         lib.ringd_collectives.argtypes = []
+    if hasattr(lib, "ringd_cuda_collectives"):
+        lib.ringd_cuda_collectives.restype = ctypes.c_uint
+        lib.ringd_cuda_collectives.argtypes = []
     if hasattr(lib, "ringd_submit_coll_cuda"):  # (device buffers' reduce_scatter and allgather)
         lib.ringd_submit_coll_cuda.restype = ctypes.c_int
         lib.ringd_submit_coll_cuda.argtypes = [c_client, ctypes.POINTER(_CollCuda), ctypes.c_void_p,
@@ -262,6 +265,18 @@ class Client:
         return hasattr(lib, "ringd_collectives") and bool(lib.ringd_collectives() & (1 << COLLECTIVES["all_to_all"]))
 
     @staticmethod
+    def cuda_collectives():
+        """The collectives this libringd-client submits of device buffers: bit (1 << COLLECTIVES[x])
+        each (ringd_cuda_collectives; a library without it: allreduce, reduce_scatter, allgather
+        where it has ringd_submit_coll_cuda)."""
+        lib = _load()
+        if hasattr(lib, "ringd_cuda_collectives"):
+            return int(lib.ringd_cuda_collectives())
+        if hasattr(lib, "ringd_submit_coll_cuda"):
+            return sum(1 << COLLECTIVES[c] for c in ("allreduce", "reduce_scatter", "allgather"))
+        return 1 << COLLECTIVES["allreduce"]
+
+    @staticmethod
     def has_device_collectives():
         """Whether this libringd-client has ringd_submit_coll_cuda (reduce_scatter, allgather of
         device buffers)."""
@@ -379,14 +394,17 @@ class Client:
                                                 ctypes.c_void_p(int(stream)), ctypes.byref(t)))
         return t.value
 
-    def submit_coll_cuda(self, collective, count, dtype, op, in_ptr, out_ptr, stream=0):
+    def submit_coll_cuda(self, collective, count, dtype, op, in_ptr, out_ptr, stream=0, root=0):
         """Queues any collective of device memory (ringd_submit_coll_cuda): `count` elements as for
-        submit_coll, the input at `in_ptr` and the output at `out_ptr`, after what `stream` queued
-        so far; returns its ticket."""
+        submit_coll, the input at `in_ptr` and the output at `out_ptr` (allreduce, broadcast and
+        reduce: in place, out_ptr the input), after what `stream` queued so far; `root` a
+        broadcast's or reduce's root rank. Returns its ticket."""
         if not hasattr(self._lib, "ringd_submit_coll_cuda"):
             raise RingdError(-errno.ENOTSUP, "this libringd-client has no reduce_scatter or allgather of device buffers")
+        if not self.cuda_collectives() & (1 << COLLECTIVES[collective]):
+            raise RingdError(-errno.ENOTSUP, f"this libringd-client has no {collective} of device buffers")
         d = _CollCuda(ctypes.sizeof(_CollCuda), COLLECTIVES[collective], DTYPES[dtype_name(dtype)], OPS[op_name(op)],
-                      int(count), ctypes.c_void_p(int(in_ptr)), ctypes.c_void_p(int(out_ptr)))
+                      int(count), ctypes.c_void_p(int(in_ptr)), ctypes.c_void_p(int(out_ptr)), int(root))
         t = ctypes.c_uint64(0)
         self._check(self._lib.ringd_submit_coll_cuda(self._handle(), ctypes.byref(d), ctypes.c_void_p(int(stream)),
                                                      ctypes.byref(t)))

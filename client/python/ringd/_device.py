@@ -1,8 +1,8 @@
 """ringd.torch's CUDA path: device buffers allreduced by ringd's CUDA support (registered once per
 driver allocation, copied through the group's staging range of the slot in parts, ordered on the
 caller's stream). DeviceOps is the part of a process group's engine (ringd._engine._Engine) that
-submits them; allreduce_cuda is the process group's allreduce of a CUDA tensor, collective_cuda its
-reduce_scatter or allgather."""
+submits them; allreduce_cuda is the process group's allreduce (broadcast, reduce) of a CUDA tensor,
+collective_cuda its reduce_scatter or allgather."""
 import collections
 import datetime
 import errno
@@ -66,6 +66,15 @@ class DeviceOps:
         block = out.count if name == "reduce_scatter" else src.count
         return self._device_op(out.dtype, [src, out],
                                lambda: self.client.submit_coll_cuda(name, block, out.dtype, op, src.ptr, out.ptr, src.stream),
+                               op, opf, result, keep, stream, deferred)
+
+    def rooted_device(self, name, buf, root, op, opf, result, keep=None, stream=None, deferred=False):
+        """Submits a broadcast or reduce (`name`) of a DeviceBuffer to or from group rank `root`
+        now, in place, as allreduce_device does an allreduce: a broadcast leaves the root's buffer
+        in every rank's, a reduce the reduction in the root's (the others' are only read)."""
+        return self._device_op(buf.dtype, [buf],
+                               lambda: self.client.submit_coll_cuda(name, buf.count, buf.dtype, op, buf.ptr, buf.ptr,
+                                                                    buf.stream, root=root),
                                op, opf, result, keep, stream, deferred)
 
     def _device_op(self, dtype, bufs, submit, op, opf, result, keep, stream, deferred):
@@ -187,11 +196,12 @@ class DeviceOps:
             self.room.wait(0.05)
 
 
-def allreduce_cuda(engine, tensor, name, result, tensors):
+def allreduce_cuda(engine, tensor, name, result, tensors, root=None, collective="allreduce"):
     """A CUDA tensor's allreduce through ringd's CUDA path, in the order of the current
     stream: ringd reads the tensor after what the stream queued so far, Work.wait() makes the
     current stream wait for the result (the host does not block), and the future completes
-    once the result is in the tensor."""
+    once the result is in the tensor. `collective` "broadcast" or "reduce" (with `root`, a group
+    rank) runs that instead, in place the same way."""
     given = tensor.detach()
     dense = _distinct_elements(given)
     stream = torch.cuda.current_stream(tensor.device)
@@ -201,14 +211,19 @@ def allreduce_cuda(engine, tensor, name, result, tensors):
     if buf.count == 0:
         opf.set_result(result)
         return _compat.work(opf.future, tensors)
+    def submit(**kw):
+        if collective == "allreduce":
+            return engine.allreduce_device(buf, name, opf, result, **kw)
+        return engine.rooted_device(collective, buf, root, name, opf, result, **kw)
     if flat is dense:
-        ticket, _ = engine.allreduce_device(buf, name, opf, result)
+        ticket, _ = submit()
         return _compat.work(opf.future, tensors,
                             on_wait=lambda: engine.stream_wait(ticket, torch.cuda.current_stream(tensor.device).cuda_stream))
     # Through a contiguous copy: the result goes back into the tensor on the current stream,
-    # after ringd's; the future completes after that copy (its event is recorded on this
-    # stream), and Work.wait() orders the caller's stream after it too.
-    ticket, rec = engine.allreduce_device(buf, name, opf, result, keep=flat, stream=stream, deferred=True)
+    # after ringd's (a rank whose buffer ringd only reads gets its own values back); the future
+    # completes after that copy (its event is recorded on this stream), and Work.wait() orders
+    # the caller's stream after it too.
+    ticket, rec = submit(keep=flat, stream=stream, deferred=True)
     return _copied_back(engine, ticket, rec, stream, lambda: dense.copy_(flat.view(dense.shape)), tensor.device, opf,
                         tensors)
 

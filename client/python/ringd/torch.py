@@ -11,10 +11,12 @@ float32/float64/float16/bfloat16/int32/int64 tensors with SUM, AVG, MIN, MAX and
 through ringd: the tensor is copied into this process's shared-memory slot, reduced or gathered
 there with every rank's (the local ranks on the host, then across hosts), and copied back;
 reduce_scatter's and allgather's blocks are in the process group's rank order, whatever the
-hosts' order. (reduce_scatter and allgather of CUDA tensors, and with a ringd of an older release
-anywhere in the group, take the earlier paths: an allreduce, or Gloo.) Everything else (broadcast,
-barrier, all_to_all, other dtypes and ops) goes through a Gloo group built from the same store,
-which gives the same result. Every process group (the default one and
+hosts' order. broadcast, reduce, barrier and all_to_all (splits too) of CPU tensors go through
+ringd as well, and CUDA tensors' allreduce, reduce_scatter, allgather, broadcast and reduce through
+ringd's CUDA path (docs/pytorch.md). With a ringd or library of an older release anywhere in the
+group, a collective it lacks takes the earlier path (reduce_scatter as an allreduce, the others
+Gloo). Everything else (gather, scatter, send/recv, object collectives, other dtypes and ops) goes
+through a Gloo group built from the same store, which gives the same result. Every process group (the default one and
 each new_group) is a ringd group over the hosts of its ranks (all of the ring's, or part of them),
 its ranks on a host ordered by LOCAL_RANK (torchrun sets it; default 0).
 RINGD_SOCKET (default /run/ringd/ringd.sock) and RINGD_SLOT_BYTES (default 256 MiB, at most
@@ -148,6 +150,10 @@ class ProcessGroupRingd(ProcessGroup):
         device = int(mine and "reduce_scatter" in st.get("device_collectives", ()) and
                      _ringd.Client.has_device_collectives())
         store.set(f"ringd/device/{rank}", str(device))
+        # And whether it runs broadcast and reduce of CUDA tensors (its ringd and library both).
+        device_rooted = int(device and {"broadcast", "reduce"} <= set(st.get("device_collectives", ())) and
+                            all(_ringd.Client.cuda_collectives() & (1 << _ringd.COLLECTIVES[c]) for c in ("broadcast", "reduce")))
+        store.set(f"ringd/device-rooted/{rank}", str(device_rooted))
         # And whether it runs broadcast, reduce, barrier and all_to_all (a key of its own, as above).
         rooted = int(mine and {"broadcast", "all_to_all"} <= set(st.get("collectives", ())) and
                      _ringd.Client.has_rooted_collectives() and _ringd.Client.has_all_to_all())
@@ -158,6 +164,7 @@ class ProcessGroupRingd(ProcessGroup):
         store.set(f"ringd/taper/{rank}", "1")
         store.set(f"ringd/member/{rank}", f"{me[0]}:{me[1]}:{slot_bytes}:{mine}")
         members, smallest_slot, collectives, device_collectives, rooted_collectives = [], slot_bytes, True, True, True
+        device_rooted_collectives = True
         taper = True
         for r in range(size):
             entry = store.get(f"ringd/member/{r}").decode()
@@ -171,6 +178,8 @@ class ProcessGroupRingd(ProcessGroup):
             # absent, without waiting for it and without writing it; torch 1.13's store has no check)
             device_collectives = device_collectives and store.compare_set(f"ringd/device/{r}", "?", "?") == b"1"
             rooted_collectives = rooted_collectives and store.compare_set(f"ringd/rooted/{r}", "?", "?") == b"1"
+            device_rooted_collectives = (device_rooted_collectives and
+                                         store.compare_set(f"ringd/device-rooted/{r}", "?", "?") == b"1")
             taper = taper and store.compare_set(f"ringd/taper/{r}", "?", "?") == b"1"
         on_my_host = sorted(m for m in members if m[0] == me[0])
         local_rank = [m[2] for m in on_my_host].index(rank)
@@ -185,6 +194,8 @@ class ProcessGroupRingd(ProcessGroup):
         self._engine = None
         self._device_collectives = collectives and device_collectives
         self._rooted = collectives and rooted_collectives  # broadcast, reduce, barrier, all_to_all through ringd
+        # broadcast and reduce of CUDA tensors through ringd's CUDA path
+        self._device_rooted = self._rooted and self._device_collectives and device_rooted_collectives
         self._coalesced = None  # the Works since _start_coalescing
         self._gloo = _gloo_group(store, rank, size, timeout)
         _compat.attach(self, self._gloo)
@@ -491,29 +502,34 @@ class ProcessGroupRingd(ProcessGroup):
         return self._reduce_into(output, input.detach().reshape(-1).clone(), opts, [output])
 
     def _rooted_tensor(self, tensors, root_tensor):
-        """The tensor of a broadcast or reduce that goes through ringd (one CPU tensor of a ringd
-        dtype, in a group whose every rank's ringd runs them), else None (Gloo runs it)."""
+        """The tensor of a broadcast or reduce that goes through ringd (one tensor of a ringd
+        dtype in a group whose every rank's ringd runs them: a CPU tensor, or a CUDA tensor where
+        they run them of device buffers too), else None (Gloo runs it)."""
         if not self._rooted or self._engine is None or len(tensors) != 1 or root_tensor != 0:
             return None
         t = tensors[0]
         if t.device.type not in ("cpu", "cuda"):
             raise RuntimeError(f"ringd: {t.device.type} tensors are not supported (CPU and CUDA tensors are)")
-        if t.is_cuda or t.is_sparse or t.dtype not in _DTYPES:
+        if (t.is_cuda and not self._device_rooted) or t.is_sparse or t.dtype not in _DTYPES:
             return None
         return t
 
     def broadcast(self, tensors, opts=None):
         """broadcast from opts.rootRank through ringd (a chain along the ring, or one-shot for a
-        small tensor); CUDA tensors through Gloo."""
+        small tensor); CUDA tensors through ringd's CUDA path where the group's ringds run it."""
         opts = opts if opts is not None else dist.BroadcastOptions()
         t = self._rooted_tensor(tensors, opts.rootTensor)
         if t is None:
             return self._track(self._gloo.broadcast(tensors, opts))
+        if t.is_cuda:
+            return self._track(allreduce_cuda(self._engine, t, "sum", tensors, tensors, root=opts.rootRank,
+                                              collective="broadcast"))
         return self._track(_compat.work(self._engine.rooted("broadcast", t, "sum", opts.rootRank, tensors), tensors))
 
     def reduce(self, tensors, opts=None):
         """reduce to opts.rootRank through ringd: the root's tensor becomes the reduction, the
-        others' stay as they are; CUDA tensors through Gloo."""
+        others' stay as they are; CUDA tensors through ringd's CUDA path where the group's ringds
+        run it (PREMUL_SUM of them through Gloo)."""
         opts = opts if opts is not None else dist.ReduceOptions()
         t = self._rooted_tensor(tensors, opts.rootTensor)
         op = opts.reduceOp
@@ -521,6 +537,11 @@ class ProcessGroupRingd(ProcessGroup):
             return self._track(self._gloo.reduce(tensors, opts))
         if _op_name(op) == "avg" and not t.dtype.is_floating_point:
             raise RuntimeError(f"ringd: AVG of {t.dtype} is not defined (an integer mean); use SUM")
+        if t.is_cuda:
+            if _premul_factor(op) is not None:
+                return self._track(self._gloo.reduce(tensors, opts))
+            return self._track(allreduce_cuda(self._engine, t, _op_name(op), tensors, tensors, root=opts.rootRank,
+                                              collective="reduce"))
         if _premul_factor(op) is None:
             return self._track(_compat.work(self._engine.rooted("reduce", t, _op_name(op), opts.rootRank, tensors), tensors))
         # PREMUL_SUM: scaled in a copy of its own (the caller's tensor is only written on the root).
