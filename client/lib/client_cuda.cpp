@@ -1005,10 +1005,10 @@ int ringd_submit_coll_cuda(ringd_client *c, const ringd_coll_cuda *coll, struct 
         return c->fail(-EINVAL, "unknown collective " + std::to_string(static_cast<unsigned>(coll->collective)));
     }
     const auto kind = static_cast<Collective>(coll->collective);
-    const bool in_place = kind == Collective::Allreduce || collective_is_rooted(kind);
+    const bool rooted = collective_is_rooted(kind);
     const auto in = reinterpret_cast<CUdeviceptr>(coll->input);
-    const auto out = in_place || !coll->output ? in : reinterpret_cast<CUdeviceptr>(coll->output);
-    if (in_place && coll->output && coll->output != coll->input) {
+    const auto out = kind == Collective::Allreduce || rooted || !coll->output ? in : reinterpret_cast<CUdeviceptr>(coll->output);
+    if (rooted && coll->output && coll->output != coll->input) {
         std::lock_guard lock(c->mu);
         return c->fail(-EINVAL, "ringd_submit_coll_cuda: a " + std::string(collective_name(kind)) +
                                     " runs in place on its input (output NULL or the input)");
@@ -1017,8 +1017,15 @@ int ringd_submit_coll_cuda(ringd_client *c, const ringd_coll_cuda *coll, struct 
         std::lock_guard lock(c->mu);
         return c->fail(-EINVAL, "ringd_submit_coll_cuda: a reduce_scatter or allgather needs an output");
     }
-    // (root: in the struct since broadcast and reduce of device buffers; 0 before)
+    // root: in the struct since broadcast and reduce of device buffers. A caller built before it
+    // names none: its broadcast or reduce is refused, never run from a root it did not choose.
     const bool has_root = coll->struct_size >= offsetof(ringd_coll_cuda, root) + sizeof(uint32_t);
+    if (rooted && !has_root) {
+        std::lock_guard lock(c->mu);
+        return c->fail(-EINVAL, "ringd_submit_coll_cuda: a " + std::string(collective_name(kind)) + " needs its root: "
+                                    "a ringd_coll_cuda with the root field (struct_size " +
+                                    std::to_string(sizeof(ringd_coll_cuda)) + ", not " + std::to_string(coll->struct_size) + ")");
+    }
     DeviceOpArgs a{kind, static_cast<uint32_t>(coll->dtype), static_cast<uint32_t>(kind == Collective::Broadcast ? RINGD_SUM : coll->op),
                    coll->count, in, out};
     a.root = has_root ? coll->root : 0;

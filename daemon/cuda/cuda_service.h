@@ -82,7 +82,7 @@ public:
     // rank in its group, which decides what a broadcast or reduce copies (a broadcast's root only
     // in, the others only out; a reduce's root in and out, the others only in: their buffers are
     // only read).
-    Status stage_in(MemberId id, const proto::Submission &s, uint32_t rank = 0);
+    Status stage_in(MemberId id, const proto::Submission &s, uint32_t rank);
     // Whether the op's result is this service's to complete: a device op whose stage-in ended
     // (its StagedIn event came) and whose stage-out has not begun. A completion of anything
     // else (e.g. a seq a client made up) never ends a device op.

@@ -75,6 +75,13 @@ def worker(phase, out):
     os._exit(0)
 
 
+def _ringd_status_staged():
+    """The bytes this host's ringd copied off and onto devices so far."""
+    import ringd
+    c = ringd.status().get("cuda") or {}
+    return c.get("staged_in_bytes", 0) + c.get("staged_out_bytes", 0)
+
+
 DTYPES = ["float32", "float64", "float16", "bfloat16", "int32", "int64"]
 OPS = ["sum", "avg", "min", "max"]
 
@@ -172,23 +179,31 @@ def phase_ops(torch, dist, rank, world, dev, sync, fail, rep, gloo, write):
             fail(f"{'all_gather_into_tensor' if gather else 'reduce_scatter_tensor ' + op} {dtype} n={n}"
                  f"{' in place' if in_place else ''}: {wrong} wrong values, {changed} elements changed outside the output")
 
-    def rooted(dtype, op, n, salt, root):
-        """broadcast (op "bcast") or reduce (op) from or to `root` of n elements inside a guarded
-        tensor: every rank's becomes the root's (broadcast), the root's the reduction (reduce);
-        the buffers the op only reads and the guards unchanged."""
+    def rooted(dtype, op, n, salt, root, strided=False):
+        """broadcast (op "bcast") or reduce (op; "premul": PREMUL_SUM(0.5)) from or to `root` of n
+        elements inside a guarded tensor (`strided`: every other element of it, the rest guards):
+        every rank's becomes the root's (broadcast), the root's the reduction (reduce); the
+        buffers the op only reads and the guards unchanged."""
         t = getattr(torch, dtype)
-        big = torch.full((2 * guard_n + n,), 3, dtype=t, device=dev)
-        buf = big[guard_n:guard_n + n]
+        step = 2 if strided else 1
+        big = torch.full((2 * guard_n + step * n,), 3, dtype=t, device=dev)
+        buf = big[guard_n:guard_n + step * n:step]
         buf.copy_(inputs(dtype, n, rank, salt).to(dev))
         if op == "bcast":
             dist.broadcast(buf, src=root)
             want = inputs(dtype, n, root, salt)
+        elif op == "premul":
+            dist.reduce(buf, dst=root, op=dist._make_nccl_premul_sum(0.5))
+            want = (expect(dtype, "sum", n, salt).double() * 0.5).to(t) if rank == root else inputs(dtype, n, rank, salt)
         else:
             dist.reduce(buf, dst=root, op=red[op])
             want = expect(dtype, op, n, salt) if rank == root else inputs(dtype, n, rank, salt)
         host = big.cpu()
-        wrong = int((host[guard_n:guard_n + n] != want).sum())
-        changed = int((host[:guard_n] != 3).sum() + (host[guard_n + n:] != 3).sum())
+        body = host[guard_n:guard_n + step * n:step]
+        wrong = int((body != want).sum())
+        keep = torch.ones(host.shape, dtype=torch.bool)
+        keep[guard_n:guard_n + step * n:step] = False
+        changed = int((host[keep] != 3).sum())
         rep["checked"] += n
         if wrong or changed:
             fail(f"{'broadcast' if op == 'bcast' else 'reduce ' + op} {dtype} n={n} root {root}: {wrong} wrong values, "
@@ -217,14 +232,25 @@ def phase_ops(torch, dist, rank, world, dev, sync, fail, rep, gloo, write):
                 for in_place in (False, True):
                     salt += 1
                     collective(dtype, op, n, salt, in_place)
-    # broadcast and reduce (ZeRO's and DDP's broadcasts): every dtype x op, roots on every rank
+    # broadcast and reduce (ZeRO's and DDP's broadcasts): every dtype x op, roots on every rank,
+    # strided views, PREMUL_SUM; through ringd's CUDA path (its ringd stages their bytes)
+    cuda = dev.type == "cuda"
+    staged0 = _ringd_status_staged() if cuda else 0
     for dtype in DTYPES:
         for op in OPS + ["bcast"]:
             if op == "avg" and dtype.startswith("int"):
                 continue
-            for n in (1000, 300_001):
-                salt += 1
-                rooted(dtype, op, n, salt, salt % world)
+            for n in (1000, 300_001, 20_000_000 if dtype == "float32" and op in ("sum", "bcast") else 0):
+                if n:
+                    salt += 1
+                    rooted(dtype, op, n, salt, salt % world)
+    for op in ("bcast", "sum", "premul"):
+        salt += 1
+        rooted("float32", op, 50_000, salt, salt % world, strided=True)
+    salt += 1
+    rooted("float32", "premul", 4097, salt, salt % world)
+    if cuda and _ringd_status_staged() == staged0:
+        fail("broadcast and reduce of CUDA tensors staged nothing through ringd (they went another way)")
     one("float32", "sum", 50_000, 901, "strided")
     one("float32", "sum", 20_000_000, 902, "sync")  # 80 MB: parts through the staging range
     one("float32", "avg", 20_000_000, 903, "hook")

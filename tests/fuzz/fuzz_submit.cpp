@@ -1,8 +1,9 @@
 // libFuzzer: a submit descriptor as a client may write it into its slot (256 bytes, any value),
 // checked against a slot of any data size, as the daemon checks each copied descriptor. Whatever
 // it accepts lies inside the slot, aligned, with both ranges' byte counts exact, a device
-// reduce_scatter/allgather's part inside its block, and an all_to_all's ranges those of its split
-// sizes.
+// reduce_scatter/allgather's part inside its block, a broadcast or reduce in place from or to one
+// of its ranks, and an all_to_all's ranges those of its split sizes. An input of odd size checks
+// as a ringd with CUDA.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -64,6 +65,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     // overflow; every other op (a device allreduce, broadcast or reduce: in place) carries no
     // device-collective fields, and no other collective is of device buffers.
     if (s->cuda && !allreduce && !collective_blocked(desc.collective) && !collective_is_rooted(desc.collective))
+        __builtin_trap();
+    // A broadcast or reduce runs in place (a device one is staged in and out at `offset` for
+    // `bytes`, where the engine works at out_offset), from or to one of its ranks.
+    if (collective_is_rooted(desc.collective) &&
+        (s->out_offset != s->offset || s->out_bytes != s->bytes || desc.root >= desc.ranks))
         __builtin_trap();
     if (s->cuda && collective_blocked(desc.collective)) {
         uint64_t whole = 0;

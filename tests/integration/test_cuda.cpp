@@ -467,7 +467,13 @@ TEST_CASE("broadcast and reduce of device buffers: ranks 2 and 1 per host number
     bad.output = bufs[1]->at(8192);
     CHECK(ringd_submit_coll_cuda(r0, &bad, nullptr, &ticket) == -EINVAL);
     CHECK_THAT(ringd_last_error(r0), Catch::Contains("slot buffers only"));
-    // The group still runs: a reduce to rank 0 after the refusals.
+    // A caller built before the root field (a smaller struct_size) names no root: its broadcast
+    // or reduce is refused, not run from rank 0; its reduce_scatter still runs as before.
+    bad = ringd_coll_cuda{offsetof(ringd_coll_cuda, root), RINGD_REDUCE, RINGD_F32, RINGD_SUM, 100, bufs[1]->at(4096), nullptr, 0};
+    CHECK(ringd_submit_coll_cuda(r0, &bad, nullptr, &ticket) == -EINVAL);
+    CHECK_THAT(ringd_last_error(r0), Catch::Contains("needs its root"));
+    // The group still runs: a reduce to rank 0 after the refusals, then a reduce_scatter from
+    // callers of the smaller struct.
     std::vector<uint64_t> tickets(tr.size());
     for (size_t g = 0; g < tr.size(); ++g) {
         std::vector<std::byte> image(kBuf);
@@ -484,6 +490,22 @@ TEST_CASE("broadcast and reduce of device buffers: ranks 2 and 1 per host number
     std::vector<std::byte> after(kBuf);
     REQUIRE(api()->cuMemcpyDtoH(after.data(), bufs[1]->base, kBuf) == CUDA_SUCCESS);  // rank 0's
     CHECK(bench::collective_wrong(Collective::Reduce, after.data() + 4096, 100, DType::F32, ReduceOp::Sum, 3, 0, 0) == 0);
+    for (size_t g = 0; g < tr.size(); ++g) {
+        std::vector<std::byte> image(kBuf);
+        for (size_t i = 0; i < 300; ++i) bench::store(image.data() + 4096, i, DType::F32, static_cast<double>(bench::value(tr[g].rank, i)));
+        REQUIRE(api()->cuMemcpyHtoD(bufs[g]->base, image.data(), kBuf) == CUDA_SUCCESS);
+        const ringd_coll_cuda d{offsetof(ringd_coll_cuda, root), RINGD_REDUCE_SCATTER, RINGD_F32, RINGD_SUM, 100,
+                                bufs[g]->at(4096), bufs[g]->at(16384), 0};
+        INFO(ringd_last_error(tr[g].c.get()));
+        REQUIRE(ringd_submit_coll_cuda(tr[g].c.get(), &d, nullptr, &tickets[g]) == 0);
+    }
+    for (size_t g = 0; g < tr.size(); ++g) {
+        INFO(ringd_last_error(tr[g].c.get()));
+        REQUIRE(ringd_wait(tr[g].c.get(), tickets[g], 20000) == 0);
+        REQUIRE(api()->cuMemcpyDtoH(after.data(), bufs[g]->base, kBuf) == CUDA_SUCCESS);
+        CHECK(bench::collective_wrong(Collective::ReduceScatter, after.data() + 16384, 300, DType::F32, ReduceOp::Sum, 3,
+                                      tr[g].rank, 0) == 0);
+    }
 }
 
 TEST_CASE("a delayed producer stream still gives exact results", "[cuda]") {

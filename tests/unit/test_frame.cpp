@@ -352,7 +352,7 @@ TEST_CASE("submit descriptors are validated with overflow-safe bounds", "[proto]
         d.offset = 1024;
         CHECK(validate_submit(d, 1024, true).error().code == -ERANGE);
     }
-    SECTION("CUDA buffers: broadcast and reduce in place with a root, all_to_all and barrier refused") {
+    SECTION("CUDA buffers: broadcast and reduce in place with a root, all_to_all refused") {
         d.buffer_kind = static_cast<uint32_t>(BufferKind::Cuda);
         d.cuda_reg = 7;
         d.collective = static_cast<uint32_t>(Collective::Reduce);

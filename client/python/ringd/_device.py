@@ -196,16 +196,26 @@ class DeviceOps:
             self.room.wait(0.05)
 
 
-def allreduce_cuda(engine, tensor, name, result, tensors, root=None, collective="allreduce"):
+def allreduce_cuda(engine, tensor, name, result, tensors, root=None, collective="allreduce", read=True, written=True,
+                   into=None):
     """A CUDA tensor's allreduce through ringd's CUDA path, in the order of the current
     stream: ringd reads the tensor after what the stream queued so far, Work.wait() makes the
     current stream wait for the result (the host does not block), and the future completes
     once the result is in the tensor. `collective` "broadcast" or "reduce" (with `root`, a group
-    rank) runs that instead, in place the same way."""
+    rank) runs that instead, in place the same way; `read` / `written` say whether this rank's
+    tensor is read (a broadcast's root, every reduce rank) and written (a broadcast's others, a
+    reduce's root), so that a copy of a non-contiguous one is made only where it is. `into`: the
+    tensor the result goes to where it is not `tensor` (a scaled copy's reduce), written where
+    `written`."""
     given = tensor.detach()
     dense = _distinct_elements(given)
     stream = torch.cuda.current_stream(tensor.device)
-    flat = dense if dense.is_contiguous() else dense.contiguous()  # a copy on the current stream
+    if dense.is_contiguous():
+        flat = dense
+    elif read:
+        flat = dense.contiguous()  # a copy on the current stream
+    else:
+        flat = torch.empty(dense.shape, dtype=dense.dtype, device=dense.device)  # only written
     opf = _compat.OpFuture(devices=[tensor.device])
     buf = DeviceBuffer(flat.data_ptr(), flat.numel(), _DTYPES[tensor.dtype], tensor.device.index, stream.cuda_stream)
     if buf.count == 0:
@@ -215,17 +225,21 @@ def allreduce_cuda(engine, tensor, name, result, tensors, root=None, collective=
         if collective == "allreduce":
             return engine.allreduce_device(buf, name, opf, result, **kw)
         return engine.rooted_device(collective, buf, root, name, opf, result, **kw)
-    if flat is dense:
+    if flat is dense and into is None:
         ticket, _ = submit()
         return _compat.work(opf.future, tensors,
                             on_wait=lambda: engine.stream_wait(ticket, torch.cuda.current_stream(tensor.device).cuda_stream))
-    # Through a contiguous copy: the result goes back into the tensor on the current stream,
-    # after ringd's (a rank whose buffer ringd only reads gets its own values back); the future
-    # completes after that copy (its event is recorded on this stream), and Work.wait() orders
-    # the caller's stream after it too.
+    # Through a contiguous copy (or into another tensor): the result goes back on the current
+    # stream, after ringd's, where this rank's tensor is written; the future completes after that
+    # copy (its event is recorded on this stream), and Work.wait() orders the caller's stream
+    # after it too.
+    target = dense if into is None else into.detach()
     ticket, rec = submit(keep=flat, stream=stream, deferred=True)
-    return _copied_back(engine, ticket, rec, stream, lambda: dense.copy_(flat.view(dense.shape)), tensor.device, opf,
-                        tensors)
+
+    def copy_back():
+        if written:
+            target.copy_(flat.view(target.shape))
+    return _copied_back(engine, ticket, rec, stream, copy_back, tensor.device, opf, tensors)
 
 
 def _copied_back(engine, ticket, rec, stream, copy_back, device, opf, tensors):

@@ -522,14 +522,15 @@ class ProcessGroupRingd(ProcessGroup):
         if t is None:
             return self._track(self._gloo.broadcast(tensors, opts))
         if t.is_cuda:
+            root = opts.rootRank == self.rank()
             return self._track(allreduce_cuda(self._engine, t, "sum", tensors, tensors, root=opts.rootRank,
-                                              collective="broadcast"))
+                                              collective="broadcast", read=root, written=not root))
         return self._track(_compat.work(self._engine.rooted("broadcast", t, "sum", opts.rootRank, tensors), tensors))
 
     def reduce(self, tensors, opts=None):
         """reduce to opts.rootRank through ringd: the root's tensor becomes the reduction, the
         others' stay as they are; CUDA tensors through ringd's CUDA path where the group's ringds
-        run it (PREMUL_SUM of them through Gloo)."""
+        run it (PREMUL_SUM: a scaled copy's sum)."""
         opts = opts if opts is not None else dist.ReduceOptions()
         t = self._rooted_tensor(tensors, opts.rootTensor)
         op = opts.reduceOp
@@ -538,10 +539,17 @@ class ProcessGroupRingd(ProcessGroup):
         if _op_name(op) == "avg" and not t.dtype.is_floating_point:
             raise RuntimeError(f"ringd: AVG of {t.dtype} is not defined (an integer mean); use SUM")
         if t.is_cuda:
-            if _premul_factor(op) is not None:
-                return self._track(self._gloo.reduce(tensors, opts))
-            return self._track(allreduce_cuda(self._engine, t, _op_name(op), tensors, tensors, root=opts.rootRank,
-                                              collective="reduce"))
+            root = opts.rootRank == self.rank()
+            if _premul_factor(op) is None:
+                return self._track(allreduce_cuda(self._engine, t, _op_name(op), tensors, tensors, root=opts.rootRank,
+                                                  collective="reduce", written=root))
+            # PREMUL_SUM: the sum of a scaled copy (on the current stream), into the root's tensor.
+            src = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+            with torch.no_grad():
+                src.copy_(t)
+            op = _premultiply(src, op)
+            return self._track(allreduce_cuda(self._engine, src, "sum", tensors, tensors, root=opts.rootRank,
+                                              collective="reduce", written=root, into=t))
         if _premul_factor(op) is None:
             return self._track(_compat.work(self._engine.rooted("reduce", t, _op_name(op), opts.rootRank, tensors), tensors))
         # PREMUL_SUM: scaled in a copy of its own (the caller's tensor is only written on the root).
