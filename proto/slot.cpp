@@ -113,7 +113,11 @@ Result<Submission> validate_submit(const SubmitDesc &d, uint64_t data_bytes, boo
         // Device buffers: allreduce, broadcast and reduce in place on one buffer, reduce_scatter
         // and allgather by blocks; the rest on slot buffers only.
         const bool in_place = s.desc.collective == Collective::Allreduce || collective_is_rooted(s.desc.collective);
-        if (!collective_blocked(s.desc.collective) && !in_place)
+        // (an all_to_all of equal blocks: staged by blocks on both sides)
+        const bool a2a = s.desc.collective == Collective::AllToAll && !(d.flags & kSubmitSplits);
+        if (s.desc.collective == Collective::AllToAll && !a2a)
+            return make_error(-EINVAL, at + "an all_to_all of device buffers with split sizes (ringd runs those on slot buffers only)");
+        if (!collective_blocked(s.desc.collective) && !in_place && !a2a)
             return make_error(-EINVAL, at + "a " + cname + " of device buffers (ringd runs it on slot buffers only)");
         if (in_place) {
             if (d.cuda_out_reg != 0 || d.cuda_out_offset != 0 || d.cuda_block != 0 || d.cuda_part != 0)

@@ -48,6 +48,9 @@ inline constexpr uint16_t kSlotFeatureWire = 64;
 // Broadcast and reduce of device buffers (SubmitDesc::root with BufferKind::Cuda; a ringd without
 // it refuses them: EINVAL).
 inline constexpr uint16_t kSlotFeatureCudaRooted = 128;
+// all_to_all of device buffers, equal blocks (cuda_block elements each; no split sizes), staged as
+// a reduce_scatter's input and an allgather's output are (a ringd without it refuses it: EINVAL).
+inline constexpr uint16_t kSlotFeatureCudaAllToAll = 256;
 inline constexpr size_t kSlotHeaderBytes = 4096;
 inline constexpr size_t kSlotDataAlign = 4096;
 inline constexpr uint32_t kQueueDepth = 64;

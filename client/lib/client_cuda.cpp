@@ -577,14 +577,16 @@ void cuda_pump(ringd_client &c) {
             d.seq = st.next;
             d.count = std::min(st.per, st.count - k * st.per);
             d.offset = st.staging + (k % st.range_seq.size()) * st.part_bytes;
-            if (!collective_blocked(static_cast<Collective>(d.collective))) {  // in place
+            if (!collective_blocked(static_cast<Collective>(d.collective)) &&
+                d.collective != static_cast<uint32_t>(Collective::AllToAll)) {  // in place
                 d.cuda_offset = st.reg_offset + k * st.per * st.esize;
                 if (d.collective != static_cast<uint32_t>(Collective::Allreduce)) d.out_offset = d.offset;
             } else {
                 // The part's input, then its output; the device ranges stay the whole op's, the
                 // part says which elements of each block.
-                const bool rs = d.collective == static_cast<uint32_t>(Collective::ReduceScatter);
-                d.out_offset = d.offset + (rs ? d.ranks : 1) * d.count * st.esize;
+                const bool by_rank_in = d.collective == static_cast<uint32_t>(Collective::ReduceScatter) ||
+                                        d.collective == static_cast<uint32_t>(Collective::AllToAll);
+                d.out_offset = d.offset + (by_rank_in ? d.ranks : 1) * d.count * st.esize;
                 d.cuda_part = k * st.per;
             }
             d.cuda_ready_seq = st.first == st.last ? 0 : st.last;  // one part: its own word (any ringd)
@@ -820,15 +822,20 @@ int submit_device(ringd_client *c, const DeviceOpArgs &a, CUstream stream, uint6
         }
         const uint64_t count = a.count;
         if (a.dtype >= kDTypeCount) return c->fail(-EINVAL, "unknown dtype");
-        // coll: by blocks (reduce_scatter, allgather); rooted: in place as an allreduce, with a root.
-        const bool coll = collective_blocked(a.collective), rs = a.collective == Collective::ReduceScatter;
+        // coll: by blocks (reduce_scatter, allgather, all_to_all: a block per rank on one side or on
+        // both); rooted: in place as an allreduce, with a root.
+        const bool a2a = a.collective == Collective::AllToAll;
+        const bool coll = collective_blocked(a.collective) || a2a, rs = a.collective == Collective::ReduceScatter;
         const bool rooted = collective_is_rooted(a.collective);
         const std::string what(collective_name(a.collective));
         if (!coll && !rooted && a.collective != Collective::Allreduce)
             return c->fail(-EINVAL, "a " + what + " of device buffers: ringd runs allreduce, reduce_scatter, allgather, "
-                                    "broadcast and reduce of them (this one on slot buffers only)");
+                                    "broadcast, reduce and all_to_all of them (this one on slot buffers only)");
         if (coll || rooted) {
-            if (!(c->header->features & (coll ? proto::kSlotFeatureCudaCollectives : proto::kSlotFeatureCudaRooted)))
+            const uint16_t feature = a2a    ? proto::kSlotFeatureCudaAllToAll
+                                     : coll ? proto::kSlotFeatureCudaCollectives
+                                            : proto::kSlotFeatureCudaRooted;
+            if (!(c->header->features & feature))
                 return c->fail(-ENOTSUP, "this ringd runs no " + what + " of device buffers (an older release)");
             if (c->ranks == 0)
                 return c->fail(-EINVAL, "a " + what + " needs this trainer's rank in its group: connect with "
@@ -842,7 +849,7 @@ int submit_device(ringd_client *c, const DeviceOpArgs &a, CUstream stream, uint6
         uint64_t bytes = 0, whole = 0;  // a block's, the side with a block per rank's
         if (__builtin_mul_overflow(count, esize, &bytes) || __builtin_mul_overflow(bytes, ranks, &whole))
             return c->fail(-EOVERFLOW, "count " + std::to_string(count) + " overflows");
-        const uint64_t in_bytes = rs ? whole : bytes, out_bytes = coll && !rs ? whole : bytes;
+        const uint64_t in_bytes = rs || a2a ? whole : bytes, out_bytes = coll && !rs ? whole : bytes;
         uint64_t reg = 0, reg_offset = 0, out_reg = 0, out_reg_offset = 0;
         if (!find_registration(cc, a.in, in_bytes, &reg, &reg_offset))
             return c->fail(-ENOENT, std::string(coll ? "input " : "") + "device buffer [" + hex(a.in) + ", +" + std::to_string(in_bytes) +
@@ -853,14 +860,15 @@ int submit_device(ringd_client *c, const DeviceOpArgs &a, CUstream stream, uint6
                 return c->fail(-ENOENT, "output device buffer [" + hex(a.out) + ", +" + std::to_string(out_bytes) +
                                             ") is in no registration of this client: register it with ringd_register_cuda "
                                             "or allocate it with ringd_cuda_alloc");
-            // Apart, or in place: the rank's own block of the side with a block per rank.
+            // Apart, or in place: the rank's own block of the side with a block per rank (an
+            // all_to_all: apart only).
             const uint64_t own = uint64_t{c->rank} * bytes;
             const bool apart = a.in + in_bytes <= a.out || a.out + out_bytes <= a.in;
-            const bool in_place = rs ? a.out == a.in + own : a.in == a.out + own;
+            const bool in_place = !a2a && (rs ? a.out == a.in + own : a.in == a.out + own);
             if (!apart && !in_place)
                 return c->fail(-EINVAL, "the " + what + "'s output [" + hex(a.out) + ", +" + std::to_string(out_bytes) +
-                                            ") overlaps its input [" + hex(a.in) + ", +" + std::to_string(in_bytes) +
-                                            ") other than as rank " + std::to_string(c->rank) + "'s own block");
+                                            ") overlaps its input [" + hex(a.in) + ", +" + std::to_string(in_bytes) + ")" +
+                                            (a2a ? std::string() : " other than as rank " + std::to_string(c->rank) + "'s own block"));
         }
         c->drain_completions();  // staging ranges of ops that ended are free again
         proto::SubmitDesc d{};
@@ -888,8 +896,8 @@ int submit_device(ringd_client *c, const DeviceOpArgs &a, CUstream stream, uint6
         // (count, dtype) the same way. The parts cycle through a staging window of at most
         // kMaxRanges part-sized ranges of the slot, so an op of any size streams through it.
         // A reduce_scatter's or allgather's part is the same elements of every block: its input and
-        // output are staged apart, (ranks + 1) x its elements.
-        const uint64_t mult = coll ? ranks + 1 : 1;
+        // output are staged apart, (ranks + 1) x its elements; an all_to_all's 2 x ranks x them.
+        const uint64_t mult = a2a ? 2 * ranks : coll ? ranks + 1 : 1;
         // The window is placed when the op is next to go to ringd (cuda_pump): as many ranges as
         // the slot then has room for beside the ops in flight, at least one.
         const uint64_t room = c->staging_end() - c->cuda_staging_offset;
@@ -906,7 +914,7 @@ int submit_device(ringd_client *c, const DeviceOpArgs &a, CUstream stream, uint6
                                        "(connect with a larger slot_bytes / RINGD_SLOT_BYTES, or make the parts smaller: "
                                        "RINGD_CUDA_PART_BYTES, ringd_set_cuda_part_bytes)");
         d.count = std::min<uint64_t>(count, per);
-        if (coll) d.out_offset = (rs ? ranks : 1) * d.count * esize;  // (placed in the window by cuda_pump)
+        if (coll) d.out_offset = (rs || a2a ? ranks : 1) * d.count * esize;  // (placed in the window by cuda_pump)
         if (rooted) d.out_offset = d.offset;                            // (in place; so is its placing)
         d.cuda_ready_seq = d.seq + parts - 1;
         if (parts > 1 && !(c->header->features & proto::kSlotFeatureCudaReadySeq))
@@ -1013,9 +1021,9 @@ int ringd_submit_coll_cuda(ringd_client *c, const ringd_coll_cuda *coll, struct 
         return c->fail(-EINVAL, "ringd_submit_coll_cuda: a " + std::string(collective_name(kind)) +
                                     " runs in place on its input (output NULL or the input)");
     }
-    if (collective_blocked(kind) && !coll->output) {
+    if ((collective_blocked(kind) || kind == Collective::AllToAll) && !coll->output) {
         std::lock_guard lock(c->mu);
-        return c->fail(-EINVAL, "ringd_submit_coll_cuda: a reduce_scatter or allgather needs an output");
+        return c->fail(-EINVAL, "ringd_submit_coll_cuda: a " + std::string(collective_name(kind)) + " needs an output");
     }
     // root: in the struct since broadcast and reduce of device buffers. A caller built before it
     // names none: its broadcast or reduce is refused, never run from a root it did not choose.
@@ -1034,7 +1042,7 @@ int ringd_submit_coll_cuda(ringd_client *c, const ringd_coll_cuda *coll, struct 
 
 unsigned int ringd_cuda_collectives(void) {
     return 1u << RINGD_ALLREDUCE | 1u << RINGD_REDUCE_SCATTER | 1u << RINGD_ALLGATHER | 1u << RINGD_BROADCAST |
-           1u << RINGD_REDUCE;
+           1u << RINGD_REDUCE | 1u << RINGD_ALL_TO_ALL;
 }
 
 int ringd_set_cuda_part_bytes(ringd_client *c, size_t bytes) {

@@ -467,9 +467,12 @@ Status CudaService::stage_in(MemberId id, const proto::Submission &s, uint32_t r
     // The device ranges, whole (a reduce_scatter's or allgather's part reads and writes a range of
     // each block of them): the input in cuda_reg, the output in cuda_out_reg.
     const OpDesc &d = s.desc;
-    const bool coll = collective_blocked(d.collective), rs = d.collective == Collective::ReduceScatter;
+    // coll: by blocks (reduce_scatter, allgather, all_to_all: a block per rank on one side or both)
+    const bool a2a = d.collective == Collective::AllToAll;
+    const bool coll = collective_blocked(d.collective) || a2a, rs = d.collective == Collective::ReduceScatter;
     const uint64_t es = dtype_size(d.dtype), block = s.cuda_block * es, part = d.count * es;
-    auto in = device_range(c->regs, at, coll ? "input" : "", s.cuda_reg, s.cuda_offset, coll ? (rs ? d.ranks * block : block) : s.bytes);
+    auto in = device_range(c->regs, at, coll ? "input" : "", s.cuda_reg, s.cuda_offset,
+                           coll ? (rs || a2a ? d.ranks * block : block) : s.bytes);
     if (!in) return in.error();
     const Registration *out_reg = *in;
     if (coll) {
@@ -518,7 +521,10 @@ Status CudaService::stage_in(MemberId id, const proto::Submission &s, uint32_t r
         const CUdeviceptr dev_out = (om ? om->base : m.base) + out_reg->offset + s.cuda_out_offset;
         std::byte *host_out = c->slot->data() + s.out_offset;
         const uint64_t at_part = s.cuda_part * es;
-        if (rs) {
+        if (a2a) {  // a piece of every block each way
+            op.in = Op::Copy{dev_in + at_part, host_in, part, d.ranks, block, part};
+            op.out = Op::Copy{dev_out + at_part, host_out, part, d.ranks, block, part};
+        } else if (rs) {
             op.in = Op::Copy{dev_in + at_part, host_in, part, d.ranks, block, part};
             op.out = Op::Copy{dev_out + at_part, host_out, part};
         } else {

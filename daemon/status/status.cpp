@@ -20,7 +20,7 @@ nlohmann::json Daemon::status_doc(uint32_t viewer) const {
     // What trainers may submit (ringd_submit_coll), so that a client can tell before it relies on one.
     j["collectives"] = {"allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "barrier", "all_to_all"};
     // And of device buffers (ringd_submit_coll_cuda), where ringd has a CUDA driver.
-    j["device_collectives"] = cuda_ ? json{"allreduce", "reduce_scatter", "allgather", "broadcast", "reduce"} : json::array();
+    j["device_collectives"] = cuda_ ? json{"allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "all_to_all"} : json::array();
     j["host"] = host_;
     j["drained"] = gateway_ && gateway_->drained();
     j["config"] = {{"path", config_path_},

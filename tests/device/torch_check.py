@@ -3,8 +3,8 @@ trainer processes on the one GPU, init_process_group("ringd"), CUDA tensors. Pha
   ops-2, ops-4  every dtype x op on CUDA tensors (views with guard bytes on both sides, a strided
                 view, 1 to 20M elements), through dist.all_reduce (sync and async) and the comm
                 hook's path, reduce_scatter_tensor / all_gather_into_tensor (apart and in
-                place), broadcast and reduce (roots on every rank); every value and guard byte
-                checked on the host
+                place), broadcast and reduce (roots on every rank), all_to_all_single of equal
+                blocks; every value and guard byte checked on the host
   ddp           DDP, 20 steps of the reference MLP and of a small CNN: over Gloo's CUDA path, over
                 ringd, over ringd with allreduce_hook; losses against Gloo's, parameters identical on
                 every rank; step times side by side
@@ -247,10 +247,29 @@ def phase_ops(torch, dist, rank, world, dev, sync, fail, rep, gloo, write):
     for op in ("bcast", "sum", "premul"):
         salt += 1
         rooted("float32", op, 50_000, salt, salt % world, strided=True)
+    # all_to_all_single of equal blocks (capacity-padded MoE): every dtype, with and without
+    # (equal) split sizes; output block q is rank q's block for this rank
+    for dtype in DTYPES:
+        for n, splits in ((1000, False), (300_001, False), (4097, True)):
+            salt += 1
+            t = getattr(torch, dtype)
+            big = torch.full((2 * guard_n + world * n,), 3, dtype=t, device=dev)
+            out = big[guard_n:guard_n + world * n]
+            inp = inputs(dtype, world * n, rank, salt).to(dev)
+            sizes = [n] * world if splits else None
+            dist.all_to_all_single(out, inp, sizes, sizes)
+            want = torch.cat([inputs(dtype, world * n, q, salt)[rank * n:(rank + 1) * n] for q in range(world)])
+            host = big.cpu()
+            wrong = int((host[guard_n:guard_n + world * n] != want).sum())
+            changed = int((host[:guard_n] != 3).sum() + (host[guard_n + world * n:] != 3).sum())
+            rep["checked"] += world * n
+            if wrong or changed:
+                fail(f"all_to_all_single {dtype} n={n}{' splits' if splits else ''}: {wrong} wrong values, "
+                     f"{changed} guard elements changed")
     salt += 1
     rooted("float32", "premul", 4097, salt, salt % world)
     if cuda and _ringd_status_staged() == staged0:
-        fail("broadcast and reduce of CUDA tensors staged nothing through ringd (they went another way)")
+        fail("broadcast, reduce and all_to_all of CUDA tensors staged nothing through ringd (they went another way)")
     one("float32", "sum", 50_000, 901, "strided")
     one("float32", "sum", 20_000_000, 902, "sync")  # 80 MB: parts through the staging range
     one("float32", "avg", 20_000_000, 903, "hook")

@@ -61,17 +61,18 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         (desc.wire != WireFormat::Exact && !wire_applies(desc.collective, desc.dtype, desc.op)) ||
         (s->feedback && desc.wire == WireFormat::Exact))
         __builtin_trap();
-    // A device reduce_scatter/allgather's part lies inside its block, and its blocks' bytes do not
+    // A device reduce_scatter/allgather/all_to_all's part lies inside its block, and its blocks' bytes do not
     // overflow; every other op (a device allreduce, broadcast or reduce: in place) carries no
     // device-collective fields, and no other collective is of device buffers.
-    if (s->cuda && !allreduce && !collective_blocked(desc.collective) && !collective_is_rooted(desc.collective))
+    const bool by_blocks = collective_blocked(desc.collective) || desc.collective == Collective::AllToAll;
+    if (s->cuda && !allreduce && !by_blocks && !collective_is_rooted(desc.collective))
         __builtin_trap();
     // A broadcast or reduce runs in place (a device one is staged in and out at `offset` for
     // `bytes`, where the engine works at out_offset), from or to one of its ranks.
     if (collective_is_rooted(desc.collective) &&
         (s->out_offset != s->offset || s->out_bytes != s->bytes || desc.root >= desc.ranks))
         __builtin_trap();
-    if (s->cuda && collective_blocked(desc.collective)) {
+    if (s->cuda && by_blocks) {
         uint64_t whole = 0;
         if (s->cuda_part > s->cuda_block || s->cuda_block - s->cuda_part < desc.count ||
             __builtin_mul_overflow(s->cuda_block, uint64_t{desc.ranks} * esize, &whole))

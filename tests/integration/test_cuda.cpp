@@ -508,6 +508,95 @@ TEST_CASE("broadcast and reduce of device buffers: ranks 2 and 1 per host number
     }
 }
 
+TEST_CASE("all_to_all of device buffers, equal blocks: ranks 2 and 1 per host numbered unlike the ring, every dtype, "
+          "into the same registration and another, in one part and in many: exact, the input and the bytes around "
+          "untouched",
+          "[cuda][collectives]") {
+    NEED_CUDA();
+    use_device();
+    TestCluster c(2, cuda_cluster("10s", cuda_yaml()));
+    REQUIRE(c.wait_up());
+    std::vector<Trainer> tr = join_ranked(c, "deva2a", {2, 1}, {2, 0, 1}, 1 << 20);
+    REQUIRE(tr.size() == 3);
+    constexpr size_t kBuf = 128 << 10;
+    std::vector<std::unique_ptr<DeviceBuf>> bufs, outs;
+    for (size_t g = 0; g < tr.size(); ++g) {
+        bufs.push_back(std::make_unique<DeviceBuf>(tr[g].c.get(), kBuf, g == 2));
+        outs.push_back(std::make_unique<DeviceBuf>(tr[g].c.get(), kBuf, false));
+    }
+    uint64_t in0[2], out0[2], want[2] = {0, 0};
+    for (int h = 0; h < 2; ++h) {
+        const json j = status_of(*c.d[h]);
+        in0[h] = j["staged_in_bytes"].get<uint64_t>();
+        out0[h] = j["staged_out_bytes"].get<uint64_t>();
+    }
+    uint64_t seed = 1, ops = 0;
+    // 1000 elements a block in one part; 1501 in 4 KiB parts (each 2 x 3 x its elements).
+    for (auto [count, part_bytes] : {std::pair<size_t, size_t>{1000, 0}, std::pair<size_t, size_t>{1501, 4096}}) {
+        for (auto &x : tr) REQUIRE(ringd_set_cuda_part_bytes(x.c.get(), part_bytes) == 0);
+        for (uint32_t ti = 0; ti < kDTypeCount; ++ti)
+            for (bool other : {false, true}) {
+                const auto t = static_cast<DType>(ti);
+                const size_t es = dtype_size(t), n = 3 * count;
+                INFO("all_to_all " << dtype_name(t) << " count " << count << (other ? " into another registration" : ""));
+                std::vector<std::vector<std::byte>> image(tr.size()), out_image(tr.size());
+                std::vector<size_t> in_at(tr.size()), out_at(tr.size());
+                std::vector<uint64_t> tickets(tr.size());
+                for (size_t g = 0; g < tr.size(); ++g) {
+                    in_at[g] = bench::kGuardBytes + ((seed + tr[g].rank * 7) % 64) * 8;
+                    out_at[g] = other ? bench::kGuardBytes + 512 : (in_at[g] + n * es + bench::kGuardBytes + 255) / 256 * 256;
+                    REQUIRE(out_at[g] + n * es + bench::kGuardBytes <= kBuf);
+                    image[g].assign(kBuf, std::byte{0});
+                    bench::guard_fill(image[g].data(), 0, kBuf, seed + g);
+                    out_image[g].assign(kBuf, std::byte{0});
+                    bench::guard_fill(out_image[g].data(), 0, kBuf, seed + 7 + g);
+                    for (size_t i = 0; i < n; ++i)
+                        bench::store(image[g].data() + in_at[g], i, t, static_cast<double>(bench::value(tr[g].rank, i)));
+                    REQUIRE(api()->cuMemcpyHtoD(bufs[g]->base, image[g].data(), kBuf) == CUDA_SUCCESS);
+                    REQUIRE(api()->cuMemcpyHtoD(outs[g]->base, out_image[g].data(), kBuf) == CUDA_SUCCESS);
+                    const ringd_coll_cuda d{sizeof(ringd_coll_cuda), RINGD_ALL_TO_ALL, static_cast<ringd_dtype>(t), RINGD_SUM,
+                                            count, bufs[g]->at(in_at[g]), (other ? outs[g] : bufs[g])->at(out_at[g]), 0};
+                    INFO("rank " << tr[g].rank << ": " << ringd_last_error(tr[g].c.get()));
+                    REQUIRE(ringd_submit_coll_cuda(tr[g].c.get(), &d, nullptr, &tickets[g]) == 0);
+                    want[g < 2 ? 0 : 1] += n * es;
+                }
+                for (size_t g = 0; g < tr.size(); ++g) {
+                    INFO("rank " << tr[g].rank << ": " << ringd_last_error(tr[g].c.get()));
+                    REQUIRE(ringd_wait(tr[g].c.get(), tickets[g], 20000) == 0);
+                }
+                for (size_t g = 0; g < tr.size(); ++g) {
+                    std::vector<std::byte> in_after(kBuf), out_after(kBuf);
+                    REQUIRE(api()->cuMemcpyDtoH(in_after.data(), bufs[g]->base, kBuf) == CUDA_SUCCESS);
+                    REQUIRE(api()->cuMemcpyDtoH(out_after.data(), outs[g]->base, kBuf) == CUDA_SUCCESS);
+                    INFO("rank " << tr[g].rank);
+                    std::vector<std::byte> &got = other ? out_after : in_after;
+                    std::vector<std::byte> &was = other ? out_image[g] : image[g];
+                    CHECK(bench::collective_wrong(Collective::AllToAll, got.data() + out_at[g], n, t, ReduceOp::Sum, 3, tr[g].rank, 0) == 0);
+                    // Everything but the output as it was: the guards, the input, the other buffer.
+                    std::memcpy(got.data() + out_at[g], was.data() + out_at[g], n * es);
+                    CHECK(in_after == image[g]);
+                    CHECK(out_after == out_image[g]);
+                }
+                ++seed;
+                ++ops;
+            }
+    }
+    CHECK(ops == 2 * 6 * 2);
+    for (int h = 0; h < 2; ++h) {
+        const json j = status_of(*c.d[h]);
+        INFO("host " << h);
+        CHECK(j["staged_in_bytes"].get<uint64_t>() - in0[h] == want[h]);
+        CHECK(j["staged_out_bytes"].get<uint64_t>() - out0[h] == want[h]);
+    }
+    // An output that overlaps the input is refused, named to its caller; the group goes on.
+    ringd_client *r0 = tr[1].c.get();
+    uint64_t ticket = 0;
+    const ringd_coll_cuda bad{sizeof(ringd_coll_cuda), RINGD_ALL_TO_ALL, RINGD_F32, RINGD_SUM, 100, bufs[1]->at(4096),
+                              bufs[1]->at(4096 + 400), 0};
+    CHECK(ringd_submit_coll_cuda(r0, &bad, nullptr, &ticket) == -EINVAL);
+    CHECK_THAT(ringd_last_error(r0), Catch::Contains("overlaps its input"));
+}
+
 TEST_CASE("a delayed producer stream still gives exact results", "[cuda]") {
     NEED_CUDA();
     use_device();

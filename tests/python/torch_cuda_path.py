@@ -13,7 +13,8 @@ on both sides of each op's range:
   - reduce_scatter and allgather (a ranked group, ranks numbered unlike the hosts): every dtype x op,
     apart and in place, in one part and in several, every byte of the buffer checked;
   - broadcast and reduce (the same group): roots on every rank, every dtype x op, in one part and in
-    several; what the op only reads (the root's broadcast, the others' reduce) unchanged;
+    several; what the op only reads (the root's broadcast, the others' reduce) unchanged; all_to_all
+    of equal blocks, every dtype, in one part and in several;
   - a rank that dies before an op: the others get RuntimeError within timeouts.op + margin, and a
     stream waiting on the op moves on.
 Usage: torch_cuda_path.py RINGD_BIN LIBRINGD_CLIENT EMULATED_CUDA_LIB. Exit 0 when every check held,
@@ -319,6 +320,36 @@ def worker(rank, sock, group, out):
                     rooted_ops += 1
                     if changed:
                         fail(f"{what}: {changed} bytes differ from what the op must leave")
+    # all_to_all of equal blocks through the CUDA path: every dtype, in one part and in several;
+    # block q of the output is rank q's block for this rank, the input and the bytes around kept
+    for dtype in tdtypes:
+        for count in ((700, 9000) if dtype in ("float32", "bfloat16") else (700,)):
+            salt += 1
+            esize = torch.tensor([], dtype=tdtypes[dtype]).element_size()
+            n = WORLD * count
+            in_off = GUARD + (salt % 8) * 64
+            out_off = (in_off + n * esize + GUARD + 255) // 256 * 256
+            mem = tensor_at(cbase, cbytes)
+            image = torch.full((cbytes,), (rank * 31 + salt) % 251, dtype=torch.uint8)
+            image[in_off:in_off + n * esize].copy_(values(dtype, n, g, salt).view(torch.uint8))
+            mem.copy_(image)
+            opf = _compat.OpFuture()
+            what = f"all_to_all {dtype} count {count}"
+            try:
+                ceng.collective_device("all_to_all", DeviceBuffer(cbase + in_off, n, dtype, 0, 0),
+                                       DeviceBuffer(cbase + out_off, n, dtype, 0, 0), "sum", opf, "done")
+                opf.future.wait()
+            except RuntimeError as e:
+                fail(f"{what}: {e}")
+                continue
+            want = torch.cat([values(dtype, n, q, salt)[g * count:(g + 1) * count] for q in range(WORLD)])
+            expected = image.clone()
+            expected[out_off:out_off + n * esize].copy_(want.view(torch.uint8))
+            changed = int((mem != expected).sum())
+            report["checks"] += n
+            rooted_ops += 1
+            if changed:
+                fail(f"{what}: {changed} bytes differ from what the op must leave")
     report["rooted_ops"] = rooted_ops
     report["collective_ops"] = coll_ops
     # 5. the last rank dies before the next op: the others fail within the op timeout, no stream hangs

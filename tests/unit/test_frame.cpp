@@ -352,7 +352,7 @@ TEST_CASE("submit descriptors are validated with overflow-safe bounds", "[proto]
         d.offset = 1024;
         CHECK(validate_submit(d, 1024, true).error().code == -ERANGE);
     }
-    SECTION("CUDA buffers: broadcast and reduce in place with a root, all_to_all refused") {
+    SECTION("CUDA buffers: broadcast and reduce in place with a root, all_to_all by blocks, with split sizes refused") {
         d.buffer_kind = static_cast<uint32_t>(BufferKind::Cuda);
         d.cuda_reg = 7;
         d.collective = static_cast<uint32_t>(Collective::Reduce);
@@ -374,6 +374,26 @@ TEST_CASE("submit descriptors are validated with overflow-safe bounds", "[proto]
         d.collective = static_cast<uint32_t>(Collective::AllToAll);
         d.out_offset = 512;
         d.count = 8;
+        CHECK_THAT(validate_submit(d, 1024, true).error().message, Catch::Contains("outside the device all_to_all's block"));
+        d.cuda_block = 8;
+        d.cuda_out_reg = 7;
+        auto a = validate_submit(d, 1024, true);
+        REQUIRE(a.ok());
+        CHECK(a->bytes == 4 * 8 * 4);
+        CHECK(a->out_bytes == 4 * 8 * 4);
+        CHECK(a->cuda_block == 8);
+        d.cuda_part = 4;  // 8 elements from 4: past the block
+        CHECK_THAT(validate_submit(d, 1024, true).error().message, Catch::Contains("outside the device all_to_all's block"));
+        d.cuda_part = 0;
+        d.count = 0;
+        d.flags = kSubmitSplits;
+        d.splits_offset = 768;
+        CHECK_THAT(validate_submit(d, 1024, true).error().message, Catch::Contains("with split sizes"));
+        d.flags = 0;
+        d.count = 8;
+        d.collective = static_cast<uint32_t>(Collective::Barrier);
+        d.count = d.offset = d.out_offset = d.cuda_block = d.cuda_out_reg = 0;
+        d.ranks = 4;
         CHECK_THAT(validate_submit(d, 1024, true).error().message, Catch::Contains("slot buffers only"));
     }
     SECTION("CUDA parts wait for their op's ready word: at or after their seq, within 2^31") {

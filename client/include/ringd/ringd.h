@@ -230,11 +230,13 @@ RINGD_API int ringd_stream_wait(ringd_client *c, uint64_t ticket, struct CUstrea
 /* Any collective on device buffers: ringd_coll's description with device pointers (the struct may
  * grow: struct_size). input and output lie in the client's registrations, apart or in place as
  * for slot buffers (reduce_scatter's output its rank's block of the input, allgather's input its
- * rank's block of the output); allreduce, broadcast and reduce run in place on input (output NULL
- * or input): a broadcast's buffer becomes the root's on every rank (the root's is only read), a
+ * rank's block of the output); an all_to_all of equal blocks (count elements each; no split
+ * sizes) apart only; allreduce, broadcast and reduce run in place on input (output NULL or
+ * input): a broadcast's buffer becomes the root's on every rank (the root's is only read), a
  * reduce's the reduction on the root only (the others' are only read). Staged, cut into parts
- * and stream-ordered as ringd_submit_cuda: a part of a reduce_scatter or allgather is the same
- * elements of every block, and takes (ranks + 1) x its bytes of staging. ringd_cuda_collectives
+ * and stream-ordered as ringd_submit_cuda: a part of a reduce_scatter, allgather or all_to_all is
+ * the same elements of every block, and takes (ranks + 1) x its bytes of staging (all_to_all:
+ * 2 x ranks x them). ringd_cuda_collectives
  * says which this library submits; -ENOTSUP from a ringd without them (an older release); -EINVAL
  * on a client that did not say its rank. */
 typedef struct ringd_coll_cuda {

@@ -56,14 +56,15 @@ class DeviceOps:
                                op, opf, result, keep, stream, deferred)
 
     def collective_device(self, name, src, out, op, opf, result, keep=None, stream=None, deferred=False):
-        """Submits a reduce_scatter (`src` has a block per rank, `out` one) or allgather (`src` one
-        block, `out` one per rank) of DeviceBuffers now, as allreduce_device does an allreduce;
-        `out.count` and `src.count` are their elements. Blocks in the group's rank order (the
-        engine's rank, ranks)."""
+        """Submits a reduce_scatter (`src` has a block per rank, `out` one), allgather (`src` one
+        block, `out` one per rank) or all_to_all (both a block per rank, apart) of DeviceBuffers
+        now, as allreduce_device does an allreduce; `out.count` and `src.count` are their
+        elements. Blocks in the group's rank order (the engine's rank, ranks)."""
         if src.device != out.device:
             raise RuntimeError(f"ringd: a {name}'s input (cuda:{src.device}) and output (cuda:{out.device}) must be "
                                "on one GPU")
-        block = out.count if name == "reduce_scatter" else src.count
+        block = (out.count if name == "reduce_scatter" else src.count // self.ranks if name == "all_to_all"
+                 else src.count)
         return self._device_op(out.dtype, [src, out],
                                lambda: self.client.submit_coll_cuda(name, block, out.dtype, op, src.ptr, out.ptr, src.stream),
                                op, opf, result, keep, stream, deferred)
@@ -258,9 +259,10 @@ def _copied_back(engine, ticket, rec, stream, copy_back, device, opf, tensors):
 
 
 def collective_cuda(engine, name, src, out, op, result, tensors):
-    """A reduce_scatter or allgather of CUDA tensors through ringd's CUDA path, in the order of the
-    current stream, as allreduce_cuda: `src` (read only) and `out` hold the group's blocks in rank
-    order; an output that is not contiguous gets the result through a contiguous copy."""
+    """A reduce_scatter, allgather or all_to_all (equal blocks) of CUDA tensors through ringd's
+    CUDA path, in the order of the current stream, as allreduce_cuda: `src` (read only) and `out`
+    hold the group's blocks in rank order; an output that is not contiguous gets the result
+    through a contiguous copy."""
     stream = torch.cuda.current_stream(out.device)
     src = src.detach()
     src = src if src.is_contiguous() else src.contiguous()  # a copy on the current stream

@@ -12,8 +12,8 @@ through ringd: the tensor is copied into this process's shared-memory slot, redu
 there with every rank's (the local ranks on the host, then across hosts), and copied back;
 reduce_scatter's and allgather's blocks are in the process group's rank order, whatever the
 hosts' order. broadcast, reduce, barrier and all_to_all (splits too) of CPU tensors go through
-ringd as well, and CUDA tensors' allreduce, reduce_scatter, allgather, broadcast and reduce through
-ringd's CUDA path (docs/pytorch.md). With a ringd or library of an older release anywhere in the
+ringd as well, and CUDA tensors' allreduce, reduce_scatter, allgather, broadcast, reduce and
+all_to_all_single of equal blocks through ringd's CUDA path (docs/pytorch.md). With a ringd or library of an older release anywhere in the
 group, a collective it lacks takes the earlier path (reduce_scatter as an allreduce, the others
 Gloo). Everything else (gather, scatter, send/recv, object collectives, other dtypes and ops) goes
 through a Gloo group built from the same store, which gives the same result. Every process group (the default one and
@@ -75,6 +75,17 @@ def _premultiply(tensor, op):
     with torch.no_grad():
         tensor.mul_(factor.to(tensor.device) if isinstance(factor, torch.Tensor) else factor)
     return dist.ReduceOp.SUM
+
+
+def _overlaps(a, b):
+    """Whether the memory two tensors span overlaps (from their first element to their last)."""
+    def span(t):
+        lo = t.data_ptr()
+        if t.numel() == 0:
+            return lo, lo
+        return lo, lo + (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
 
 
 def _op_name(op):
@@ -150,9 +161,11 @@ class ProcessGroupRingd(ProcessGroup):
         device = int(mine and "reduce_scatter" in st.get("device_collectives", ()) and
                      _ringd.Client.has_device_collectives())
         store.set(f"ringd/device/{rank}", str(device))
-        # And whether it runs broadcast and reduce of CUDA tensors (its ringd and library both).
-        device_rooted = int(device and {"broadcast", "reduce"} <= set(st.get("device_collectives", ())) and
-                            all(_ringd.Client.cuda_collectives() & (1 << _ringd.COLLECTIVES[c]) for c in ("broadcast", "reduce")))
+        # And whether it runs broadcast, reduce and all_to_all of CUDA tensors (its ringd and
+        # library both).
+        more = ("broadcast", "reduce", "all_to_all")
+        device_rooted = int(device and set(more) <= set(st.get("device_collectives", ())) and
+                            all(_ringd.Client.cuda_collectives() & (1 << _ringd.COLLECTIVES[c]) for c in more))
         store.set(f"ringd/device-rooted/{rank}", str(device_rooted))
         # And whether it runs broadcast, reduce, barrier and all_to_all (a key of its own, as above).
         rooted = int(mine and {"broadcast", "all_to_all"} <= set(st.get("collectives", ())) and
@@ -194,7 +207,7 @@ class ProcessGroupRingd(ProcessGroup):
         self._engine = None
         self._device_collectives = collectives and device_collectives
         self._rooted = collectives and rooted_collectives  # broadcast, reduce, barrier, all_to_all through ringd
-        # broadcast and reduce of CUDA tensors through ringd's CUDA path
+        # broadcast, reduce and all_to_all (equal blocks) of CUDA tensors through ringd's CUDA path
         self._device_rooted = self._rooted and self._device_collectives and device_rooted_collectives
         self._coalesced = None  # the Works since _start_coalescing
         self._gloo = _gloo_group(store, rank, size, timeout)
@@ -568,7 +581,7 @@ class ProcessGroupRingd(ProcessGroup):
 
     def _a2a_through_ringd(self, *tensors):
         """Whether an all_to_all of these tensors goes through ringd: CPU tensors of one ringd dtype
-        in a group whose every rank's ringd runs it."""
+        in a group whose every rank's ringd runs it (CUDA tensors: _a2a_cuda)."""
         if not self._rooted or self._engine is None:
             return False
         for t in tensors:
@@ -576,10 +589,31 @@ class ProcessGroupRingd(ProcessGroup):
                 raise RuntimeError(f"ringd: {t.device.type} tensors are not supported (CPU and CUDA tensors are)")
         return all(not t.is_cuda and not t.is_sparse and t.dtype in _DTYPES and t.dtype == tensors[0].dtype for t in tensors)
 
+    def _a2a_cuda(self, output, input, output_split_sizes, input_split_sizes):
+        """Whether an all_to_all_single goes through ringd's CUDA path: CUDA tensors of one ringd
+        dtype on one GPU, equal blocks (no split sizes, or all equal), input and output of the same
+        size and apart, in a group whose every rank's ringd and library run it; else None."""
+        if not (self._device_rooted and self._engine is not None and output.is_cuda and input.is_cuda):
+            return False
+        n = self.size()
+        if any(len(set(int(k) for k in s)) > 1 for s in (output_split_sizes, input_split_sizes) if s):
+            return False
+        return (output.dtype == input.dtype and output.dtype in _DTYPES and output.device == input.device and
+                not output.is_sparse and not input.is_sparse and output.numel() == input.numel() and
+                input.numel() % n == 0 and input.numel() > 0)
+
     def _all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         """all_to_all_single (uneven split sizes included) through ringd: one message between each
-        pair of hosts carrying every local rank's blocks; CUDA tensors through Gloo. Defined under
-        this torch's name (all_to_all_single, or alltoall_base before it)."""
+        pair of hosts carrying every local rank's blocks; CUDA tensors of equal blocks through
+        ringd's CUDA path, with split sizes through Gloo. Defined under this torch's name
+        (all_to_all_single, or alltoall_base before it)."""
+        if self._a2a_cuda(output, input, output_split_sizes, input_split_sizes):
+            # (input and output apart: an overlapping output goes through a copy of the input)
+            src = input.detach()
+            if _overlaps(src, output):
+                src = src.clone()
+            return self._track(collective_cuda(self._engine, "all_to_all", src.reshape(-1), output, "sum", [output],
+                                               [output]))
         if not self._a2a_through_ringd(output, input):
             gloo = getattr(self._gloo, "all_to_all_single", None) or self._gloo.alltoall_base
             return self._track(gloo(output, input, output_split_sizes, input_split_sizes, opts or dist.AllToAllOptions()))
