@@ -377,7 +377,8 @@ TEST_CASE("broadcast and reduce of device buffers: ranks 2 and 1 per host number
     const unsigned have = ringd_cuda_collectives();
     CHECK((have & (1u << RINGD_BROADCAST)) != 0);
     CHECK((have & (1u << RINGD_REDUCE)) != 0);
-    CHECK((have & (1u << RINGD_ALL_TO_ALL)) == 0);
+    CHECK((have & (1u << RINGD_ALL_TO_ALL)) != 0);  // (equal blocks: the next case)
+    CHECK((have & (1u << RINGD_BARRIER)) == 0);
     uint64_t seed = 1, ops = 0;
     // What each host's ringd copies off and onto the devices: only what the op reads and writes.
     uint64_t in0[2], out0[2], want_in[2] = {0, 0}, want_out[2] = {0, 0};
@@ -453,7 +454,8 @@ TEST_CASE("broadcast and reduce of device buffers: ranks 2 and 1 per host number
         CHECK(j["staged_in_bytes"].get<uint64_t>() - in0[h] == want_in[h]);
         CHECK(j["staged_out_bytes"].get<uint64_t>() - out0[h] == want_out[h]);
     }
-    // What a caller gets wrong, named to it alone; the group goes on.
+    // What a caller gets wrong (a bad root, an output apart, a barrier), named to it alone; the
+    // group goes on.
     ringd_client *r0 = tr[1].c.get();  // rank 0
     uint64_t ticket = 0;
     ringd_coll_cuda bad{sizeof(ringd_coll_cuda), RINGD_BROADCAST, RINGD_F32, RINGD_SUM, 100, bufs[1]->at(4096), nullptr, 3};
@@ -463,8 +465,8 @@ TEST_CASE("broadcast and reduce of device buffers: ranks 2 and 1 per host number
     bad.output = bufs[1]->at(8192);
     CHECK(ringd_submit_coll_cuda(r0, &bad, nullptr, &ticket) == -EINVAL);
     CHECK_THAT(ringd_last_error(r0), Catch::Contains("in place"));
-    bad.collective = RINGD_ALL_TO_ALL;
-    bad.output = bufs[1]->at(8192);
+    bad.collective = RINGD_BARRIER;
+    bad.output = nullptr;
     CHECK(ringd_submit_coll_cuda(r0, &bad, nullptr, &ticket) == -EINVAL);
     CHECK_THAT(ringd_last_error(r0), Catch::Contains("slot buffers only"));
     // A caller built before the root field (a smaller struct_size) names no root: its broadcast
