@@ -130,7 +130,8 @@ struct SubmitDesc {
     uint32_t collective;  // Collective
     uint32_t ranks;       // reduce_scatter, allgather: the group's ranks (the blocks of the larger range)
     uint64_t out_offset;  // reduce_scatter, allgather: the output's bytes into the slot data area
-    // kSlotFeatureCudaCollectives, a device reduce_scatter or allgather (0 otherwise). Its input
+    // kSlotFeatureCudaCollectives, a device reduce_scatter or allgather (kSlotFeatureCudaAllToAll:
+    // all_to_all, `ranks` blocks of cuda_block elements on both sides; 0 otherwise). Its input
     // starts cuda_offset bytes into registration cuda_reg (reduce_scatter: `ranks` blocks of
     // cuda_block elements; allgather: one block), its output cuda_out_offset bytes into
     // cuda_out_reg (one block, resp. `ranks`). This op is the part [cuda_part, cuda_part + count)

@@ -247,8 +247,11 @@ def phase_ops(torch, dist, rank, world, dev, sync, fail, rep, gloo, write):
     for op in ("bcast", "sum", "premul"):
         salt += 1
         rooted("float32", op, 50_000, salt, salt % world, strided=True)
-    # all_to_all_single of equal blocks (capacity-padded MoE): every dtype, with and without
-    # (equal) split sizes; output block q is rank q's block for this rank
+    if cuda and _ringd_status_staged() == staged0:
+        fail("broadcast and reduce of CUDA tensors staged nothing through ringd (they went another way)")
+    # all_to_all_single of equal blocks (capacity-padded MoE): every dtype, without split sizes
+    # (ringd's CUDA path) and with equal ones (Gloo's); output block q is rank q's block for this rank
+    staged0 = _ringd_status_staged() if cuda else 0
     for dtype in DTYPES:
         for n, splits in ((1000, False), (300_001, False), (4097, True)):
             salt += 1
@@ -269,7 +272,7 @@ def phase_ops(torch, dist, rank, world, dev, sync, fail, rep, gloo, write):
     salt += 1
     rooted("float32", "premul", 4097, salt, salt % world)
     if cuda and _ringd_status_staged() == staged0:
-        fail("broadcast, reduce and all_to_all of CUDA tensors staged nothing through ringd (they went another way)")
+        fail("all_to_all_single of CUDA tensors staged nothing through ringd (it went another way)")
     one("float32", "sum", 50_000, 901, "strided")
     one("float32", "sum", 20_000_000, 902, "sync")  # 80 MB: parts through the staging range
     one("float32", "avg", 20_000_000, 903, "hook")

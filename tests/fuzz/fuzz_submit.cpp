@@ -32,6 +32,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (size > sizeof d) std::memcpy(&data_bytes, data + sizeof d, std::min<size_t>(size - sizeof d, 8));
     auto s = validate_submit(d, data_bytes, (size & 1) != 0);
     if (!s) return 0;
+    if (s->cuda && s->splits_pending) __builtin_trap();  // (device buffers never have split sizes)
     if (s->splits_pending) {
         // An all_to_all's split sizes, read from a slot whose bytes are the rest of the input:
         // whatever take_splits accepts lies inside the slot, its byte counts the tables' sums.

@@ -351,6 +351,9 @@ def worker(rank, sock, group, out):
             if changed:
                 fail(f"{what}: {changed} bytes differ from what the op must leave")
     report["rooted_ops"] = rooted_ops
+    planned = 8 + 30 + 8  # broadcast, reduce, all_to_all: the loops above (two counts for float32 and bfloat16)
+    if rooted_ops != planned:
+        fail(f"{rooted_ops} broadcast, reduce and all_to_all ops checked, not {planned}")
     report["collective_ops"] = coll_ops
     # 5. the last rank dies before the next op: the others fail within the op timeout, no stream hangs
     if rank == WORLD - 1:

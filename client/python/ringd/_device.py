@@ -63,6 +63,9 @@ class DeviceOps:
         if src.device != out.device:
             raise RuntimeError(f"ringd: a {name}'s input (cuda:{src.device}) and output (cuda:{out.device}) must be "
                                "on one GPU")
+        if name == "all_to_all" and (src.count != out.count or src.count % self.ranks):
+            raise RuntimeError(f"ringd: an all_to_all of device buffers takes an input and an output of the same "
+                               f"size, {self.ranks} equal blocks (not {src.count} and {out.count} elements)")
         block = (out.count if name == "reduce_scatter" else src.count // self.ranks if name == "all_to_all"
                  else src.count)
         return self._device_op(out.dtype, [src, out],

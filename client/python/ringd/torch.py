@@ -13,7 +13,7 @@ there with every rank's (the local ranks on the host, then across hosts), and co
 reduce_scatter's and allgather's blocks are in the process group's rank order, whatever the
 hosts' order. broadcast, reduce, barrier and all_to_all (splits too) of CPU tensors go through
 ringd as well, and CUDA tensors' allreduce, reduce_scatter, allgather, broadcast, reduce and
-all_to_all_single of equal blocks through ringd's CUDA path (docs/pytorch.md). With a ringd or library of an older release anywhere in the
+all_to_all_single without split sizes through ringd's CUDA path (docs/pytorch.md). With a ringd or library of an older release anywhere in the
 group, a collective it lacks takes the earlier path (reduce_scatter as an allreduce, the others
 Gloo). Everything else (gather, scatter, send/recv, object collectives, other dtypes and ops) goes
 through a Gloo group built from the same store, which gives the same result. Every process group (the default one and
@@ -161,12 +161,13 @@ class ProcessGroupRingd(ProcessGroup):
         device = int(mine and "reduce_scatter" in st.get("device_collectives", ()) and
                      _ringd.Client.has_device_collectives())
         store.set(f"ringd/device/{rank}", str(device))
-        # And whether it runs broadcast, reduce and all_to_all of CUDA tensors (its ringd and
-        # library both).
-        more = ("broadcast", "reduce", "all_to_all")
-        device_rooted = int(device and set(more) <= set(st.get("device_collectives", ())) and
-                            all(_ringd.Client.cuda_collectives() & (1 << _ringd.COLLECTIVES[c]) for c in more))
-        store.set(f"ringd/device-rooted/{rank}", str(device_rooted))
+        # And whether it runs broadcast and reduce, and all_to_all, of CUDA tensors (its ringd and
+        # library both; a key each).
+        def runs_device(*colls):
+            return int(device and set(colls) <= set(st.get("device_collectives", ())) and
+                       all(_ringd.Client.cuda_collectives() & (1 << _ringd.COLLECTIVES[c]) for c in colls))
+        store.set(f"ringd/device-rooted/{rank}", str(runs_device("broadcast", "reduce")))
+        store.set(f"ringd/device-a2a/{rank}", str(runs_device("all_to_all")))
         # And whether it runs broadcast, reduce, barrier and all_to_all (a key of its own, as above).
         rooted = int(mine and {"broadcast", "all_to_all"} <= set(st.get("collectives", ())) and
                      _ringd.Client.has_rooted_collectives() and _ringd.Client.has_all_to_all())
@@ -177,7 +178,7 @@ class ProcessGroupRingd(ProcessGroup):
         store.set(f"ringd/taper/{rank}", "1")
         store.set(f"ringd/member/{rank}", f"{me[0]}:{me[1]}:{slot_bytes}:{mine}")
         members, smallest_slot, collectives, device_collectives, rooted_collectives = [], slot_bytes, True, True, True
-        device_rooted_collectives = True
+        device_rooted_collectives = device_a2a = True
         taper = True
         for r in range(size):
             entry = store.get(f"ringd/member/{r}").decode()
@@ -193,6 +194,7 @@ class ProcessGroupRingd(ProcessGroup):
             rooted_collectives = rooted_collectives and store.compare_set(f"ringd/rooted/{r}", "?", "?") == b"1"
             device_rooted_collectives = (device_rooted_collectives and
                                          store.compare_set(f"ringd/device-rooted/{r}", "?", "?") == b"1")
+            device_a2a = device_a2a and store.compare_set(f"ringd/device-a2a/{r}", "?", "?") == b"1"
             taper = taper and store.compare_set(f"ringd/taper/{r}", "?", "?") == b"1"
         on_my_host = sorted(m for m in members if m[0] == me[0])
         local_rank = [m[2] for m in on_my_host].index(rank)
@@ -207,8 +209,9 @@ class ProcessGroupRingd(ProcessGroup):
         self._engine = None
         self._device_collectives = collectives and device_collectives
         self._rooted = collectives and rooted_collectives  # broadcast, reduce, barrier, all_to_all through ringd
-        # broadcast, reduce and all_to_all (equal blocks) of CUDA tensors through ringd's CUDA path
+        # broadcast and reduce, and all_to_all (no split sizes), of CUDA tensors through ringd's CUDA path
         self._device_rooted = self._rooted and self._device_collectives and device_rooted_collectives
+        self._device_a2a = self._rooted and self._device_collectives and device_a2a
         self._coalesced = None  # the Works since _start_coalescing
         self._gloo = _gloo_group(store, rank, size, timeout)
         _compat.attach(self, self._gloo)
@@ -591,20 +594,23 @@ class ProcessGroupRingd(ProcessGroup):
 
     def _a2a_cuda(self, output, input, output_split_sizes, input_split_sizes):
         """Whether an all_to_all_single goes through ringd's CUDA path: CUDA tensors of one ringd
-        dtype on one GPU, equal blocks (no split sizes, or all equal), input and output of the same
-        size and apart, in a group whose every rank's ringd and library run it; else None."""
-        if not (self._device_rooted and self._engine is not None and output.is_cuda and input.is_cuda):
+        dtype on one GPU with no split sizes (equal blocks of dim 0), input and output of the same
+        size, in a group whose every rank's ringd and library run it. Decided by the call's form,
+        never by split values, which differ from rank to rank: with split sizes (even equal ones)
+        every rank takes Gloo, so ranks must agree on whether they pass them (docs/pytorch.md)."""
+        if not (self._device_a2a and self._engine is not None and output.is_cuda and input.is_cuda):
+            return False
+        if output_split_sizes or input_split_sizes:
             return False
         n = self.size()
-        if any(len(set(int(k) for k in s)) > 1 for s in (output_split_sizes, input_split_sizes) if s):
-            return False
         return (output.dtype == input.dtype and output.dtype in _DTYPES and output.device == input.device and
                 not output.is_sparse and not input.is_sparse and output.numel() == input.numel() and
-                input.numel() % n == 0 and input.numel() > 0)
+                input.dim() > 0 and output.dim() > 0 and input.size(0) % n == 0 and output.size(0) % n == 0 and
+                input.numel() > 0)
 
     def _all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         """all_to_all_single (uneven split sizes included) through ringd: one message between each
-        pair of hosts carrying every local rank's blocks; CUDA tensors of equal blocks through
+        pair of hosts carrying every local rank's blocks; CUDA tensors without split sizes through
         ringd's CUDA path, with split sizes through Gloo. Defined under this torch's name
         (all_to_all_single, or alltoall_base before it)."""
         if self._a2a_cuda(output, input, output_split_sizes, input_split_sizes):
