@@ -183,6 +183,13 @@ json status_of(const Daemon &d) {
     return json::parse(*s)["cuda"];
 }
 
+// What a daemon's CUDA service copied off and onto devices so far (status: staged_in_bytes,
+// staged_out_bytes).
+std::pair<uint64_t, uint64_t> staged_bytes(const Daemon &d) {
+    const json j = status_of(d);
+    return {j["staged_in_bytes"].get<uint64_t>(), j["staged_out_bytes"].get<uint64_t>()};
+}
+
 // Until the daemon has `n` device ops in flight (their stage-in queued): what a test waits for
 // before it acts on an op that must be inside ringd.
 bool ops_in_flight(const Daemon &d, uint64_t n, std::chrono::milliseconds limit = 10s) {
@@ -381,12 +388,8 @@ TEST_CASE("broadcast and reduce of device buffers: ranks 2 and 1 per host number
     CHECK((have & (1u << RINGD_BARRIER)) == 0);
     uint64_t seed = 1, ops = 0;
     // What each host's ringd copies off and onto the devices: only what the op reads and writes.
-    uint64_t in0[2], out0[2], want_in[2] = {0, 0}, want_out[2] = {0, 0};
-    for (int h = 0; h < 2; ++h) {
-        const json j = status_of(*c.d[h]);
-        in0[h] = j["staged_in_bytes"].get<uint64_t>();
-        out0[h] = j["staged_out_bytes"].get<uint64_t>();
-    }
+    const std::pair<uint64_t, uint64_t> before[2] = {staged_bytes(*c.d[0]), staged_bytes(*c.d[1])};
+    uint64_t want_in[2] = {0, 0}, want_out[2] = {0, 0};
     // 1000 elements in one part; 3001 in 4 KiB parts (up to 1024 elements each).
     for (auto [count, part_bytes] : {std::pair<size_t, size_t>{1000, 0}, std::pair<size_t, size_t>{3001, 4096}}) {
         for (auto &x : tr) REQUIRE(ringd_set_cuda_part_bytes(x.c.get(), part_bytes) == 0);
@@ -449,10 +452,10 @@ TEST_CASE("broadcast and reduce of device buffers: ranks 2 and 1 per host number
     }
     CHECK(ops == 2 * (6 + (6 * 4 - 2)));
     for (int h = 0; h < 2; ++h) {
-        const json j = status_of(*c.d[h]);
+        const auto [in, out] = staged_bytes(*c.d[h]);
         INFO("host " << h);
-        CHECK(j["staged_in_bytes"].get<uint64_t>() - in0[h] == want_in[h]);
-        CHECK(j["staged_out_bytes"].get<uint64_t>() - out0[h] == want_out[h]);
+        CHECK(in - before[h].first == want_in[h]);
+        CHECK(out - before[h].second == want_out[h]);
     }
     // What a caller gets wrong (a bad root, an output apart, a barrier), named to it alone; the
     // group goes on.
@@ -526,12 +529,8 @@ TEST_CASE("all_to_all of device buffers, equal blocks: ranks 2 and 1 per host nu
         bufs.push_back(std::make_unique<DeviceBuf>(tr[g].c.get(), kBuf, g == 2));
         outs.push_back(std::make_unique<DeviceBuf>(tr[g].c.get(), kBuf, false));
     }
-    uint64_t in0[2], out0[2], want[2] = {0, 0};
-    for (int h = 0; h < 2; ++h) {
-        const json j = status_of(*c.d[h]);
-        in0[h] = j["staged_in_bytes"].get<uint64_t>();
-        out0[h] = j["staged_out_bytes"].get<uint64_t>();
-    }
+    const std::pair<uint64_t, uint64_t> before[2] = {staged_bytes(*c.d[0]), staged_bytes(*c.d[1])};
+    uint64_t want[2] = {0, 0};
     uint64_t seed = 1, ops = 0;
     // 1000 elements a block in one part; 1501 in 4 KiB parts (each 2 x 3 x its elements).
     for (auto [count, part_bytes] : {std::pair<size_t, size_t>{1000, 0}, std::pair<size_t, size_t>{1501, 4096}}) {
@@ -585,10 +584,10 @@ TEST_CASE("all_to_all of device buffers, equal blocks: ranks 2 and 1 per host nu
     }
     CHECK(ops == 2 * 6 * 2);
     for (int h = 0; h < 2; ++h) {
-        const json j = status_of(*c.d[h]);
+        const auto [in, out] = staged_bytes(*c.d[h]);
         INFO("host " << h);
-        CHECK(j["staged_in_bytes"].get<uint64_t>() - in0[h] == want[h]);
-        CHECK(j["staged_out_bytes"].get<uint64_t>() - out0[h] == want[h]);
+        CHECK(in - before[h].first == want[h]);
+        CHECK(out - before[h].second == want[h]);
     }
     // An output that overlaps the input is refused, named to its caller; the group goes on.
     ringd_client *r0 = tr[1].c.get();
