@@ -2,6 +2,8 @@
 
 #include <cstring>
 
+#include <spdlog/spdlog.h>
+
 #include "common/fd_io.h"
 #include "daemon/engine/reduce.h"
 #include "daemon/engine/wire.h"
@@ -262,6 +264,12 @@ Status RingEngine::run(const RingPosition &pos, const RingOp &op, std::chrono::s
     return Ok{};
 }
 
+void RingEngine::log_links(const RingPosition &pos, size_t recvs_done, size_t recvs, size_t sends_done, size_t sends) const {
+    spdlog::warn("ring op timed out after {} of {} receives and {} of {} sends", recvs_done, recvs, sends_done, sends);
+    if (pos.prev) spdlog::warn("  link from {}: {}", pos.prev->peer(), pos.prev->describe());
+    if (pos.next && pos.next != pos.prev) spdlog::warn("  link to {}: {}", pos.next->peer(), pos.next->describe());
+}
+
 Status RingEngine::confirm_delivery(const RingPosition &pos, const RingOp &op, bool tell_prev, bool wait_next,
                                     std::chrono::steady_clock::time_point deadline) {
     // A tag no data message has: chunk numbers stay below kMaxChunks - 1 (run()).
@@ -464,10 +472,12 @@ Status RingEngine::run_window(const RingPosition &pos, const RingOp &op, Window 
         if (sends_done == sends_.size() && recvs_done == recvs_.size()) return Ok{};
         if (auto s = wait_turn(op); !s) return s;
         const int wait_ms = ms_until(deadline);
-        if (wait_ms == 0)
+        if (wait_ms == 0) {
+            log_links(pos, recvs_done, recvs_.size(), sends_done, sends_.size());
             return make_error(-ETIMEDOUT, "ring " + std::string(collective_name(op.collective)) + " timed out: waiting for " +
                                               (recvs_done < recvs_.size() ? "data from " + pos.prev->peer()
                                                                           : "host " + pos.next->peer() + " to take data"));
+        }
         events_.clear();
         // busy: never block; adaptive: spin for a while after the last progress, then block;
         // event: block at once. Blocking is bounded so that aborts are seen promptly.

@@ -111,6 +111,9 @@ public:
     // For an op that sent by reference (post_send_stable), cancelled: the peer answers once it has
     // read everything of the op this link sent (sending() stays true until then).
     virtual void fence(uint32_t op_tag) { (void)op_tag; }
+    // What the link holds and waits on now (its queues, posted receives, streams), one line for
+    // the log of an op that timed out on it; empty where the transport says nothing.
+    virtual std::string describe() const { return {}; }
     // The first error on this link; once set, every post fails and every pending op has failed.
     const std::optional<Error> &error() const { return error_; }
     uint64_t bytes_sent() const { return bytes_sent_; }

@@ -1337,6 +1337,58 @@ TEST_CASE("rails: a rail whose connections fail costs no message: what the peer 
     CHECK(p.count(p.b, LinkEvent::Kind::Failed) >= 1);
 }
 
+TEST_CASE("rails: a message sent again goes where the ring posted it, not behind the sender's queue: a receiver that "
+          "posts a few receives at a time (as the ring does) gets every message, with little read ahead",
+          "[ring][tcp][rails]") {
+    const bool mac = GENERATE(false, true);
+    INFO("auth.data mac: " << mac);
+    RailLinkPair p(2, 2, mac);
+    constexpr uint64_t kMsg = 1 << 20;
+    constexpr size_t kN = kTsan ? 96 : 160;  // more than kMaxHeldBytes queued behind what goes again
+    constexpr size_t kWindow = 4;            // receives posted at a time (the ring's staging slots)
+    std::vector<std::byte> src(kMsg * kN), dst(kMsg * kN + 2 * kG, std::byte{0x5a});
+    for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<std::byte>((i * 2654435761u) >> 11);
+    auto rs = p.ta.register_region(src.data(), src.size());
+    auto rd = p.tb.register_region(dst.data(), dst.size());
+    REQUIRE((rs.ok() && rd.ok()));
+    // Every send posted at once: the sockets hold a few, the rest wait in the sender's queues.
+    for (size_t m = 0; m < kN; ++m) REQUIRE(p.a->post_send(*rs, m * kMsg, kMsg, m).ok());
+    size_t posted = 0, seen = 0;
+    uint64_t most_held = 0;
+    bool down = false;
+    auto receive = [&] {
+        for (; seen < p.events.size(); ++seen)
+            if (p.events[seen].link == p.b && p.events[seen].kind == LinkEvent::Kind::RecvDone && posted < kN) {
+                REQUIRE(p.b->post_recv(*rd, kG + posted * kMsg, kMsg, posted).ok());
+                ++posted;
+            }
+        most_held = std::max(most_held, p.b->held_bytes());
+        const size_t got = p.count(p.b, LinkEvent::Kind::RecvDone);
+        if (!down && got >= 16) {
+            p.take_down(1);  // with every rail's streams full and most messages still queued
+            down = true;
+        }
+        return got == kN || p.a->error() || p.b->error();
+    };
+    for (; posted < kWindow; ++posted) REQUIRE(p.b->post_recv(*rd, kG + posted * kMsg, kMsg, posted).ok());
+    REQUIRE(p.poll(receive, 60s));
+    REQUIRE(p.poll([&] { return p.count(p.a, LinkEvent::Kind::SendDone) == kN; }));
+    CHECK(!p.a->error());
+    CHECK(!p.b->error());
+    CHECK(!p.b->rail_up(1));
+    CHECK(p.a->messages_resent() > 0);
+    CHECK(std::memcmp(dst.data() + kG, src.data(), src.size()) == 0);
+    for (size_t i = 0; i < kG; ++i) {
+        CHECK(dst[i] == std::byte{0x5a});
+        CHECK(dst[dst.size() - 1 - i] == std::byte{0x5a});
+    }
+    // Read ahead: about what the surviving streams' sockets held (their buffers at the kernel's
+    // defaults: some 20 MiB here), never up to the link's bound (64 MiB), where it would stall.
+    INFO("most held: " << most_held);
+    CHECK(most_held < (64u << 20));
+    CHECK(p.b->held_bytes() == 0);
+}
+
 TEST_CASE("rails: a peer that reads nothing for longer than tcp.rail_timeout (its trainer is late, its buffers full) "
           "takes no rail down; what it then reads is exact",
           "[ring][tcp][rails]") {

@@ -357,7 +357,7 @@ TcpLink::Stream &TcpLink::pick_stream(uint64_t bytes) {
 }
 
 void TcpLink::enqueue(Stream &s, const std::byte *data, uint64_t bytes, uint64_t tag, uint32_t flags, int fd,
-                      uint64_t fd_offset, std::vector<std::byte> owned) {
+                      uint64_t fd_offset, std::vector<std::byte> owned, size_t at) {
     SendOp op;
     op.tag = tag;
     op.owned = std::move(owned);
@@ -366,22 +366,30 @@ void TcpLink::enqueue(Stream &s, const std::byte *data, uint64_t bytes, uint64_t
     op.fd = fd;
     op.fd_offset = fd_offset;
     op.transport_own = flags != 0;
-    if (!op.transport_own) op.seq = s.sent_seq++;
     if (s.sendq.empty() && s.inflight.empty()) s.pending_since = std::chrono::steady_clock::now();
     if (flags == kFlagFence) s.fence_ops.push_back(static_cast<uint32_t>(tag >> 32));
     proto::le::put<uint32_t>(&op.header[0], kDataMagic);
     proto::le::put<uint32_t>(&op.header[4], (s.mac.enabled() ? kFlagTagged : 0) | flags);
     proto::le::put<uint64_t>(&op.header[8], tag);
     proto::le::put<uint64_t>(&op.header[16], op.bytes);
-    if (s.mac.enabled()) {
-        // The payload is final once posted (the engine does not touch it until SendDone).
-        op.mac = s.mac.send.seal({std::span<const uint8_t>(op.header, kHeaderBytes),
-                                  std::span(reinterpret_cast<const uint8_t *>(op.data), op.bytes)});
-        op.mac_bytes = kTagBytes;
+    if (s.mac.enabled()) op.mac_bytes = kTagBytes;  // (made by start())
+    if (at >= s.sendq.size()) {
+        s.sendq.push_back(std::move(op));
+    } else {
+        if (at == 0 && s.sendq.front().started) at = 1;
+        s.sendq.insert(s.sendq.begin() + static_cast<std::ptrdiff_t>(at), std::move(op));
     }
-    s.sendq.push_back(std::move(op));
     if (s.sendq.size() == 1) write_some(s);  // opportunistic: most sends leave right away
     if (!error()) update_interest(s);
+}
+
+void TcpLink::start(Stream &s, SendOp &op) {
+    op.started = true;
+    if (!op.transport_own) op.seq = s.sent_seq++;
+    // The payload is final once posted (the engine does not touch it until SendDone).
+    if (s.mac.enabled())
+        op.mac = s.mac.send.seal({std::span<const uint8_t>(op.header, kHeaderBytes),
+                                  std::span(reinterpret_cast<const uint8_t *>(op.data), op.bytes)});
 }
 
 void TcpLink::fence(uint32_t op_tag) {
@@ -431,6 +439,8 @@ Status TcpLink::post_recv(const RegionHandle &region, uint64_t offset, uint64_t 
         }
     }
     if (!posted_.emplace(tag, op).second) return make_error(-EEXIST, "receive " + std::to_string(tag) + " posted twice");
+    // Its message may be behind the streams' next ones (sent again after a rail went down).
+    if (hold_) hold_stalled(std::chrono::steady_clock::now());
     return Ok{};
 }
 
@@ -451,6 +461,7 @@ void TcpLink::on_event(Stream &s, uint32_t events) {
 void TcpLink::write_some(Stream &s) {
     while (!s.sendq.empty()) {
         SendOp &op = s.sendq.front();
+        if (!op.started) start(s, op);
         iovec iov[3];
         int n = 0;
         if (op.done < kHeaderBytes) iov[n++] = {op.header + op.done, kHeaderBytes - op.done};
@@ -585,10 +596,10 @@ void TcpLink::read_messages(Stream &s) {
             auto it = posted_.find(s.tag);
             if (it == posted_.end()) {
                 // Since a rail went down, a message that was sent again may come behind later
-                // ones on a stream: those are read ahead into the link's memory rather than left
-                // in the stream, up to kMaxHeldBytes.
+                // ones on a stream: while a receive waits for one, those are read ahead into the
+                // link's memory rather than left in the stream (try_hold).
                 s.stalled_since = std::chrono::steady_clock::now();
-                if (!hold_ || !try_hold(s)) return;  // stall until post_recv(tag)
+                if (!try_hold(s, s.stalled_since)) return;  // stall until post_recv(tag)
             } else {
                 if (it->second.bytes != s.bytes)
                     return fail(-EPROTO, "message " + std::to_string(s.tag) + " has " + std::to_string(s.bytes) +
@@ -616,6 +627,7 @@ void TcpLink::read_messages(Stream &s) {
         }
         const uint32_t in_flags = std::exchange(s.in_flags, 0);
         const uint64_t in_tag = s.tag;
+        const bool was_held = s.holding;
         if (in_flags == 0 && weighted_) {
             ++s.recvd;  // read (or dropped): the peer need not send it again
             s.ack_due = true;
@@ -655,6 +667,10 @@ void TcpLink::read_messages(Stream &s) {
         } else if (in_flags == kFlagRail) {
             on_notice(s, in_tag, s.bytes);
         }
+        // A message read ahead: the other streams' turn (epoll reports this one again), so that
+        // one the peer keeps filling does not take all of kMaxHeldBytes while what a receive
+        // waits for is behind another.
+        if (was_held) return wake_at(s, 1);
     }
 }
 
@@ -720,6 +736,24 @@ bool TcpLink::sending(uint32_t op_tag) const {
             if (static_cast<uint32_t>(op.tag >> 32) == op_tag) return true;
     }
     return false;
+}
+
+std::string TcpLink::describe() const {
+    std::string d = "posted " + std::to_string(posted_.size()) + ", held " + std::to_string(held_.size()) + " (" +
+                    std::to_string(held_bytes_) + " bytes" + (hold_ ? "" : ", not holding") + "), rails down " +
+                    std::to_string(rails_down_) + ";";
+    for (size_t i = 0; i < streams_.size(); ++i) {
+        const Stream &s = *streams_[i];
+        d += " [" + std::to_string(i) + " rail " + std::to_string(s.rail) + (s.up() ? "" : " down") + ": send " +
+             std::to_string(s.sendq.size()) + ", unacked " + std::to_string(s.inflight.size()) + ", read " +
+             std::to_string(s.recvd);
+        if (s.have_header)
+            d += ", in " + std::to_string(s.tag) + (s.holding ? " (held)" : s.discard ? " (dropped)" : !s.cur ? " (no receive)" : "") +
+                 " " + std::to_string(s.got) + "/" + std::to_string(s.bytes);
+        if (s.up()) d += s.interest & EPOLLIN ? ", reading" : ", not reading";
+        d += "]";
+    }
+    return d;
 }
 
 void TcpLink::update_interest(Stream &s) {
@@ -804,7 +838,10 @@ void TcpLink::rail_down(uint32_t r, int code, const std::string &why) {
         // The transport's own messages belonged to the connection; a payload message that was
         // partly written goes again whole.
         std::erase_if(s.sendq, [](const SendOp &op) { return op.transport_own; });
-        for (SendOp &op : s.sendq) op.done = 0;
+        for (SendOp &op : s.sendq) {
+            op.done = 0;
+            op.started = false;
+        }
     });
     const uint32_t all = rail_count_ >= 32 ? ~0u : (1u << rail_count_) - 1;
     if ((rails_down_ & all) == all) {
@@ -823,14 +860,38 @@ void TcpLink::rail_down(uint32_t r, int code, const std::string &why) {
     for (uint32_t q = 0; q < rail_count_ && !error(); ++q)
         if (q != r && rail_state_[q].notice_rail == static_cast<int32_t>(r)) send_notice(q);
     if (!error() && rail_state_[r].got_counts && !rail_up(r)) resend(r);
-    // From now on messages that come before their receive are held: those waiting now too.
-    hold_stalled(std::chrono::steady_clock::time_point::max());
+    // From now on a receive may wait for a message sent again behind others: those waiting now too.
+    hold_stalled(std::chrono::steady_clock::now());
 }
 
-bool TcpLink::try_hold(Stream &s) {
-    if (!s.up() || !s.have_header || s.cur || s.in_flags || s.bytes > kMaxDiscardBytes ||
-        held_bytes_ + s.bytes > kMaxHeldBytes || held_.count(s.tag) || posted_.count(s.tag))
+bool TcpLink::wanted() const {
+    if (!hold_ || posted_.empty()) return false;
+    for (const auto &sp : streams_)
+        if (sp->up() && sp->cur && !sp->holding && !sp->discard) return false;
+    return true;
+}
+
+bool TcpLink::try_hold(Stream &s, std::chrono::steady_clock::time_point now) {
+    if (!s.up() || !s.have_header || s.cur || s.in_flags || s.bytes > kMaxDiscardBytes || held_.count(s.tag) ||
+        posted_.count(s.tag))
         return false;
+    const bool want = wanted();
+    if (!want && now - s.stalled_since < t_.hold_after_) return false;
+    if (held_bytes_ + s.bytes > kMaxHeldBytes) {
+        if (!want) return false;
+        if (held_bytes_ + s.bytes > kMaxWantedBytes) {
+            fail(-ENOBUFS, "more than " + std::to_string(kMaxWantedBytes >> 20) + " MiB from " + peer() +
+                               " came ahead of a message sent again after a rail went down");
+            return false;
+        }
+        if (!held_past_)
+            spdlog::warn("data link to {}: a receive waits for a message sent again behind {} MiB read ahead of their "
+                         "receives; reading on past {} MiB",
+                         peer(), held_bytes_ >> 20, kMaxHeldBytes >> 20);
+        held_past_ = true;
+    } else if (held_bytes_ + s.bytes <= kMaxHeldBytes / 2) {
+        held_past_ = false;
+    }
     s.hold.assign(s.bytes, std::byte{0});
     held_bytes_ += s.bytes;
     ++held_messages_;
@@ -863,7 +924,7 @@ void TcpLink::hold_stalled(std::chrono::steady_clock::time_point now) {
     for (auto &sp : streams_) {
         if (error()) return;
         Stream &s = *sp;
-        if (!s.up() || !s.have_header || s.cur || now - s.stalled_since < t_.hold_after_ || !try_hold(s)) continue;
+        if (!s.up() || !s.have_header || s.cur || !try_hold(s, now)) continue;
         read_some(s);
         if (!error()) update_interest(s);
     }
@@ -947,13 +1008,44 @@ void TcpLink::resend(uint32_t r) {
         s.sendq.clear();
     });
     if (bad) return fail(-EPROTO, "the peer's notice for rail " + std::to_string(r) + " counts messages never sent on it");
-    // In the ops' order, as far as tags tell it (the receiver takes them in any order).
+    // Each goes where the ring would have posted it among the messages still queued (before the
+    // first one of a later tag, or the fence of its op or a later one): the peer posts its
+    // receives in that order, and one behind later messages would wait for the peer to read
+    // those ahead of their receives (held: wanted()). Of the streams, on the one whose peer reads
+    // it the soonest: the fewest bytes ahead of it, written and not read or queued, at its rail's
+    // weight (what is written stays ahead of it whatever goes first here).
     std::stable_sort(again.begin(), again.end(), [](const SendOp &a, const SendOp &b) { return a.tag < b.tag; });
+    auto place = [](const Stream &s, uint64_t tag, uint64_t &ahead) {
+        for (const SendOp &q : s.inflight) ahead += q.bytes;
+        size_t at = 0;
+        for (; at < s.sendq.size(); ++at) {
+            const SendOp &q = s.sendq[at];
+            if (!q.started && (q.transport_own ? (proto::le::get<uint32_t>(&q.header[4]) & kFlagFence) && (q.tag >> 32) >= (tag >> 32)
+                                               : q.tag > tag))
+                break;
+            ahead += q.bytes - std::min(q.bytes, q.done);
+        }
+        return at;
+    };
     uint64_t bytes = 0;
     for (SendOp &op : again) {
         if (error()) return;
-        Stream &to = pick_stream(op.bytes);
-        enqueue(to, op.data, op.bytes, op.tag, 0, op.fd, op.fd_offset);
+        Stream *to = nullptr;
+        size_t at = 0;
+        double soonest = 0;
+        for (auto &sp : streams_) {
+            if (!sp->up()) continue;
+            uint64_t ahead = 0;
+            const size_t i = place(*sp, op.tag, ahead);
+            const double t = static_cast<double>(ahead) / sp->weight;
+            if (!to || t < soonest) {
+                to = sp.get();
+                at = i;
+                soonest = t;
+            }
+        }
+        if (!to) return;  // (every rail is down: the link has failed)
+        enqueue(*to, op.data, op.bytes, op.tag, 0, op.fd, op.fd_offset, {}, at);
         ++resent_messages_;
         resent_bytes_ += op.bytes;
         bytes += op.bytes;

@@ -40,9 +40,10 @@
 // on a surviving rail, how many messages it read on each of them (a rail notice); the peer, on
 // that notice, closes its streams of the rail too and answers with its own. Each end then sends
 // again, on the surviving rails, every message of the rail that the other's notice does not
-// count, and completes the ones it does. Until the rail is back, a message that arrives before its
-// receive is posted is read into a buffer of the link (at most kMaxHeldBytes), so that a message
-// sent again behind later ones on a stream cannot wait on them. A rail comes back when the
+// count, and completes the ones it does, each where the ring would have posted it among those
+// still queued. Those already written stay ahead of it: from then on, while a receive waits for a
+// message at the head of no stream, the streams are read ahead into the link's memory (held), so
+// that it cannot wait on them. A rail comes back when the
 // control plane hands the link new connections for it (add_rail_streams); a link fails as before
 // only when its last rail is down, or on a protocol error (bad frames, MACs).
 //
@@ -92,6 +93,7 @@ public:
     void cancel_receives(uint32_t op_tag) override;
     bool sending(uint32_t op_tag) const override;
     void fence(uint32_t op_tag) override;
+    std::string describe() const override;
     // Several rails: new connections for rail r, once it is down and both ends have exchanged
     // their notices (rail_resynced), in the order of its old streams (the peer's are those of
     // the same indices). The rail carries messages again once it has as many as it had.
@@ -126,6 +128,10 @@ private:
         int fd = -1;           // >= 0: the payload goes by reference, sendfile from fd at fd_offset
         uint64_t fd_offset = 0;
         bool transport_own = false;  // a fence, ack or notice: no SendDone
+        // Its first byte is being written: its MAC (which numbers the stream's frames) and its
+        // number are given then, not when it is queued, so that messages sent again can go ahead
+        // of those queued (resend); a started one keeps its place.
+        bool started = false;
         uint64_t seq = 0;            // several rails: the payload message's number on its stream
         std::vector<std::byte> owned;  // a notice's payload (`data` points into it)
     };
@@ -186,16 +192,27 @@ private:
         std::vector<SessionKeys> pending_keys;
         std::string why;  // why it went down
     };
-    // A message read before its receive was posted, while a rail is down.
+    // A message read before its receive was posted (held).
     struct Held {
         std::vector<std::byte> data;
     };
+    // Since a rail first went down, a receive may wait for a message that was sent again behind
+    // messages already in a surviving stream's socket (resend puts it ahead of those still
+    // queued here, not of those written): while one does (wanted()), streams whose next message
+    // has no receive are read ahead into the link's memory (held), a message per stream in turn;
+    // past kMaxHeldBytes that goes on (logged), and past kMaxWantedBytes the link fails, named,
+    // rather than waiting for the op's deadline. Apart from that, a stream stalled for hold_after
+    // (200 ms) is read ahead up to kMaxHeldBytes, on a link of several rails, so that a rail
+    // notice behind it cannot wait on it.
     static constexpr uint64_t kMaxHeldBytes = 64ull << 20;
-    // A stream whose next message has had no receive for hold_after (200 ms) is read ahead too
-    // (held), on a link of several rails, so that a rail notice behind it cannot wait on it.
-    // Starts holding the message `s` waits with (false: not a payload message, or no room).
-    bool try_hold(Stream &s);
-    // Streams stalled for kHoldAfter: held (TcpTransport::poll).
+    static constexpr uint64_t kMaxWantedBytes = 256ull << 20;
+    // A receive is posted whose message is at the head of no stream (it would have been
+    // matched) and no stream is reading one that is posted: it may be behind the stalled ones.
+    bool wanted() const;
+    // Starts holding the message `s` waits with, stalled since `s.stalled_since` (false: not a
+    // payload message, not wanted or stalled long enough at `now`, or no room).
+    bool try_hold(Stream &s, std::chrono::steady_clock::time_point now);
+    // Stalled streams that try_hold takes at `now`: held (TcpTransport::poll, post_recv).
     void hold_stalled(std::chrono::steady_clock::time_point now);
     // Streams with data on the wire that the peer's kernel has acknowledged nothing of for
     // tcp.rail_timeout (TCP_INFO): their rail is down (TcpTransport::poll, every 100 ms).
@@ -207,8 +224,11 @@ private:
     Stream &pick_stream(uint64_t bytes);
     bool weighted_ = false;
     // Queues a message on `s` (post(); fences and their acks: empty, with their flag).
+    // at: its place in the queue (behind `at` messages; a started one stays first), else last.
     void enqueue(Stream &s, const std::byte *data, uint64_t bytes, uint64_t tag, uint32_t flags, int fd, uint64_t fd_offset,
-                 std::vector<std::byte> owned = {});
+                 std::vector<std::byte> owned = {}, size_t at = SIZE_MAX);
+    // The next message on `s` is about to be written: its number and MAC.
+    void start(Stream &s, SendOp &op);
     // Messages of cancelled ops larger than this fail the link instead of being read to drop
     // (a ring message is a chunk: tuning.chunk_bytes at most).
     static constexpr uint64_t kMaxDiscardBytes = 256ull << 20;
@@ -270,7 +290,8 @@ private:
     void publish();
     std::unordered_map<uint64_t, Held> held_;  // by tag
     uint64_t held_bytes_ = 0;
-    bool hold_ = false;  // since a rail first went down: messages that come early are held
+    bool hold_ = false;  // since a rail first went down: wanted() holds messages that come early
+    bool held_past_ = false;  // held past kMaxHeldBytes (logged once each time)
     std::string late_congestion_;  // a stream connected under another congestion control, and what came of it ("": none)
 };
 
