@@ -264,8 +264,8 @@ Status RingEngine::run(const RingPosition &pos, const RingOp &op, std::chrono::s
     return Ok{};
 }
 
-void RingEngine::log_links(const RingPosition &pos, size_t recvs_done, size_t recvs, size_t sends_done, size_t sends) const {
-    spdlog::warn("ring op timed out after {} of {} receives and {} of {} sends", recvs_done, recvs, sends_done, sends);
+void RingEngine::log_links(const RingPosition &pos, const std::string &stage) const {
+    spdlog::warn("ring op timed out {}", stage);
     if (pos.prev) spdlog::warn("  link from {}: {}", pos.prev->peer(), pos.prev->describe());
     if (pos.next && pos.next != pos.prev) spdlog::warn("  link to {}: {}", pos.next->peer(), pos.next->describe());
 }
@@ -283,10 +283,12 @@ Status RingEngine::confirm_delivery(const RingPosition &pos, const RingOp &op, b
     while (!sent || !got) {
         if (auto s = wait_turn(op); !s) return s;
         const int wait_ms = ms_until(deadline);
-        if (wait_ms == 0)
+        if (wait_ms == 0) {
+            log_links(pos, "at the delivery marker");
             return make_error(-ETIMEDOUT, "ring " + std::string(collective_name(op.collective)) + " timed out: waiting for " +
                                               (!got ? "host " + pos.next->peer() + " to confirm it has the data"
                                                     : "host " + pos.prev->peer() + " to take the delivery marker"));
+        }
         events_.clear();
         if (auto s = t_.poll(events_, std::min(wait_ms, 100)); !s) return s;
         for (const LinkEvent &e : events_) {
@@ -473,7 +475,8 @@ Status RingEngine::run_window(const RingPosition &pos, const RingOp &op, Window 
         if (auto s = wait_turn(op); !s) return s;
         const int wait_ms = ms_until(deadline);
         if (wait_ms == 0) {
-            log_links(pos, recvs_done, recvs_.size(), sends_done, sends_.size());
+            log_links(pos, "after " + std::to_string(recvs_done) + " of " + std::to_string(recvs_.size()) + " receives and " +
+                               std::to_string(sends_done) + " of " + std::to_string(sends_.size()) + " sends");
             return make_error(-ETIMEDOUT, "ring " + std::string(collective_name(op.collective)) + " timed out: waiting for " +
                                               (recvs_done < recvs_.size() ? "data from " + pos.prev->peer()
                                                                           : "host " + pos.next->peer() + " to take data"));

@@ -88,6 +88,7 @@
 #include <chrono>
 #include <cstdint>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "daemon/engine/ring_schedule.h"
@@ -247,7 +248,7 @@ private:
     // The most chunks a segment of the window has (every host computes the same).
     uint64_t most_chunks(const RingPosition &pos, const RingOp &op, Window w, uint64_t chunk_elems) const;
     // An op timed out: what it had done and what its links hold and wait on, to the log.
-    void log_links(const RingPosition &pos, size_t recvs_done, size_t recvs, size_t sends_done, size_t sends) const;
+    void log_links(const RingPosition &pos, const std::string &stage) const;
     // The delivery marker: an empty message to the previous host (tell_prev: all of the op is
     // in) and the next host's (wait_next: it has all we sent), both before the deadline.
     Status confirm_delivery(const RingPosition &pos, const RingOp &op, bool tell_prev, bool wait_next,

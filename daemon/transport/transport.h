@@ -105,7 +105,7 @@ public:
     // is being filled has the rest of its message dropped (its memory is not written again).
     virtual void cancel_receives(uint32_t op_tag) { (void)op_tag; }
     // Whether sends of the op are still queued: their memory must stay as it is until they are
-    // out (a sealed message cannot be dropped without breaking the stream's MAC sequence); or, after
+    // out (TCP sends every queued message: one being written cannot be cut short); or, after
     // fence(), until the peer has read (or dropped) every message of the op sent before it.
     virtual bool sending(uint32_t op_tag) const { (void)op_tag; return false; }
     // For an op that sent by reference (post_send_stable), cancelled: the peer answers once it has

@@ -439,8 +439,6 @@ Status TcpLink::post_recv(const RegionHandle &region, uint64_t offset, uint64_t 
         }
     }
     if (!posted_.emplace(tag, op).second) return make_error(-EEXIST, "receive " + std::to_string(tag) + " posted twice");
-    // Its message may be behind the streams' next ones (sent again after a rail went down).
-    if (hold_) hold_stalled(std::chrono::steady_clock::now());
     return Ok{};
 }
 
@@ -563,7 +561,7 @@ void TcpLink::read_messages(Stream &s) {
             const uint32_t want = s.mac.enabled() ? kFlagTagged : 0;
             s.in_flags = flags & kTransportFlags;
             // At most one kind of the transport's own; acks and notices only between rails.
-            const bool bad_kind = (s.in_flags & (s.in_flags - 1)) != 0 || (!weighted_ && (s.in_flags & (kFlagAck | kFlagRail)));
+            const bool bad_kind = (s.in_flags & (s.in_flags - 1)) != 0 || (!weighted_ && (s.in_flags & (kFlagAck | kFlagRail | kFlagMark)));
             if ((flags & ~kTransportFlags) != want || bad_kind)
                 return fail(-EPROTO, flags & ~(kFlagTagged | kTransportFlags) || bad_kind
                                          ? "bad data header flags (not a ringd peer, or a corrupted stream)"
@@ -583,8 +581,8 @@ void TcpLink::read_messages(Stream &s) {
                 continue;
             }
             if (s.in_flags) {
-                // A fence, its ack or an ack: empty, read whatever is posted or dropped.
-                if (s.bytes != 0) return fail(-EPROTO, "a fence or ack with a payload (not a ringd peer, or a corrupted stream)");
+                // A fence, its ack, an ack or a resend mark: empty, read whatever is posted or dropped.
+                if (s.bytes != 0) return fail(-EPROTO, "a fence, ack or mark with a payload (not a ringd peer, or a corrupted stream)");
                 s.cur = RecvOp{s.scratch.data(), 0};
                 s.discard = true;
                 continue;
@@ -598,14 +596,16 @@ void TcpLink::read_messages(Stream &s) {
                 // Since a rail went down, a message that was sent again may come behind later
                 // ones on a stream: while a receive waits for one, those are read ahead into the
                 // link's memory rather than left in the stream (try_hold).
-                s.stalled_since = std::chrono::steady_clock::now();
-                if (!try_hold(s, s.stalled_since)) return;  // stall until post_recv(tag)
+                const auto now = std::chrono::steady_clock::now();
+                if (!s.reading_ahead) s.stalled_since = now;  // (read ahead after hold_after: goes on)
+                if (!try_hold(s, now)) return;                // stall until post_recv(tag)
             } else {
                 if (it->second.bytes != s.bytes)
                     return fail(-EPROTO, "message " + std::to_string(s.tag) + " has " + std::to_string(s.bytes) +
                                              " bytes, the receive expects " + std::to_string(it->second.bytes));
                 s.cur = it->second;
                 posted_.erase(it);
+                s.reading_ahead = false;
             }
         }
         if (!s.cur) return;  // header waiting for its receive
@@ -637,7 +637,10 @@ void TcpLink::read_messages(Stream &s) {
             auto it = posted_.find(in_tag);  // posted while it was being read
             if (dropped(in_tag)) {
                 held_bytes_ -= s.bytes;
-            } else if (it != posted_.end() && it->second.bytes == s.bytes) {
+            } else if (it != posted_.end()) {
+                if (it->second.bytes != s.bytes)
+                    return fail(-EPROTO, "message " + std::to_string(in_tag) + " has " + std::to_string(s.bytes) +
+                                             " bytes, the receive expects " + std::to_string(it->second.bytes));
                 if (s.bytes) std::memcpy(it->second.data, s.hold.data(), s.bytes);
                 posted_.erase(it);
                 held_bytes_ -= s.bytes;
@@ -666,6 +669,8 @@ void TcpLink::read_messages(Stream &s) {
             on_ack(s, in_tag);
         } else if (in_flags == kFlagRail) {
             on_notice(s, in_tag, s.bytes);
+        } else if (in_flags == kFlagMark) {
+            --s.marks_due;
         }
         // A message read ahead: the other streams' turn (epoll reports this one again), so that
         // one the peer keeps filling does not take all of kMaxHeldBytes while what a receive
@@ -747,6 +752,7 @@ std::string TcpLink::describe() const {
         d += " [" + std::to_string(i) + " rail " + std::to_string(s.rail) + (s.up() ? "" : " down") + ": send " +
              std::to_string(s.sendq.size()) + ", unacked " + std::to_string(s.inflight.size()) + ", read " +
              std::to_string(s.recvd);
+        if (s.marks_due) d += ", marks due " + std::to_string(s.marks_due);
         if (s.have_header)
             d += ", in " + std::to_string(s.tag) + (s.holding ? " (held)" : s.discard ? " (dropped)" : !s.cur ? " (no receive)" : "") +
                  " " + std::to_string(s.got) + "/" + std::to_string(s.bytes);
@@ -828,6 +834,8 @@ void TcpLink::rail_down(uint32_t r, int code, const std::string &why) {
         s.discard = false;
         s.in_flags = 0;
         s.ack_due = false;
+        s.marks_due = 0;
+        s.reading_ahead = false;
         // Fence acks that were to come on it will not: what the fence waited for is sent again
         // (and acknowledged) on the other rails, or the peer has it.
         for (uint32_t op : s.fence_ops) {
@@ -853,6 +861,11 @@ void TcpLink::rail_down(uint32_t r, int code, const std::string &why) {
                         (unreachable ? ": the host is unreachable)" : cut_off ? ": this host reaches no network on any rail)" : ")"));
     }
     spdlog::warn("data link to {}: rail {} down: {}; its messages go on the other rails until it is back", peer(), r, why);
+    // The peer sends again, once the notices are exchanged, behind a resend mark on each stream
+    // that is up; until that is read, what comes before it is read ahead of its receives (held),
+    // so that neither a message sent again nor the peer's notice can wait behind it.
+    for (auto &sp : streams_)
+        if (sp->up()) ++sp->marks_due;
     st.sent_counts = true;
     send_notice(r);
     // Notices that went on this rail's streams: again, as they were (the peer takes the first of
@@ -860,38 +873,45 @@ void TcpLink::rail_down(uint32_t r, int code, const std::string &why) {
     for (uint32_t q = 0; q < rail_count_ && !error(); ++q)
         if (q != r && rail_state_[q].notice_rail == static_cast<int32_t>(r)) send_notice(q);
     if (!error() && rail_state_[r].got_counts && !rail_up(r)) resend(r);
-    // From now on a receive may wait for a message sent again behind others: those waiting now too.
-    hold_stalled(std::chrono::steady_clock::now());
+    hold_stalled(std::chrono::steady_clock::now());  // those waiting now too
 }
 
-bool TcpLink::wanted() const {
-    if (!hold_ || posted_.empty()) return false;
-    for (const auto &sp : streams_)
-        if (sp->up() && sp->cur && !sp->holding && !sp->discard) return false;
-    return true;
+uint64_t TcpLink::socket_bytes() const {
+    uint64_t total = 0;
+    for (const auto &sp : streams_) {
+        if (!sp->up()) continue;
+        int snd = 0, rcv = 0;
+        socklen_t len = sizeof snd;
+        if (::getsockopt(sp->fd.get(), SOL_SOCKET, SO_SNDBUF, &snd, &len) == 0 && snd > 0) total += static_cast<uint64_t>(snd);
+        len = sizeof rcv;
+        if (::getsockopt(sp->fd.get(), SOL_SOCKET, SO_RCVBUF, &rcv, &len) == 0 && rcv > 0) total += static_cast<uint64_t>(rcv);
+    }
+    return total;
 }
 
 bool TcpLink::try_hold(Stream &s, std::chrono::steady_clock::time_point now) {
     if (!s.up() || !s.have_header || s.cur || s.in_flags || s.bytes > kMaxDiscardBytes || held_.count(s.tag) ||
         posted_.count(s.tag))
         return false;
-    const bool want = wanted();
+    const bool want = s.marks_due > 0;  // ahead of the peer's resend mark
     if (!want && now - s.stalled_since < t_.hold_after_) return false;
     if (held_bytes_ + s.bytes > kMaxHeldBytes) {
         if (!want) return false;
-        if (held_bytes_ + s.bytes > kMaxWantedBytes) {
-            fail(-ENOBUFS, "more than " + std::to_string(kMaxWantedBytes >> 20) + " MiB from " + peer() +
-                               " came ahead of a message sent again after a rail went down");
+        const uint64_t most = std::max(kMaxWantedBytes, 2 * socket_bytes());
+        if (held_bytes_ + s.bytes > most) {
+            fail(-ENOBUFS, "more than " + std::to_string(most >> 20) + " MiB from " + peer() +
+                               " came ahead of its resend mark after a rail went down (more than its sockets hold)");
             return false;
         }
         if (!held_past_)
-            spdlog::warn("data link to {}: a receive waits for a message sent again behind {} MiB read ahead of their "
-                         "receives; reading on past {} MiB",
+            spdlog::warn("data link to {}: {} MiB read ahead of their receives and the resend mark still to come; "
+                         "reading on past {} MiB",
                          peer(), held_bytes_ >> 20, kMaxHeldBytes >> 20);
         held_past_ = true;
     } else if (held_bytes_ + s.bytes <= kMaxHeldBytes / 2) {
         held_past_ = false;
     }
+    if (!want) s.reading_ahead = true;
     s.hold.assign(s.bytes, std::byte{0});
     held_bytes_ += s.bytes;
     ++held_messages_;
@@ -951,7 +971,7 @@ void TcpLink::send_notice(uint32_t r) {
     if (!to) return;
     const uint64_t tag = r | (uint64_t{st.notice_epoch} << 32);
     st.notice_rail = static_cast<int32_t>(to->rail);
-    enqueue(*to, nullptr, 0, tag, kFlagRail, -1, 0, std::move(counts));
+    enqueue(*to, nullptr, 0, tag, kFlagRail, -1, 0, std::move(counts), 0);  // ahead of what is queued
 }
 
 void TcpLink::on_notice(Stream &s, uint64_t tag, uint64_t bytes) {
@@ -1008,20 +1028,32 @@ void TcpLink::resend(uint32_t r) {
         s.sendq.clear();
     });
     if (bad) return fail(-EPROTO, "the peer's notice for rail " + std::to_string(r) + " counts messages never sent on it");
-    // Each goes where the ring would have posted it among the messages still queued (before the
-    // first one of a later tag, or the fence of its op or a later one): the peer posts its
-    // receives in that order, and one behind later messages would wait for the peer to read
-    // those ahead of their receives (held: wanted()). Of the streams, on the one whose peer reads
-    // it the soonest: the fewest bytes ahead of it, written and not read or queued, at its rail's
+    // A resend mark on every stream that is up, ahead of everything not yet written: the peer
+    // reads each stream ahead of its receives (while one waits) only until its mark.
+    for (auto &sp : streams_) {
+        if (!sp->up()) continue;
+        enqueue(*sp, nullptr, 0, 0, kFlagMark, -1, 0, {}, 0);
+        if (error()) return;
+    }
+    // Each goes where the ring would have posted it among the messages still queued behind the
+    // marks (before the first one of a later tag, or the fence of its op or a later one): the
+    // peer posts its receives in that order, and one behind later messages would wait for the
+    // peer to read those ahead of their receives. Of the streams, on the one whose peer reads it
+    // the soonest: the fewest bytes ahead of it, written and not read or queued, at its rail's
     // weight (what is written stays ahead of it whatever goes first here).
-    std::stable_sort(again.begin(), again.end(), [](const SendOp &a, const SendOp &b) { return a.tag < b.tag; });
-    auto place = [](const Stream &s, uint64_t tag, uint64_t &ahead) {
+    auto before = [](uint64_t a, uint64_t b) {  // in the order the ops run (solo tags wrap)
+        const uint32_t oa = static_cast<uint32_t>(a >> 32), ob = static_cast<uint32_t>(b >> 32);
+        if (oa != ob) return solo_tag(oa) && solo_tag(ob) ? solo_tag_before(oa, ob) : oa < ob;
+        return static_cast<uint32_t>(a) < static_cast<uint32_t>(b);
+    };
+    std::stable_sort(again.begin(), again.end(), [&](const SendOp &a, const SendOp &b) { return before(a.tag, b.tag); });
+    auto place = [&](const Stream &s, uint64_t tag, uint64_t &ahead) {
         for (const SendOp &q : s.inflight) ahead += q.bytes;
         size_t at = 0;
         for (; at < s.sendq.size(); ++at) {
             const SendOp &q = s.sendq[at];
-            if (!q.started && (q.transport_own ? (proto::le::get<uint32_t>(&q.header[4]) & kFlagFence) && (q.tag >> 32) >= (tag >> 32)
-                                               : q.tag > tag))
+            const bool fence = q.transport_own && (proto::le::get<uint32_t>(&q.header[4]) & kFlagFence);
+            if (!q.started && (fence ? !before(q.tag, tag & ~uint64_t{0xffffffffu}) : !q.transport_own && before(tag, q.tag)))
                 break;
             ahead += q.bytes - std::min(q.bytes, q.done);
         }
@@ -1094,6 +1126,8 @@ void TcpLink::maybe_attach(uint32_t r) {
         if (ok) ok = attach(s, std::move(st.pending[i]), k);
         s.sent_seq = 0;
         s.recvd = 0;
+        s.marks_due = 0;
+        s.reading_ahead = false;
         ++i;
     });
     st.pending.clear();

@@ -41,9 +41,9 @@
 // that notice, closes its streams of the rail too and answers with its own. Each end then sends
 // again, on the surviving rails, every message of the rail that the other's notice does not
 // count, and completes the ones it does, each where the ring would have posted it among those
-// still queued. Those already written stay ahead of it: from then on, while a receive waits for a
-// message at the head of no stream, the streams are read ahead into the link's memory (held), so
-// that it cannot wait on them. A rail comes back when the
+// still queued, behind a resend mark on every surviving stream. Those already written stay ahead
+// of it: from its rail_down until the peer's mark, each stream is read ahead of its receives into
+// the link's memory (held), so that nothing can wait on them. A rail comes back when the
 // control plane hands the link new connections for it (add_rail_streams); a link fails as before
 // only when its last rail is down, or on a protocol error (bad frames, MACs).
 //
@@ -113,8 +113,11 @@ private:
     // Several rails only: an ack (its tag: the payload messages read on the stream so far), and a
     // rail notice (its tag: the rail, and the rail's epoch in the high half; its payload: a u64 per
     // stream of the rail, in order, the payload messages read on it).
-    static constexpr uint32_t kFlagAck = 8, kFlagRail = 16;
-    static constexpr uint32_t kTransportFlags = kFlagFence | kFlagFenceAck | kFlagAck | kFlagRail;
+    // And a resend mark (empty): sent on every stream that is up when resend() runs, ahead of what
+    // goes again and of everything not yet written, so behind only what was written before; the
+    // peer reads the stream ahead of its receives from its rail_down() until it has read the mark.
+    static constexpr uint32_t kFlagAck = 8, kFlagRail = 16, kFlagMark = 32;
+    static constexpr uint32_t kTransportFlags = kFlagFence | kFlagFenceAck | kFlagAck | kFlagRail | kFlagMark;
     friend class TcpTransport;
     static constexpr size_t kHeaderBytes = 24;
     struct SendOp {
@@ -173,6 +176,11 @@ private:
         bool up() const { return static_cast<bool>(fd); }
         // The message being read is held (read before its receive was posted): into `hold`.
         bool holding = false;
+        // Resend marks the peer has yet to send on it (one per rail_down() here while it was up):
+        // until they are read, what comes before them may be ahead of a message sent again or of
+        // the peer's notice.
+        int32_t marks_due = 0;
+        bool reading_ahead = false;  // held after hold_after, until a message it reads has a receive
         std::vector<std::byte> hold;
         std::chrono::steady_clock::time_point stalled_since{};  // its next message waits for a receive since
         std::chrono::steady_clock::time_point pending_since{};  // it has had something to send since (check_rails)
@@ -196,23 +204,23 @@ private:
     struct Held {
         std::vector<std::byte> data;
     };
-    // Since a rail first went down, a receive may wait for a message that was sent again behind
-    // messages already in a surviving stream's socket (resend puts it ahead of those still
-    // queued here, not of those written): while one does (wanted()), streams whose next message
-    // has no receive are read ahead into the link's memory (held), a message per stream in turn;
-    // past kMaxHeldBytes that goes on (logged), and past kMaxWantedBytes the link fails, named,
-    // rather than waiting for the op's deadline. Apart from that, a stream stalled for hold_after
-    // (200 ms) is read ahead up to kMaxHeldBytes, on a link of several rails, so that a rail
-    // notice behind it cannot wait on it.
+    // A message sent again (or the peer's notice) may come behind messages already in a
+    // surviving stream's socket (resend puts it ahead of those still queued at the peer, not of
+    // those written): from a rail_down() until the peer's resend mark, a stream whose next message
+    // has no receive is read ahead into the link's memory (held), a message per stream in turn.
+    // That is at most what the sockets held when the peer resent: past kMaxHeldBytes it goes on
+    // (logged), and past the larger of kMaxWantedBytes and twice the streams' socket buffers the
+    // link fails, named, rather than waiting for the op's deadline. Apart from that, a stream
+    // stalled for hold_after (200 ms) is read ahead up to kMaxHeldBytes, on a link of several
+    // rails, so that a rail notice behind it cannot wait on it.
     static constexpr uint64_t kMaxHeldBytes = 64ull << 20;
     static constexpr uint64_t kMaxWantedBytes = 256ull << 20;
-    // A receive is posted whose message is at the head of no stream (it would have been
-    // matched) and no stream is reading one that is posted: it may be behind the stalled ones.
-    bool wanted() const;
     // Starts holding the message `s` waits with, stalled since `s.stalled_since` (false: not a
-    // payload message, not wanted or stalled long enough at `now`, or no room).
+    // payload message, neither ahead of a resend mark nor stalled long enough at `now`, or no room).
     bool try_hold(Stream &s, std::chrono::steady_clock::time_point now);
-    // Stalled streams that try_hold takes at `now`: held (TcpTransport::poll, post_recv).
+    // The streams' socket buffers, both ways (what they can hold when the peer resends).
+    uint64_t socket_bytes() const;
+    // Stalled streams that try_hold takes at `now`: held (TcpTransport::poll, rail_down).
     void hold_stalled(std::chrono::steady_clock::time_point now);
     // Streams with data on the wire that the peer's kernel has acknowledged nothing of for
     // tcp.rail_timeout (TCP_INFO): their rail is down (TcpTransport::poll, every 100 ms).
@@ -290,7 +298,7 @@ private:
     void publish();
     std::unordered_map<uint64_t, Held> held_;  // by tag
     uint64_t held_bytes_ = 0;
-    bool hold_ = false;  // since a rail first went down: wanted() holds messages that come early
+    bool hold_ = false;  // since a rail first went down
     bool held_past_ = false;  // held past kMaxHeldBytes (logged once each time)
     std::string late_congestion_;  // a stream connected under another congestion control, and what came of it ("": none)
 };
