@@ -258,8 +258,8 @@ void ControlPlane::accept_all() {
             continue;
         }
         // Connections still in their handshake are capped, per address (what the hosts there
-        // dial at most: a control connection and tcp.streams data connections each, twice over
-        // for reconnects) and in total, so that a flood of idle connections cannot use up the
+        // dial at most: a control connection and their data streams each, twice over for
+        // reconnects) and in total, so that a flood of idle connections cannot use up the
         // daemon. Over a cap the oldest such connection (from that address, or of all) is closed
         // for the new one: an honest handshake takes milliseconds, so a flood that holds idle
         // connections cannot keep a host's ringd out.
@@ -272,8 +272,8 @@ void ControlPlane::accept_all() {
             if (conn->remote == ip && !from_ip++) oldest_from_ip = cid;
         }
         for (uint32_t i = 0; i < n_; ++i) hosts_there += i != self_ && is_host_ip(peers_[i].host, ip);
-        // (Several rails: tcp.streams per rail; one rail: as it always was.)
-        const size_t per_host = 2 * (1 + size_t{config_.tcp.streams} * rails_) * domains_;
+        // (Data streams: tcp.streams per rail per lane; ibverbs: one per lane.)
+        const size_t per_host = 2 * (1 + data_out_.size()) * domains_;
         const uint64_t victim = from_ip >= hosts_there * per_host                              ? oldest_from_ip
                                 : total >= std::max<size_t>(16, (n_ - 1) * per_host) ? oldest
                                                                                        : 0;
