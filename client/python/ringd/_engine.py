@@ -172,7 +172,6 @@ class _Engine(DeviceOps):
                    f"does not fit the {self.ps.bytes}-byte slot (set RINGD_SLOT_BYTES higher)")
             with self.lock:
                 self.dead = self.dead or f"{why}; this process group cannot be used any more: restart the job"
-            self._leave()
             raise RuntimeError(why)
         opf = _compat.OpFuture()
         rec = _Op(given, flat, not contiguous, opf, result, "sum", dtype)
@@ -421,9 +420,6 @@ class _Engine(DeviceOps):
                 # next ops would pair with their earlier ones. The group is unusable.
                 self.dead = (f"ringd: an op of group {self.group} could not be {'wholly ' if start else ''}"
                              f"submitted ({e}); this process group cannot be used any more: restart the job")
-                leave = True
-            else:
-                leave = False
             done = rec.chunks_left == 0 and not rec.reported
             if done:
                 rec.reported = True
@@ -431,18 +427,6 @@ class _Engine(DeviceOps):
                     rec.resident.busy = False
         if done:
             self._finish(rec)
-        if leave:
-            self._leave()
-
-    def _leave(self):
-        """This rank skipped an op that the others submitted (the group is dead here): it leaves
-        the ringd group now (close, on a thread of its own: the caller may be the submitting one),
-        so that the other ranks' op fails at once, naming this rank's host as one that left,
-        rather than at ringd's op timeout. Its ops in flight still end first (close's wait)."""
-        with self.lock:
-            if self.closing or self.closed:
-                return
-        threading.Thread(target=self.close, name="ringd-leave", daemon=True).start()
 
     def _submit_blocks(self, rec):
         """A reduce_scatter's or allgather's ringd ops: each the same part [a, a + m) of every
