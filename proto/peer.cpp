@@ -105,8 +105,10 @@ Result<PeerHello> decode_peer_hello(std::span<const uint8_t> p, uint16_t version
     h.from = *from;
     h.to = *to;
     const auto kind = le::get<uint32_t>(&p[3 * kNameBytes]);
-    if (kind > static_cast<uint32_t>(ConnKind::Data)) return bad("unknown connection kind " + std::to_string(kind));
+    if (kind > static_cast<uint32_t>(ConnKind::Mesh)) return bad("unknown connection kind " + std::to_string(kind));
     h.kind = static_cast<ConnKind>(kind);
+    if (h.kind == ConnKind::Mesh && version < kMeshProtocol)
+        return bad("mesh data stream in a hello of protocol " + std::to_string(version) + " (from " + std::to_string(kMeshProtocol) + ")");
     h.stream = le::get<uint32_t>(&p[3 * kNameBytes + 4]);
     // A control connection's stream field is its rail (several NICs per host: it moves to another
     // rail when its own fails); 0 with one.

@@ -45,7 +45,10 @@ inline constexpr size_t kKeyIdBytes = 8;
 using HostsDigest = std::array<uint8_t, kDigestBytes>;
 using KeyId = std::array<uint8_t, kKeyIdBytes>;
 
-enum class ConnKind : uint32_t { Control = 0, Data = 1 };
+// Mesh (protocol 12): a data stream between two hosts that are not ring neighbours, dialed by the
+// one earlier in ring order; with the ring's own links it gives every pair of hosts a data link
+// (all_to_all: daemon/engine/all_to_all_engine.h).
+enum class ConnKind : uint32_t { Control = 0, Data = 1, Mesh = 2 };
 
 struct PeerHello {
     std::string cluster;

@@ -100,7 +100,9 @@ bool same_ip(const std::string &a, const std::string &b) {
     return norm(a) == norm(b);
 }
 
-const char *kind_name(proto::ConnKind k) { return k == proto::ConnKind::Control ? "control" : "data"; }
+const char *kind_name(proto::ConnKind k) {
+    return k == proto::ConnKind::Control ? "control" : k == proto::ConnKind::Mesh ? "mesh data" : "data";
+}
 
 }  // namespace
 
@@ -325,7 +327,7 @@ Status ControlPlane::check_hello(const proto::PeerHello &h, const std::string &i
         const uint32_t stream = h.stream & ~proto::kRejoinStream;
         const bool rejoin = h.kind == proto::ConnKind::Data && (h.stream & proto::kRejoinStream);
         // A control connection on the rail its stream names (several rails: it moves when its rail fails).
-        const uint32_t rail = h.kind == proto::ConnKind::Data ? rail_of(stream) : rails_ > 1 ? h.stream : 0;
+        const uint32_t rail = h.kind != proto::ConnKind::Control ? rail_of(stream) : rails_ > 1 ? h.stream : 0;
         if (rail >= peers_[i].host.rail_count() || !same_ip(peers_[i].host.rail_address(rail), ip))
             return make_error(-EACCES, "host " + h.from + " connected from " + ip + ", its configured address" +
                                            (rails_ > 1 ? " on rail " + std::to_string(rail) : std::string()) + " is " +
@@ -339,6 +341,11 @@ Status ControlPlane::check_hello(const proto::PeerHello &h, const std::string &i
             return make_error(-EPROTO, "host " + h.from + " offered data stream " + std::to_string(stream) +
                                            "; only the previous host sends data, on " + std::to_string(data_in_.size()) +
                                            " stream(s)");
+        if (h.kind == proto::ConnKind::Mesh &&
+            (config_.transport != "tcp" || i > self_ || i == prev() || i == next() || stream >= data_in_.size()))
+            return make_error(-EPROTO, "host " + h.from + " offered mesh data stream " + std::to_string(stream) +
+                                           "; only a host earlier in ring order and not a neighbour dials them, on " +
+                                           std::to_string(data_in_.size()) + " stream(s) over TCP");
         if (rejoin && (rails_ < 2 || !ring_up_ || h.generation != generation_))
             return make_error(-EAGAIN, "host " + h.from + " offered a new connection for rail " + std::to_string(rail) +
                                            " of ring generation " + std::to_string(h.generation) + "; this host " +
@@ -358,8 +365,10 @@ Status ControlPlane::check_runs_on(const proto::PeerHello &h) const {
     if (h.version < 7 || h.hosts == hosts_digest_) return Ok{};
     for (uint32_t i = 0; i < n_; ++i) {
         if (peers_[i].host.name != h.from) continue;
-        const bool runs = h.kind == proto::ConnKind::Control
-                              ? peers_[i].control != 0
+        auto mesh = mesh_.find(i);
+        const bool runs = h.kind == proto::ConnKind::Control ? peers_[i].control != 0
+                          : h.kind == proto::ConnKind::Mesh
+                              ? ring_up_ || (mesh != mesh_.end() && h.stream < mesh->second.size() && mesh->second[h.stream] != 0)
                               : (h.stream & proto::kRejoinStream) == 0 &&
                                     (ring_up_ || (h.stream < data_in_.size() && data_in_[h.stream] != 0));
         if (!runs) return Ok{};
@@ -390,7 +399,7 @@ void ControlPlane::adopt(UniqueFd fd, const proto::PeerHello &h, const std::stri
 
 void ControlPlane::dial(uint32_t peer, proto::ConnKind kind, uint32_t stream, bool rejoin) {
     const auto &h = peers_[peer].host;
-    const uint32_t rail = kind == proto::ConnKind::Data ? rail_of(stream) : rails_ > 1 ? peers_[peer].control_rail : 0;
+    const uint32_t rail = kind != proto::ConnKind::Control ? rail_of(stream) : rails_ > 1 ? peers_[peer].control_rail : 0;
     const std::string &address = h.rail_address(rail);
     sockaddr_storage ss;
     socklen_t len;
@@ -417,6 +426,7 @@ void ControlPlane::dial(uint32_t peer, proto::ConnKind kind, uint32_t stream, bo
             const uint64_t id = c->id;
             conns_.emplace(id, std::move(c));
             if (kind == proto::ConnKind::Data) (rejoin ? rejoin_out_[stream] : data_out_[stream]) = id;
+            if (kind == proto::ConnKind::Mesh) mesh_stream(peer, stream) = id;
             return conn_failed(id, "binding " + peers_[self_].host.rail_address(rail) + " for rail " + std::to_string(rail) +
                                        ": " + errno_string(err));
         }
@@ -435,6 +445,7 @@ void ControlPlane::dial(uint32_t peer, proto::ConnKind kind, uint32_t stream, bo
     const int fd = c->fd.get();
     conns_.emplace(id, std::move(c));
     if (kind == proto::ConnKind::Data) (rejoin ? rejoin_out_[stream] : data_out_[stream]) = id;
+    if (kind == proto::ConnKind::Mesh) mesh_stream(peer, stream) = id;
     if (rc != 0 && err != EINPROGRESS) return conn_failed(id, "connect to " + address + ": " + errno_string(err));
     if (auto s = watch(fd, id, EPOLLOUT); !s) return conn_failed(id, s.error().message);
 }
@@ -494,7 +505,7 @@ void ControlPlane::on_conn(uint64_t id, uint32_t events) {
             return;
         events = EPOLLIN;
     }
-    if (c.kind == proto::ConnKind::Data) {
+    if (c.kind == proto::ConnKind::Data || c.kind == proto::ConnKind::Mesh) {
         // What arrives on an up data connection is the transport's (ibverbs starts its link
         // bring-up as soon as its own side is up): never read here, only watched for closing.
         if (events & (EPOLLRDHUP | EPOLLHUP | EPOLLERR)) {
@@ -699,6 +710,15 @@ void ControlPlane::promote_up(Conn &c, const proto::PeerHello &h, uint64_t peer_
         }
         spdlog::debug("data stream {} {} {} (rail {}): up again", c.stream, c.dialer ? "to" : "from", p.host.name, rail_of(c.stream));
         return maybe_rail_up(c.stream, c.dialer);
+    } else if (c.kind == proto::ConnKind::Mesh) {
+        (void)watch(c.fd.get(), id, EPOLLRDHUP);
+        if (!c.dialer) {
+            if (ring_up_) abort_ring("host " + p.host.name + " re-formed its mesh data links");
+            uint64_t &slot = mesh_stream(peer, c.stream);
+            if (slot && slot != id) close_conn(slot);
+            slot = id;
+        }
+        spdlog::debug("mesh data stream {} {} {}: up", c.stream, c.dialer ? "to" : "from", p.host.name);
     } else if (c.dialer) {
         (void)watch(c.fd.get(), id, EPOLLRDHUP);
         spdlog::debug("data stream {} to {}: up", c.stream, p.host.name);
@@ -719,7 +739,25 @@ bool ControlPlane::links_up() const {
         if (!id || conns_.at(id)->state != ConnState::Up) return false;
     for (uint64_t id : data_in_)
         if (!id) return false;
+    for (uint32_t j = 0; j < n_; ++j) {
+        if (!mesh_with(j)) continue;
+        auto m = mesh_.find(j);
+        if (m == mesh_.end()) return false;
+        for (uint64_t id : m->second)
+            if (!id || conns_.at(id)->state != ConnState::Up) return false;
+    }
     return true;
+}
+
+bool ControlPlane::mesh_with(uint32_t peer) const {
+    return config_.transport == "tcp" && n_ > 3 && peer < n_ && peer != self_ && peer != next() && peer != prev() &&
+           peers_[peer].control && peers_[peer].protocol >= proto::kMeshProtocol;
+}
+
+uint64_t &ControlPlane::mesh_stream(uint32_t peer, uint32_t stream) {
+    auto &v = mesh_[peer];
+    if (v.size() != data_out_.size()) v.resize(data_out_.size(), 0);
+    return v.at(stream);
 }
 
 // Tells the coordinator whether this host's links of the next ring are up, when that changes.
@@ -804,6 +842,28 @@ void ControlPlane::on_ring_start(uint64_t g, uint16_t protocol) {
         conns_.erase(id);
         id = 0;
     }
+    // Mesh data streams: handed over in a generation that runs all_to_all on them (every host
+    // speaks 12), else closed (each generation makes its own).
+    std::vector<DataSockets> mesh;
+    for (auto &[peer, ids] : mesh_) {
+        const bool use = protocol >= proto::kMeshProtocol && mesh_with(peer);
+        DataSockets d;
+        d.peer = peer;
+        for (uint64_t &id : ids) {
+            if (!id) continue;
+            if (!use) {
+                close_conn(id);
+                continue;
+            }
+            ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, conns_.at(id)->fd.get(), nullptr);
+            d.rails.push_back(rail_of(static_cast<uint32_t>(&id - ids.data())));
+            d.fds.push_back(std::move(conns_.at(id)->fd));
+            d.keys.push_back(conns_.at(id)->keys);
+            conns_.erase(id);
+            id = 0;
+        }
+        if (use) mesh.push_back(std::move(d));
+    }
     ring_up_ = true;
     links_ready_ = false;
     generation_ = g;
@@ -814,6 +874,7 @@ void ControlPlane::on_ring_start(uint64_t g, uint16_t protocol) {
     e.generation = generation_;
     e.to_next = std::move(out);
     e.from_prev = std::move(in);
+    e.mesh = std::move(mesh);
     events_.push_back(std::move(e));
 }
 
@@ -838,6 +899,10 @@ void ControlPlane::close_conn(uint64_t id) {
         if (d == id) d = 0;
     for (auto &d : data_in_)
         if (d == id) d = 0;
+    if (c.kind == proto::ConnKind::Mesh)
+        if (auto m = mesh_.find(c.peer); m != mesh_.end())
+            for (auto &d : m->second)
+                if (d == id) d = 0;
     if (c.rejoin) {
         auto &m = c.dialer ? rejoin_out_ : rejoin_in_;
         if (auto r = m.find(c.stream); r != m.end() && r->second == id) m.erase(r);
@@ -928,6 +993,9 @@ void ControlPlane::abort_ring(const std::string &why, bool tell_peers) {
         if (id) close_conn(id);
     for (uint64_t id : data_in_)
         if (id) close_conn(id);
+    for (auto &[peer, ids] : mesh_)
+        for (uint64_t id : std::vector<uint64_t>(ids))
+            if (id) close_conn(id);
     next_data_dial_ = Clock::now() + kRedial;
     Event e;
     e.kind = Event::Kind::RingDown;
@@ -943,7 +1011,7 @@ bool ControlPlane::dispatch() {
         events_.pop_front();
         switch (e.kind) {
         case Event::Kind::RingUp:
-            if (cb_.ring_up) cb_.ring_up(e.generation, std::move(e.to_next), std::move(e.from_prev));
+            if (cb_.ring_up) cb_.ring_up(e.generation, std::move(e.to_next), std::move(e.from_prev), std::move(e.mesh));
             break;
         case Event::Kind::RingDown:
             if (cb_.ring_down) cb_.ring_down(e.why);
@@ -990,6 +1058,11 @@ void ControlPlane::tick(Clock::time_point now) {
     if (!ring_up_ && now >= next_data_dial_)
         for (uint32_t s = 0; s < data_out_.size(); ++s)
             if (!data_out_[s]) dial(next(), proto::ConnKind::Data, s);
+    if (!ring_up_ && now >= next_data_dial_)
+        for (uint32_t j = self_ + 1; j < n_; ++j)
+            if (mesh_with(j))
+                for (uint32_t s = 0; s < data_out_.size(); ++s)
+                    if (!mesh_stream(j, s)) dial(j, proto::ConnKind::Mesh, s);
     // While the ring forms, this host's readiness is repeated (a RingReady that crossed a
     // RingAbort on its way was forgotten by the coordinator).
     maybe_ring_up();

@@ -40,6 +40,7 @@ struct DataSockets {
     std::vector<UniqueFd> fds;
     std::vector<SessionKeys> keys;  // one per fd
     std::vector<uint32_t> rails;    // each fd's rail (HostEntry::rails)
+    uint32_t peer = 0;              // mesh streams: the host (ring position) they go to
 };
 
 class ControlPlane {
@@ -51,7 +52,9 @@ public:
     struct Callbacks {
         // The ring is up as `generation`: sockets to the next host, and from the previous one,
         // with each one's frame keys (daemon/transport/frame_mac.h).
-        std::function<void(uint64_t generation, DataSockets to_next, DataSockets from_prev)> ring_up;
+        // `mesh`: in a generation of protocol 12 on TCP, the data streams to each host that is not a
+        // ring neighbour (ring order; none with 3 hosts or fewer), in the same stream order.
+        std::function<void(uint64_t generation, DataSockets to_next, DataSockets from_prev, std::vector<DataSockets> mesh)> ring_up;
         // The ring generation is over; `why` names the host.
         std::function<void(const std::string &why)> ring_down;
         // A control frame from peer `host_index` (heartbeats included: they carry the sender's
@@ -318,6 +321,10 @@ private:
     std::string label() const { return domain_.empty() ? std::string() : "ring domain " + domain_ + ": "; }
     uint32_t next() const { return (self_ + 1) % n_; }
     uint32_t prev() const { return (self_ + n_ - 1) % n_; }
+    // Whether this host and `peer` keep mesh data streams (protocol 12, TCP): they are not ring
+    // neighbours and their control connection runs at 12 or later. The one earlier in ring order dials.
+    bool mesh_with(uint32_t peer) const;
+    uint64_t &mesh_stream(uint32_t peer, uint32_t stream);  // mesh_'s entry (made on first use)
 
     Config config_;
     std::string domain_;
@@ -337,6 +344,7 @@ private:
         bool outgoing = false;
         uint64_t generation = 0;
         DataSockets to_next, from_prev;
+        std::vector<DataSockets> mesh;  // RingUp
         std::string why;
         uint32_t host = 0;
         Frame frame;
@@ -352,6 +360,9 @@ private:
     std::map<uint64_t, std::unique_ptr<Conn>> conns_;
     uint64_t next_conn_id_ = 1;
     std::vector<uint64_t> data_out_, data_in_;  // conn ids by stream, 0 = none
+    // Mesh data streams by peer (ring position), then stream (as data_out_'s), conn ids, 0 = none:
+    // dialed to later hosts, accepted from earlier ones.
+    std::map<uint32_t, std::vector<uint64_t>> mesh_;
     std::map<uint32_t, uint64_t> rejoin_out_, rejoin_in_;  // rejoining streams' conn ids, by stream
     std::map<uint32_t, Clock::time_point> rejoin_next_dial_;  // by stream, after a failed one
     uint64_t handshakes_refused_ = 0;            // handshaking connections closed by the cap

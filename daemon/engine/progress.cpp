@@ -33,7 +33,10 @@ Result<std::unique_ptr<ProgressEngine>> ProgressEngine::start(NetworkTransport *
     e->staging_ = staging;
     e->ring_options_ = ring_options;
     e->op_timeout_ = op_timeout;
-    if (transport) e->ring_ = std::make_unique<RingEngine>(*transport, ring_options);
+    if (transport) {
+        e->ring_ = std::make_unique<RingEngine>(*transport, ring_options);
+        e->a2a_ = std::make_unique<AllToAllEngine>(*transport, ring_options.spin_us);
+    }
     try {
         e->thread_ = std::thread([p = e.get()] { p->run(); });
     } catch (const std::system_error &err) {
@@ -149,7 +152,10 @@ void ProgressEngine::push_result(EngineResult r) {
 
 void ProgressEngine::count_resent() {
     uint64_t m = resent_messages_before_, b = resent_bytes_before_, h = held_before_;
-    for (Link *l : {next_, prev_ != next_ ? prev_ : nullptr})
+    std::vector<Link *> links(mesh_);
+    links.push_back(next_);
+    links.push_back(prev_ != next_ ? prev_ : nullptr);
+    for (Link *l : links)
         if (l) {
             m += l->messages_resent();
             b += l->bytes_resent();
@@ -167,6 +173,11 @@ void ProgressEngine::drop_links() {
     held_before_ = held_messages_.load();
     if (next_) transport_->remove_link(next_);
     if (prev_ && prev_ != next_) transport_->remove_link(prev_);
+    for (Link *l : mesh_)
+        if (l) transport_->remove_link(l);
+    mesh_.clear();
+    peers_.clear();
+    mesh_up_.store(0);
     next_ = prev_ = nullptr;
     links_generation_.store(0);
     next_rails_.store(0);
@@ -186,7 +197,8 @@ void ProgressEngine::watch_idle_links() {
     (void)transport_->poll(events, 0);
     count_resent();
     for (const auto &e : events) {
-        if (e.kind != LinkEvent::Kind::Failed || (e.link != next_ && e.link != prev_) || link_failure_reported_) continue;
+        if (e.kind != LinkEvent::Kind::Failed || link_failure_reported_) continue;
+        if (e.link != next_ && e.link != prev_ && std::find(mesh_.begin(), mesh_.end(), e.link) == mesh_.end()) continue;
         link_failure_reported_ = true;
         push_result(EngineResult{0, e.error.code, e.error.message, true, generation_, {}});
     }
@@ -236,6 +248,12 @@ void ProgressEngine::run() {
             setups.back().weights = std::move(l.from_prev_weights);
             setups.back().key = link_key(l.generation, false);
             setups.back().rail_state = &prev_rails_;
+            for (RingLinks::Mesh &m : l.mesh) {
+                setups.emplace_back(m.name, std::move(m.fds), std::move(m.keys));
+                setups.back().rails = std::move(m.rails);
+                setups.back().weights = std::move(m.weights);
+                setups.back().key = link_key(l.generation, true) | (uint64_t{m.peer + 1} << 56);
+            }
             auto links = transport_->add_links(std::move(setups), Clock::now() + kLinkSetupTimeout);
             if (!links) {
                 link_failure_reported_ = true;
@@ -244,7 +262,15 @@ void ProgressEngine::run() {
             }
             next_ = (*links)[0];
             prev_ = (*links)[1];
+            mesh_.assign(l.size, nullptr);
+            for (size_t k = 0; k < l.mesh.size(); ++k)
+                if (l.mesh[k].peer < l.size) mesh_[l.mesh[k].peer] = (*links)[2 + k];
+            mesh_up_.store(static_cast<uint32_t>(l.mesh.size()));
+            peers_ = mesh_;
+            peers_[(l.rank + 1) % l.size] = next_;
+            peers_[(l.rank + l.size - 1) % l.size] = prev_;
             links_generation_.store(l.generation);
+            self_name_ = l.self_name;
             pos_ = RingPosition{l.rank, l.size, next_, prev_};
             break;
         }
@@ -252,7 +278,7 @@ void ProgressEngine::run() {
             if (item.generation >= generation_) drop_links();
             break;
         case Item::Kind::Floor:
-            if (prev_) prev_->set_floor(item.floor);
+            for (Link *l : links()) l->set_floor(item.floor);
             break;
         }
     }
@@ -348,8 +374,7 @@ EngineResult ProgressEngine::execute_ring(EngineWork &w) {
         std::lock_guard lock(mu_);
         if (auto it = std::find(cancelled_.begin(), cancelled_.end(), w.op_id); it != cancelled_.end()) {
             cancelled_.erase(it);
-            prev_->set_floor(solo_tag_next(w.op_tag));
-            next_->set_floor(solo_tag_next(w.op_tag));
+            for (Link *l : links()) l->set_floor(solo_tag_next(w.op_tag));
             return done(-ECANCELED, "the op was cancelled", false);
         }
         running_op_ = w.op_id;
@@ -364,12 +389,11 @@ EngineResult ProgressEngine::execute_ring(EngineWork &w) {
             e->running_op_ = 0;
         }
     } not_running{this, solo};
-    // Whatever the neighbours still send of the solo ops before this one ended here (the previous
-    // host's data, the next host's delivery markers).
-    if (solo) {
-        prev_->set_floor(w.op_tag);
-        next_->set_floor(w.op_tag);
-    }
+    // Whatever the hosts still send of the solo ops before this one ended here (the previous
+    // host's data, the next host's delivery markers, an all_to_all's from every host).
+    if (solo)
+        for (Link *l : links()) l->set_floor(w.op_tag);
+    if (w.desc.collective == Collective::AllToAll) return execute_all_to_all(w, solo);
     RingOp op;
     op.collective = w.desc.collective;
     op.dtype = w.desc.dtype;
@@ -439,25 +463,115 @@ EngineResult ProgressEngine::execute_ring(EngineWork &w) {
     return done(0, {}, false);
 }
 
-bool ProgressEngine::drain_cancelled(uint32_t op_tag, bool by_reference) {
-    // Receives from both neighbours: the previous host's data and the next host's delivery marker.
-    prev_->cancel_receives(op_tag);
-    prev_->set_floor(solo_tag_next(op_tag));
-    next_->cancel_receives(op_tag);
-    next_->set_floor(solo_tag_next(op_tag));
-    // Pages sent by reference stay the trainer's until the next host has read them (or dropped
-    // them): a fence behind them comes back once it has.
-    if (by_reference) next_->fence(op_tag);
+// all_to_all over the links to every host (AllToAllEngine), from and into the local ranks' slots.
+// Counts that differ fail the op here and leave the links as they were; a failed run ends the
+// generation like a ring op's.
+EngineResult ProgressEngine::execute_all_to_all(EngineWork &w, bool solo) {
+    EngineResult res{w.op_id, 0, {}, false, w.generation, {}};
+    auto done = [&](int code, std::string msg, bool link) {
+        res.status = code;
+        res.message = std::move(msg);
+        res.link_failed = link;
+        res.slots = std::move(w.slots);
+        return std::move(res);
+    };
+    a2a_regions_.clear();
+    a2a_layouts_.clear();
+    for (size_t r = 0; r < w.slots.size(); ++r) {
+        a2a_regions_.push_back(w.slots[r]->region());
+        a2a_layouts_.emplace_back(w.desc, r < w.splits.size() ? w.splits[r] : nullptr);
+    }
+    AllToAllOp op;
+    op.dtype = w.desc.dtype;
+    op.self = pos_.rank;
+    op.self_name = self_name_;
+    op.host_ranks = w.host_ranks;
+    op.layouts = a2a_layouts_;
+    op.regions = a2a_regions_;
+    op.in_offsets = w.offsets;
+    op.out_offsets = w.out_offsets;
+    op.links = peers_;
+    op.staging = staging_;
+    op.op_tag = w.op_tag;
+    op.aborted_generation = &aborted_generation_;
+    op.generation = w.generation;
+    op.progress_ns = &progress_ns_;
+    op.beat_ns = &beat_ns_;
+    op.cancelled = solo ? &cancel_running_ : nullptr;
+    progress_ns_.store(now_ns(), std::memory_order_relaxed);
+    const std::vector<Link *> links = this->links();
+    uint64_t sent0 = 0, recv0 = 0;
+    for (Link *l : links) sent0 += l->bytes_sent(), recv0 += l->bytes_received();
+    std::string op_error;
+    Status s = op.host_ranks.size() != peers_.size()
+                   ? Status(make_error(-EINVAL, "all_to_all: the rank map has " + std::to_string(op.host_ranks.size()) +
+                                                    " hosts, the ring " + std::to_string(peers_.size())))
+                   : a2a_->run(op, w.deadline != std::chrono::steady_clock::time_point{} ? w.deadline : Clock::now() + op_timeout_,
+                               &op_error);
+    uint64_t sent = 0, recv = 0;
+    for (Link *l : links) sent += l->bytes_sent(), recv += l->bytes_received();
+    a2a_sent_ += sent - sent0;
+    a2a_received_ += recv - recv0;
+    count_resent();
+    if (!s && s.error().code == -ECANCELED && solo) {
+        if (drain_cancelled(w.op_tag, !links.empty() && !links[0]->delivered_at_send_done(), true)) return done(-ECANCELED, s.error().message, false);
+        link_failure_reported_ = true;
+        drop_links();
+        return done(-ECANCELED, "the cancelled all_to_all's messages did not leave within " +
+                                    std::to_string(std::chrono::duration_cast<std::chrono::seconds>(kCancelDrain).count()) +
+                                    " s: the lane's links are treated as broken", true);
+    }
+    if (!s) {
+        const bool aborted = s.error().code == -ECONNABORTED && aborted_generation_.load() >= w.generation;
+        if (!aborted) link_failure_reported_ = true;
+        drop_links();  // (receives may still be posted into the trainers' slots)
+        return done(s.error().code, s.error().message, !aborted);
+    }
+    if (!op_error.empty()) return done(-EPROTO, op_error, false);
+    return done(0, {}, false);
+}
+
+std::vector<Link *> ProgressEngine::links() const {
+    std::vector<Link *> v;
+    for (Link *l : {next_, prev_})
+        if (l && std::find(v.begin(), v.end(), l) == v.end()) v.push_back(l);
+    for (Link *l : mesh_)
+        if (l) v.push_back(l);
+    return v;
+}
+
+bool ProgressEngine::drain_cancelled(uint32_t op_tag, bool by_reference, bool all_to_all) {
+    // Receives from every host: the previous host's data and the next host's delivery marker (a
+    // ring op), every host's data and markers (all_to_all).
+    const std::vector<Link *> all = links();
+    for (Link *l : all) {
+        l->cancel_receives(op_tag);
+        l->set_floor(solo_tag_next(op_tag));
+        // Pages sent by reference stay the trainer's until the peer has read them (or dropped
+        // them): a fence behind them comes back once it has. (A ring op sends them to the next
+        // host only; an all_to_all to every host.)
+        if (by_reference && (all_to_all || l == next_)) l->fence(op_tag);
+    }
     const auto until = Clock::now() + kCancelDrain;
     std::vector<LinkEvent> events;
-    while (next_->sending(op_tag)) {
-        if (next_->error() || prev_->error() || Clock::now() >= until) return false;
+    auto sending = [&] {
+        for (Link *l : all)
+            if (l->sending(op_tag)) return true;
+        return false;
+    };
+    auto failed = [&] {
+        for (Link *l : all)
+            if (l->error()) return true;
+        return false;
+    };
+    while (sending()) {
+        if (failed() || Clock::now() >= until) return false;
         if (aborted_generation_.load(std::memory_order_acquire) >= generation_) return false;
         beat_ns_.store(now_ns(), std::memory_order_relaxed);
         events.clear();
         if (!transport_->poll(events, 10)) return false;
     }
-    return !next_->error() && !prev_->error();
+    return !failed();
 }
 
 }  // namespace ringd

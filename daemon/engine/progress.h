@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "common/unique_fd.h"
+#include "daemon/engine/all_to_all_engine.h"
 #include "daemon/engine/ring_engine.h"
 #include "proto/result.h"
 #include "proto/types.h"
@@ -75,12 +76,23 @@ struct EngineResult {
 struct RingLinks {
     uint64_t generation = 0;
     uint32_t rank = 0, size = 1;
-    std::string next_name, prev_name;
+    std::string next_name, prev_name, self_name;
     std::vector<UniqueFd> to_next, from_prev;
     std::vector<SessionKeys> to_next_keys, from_prev_keys;  // one per connection
     // Several rails: each connection's rail and its weight (LinkSetup::rails, weights).
     std::vector<uint32_t> to_next_rails, from_prev_rails;
     std::vector<double> to_next_weights, from_prev_weights;
+    // Mesh data streams (protocol 12, TCP): to each host that is not a ring neighbour, so that
+    // the lane has a data link to every host (all_to_all).
+    struct Mesh {
+        uint32_t peer = 0;  // ring position
+        std::string name;
+        std::vector<UniqueFd> fds;
+        std::vector<SessionKeys> keys;
+        std::vector<uint32_t> rails;
+        std::vector<double> weights;
+    };
+    std::vector<Mesh> mesh;
 };
 
 class ProgressEngine {
@@ -131,6 +143,11 @@ public:
     // Of bytes_to_next(): sent by reference (TCP sendfile from a trainer's slot), not copied.
     uint64_t bytes_by_reference_to_next() const { return bytes_by_reference_.load(std::memory_order_relaxed); }
     uint64_t bytes_from_prev() const { return bytes_from_prev_.load(std::memory_order_relaxed); }
+    // all_to_all over the lane's links to every host: bytes sent and received (on every link).
+    uint64_t a2a_bytes_sent() const { return a2a_sent_.load(std::memory_order_relaxed); }
+    uint64_t a2a_bytes_received() const { return a2a_received_.load(std::memory_order_relaxed); }
+    // Mesh links up now (links to hosts that are not ring neighbours).
+    uint32_t mesh_links() const { return mesh_up_.load(std::memory_order_relaxed); }
     // Of bytes_to_next(): sent on rail r (several rails; one rail: all on rail 0).
     uint64_t bytes_to_next_on_rail(uint32_t r) const {
         return r < kMaxRailsPerLink ? rail_bytes_to_next_[r].load(std::memory_order_relaxed) : 0;
@@ -167,7 +184,9 @@ private:
     ProgressEngine() = default;
     // A cancelled op's sends are out (the next host drops them) and its receives are withdrawn;
     // false: not within kCancelDrain (the link is then treated as broken).
-    bool drain_cancelled(uint32_t op_tag, bool by_reference);
+    bool drain_cancelled(uint32_t op_tag, bool by_reference, bool all_to_all = false);
+    // The lane's links, each once: to the next host, from the previous one, the mesh's.
+    std::vector<Link *> links() const;
     static constexpr auto kCancelDrain = std::chrono::seconds(5);
     static constexpr size_t kMaxCancelled = 4096;
     void run();
@@ -197,6 +216,8 @@ private:
     std::array<std::atomic<uint64_t>, kMaxRailsPerLink> rail_bytes_to_next_{};
     std::atomic<uint64_t> next_rails_{0}, prev_rails_{0}, links_generation_{0};
     std::atomic<uint64_t> resent_messages_{0}, resent_bytes_{0}, held_messages_{0};
+    std::atomic<uint64_t> a2a_sent_{0}, a2a_received_{0};
+    std::atomic<uint32_t> mesh_up_{0};
     uint64_t resent_messages_before_ = 0, resent_bytes_before_ = 0, held_before_ = 0;  // of links dropped (progress thread)
     void count_resent();  // from the links now, and those dropped
     static uint64_t link_key(uint64_t generation, bool to_next) { return generation * 2 + (to_next ? 0 : 1); }
@@ -207,11 +228,20 @@ private:
     RingOptions ring_options_;
     std::chrono::milliseconds op_timeout_{30000};
     std::unique_ptr<RingEngine> ring_;
+    std::unique_ptr<AllToAllEngine> a2a_;
     std::vector<std::byte *> locals_, local_outputs_;
     RingPosition pos_;
+    std::string self_name_;
     uint64_t generation_ = 0;       // of the links below
     bool link_failure_reported_ = false;
     Link *next_ = nullptr, *prev_ = nullptr;
+    // The mesh links by ring position (null: none; protocol 12, TCP), and every link of the lane
+    // by ring position (the next and previous host's, the mesh's): all_to_all's.
+    std::vector<Link *> mesh_, peers_;
+    std::vector<RegionHandle> a2a_regions_;
+    std::vector<uint64_t> a2a_in_, a2a_out_;
+    std::vector<AllToAllLayout> a2a_layouts_;
+    EngineResult execute_all_to_all(EngineWork &w, bool solo);
 
     std::thread thread_;  // last: started after everything it uses exists
 };

@@ -109,10 +109,18 @@ inline AlgorithmCost rooted_cost(uint64_t bytes, uint32_t hosts, const Config::T
 // `protocol`: the oldest peer protocol among the ring domain's hosts. `bytes`: allreduce's,
 // broadcast's and reduce's buffer, reduce_scatter's input, allgather's output. A barrier (no data)
 // is one-shot on any ring of more than one host.
+// `mesh`: the ring's lanes have data links to every host (peer protocol 12, TCP).
 inline Algorithm choose_algorithm(uint64_t bytes, uint32_t hosts, const Config::Tuning &t,
-                                  uint16_t protocol = kLogAlgorithmsProtocol, Collective collective = Collective::Allreduce) {
-    // A barrier, and an all_to_all (every host's message to every other, whatever its size: the
-    // hosts have no links but the ring's and the control connections), are one-shot.
+                                  uint16_t protocol = kLogAlgorithmsProtocol, Collective collective = Collective::Allreduce,
+                                  bool mesh = false) {
+    // An all_to_all goes over the data links to every host (AllToAllEngine; "ring" stands for the
+    // lane's engine) where the lanes have them, but for equal blocks of at most direct_max_bytes
+    // per rank, which go one-shot with the op's report (no wait for the coordinator's start). With
+    // split sizes (count 0: every host knows only its own ranks' sizes) it always takes the links.
+    if (collective == Collective::AllToAll && mesh && hosts >= 2 && (bytes == 0 || bytes > t.direct_max_bytes))
+        return Algorithm::Ring;
+    // A barrier, and an all_to_all without those links (every host's message to every other,
+    // whatever its size, over the control connections), are one-shot.
     if (collective == Collective::Barrier || collective == Collective::AllToAll)
         return hosts < 2 ? Algorithm::Ring : Algorithm::OneShot;
     if (hosts < 2 || bytes > t.direct_max_bytes) return Algorithm::Ring;

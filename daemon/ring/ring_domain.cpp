@@ -82,8 +82,8 @@ Status RingDomain::setup(UniqueFd listener) {
     }
 
     ControlPlane::Callbacks cb;
-    cb.ring_up = [this](uint64_t g, DataSockets to_next, DataSockets from_prev) {
-        on_ring_up(g, std::move(to_next), std::move(from_prev));
+    cb.ring_up = [this](uint64_t g, DataSockets to_next, DataSockets from_prev, std::vector<DataSockets> mesh) {
+        on_ring_up(g, std::move(to_next), std::move(from_prev), std::move(mesh));
     };
     cb.ring_down = [this](const std::string &why) { on_ring_down(why); };
     cb.message = [this](uint32_t host, Frame &f) { on_peer_message(host, f); };
@@ -118,7 +118,7 @@ Status RingDomain::setup(UniqueFd listener) {
     return Ok{};
 }
 
-void RingDomain::on_ring_up(uint64_t generation, DataSockets to_next, DataSockets from_prev) {
+void RingDomain::on_ring_up(uint64_t generation, DataSockets to_next, DataSockets from_prev, std::vector<DataSockets> mesh) {
     local_generation_ = generation;
     if (sh_.generation_seen) sh_.generation_seen(generation);
     const uint32_t n = static_cast<uint32_t>(config_.hosts.size());
@@ -131,6 +131,7 @@ void RingDomain::on_ring_up(uint64_t generation, DataSockets to_next, DataSocket
         l.size = n;
         l.next_name = config_.hosts[(self_index_ + 1) % n].name;
         l.prev_name = config_.hosts[(self_index_ + n - 1) % n].name;
+        l.self_name = config_.hosts[self_index_].name;
         const HostEntry &me = config_.hosts[self_index_];
         for (size_t i = k * per; i < (k + 1) * per && i < to_next.fds.size(); ++i) {
             l.to_next.push_back(std::move(to_next.fds[i]));
@@ -146,6 +147,20 @@ void RingDomain::on_ring_up(uint64_t generation, DataSockets to_next, DataSocket
             if (me.rail_count() > 1) {
                 l.from_prev_rails.push_back(from_prev.rails.at(i));
                 l.from_prev_weights.push_back(me.rail_weight(from_prev.rails.at(i)));
+            }
+        }
+        for (DataSockets &d : mesh) {
+            RingLinks::Mesh &m = l.mesh.emplace_back();
+            m.peer = d.peer;
+            m.name = config_.hosts.at(d.peer).name;
+            const size_t per_mesh = d.fds.size() / lanes_.size();
+            for (size_t i = k * per_mesh; i < (k + 1) * per_mesh && i < d.fds.size(); ++i) {
+                m.fds.push_back(std::move(d.fds[i]));
+                m.keys.push_back(d.keys.at(i));
+                if (me.rail_count() > 1) {
+                    m.rails.push_back(d.rails.at(i));
+                    m.weights.push_back(me.rail_weight(d.rails.at(i)));
+                }
             }
         }
         lanes_[k]->engine->ring_up(std::move(l));

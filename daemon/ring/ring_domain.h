@@ -157,7 +157,7 @@ private:
     static constexpr size_t kMaxFailedAhead = 4096;
     RingDomain(Shared &shared) : sh_(shared), ops_(*shared.groups, *shared.done) {}
     Status setup(UniqueFd listener);
-    void on_ring_up(uint64_t generation, DataSockets to_next, DataSockets from_prev);
+    void on_ring_up(uint64_t generation, DataSockets to_next, DataSockets from_prev, std::vector<DataSockets> mesh);
     void on_ring_down(const std::string &why);
     void on_peer_message(uint32_t host, Frame &frame);
     void on_op_data(uint32_t host, Frame &frame);
@@ -253,6 +253,10 @@ private:
     uint64_t ops_solo_ = 0;                // ring ops started here without the coordinator
     // Whether this generation's ring ops may run in solo lanes (Coordinator::reset).
     bool solo_lanes() const;
+    // Whether all_to_all runs over the lanes' data links to every host (AllToAllEngine): a
+    // generation of protocol 12 on TCP. On a solo lane it starts without the coordinator like
+    // the lane's ring ops, and is cancelled like them (on every link).
+    bool mesh_links() const;
     static uint32_t solo_op_tag(uint32_t epoch, uint64_t seq, const OpRun *op);
     void start_solo(GroupRun &run, HostOp op);
     EngineWork ring_work(HostOp &op, const GroupRun &run, uint32_t total_ranks, uint32_t op_tag) const;

@@ -189,7 +189,7 @@ bool RingDomain::flush_reports_now() {
             // (reduce_scatter and allgather: by the size of the buffer with a block per rank.)
             const uint64_t bytes = op.run.desc.full_count() * dtype_size(op.run.desc.dtype);
             const Algorithm algorithm = choose_algorithm(bytes, static_cast<uint32_t>(config_.hosts.size()), config_.tuning,
-                                                         generation_protocol_, op.run.desc.collective);
+                                                         generation_protocol_, op.run.desc.collective, mesh_links());
             if (run.solo_epoch && op.status == 0 && op.run.seq != proto::kIncarnationEnds && algorithm == Algorithm::Ring) {
                 start_solo(run, std::move(op));
                 continue;

@@ -23,6 +23,11 @@ bool RingDomain::solo_lanes() const {
            lanes_[0]->transport->name() == "tcp";
 }
 
+bool RingDomain::mesh_links() const {
+    return generation_protocol_ >= proto::kMeshProtocol && !lanes_.empty() && lanes_[0]->transport &&
+           lanes_[0]->transport->name() == "tcp";
+}
+
 uint32_t RingDomain::solo_op_tag(uint32_t epoch, uint64_t seq, const OpRun *op) {
     uint32_t digest = 0;
     if (op) {
@@ -50,6 +55,7 @@ EngineWork RingDomain::ring_work(HostOp &op, const GroupRun &run, uint32_t total
     w.offsets = op.run.offsets;
     w.out_offsets = op.run.out_offsets;
     if (op.run.desc.collective != Collective::Allreduce) w.host_ranks = run.host_ranks;
+    w.splits = op.run.splits;
     w.slots = std::move(op.slots);
     w.ring = true;
     w.generation = local_generation_;

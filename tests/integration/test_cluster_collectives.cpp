@@ -265,6 +265,69 @@ TEST_CASE("all_to_all on 3 hosts: ranks 1, 2, 3 per host numbered unlike the rin
     CHECK(after.wrong == 0);
     CHECK(c.status(0)["ops"]["completed"] == ops + 1);
     CHECK(c.status(0)["ops"]["failed"] == 1);
+    // Over the ring's data links, both ways (three hosts are all neighbours: no mesh links); the
+    // generation the ring formed with runs on.
+    const auto j = c.status(2);
+    CHECK(j["ring"]["generation"] == 1);
+    CHECK(j["ring"]["all_to_all"]["path"] == "data links");
+    CHECK(j["ring"]["all_to_all"]["mesh_links"] == 0);
+    CHECK(j["ring"]["all_to_all"]["bytes_out"].get<uint64_t>() > (20u << 20));
+}
+
+TEST_CASE("all_to_all on 5 hosts over the mesh links: every pair of hosts exchanges its ranks' blocks straight "
+          "between slots, every value and guard byte exact; counts that differ fail only the op, on the receiving host",
+          "[cluster][collectives]") {
+    TestCluster c(5, "10s");
+    REQUIRE(c.wait_up());
+    // 2, 1, 1, 2, 1 ranks, numbered unlike the ring: each host has two hosts it is no neighbour of.
+    auto tr = join_ranked(c, "mesh", {2, 1, 1, 2, 1}, {6, 0, 3, 5, 1, 4, 2}, 32 << 20);
+    REQUIRE(tr.size() == 7);
+    uint64_t seed = 5, ops = 0;
+    for (const auto &[t, k, even] : {std::tuple{DType::F32, uint64_t{1}, false}, std::tuple{DType::BF16, uint64_t{1001}, true},
+                                     std::tuple{DType::I64, uint64_t{77}, false},
+                                     // Blocks of several pieces (1 MiB) each way: 0.5-1.5 MB per pair of ranks.
+                                     std::tuple{DType::F32, uint64_t{130001}, false}}) {
+        INFO(dtype_name(t) << " k " << k << (even ? " even" : " split"));
+        const Verdict v = run_a2a(tr, t, k, seed++, even);
+        CHECK(v.wrong == 0);
+        CHECK(v.guard == 0);
+        CHECK(v.input_changed == 0);
+        ++ops;
+    }
+    // Rank 0 (node0) sends rank 4 (node3, two hops away: a mesh link) 5 elements where it expects 2.
+    std::vector<uint64_t> tickets(tr.size());
+    for (size_t g = 0; g < tr.size(); ++g) {
+        std::vector<uint64_t> send(7, 2), recv(7, 2);
+        if (tr[g].rank == 0) send[4] = 5;
+        ringd_coll d{};
+        d.struct_size = sizeof d;
+        d.collective = RINGD_ALL_TO_ALL;
+        d.dtype = RINGD_F32;
+        d.in_offset = 4096;
+        d.out_offset = 8192;
+        d.send_counts = send.data();
+        d.recv_counts = recv.data();
+        d.splits_offset = 16384;
+        REQUIRE(ringd_submit_coll(tr[g].c.get(), &d, &tickets[g]) == 0);
+    }
+    for (size_t g = 0; g < tr.size(); ++g) {
+        const int rc = ringd_wait(tr[g].c.get(), tickets[g], 10000);
+        if (tr[g].rank != 4) continue;
+        CHECK(rc == -EPROTO);
+        CHECK_THAT(ringd_last_error(tr[g].c.get()), Catch::Contains("all_to_all: rank 0 (host node0) sends rank 4 5 elements, "
+                                                                    "and rank 4 (host node3) expects 2"));
+    }
+    const Verdict after = run_a2a(tr, DType::F32, 4099, 93, false);
+    CHECK(after.wrong == 0);
+    CHECK(after.guard == 0);
+    for (uint32_t h = 0; h < 5; ++h) {
+        const auto j = c.status(h);
+        INFO("node" << h);
+        CHECK(j["ring"]["generation"] == 1);  // nothing re-formed
+        CHECK(j["ring"]["all_to_all"]["path"] == "data links");
+        CHECK(j["ring"]["all_to_all"]["mesh_links"] == 2);
+        CHECK(j["ring"]["all_to_all"]["bytes_out"].get<uint64_t>() > (1u << 20));
+    }
 }
 
 TEST_CASE("a host SIGKILLed while the others wait in an all_to_all: they fail within a second naming it; the "

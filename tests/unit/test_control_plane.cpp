@@ -45,6 +45,7 @@ struct Host {
     std::vector<UniqueFd> to_next, from_prev;
     std::vector<SessionKeys> to_next_keys, from_prev_keys;
     std::vector<uint32_t> to_next_rails, from_prev_rails;
+    std::vector<DataSockets> mesh;  // kept open, as the engine keeps them
     bool frozen = false;  // a hung host: nobody drives it
     std::vector<std::string> events;  // "frame <type>: <payload bytes>" and "down: <why>", in order
     std::vector<proto::Bytes> frames;  // the payloads of the frames of type OpData it received
@@ -68,8 +69,9 @@ struct Cluster {
         Host &h = hosts[i];
         h.cp.reset();  // a restart: the old instance's port is free again
         ControlPlane::Callbacks cb;
-        cb.ring_up = [&h](uint64_t g, DataSockets out, DataSockets in) {
+        cb.ring_up = [&h](uint64_t g, DataSockets out, DataSockets in, std::vector<DataSockets> mesh) {
             ++h.ups;
+            h.mesh = std::move(mesh);
             h.generation = g;
             h.to_next_rails = out.rails;
             h.from_prev_rails = in.rails;
@@ -84,6 +86,7 @@ struct Cluster {
             h.events.push_back("down: " + why);
             h.to_next.clear();  // the engine drops its links
             h.from_prev.clear();
+            h.mesh.clear();
         };
         cb.message = [&h](uint32_t, Frame &f) {
             if (f.type == proto::FrameType::Heartbeat) return;
@@ -132,10 +135,27 @@ TEST_CASE("a ring forms and its data sockets join each host to its neighbours", 
         Cluster c(n);
         REQUIRE(c.run_until([&] { return c.all_up(); }, 10s));
         for (uint32_t i = 0; i < n; ++i) {
+            INFO("host " << i << " of " << n << ": " << c.hosts[i].last_down);
             CHECK(c.hosts[i].generation == 1);
             REQUIRE(c.hosts[i].to_next.size() == 2);
             REQUIRE(c.hosts[i].from_prev.size() == 2);
+            // Mesh data streams to the hosts that are no neighbours: on 4 hosts, the one opposite.
+            REQUIRE(c.hosts[i].mesh.size() == (n == 4 ? 1u : 0u));
+            if (n == 4) {
+                CHECK(c.hosts[i].mesh[0].peer == (i + 2) % 4);
+                CHECK(c.hosts[i].mesh[0].fds.size() == 2);
+            }
         }
+        // A byte on host i's mesh stream k arrives on the opposite host's mesh stream k, both ways.
+        if (n == 4)
+            for (uint32_t i = 0; i < n; ++i)
+                for (uint32_t k = 0; k < 2; ++k) {
+                    const uint8_t b = static_cast<uint8_t>(0x40 + i * 4 + k);
+                    REQUIRE(::write(c.hosts[i].mesh[0].fds[k].get(), &b, 1) == 1);
+                    uint8_t got = 0;
+                    REQUIRE(::read(c.hosts[(i + 2) % 4].mesh[0].fds[k].get(), &got, 1) == 1);
+                    CHECK(got == b);
+                }
         // A byte written on host i's stream k to next arrives on next's stream k from prev.
         for (uint32_t i = 0; i < n; ++i)
             for (int k = 0; k < 2; ++k) {

@@ -637,6 +637,20 @@ TEST_CASE("decoders survive random mutations of valid frames", "[proto]") {
     CHECK(accepted > 0);
 }
 
+TEST_CASE("a mesh data stream's hello (kind 2) is read from protocol 12 on; before it, and kind 3, are refused", "[proto]") {
+    PeerHello m{"demo", "node0", "node2", ConnKind::Mesh, 1, 7, Nonce{}, {}};
+    m.version = 12;
+    const Bytes f = encode_peer_hello(m);
+    auto h = decode_peer_hello(payload_of(f), 12);
+    REQUIRE(h.ok());
+    CHECK(h->kind == ConnKind::Mesh);
+    CHECK(h->stream == 1);
+    CHECK_THAT(decode_peer_hello(payload_of(f), 11).error().message, Catch::Contains("mesh data stream in a hello of protocol 11"));
+    Bytes p(f.begin() + kFrameHeaderBytes, f.end());
+    p[192] = 3;
+    CHECK_THAT(decode_peer_hello(p, 12).error().message, Catch::Contains("unknown connection kind 3"));
+}
+
 TEST_CASE("peer frame bytes are pinned", "[proto]") {
     Nonce n;
     for (size_t i = 0; i < n.size(); ++i) n[i] = static_cast<uint8_t>(i);
@@ -703,7 +717,8 @@ TEST_CASE("peer frame bytes are pinned", "[proto]") {
     CHECK(decode_peer_hello(payload_of(g), 9).ok());
     CHECK(decode_peer_hello(payload_of(g), 10).ok());
     CHECK(decode_peer_hello(payload_of(g), 11).ok());
-    CHECK(decode_peer_hello(payload_of(g), 12).error().code == -EPROTONOSUPPORT);
+    CHECK(decode_peer_hello(payload_of(g), 12).ok());
+    CHECK(decode_peer_hello(payload_of(g), 13).error().code == -EPROTONOSUPPORT);
     // A config version must be printable and end with a NUL.
     Bytes bad(g.begin() + kFrameHeaderBytes, g.end());
     bad[kPeerHelloBytes + 8 + 3] = 0x01;
@@ -729,7 +744,7 @@ TEST_CASE("peer frame bytes are pinned", "[proto]") {
     CHECK_FALSE(decode_peer_accept(payload_of(af), 6).ok());
 }
 
-TEST_CASE("peer frame headers: versions 6 to 11 are read, others refused naming both; a hello of 6 is refused", "[proto]") {
+TEST_CASE("peer frame headers: versions 6 to 12 are read, others refused naming both; a hello of 6 is refused", "[proto]") {
     Bytes h = header_bytes(20, 16);
     CHECK(decode_frame_header(h, 4096).ok());  // 6
     for (uint8_t v : {7, 8, 9, 10, 11}) {
@@ -738,17 +753,17 @@ TEST_CASE("peer frame headers: versions 6 to 11 are read, others refused naming 
         REQUIRE(d.ok());
         CHECK(d->version == v);
     }
-    for (uint8_t v : {5, 12}) {
+    for (uint8_t v : {5, 13}) {
         h[4] = v;
         auto e = decode_frame_header(h, 4096);
         REQUIRE_FALSE(e.ok());
         CHECK(e.error().code == -EPROTONOSUPPORT);
-        CHECK_THAT(e.error().message, Catch::Contains("speaks 7 to 11"));
+        CHECK_THAT(e.error().message, Catch::Contains("speaks 7 to 12"));
     }
     // A hello says the version its connection runs at: 7 is the oldest spoken (a ringd of 6
     // closed the connection at a newer hello, which a dialer cannot tell from a host that died).
     Bytes hello = header_bytes(16, 16);
-    for (uint8_t v : {7, 8, 9, 10, 11}) {
+    for (uint8_t v : {7, 8, 9, 10, 11, 12}) {
         hello[4] = v;
         CHECK(decode_frame_header(hello, 4096).ok());
     }
@@ -777,7 +792,7 @@ TEST_CASE("ring ready and ring start: the generation's protocol after version 6'
     CHECK(decode_ring_start(payload_of(encode_ring_start({5, 7}))).value().protocol == 7);
     CHECK(decode_ring_ready(payload_of(encode_ring_ready({4, true, 8}))).value().protocol == 8);
     // A protocol this ringd does not run a generation at, or a field cut short, is refused.
-    for (uint32_t v : {1u, 6u, 12u, 0x10009u}) {
+    for (uint32_t v : {1u, 6u, 13u, 0x10009u}) {
         CAPTURE(v);
         Bytes p = body_of(encode_ring_start({5, 9}));
         std::memcpy(&p[8], &v, 4);  // little-endian here
