@@ -266,9 +266,11 @@ void ProgressEngine::run() {
             for (size_t k = 0; k < l.mesh.size(); ++k)
                 if (l.mesh[k].peer < l.size) mesh_[l.mesh[k].peer] = (*links)[2 + k];
             mesh_up_.store(static_cast<uint32_t>(l.mesh.size()));
+            // (Two hosts: two links join them, this host's to the next and the one from it; both
+            // use the first host's to the next, so that what one sends the other receives.)
             peers_ = mesh_;
-            peers_[(l.rank + 1) % l.size] = next_;
             peers_[(l.rank + l.size - 1) % l.size] = prev_;
+            if (l.size > 2 || l.rank == 0) peers_[(l.rank + 1) % l.size] = next_;
             links_generation_.store(l.generation);
             self_name_ = l.self_name;
             pos_ = RingPosition{l.rank, l.size, next_, prev_};
