@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <numeric>
 
 #include <spdlog/spdlog.h>
 
@@ -14,7 +15,9 @@ int64_t now_ns() {
     return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-uint64_t counts_bytes(size_t from, size_t to) { return 8 * uint64_t{from} * to; }
+// A way's first message: its flags word, then the counts.
+uint64_t header_bytes(size_t from, size_t to) { return 8 + 8 * uint64_t{from} * to; }
+constexpr uint64_t kByReference = 1;  // flags: the blocks go by reference; answer with the done message
 
 // Pieces of a block list; UINT64_MAX when more than a way's tags can number.
 uint64_t pieces_of(const std::vector<uint64_t> &bytes) {
@@ -26,11 +29,11 @@ uint64_t pieces_of(const std::vector<uint64_t> &bytes) {
 }  // namespace
 
 uint64_t AllToAllEngine::staging_bytes(std::span<const std::vector<uint32_t>> host_ranks, uint32_t self) {
-    uint64_t others = 0;
-    for (size_t p = 0; p < host_ranks.size(); ++p)
-        if (p != self) others += host_ranks[p].size();
     const uint64_t mine = self < host_ranks.size() ? host_ranks[self].size() : 0;
-    return 2 * counts_bytes(mine, others) + kPieceBytes;
+    uint64_t headers = 0;
+    for (size_t p = 0; p < host_ranks.size(); ++p)
+        if (p != self && !host_ranks[p].empty() && mine) headers += header_bytes(mine, host_ranks[p].size());
+    return 2 * headers + kPieceBytes;
 }
 
 Status AllToAllEngine::post_pieces(const AllToAllOp &op, Way &w, bool send) {
@@ -47,8 +50,8 @@ Status AllToAllEngine::post_pieces(const AllToAllOp &op, Way &w, bool send) {
         const bool drop = b.region == &op.staging;
         const uint64_t offset = drop ? b.offset : b.offset + w.at;
         Status s = !send ? w.link->post_recv(*b.region, offset, n, tag)
-                   : w.link->delivered_at_send_done() ? w.link->post_send(*b.region, offset, n, tag)
-                                                      : w.link->post_send_stable(*b.region, offset, n, tag);
+                   : w.by_reference && !drop ? w.link->post_send_stable(*b.region, offset, n, tag)
+                                             : w.link->post_send(*b.region, offset, n, tag);
         if (!s) return s;
         w.at += n;
         ++w.next_tag;
@@ -78,10 +81,8 @@ Status AllToAllEngine::run(const AllToAllOp &op, std::chrono::steady_clock::time
     out_.assign(hosts, Way{});
     in_.assign(hosts, Way{});
     std::vector<uint64_t> in_at(hosts, 0);
-    uint64_t at = 0, others = 0;
-    for (uint32_t p = 0; p < hosts; ++p)
-        if (p != op.self) others += op.host_ranks[p].size();
-    const uint64_t in_base = counts_bytes(lm, others), drop_at = 2 * in_base;
+    uint64_t at = 0;
+    const uint64_t in_base = (staging_bytes(op.host_ranks, op.self) - kPieceBytes) / 2, drop_at = 2 * in_base;
     std::vector<uint32_t> peers;
     for (uint32_t p = 0; p < hosts; ++p) {
         const auto &theirs = op.host_ranks[p];
@@ -92,8 +93,9 @@ Status AllToAllEngine::run(const AllToAllOp &op, std::chrono::steady_clock::time
         Way &o = out_[p];
         Way &i = in_[p];
         o.link = i.link = link;
-        // Counts out (the peer checks them against its ranks'), and the blocks in order.
-        auto *counts = reinterpret_cast<uint64_t *>(op.staging.base + at);
+        // Flags and counts out (the peer checks them against its ranks'), and the blocks in order.
+        auto *flags = reinterpret_cast<uint64_t *>(op.staging.base + at);
+        uint64_t *counts = flags + 1;
         std::vector<uint64_t> sizes;
         for (size_t a = 0; a < lm; ++a)
             for (size_t b = 0; b < theirs.size(); ++b) {
@@ -105,16 +107,23 @@ Status AllToAllEngine::run(const AllToAllOp &op, std::chrono::steady_clock::time
         const uint64_t pieces = pieces_of(sizes);
         if (pieces >= kDone - 1) return make_error(-E2BIG, "all_to_all: too many pieces to one host");
         o.total = static_cast<uint32_t>(pieces);
+        // By reference (TCP: the slot's pages into the socket, one copy fewer) where the blocks
+        // to the peer are large; the peer then says when it has read them all, and until then the
+        // op holds the trainers' slots. Smaller ones are copied into the socket, so that the op
+        // ends once its own messages are in and the next op's start without waiting on the peer.
+        const uint64_t bytes = std::accumulate(sizes.begin(), sizes.end(), uint64_t{0});
+        o.by_reference = !link->delivered_at_send_done() && bytes >= kByReferenceBytes;
+        *flags = o.by_reference ? kByReference : 0;
         const uint64_t tag0 = uint64_t{op.op_tag} << 32;
-        if (auto s = link->post_send(op.staging, at, counts_bytes(lm, theirs.size()), tag0); !s) return s;
-        at += counts_bytes(lm, theirs.size());
-        in_at[p] = in_base + (at - counts_bytes(lm, theirs.size()));
-        if (auto s = link->post_recv(op.staging, in_at[p], counts_bytes(theirs.size(), lm), tag0); !s) return s;
-        if (!link->delivered_at_send_done())
+        const uint64_t hb = header_bytes(lm, theirs.size());
+        if (auto s = link->post_send(op.staging, at, hb, tag0); !s) return s;
+        in_at[p] = in_base + at;
+        at += hb;
+        if (auto s = link->post_recv(op.staging, in_at[p], header_bytes(theirs.size(), lm), tag0); !s) return s;
+        if (o.by_reference)
             if (auto s = link->post_recv(op.staging, drop_at, 0, tag0 | kDone); !s) return s;
         if (auto s = post_pieces(op, o, true); !s) return s;
     }
-    const bool confirm = !peers.empty() && !op.links[peers[0]]->delivered_at_send_done();
     // The local ranks' blocks to each other, a slice per turn while the network runs.
     struct Copy {
         std::byte *dst;
@@ -139,8 +148,8 @@ Status AllToAllEngine::run(const AllToAllOp &op, std::chrono::steady_clock::time
         if (copy < copies.size()) return false;
         for (uint32_t p : peers) {
             const Way &o = out_[p], &i = in_[p];
-            if (!o.header_done || o.done < o.total || (confirm && !o.marker_done)) return false;
-            if (!i.header_done || !i.ready || i.done < i.total || (confirm && !i.marker_done)) return false;
+            if (!o.header_done || o.done < o.total || (o.by_reference && !o.marker_done)) return false;
+            if (!i.header_done || !i.ready || i.done < i.total || (i.by_reference && !i.marker_done)) return false;
         }
         return true;
     };
@@ -165,7 +174,7 @@ Status AllToAllEngine::run(const AllToAllOp &op, std::chrono::steady_clock::time
                 const Way &o = out_[p], &i = in_[p];
                 if (!i.header_done || i.done < i.total) waiting = "data from " + i.link->peer();
                 else if (o.done < o.total || !o.header_done) waiting = "host " + o.link->peer() + " to take data";
-                else if (confirm && !o.marker_done) waiting = "host " + o.link->peer() + " to confirm it has the data";
+                else if (o.by_reference && !o.marker_done) waiting = "host " + o.link->peer() + " to confirm it has the data";
                 if (!waiting.empty()) break;
             }
             log_ways(op, "timed out");
@@ -215,7 +224,11 @@ Status AllToAllEngine::run(const AllToAllOp &op, std::chrono::steady_clock::time
                 // The peer's counts: its ranks' (major) to this host's ranks.
                 i.header_done = true;
                 const auto &theirs = op.host_ranks[p];
-                const auto *counts = reinterpret_cast<const uint64_t *>(op.staging.base + in_at[p]);
+                const auto *flags = reinterpret_cast<const uint64_t *>(op.staging.base + in_at[p]);
+                const uint64_t *counts = flags + 1;
+                if (*flags & ~kByReference)
+                    return make_error(-EPROTO, "all_to_all: host " + i.link->peer() + " sent flags " + std::to_string(*flags));
+                i.by_reference = *flags & kByReference;
                 std::vector<uint64_t> sizes;
                 bool drop = false;
                 for (size_t a = 0; a < theirs.size(); ++a)
@@ -244,7 +257,7 @@ Status AllToAllEngine::run(const AllToAllOp &op, std::chrono::steady_clock::time
                 ++i.done;
             }
             if (auto s = post_pieces(op, i, false); !s) return s;
-            if (confirm && i.ready && i.done == i.total && i.posted == i.total && !i.marker_done && i.next_tag != kDone) {
+            if (i.by_reference && i.ready && i.done == i.total && i.posted == i.total && !i.marker_done && i.next_tag != kDone) {
                 // Everything from the peer is in: its slot is read no more.
                 if (auto s = i.link->post_send(op.staging, drop_at, 0, (uint64_t{op.op_tag} << 32) | kDone); !s) return s;
                 i.next_tag = kDone;  // (sent)

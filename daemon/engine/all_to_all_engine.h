@@ -8,12 +8,15 @@
 // each other are copied locally while the network runs.
 //
 // On each link, each way, an op's messages are, in order (tag: op tag << 32 | number):
-//   0            the counts: for each of the sender's local ranks (local-rank order), the elements
-//                it sends each of the receiver's (u64, little-endian hosts); 8 x L_s x L_r bytes
+//   0            flags (u64: bit 0, the blocks go by reference), then the counts: for each of the
+//                sender's local ranks (local-rank order), the elements it sends each of the
+//                receiver's (u64, little-endian hosts); 8 + 8 x L_s x L_r bytes
 //   1, 2, ...    the blocks, sender's local rank major, then receiver's, each cut into pieces of
 //                kPieceBytes (the last one shorter); an empty block has none
-//   kDone        (links whose SendDone does not mean delivered: TCP) empty, sent once everything
-//                from the peer is in: the peer's slot is read no more, and its op may end
+//   kDone        (the other way; only when the flags say by reference: TCP sends the slot's pages
+//                of 32 MiB or more to a host so) empty, sent once everything from the peer is
+//                in: the peer's slot is read no more, and its op may end. Smaller blocks are copied
+//                into the socket, and the op ends without waiting on the peer's reading.
 // The receiver posts the blocks' receives once the counts are in and match its own ranks' (both
 // ends then cut alike). Counts that differ fail the op on the receiving host, naming both ranks,
 // after their messages were read into staging and dropped: the links stay in step and the ring
@@ -64,6 +67,8 @@ public:
     static constexpr uint32_t kDone = 0xffffffffu;
     // Pieces of each peer's blocks posted at a time, each way (the rest as they complete).
     static constexpr uint32_t kWindow = 16;
+    // Blocks to one host of at least this many bytes in all go by reference (and are confirmed).
+    static constexpr uint64_t kByReferenceBytes = 32 << 20;
 
     AllToAllEngine(Transport &transport, int spin_us) : t_(transport), spin_us_(spin_us) {}
 
@@ -92,6 +97,9 @@ private:
         uint32_t total = 0;       // pieces in all
         bool ready = false;       // receives: the counts are in (the blocks are known)
         bool header_done = false, marker_done = false;
+        // Out: this host sends by reference and waits for the peer's done message; in: the peer
+        // does, and this host answers once everything from it is in.
+        bool by_reference = false;
     };
     Status post_pieces(const AllToAllOp &op, Way &w, bool send);
     void log_ways(const AllToAllOp &op, const std::string &stage) const;

@@ -502,17 +502,18 @@ EngineResult ProgressEngine::execute_all_to_all(EngineWork &w, bool solo) {
     op.cancelled = solo ? &cancel_running_ : nullptr;
     progress_ns_.store(now_ns(), std::memory_order_relaxed);
     const std::vector<Link *> links = this->links();
-    uint64_t sent0 = 0, recv0 = 0;
-    for (Link *l : links) sent0 += l->bytes_sent(), recv0 += l->bytes_received();
+    uint64_t sent0 = 0, recv0 = 0, ref0 = 0;
+    for (Link *l : links) sent0 += l->bytes_sent(), recv0 += l->bytes_received(), ref0 += l->bytes_sent_by_reference();
     std::string op_error;
     Status s = op.host_ranks.size() != peers_.size()
                    ? Status(make_error(-EINVAL, "all_to_all: the rank map has " + std::to_string(op.host_ranks.size()) +
                                                     " hosts, the ring " + std::to_string(peers_.size())))
                    : a2a_->run(op, w.deadline != std::chrono::steady_clock::time_point{} ? w.deadline : Clock::now() + op_timeout_,
                                &op_error);
-    uint64_t sent = 0, recv = 0;
-    for (Link *l : links) sent += l->bytes_sent(), recv += l->bytes_received();
+    uint64_t sent = 0, recv = 0, ref = 0;
+    for (Link *l : links) sent += l->bytes_sent(), recv += l->bytes_received(), ref += l->bytes_sent_by_reference();
     a2a_sent_ += sent - sent0;
+    a2a_by_reference_ += ref - ref0;
     a2a_received_ += recv - recv0;
     count_resent();
     if (!s && s.error().code == -ECANCELED && solo) {

@@ -146,6 +146,7 @@ public:
     // all_to_all over the lane's links to every host: bytes sent and received (on every link).
     uint64_t a2a_bytes_sent() const { return a2a_sent_.load(std::memory_order_relaxed); }
     uint64_t a2a_bytes_received() const { return a2a_received_.load(std::memory_order_relaxed); }
+    uint64_t a2a_bytes_by_reference() const { return a2a_by_reference_.load(std::memory_order_relaxed); }  // of sent
     // Mesh links up now (links to hosts that are not ring neighbours).
     uint32_t mesh_links() const { return mesh_up_.load(std::memory_order_relaxed); }
     // Of bytes_to_next(): sent on rail r (several rails; one rail: all on rail 0).
@@ -216,7 +217,7 @@ private:
     std::array<std::atomic<uint64_t>, kMaxRailsPerLink> rail_bytes_to_next_{};
     std::atomic<uint64_t> next_rails_{0}, prev_rails_{0}, links_generation_{0};
     std::atomic<uint64_t> resent_messages_{0}, resent_bytes_{0}, held_messages_{0};
-    std::atomic<uint64_t> a2a_sent_{0}, a2a_received_{0};
+    std::atomic<uint64_t> a2a_sent_{0}, a2a_received_{0}, a2a_by_reference_{0};
     std::atomic<uint32_t> mesh_up_{0};
     uint64_t resent_messages_before_ = 0, resent_bytes_before_ = 0, held_before_ = 0;  // of links dropped (progress thread)
     void count_resent();  // from the links now, and those dropped

@@ -110,15 +110,17 @@ nlohmann::json RingDomain::status() const {
             {"feedback_refused", feedback_refused_}};
     // all_to_all's path, the mesh links (to hosts that are not ring neighbours) and what it moved
     // over the lanes' data links.
-    uint64_t a2a_out = 0, a2a_in = 0, mesh = 0;
+    uint64_t a2a_out = 0, a2a_in = 0, a2a_ref = 0, mesh = 0;
     for (const auto &l : lanes_) {
         a2a_out += l->engine->a2a_bytes_sent();
+        a2a_ref += l->engine->a2a_bytes_by_reference();
         a2a_in += l->engine->a2a_bytes_received();
         mesh = std::max<uint64_t>(mesh, l->engine->mesh_links());  // (every lane has its own to the same hosts)
     }
     const json all_to_all = {{"path", control_->ring_up() && mesh_links() ? "data links" : "control connections"},
                              {"mesh_links", mesh},
                              {"bytes_out", a2a_out},
+                             {"by_reference_bytes", a2a_ref},
                              {"bytes_in", a2a_in}};
     return {{"generation", control_->generation()},
             {"state", control_->ring_up() ? "up" : "forming"},

@@ -330,6 +330,31 @@ TEST_CASE("all_to_all on 5 hosts over the mesh links: every pair of hosts exchan
     }
 }
 
+TEST_CASE("all_to_all on 2 hosts x 4 ranks: 32 MiB of blocks to the other host go by reference, confirmed before "
+          "the op ends; smaller ones are copied; every value and guard byte exact",
+          "[cluster][collectives]") {
+    TestCluster c(2, "10s");
+    REQUIRE(c.wait_up());
+    auto tr = join_ranked(c, "a2a-ref", {4, 4}, {7, 2, 4, 1, 0, 6, 3, 5}, 40 << 20);
+    REQUIRE(tr.size() == 8);
+    // 16 blocks of 2 MiB each way: by reference (the flags ask for the done message).
+    Verdict v = run_a2a(tr, DType::F32, 1 << 19, 11, true);
+    CHECK(v.wrong == 0);
+    CHECK(v.guard == 0);
+    CHECK(v.input_changed == 0);
+    const uint64_t ref = c.status(0)["ring"]["all_to_all"]["by_reference_bytes"].get<uint64_t>();
+    CHECK(ref >= (32u << 20));
+    // The same slots again at once, then a smaller op, copied (the count stays).
+    v = run_a2a(tr, DType::F32, 1 << 19, 12, true);
+    CHECK(v.wrong == 0);
+    CHECK(v.guard == 0);
+    v = run_a2a(tr, DType::BF16, 100003, 13, false);
+    CHECK(v.wrong == 0);
+    CHECK(v.guard == 0);
+    CHECK(c.status(0)["ring"]["all_to_all"]["by_reference_bytes"].get<uint64_t>() == 2 * ref);
+    CHECK(c.status(1)["ring"]["generation"] == 1);
+}
+
 TEST_CASE("a host SIGKILLed while the others wait in an all_to_all: they fail within a second naming it; the "
           "restarted job's all_to_all is exact",
           "[cluster][collectives][faults]") {
