@@ -355,6 +355,73 @@ TEST_CASE("all_to_all on 2 hosts x 4 ranks: 32 MiB of blocks to the other host g
     CHECK(c.status(1)["ring"]["generation"] == 1);
 }
 
+TEST_CASE("all_to_all on a solo lane over the mesh: a rank that leaves before it fails the others' at once, named; "
+          "a host whose op differs fails it on every host; the lane's links carry the next ops exact",
+          "[cluster][collectives][solo]") {
+    TestCluster c(4, "5s");
+    REQUIRE(c.wait_up());
+    const std::vector<uint32_t> locals{1, 1, 1, 1}, ranks{2, 0, 3, 1};
+    auto tr = join_ranked(c, "solo-a2a", locals, ranks, 40 << 20);
+    REQUIRE(tr.size() == 4);
+    const Verdict first = run_a2a(tr, DType::F32, 1000, 1, false);  // agreed first: the solo lane
+    CHECK(first.wrong == 0);
+    for (uint32_t h = 0; h < 4; ++h) CHECK(c.status(h)["ring"]["ops_ring_solo"].get<uint64_t>() == 1);
+    // Another group over the same hosts loops on the shared lane all along.
+    LoopingJob job(connect_all(c, "b", 1, 8 << 20));
+    REQUIRE(job_moves(job));
+    const uint64_t generation = c.status(0)["ring"]["generation"].get<uint64_t>();
+    const uint64_t k = 1 << 20;  // 4 MiB blocks: more than the links' socket buffers hold
+    auto submit = [&](size_t g, uint64_t count) {
+        ringd_coll d{};
+        d.struct_size = sizeof d;
+        d.collective = RINGD_ALL_TO_ALL;
+        d.dtype = RINGD_F32;
+        d.count = count;
+        d.in_offset = 0;
+        d.out_offset = 4 * 4 * k;
+        uint64_t t = 0;
+        REQUIRE(ringd_submit_coll(tr[g].c.get(), &d, &t) == 0);
+        return t;
+    };
+    SECTION("node1's rank leaves while the others' op runs: it fails at once, naming it; the job restarts exact") {
+        const auto s = Clock::now();
+        std::vector<std::pair<size_t, uint64_t>> t;
+        for (size_t g : {0, 2, 3}) t.emplace_back(g, submit(g, k));
+        for (uint32_t h : {0, 2, 3}) REQUIRE(c.wait_taken(h, "solo-a2a"));
+        tr[1].c.reset();
+        for (auto [g, ticket] : t) {
+            const int rc = ringd_wait(tr[g].c.get(), ticket, 20000);
+            const std::string why = ringd_last_error(tr[g].c.get());
+            INFO("node" << g << ": " << why);
+            CHECK(rc == -ECONNABORTED);
+            CHECK_THAT(why, Catch::Contains("node1") && Catch::Contains("left"));
+        }
+        CHECK(Clock::now() - s < 3s);  // not the op timeout (5 s)
+        tr.clear();
+        tr = join_ranked(c, "solo-a2a", locals, ranks, 40 << 20);
+        REQUIRE(tr.size() == 4);
+    }
+    SECTION("node1 submits blocks half the size: every host fails it as a mismatch; the group goes on") {
+        std::vector<uint64_t> t;
+        for (size_t g = 0; g < 4; ++g) t.push_back(submit(g, g == 1 ? k / 2 : k));
+        for (size_t g = 0; g < 4; ++g) {
+            const int rc = ringd_wait(tr[g].c.get(), t[g], 20000);
+            const std::string why = ringd_last_error(tr[g].c.get());
+            INFO("node" << g << ": " << why);
+            CHECK(rc == -EINVAL);
+            CHECK_THAT(why, Catch::Contains("mismatch") && Catch::Contains("node1"));
+        }
+    }
+    for (uint64_t seed = 20; seed < 23; ++seed) {
+        const Verdict v = run_a2a(tr, seed % 2 ? DType::F64 : DType::I32, 200001, seed, seed == 21);
+        CHECK(v.wrong == 0);
+        CHECK(v.guard == 0);
+    }
+    CHECK(c.status(0)["ring"]["generation"].get<uint64_t>() == generation);  // no ring generation ended
+    REQUIRE(job_moves(job));
+    check_clean(job.stop());
+}
+
 TEST_CASE("a host SIGKILLed while the others wait in an all_to_all: they fail within a second naming it; the "
           "restarted job's all_to_all is exact",
           "[cluster][collectives][faults]") {
