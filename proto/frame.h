@@ -60,8 +60,8 @@ inline constexpr uint16_t kPeerProtocolOldest = 7;
 inline constexpr uint16_t kGenerationProtocolVersion = 9;  // RingReady / RingStart carry the protocol
 inline constexpr uint16_t kCollectivesProtocol = 10;  // reduce_scatter and allgather across hosts
 inline constexpr uint16_t kRootedProtocol = 11;       // broadcast, reduce and barrier across hosts
-inline constexpr uint16_t kWireProtocol = 11;
-inline constexpr uint16_t kMeshProtocol = 12;         // mesh data streams; all_to_all over the data links         // compressed wires (an op report's wire: its dtype word's bits 8-15)
+inline constexpr uint16_t kWireProtocol = 11;         // compressed wires (an op report's wire: its dtype word's bits 8-15)
+inline constexpr uint16_t kMeshProtocol = 12;         // mesh data streams; all_to_all over the data links
 inline constexpr uint16_t kPeerBaseVersion = 6;  // the layout version of every peer frame but the handshake's
 inline constexpr size_t kFrameHeaderBytes = 16;
 

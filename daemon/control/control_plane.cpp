@@ -750,8 +750,10 @@ bool ControlPlane::links_up() const {
 }
 
 bool ControlPlane::mesh_with(uint32_t peer) const {
+    // (Every host at 12, as far as this one's control connections say: a ring with an older host
+    // runs its generation below 12, where mesh streams would only be made to be left unused.)
     return config_.transport == "tcp" && n_ > 3 && peer < n_ && peer != self_ && peer != next() && peer != prev() &&
-           peers_[peer].control && peers_[peer].protocol >= proto::kMeshProtocol;
+           peers_[peer].control && peers_[peer].protocol >= proto::kMeshProtocol && protocol() >= proto::kMeshProtocol;
 }
 
 uint64_t &ControlPlane::mesh_stream(uint32_t peer, uint32_t stream) {
@@ -843,18 +845,17 @@ void ControlPlane::on_ring_start(uint64_t g, uint16_t protocol) {
         id = 0;
     }
     // Mesh data streams: handed over in a generation that runs all_to_all on them (every host
-    // speaks 12), else closed (each generation makes its own).
+    // speaks 12). Others stay here until the generation ends (abort_ring closes them, and each
+    // generation makes its own): closed now, the peer could see them go before its own RingStart
+    // and take its links for broken.
     std::vector<DataSockets> mesh;
     for (auto &[peer, ids] : mesh_) {
         const bool use = protocol >= proto::kMeshProtocol && mesh_with(peer);
+        if (!use) continue;
         DataSockets d;
         d.peer = peer;
         for (uint64_t &id : ids) {
             if (!id) continue;
-            if (!use) {
-                close_conn(id);
-                continue;
-            }
             ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, conns_.at(id)->fd.get(), nullptr);
             d.rails.push_back(rail_of(static_cast<uint32_t>(&id - ids.data())));
             d.fds.push_back(std::move(conns_.at(id)->fd));
@@ -862,7 +863,7 @@ void ControlPlane::on_ring_start(uint64_t g, uint16_t protocol) {
             conns_.erase(id);
             id = 0;
         }
-        if (use) mesh.push_back(std::move(d));
+        mesh.push_back(std::move(d));
     }
     ring_up_ = true;
     links_ready_ = false;

@@ -36,6 +36,7 @@
 
 #include "daemon/engine/all_to_all.h"
 #include "daemon/transport/transport.h"
+#include "proto/frame.h"
 #include "proto/types.h"
 
 namespace ringd {
@@ -72,13 +73,23 @@ public:
 
     AllToAllEngine(Transport &transport, int spin_us) : t_(transport), spin_us_(spin_us) {}
 
-    // The staging an op needs: both ways' counts and one piece to drop into.
+    // The staging an op needs: both ways' counts and one piece to drop into; and the most any op
+    // of a ring of `hosts` needs (each host's local ranks at most proto::kMaxLocalSize).
     static uint64_t staging_bytes(std::span<const std::vector<uint32_t>> host_ranks, uint32_t self);
+    static uint64_t staging_bound(uint32_t hosts) {
+        return kPieceBytes + 2 * uint64_t{hosts} * (8 + 8 * uint64_t{proto::kMaxLocalSize} * proto::kMaxLocalSize);
+    }
 
     // Until every block is in place and every peer has everything this host sent (Ok), a link
     // fails or the deadline passes (error, naming the host). Counts that differ (this host's
     // ranks' with a peer's, or with each other) complete the op's messages and set *op_error.
     Status run(const AllToAllOp &op, std::chrono::steady_clock::time_point deadline, std::string *op_error);
+    // After run(): whether the op sent its blocks to the host of `link` by reference.
+    bool sent_by_reference(const Link *link) const {
+        for (const Way &w : out_)
+            if (w.link == link && w.by_reference) return true;
+        return false;
+    }
 
 private:
     // One direction with one peer: its blocks as (region, offset, bytes) in order, walked piece by

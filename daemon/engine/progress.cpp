@@ -152,15 +152,16 @@ void ProgressEngine::push_result(EngineResult r) {
 
 void ProgressEngine::count_resent() {
     uint64_t m = resent_messages_before_, b = resent_bytes_before_, h = held_before_;
-    std::vector<Link *> links(mesh_);
-    links.push_back(next_);
-    links.push_back(prev_ != next_ ? prev_ : nullptr);
-    for (Link *l : links)
+    auto add = [&](const Link *l) {
         if (l) {
             m += l->messages_resent();
             b += l->bytes_resent();
             h += l->messages_held();
         }
+    };
+    add(next_);
+    add(prev_ != next_ ? prev_ : nullptr);
+    for (const Link *l : mesh_) add(l);
     resent_messages_.store(m, std::memory_order_relaxed);
     resent_bytes_.store(b, std::memory_order_relaxed);
     held_messages_.store(h, std::memory_order_relaxed);
@@ -192,10 +193,21 @@ Status ProgressEngine::offer_rail_streams(uint64_t generation, bool to_next, uin
 
 // Between ops the links are still watched, so that a neighbour that goes away is noticed (and
 // the generation ends) before the next op needs it.
+void ProgressEngine::report_broken_links() {
+    if (link_failure_reported_ || !next_) return;
+    for (Link *l : links())
+        if (const auto &e = l->error()) {
+            link_failure_reported_ = true;
+            push_result(EngineResult{0, e->code, e->message, true, generation_, {}});
+            return;
+        }
+}
+
 void ProgressEngine::watch_idle_links() {
     std::vector<LinkEvent> events;
     (void)transport_->poll(events, 0);
     count_resent();
+    report_broken_links();
     for (const auto &e : events) {
         if (e.kind != LinkEvent::Kind::Failed || link_failure_reported_) continue;
         if (e.link != next_ && e.link != prev_ && std::find(mesh_.begin(), mesh_.end(), e.link) == mesh_.end()) continue;
@@ -229,6 +241,7 @@ void ProgressEngine::run() {
         switch (item.kind) {
         case Item::Kind::Work:
             push_result(item.work.ring ? execute_ring(item.work) : execute(item.work, &beat_ns_));
+            if (item.work.ring) report_broken_links();
             break;
         case Item::Kind::Up: {
             drop_links();
@@ -441,7 +454,8 @@ EngineResult ProgressEngine::execute_ring(EngineWork &w) {
     if (!s && s.error().code == -ECANCELED && solo) {
         // (An op this large may have sent from the trainer's slot by reference: ring_engine.h.)
         const bool by_reference = op.by_reference() && !next_->delivered_at_send_done();
-        if (drain_cancelled(w.op_tag, by_reference)) return done(-ECANCELED, s.error().message, false);
+        if (drain_cancelled(w.op_tag, by_reference ? std::vector<Link *>{next_} : std::vector<Link *>{}))
+            return done(-ECANCELED, s.error().message, false);
         const std::string peer = next_->peer();  // (the link goes with drop_links)
         link_failure_reported_ = true;
         drop_links();
@@ -517,7 +531,10 @@ EngineResult ProgressEngine::execute_all_to_all(EngineWork &w, bool solo) {
     a2a_received_ += recv - recv0;
     count_resent();
     if (!s && s.error().code == -ECANCELED && solo) {
-        if (drain_cancelled(w.op_tag, !links.empty() && !links[0]->delivered_at_send_done(), true)) return done(-ECANCELED, s.error().message, false);
+        std::vector<Link *> by_reference;  // (the ways its blocks went by reference)
+        for (Link *l : links)
+            if (a2a_->sent_by_reference(l)) by_reference.push_back(l);
+        if (drain_cancelled(w.op_tag, by_reference)) return done(-ECANCELED, s.error().message, false);
         link_failure_reported_ = true;
         drop_links();
         return done(-ECANCELED, "the cancelled all_to_all's messages did not leave within " +
@@ -543,7 +560,7 @@ std::vector<Link *> ProgressEngine::links() const {
     return v;
 }
 
-bool ProgressEngine::drain_cancelled(uint32_t op_tag, bool by_reference, bool all_to_all) {
+bool ProgressEngine::drain_cancelled(uint32_t op_tag, const std::vector<Link *> &fence) {
     // Receives from every host: the previous host's data and the next host's delivery marker (a
     // ring op), every host's data and markers (all_to_all).
     const std::vector<Link *> all = links();
@@ -552,8 +569,8 @@ bool ProgressEngine::drain_cancelled(uint32_t op_tag, bool by_reference, bool al
         l->set_floor(solo_tag_next(op_tag));
         // Pages sent by reference stay the trainer's until the peer has read them (or dropped
         // them): a fence behind them comes back once it has. (A ring op sends them to the next
-        // host only; an all_to_all to every host.)
-        if (by_reference && (all_to_all || l == next_)) l->fence(op_tag);
+        // host only; an all_to_all to each host it sent 32 MiB or more.)
+        if (std::find(fence.begin(), fence.end(), l) != fence.end()) l->fence(op_tag);
     }
     const auto until = Clock::now() + kCancelDrain;
     std::vector<LinkEvent> events;

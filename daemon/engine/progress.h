@@ -185,7 +185,11 @@ private:
     ProgressEngine() = default;
     // A cancelled op's sends are out (the next host drops them) and its receives are withdrawn;
     // false: not within kCancelDrain (the link is then treated as broken).
-    bool drain_cancelled(uint32_t op_tag, bool by_reference, bool all_to_all = false);
+    // `fence`: the links the op sent by reference on (their peers must have read or dropped it).
+    bool drain_cancelled(uint32_t op_tag, const std::vector<Link *> &fence);
+    // A link of the lane that failed while an op ran on others (its Failed event went to that
+    // op's wait): the generation ends, as for a failure seen while idle.
+    void report_broken_links();
     // The lane's links, each once: to the next host, from the previous one, the mesh's.
     std::vector<Link *> links() const;
     static constexpr auto kCancelDrain = std::chrono::seconds(5);
@@ -240,7 +244,6 @@ private:
     // by ring position (the next and previous host's, the mesh's): all_to_all's.
     std::vector<Link *> mesh_, peers_;
     std::vector<RegionHandle> a2a_regions_;
-    std::vector<uint64_t> a2a_in_, a2a_out_;
     std::vector<AllToAllLayout> a2a_layouts_;
     EngineResult execute_all_to_all(EngineWork &w, bool solo);
 
