@@ -2,8 +2,8 @@
 // the ring (the ring's own to the next and previous host, used both ways, and the mesh links to
 // the others: peer protocol 12, daemon/control/control_plane.h). Each block a local rank sends to
 // a rank on another host goes as messages of at most kPieceBytes straight from the sender's slot
-// into the receiver's (no staging, no copy in the daemons; TCP sends them by reference from the
-// trainer's memfd), every pair of hosts at once, both ways: each host's NIC carries its ranks'
+// into the receiver's (no staging, no copy by ringd; TCP sends 32 MiB or more to one host by
+// reference from the trainer's memfd), every pair of hosts at once, both ways: each host's NIC carries its ranks'
 // blocks for the other hosts once, the floor of an all_to_all. The host's own ranks' blocks to
 // each other are copied locally while the network runs.
 //
