@@ -134,6 +134,13 @@ void print_status(const nlohmann::json &j) {
         if (rails.size() > 1 && ring.value("resent_messages", 0) > 0)
             std::printf("  messages sent again on another rail: %s (%s)\n", std::to_string(ring.value("resent_messages", 0)).c_str(),
                         format_bytes(integer<uint64_t>(ring.at("resent_bytes"))).c_str());
+        // Where all_to_all runs, and what it moved over the data links.
+        if (ring.contains("all_to_all")) {
+            const json &a = ring.at("all_to_all");
+            std::printf("  all_to_all over the %s (%s mesh link(s)), %s out, %s in over the data links\n",
+                        a.value("path", "control connections").c_str(), std::to_string(a.value("mesh_links", 0)).c_str(),
+                        format_bytes(a.value("bytes_out", uint64_t{0})).c_str(), format_bytes(a.value("bytes_in", uint64_t{0})).c_str());
+        }
     };
     print_ring("ring", j.at("ring"));
     const json domains = j.value("domains", json::array());

@@ -187,6 +187,16 @@ std::string Daemon::metrics_text() const {
     for (const json *r : rings)
         if (r->contains("resent_messages") && r->contains("rails") && (*r)["rails"].size() > 1)
             e.sample("ringd_rail_resent_messages_total", {{"hosts", hosts_label(*r)}}, num(*r, "resent_messages"));
+    e.family("ringd_all_to_all_bytes_total", "counter",
+             "Bytes all_to_all moved over the data links to every host (peer protocol 12), out and in.");
+    for (const json *r : rings)
+        if (r->contains("all_to_all"))
+            for (const char *d : {"out", "in"})
+                e.sample("ringd_all_to_all_bytes_total", {{"hosts", hosts_label(*r)}, {"direction", d}},
+                         num((*r)["all_to_all"], d[0] == 'o' ? "bytes_out" : "bytes_in"));
+    e.family("ringd_mesh_links", "gauge", "Data links each lane has to hosts that are not ring neighbours (all_to_all's).");
+    for (const json *r : rings)
+        if (r->contains("all_to_all")) e.sample("ringd_mesh_links", {{"hosts", hosts_label(*r)}}, num((*r)["all_to_all"], "mesh_links"));
     e.family("ringd_wire_ops_total", "counter", "Ring ops by wire format (exact, or compressed: bf16, fp16, int8).");
     for (const json *r : rings)
         if (r->contains("wire"))

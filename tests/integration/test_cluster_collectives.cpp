@@ -328,6 +328,11 @@ TEST_CASE("all_to_all on 5 hosts over the mesh links: every pair of hosts exchan
         CHECK(j["ring"]["all_to_all"]["mesh_links"] == 2);
         CHECK(j["ring"]["all_to_all"]["bytes_out"].get<uint64_t>() > (1u << 20));
     }
+    // ringctl says it in words.
+    const auto r = run_command(env_or("RINGCTL_BIN", "build/client/ringctl") + " --socket " + c.d[3]->socket() + " status 2>&1");
+    INFO(r.output);
+    CHECK(r.exit_code == 0);
+    CHECK_THAT(r.output, Catch::Contains("all_to_all over the data links (2 mesh link(s))"));
 }
 
 TEST_CASE("all_to_all on 2 hosts x 4 ranks: 32 MiB of blocks to the other host go by reference, confirmed before "
