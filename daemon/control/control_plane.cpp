@@ -713,7 +713,8 @@ void ControlPlane::promote_up(Conn &c, const proto::PeerHello &h, uint64_t peer_
     } else if (c.kind == proto::ConnKind::Mesh) {
         (void)watch(c.fd.get(), id, EPOLLRDHUP);
         if (!c.dialer) {
-            if (ring_up_) abort_ring("host " + p.host.name + " re-formed its mesh data links");
+            // (A generation below 12 does not use them: one made while it formed may come in now.)
+            if (ring_up_ && generation_protocol_ >= proto::kMeshProtocol) abort_ring("host " + p.host.name + " re-formed its mesh data links");
             uint64_t &slot = mesh_stream(peer, c.stream);
             if (slot && slot != id) close_conn(slot);
             slot = id;
@@ -732,14 +733,14 @@ void ControlPlane::promote_up(Conn &c, const proto::PeerHello &h, uint64_t peer_
     maybe_ring_up();
 }
 
-bool ControlPlane::links_up() const {
+bool ControlPlane::links_up(bool mesh) const {
     for (uint32_t i = 0; i < n_; ++i)
         if (i != self_ && !peers_[i].control) return false;
     for (uint64_t id : data_out_)
         if (!id || conns_.at(id)->state != ConnState::Up) return false;
     for (uint64_t id : data_in_)
         if (!id) return false;
-    for (uint32_t j = 0; j < n_; ++j) {
+    for (uint32_t j = 0; j < n_ && mesh; ++j) {
         if (!mesh_with(j)) continue;
         auto m = mesh_.find(j);
         if (m == mesh_.end()) return false;
@@ -752,8 +753,10 @@ bool ControlPlane::links_up() const {
 bool ControlPlane::mesh_with(uint32_t peer) const {
     // (Every host at 12, as far as this one's control connections say: a ring with an older host
     // runs its generation below 12, where mesh streams would only be made to be left unused.)
-    return config_.transport == "tcp" && n_ > 3 && peer < n_ && peer != self_ && peer != next() && peer != prev() &&
-           peers_[peer].control && peers_[peer].protocol >= proto::kMeshProtocol && protocol() >= proto::kMeshProtocol;
+    if (config_.transport != "tcp" || n_ <= 3 || peer >= n_ || peer == self_ || peer == next() || peer == prev()) return false;
+    for (uint32_t i = 0; i < n_; ++i)  // (protocol() counts only the hosts connected now)
+        if (i != self_ && !peers_[i].control) return false;
+    return peers_[peer].protocol >= proto::kMeshProtocol && protocol() >= proto::kMeshProtocol;
 }
 
 uint64_t &ControlPlane::mesh_stream(uint32_t peer, uint32_t stream) {
@@ -818,7 +821,7 @@ void ControlPlane::on_ring_start(uint64_t g, uint16_t protocol) {
     if (ring_up_ && g == generation_) return;
     if (ring_up_) abort_ring("the coordinator started ring generation " + std::to_string(g));
     if (g <= aborted_max_) return;  // a host ended it already (its RingAbort came first)
-    if (!links_up()) {
+    if (!links_up(protocol >= proto::kMeshProtocol)) {
         // This host's links broke after it said they were up: the generation ends everywhere.
         aborted_max_ = g;
         const std::string why = "host " + peers_[self_].host.name + ": its links to the ring were not up any more";

@@ -309,7 +309,8 @@ private:
     void end_resume(Peer &p);  // the ring is over: held frames go as they are, the old log is dropped
     void abort_ring(const std::string &why, bool tell_peers = true);
     void maybe_ring_up();
-    bool links_up() const;
+    // `mesh`: the mesh streams count (not for a generation below 12, which does not use them).
+    bool links_up(bool mesh = true) const;
     void tell_ready();
     void on_ring_ready(uint32_t peer, const proto::RingReady &r);
     void maybe_start();

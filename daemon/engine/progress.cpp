@@ -194,13 +194,17 @@ Status ProgressEngine::offer_rail_streams(uint64_t generation, bool to_next, uin
 // Between ops the links are still watched, so that a neighbour that goes away is noticed (and
 // the generation ends) before the next op needs it.
 void ProgressEngine::report_broken_links() {
-    if (link_failure_reported_ || !next_) return;
-    for (Link *l : links())
-        if (const auto &e = l->error()) {
-            link_failure_reported_ = true;
-            push_result(EngineResult{0, e->code, e->message, true, generation_, {}});
-            return;
-        }
+    if (link_failure_reported_ || !next_ || aborted_generation_.load(std::memory_order_acquire) >= generation_) return;
+    auto broken = [&](const Link *l) {
+        const auto &e = l ? l->error() : std::nullopt;
+        if (!e) return false;
+        link_failure_reported_ = true;
+        push_result(EngineResult{0, e->code, e->message, true, generation_, {}});
+        return true;
+    };
+    if (broken(next_) || broken(prev_)) return;
+    for (const Link *l : mesh_)
+        if (broken(l)) return;
 }
 
 void ProgressEngine::watch_idle_links() {

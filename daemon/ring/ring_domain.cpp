@@ -50,9 +50,10 @@ Status RingDomain::setup(UniqueFd listener) {
     ring_options.chunk_bytes = config_.tuning.chunk_bytes;
     ring_options.depth = config_.tuning.depth;
     ring_options.spin_us = config_.poll == PollMode::Busy ? -1 : config_.poll == PollMode::Event ? 0 : 50;
-    // (and an all_to_all's: a piece to drop into and every peer's counts, both ways)
-    const uint64_t staging_bytes = std::max(RingEngine::staging_bytes(ring_options),
-                                            AllToAllEngine::staging_bound(static_cast<uint32_t>(config_.hosts.size())));
+    // (and over TCP an all_to_all's: a piece to drop into and every peer's counts, both ways)
+    const uint64_t staging_bytes =
+        std::max(RingEngine::staging_bytes(ring_options),
+                 config_.transport == "tcp" ? AllToAllEngine::staging_bound(static_cast<uint32_t>(config_.hosts.size())) : 0);
     for (uint32_t k = 0; k < std::max<uint32_t>(1, config_.tuning.lanes); ++k) {
         auto l = std::make_unique<Lane>();
         if (whole_ring() && k == 0 && !sh_.transport_taken) {
