@@ -2,7 +2,7 @@
 // the ring (the ring's own to the next and previous host, used both ways, and the mesh links to
 // the others: peer protocol 12, daemon/control/control_plane.h). Each block a local rank sends to
 // a rank on another host goes as messages of at most kPieceBytes straight from the sender's slot
-// into the receiver's (no staging, no copy by ringd; TCP sends 32 MiB or more to one host by
+// into the receiver's (no staging, no copy by ringd; TCP sends a MiB or more to one host by
 // reference from the trainer's memfd), every pair of hosts at once, both ways: each host's NIC carries its ranks'
 // blocks for the other hosts once, the floor of an all_to_all. The host's own ranks' blocks to
 // each other are copied locally while the network runs.
@@ -14,7 +14,7 @@
 //   1, 2, ...    the blocks, sender's local rank major, then receiver's, each cut into pieces of
 //                kPieceBytes (the last one shorter); an empty block has none
 //   kDone        (the other way; only when the flags say by reference: TCP sends the slot's pages
-//                of 32 MiB or more to a host so) empty, sent once everything from the peer is
+//                of a MiB or more to a host so) empty, sent once everything from the peer is
 //                in: the peer's slot is read no more, and its op may end. Smaller blocks are copied
 //                into the socket, and the op ends without waiting on the peer's reading.
 // The receiver posts the blocks' receives once the counts are in and match its own ranks' (both
@@ -69,7 +69,12 @@ public:
     // Pieces of each peer's blocks posted at a time, each way (the rest as they complete).
     static constexpr uint32_t kWindow = 16;
     // Blocks to one host of at least this many bytes in all go by reference (and are confirmed).
-    static constexpr uint64_t kByReferenceBytes = 32 << 20;
+    // Unlike the ring's (RingEngine::kConfirmBytes, 32 MiB), where the marker makes an op end one
+    // hop later, every host of an all_to_all waits for its peers' blocks anyway, and their done
+    // messages come about as those do: from a piece on, the copy saved outweighs the wait
+    // (docs/perf.md, "all_to_all by reference"). Each sender decides and its flags say it, so
+    // hosts of another threshold pair.
+    static constexpr uint64_t kByReferenceBytes = kPieceBytes;
 
     AllToAllEngine(Transport &transport, int spin_us) : t_(transport), spin_us_(spin_us) {}
 

@@ -335,8 +335,8 @@ TEST_CASE("all_to_all on 5 hosts over the mesh links: every pair of hosts exchan
     CHECK_THAT(r.output, Catch::Contains("all_to_all over the data links (2 mesh link(s))"));
 }
 
-TEST_CASE("all_to_all on 2 hosts x 4 ranks: 32 MiB of blocks to the other host go by reference, confirmed before "
-          "the op ends; smaller ones are copied; every value and guard byte exact",
+TEST_CASE("all_to_all on 2 hosts x 4 ranks: a MiB of blocks or more to the other host go by reference, confirmed "
+          "before the op ends; less is copied; every value and guard byte exact",
           "[cluster][collectives]") {
     TestCluster c(2, "10s");
     REQUIRE(c.wait_up());
@@ -349,14 +349,22 @@ TEST_CASE("all_to_all on 2 hosts x 4 ranks: 32 MiB of blocks to the other host g
     CHECK(v.input_changed == 0);
     const uint64_t ref = c.status(0)["ring"]["all_to_all"]["by_reference_bytes"].get<uint64_t>();
     CHECK(ref >= (32u << 20));
-    // The same slots again at once, then a smaller op, copied (the count stays).
+    // The same slots again at once, then split sizes of less than a MiB to the other host in all
+    // (16 blocks of at most 3 x 10007 + 1 bf16): copied, the count stays.
     v = run_a2a(tr, DType::F32, 1 << 19, 12, true);
     CHECK(v.wrong == 0);
     CHECK(v.guard == 0);
-    v = run_a2a(tr, DType::BF16, 100003, 13, false);
+    const uint64_t out = c.status(0)["ring"]["all_to_all"]["bytes_out"].get<uint64_t>();
+    v = run_a2a(tr, DType::BF16, 10007, 13, false);
     CHECK(v.wrong == 0);
     CHECK(v.guard == 0);
+    CHECK(c.status(0)["ring"]["all_to_all"]["bytes_out"].get<uint64_t>() > out);
     CHECK(c.status(0)["ring"]["all_to_all"]["by_reference_bytes"].get<uint64_t>() == 2 * ref);
+    // Just over a MiB to the other host (16 blocks of 16385 f32): by reference.
+    v = run_a2a(tr, DType::F32, 16385, 14, true);
+    CHECK(v.wrong == 0);
+    CHECK(v.guard == 0);
+    CHECK(c.status(0)["ring"]["all_to_all"]["by_reference_bytes"].get<uint64_t>() == 2 * ref + 16 * 16385 * 4);
     CHECK(c.status(1)["ring"]["generation"] == 1);
 }
 
