@@ -30,6 +30,18 @@ Result<SlotGeometry> slot_geometry(uint64_t data_bytes, uint32_t sq_depth, uint3
     return g;
 }
 
+Result<std::string> refusal(const SubmitDesc &d, uint64_t data_bytes) {
+    const std::string at = "op " + std::to_string(d.seq) + ": ";
+    if (d.flags != kSubmitRefused || d.collective >= kCollectiveCount || d.dtype != 0 || d.op != 0 || d.offset != 0 ||
+        d.out_offset != 0 || d.ranks != 0 || d.root != 0 || d.buffer_kind != 0 || d.splits_offset != 0 || d.wire != 0 ||
+        d.feedback_tag != 0 || d.cuda_reg != 0 || d.cuda_offset != 0 || d.cuda_ready_seq != 0 || d.cuda_out_reg != 0 ||
+        d.cuda_out_offset != 0 || d.cuda_block != 0 || d.cuda_part != 0)
+        return make_error(-EINVAL, at + "a refusal with fields other than its collective and the bytes it needed");
+    const std::string what(collective_name(static_cast<Collective>(d.collective)));
+    if (d.count == 0) return "it could not submit its " + what;
+    return "its " + what + " needs " + std::to_string(d.count) + " bytes of its slot, which has " + std::to_string(data_bytes);
+}
+
 Result<Submission> validate_submit(const SubmitDesc &d, uint64_t data_bytes, bool cuda_supported, WireFormat default_wire) {
     const std::string at = "op " + std::to_string(d.seq) + ": ";
     if (d.collective >= kCollectiveCount) return make_error(-EINVAL, at + "unknown collective " + std::to_string(d.collective));

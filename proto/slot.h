@@ -51,6 +51,9 @@ inline constexpr uint16_t kSlotFeatureCudaRooted = 128;
 // all_to_all of device buffers, equal blocks (cuda_block elements each; no split sizes), staged as
 // a reduce_scatter's input and an allgather's output are (a ringd without it refuses it: EINVAL).
 inline constexpr uint16_t kSlotFeatureCudaAllToAll = 256;
+// A refusal (flags kSubmitRefused): the rank cannot run its next op, which ringd fails on every rank
+// of the group, naming it (a ringd without it refuses the flag: EINVAL, the op's seq taken alike).
+inline constexpr uint16_t kSlotFeatureRefuse = 512;
 inline constexpr size_t kSlotHeaderBytes = 4096;
 inline constexpr size_t kSlotDataAlign = 4096;
 inline constexpr uint32_t kQueueDepth = 64;
@@ -163,6 +166,9 @@ static_assert(offsetof(SubmitDesc, wire) == 128 && offsetof(SubmitDesc, feedback
 static_assert(offsetof(SubmitDesc, root) == 112 && offsetof(SubmitDesc, splits_offset) == 120);
 inline constexpr uint32_t kSubmitSplits = 1;  // SubmitDesc::flags: splits_offset holds split sizes
 inline constexpr uint32_t kSubmitFeedback = 2;  // SubmitDesc::flags: error feedback under feedback_tag
+// SubmitDesc::flags: this rank refuses the op of its seq (the others submit it): `collective` says
+// which, `count` the slot bytes it needed (0: not said); every other field 0 (proto::refusal).
+inline constexpr uint32_t kSubmitRefused = 4;
 inline constexpr uint32_t kWireRequired = 0x100;  // SubmitDesc::wire: refused where it cannot apply
 static_assert(offsetof(SubmitDesc, collective) == 64 && offsetof(SubmitDesc, out_offset) == 72);
 static_assert(offsetof(SubmitDesc, cuda_out_reg) == 80 && offsetof(SubmitDesc, cuda_part) == 104);
@@ -236,6 +242,10 @@ Result<Submission> validate_submit(const SubmitDesc &d, uint64_t data_bytes, boo
 // its table out of the data area `data` once and sets the input's and output's byte counts from
 // it, both checked against the data area. Anything else: nothing to do.
 Status take_splits(Submission &s, const std::byte *data, uint64_t data_bytes, bool has_table);
+
+// A refusal (flags kSubmitRefused): why the rank refused its op, in words, for every rank of its
+// group (`data_bytes`: its slot's); an error where the descriptor is not a well-formed refusal.
+Result<std::string> refusal(const SubmitDesc &d, uint64_t data_bytes);
 
 // Fills a completion; the message is truncated to kCompletionMessageBytes.
 void fill_completion(CompletionDesc &c, uint64_t seq, int32_t status, std::string_view message);

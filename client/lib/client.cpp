@@ -356,6 +356,11 @@ int ringd_client::submit_desc(proto::SubmitDesc &d, uint64_t *ticket, bool cuda_
         return fail(-EBUSY, "slot bytes [" + std::to_string(from) + ", +" + std::to_string(bytes) +
                                 ") are the staging area of device op " + std::to_string(busy) +
                                 " in flight: wait for it or use other bytes");
+    return enqueue(d, ticket, cuda_op, from, bytes);
+}
+
+int ringd_client::enqueue(proto::SubmitDesc &d, uint64_t *ticket, bool cuda_op, uint64_t from, uint64_t bytes) {
+    d.seq = next_seq;
     if (int rc = check_room(); rc != 0) return rc;
     Ticket &t = tickets[d.seq % tickets.size()];
     t = Ticket{};
@@ -497,6 +502,26 @@ int ringd_submit_coll(ringd_client *c, const ringd_coll *coll, uint64_t *ticket)
             if (!rooted) d.count = d.offset = 0;   // (a barrier has no data)
         }
         return c->submit_desc(d, ticket, false);
+    } catch (const std::exception &e) {
+        return c->fail(-ENOMEM, e.what());
+    }
+}
+
+int ringd_refuse(ringd_client *c, ringd_collective collective, uint64_t needed_bytes, uint64_t *ticket) {
+    if (!c) return -EINVAL;
+    std::lock_guard lock(c->mu);
+    try {
+        if (c->dead) return c->still_dead();
+        if (!(c->header->features & proto::kSlotFeatureRefuse))
+            return c->fail(-ENOTSUP, "this ringd takes no refusals (an older release)");
+        if (collective < RINGD_ALLREDUCE || static_cast<uint32_t>(collective) >= kCollectiveCount)
+            return c->fail(-EINVAL, "ringd_refuse: " + std::to_string(static_cast<int>(collective)) + " is not a ringd_collective");
+        proto::SubmitDesc d{};
+        d.collective = static_cast<uint32_t>(collective);
+        d.count = needed_bytes;
+        d.flags = proto::kSubmitRefused;
+        c->drain_completions();
+        return c->enqueue(d, ticket, false, 0, 0);
     } catch (const std::exception &e) {
         return c->fail(-ENOMEM, e.what());
     }

@@ -129,6 +129,8 @@ struct ringd_client {
     void settle(Ticket &t);
     // Queues a descriptor built by an entry point (validated here again); its ticket in *ticket.
     int submit_desc(proto::SubmitDesc &d, uint64_t *ticket, bool cuda_op);
+    // Queues `d` (validated, or a refusal: no range) as the next seq over slot bytes [from, +bytes).
+    int enqueue(proto::SubmitDesc &d, uint64_t *ticket, bool cuda_op, uint64_t from, uint64_t bytes);
     // Writes `n` descriptors (their tickets set up, room in the queue checked) into the
     // submission queue, publishes them at once and rings the doorbell.
     void publish(const proto::SubmitDesc *descs, uint64_t n);

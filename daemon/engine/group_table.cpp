@@ -146,7 +146,7 @@ Status GroupTable::join(MemberId id, const std::string &name, uint32_t rank, uin
 void GroupTable::fail_seq(Group &g, uint64_t seq, int32_t code, const std::string &message,
                           std::vector<Completion> &out) {
     auto pit = g.pending.find(seq);
-    Failed f{message, std::vector<bool>(g.local_size, false)};
+    Failed f{message, std::vector<bool>(g.local_size, false), code};
     if (pit != g.pending.end()) {
         for (uint32_t r = 0; r < g.local_size; ++r) {
             if (!pit->second.by_rank[r]) continue;
@@ -190,7 +190,7 @@ void GroupTable::submit(MemberId id, const proto::Submission &s, Clock::time_poi
         return;
     }
     if (auto fit = g.failed.find(s.seq); fit != g.failed.end()) {
-        out.push_back({id, s.seq, -EIO, fit->second.message});
+        out.push_back({id, s.seq, fit->second.code, fit->second.message});
         fit->second.told[rank] = true;
         return;
     }
@@ -265,19 +265,23 @@ void GroupTable::submit(MemberId id, const proto::Submission &s, Clock::time_poi
     ready.push_back(std::move(run));
 }
 
-void GroupTable::reject(MemberId id, uint64_t seq, int32_t code, const std::string &why, std::vector<Completion> &out) {
-    out.push_back({id, seq, code, why});
+void GroupTable::reject(MemberId id, uint64_t seq, int32_t code, const std::string &why, std::vector<Completion> &out,
+                        bool refused) {
     auto mit = members_.find(id);
-    if (mit == members_.end()) return;
+    if (mit == members_.end()) {
+        out.push_back({id, seq, code, why});
+        return;
+    }
     Group &g = groups_.at(mit->second.group);
     const uint32_t rank = mit->second.local_rank;
+    const std::string message = "group " + g.name + " op " + std::to_string(seq) + ": " + who(rank) +
+                                (refused ? " refused it: " + why : " submitted an invalid op (" + why + ")");
+    out.push_back({id, seq, code, refused ? message : why});
     if (!g.broken.empty() || g.failed.count(seq)) return;
     auto [pit, fresh] = g.pending.try_emplace(seq);
     if (fresh) pit->second.by_rank.resize(g.local_size);
     if (pit->second.by_rank[rank]) return;  // duplicate seq; the client was told, the op stays
-    fail_seq(g, seq, code,
-             "group " + g.name + " op " + std::to_string(seq) + ": " + who(rank) + " submitted an invalid op (" + why + ")",
-             out);
+    fail_seq(g, seq, code, message, out);
     if (auto fit = g.failed.find(seq); fit != g.failed.end()) fit->second.told[rank] = true;
 }
 

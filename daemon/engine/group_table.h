@@ -7,6 +7,7 @@
 // Completion = "tell member M that its op `seq` ended with status/message"; OpRun = "start this".
 #pragma once
 
+#include <cerrno>
 #include <chrono>
 #include <cstdint>
 #include <deque>
@@ -135,9 +136,11 @@ public:
     const std::vector<uint32_t> *hosts_of(const std::string &group) const;
     void submit(MemberId id, const proto::Submission &s, Clock::time_point now, std::vector<Completion> &out,
                 std::vector<OpRun> &ready);
-    // The member's submission of `seq` was invalid: it gets `why`; the group's other ranks get an
-    // error naming it for that seq (now, or when they submit it).
-    void reject(MemberId id, uint64_t seq, int32_t code, const std::string &why, std::vector<Completion> &out);
+    // The member's submission of `seq` was invalid (`refused`: the member refused the op, `why`
+    // says why): it gets `why`; the group's other ranks get an error naming it for that seq (now,
+    // or when they submit it), and so do the other hosts' (take_failures).
+    void reject(MemberId id, uint64_t seq, int32_t code, const std::string &why, std::vector<Completion> &out,
+                bool refused = false);
     // The member disconnected: every pending or running op of its group fails with
     // "host H local rank R left", and the group refuses new ops until all its ranks are gone.
     // Then the name is free at once: the next join starts a new incarnation, while the old one's
@@ -216,6 +219,7 @@ private:
     struct Failed {
         std::string message;
         std::vector<bool> told;  // by rank
+        int32_t code = -EIO;     // what the ranks that submit it later get too
     };
     struct Group {
         std::string name;

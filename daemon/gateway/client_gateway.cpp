@@ -424,10 +424,26 @@ void ClientGateway::take_submissions(MemberId id) {
             continue;
         }
         c.accept_seq();
+        auto queue = staging_.find(id);
+        if (d.flags & proto::kSubmitRefused) {
+            // The rank cannot run this op (it does not fit its slot): every rank of the group fails
+            // it, naming this one, and the group goes on with the next (in order behind its device
+            // ops still staging).
+            auto why = proto::refusal(d, c.slot()->data_bytes());
+            const int32_t code = !why ? why.error().code : d.count ? -E2BIG : -ECANCELED;
+            const std::string text = why ? *why : why.error().message;
+            if (queue == staging_.end()) {
+                groups_.reject(id, d.seq, code, text, completions, static_cast<bool>(why));
+            } else {
+                Staged st{proto::Submission{}, now, Staged::Failed, false, make_error(code, text), static_cast<bool>(why)};
+                st.s.seq = d.seq;
+                queue->second.push_back(std::move(st));
+            }
+            continue;
+        }
         auto s = proto::validate_submit(d, c.slot()->data_bytes(), true, config_.wire.format);
         if (s)  // (an all_to_all's split sizes: copied out of the slot once, here)
             if (auto t = proto::take_splits(*s, c.slot()->data(), c.slot()->data_bytes(), true); !t) s = t.error();
-        auto queue = staging_.find(id);
         if (!s) {
             if (queue == staging_.end()) {
                 groups_.reject(id, d.seq, s.error().code, s.error().message, completions);
@@ -476,7 +492,7 @@ void ClientGateway::pump(MemberId id) {
         Staged &st = q.front();
         // The op's deadline counts from its submission, stage-in included (end to end).
         if (st.state == Staged::Ready) groups_.submit(id, st.s, st.accepted, done_, ready_);
-        else groups_.reject(id, st.s.seq, st.error.code, st.error.message, done_);
+        else groups_.reject(id, st.s.seq, st.error.code, st.error.message, done_, st.refused);
         q.pop_front();
     }
     if (q.empty()) staging_.erase(it);

@@ -122,6 +122,7 @@ private:
         enum State : uint8_t { Waiting, Ready, Failed } state = Ready;
         bool timed_out = false;  // its buffer was never marked ready: it fails once staged
         Error error{};
+        bool refused = false;  // Failed: the rank refused the op (proto::refusal), error says why
     };
     std::map<MemberId, std::deque<Staged>> staging_;
     Hooks hooks_;

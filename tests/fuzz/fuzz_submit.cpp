@@ -2,8 +2,8 @@
 // checked against a slot of any data size, as the daemon checks each copied descriptor. Whatever
 // it accepts lies inside the slot, aligned, with both ranges' byte counts exact, a device
 // reduce_scatter/allgather's part inside its block, a broadcast or reduce in place from or to one
-// of its ranks, and an all_to_all's ranges those of its split sizes. An input of odd size checks
-// as a ringd with CUDA.
+// of its ranks, and an all_to_all's ranges those of its split sizes; a refusal is only that. An
+// input of odd size checks as a ringd with CUDA.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -30,8 +30,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     std::memcpy(&d, data, std::min(size, sizeof d));
     uint64_t data_bytes = 1 << 20;
     if (size > sizeof d) std::memcpy(&data_bytes, data + sizeof d, std::min<size_t>(size - sizeof d, 8));
+    // A refusal (read before any validation, as the gateway does) is one of a known collective and
+    // nothing else; as a submission it is never accepted.
+    if (auto r = refusal(d, data_bytes); r && (d.flags != kSubmitRefused || d.collective >= kCollectiveCount || r->empty()))
+        __builtin_trap();
     auto s = validate_submit(d, data_bytes, (size & 1) != 0);
     if (!s) return 0;
+    if (d.flags & kSubmitRefused) __builtin_trap();
     if (s->cuda && s->splits_pending) __builtin_trap();  // (device buffers never have split sizes)
     if (s->splits_pending) {
         // An all_to_all's split sizes, read from a slot whose bytes are the rest of the input:

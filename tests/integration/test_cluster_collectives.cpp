@@ -336,7 +336,8 @@ TEST_CASE("all_to_all on 5 hosts over the mesh links: every pair of hosts exchan
 }
 
 TEST_CASE("all_to_all on 2 hosts x 4 ranks: a MiB of blocks or more to the other host go by reference, confirmed "
-          "before the op ends; less is copied; every value and guard byte exact",
+          "before the op ends; less is copied; every value and guard byte exact; a rank that refuses an op fails it "
+          "on every rank at once, named",
           "[cluster][collectives]") {
     TestCluster c(2, "10s");
     REQUIRE(c.wait_up());
@@ -365,6 +366,37 @@ TEST_CASE("all_to_all on 2 hosts x 4 ranks: a MiB of blocks or more to the other
     CHECK(v.wrong == 0);
     CHECK(v.guard == 0);
     CHECK(c.status(0)["ring"]["all_to_all"]["by_reference_bytes"].get<uint64_t>() == 2 * ref + 16 * 16385 * 4);
+    // node1's local rank 1 cannot run the next one (ringd_refuse: it would not fit its slot):
+    // every rank fails it at once, the refusing rank's local peers and the other host's, naming
+    // it; the group goes on.
+    const uint64_t k = 1 << 16;
+    std::vector<uint64_t> t(tr.size());
+    const auto s = Clock::now();
+    for (size_t g = 0; g < tr.size(); ++g) {
+        if (g == 5) {
+            REQUIRE(ringd_refuse(tr[g].c.get(), RINGD_ALL_TO_ALL, 987654321, &t[g]) == 0);
+            continue;
+        }
+        ringd_coll d{};
+        d.struct_size = sizeof d;
+        d.collective = RINGD_ALL_TO_ALL;
+        d.dtype = RINGD_F32;
+        d.count = k;
+        d.out_offset = 8 * 4 * k;
+        REQUIRE(ringd_submit_coll(tr[g].c.get(), &d, &t[g]) == 0);
+    }
+    for (size_t g = 0; g < tr.size(); ++g) {
+        const int rc = ringd_wait(tr[g].c.get(), t[g], 20000);
+        const std::string why = ringd_last_error(tr[g].c.get());
+        INFO("trainer " << g << ": " << why);
+        CHECK(rc == -E2BIG);
+        CHECK_THAT(why, Catch::Contains("node1 local rank 1 refused it: its all_to_all needs 987654321 bytes of its slot"));
+    }
+    CHECK(Clock::now() - s < 3s);  // not the op timeout (10 s)
+    v = run_a2a(tr, DType::F32, 1 << 16, 15, false);
+    CHECK(v.wrong == 0);
+    CHECK(v.guard == 0);
+    CHECK(c.status(1)["ring"]["generation"] == 1);
     CHECK(c.status(1)["ring"]["generation"] == 1);
 }
 
@@ -413,6 +445,22 @@ TEST_CASE("all_to_all on a solo lane over the mesh: a rank that leaves before it
         tr.clear();
         tr = join_ranked(c, "solo-a2a", locals, ranks, 40 << 20);
         REQUIRE(tr.size() == 4);
+    }
+    SECTION("node1 refuses the op (ringd_refuse) while the others' run: every host fails it at once, naming it; "
+            "the group goes on") {
+        const auto s = Clock::now();
+        std::vector<uint64_t> t(4);
+        for (size_t g : {0, 2, 3}) t[g] = submit(g, k);
+        for (uint32_t h : {0, 2, 3}) REQUIRE(c.wait_taken(h, "solo-a2a"));
+        REQUIRE(ringd_refuse(tr[1].c.get(), RINGD_ALL_TO_ALL, 0, &t[1]) == 0);
+        for (size_t g = 0; g < 4; ++g) {
+            const int rc = ringd_wait(tr[g].c.get(), t[g], 20000);
+            const std::string why = ringd_last_error(tr[g].c.get());
+            INFO("node" << g << ": " << why);
+            CHECK(rc == -ECANCELED);
+            CHECK_THAT(why, Catch::Contains("node1 local rank 0 refused it: it could not submit its all_to_all"));
+        }
+        CHECK(Clock::now() - s < 3s);  // not the op timeout (5 s)
     }
     SECTION("node1 submits blocks half the size: every host fails it as a mismatch; the group goes on") {
         std::vector<uint64_t> t;

@@ -32,7 +32,8 @@ Scenarios:
   spawn    mp.spawn with init_method tcp:// and file:// (one process that spawns two ranks)
   refused  a new_group one rank cannot join: an error on every rank, no rank left waiting; a
            large tensor of another size on some ranks fails every rank at once, and its group then
-           refuses further ops
+           refuses further ops; an all_to_all that does not fit one rank's slot fails it there and
+           (ringd_refuse) every other rank at once, and the group's next ops are exact
   (torch_check.sh runs "groups" with two slots per host (memory.max_slots): each process's groups
   share its one slot)
   part     a job on 2 hosts of 4 (torch_check.sh runs two such jobs at once): exact ops of its
@@ -353,6 +354,34 @@ def scenario_refused():
     later = dist.new_group(list(range(WORLD)))
     dist.all_reduce(t, group=later)
     check(bool((t == WORLD * WORLD).all()), "a new_group after a refused one")
+    # An all_to_all that does not fit rank 0's slot (4 MiB: it receives 3 x 1.6 MB) while the
+    # others' does (1.6 MB): rank 0 refuses it in its place (ringd_refuse), naming the slot, so
+    # that every other rank's op fails at once too, naming it, rather than at ringd's op timeout;
+    # the group goes on: its next all_to_all and all_reduce are exact on every rank.
+    a2a = dist.new_group(list(range(WORLD)))
+    big, small = 400000, 10
+    ins = [big if j == 0 and RANK != 0 else small for j in range(WORLD)]
+    outs = [big if RANK == 0 and i != 0 else small for i in range(WORLD)]
+    start = time.monotonic()
+    try:
+        dist.all_to_all_single(torch.empty(sum(outs)), torch.ones(sum(ins)), output_split_sizes=outs,
+                               input_split_sizes=ins, group=a2a)
+        fail("no error for an all_to_all that does not fit rank 0's slot")
+    except RuntimeError as e:
+        took = time.monotonic() - start
+        check("does not fit" in str(e) if RANK == 0 else "refused it: its all_to_all needs" in str(e),
+              f"the all_to_all's error: {e}")
+        check(took < OP_TIMEOUT_S / 2, f"the all_to_all failed after {took:.1f} s (op timeout {OP_TIMEOUT_S} s): {e}")
+    ins = [RANK * 10 + j + 1 for j in range(WORLD)]
+    outs = [i * 10 + RANK + 1 for i in range(WORLD)]
+    inp = torch.cat([torch.full((ins[j],), float(RANK * 100 + j)) for j in range(WORLD)])
+    out = torch.full((sum(outs),), -1.0)
+    dist.all_to_all_single(out, inp, output_split_sizes=outs, input_split_sizes=ins, group=a2a)
+    want = torch.cat([torch.full((outs[i],), float(i * 100 + RANK)) for i in range(WORLD)])
+    check(torch.equal(out, want), "the all_to_all after a refused one")
+    t = torch.full((100,), 1.0)
+    dist.all_reduce(t, group=a2a)
+    check(bool((t == WORLD).all()), "an all_reduce after a refused all_to_all")
     # A tensor of another size on the odd ranks (a user's error), in several ringd ops: every rank
     # fails at the first piece that does not pair, not after its other pieces waited out ringd's
     # op timeout; the group then takes no more ops (its ranks' pieces no longer pair); the

@@ -503,6 +503,36 @@ TEST_CASE("submit descriptors are validated with overflow-safe bounds", "[proto]
     }
 }
 
+TEST_CASE("a refusal says the collective and the slot bytes it needed, and nothing else", "[proto]") {
+    SubmitDesc d{};
+    d.seq = 9;
+    d.flags = kSubmitRefused;
+    d.collective = static_cast<uint32_t>(Collective::AllToAll);
+    d.count = 5000;
+    auto r = refusal(d, 4096);
+    REQUIRE(r.ok());
+    CHECK(*r == "its all_to_all needs 5000 bytes of its slot, which has 4096");
+    d.count = 0;
+    CHECK(*refusal(d, 4096) == "it could not submit its all_to_all");
+    // As a submission it is refused: only a refusal takes the flag (the gateway reads it first).
+    CHECK(validate_submit(d, 4096, false).error().code == -EINVAL);
+    SECTION("any other field, flag or collective: not a refusal") {
+        auto bad = [&](auto set) {
+            SubmitDesc e = d;
+            set(e);
+            auto x = refusal(e, 4096);
+            REQUIRE_FALSE(x.ok());
+            CHECK(x.error().code == -EINVAL);
+        };
+        bad([](SubmitDesc &e) { e.offset = 64; });
+        bad([](SubmitDesc &e) { e.dtype = 1; });
+        bad([](SubmitDesc &e) { e.ranks = 2; });
+        bad([](SubmitDesc &e) { e.flags |= kSubmitSplits; });
+        bad([](SubmitDesc &e) { e.cuda_part = 1; });
+        bad([](SubmitDesc &e) { e.collective = kCollectiveCount; });
+    }
+}
+
 TEST_CASE("completions truncate long messages", "[proto]") {
     CompletionDesc c;
     fill_completion(c, 9, -5, std::string(1000, 'x'));

@@ -147,6 +147,31 @@ TEST_CASE_METHOD(Fixture, "an invalid submission fails the op for the whole grou
     CHECK_THAT(out[1].message, Catch::Contains("local rank 0 submitted an invalid op (outside the slot)"));
 }
 
+TEST_CASE_METHOD(Fixture, "a refused op fails on every rank, naming the rank that refused it and why; the group goes on",
+                 "[group]") {
+    REQUIRE(table.join(1, "g", 0, 3, 0).ok());
+    REQUIRE(table.join(2, "g", 1, 3, 0).ok());
+    REQUIRE(table.join(3, "g", 2, 3, 0).ok());
+    table.submit(2, sub(1), t0, out, ready);  // before the refusal, and (rank 2) after it
+    table.reject(1, 1, -E2BIG, "its all_to_all needs 99 bytes of its slot, which has 64", out, true);
+    table.submit(3, sub(1), t0, out, ready);
+    REQUIRE(out.size() == 3);
+    for (const auto &c : out) {
+        CHECK(c.status == -E2BIG);
+        CHECK_THAT(c.message, Catch::Contains("group g op 1: host ") && Catch::Contains(" local rank 0 refused it: its "
+                                                                                        "all_to_all needs 99 bytes"));
+    }
+    CHECK(out[0].member == 1);
+    CHECK(out[1].member == 2);
+    CHECK(out[2].member == 3);
+    CHECK(ready.empty());
+    out.clear();
+    for (MemberId m : {1, 2, 3}) table.submit(m, sub(2), t0, out, ready);
+    CHECK(out.empty());
+    REQUIRE(ready.size() == 1);
+    CHECK(ready[0].seq == 2);
+}
+
 TEST_CASE_METHOD(Fixture, "shutdown fails everything", "[group]") {
     REQUIRE(table.join(1, "g", 0, 2, 0).ok());
     REQUIRE(table.join(2, "g", 1, 2, 0).ok());

@@ -164,6 +164,13 @@ typedef struct ringd_coll {
     uint64_t feedback_tag;
 } ringd_coll;
 RINGD_API int ringd_submit_coll(ringd_client *c, const ringd_coll *coll, uint64_t *ticket);
+/* This rank cannot run its next op, which the group's other ranks submit (e.g. an all_to_all whose
+ * split sizes do not fit its slot: needed_bytes, 0 if not said): ringd fails that op on every rank
+ * of the group, naming this one and why, and the group goes on with the op after it. Takes the
+ * op's place in this client's sequence like ringd_submit_coll; the ticket's wait returns -E2BIG
+ * (-ECANCELED without needed_bytes).
+ * -ENOTSUP from a ringd without it (an older release): nothing was taken. */
+RINGD_API int ringd_refuse(ringd_client *c, ringd_collective collective, uint64_t needed_bytes, uint64_t *ticket);
 /* The collectives this library submits through ringd_submit_coll: bit (1 << RINGD_x) for each
  * (a library without this function: allreduce, reduce_scatter and allgather). What a ringd runs
  * is in its status ("collectives"). */

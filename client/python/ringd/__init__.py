@@ -135,6 +135,9 @@ def _declare(lib):
     if hasattr(lib, "ringd_set_wire"):
         lib.ringd_set_wire.restype = ctypes.c_int
         lib.ringd_set_wire.argtypes = [c_client, ctypes.c_int]
+    if hasattr(lib, "ringd_refuse"):
+        lib.ringd_refuse.restype = ctypes.c_int
+        lib.ringd_refuse.argtypes = [c_client, ctypes.c_int, ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64)]
     if hasattr(lib, "ringd_note_copies"):
         lib.ringd_note_copies.restype = None
         lib.ringd_note_copies.argtypes = [c_client, ctypes.c_uint64, ctypes.c_uint64]
@@ -345,6 +348,20 @@ class Client:
             d.feedback, d.feedback_tag = 1, int(feedback_tag) & 0xFFFFFFFFFFFFFFFF
         t = ctypes.c_uint64(0)
         self._check(self._lib.ringd_submit_coll(self._handle(), ctypes.byref(d), ctypes.byref(t)))
+        return t.value
+
+    def refuses(self):
+        """Whether this library has refusals (refuse; the ringd it talks to may still not)."""
+        return hasattr(self._lib, "ringd_refuse")
+
+    def refuse(self, collective, needed_bytes=0):
+        """Refuses this rank's next op (ringd_refuse): ringd fails it on every rank of the group,
+        naming this one and the slot bytes it needed, and the group goes on. Returns its ticket
+        (its wait raises E2BIG); RingdError ENOTSUP where this library or ringd has no refusals."""
+        if not hasattr(self._lib, "ringd_refuse"):
+            raise RingdError(-errno.ENOTSUP, "this libringd-client has no ringd_refuse")
+        t = ctypes.c_uint64(0)
+        self._check(self._lib.ringd_refuse(self._handle(), COLLECTIVES[collective], int(needed_bytes), ctypes.byref(t)))
         return t.value
 
     def wait(self, ticket, timeout_ms=-1):

@@ -167,12 +167,21 @@ class _Engine(DeviceOps):
         total = (src.numel() + flat.numel()) * esize + 64 + 16 * n
         cut = not (in_splits or out_splits) and self.taper  # in parts of at most max_chunk: they fit
         if total > self.ps.bytes and not cut:
-            # The other ranks submit it: this rank's ops no longer pair with theirs.
+            # The other ranks submit it. This rank refuses it in its place in the sequence, so that
+            # ringd fails it on every rank at once, naming this one, and the group goes on; a
+            # library or ringd without refusals leaves the others waiting their op timeout, and
+            # this rank's next ops would pair with their earlier ones: the group is unusable.
             why = (f"ringd: an all_to_all of {src.numel() * esize} bytes in and {flat.numel() * esize} out "
                    f"does not fit the {self.ps.bytes}-byte slot (set RINGD_SLOT_BYTES higher)")
-            with self.lock:
-                self.dead = self.dead or f"{why}; this process group cannot be used any more: restart the job"
-            raise RuntimeError(why)
+            if not self.client.refuses():
+                with self.lock:
+                    self.dead = self.dead or f"{why}; this process group cannot be used any more: restart the job"
+                raise RuntimeError(why)
+            opf = _compat.OpFuture()
+            rec = _Op(None, None, False, opf, [], "sum", _DTYPES[out.dtype])
+            rec.collective, rec.refused = "refuse", total
+            self._queue(rec)
+            raise RuntimeError(why + "; the group's other ranks fail this all_to_all too, and the group goes on")
         opf = _compat.OpFuture()
         rec = _Op(given, flat, not contiguous, opf, result, "sum", dtype)
         rec.collective, rec.src = "all_to_all", src
@@ -304,7 +313,7 @@ class _Engine(DeviceOps):
         where its tensors lie in the slot (lent by allocate), or None (the copying path): an op of
         one chunk — the same ringd op the copying path would submit, so that the ranks pair.
         Holding the lock."""
-        if rec.collective in _ROOTED or rec.collective == "all_to_all":
+        if rec.collective in _ROOTED or rec.collective in ("all_to_all", "refuse"):
             return None
         esize = rec.flat.element_size()
         if rec.collective is None:
@@ -358,6 +367,8 @@ class _Engine(DeviceOps):
             rec = None  # (its tensors are the caller's again: lent ones free once the caller lets go)
 
     def _submit(self, rec):
+        if rec.collective == "refuse":
+            return self._submit_refusal(rec)
         if rec.collective == "all_to_all":
             return self._submit_a2a(rec)
         if rec.collective in _ROOTED:
@@ -525,6 +536,19 @@ class _Engine(DeviceOps):
         except BaseException as e:
             self._submit_failed(rec, 0, e)
 
+    def _submit_refusal(self, rec):
+        """An all_to_all this rank cannot run, refused in its place (ringd_refuse: every rank's op
+        fails, naming this one). The refusal's completion ends `rec`, which nobody waits for."""
+        try:
+            with self.lock:
+                ticket = self._submit_coll_locked("refuse", rec.refused, rec.dtype, "sum", 0, 0)
+                rec.chunks_left += 1
+                rec.submitted_all = True
+                self.inflight[ticket] = (rec, None, None, None, 0)
+                self.room.notify_all()
+        except BaseException as e:
+            self._submit_failed(rec, 0, e)
+
     def _submit_a2a_parts(self, rec, parts):
         """An all_to_all of equal blocks of k elements as one ringd op per part [a, a + m) of every
         block (parts: the m's, the allreduce's cut of k, so every rank cuts alike): each op's input
@@ -630,6 +654,8 @@ class _Engine(DeviceOps):
                 if collective == "allreduce":
                     return self._submit_allreduce(rec, in_offset, count) if rec is not None else \
                         self.client.submit(in_offset, count, dtype, op)
+                if collective == "refuse":  # (count: the slot bytes the all_to_all needed)
+                    return self.client.refuse("all_to_all", count)
                 if splits is not None:  # all_to_all: (send counts, receive counts, table offset)
                     return self.client.submit_coll(collective, count, dtype, op, in_offset, out_offset, 0, splits[0],
                                                    splits[1], splits[2])

@@ -215,6 +215,7 @@ class _Op:
         self.blocks = self.block = 0
         self.root = 0  # broadcast, reduce (collective "broadcast", "reduce"; "barrier" has no tensor)
         self.splits = None  # all_to_all: (send counts, receive counts), or None: equal blocks
+        self.refused = 0  # collective "refuse": the slot bytes of the all_to_all this rank refuses
         # An allreduce's own wire (None: the group's) and error-feedback key (None: none); its
         # ringd ops' keys are (feedback_tag << 20) + the op's chunk number.
         self.wire = None
