@@ -146,7 +146,8 @@ Status GroupTable::join(MemberId id, const std::string &name, uint32_t rank, uin
 void GroupTable::fail_seq(Group &g, uint64_t seq, int32_t code, const std::string &message,
                           std::vector<Completion> &out) {
     auto pit = g.pending.find(seq);
-    Failed f{message, std::vector<bool>(g.local_size, false), code};
+    // (Ranks that submit it later did not time out: the op failed before they came.)
+    Failed f{message, std::vector<bool>(g.local_size, false), code == -ETIMEDOUT ? -EIO : code};
     if (pit != g.pending.end()) {
         for (uint32_t r = 0; r < g.local_size; ++r) {
             if (!pit->second.by_rank[r]) continue;
@@ -263,6 +264,18 @@ void GroupTable::submit(MemberId id, const proto::Submission &s, Clock::time_poi
     g.running[run.op_id] = Running{s.seq, s.bytes, run.members, {}, {}, "none", run.submitted};
     g.pending.erase(pit);
     ready.push_back(std::move(run));
+}
+
+std::vector<LocalFailure> GroupTable::take_failures() {
+    std::vector<LocalFailure> out, held;
+    for (auto &f : failures_) {
+        auto it = groups_.find(f.group);
+        const bool waits = f.seq != proto::kIncarnationEnds && it != groups_.end() && it->second.local_id == f.local_id &&
+                           !it->second.pending.empty() && it->second.pending.begin()->first < f.seq;
+        (waits ? held : out).push_back(std::move(f));
+    }
+    failures_ = std::move(held);
+    return out;
 }
 
 void GroupTable::reject(MemberId id, uint64_t seq, int32_t code, const std::string &why, std::vector<Completion> &out,

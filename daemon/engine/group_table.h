@@ -136,9 +136,10 @@ public:
     const std::vector<uint32_t> *hosts_of(const std::string &group) const;
     void submit(MemberId id, const proto::Submission &s, Clock::time_point now, std::vector<Completion> &out,
                 std::vector<OpRun> &ready);
-    // The member's submission of `seq` was invalid (`refused`: the member refused the op, `why`
-    // says why): it gets `why`; the group's other ranks get an error naming it for that seq (now,
-    // or when they submit it), and so do the other hosts' (take_failures).
+    // The member's submission of `seq` was invalid (it gets `why`), or (`refused`) the member
+    // refused the op, `why` saying why (it gets the group's message); the group's other ranks get
+    // an error naming it for that seq (now, or when they submit it), and so do the other hosts'
+    // (take_failures).
     void reject(MemberId id, uint64_t seq, int32_t code, const std::string &why, std::vector<Completion> &out,
                 bool refused = false);
     // The member disconnected: every pending or running op of its group fails with
@@ -197,8 +198,12 @@ public:
     void for_each_local_id(F &&f) const {
         for (const auto &[name, g] : groups_) f(name, g.local_id);
     }
-    // Ops that failed locally since the last call, in the order they failed.
-    std::vector<LocalFailure> take_failures() { return std::exchange(failures_, {}); }
+    // Ops that failed locally since the last call, in the order they failed — each once no lower
+    // seq of its incarnation waits for a local rank here any more (it became ready or failed
+    // here), so that the other hosts hear of it after this host's earlier ops: a failure reported
+    // first would put this host past them (the coordinator then fails them as skipped, a solo
+    // lane raises its floor over them). Held ones come at a later call.
+    std::vector<LocalFailure> take_failures();
 
 private:
     struct Pending {
@@ -219,7 +224,7 @@ private:
     struct Failed {
         std::string message;
         std::vector<bool> told;  // by rank
-        int32_t code = -EIO;     // what the ranks that submit it later get too
+        int32_t code = -EIO;     // what the ranks that submit it later get (EIO for a timed-out op)
     };
     struct Group {
         std::string name;

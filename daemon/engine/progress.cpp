@@ -573,7 +573,7 @@ bool ProgressEngine::drain_cancelled(uint32_t op_tag, const std::vector<Link *> 
         l->set_floor(solo_tag_next(op_tag));
         // Pages sent by reference stay the trainer's until the peer has read them (or dropped
         // them): a fence behind them comes back once it has. (A ring op sends them to the next
-        // host only; an all_to_all to each host it sent 32 MiB or more.)
+        // host only; an all_to_all to each host it sent a MiB or more.)
         if (std::find(fence.begin(), fence.end(), l) != fence.end()) l->fence(op_tag);
     }
     const auto until = Clock::now() + kCancelDrain;

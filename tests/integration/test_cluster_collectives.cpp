@@ -397,6 +397,70 @@ TEST_CASE("all_to_all on 2 hosts x 4 ranks: a MiB of blocks or more to the other
     CHECK(v.wrong == 0);
     CHECK(v.guard == 0);
     CHECK(c.status(1)["ring"]["generation"] == 1);
+}
+
+TEST_CASE("a rank refuses the op after one its local peer has not submitted yet: the earlier op runs exact "
+          "everywhere, the refused one fails on every rank at once, and the group goes on",
+          "[cluster][collectives]") {
+    // lanes 1: every ring op on the shared lane, through the coordinator's start; 2: the group's
+    // own solo lane, whose hosts start it in order by themselves.
+    const int lanes = GENERATE(1, 2);
+    INFO("tuning.lanes " << lanes);
+    TestCluster c(2, "10s", "tuning:\n  lanes: " + std::to_string(lanes) + "\n");
+    REQUIRE(c.wait_up());
+    auto tr = join_ranked(c, "late", {2, 2}, {0, 1, 2, 3}, 8 << 20);
+    REQUIRE(tr.size() == 4);
+    const uint64_t n = 1 << 18;  // 1 MiB of f32: a ring op
+    auto fill = [&](size_t g, float v) {
+        auto *f = reinterpret_cast<float *>(tr[g].slot);
+        for (uint64_t e = 0; e < n; ++e) f[e] = v;
+    };
+    auto wrong = [&](size_t g, float want) {
+        const auto *f = reinterpret_cast<const float *>(tr[g].slot);
+        uint64_t bad = 0;
+        for (uint64_t e = 0; e < n; ++e) bad += f[e] != want;
+        return bad;
+    };
+    for (int round = 0; round < 2; ++round) {  // (the second: the same again, after a refused op)
+        INFO("round " << round);
+        for (size_t g = 0; g < 4; ++g) fill(g, static_cast<float>(g + 1));
+        std::vector<uint64_t> first(4), second(4);
+        // node0's local rank 0 submits op 1 and refuses op 2 at once; its local rank 1 submits
+        // op 1 (and op 2) only 300 ms later; node1's ranks submit both at once.
+        REQUIRE(ringd_submit(tr[0].c.get(), 0, n, RINGD_F32, RINGD_SUM, &first[0]) == 0);
+        REQUIRE(ringd_refuse(tr[0].c.get(), RINGD_ALLREDUCE, 12345, &second[0]) == 0);
+        for (size_t g : {2, 3}) {
+            REQUIRE(ringd_submit(tr[g].c.get(), 0, n, RINGD_F32, RINGD_SUM, &first[g]) == 0);
+            REQUIRE(ringd_submit(tr[g].c.get(), 0, 16, RINGD_F32, RINGD_SUM, &second[g]) == 0);
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(300));
+        REQUIRE(ringd_submit(tr[1].c.get(), 0, n, RINGD_F32, RINGD_SUM, &first[1]) == 0);
+        REQUIRE(ringd_submit(tr[1].c.get(), 0, 16, RINGD_F32, RINGD_SUM, &second[1]) == 0);
+        for (size_t g = 0; g < 4; ++g) {
+            const int rc = ringd_wait(tr[g].c.get(), first[g], 20000);
+            INFO("trainer " << g << ": " << ringd_last_error(tr[g].c.get()));
+            CHECK(rc == 0);
+        }
+        const auto s = Clock::now();
+        for (size_t g = 0; g < 4; ++g) {
+            const int rc = ringd_wait(tr[g].c.get(), second[g], 20000);
+            const std::string why = ringd_last_error(tr[g].c.get());
+            INFO("trainer " << g << ": " << why);
+            CHECK(rc == -E2BIG);
+            CHECK_THAT(why, Catch::Contains("node0 local rank 0 refused it: its allreduce needs 12345 bytes"));
+        }
+        CHECK(Clock::now() - s < 3s);
+        for (size_t g = 0; g < 4; ++g) CHECK(wrong(g, 10.0f) == 0);  // op 1: 1 + 2 + 3 + 4
+    }
+    // The next ops pair: a ring op and a small one, exact.
+    std::vector<uint64_t> t(4);
+    for (size_t g = 0; g < 4; ++g) {
+        fill(g, 0.5f);
+        REQUIRE(ringd_submit(tr[g].c.get(), 0, n, RINGD_F32, RINGD_SUM, &t[g]) == 0);
+    }
+    for (size_t g = 0; g < 4; ++g) REQUIRE(ringd_wait(tr[g].c.get(), t[g], 20000) == 0);
+    for (size_t g = 0; g < 4; ++g) CHECK(wrong(g, 2.0f) == 0);
+    if (lanes == 2) CHECK(c.status(0)["ring"]["ops_ring_solo"].get<uint64_t>() >= 3);
     CHECK(c.status(1)["ring"]["generation"] == 1);
 }
 

@@ -144,8 +144,8 @@ class _Engine(DeviceOps):
         """all_to_all through ringd, one ringd op: `inp`'s blocks (in_splits elements each, in rank
         order; empty: equal blocks) to every rank, `out`'s from every rank (out_splits). With split
         sizes the input, the output and the sizes take one range of the slot (more than the slot:
-        refused, on this rank; the others' op then fails at ringd's op timeout); equal blocks go
-        in parts that fit (_submit_a2a_parts)."""
+        refused on this rank, which refuses it in ringd too, so the others' op fails at once); equal
+        blocks go in parts that fit (_submit_a2a_parts)."""
         dtype = _DTYPES[out.dtype]
         given = out.detach()
         contiguous = given.is_contiguous()
@@ -181,7 +181,7 @@ class _Engine(DeviceOps):
             rec = _Op(None, None, False, opf, [], "sum", _DTYPES[out.dtype])
             rec.collective, rec.refused = "refuse", total
             self._queue(rec)
-            raise RuntimeError(why + "; the group's other ranks fail this all_to_all too, and the group goes on")
+            raise RuntimeError(why)
         opf = _compat.OpFuture()
         rec = _Op(given, flat, not contiguous, opf, result, "sum", dtype)
         rec.collective, rec.src = "all_to_all", src
@@ -533,8 +533,32 @@ class _Engine(DeviceOps):
                 with self.lock:
                     self.space.release(*rng)
                 raise
+        except Exception as e:
+            # Not submitted (no room for it within the timeout, or the window never opened): the
+            # others submit it, so this rank refuses it in its place, where ringd takes refusals,
+            # and the group goes on; else the group is unusable (_submit_failed).
+            if not rec.submitted_all and self._refused_instead(rec, nbytes, e):
+                return
+            self._submit_failed(rec, 0, e)
         except BaseException as e:
             self._submit_failed(rec, 0, e)
+
+    def _refused_instead(self, rec, nbytes, e):
+        """Refuses `rec`'s one ringd op (ringd_refuse) after it could not be submitted: `rec` fails
+        with `e`, the others' op at once. False where the library or ringd has no refusals."""
+        if not self.client.refuses():
+            return False
+        with self.lock:
+            try:
+                ticket = self._submit_coll_locked("refuse", nbytes, rec.dtype, "sum", 0, 0)
+            except Exception:
+                return False
+            rec.error = rec.error or str(e)
+            rec.chunks_left += 1
+            rec.submitted_all = True
+            self.inflight[ticket] = (rec, None, None, None, 0)
+            self.room.notify_all()
+        return True
 
     def _submit_refusal(self, rec):
         """An all_to_all this rank cannot run, refused in its place (ringd_refuse: every rank's op
