@@ -68,7 +68,14 @@ struct OpSpec {
     ReduceOp op;
     bool large;
     Collective coll = Collective::Allreduce;
+    bool split = false;  // all_to_all with split sizes: `count` about what a rank sends in all (split_of)
 };
+
+// An all_to_all's split sizes (the same on every rank): rank i sends rank j 0 to 1.5 x count / ranks
+// elements (zeros among them), whatever the number of ranks.
+uint64_t split_of(uint64_t i, uint64_t j, const OpSpec &s, uint64_t nranks) {
+    return s.count / nranks * ((i * 7 + j * 3) % 4) / 2 + (i + j) % 3;
+}
 const std::array kSpecs{
     OpSpec{63, DType::F32, ReduceOp::Sum, false},
     OpSpec{1021, DType::I32, ReduceOp::Max, false},
@@ -104,6 +111,11 @@ const std::array kSpecs{
     // all_to_all, equal blocks of a rank (its input, then its output, in one range).
     OpSpec{1031, DType::BF16, ReduceOp::Sum, false, Collective::AllToAll},
     OpSpec{40009, DType::I32, ReduceOp::Sum, true, Collective::AllToAll},
+    // all_to_all with split sizes (mixture-of-experts): always over the data links; the larger one
+    // sends a host's blocks for another host by reference where they are a MiB or more (every pair
+    // at 3 hosts x 2, some at 8 x 2), and the next step's inputs overwrite the slot at once.
+    OpSpec{2003, DType::F16, ReduceOp::Sum, false, Collective::AllToAll, true},
+    OpSpec{1200007, DType::F32, ReduceOp::Sum, true, Collective::AllToAll, true},
 };
 
 // Per spec: its range in the slot, its precomputed input for this rank and the exact result.
@@ -114,6 +126,10 @@ struct Prepared {
     std::vector<double> want;
     double tol = 0;
     double abs_tol = 0;  // a compressed wire's bound (bench::wire_tolerance)
+    // all_to_all with split sizes: what this rank sends each rank and receives from each, and
+    // where the input, the output and the sizes table (written by the library) lie in the range.
+    std::vector<uint64_t> send, recv;
+    size_t out_at = 0, out_end = 0, table_at = 0;  // elements into the range
 };
 
 struct InFlight {
@@ -196,14 +212,38 @@ int main(int argc, char **argv) {
         // value(rank, i) over the whole range; a reduce_scatter's result (this rank's block) is
         // the reduction of those elements over every rank, an allgather's block b is rank b's
         // own block, value(b, b x count + i).
-        const size_t elems = collective_blocked(s.coll) ? s.count * nranks
-                             : s.coll == Collective::AllToAll ? 2 * s.count * nranks  // input, then output
-                                                              : s.count;
-        const size_t bytes = elems * dtype_size(s.dtype);
+        size_t elems = collective_blocked(s.coll) ? s.count * nranks
+                       : s.coll == Collective::AllToAll ? 2 * s.count * nranks  // input, then output
+                                                        : s.count;
+        const size_t es = dtype_size(s.dtype);
+        if (s.split) {
+            // The input (this rank's blocks for each rank in rank order), the output (each rank's
+            // block for this one), then the sizes table, 8-aligned, 2 x ranks uint64.
+            uint64_t in = 0, out = 0;
+            for (uint64_t r = 0; r < nranks; ++r) {
+                p.send.push_back(split_of(grank, r, s, nranks));
+                p.recv.push_back(split_of(r, grank, s, nranks));
+                in += p.send.back();
+                out += p.recv.back();
+            }
+            p.out_at = in;
+            p.out_end = in + out;
+            p.table_at = ((in + out) * es + 7) / 8 * 8 / es;
+            elems = p.table_at + 16 * nranks / es;
+        }
+        const size_t bytes = elems * es;
         p.input.resize(bytes);
         bench::fill(p.input.data(), elems, s.dtype, grank);
         p.want.resize(elems);
-        for (size_t i = 0; i < elems; ++i)
+        for (size_t i = 0; i < elems && s.split; ++i) p.want[i] = 0.0;  // (the output's below)
+        for (uint64_t r = 0, at = p.out_at; r < nranks && s.split; ++r) {
+            // Rank r's block for this rank: its input's elements from the sum of its blocks before.
+            uint64_t before = 0;
+            for (uint64_t j = 0; j < grank; ++j) before += split_of(r, j, s, nranks);
+            for (uint64_t e = 0; e < p.recv[r]; ++e)
+                p.want[at++] = bench::round_to(s.dtype, static_cast<double>(bench::value(r, before + e)));
+        }
+        for (size_t i = 0; i < elems && !s.split; ++i)
             p.want[i] = s.coll == Collective::Allgather
                             ? bench::round_to(s.dtype, static_cast<double>(bench::value(i / s.count, i)))
                         : s.coll == Collective::AllToAll
@@ -284,14 +324,22 @@ int main(int argc, char **argv) {
             f.root = static_cast<uint32_t>((static_cast<uint64_t>(step) * 7 + pick[k]) % nranks);  // the same on every rank
             const size_t mine = p.offset + grank * p.spec.count * dtype_size(p.spec.dtype);
             const bool blocked = collective_blocked(p.spec.coll);
-            const ringd_coll d{sizeof(ringd_coll), static_cast<ringd_collective>(p.spec.coll),
-                               static_cast<ringd_dtype>(p.spec.dtype), static_cast<ringd_op>(p.spec.op), p.spec.count,
-                               p.spec.coll == Collective::Allgather ? mine : p.offset,
-                               p.spec.coll == Collective::ReduceScatter ? mine
-                               : p.spec.coll == Collective::AllToAll    ? p.offset + p.input.size() / 2
-                               : blocked                                ? p.offset
-                                                                        : 0,
-                               collective_is_rooted(p.spec.coll) ? static_cast<int>(f.root) : 0, nullptr, nullptr, 0, RINGD_WIRE_DEFAULT, 0, 0};
+            ringd_coll d{sizeof(ringd_coll), static_cast<ringd_collective>(p.spec.coll),
+                         static_cast<ringd_dtype>(p.spec.dtype), static_cast<ringd_op>(p.spec.op), p.spec.count,
+                         p.spec.coll == Collective::Allgather ? mine : p.offset,
+                         p.spec.coll == Collective::ReduceScatter ? mine
+                         : p.spec.coll == Collective::AllToAll    ? p.offset + p.input.size() / 2
+                         : blocked                                ? p.offset
+                                                                  : 0,
+                         collective_is_rooted(p.spec.coll) ? static_cast<int>(f.root) : 0, nullptr, nullptr, 0, RINGD_WIRE_DEFAULT, 0, 0};
+            if (p.spec.split) {
+                const size_t es = dtype_size(p.spec.dtype);
+                d.count = 0;
+                d.out_offset = p.offset + p.out_at * es;
+                d.send_counts = p.send.data();
+                d.recv_counts = p.recv.data();
+                d.splits_offset = p.offset + p.table_at * es;
+            }
             const int rc = ringd_submit_coll(c, &d, &f.ticket);
             if (rc != 0) {
                 const std::string msg = std::string("submit: ") + ringd_last_error(c);
@@ -326,9 +374,12 @@ int main(int argc, char **argv) {
                 // reduce_scatter: this rank's block only (the others may hold partial sums); reduce:
                 // the root's buffer only; broadcast: the root's input everywhere.
                 const size_t first = p.spec.coll == Collective::ReduceScatter ? grank * p.spec.count
+                                     : p.spec.split                           ? p.out_at
                                      : p.spec.coll == Collective::AllToAll    ? p.spec.count * nranks
                                                                               : 0;
-                size_t last = p.spec.coll == Collective::ReduceScatter ? first + p.spec.count : p.want.size();
+                size_t last = p.spec.coll == Collective::ReduceScatter ? first + p.spec.count
+                              : p.spec.split                           ? p.out_end
+                                                                       : p.want.size();
                 if (p.spec.coll == Collective::Reduce && grank != f.root) last = 0;
                 for (size_t i = first; i < last; ++i) {
                     const double want = p.spec.coll == Collective::Broadcast
