@@ -68,7 +68,7 @@ struct OpSpec {
     ReduceOp op;
     bool large;
     Collective coll = Collective::Allreduce;
-    bool split = false;  // all_to_all with split sizes: `count` about what a rank sends in all (split_of)
+    bool split = false;  // all_to_all with split sizes: a rank sends about 3/4 x count in all (split_of)
 };
 
 // An all_to_all's split sizes (the same on every rank): rank i sends rank j 0 to 1.5 x count / ranks
@@ -94,7 +94,8 @@ const std::array kSpecs{
     OpSpec{8388623, DType::F32, ReduceOp::Sum, true},
     // reduce_scatter and allgather, blocks of a rank: one-shot while the range (a block per rank)
     // is at most tuning.direct_max_bytes (the first three at 3 hosts x 2), else the ring; at 16
-    // ranks (8 hosts x 2) every range together stays inside the 64 MiB slot bench/chaos gives.
+    // ranks (8 hosts x 2) every range together (67 MiB with the split all_to_alls below) stays
+    // inside the 80 MiB slot bench/chaos gives.
     OpSpec{4099, DType::F32, ReduceOp::Sum, false, Collective::ReduceScatter},
     OpSpec{777, DType::BF16, ReduceOp::Avg, false, Collective::ReduceScatter},
     OpSpec{3001, DType::I32, ReduceOp::Max, false, Collective::Allgather},
@@ -111,7 +112,7 @@ const std::array kSpecs{
     // all_to_all, equal blocks of a rank (its input, then its output, in one range).
     OpSpec{1031, DType::BF16, ReduceOp::Sum, false, Collective::AllToAll},
     OpSpec{40009, DType::I32, ReduceOp::Sum, true, Collective::AllToAll},
-    // all_to_all with split sizes (mixture-of-experts): always over the data links; the larger one
+    // all_to_all with split sizes (mixture-of-experts): over the data links on TCP; the larger one
     // sends a host's blocks for another host by reference where they are a MiB or more (every pair
     // at 3 hosts x 2, some at 8 x 2), and the next step's inputs overwrite the slot at once.
     OpSpec{2003, DType::F16, ReduceOp::Sum, false, Collective::AllToAll, true},

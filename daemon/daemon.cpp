@@ -366,6 +366,8 @@ bool Daemon::complete_and_start() {
         record_error(m);
     }
     bool moved = gateway_->complete(completions);
+    // (Before the ready ops below: a failure of op N + 1 released now is queued ahead of op N,
+    // ready in the same step, and reported after it all the same: HostOps queues in seq order.)
     moved |= hand_over_failures();
     if (ready_.empty()) return moved;
     for (auto &run : std::exchange(ready_, {})) {

@@ -407,12 +407,14 @@ void GroupTable::finished(uint64_t op_id, int32_t status, const std::string &mes
 }
 
 void GroupTable::remap_hosts(const std::vector<uint32_t> &to) {
-    for (auto &[name, g] : groups_) {
+    auto remap = [&](std::vector<uint32_t> &v) {
         std::vector<uint32_t> hosts;
-        for (uint32_t h : g.hosts)  // a host gone (an ended group's) is dropped
+        for (uint32_t h : v)  // a host gone (an ended group's) is dropped
             if (h < to.size() && to[h] != UINT32_MAX) hosts.push_back(to[h]);
-        g.hosts = std::move(hosts);
-    }
+        v = std::move(hosts);
+    };
+    for (auto &[name, g] : groups_) remap(g.hosts);
+    for (auto &f : failures_) remap(f.hosts);  // (held ones: take_failures)
 }
 
 void GroupTable::end_group(const std::string &group, const std::string &message, std::vector<Completion> &out) {

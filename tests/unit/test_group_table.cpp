@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "daemon/engine/group_table.h"
+#include "proto/peer.h"
 
 using namespace ringd;
 using std::chrono::milliseconds;
@@ -170,6 +171,39 @@ TEST_CASE_METHOD(Fixture, "a refused op fails on every rank, naming the rank tha
     CHECK(out.empty());
     REQUIRE(ready.size() == 1);
     CHECK(ready[0].seq == 2);
+}
+
+TEST_CASE_METHOD(Fixture, "a local failure goes to the other hosts only once no earlier op of its group waits here",
+                 "[group]") {
+    REQUIRE(table.join(1, "g", 0, 2, 0).ok());
+    REQUIRE(table.join(2, "g", 1, 2, 0).ok());
+    table.submit(1, sub(1), t0, out, ready);  // op 1 waits for local rank 1
+    table.reject(1, 2, -E2BIG, "its all_to_all needs 99 bytes of its slot, which has 64", out, true);
+    CHECK(table.take_failures().empty());  // held behind op 1
+    auto seqs = [](const std::vector<LocalFailure> &v) {
+        std::vector<uint64_t> s;
+        for (const auto &f : v) s.push_back(f.seq);
+        std::sort(s.begin(), s.end());
+        return s;
+    };
+    SECTION("op 1 becomes ready: the failure follows it") {
+        table.submit(2, sub(1), t0, out, ready);
+        REQUIRE(ready.size() == 1);
+        const auto f = table.take_failures();
+        REQUIRE(f.size() == 1);
+        CHECK(f[0].seq == 2);
+        CHECK(f[0].code == -E2BIG);
+        CHECK_THAT(f[0].message, Catch::Contains("local rank 0 refused it"));
+    }
+    SECTION("op 1 times out here: both go") {
+        table.expire(t0 + milliseconds(1000), out);
+        CHECK(seqs(table.take_failures()) == std::vector<uint64_t>{1, 2});
+    }
+    SECTION("local rank 1 leaves: both go, and the incarnation's end") {
+        table.leave(2, out);
+        CHECK(seqs(table.take_failures()) == std::vector<uint64_t>{1, 2, proto::kIncarnationEnds});
+    }
+    CHECK(table.take_failures().empty());
 }
 
 TEST_CASE_METHOD(Fixture, "shutdown fails everything", "[group]") {

@@ -537,20 +537,21 @@ class _Engine(DeviceOps):
             # Not submitted (no room for it within the timeout, or the window never opened): the
             # others submit it, so this rank refuses it in its place, where ringd takes refusals,
             # and the group goes on; else the group is unusable (_submit_failed).
-            if not rec.submitted_all and self._refused_instead(rec, nbytes, e):
+            if not rec.submitted_all and self._refused_instead(rec, e):
                 return
             self._submit_failed(rec, 0, e)
         except BaseException as e:
             self._submit_failed(rec, 0, e)
 
-    def _refused_instead(self, rec, nbytes, e):
-        """Refuses `rec`'s one ringd op (ringd_refuse) after it could not be submitted: `rec` fails
-        with `e`, the others' op at once. False where the library or ringd has no refusals."""
+    def _refused_instead(self, rec, e):
+        """Refuses `rec`'s one ringd op (ringd_refuse, no bytes said: "it could not submit its
+        all_to_all") after it could not be submitted: `rec` fails with `e`, and the ranks' ops stay
+        in step. False where the library or ringd has no refusals."""
         if not self.client.refuses():
             return False
         with self.lock:
             try:
-                ticket = self._submit_coll_locked("refuse", nbytes, rec.dtype, "sum", 0, 0)
+                ticket = self._submit_coll_locked("refuse", 0, rec.dtype, "sum", 0, 0)
             except Exception:
                 return False
             rec.error = rec.error or str(e)
