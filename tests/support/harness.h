@@ -211,6 +211,9 @@ public:
     }
 
     void start() {
+        // A ringd the test signalled itself (::kill(pid(), SIGKILL)) is reaped first: one still
+        // dying holds its port and socket, and the new one would find them taken.
+        if (pid_ > 0 && wait_child(pid_, std::chrono::seconds(10)) != -1) pid_ = -1;
         notify_ = std::make_unique<NotifySocket>();
         std::string bin = bin_.empty() ? env_or("RINGD_BIN", "build/daemon/ringd") : bin_;
         if (uid_ != 0) {
