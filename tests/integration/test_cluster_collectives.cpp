@@ -138,6 +138,21 @@ uint64_t split(uint32_t i, uint32_t j, uint64_t k, uint64_t seed, bool even) {
     return even ? k : (i * 31 + j * 17 + seed) % 4 * k + (i + j) % 2;
 }
 
+// Waits for ticket t[g] of trainer g, for each g of t from `first` on: each must fail with `code`, its message
+// containing `text`, within `limit` of `since` (not at an op timeout).
+void expect_all_failed(std::vector<Trainer> &tr, const std::vector<uint64_t> &t, int code, const std::string &text,
+                       Clock::time_point since, std::chrono::milliseconds limit, size_t first = 0) {
+    REQUIRE(t.size() <= tr.size());
+    for (size_t g = first; g < t.size(); ++g) {
+        const int rc = ringd_wait(tr[g].c.get(), t[g], 20000);
+        const std::string why = ringd_last_error(tr[g].c.get());
+        INFO("trainer " << g << ": " << why);
+        CHECK(rc == code);
+        CHECK_THAT(why, Catch::Contains(text));
+    }
+    CHECK(Clock::now() - since < limit);
+}
+
 // One all_to_all on every trainer's slot: rank i's input is value(i, e) over its whole input; after
 // it, block i of rank j's output must be rank i's block j. Guard bytes around the input and the
 // output; the input left as it was.
@@ -385,14 +400,8 @@ TEST_CASE("all_to_all on 2 hosts x 4 ranks: a MiB of blocks or more to the other
         d.out_offset = 8 * 4 * k;
         REQUIRE(ringd_submit_coll(tr[g].c.get(), &d, &t[g]) == 0);
     }
-    for (size_t g = 0; g < tr.size(); ++g) {
-        const int rc = ringd_wait(tr[g].c.get(), t[g], 20000);
-        const std::string why = ringd_last_error(tr[g].c.get());
-        INFO("trainer " << g << ": " << why);
-        CHECK(rc == -E2BIG);
-        CHECK_THAT(why, Catch::Contains("node1 local rank 1 refused it: its all_to_all needs 987654321 bytes of its slot"));
-    }
-    CHECK(Clock::now() - s < 3s);  // not the op timeout (10 s)
+    expect_all_failed(tr, t, -E2BIG, "node1 local rank 1 refused it: its all_to_all needs 987654321 bytes of its slot", s,
+                      3s);  // not the op timeout (10 s)
     v = run_a2a(tr, DType::F32, 1 << 16, 15, false);
     CHECK(v.wrong == 0);
     CHECK(v.guard == 0);
@@ -433,7 +442,15 @@ TEST_CASE("a rank refuses the op after one its local peer has not submitted yet:
             REQUIRE(ringd_submit(tr[g].c.get(), 0, n, RINGD_F32, RINGD_SUM, &first[g]) == 0);
             REQUIRE(ringd_submit(tr[g].c.get(), 0, 16, RINGD_F32, RINGD_SUM, &second[g]) == 0);
         }
-        std::this_thread::sleep_for(std::chrono::milliseconds(300));
+        // Node0's ringd has taken the refusal (its own rank's op 2 ended) and node1 runs op 1,
+        // waiting for node0: then node0's local rank 1 comes to op 1.
+        const auto s = Clock::now();
+        const std::string refused = "node0 local rank 0 refused it: its allreduce needs 12345 bytes";
+        expect_all_failed(tr, {second[0]}, -E2BIG, refused, s, 3s, 0);
+        const auto deadline = Clock::now() + 10s;
+        while (c.group(1, "late")["running_ops"].get<int>() == 0 && Clock::now() < deadline)
+            std::this_thread::sleep_for(5ms);  // (status has no fd to wait on)
+        REQUIRE(c.group(1, "late")["running_ops"].get<int>() > 0);
         REQUIRE(ringd_submit(tr[1].c.get(), 0, n, RINGD_F32, RINGD_SUM, &first[1]) == 0);
         REQUIRE(ringd_submit(tr[1].c.get(), 0, 16, RINGD_F32, RINGD_SUM, &second[1]) == 0);
         for (size_t g = 0; g < 4; ++g) {
@@ -441,15 +458,7 @@ TEST_CASE("a rank refuses the op after one its local peer has not submitted yet:
             INFO("trainer " << g << ": " << ringd_last_error(tr[g].c.get()));
             CHECK(rc == 0);
         }
-        const auto s = Clock::now();
-        for (size_t g = 0; g < 4; ++g) {
-            const int rc = ringd_wait(tr[g].c.get(), second[g], 20000);
-            const std::string why = ringd_last_error(tr[g].c.get());
-            INFO("trainer " << g << ": " << why);
-            CHECK(rc == -E2BIG);
-            CHECK_THAT(why, Catch::Contains("node0 local rank 0 refused it: its allreduce needs 12345 bytes"));
-        }
-        CHECK(Clock::now() - s < 3s);
+        expect_all_failed(tr, second, -E2BIG, refused, s, 3s, 1);  // (node0 rank 0's: above)
         for (size_t g = 0; g < 4; ++g) CHECK(wrong(g, 10.0f) == 0);  // op 1: 1 + 2 + 3 + 4
     }
     // The next ops pair: a ring op and a small one, exact.
@@ -517,14 +526,8 @@ TEST_CASE("all_to_all on a solo lane over the mesh: a rank that leaves before it
         for (size_t g : {0, 2, 3}) t[g] = submit(g, k);
         for (uint32_t h : {0, 2, 3}) REQUIRE(c.wait_taken(h, "solo-a2a"));
         REQUIRE(ringd_refuse(tr[1].c.get(), RINGD_ALL_TO_ALL, 0, &t[1]) == 0);
-        for (size_t g = 0; g < 4; ++g) {
-            const int rc = ringd_wait(tr[g].c.get(), t[g], 20000);
-            const std::string why = ringd_last_error(tr[g].c.get());
-            INFO("node" << g << ": " << why);
-            CHECK(rc == -ECANCELED);
-            CHECK_THAT(why, Catch::Contains("node1 local rank 0 refused it: it could not submit its all_to_all"));
-        }
-        CHECK(Clock::now() - s < 3s);  // not the op timeout (5 s)
+        expect_all_failed(tr, t, -ECANCELED, "node1 local rank 0 refused it: it could not submit its all_to_all", s,
+                          3s);  // not the op timeout (5 s)
     }
     SECTION("node1 submits blocks half the size: every host fails it as a mismatch; the group goes on") {
         std::vector<uint64_t> t;
