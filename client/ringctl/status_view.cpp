@@ -44,6 +44,10 @@ T integer(const json &v) {
     throw std::invalid_argument("status: " + v.dump() + " is not an integer of the expected range");
 }
 
+// A counter the status may leave out (an older ringd): 0 then; else as integer<>() checks it
+// (json::value() would convert a negative or fractional number to an unsigned one unchecked).
+uint64_t count(const json &o, const char *key) { return o.contains(key) ? integer<uint64_t>(o.at(key)) : 0; }
+
 }  // namespace
 
 void print_status(const nlohmann::json &j) {
@@ -81,7 +85,7 @@ void print_status(const nlohmann::json &j) {
                     ring.value("auth", "?").c_str());
         if (!ring.value("last_abort", "").empty()) std::printf("  last abort: %s\n", ring.at("last_abort").get<std::string>().c_str());
         if (ring.contains("protocol") && ring.at("protocol").is_number() && ring.at("members").size() > 1)
-            std::printf("  protocol %d (this generation's, the oldest any of its hosts speaks: the coordinator decides)\n", ring.at("protocol").get<int>());
+            std::printf("  protocol %d (this generation's, the oldest any of its hosts speaks: the coordinator decides)\n", integer<int>(ring.at("protocol")));
         if (ring.contains("hosts_differ") && ring.at("hosts_differ").is_array() && !ring.at("hosts_differ").empty()) {
             std::string names;
             for (const auto &h : ring.at("hosts_differ")) names += (names.empty() ? "" : ", ") + (h.is_string() ? h.get<std::string>() : "?");
@@ -89,8 +93,11 @@ void print_status(const nlohmann::json &j) {
         }
         if (ring.at("members").size() > 1)
             std::printf("  ops by algorithm: ring %llu, one-shot %llu, two-shot %llu, doubling %llu, halving-doubling %llu\n",
-                        ring.value("ops_ring", 0ull), ring.value("ops_one_shot", 0ull), ring.value("ops_two_shot", 0ull),
-                        ring.value("ops_doubling", 0ull), ring.value("ops_halving_doubling", 0ull));
+                        static_cast<unsigned long long>(count(ring, "ops_ring")),
+                        static_cast<unsigned long long>(count(ring, "ops_one_shot")),
+                        static_cast<unsigned long long>(count(ring, "ops_two_shot")),
+                        static_cast<unsigned long long>(count(ring, "ops_doubling")),
+                        static_cast<unsigned long long>(count(ring, "ops_halving_doubling")));
         if (ring.contains("coordinator")) {
             const json &c = ring.at("coordinator");
             std::printf("  coordinator: %s%s\n", c.at("host").get<std::string>().c_str(), c.value("here", false) ? " (this host)" : "");
@@ -124,22 +131,22 @@ void print_status(const nlohmann::json &j) {
         const json rails = ring.value("rails", json::array());
         if (rails.size() > 1)
             for (const auto &r : rails)
-                std::printf("  rail %u  %-22s weight %-6g %-4s -> %s %.1f MB/s%s\n", r.at("rail").get<unsigned>(),
+                std::printf("  rail %u  %-22s weight %-6g %-4s -> %s %.1f MB/s%s\n", integer<unsigned>(r.at("rail")),
                             r.at("address").get<std::string>().c_str(), r.at("weight").get<double>(),
                             r.value("to_next", "up") == "up" && r.value("from_prev", "up") == "up" ? "up" : "DOWN",
                             format_bytes(integer<uint64_t>(r.at("bytes_out"))).c_str(), r.at("rate_Bps").get<double>() / 1e6,
                             r.value("to_next", "up") != r.value("from_prev", "up")
                                 ? (" (to next host " + r.value("to_next", "up") + ", from previous " + r.value("from_prev", "up") + ")").c_str()
                                 : "");
-        if (rails.size() > 1 && ring.value("resent_messages", 0) > 0)
-            std::printf("  messages sent again on another rail: %s (%s)\n", std::to_string(ring.value("resent_messages", 0)).c_str(),
+        if (rails.size() > 1 && count(ring, "resent_messages") > 0)
+            std::printf("  messages sent again on another rail: %s (%s)\n", std::to_string(count(ring, "resent_messages")).c_str(),
                         format_bytes(integer<uint64_t>(ring.at("resent_bytes"))).c_str());
         // Where all_to_all runs, and what it moved over the data links.
         if (ring.contains("all_to_all")) {
             const json &a = ring.at("all_to_all");
             std::printf("  all_to_all over the %s (%s mesh link(s)), %s out, %s in over the data links\n",
-                        a.value("path", "control connections").c_str(), std::to_string(a.value("mesh_links", 0)).c_str(),
-                        format_bytes(a.value("bytes_out", uint64_t{0})).c_str(), format_bytes(a.value("bytes_in", uint64_t{0})).c_str());
+                        a.value("path", "control connections").c_str(), std::to_string(count(a, "mesh_links")).c_str(),
+                        format_bytes(count(a, "bytes_out")).c_str(), format_bytes(count(a, "bytes_in")).c_str());
         }
     };
     print_ring("ring", j.at("ring"));
@@ -150,7 +157,7 @@ void print_status(const nlohmann::json &j) {
         std::printf("\n");
         print_ring("ring domain " + hosts, d);
     }
-    const auto others = j.value("groups_of_other_uids", 0ull);
+    const auto others = count(j, "groups_of_other_uids");
     std::printf("\ngroups: %zu%s\n", j.at("groups").size(),
                 others ? (" (and " + std::to_string(others) + " of other users, shown to root only)").c_str() : "");
     if (!j.at("groups").empty())
@@ -236,8 +243,8 @@ void print_topology(const nlohmann::json &j) {
         return;
     }
     std::printf("ringd may run on CPUs %s\n\nNUMA nodes\n", t.at("allowed_cpus").get<std::string>().c_str());
-    for (const auto &n : t.at("nodes")) std::printf("  node %d: CPUs %s\n", n.at("node").get<int>(), n.at("cpus").get<std::string>().c_str());
-    auto node = [](const nlohmann::json &x) { return x.at("node").get<int>() < 0 ? std::string("?") : std::to_string(x.at("node").get<int>()); };
+    for (const auto &n : t.at("nodes")) std::printf("  node %d: CPUs %s\n", integer<int>(n.at("node")), n.at("cpus").get<std::string>().c_str());
+    auto node = [](const nlohmann::json &x) { return integer<int>(x.at("node")) < 0 ? std::string("?") : std::to_string(integer<int>(x.at("node"))); };
     std::printf("\nNICs (PCI)\n");
     if (t.at("nics").empty()) std::printf("  none\n");
     for (const auto &n : t.at("nics"))
@@ -247,15 +254,15 @@ void print_topology(const nlohmann::json &j) {
     for (const auto &r : t.at("rails")) {
         const std::string cpus = r.at("cpus").get<std::string>();
         std::printf("  rail %u (%s, node %s)\n    progress threads on CPUs %s: %s\n    staging memory on %s: %s\n",
-                    r.at("rail").get<unsigned>(), r.at("nic").get<std::string>().c_str(), node(r).c_str(),
+                    integer<unsigned>(r.at("rail")), r.at("nic").get<std::string>().c_str(), node(r).c_str(),
                     cpus.empty() ? "any" : cpus.c_str(), r.at("cpus_why").get<std::string>().c_str(),
-                    r.at("memory_node").get<int>() < 0 ? "any node" : ("node " + std::to_string(r.at("memory_node").get<int>())).c_str(),
+                    integer<int>(r.at("memory_node")) < 0 ? "any node" : ("node " + std::to_string(integer<int>(r.at("memory_node")))).c_str(),
                     r.at("memory_why").get<std::string>().c_str());
     }
     auto lanes = [](const char *what, const nlohmann::json &d) {
         if (!d.is_object() || !d.contains("placement")) return;
         for (const auto &l : d.at("placement"))
-            std::printf("  %s lane %u: runs on CPUs %s; staging: %s\n", what, l.at("lane").get<unsigned>(),
+            std::printf("  %s lane %u: runs on CPUs %s; staging: %s\n", what, integer<unsigned>(l.at("lane")),
                         l.at("cpus").get<std::string>().c_str(), l.at("staging").get<std::string>().c_str());
     };
     if (j.contains("ring") && j.at("ring").is_object() && j.at("ring").contains("placement")) {
@@ -267,13 +274,13 @@ void print_topology(const nlohmann::json &j) {
     std::printf("\nGPUs (PCI bus order)\n");
     if (t.at("gpus").empty()) std::printf("  none\n");
     for (const auto &g : t.at("gpus"))
-        std::printf("  GPU %u %s node %s -> %s\n", g.at("gpu").get<unsigned>(), g.at("bus_id").get<std::string>().c_str(),
+        std::printf("  GPU %u %s node %s -> %s\n", integer<unsigned>(g.at("gpu")), g.at("bus_id").get<std::string>().c_str(),
                     node(g).c_str(), g.at("why").get<std::string>().c_str());
     std::printf("\ntrainers' slots\n");
     if (t.at("slots").empty()) std::printf("  none\n");
     for (const auto &s : t.at("slots"))
-        std::printf("  %s rank %u (pid %d): %s: %s\n", s.at("group").get<std::string>().c_str(), s.at("local_rank").get<unsigned>(),
-                    s.at("pid").get<int>(), s.at("node").get<int>() < 0 ? "any node" : ("node " + std::to_string(s.at("node").get<int>())).c_str(),
+        std::printf("  %s rank %u (pid %d): %s: %s\n", s.at("group").get<std::string>().c_str(), integer<unsigned>(s.at("local_rank")),
+                    integer<int>(s.at("pid")), integer<int>(s.at("node")) < 0 ? "any node" : ("node " + std::to_string(integer<int>(s.at("node")))).c_str(),
                     s.at("why").get<std::string>().c_str());
 }
 
