@@ -307,7 +307,8 @@ Config parse_root(const YAML::Node &root) {
         }
     }
     if (auto n = root["wire"]) {
-        check_keys(n, "wire", {"default", "feedback_max_bytes"});
+        check_keys(n, "wire", {"default", "feedback_max_bytes", "schedule"});
+        if (n["schedule"]) c.wire.exchange = get_choice(n["schedule"], "wire.schedule", {"exchange", "ring"}) == "exchange";
         if (n["default"]) c.wire.format = *parse_wire_format(get_choice(n["default"], "wire.default", {"exact", "bf16", "fp16", "int8"}));
         if (n["feedback_max_bytes"]) c.wire.feedback_max_bytes = get_size(n["feedback_max_bytes"], "wire.feedback_max_bytes");
     }

@@ -36,6 +36,7 @@ Result<std::unique_ptr<ProgressEngine>> ProgressEngine::start(NetworkTransport *
     if (transport) {
         e->ring_ = std::make_unique<RingEngine>(*transport, ring_options);
         e->a2a_ = std::make_unique<AllToAllEngine>(*transport, ring_options.spin_us);
+        e->exchange_ = std::make_unique<ExchangeEngine>(*transport, ring_options.spin_us);
     }
     try {
         e->thread_ = std::thread([p = e.get()] { p->run(); });
@@ -445,6 +446,7 @@ EngineResult ProgressEngine::execute_ring(EngineWork &w) {
     op.cancelled = solo ? &cancel_running_ : nullptr;
     op.progress_ns = &progress_ns_;
     progress_ns_.store(now_ns(), std::memory_order_relaxed);
+    if (w.exchange) return execute_exchange(w, op, solo);
     const uint64_t sent0 = next_->bytes_sent(), recv0 = prev_->bytes_received(), ref0 = next_->bytes_sent_by_reference();
     std::array<uint64_t, kMaxRailsPerLink> rail0;
     for (uint32_t r = 0; r < kMaxRailsPerLink; ++r) rail0[r] = next_->bytes_sent_on_rail(r);
@@ -552,6 +554,62 @@ EngineResult ProgressEngine::execute_all_to_all(EngineWork &w, bool solo) {
         return done(s.error().code, s.error().message, !aborted);
     }
     if (!op_error.empty()) return done(-EPROTO, op_error, false);
+    return done(0, {}, false);
+}
+
+// A compressed f32 allreduce as the exchange of shards (ExchangeEngine) over the links to every
+// host, from and into the local ranks' slots; a failed run ends the generation like a ring op's.
+EngineResult ProgressEngine::execute_exchange(EngineWork &w, const RingOp &ring_op, bool solo) {
+    EngineResult res{w.op_id, 0, {}, false, w.generation, {}};
+    auto done = [&](int code, std::string msg, bool link) {
+        res.status = code;
+        res.message = std::move(msg);
+        res.link_failed = link;
+        res.slots = std::move(w.slots);
+        return std::move(res);
+    };
+    ExchangeOp op;
+    op.op = ring_op.op;
+    op.wire = ring_op.wire;
+    op.count = ring_op.count;
+    op.avg_divisor = ring_op.avg_divisor;
+    op.residual = ring_op.residual;
+    op.data = ring_op.data;
+    op.data_offset = ring_op.data_offset;
+    op.locals = ring_op.locals;
+    op.staging = staging_;
+    op.self = pos_.rank;
+    op.links = peers_;
+    op.op_tag = w.op_tag;
+    op.aborted_generation = &aborted_generation_;
+    op.generation = w.generation;
+    op.cancelled = ring_op.cancelled;
+    op.progress_ns = &progress_ns_;
+    op.beat_ns = &beat_ns_;
+    const std::vector<Link *> links = this->links();
+    uint64_t sent0 = 0, recv0 = 0;
+    for (Link *l : links) sent0 += l->bytes_sent(), recv0 += l->bytes_received();
+    Status s = exchange_->run(op, w.deadline != std::chrono::steady_clock::time_point{} ? w.deadline : Clock::now() + op_timeout_);
+    uint64_t sent = 0, recv = 0;
+    for (Link *l : links) sent += l->bytes_sent(), recv += l->bytes_received();
+    exchange_sent_ += sent - sent0;
+    exchange_received_ += recv - recv0;
+    exchange_ops_ += s.ok() ? 1 : 0;
+    count_resent();
+    if (!s && s.error().code == -ECANCELED && solo) {
+        if (drain_cancelled(w.op_tag, {})) return done(-ECANCELED, s.error().message, false);  // (sends are copies)
+        link_failure_reported_ = true;
+        drop_links();
+        return done(-ECANCELED, "the cancelled allreduce's messages did not leave within " +
+                                    std::to_string(std::chrono::duration_cast<std::chrono::seconds>(kCancelDrain).count()) +
+                                    " s: the lane's links are treated as broken", true);
+    }
+    if (!s) {
+        const bool aborted = s.error().code == -ECONNABORTED && aborted_generation_.load() >= w.generation;
+        if (!aborted) link_failure_reported_ = true;
+        drop_links();  // (receives may still be posted into the staging)
+        return done(s.error().code, s.error().message, !aborted);
+    }
     return done(0, {}, false);
 }
 

@@ -25,6 +25,7 @@
 
 #include "common/unique_fd.h"
 #include "daemon/engine/all_to_all_engine.h"
+#include "daemon/engine/exchange_engine.h"
 #include "daemon/engine/ring_engine.h"
 #include "proto/result.h"
 #include "proto/types.h"
@@ -58,6 +59,9 @@ struct EngineWork {
     std::shared_ptr<WireResidual> residual;
     // Cross-host ops.
     bool ring = false;
+    // A compressed f32 allreduce that runs as the exchange of shards over the links to every
+    // host (ExchangeEngine), not the ring.
+    bool exchange = false;
     uint64_t generation = 0;
     uint32_t op_tag = 0;
     // When the op must be over (its submission + timeouts.op); unset: op_timeout from its start.
@@ -147,6 +151,10 @@ public:
     uint64_t a2a_bytes_sent() const { return a2a_sent_.load(std::memory_order_relaxed); }
     uint64_t a2a_bytes_received() const { return a2a_received_.load(std::memory_order_relaxed); }
     uint64_t a2a_bytes_by_reference() const { return a2a_by_reference_.load(std::memory_order_relaxed); }  // of sent
+    // Compressed allreduces run as the exchange of shards, and their bytes sent and received.
+    uint64_t exchange_ops() const { return exchange_ops_.load(std::memory_order_relaxed); }
+    uint64_t exchange_bytes_sent() const { return exchange_sent_.load(std::memory_order_relaxed); }
+    uint64_t exchange_bytes_received() const { return exchange_received_.load(std::memory_order_relaxed); }
     // Mesh links up now (links to hosts that are not ring neighbours).
     uint32_t mesh_links() const { return mesh_up_.load(std::memory_order_relaxed); }
     // Of bytes_to_next(): sent on rail r (several rails; one rail: all on rail 0).
@@ -222,6 +230,7 @@ private:
     std::atomic<uint64_t> next_rails_{0}, prev_rails_{0}, links_generation_{0};
     std::atomic<uint64_t> resent_messages_{0}, resent_bytes_{0}, held_messages_{0};
     std::atomic<uint64_t> a2a_sent_{0}, a2a_received_{0}, a2a_by_reference_{0};
+    std::atomic<uint64_t> exchange_ops_{0}, exchange_sent_{0}, exchange_received_{0};
     std::atomic<uint32_t> mesh_up_{0};
     uint64_t resent_messages_before_ = 0, resent_bytes_before_ = 0, held_before_ = 0;  // of links dropped (progress thread)
     void count_resent();  // from the links now, and those dropped
@@ -234,6 +243,7 @@ private:
     std::chrono::milliseconds op_timeout_{30000};
     std::unique_ptr<RingEngine> ring_;
     std::unique_ptr<AllToAllEngine> a2a_;
+    std::unique_ptr<ExchangeEngine> exchange_;
     std::vector<std::byte *> locals_, local_outputs_;
     RingPosition pos_;
     std::string self_name_;
@@ -246,6 +256,7 @@ private:
     std::vector<RegionHandle> a2a_regions_;
     std::vector<AllToAllLayout> a2a_layouts_;
     EngineResult execute_all_to_all(EngineWork &w, bool solo);
+    EngineResult execute_exchange(EngineWork &w, const RingOp &ring_op, bool solo);
 
     std::thread thread_;  // last: started after everything it uses exists
 };

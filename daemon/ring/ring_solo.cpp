@@ -58,6 +58,11 @@ EngineWork RingDomain::ring_work(HostOp &op, const GroupRun &run, uint32_t total
     w.splits = op.run.splits;
     w.slots = std::move(op.slots);
     w.ring = true;
+    // A compressed f32 allreduce on 3 hosts or more: the exchange of shards where every host has
+    // the data links to every other (wire.schedule; every host decides alike).
+    const OpDesc &d = op.run.desc;
+    w.exchange = config_.wire.exchange && mesh_links() && config_.hosts.size() >= 3 && d.collective == Collective::Allreduce &&
+                 d.dtype == DType::F32 && d.wire != WireFormat::Exact;
     w.generation = local_generation_;
     w.op_tag = op_tag;
     return w;

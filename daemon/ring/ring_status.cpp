@@ -102,7 +102,19 @@ nlohmann::json RingDomain::status() const {
         fb_bytes += run.feedback_bytes;
         fb_tags += run.feedback.size();
     }
+    uint64_t x_ops = 0, x_out = 0, x_in = 0;
+    for (const auto &l : lanes_) {
+        x_ops += l->engine->exchange_ops();
+        x_out += l->engine->exchange_bytes_sent();
+        x_in += l->engine->exchange_bytes_received();
+    }
     wire = {{"ops_ring", by_format},
+            // Compressed f32 allreduces of 3 hosts or more: how they run here now (wire.schedule,
+            // and whether the lanes have links to every host), and those run so.
+            {"schedule", config_.wire.exchange && mesh_links() && config_.hosts.size() >= 3 ? "exchange" : "ring"},
+            {"exchange_ops", x_ops},
+            {"exchange_bytes_out", x_out},
+            {"exchange_bytes_in", x_in},
             {"feedback_bytes", fb_bytes},
             {"feedback_tags", fb_tags},
             {"feedback_limit_bytes", config_.wire.feedback_max_bytes},

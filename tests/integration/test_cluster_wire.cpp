@@ -123,8 +123,31 @@ TEST_CASE("compressed wires through the daemons: every format and collective wit
         CHECK(by["fp16"] == 5);
         CHECK(by["int8"] == 6);
         CHECK(by["exact"] == 1);
+        // The four f32 allreduces over compressed wires ran as the exchange of shards.
+        CHECK(j["ring"]["wire"]["schedule"] == "exchange");
+        CHECK(j["ring"]["wire"]["exchange_ops"] == 4);
+        CHECK(j["ring"]["wire"]["exchange_bytes_out"].get<uint64_t>() > 0);
     }
     (void)ops;
+}
+
+TEST_CASE("wire.schedule: ring keeps compressed f32 allreduces on the ring", "[cluster][wire]") {
+    TestCluster c(3, "10s", "wire: {schedule: ring}\n");
+    REQUIRE(c.wait_up());
+    auto tr = join_ranked(c, "wire-ring", {1, 2, 1}, {0, 1, 2, 3}, 4 << 20);
+    REQUIRE(tr.size() == 4);
+    set_wire(tr, RINGD_WIRE_INT8);
+    Checked r;
+    REQUIRE(run(tr, Collective::Allreduce, DType::F32, ReduceOp::Sum, 300007, 0, WireFormat::Int8, 3, r) == 0);
+    CHECK(r.wrong == 0);
+    CHECK(r.guard == 0);
+    CHECK(r.differ == 0);
+    for (uint32_t h = 0; h < c.n; ++h) {
+        const auto j = c.status(h);
+        CHECK(j["ring"]["wire"]["schedule"] == "ring");
+        CHECK(j["ring"]["wire"]["exchange_ops"] == 0);
+        CHECK(j["ring"]["wire"]["ops_ring"]["int8"] == 1);
+    }
 }
 
 TEST_CASE("compressed wires refused where they cannot apply or differ, each named; a group's default leaves the "

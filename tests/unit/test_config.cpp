@@ -258,3 +258,16 @@ TEST_CASE("hosts: one address per rail, every host as many, optional weights; tc
                Catch::StartsWith("tcp.streams: 64 streams on each of 5 rails: at most 256 connections per link"));
     CHECK(parse_config(h + "  - {name: a, address: [10.0.0.1, 10.1.0.1, 10.2.0.1, 10.3.0.1], weights: [1, 1, 1, 1]}\ntcp: {streams: 64}\n").ok());
 }
+
+TEST_CASE("wire: default format, feedback bound and schedule", "[config][wire]") {
+    auto d = parse_config(kBase);
+    REQUIRE(d.ok());
+    CHECK(d->wire.format == WireFormat::Exact);
+    CHECK(d->wire.exchange);
+    auto c = parse_config(kBase + "wire: {default: int8, feedback_max_bytes: 1MiB, schedule: ring}\n");
+    REQUIRE(c.ok());
+    CHECK(c->wire.format == WireFormat::Int8);
+    CHECK(c->wire.feedback_max_bytes == (1u << 20));
+    CHECK_FALSE(c->wire.exchange);
+    CHECK_THAT(error_of(kBase + "wire: {schedule: tree}\n"), Catch::Contains("wire.schedule"));
+}

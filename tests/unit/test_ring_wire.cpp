@@ -11,6 +11,7 @@
 #include <numeric>
 
 #include "bench/bench_data.h"
+#include "daemon/engine/exchange_engine.h"
 #include "tests/support/matrix.h"
 #include "tests/support/ring_links.h"
 
@@ -78,12 +79,50 @@ std::vector<std::vector<uint32_t>> deal(const std::vector<uint32_t> &per_host) {
     return v;
 }
 
+// Links between every pair of hosts of the ring, by ring position (the ring's own between
+// neighbours, a new TCP link between the others), as the daemon's mesh links: each host's by the
+// position of the host it leads to (its own: null).
+using Mesh = std::vector<std::vector<Link *>>;
+Mesh full_mesh(Ring &ring) {
+    const uint32_t n = ring.n;
+    Mesh m(n, std::vector<Link *>(n, nullptr));
+    for (uint32_t r = 0; r < n && n > 1; ++r) {
+        m[r][(r + 1) % n] = ring.pos[r].next;
+        m[r][(r + n - 1) % n] = ring.pos[r].prev;
+    }
+    for (uint32_t a = 0; a < n; ++a)
+        for (uint32_t b = a + 2; b < n; ++b) {
+            if (a == 0 && b == n - 1) continue;  // (neighbours round the ring)
+            std::vector<UniqueFd> sa, sb;
+            for (int i = 0; i < 2; ++i) {
+                auto [x, y] = ringd::test::tcp_pair();
+                sa.push_back(std::move(x));
+                sb.push_back(std::move(y));
+            }
+            auto &ta = static_cast<NetworkTransport &>(*ring.transports[a]);
+            auto &tb = static_cast<NetworkTransport &>(*ring.transports[b]);
+            const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+            Result<std::vector<Link *>> la = make_error(-1, ""), lb = make_error(-1, "");
+            std::vector<LinkSetup> ua(1), ub(1);
+            ua[0] = {ringd::test::host(b), std::move(sa)};
+            ub[0] = {ringd::test::host(a), std::move(sb)};
+            std::thread other([&] { lb = tb.add_links(std::move(ub), deadline); });
+            la = ta.add_links(std::move(ua), deadline);
+            other.join();
+            REQUIRE((la.ok() && lb.ok()));
+            m[a][b] = la->front();
+            m[b][a] = lb->front();
+        }
+    return m;
+}
+
 // Runs the op on every host (each rank's input `seed`'s), and checks every rank's result: within
 // the bound of the f64 result, allreduce's identical on every rank, guards intact. With `feedback`
-// each host keeps its residual in `hosts` across calls. Returns each result element's value at
-// local rank 0 of host 0 (allreduce) for the caller's sums over calls.
+// each host keeps its residual in `hosts` across calls. With `mesh`, an f32 allreduce runs as the
+// exchange of shards (ExchangeEngine: two encodings per value, whatever the hosts). Returns each
+// result element's value at local rank 0 of host 0 (allreduce) for the caller's sums over calls.
 std::vector<double> run_and_check(Ring &ring, std::vector<Host> &hosts, const Case &c, RingOptions opt, uint32_t op_tag,
-                                  uint32_t seed, bool feedback, bool check_bound = true) {
+                                  uint32_t seed, bool feedback, bool check_bound = true, const Mesh *mesh = nullptr) {
     const uint32_t n = ring.n;
     const size_t es = dtype_size(c.dtype);
     const auto host_ranks = deal(c.per_host);
@@ -108,7 +147,7 @@ std::vector<double> run_and_check(Ring &ring, std::vector<Host> &hosts, const Ca
             for (uint64_t i = 0; i < full; ++i) bench::store(k.buf.data() + k.in_at, i, c.dtype, input(g, i, seed));
             h.ranks.push_back(std::move(k));
         }
-        h.staging.resize(RingEngine::staging_bytes(opt));
+        h.staging.resize(mesh ? 16 * ExchangeEngine::staging_needed(c.wire, c.count, n) : RingEngine::staging_bytes(opt));
         h.data_reg = RegisteredRegion(ring.transports[r].get(),
                                       *ring.transports[r]->register_region(h.ranks[0].buf.data(), h.ranks[0].buf.size()));
         h.staging_reg =
@@ -119,7 +158,7 @@ std::vector<double> run_and_check(Ring &ring, std::vector<Host> &hosts, const Ca
         }
         if (feedback && h.residual.size() != full) h.residual.assign(full, 0.0f);
     }
-    const auto results = ringd::test::run_on_every_host(ring, opt, [&](uint32_t r) {
+    auto make_op = [&](uint32_t r) {
             RingOp o;
             o.collective = c.coll;
             o.dtype = c.dtype;
@@ -138,7 +177,34 @@ std::vector<double> run_and_check(Ring &ring, std::vector<Host> &hosts, const Ca
             o.op_tag = op_tag;
             o.residual = feedback ? hosts[r].residual.data() : nullptr;
             return o;
-        });
+        };
+    std::vector<Status> results;
+    if (mesh) {
+        results.assign(n, Ok{});
+        std::vector<std::thread> threads;
+        for (uint32_t r = 0; r < n; ++r)
+            threads.emplace_back([&, r] {
+                const RingOp o = make_op(r);
+                ExchangeOp x;
+                x.op = o.op;
+                x.wire = o.wire;
+                x.count = o.count;
+                x.avg_divisor = o.avg_divisor;
+                x.residual = o.residual;
+                x.data = o.data;
+                x.data_offset = o.data_offset;
+                x.locals = o.locals;
+                x.staging = o.staging;
+                x.self = r;
+                x.links = (*mesh)[r];
+                x.op_tag = op_tag;
+                ExchangeEngine e(*ring.transports[r], 50);
+                results[r] = e.run(x, std::chrono::steady_clock::now() + std::chrono::seconds(30));
+            });
+        for (auto &t : threads) t.join();
+    } else {
+        results = ringd::test::run_on_every_host(ring, opt, make_op);
+    }
 
     // The exact result of element i (f64), and docs/wire.md's bound: one encoding's error per
     // host that encodes the value's partial sum (every host but the one that ends with it: n - 1)
@@ -146,7 +212,7 @@ std::vector<double> run_and_check(Ring &ring, std::vector<Host> &hosts, const Ca
     // (int8: of their block maxima, over any 256 values around i), the f32 accumulation's
     // roundings, and bf16's rounding of the result.
     const double u = unit_error(c.wire);
-    const uint32_t encodings = n == 1 ? 0 : c.coll == Collective::Allreduce ? n : n - 1;
+    const uint32_t encodings = n == 1 ? 0 : mesh ? 2 : c.coll == Collective::Allreduce ? n : n - 1;
     std::vector<std::vector<double>> x(ranks, std::vector<double>(full));
     std::vector<std::vector<double>> blockmax(ranks, std::vector<double>(full / 256 + 1, 0.0));
     for (uint32_t g = 0; g < ranks; ++g)
@@ -176,6 +242,7 @@ std::vector<double> run_and_check(Ring &ring, std::vector<Host> &hosts, const Ca
         INFO(collective_name(c.coll) << " " << dtype_name(c.dtype) << " " << reduce_op_name(c.op) << " over "
                                      << wire_format_name(c.wire) << ", " << c.count << ", host " << r << " of " << n << ", "
                                      << ranks << " ranks" << (feedback ? ", feedback" : ""));
+        INFO((results[r].ok() ? std::string() : results[r].error().message));
         REQUIRE(results[r].ok());
         for (const Rank &k : hosts[r].ranks) {
             INFO("rank " << k.g);
@@ -285,5 +352,84 @@ TEST_CASE("compressed wires with error feedback: the mean over ops converges to 
         INFO("mean |error| over " << kOps << " ops: " << err_fb / c.count << " with feedback, " << err_plain / c.count
                                   << " without (mean |sum| " << want_mag / c.count << ")");
         CHECK(err_fb * 4 < err_plain);
+    }
+}
+
+TEST_CASE("compressed allreduce by the exchange of shards: two encodings per value on any number of hosts", "[exchange][wire]") {
+    const RingOptions opt{4096, 3};
+    for (uint32_t n : {2u, 3u, 4u, 5u}) {
+        Ring ring(n, "tcp", 2);
+        const Mesh mesh = full_mesh(ring);
+        std::vector<Host> hosts;
+        uint32_t tag = 1;
+        for (WireFormat f : {WireFormat::BF16, WireFormat::FP16, WireFormat::Int8})
+            for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg}) {
+                const auto per = spread(n, tag % 2 ? std::vector<uint32_t>{1} : std::vector<uint32_t>{2, 1, 3});
+                // (300: shards of one block or none; 4097 n: a value past a block; 40000 n + 77:
+                // eight pieces a shard and a short last one)
+                for (uint64_t count : {uint64_t{1}, uint64_t{300}, 4097 * uint64_t{n}, 40000 * uint64_t{n} + 77}) {
+                    const uint32_t op_tag = tag++;
+                    run_and_check(ring, hosts, {Collective::Allreduce, DType::F32, op, f, count, per}, opt, op_tag, op_tag, false,
+                                  true, &mesh);
+                }
+            }
+    }
+}
+
+TEST_CASE("the exchange of shards: error feedback converges; a host that never runs the op is named", "[exchange][wire]") {
+    Ring ring(4, "tcp", 2);
+    const Mesh mesh = full_mesh(ring);
+    const RingOptions opt{4096, 3};
+    uint32_t tag = 1;
+    const Case c{Collective::Allreduce, DType::F32, ReduceOp::Sum, WireFormat::Int8, 50000, {2, 1, 1, 2}};
+    constexpr int kOps = 16;
+    double err[2] = {0, 0};
+    for (bool feedback : {false, true}) {
+        std::vector<Host> hosts;
+        std::vector<double> mean(c.count, 0);
+        for (int t = 0; t < kOps; ++t) {
+            const auto got = run_and_check(ring, hosts, c, opt, tag++, 7, feedback, true, &mesh);
+            for (uint64_t i = 0; i < c.count; ++i) mean[i] += got[i] / kOps;
+        }
+        for (uint64_t i = 0; i < c.count; ++i) {
+            double sum = 0;
+            for (uint32_t g = 0; g < 6; ++g) sum += static_cast<float>(input(g, i, 7));
+            err[feedback] += std::fabs(mean[i] - sum);
+        }
+    }
+    INFO("mean |error| over " << kOps << " ops: " << err[1] / c.count << " with feedback, " << err[0] / c.count << " without");
+    CHECK(err[1] * 4 < err[0]);
+
+    // Host 3 never gets to the op: the others fail by their deadline, naming what they wait for.
+    const size_t stage = ExchangeEngine::staging_needed(WireFormat::BF16, 50000, 4);
+    std::vector<float> buf(3 * 50000, 1.0f);
+    std::vector<std::byte> staging(3 * stage);
+    std::vector<RegisteredRegion> regs;
+    std::vector<Status> results(3, Ok{});
+    std::vector<std::thread> threads;
+    for (uint32_t r = 0; r < 3; ++r) {
+        ExchangeOp x;
+        x.wire = WireFormat::BF16;
+        x.count = 50000;
+        x.avg_divisor = 4;
+        regs.emplace_back(ring.transports[r].get(),
+                          *ring.transports[r]->register_region(reinterpret_cast<std::byte *>(buf.data() + r * 50000), 50000 * 4));
+        x.data = regs.back().handle();
+        regs.emplace_back(ring.transports[r].get(),
+                          *ring.transports[r]->register_region(staging.data() + r * stage, stage));
+        x.staging = regs.back().handle();
+        x.self = r;
+        x.links = mesh[r];
+        x.op_tag = 999;
+        threads.emplace_back([&, r, x] {
+            ExchangeEngine e(*ring.transports[r], 50);
+            results[r] = e.run(x, std::chrono::steady_clock::now() + std::chrono::milliseconds(800));
+        });
+    }
+    for (auto &t : threads) t.join();
+    for (uint32_t r = 0; r < 3; ++r) {
+        REQUIRE(!results[r].ok());
+        CHECK(results[r].error().code == -ETIMEDOUT);
+        CHECK_THAT(results[r].error().message, Catch::Contains("node3"));
     }
 }

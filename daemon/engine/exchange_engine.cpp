@@ -1,0 +1,313 @@
+#include "daemon/engine/exchange_engine.h"
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstring>
+
+#include <spdlog/spdlog.h>
+
+#include "common/fd_io.h"
+#include "daemon/engine/reduce.h"
+#include "daemon/engine/wire.h"
+
+namespace ringd {
+namespace {
+
+int64_t now_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+constexpr uint64_t kGather = uint64_t{1} << 31;
+constexpr uint64_t kLeastPiece = 4096, kMostPiece = 256 << 10;
+constexpr size_t kMostSlots = 256;
+
+// Shard s of the buffer: [at(s), at(s + 1)), cut on blocks of kWireBlock values.
+struct Shards {
+    uint64_t count;
+    uint32_t hosts;
+    uint64_t at(uint32_t s) const {
+        const uint64_t blocks = (count + kWireBlock - 1) / kWireBlock;
+        return std::min(count, blocks * s / hosts * kWireBlock);
+    }
+    uint64_t size(uint32_t s) const { return at(s + 1) - at(s); }
+};
+
+uint64_t pieces(uint64_t values, uint64_t piece) { return (values + piece - 1) / piece; }
+
+uint64_t slot_bytes(WireFormat wire, uint64_t piece) { return (wire_bytes(wire, piece) + 63) / 64 * 64; }
+
+}  // namespace
+
+uint64_t ExchangeEngine::piece_values(uint64_t count, uint32_t hosts) {
+    const uint64_t shard = (count + hosts - 1) / std::max<uint32_t>(hosts, 1);
+    const uint64_t eighth = (shard / 8 + kWireBlock - 1) / kWireBlock * kWireBlock;
+    return std::clamp(eighth, kLeastPiece, kMostPiece);
+}
+
+uint64_t ExchangeEngine::staging_needed(WireFormat wire, uint64_t count, uint32_t hosts) {
+    return 4 * slot_bytes(wire, piece_values(count, hosts));
+}
+
+Status ExchangeEngine::run(const ExchangeOp &op, std::chrono::steady_clock::time_point deadline) {
+    const uint32_t hosts = static_cast<uint32_t>(op.links.size());
+    if (hosts < 2 || op.self >= hosts) return make_error(-EINVAL, "exchange: a ring of " + std::to_string(hosts) + " hosts");
+    if (op.wire == WireFormat::Exact || static_cast<uint32_t>(op.wire) >= kWireFormatCount ||
+        (op.op != ReduceOp::Sum && op.op != ReduceOp::Avg))
+        return make_error(-EINVAL, "exchange: f32 sums and averages over a compressed wire only");
+    if (op.data_offset + op.count * sizeof(float) > op.data.bytes)
+        return make_error(-EINVAL, "exchange: the buffer is outside the slot");
+    const Shards shards{op.count, hosts};
+    const uint64_t piece = piece_values(op.count, hosts), sb = slot_bytes(op.wire, piece);
+    const size_t nslots = std::min<uint64_t>(op.staging.bytes / sb, kMostSlots);
+    if (nslots < 4)
+        return make_error(-ENOBUFS, "exchange: " + std::to_string(staging_needed(op.wire, op.count, hosts)) +
+                                        " bytes of staging needed, the lane has " + std::to_string(op.staging.bytes));
+    float *const data = reinterpret_cast<float *>(op.data.base + op.data_offset);
+    auto local = [&](size_t i) { return reinterpret_cast<float *>(op.locals[i]); };
+    const uint64_t mine = pieces(shards.size(op.self), piece);
+    auto piece_of = [&](uint32_t s, uint64_t k, uint64_t *elems) {
+        const uint64_t b = shards.at(s) + k * piece;
+        *elems = std::min(piece, shards.at(s + 1) - b);
+        return b;
+    };
+
+    slots_.assign(nslots, Slot{});
+    free_send_.clear();
+    free_recv_.clear();
+    for (size_t i = 0; i < nslots; ++i) (i < nslots / 2 ? free_send_ : free_recv_).push_back(static_cast<int32_t>(i));
+    peers_.clear();
+    for (uint32_t p = 0; p < hosts; ++p) {
+        if (p == op.self) continue;
+        if (!op.links[p]) return make_error(-ENOTCONN, "exchange: no data link to the host at ring position " + std::to_string(p));
+        peers_.push_back(Peer{op.links[p], p});
+    }
+    // Per peer and piece: the slot each message is in (send or receive), by phase.
+    std::vector<std::vector<int32_t>> scatter_send(peers_.size()), scatter_recv(peers_.size()), gather_recv(peers_.size());
+    for (size_t i = 0; i < peers_.size(); ++i) {
+        scatter_send[i].assign(pieces(shards.size(peers_[i].p), piece), -1);
+        scatter_recv[i].assign(mine, -1);
+        gather_recv[i].assign(scatter_send[i].size(), -1);
+    }
+    std::vector<int32_t> gather_send(mine, -1);
+    arrived_.assign(mine, 0);
+    folded_.assign(mine, 0);
+    uint64_t final_next = 0;  // our shard's next piece to finish
+
+    // The local ranks' contributions to [b, b + n), reduced into the data region in f32 (avg:
+    // scaled by 2^-K, reduce.h).
+    std::array<const void *, proto::kMaxLocalSize> srcs;
+    auto fold = [&](uint64_t b, uint64_t n) {
+        if (op.locals.empty() && op.op == ReduceOp::Sum) return;
+        size_t ns = 0;
+        srcs[ns++] = data + b;
+        for (size_t i = 0; i < op.locals.size() && ns < srcs.size(); ++i) srcs[ns++] = local(i) + b;
+        ReduceArgs a;
+        a.dtype = DType::F32;
+        a.op = op.op;
+        a.srcs = srcs.data();
+        a.nsrc = ns;
+        a.count = n;
+        a.avg_divisor = op.avg_divisor;
+        a.partial_out = data + b;
+        reduce(a);
+    };
+    auto slot_at = [&](int32_t s) { return uint64_t(s) * sb; };
+    auto deliver = [&](const void *encoded, uint64_t b, uint64_t n) {
+        wire_decode(op.wire, encoded, n, data + b);
+        for (size_t i = 0; i < op.locals.size(); ++i) std::memcpy(local(i) + b, data + b, n * sizeof(float));
+    };
+    const float mean = op.op == ReduceOp::Avg
+                           ? std::ldexp(1.0f / static_cast<float>(op.avg_divisor), static_cast<int>(avg_shift_for(op.avg_divisor)))
+                           : 1.0f;
+    auto tag = [&](bool gather, uint64_t k) { return (uint64_t{op.op_tag} << 32) | (gather ? kGather : 0) | k; };
+
+    // Posts what can be posted: scatter sends round the peers, then (once every scatter send
+    // is out) our shard's finished pieces to every peer; receives the same way.
+    auto post = [&]() -> Status {
+        for (bool more = true; more && !free_send_.empty();) {
+            more = false;
+            for (size_t i = 0; i < peers_.size() && !free_send_.empty(); ++i) {
+                Peer &q = peers_[i];
+                if (q.scatter_posted == scatter_send[i].size()) continue;
+                const int32_t s = free_send_.back();
+                free_send_.pop_back();
+                uint64_t n;
+                const uint64_t b = piece_of(q.p, q.scatter_posted, &n);
+                fold(b, n);
+                wire_encode(op.wire, data + b, n, op.staging.base + slot_at(s), op.residual ? op.residual + b : nullptr);
+                if (auto st = q.link->post_send(op.staging, slot_at(s), wire_bytes(op.wire, n), tag(false, q.scatter_posted)); !st)
+                    return st;
+                slots_[s].users = 1;
+                scatter_send[i][q.scatter_posted++] = s;
+                ++q.sends_out;
+                more = true;
+            }
+        }
+        bool scatter_out = true;
+        for (size_t i = 0; i < peers_.size(); ++i)
+            if (peers_[i].scatter_posted < scatter_send[i].size()) scatter_out = false;
+        while (scatter_out && final_next < mine && arrived_[final_next] == peers_.size() && !free_send_.empty()) {
+            const int32_t s = free_send_.back();
+            free_send_.pop_back();
+            uint64_t n;
+            const uint64_t b = piece_of(op.self, final_next, &n);
+            if (mean != 1.0f)
+                for (uint64_t j = 0; j < n; ++j) data[b + j] *= mean;
+            std::byte *enc = op.staging.base + slot_at(s);
+            wire_encode(op.wire, data + b, n, enc, op.residual ? op.residual + b : nullptr);
+            deliver(enc, b, n);  // (what every other host will decode)
+            for (Peer &q : peers_) {
+                if (auto st = q.link->post_send(op.staging, slot_at(s), wire_bytes(op.wire, n), tag(true, final_next)); !st) return st;
+                ++q.gather_posted;
+                ++q.sends_out;
+            }
+            slots_[s].users = static_cast<uint32_t>(peers_.size());
+            gather_send[final_next++] = s;
+        }
+        bool scatter_in = true;
+        for (size_t i = 0; i < peers_.size(); ++i)
+            if (peers_[i].scatter_recv_posted < mine) scatter_in = false;
+        for (bool more = true; more && !free_recv_.empty();) {
+            more = false;
+            for (size_t i = 0; i < peers_.size() && !free_recv_.empty(); ++i) {
+                Peer &q = peers_[i];
+                uint64_t n;
+                if (!scatter_in) {
+                    if (q.scatter_recv_posted == mine) continue;
+                    const int32_t s = free_recv_.back();
+                    piece_of(op.self, q.scatter_recv_posted, &n);
+                    if (auto st = q.link->post_recv(op.staging, slot_at(s), wire_bytes(op.wire, n), tag(false, q.scatter_recv_posted)); !st)
+                        return st;
+                    free_recv_.pop_back();
+                    scatter_recv[i][q.scatter_recv_posted++] = s;
+                } else {
+                    if (q.gather_recv_posted == gather_recv[i].size()) continue;
+                    const int32_t s = free_recv_.back();
+                    piece_of(q.p, q.gather_recv_posted, &n);
+                    if (auto st = q.link->post_recv(op.staging, slot_at(s), wire_bytes(op.wire, n), tag(true, q.gather_recv_posted)); !st)
+                        return st;
+                    free_recv_.pop_back();
+                    gather_recv[i][q.gather_recv_posted++] = s;
+                }
+                more = true;
+            }
+            if (!scatter_in) {
+                scatter_in = true;
+                for (const Peer &q : peers_)
+                    if (q.scatter_recv_posted < mine) scatter_in = false;
+                if (scatter_in) more = true;
+            }
+        }
+        return Ok{};
+    };
+    auto complete = [&] {
+        if (final_next < mine) return false;
+        for (size_t i = 0; i < peers_.size(); ++i) {
+            const Peer &q = peers_[i];
+            if (q.scatter_posted < scatter_send[i].size() || q.sends_out || q.scatter_recvd < mine || q.gather_recvd < gather_recv[i].size())
+                return false;
+        }
+        return true;
+    };
+
+    if (auto st = post(); !st) return st;
+    auto last_progress = std::chrono::steady_clock::now();
+    bool spin_pays = true;
+    while (!complete()) {
+        if (op.aborted_generation && op.aborted_generation->load(std::memory_order_acquire) >= op.generation)
+            return make_error(-ECONNABORTED, "ring generation " + std::to_string(op.generation) + " was aborted");
+        if (op.cancelled && op.cancelled->load(std::memory_order_acquire)) return make_error(-ECANCELED, "the op was cancelled");
+        if (op.beat_ns) op.beat_ns->store(now_ns(), std::memory_order_relaxed);
+        const int wait_ms = ms_until(deadline);
+        if (wait_ms == 0) {
+            // The first thing missing in the op's order: a host's contribution to our shard (the
+            // others' finished pieces wait on theirs from it too), its finished shard, its taking
+            // what we sent.
+            std::string waiting;
+            for (int stage = 0; stage < 3 && waiting.empty(); ++stage)
+                for (size_t i = 0; i < peers_.size() && waiting.empty(); ++i) {
+                    const Peer &q = peers_[i];
+                    if (stage == 0 && q.scatter_recvd < mine) waiting = "data from " + q.link->peer();
+                    if (stage == 1 && q.gather_recvd < gather_recv[i].size()) waiting = "data from " + q.link->peer();
+                    if (stage == 2 && (q.sends_out || q.scatter_posted < scatter_send[i].size()))
+                        waiting = "host " + q.link->peer() + " to take data";
+                }
+            if (waiting.empty()) waiting = "the links";
+            spdlog::warn("exchange op {:#x} timed out: our shard's pieces finished {}/{}", op.op_tag, final_next, mine);
+            for (size_t i = 0; i < peers_.size(); ++i) {
+                const Peer &q = peers_[i];
+                spdlog::warn("  host {}: scatter sent {}/{} (out {}), received {}/{}; gather sent {}/{}, received {}/{}; link: {}",
+                             q.link->peer(), q.scatter_posted, scatter_send[i].size(), q.sends_out, q.scatter_recvd, mine,
+                             q.gather_posted, mine, q.gather_recvd, gather_recv[i].size(), q.link->describe());
+            }
+            return make_error(-ETIMEDOUT, "allreduce (exchange) timed out: waiting for " + waiting);
+        }
+        const auto now = std::chrono::steady_clock::now();
+        const auto spin_for = std::chrono::microseconds(spin_us_);
+        bool spin = spin_us_ < 0;
+        if (!spin && spin_us_ > 0 && spin_pays) {
+            spin = now - last_progress < spin_for;
+            if (!spin) spin_pays = false;
+        }
+        events_.clear();
+        if (auto st = t_.poll(events_, spin ? 0 : std::min(wait_ms, 100)); !st) return st;
+        if (!events_.empty()) {
+            last_progress = std::chrono::steady_clock::now();
+            if (!spin && last_progress - now < spin_for) spin_pays = true;
+            if (op.progress_ns) op.progress_ns->store(now_ns(), std::memory_order_relaxed);
+        }
+        for (const LinkEvent &e : events_) {
+            size_t i = peers_.size();
+            for (size_t j = 0; j < peers_.size(); ++j)
+                if (peers_[j].link == e.link) i = j;
+            if (e.kind == LinkEvent::Kind::Failed) {
+                if (i < peers_.size()) return e.error;
+                continue;
+            }
+            if (i == peers_.size() || (e.tag >> 32) != op.op_tag) continue;  // not this op's
+            Peer &q = peers_[i];
+            const bool gather = e.tag & kGather;
+            const uint64_t k = e.tag & (kGather - 1);
+            if (e.kind == LinkEvent::Kind::SendDone) {
+                const int32_t s = gather ? (k < gather_send.size() ? gather_send[k] : -1)
+                                         : (k < scatter_send[i].size() ? scatter_send[i][k] : -1);
+                if (s < 0 || slots_[s].users == 0 || q.sends_out == 0)
+                    return make_error(-EPROTO, "exchange: a send of piece " + std::to_string(k) + " to " + q.link->peer() +
+                                                   " done that was not out");
+                if (--slots_[s].users == 0) free_send_.push_back(s);
+                --q.sends_out;
+                continue;
+            }
+            uint64_t n;
+            if (!gather) {
+                // Piece k of our shard from q: added, in f32, to our local ranks' reduction of it.
+                if (k >= mine || scatter_recv[i][k] < 0)
+                    return make_error(-EPROTO, "exchange: host " + q.link->peer() + " sent piece " + std::to_string(k) + " of our shard unasked");
+                const uint64_t b = piece_of(op.self, k, &n);
+                if (!folded_[k]) {
+                    fold(b, n);
+                    folded_[k] = 1;
+                }
+                const int32_t s = scatter_recv[i][k];
+                wire_accumulate(op.wire, op.staging.base + slot_at(s), n, data + b);
+                free_recv_.push_back(s);
+                ++arrived_[k];
+                ++q.scatter_recvd;
+            } else {
+                // Piece k of q's shard, finished there: every local rank's result.
+                if (k >= gather_recv[i].size() || gather_recv[i][k] < 0)
+                    return make_error(-EPROTO, "exchange: host " + q.link->peer() + " sent piece " + std::to_string(k) + " of its shard unasked");
+                const uint64_t b = piece_of(q.p, k, &n);
+                const int32_t s = gather_recv[i][k];
+                deliver(op.staging.base + slot_at(s), b, n);
+                free_recv_.push_back(s);
+                ++q.gather_recvd;
+            }
+        }
+        if (auto st = post(); !st) return st;
+    }
+    return Ok{};
+}
+
+}  // namespace ringd

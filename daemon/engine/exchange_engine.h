@@ -1,0 +1,103 @@
+// ExchangeEngine: a compressed allreduce of f32 data (sum, avg) as an exchange of shards over the
+// lane's links to every host (AllToAllEngine's: the ring's own to the next and previous host and
+// the mesh links; peer protocol 12, TCP), so that each host's contribution is encoded once and
+// every sum is accumulated in f32 where it is owned:
+//
+//   scatter  the buffer is cut into one shard per host (ring position; shard bounds on blocks of
+//            kWireBlock values, so that int8's and fp16's blocks are the sender's); for each
+//            other host's shard this host reduces its local ranks (f32, avg scaled by 2^-K),
+//            encodes that once (with its error feedback residual) and sends it there. Every
+//            other host's encoding of this host's shard is decoded and added in f32 to this
+//            host's own local reduction of it.
+//   gather   once a piece of the shard has every host's contribution, it is encoded once (avg
+//            scaled to the mean first; with the residual), decoded here into the local ranks'
+//            buffers, and the same encoding is sent to every other host, which decodes it into
+//            its local ranks' buffers: every rank of the group ends with the same values.
+//
+// A value is thus encoded twice in all, whatever the number of hosts H: the error of a sum is at
+// most two encodings' of its contributions' magnitudes (docs/wire.md), where the ring's grows
+// with H (each host encodes the partial sum it forwards, ring_engine.h). The bytes each host's
+// NIC carries are the ring's: (H - 1)/H of the buffer encoded out and in, each way.
+//
+// Each shard is cut into pieces of piece_values() values; on the link to host p, each way:
+//   tag (op tag << 32) | k            scatter: piece k of the receiver's shard (wire_bytes)
+//   tag (op tag << 32) | 1 << 31 | k  gather: piece k of the sender's shard, encoded once
+// every scatter message of a way before its gather messages. Messages are encoded into and
+// received into staging slots (sends by copy); no receive waits on a send of its own host, and
+// no gather receive is posted while a scatter receive is not, so nothing can wait on itself.
+//
+// Called on the progress thread; a failed run leaves receives posted into the staging: the
+// caller drops the links (the generation ends), as after a failed ring op.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include "daemon/transport/transport.h"
+#include "proto/types.h"
+
+namespace ringd {
+
+struct ExchangeOp {
+    ReduceOp op = ReduceOp::Sum;  // sum or avg
+    WireFormat wire = WireFormat::BF16;
+    uint64_t count = 0;             // f32 values of the buffer
+    uint32_t avg_divisor = 1;       // contributions in total (all ranks of all hosts)
+    float *residual = nullptr;      // error feedback: one per value (null: none)
+    RegionHandle data;              // local rank 0's slot
+    uint64_t data_offset = 0;       // its buffer (in and out)
+    std::span<std::byte *const> locals;  // the other local ranks' buffers (in and out)
+    RegionHandle staging;           // the lane's staging: the slots
+    uint32_t self = 0;              // this host's ring position
+    std::span<Link *const> links;   // by ring position: the link to that host (self: unused)
+    uint32_t op_tag = 0;
+    const std::atomic<uint64_t> *aborted_generation = nullptr;
+    uint64_t generation = 0;
+    const std::atomic<bool> *cancelled = nullptr;  // a solo lane's op that not every host runs
+    std::atomic<int64_t> *progress_ns = nullptr;    // stored whenever a message of the op moves
+    std::atomic<int64_t> *beat_ns = nullptr;        // stored on every turn of the wait
+};
+
+class ExchangeEngine {
+public:
+    ExchangeEngine(Transport &transport, int spin_us) : t_(transport), spin_us_(spin_us) {}
+
+    // Values per message: an eighth of a shard (so that mid-sized ops keep a pipeline), at least
+    // 4 Ki and at most 256 Ki, a multiple of kWireBlock. Every host computes the same.
+    static uint64_t piece_values(uint64_t count, uint32_t hosts);
+    // The staging an op needs at least: two slots each way.
+    static uint64_t staging_needed(WireFormat wire, uint64_t count, uint32_t hosts);
+
+    // Until every rank's buffer holds the result and every peer has taken what this host sent
+    // (Ok), a link fails or the deadline passes (error, naming the host).
+    Status run(const ExchangeOp &op, std::chrono::steady_clock::time_point deadline);
+
+private:
+    struct Slot {
+        uint32_t users = 0;  // sends still out from it (a receive: 1 while posted)
+    };
+    struct Peer {
+        Link *link = nullptr;
+        uint32_t p = 0;  // ring position
+        uint64_t scatter_sent = 0, scatter_posted = 0;  // pieces of its shard
+        uint64_t gather_posted = 0;                     // pieces of our shard
+        uint64_t sends_out = 0;                         // posted, not done
+        uint64_t scatter_recv_posted = 0, scatter_recvd = 0;  // pieces of our shard
+        uint64_t gather_recv_posted = 0, gather_recvd = 0;    // pieces of its shard
+    };
+
+    Transport &t_;
+    int spin_us_;
+    std::vector<Peer> peers_;
+    std::vector<Slot> slots_;
+    std::vector<int32_t> free_send_, free_recv_;
+    std::vector<uint32_t> arrived_;  // our shard's pieces: contributions added
+    std::vector<uint8_t> folded_;    // our shard's pieces: the local ranks reduced
+    std::vector<LinkEvent> events_;
+};
+
+}  // namespace ringd
