@@ -52,16 +52,22 @@ inline constexpr uint16_t kProtocolVersion = 1;      // frames between trainers/
 //      every pair of hosts has a data link; an all_to_all runs over the data links (one message
 //      per block, daemon/engine/all_to_all_engine.h) instead of the control connections' OpData.
 //      Only in a generation of 12; every frame's layout is 11's.
+//  13: a compressed f32 allreduce on 3 hosts or more runs as the exchange of shards over the data
+//      links (daemon/engine/exchange_engine.h) unless a host's wire.schedule says ring: RingReady
+//      says that (kGenerationRingOnly, bits 16-31 of its protocol word) and RingStart what the
+//      generation does, so that every host runs the same. Only in a generation of 13; every
+//      frame's layout is 12's.
 // A ringd of 6 (before 0.2.0) is no longer spoken to: it closed the connection at a hello it could
 // not read, which a dialer cannot tell from a host that died. Every release since refuses with an
 // Error frame, and only that refusal makes a dialer try an older version.
-inline constexpr uint16_t kPeerProtocolVersion = 12;
+inline constexpr uint16_t kPeerProtocolVersion = 13;
 inline constexpr uint16_t kPeerProtocolOldest = 7;
 inline constexpr uint16_t kGenerationProtocolVersion = 9;  // RingReady / RingStart carry the protocol
 inline constexpr uint16_t kCollectivesProtocol = 10;  // reduce_scatter and allgather across hosts
 inline constexpr uint16_t kRootedProtocol = 11;       // broadcast, reduce and barrier across hosts
 inline constexpr uint16_t kWireProtocol = 11;         // compressed wires (an op report's wire: its dtype word's bits 8-15)
 inline constexpr uint16_t kMeshProtocol = 12;         // mesh data streams; all_to_all over the data links
+inline constexpr uint16_t kExchangeProtocol = 13;     // compressed allreduce as the exchange of shards
 inline constexpr uint16_t kPeerBaseVersion = 6;  // the layout version of every peer frame but the handshake's
 inline constexpr size_t kFrameHeaderBytes = 16;
 

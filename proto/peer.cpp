@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <utility>
 
 #include "proto/le.h"
 #include "proto/types.h"
@@ -236,21 +237,25 @@ Bytes encode_ring_ready(const RingReady &r) {
     uint8_t p[20] = {};
     le::put<uint64_t>(&p[0], r.generation);
     le::put<uint32_t>(&p[8], r.ready ? 1 : 0);
-    le::put<uint32_t>(&p[16], r.protocol);
+    le::put<uint32_t>(&p[16], r.protocol | uint32_t{r.flags} << 16);
     return encode_frame(FrameType::RingReady, std::span<const uint8_t>(p, r.protocol ? 20 : 16));
 }
 
 namespace {
 
-// A generation's protocol as RingReady and RingStart say it (after version 6's layout, 9 on).
-Result<uint16_t> trailing_protocol(std::span<const uint8_t> p, size_t at, const char *what) {
-    if (p.size() == at) return uint16_t{0};
+// A generation's protocol as RingReady and RingStart say it (after version 6's layout, 9 on), and
+// their flags (bits 16-31, 13 on): {protocol, flags}.
+Result<std::pair<uint16_t, uint16_t>> trailing_protocol(std::span<const uint8_t> p, size_t at, const char *what) {
+    if (p.size() == at) return std::pair<uint16_t, uint16_t>{0, 0};
     if (p.size() != at + 4) return bad(std::string(what) + " of " + std::to_string(p.size()) + " bytes");
-    const uint32_t v = le::get<uint32_t>(&p[at]);
+    const uint32_t word = le::get<uint32_t>(&p[at]);
+    const uint32_t v = word & 0xffff, flags = word >> 16;
     if (v < kPeerProtocolOldest || v > kPeerProtocolVersion)
         return bad(std::string(what) + " says protocol " + std::to_string(v) + " (this ringd speaks " +
                    std::to_string(kPeerProtocolOldest) + " to " + std::to_string(kPeerProtocolVersion) + ")");
-    return static_cast<uint16_t>(v);
+    if (flags & ~uint32_t{kGenerationRingOnly} || (flags && v < kExchangeProtocol))
+        return bad(std::string(what) + " says flags " + std::to_string(flags) + " at protocol " + std::to_string(v));
+    return std::pair<uint16_t, uint16_t>{static_cast<uint16_t>(v), static_cast<uint16_t>(flags)};
 }
 
 }  // namespace
@@ -262,13 +267,13 @@ Result<RingReady> decode_ring_ready(std::span<const uint8_t> p) {
     if (le::get<uint64_t>(&p[0]) > kMaxGeneration) return bad("ring ready announces a generation beyond 2^40");
     auto v = trailing_protocol(p, 16, "ring ready");
     if (!v) return v.error();
-    return RingReady{le::get<uint64_t>(&p[0]), ready == 1, *v};
+    return RingReady{le::get<uint64_t>(&p[0]), ready == 1, v->first, v->second};
 }
 
 Bytes encode_ring_start(const RingStart &s) {
     uint8_t p[12] = {};
     le::put<uint64_t>(&p[0], s.generation);
-    le::put<uint32_t>(&p[8], s.protocol);
+    le::put<uint32_t>(&p[8], s.protocol | uint32_t{s.flags} << 16);
     return encode_frame(FrameType::RingStart, std::span<const uint8_t>(p, s.protocol ? 12 : 8));
 }
 
@@ -279,7 +284,7 @@ Result<RingStart> decode_ring_start(std::span<const uint8_t> p) {
     if (g > kMaxGeneration) return bad("ring start with a generation beyond 2^40");
     auto v = trailing_protocol(p, 8, "ring start");
     if (!v) return v.error();
-    return RingStart{g, *v};
+    return RingStart{g, v->first, v->second};
 }
 
 namespace {

@@ -320,16 +320,21 @@ Result<OpData> decode_op_data(std::span<const uint8_t> payload);
 // takes the oldest of every host's and its own, and RingStart says it. Every host then chooses
 // algorithms, solo lanes and frame layouts by that one value. The field trails version 6's layout,
 // and only on a connection of 9 or later (0 = not said: a ringd of 8 sends none and reads none).
+// RingReady's and RingStart's flags (protocol 13 on, bits 16-31 of the protocol word): this host's
+// wire.schedule is ring; the generation runs compressed allreduces on the ring.
+inline constexpr uint16_t kGenerationRingOnly = 1;
 struct RingReady {
     uint64_t generation = 0;  // the newest generation this host has seen
     bool ready = false;
     uint16_t protocol = 0;    // the oldest version of this host's control connections; 0 = not said
+    uint16_t flags = 0;       // kGenerationRingOnly (protocol 13 on)
 };
 Bytes encode_ring_ready(const RingReady &r);
 Result<RingReady> decode_ring_ready(std::span<const uint8_t> payload);
 struct RingStart {
     uint64_t generation = 0;
     uint16_t protocol = 0;  // the generation's protocol; 0 = not said (a coordinator of 8)
+    uint16_t flags = 0;     // kGenerationRingOnly (protocol 13 on)
 };
 Bytes encode_ring_start(const RingStart &s);
 Result<RingStart> decode_ring_start(std::span<const uint8_t> payload);

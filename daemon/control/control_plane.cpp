@@ -570,7 +570,7 @@ void ControlPlane::read_control(Conn &c, bool draining) {
         if ((*f)->type == proto::FrameType::RingStart) {
             auto g = proto::decode_ring_start((*f)->payload);
             if (!g || c.peer != 0) return peer_failed(c.peer, g ? "ring start from a host that does not coordinate" : g.error().message);
-            on_ring_start(g->generation, g->protocol ? g->protocol : protocol());
+            on_ring_start(g->generation, g->protocol ? g->protocol : protocol(), g->flags);
             if (conns_.find(id) == conns_.end()) return;
             continue;
         }
@@ -780,14 +780,18 @@ void ControlPlane::tell_ready() {
     if (!peers_[0].control) return;
     // What this host can run the generation at, to a coordinator that reads it (9 on).
     const uint16_t says = peers_[0].protocol >= proto::kGenerationProtocolVersion ? protocol() : 0;
-    (void)send(0, proto::encode_ring_ready({announced_generation(), links_ready_, says}));
+    // And, from 13 on, whether its wire.schedule keeps compressed allreduces on the ring.
+    const uint16_t flags = says >= proto::kExchangeProtocol && !config_.wire.exchange ? proto::kGenerationRingOnly : 0;
+    (void)send(0, proto::encode_ring_ready({announced_generation(), links_ready_, says, flags}));
 }
 
 void ControlPlane::on_ring_ready(uint32_t peer, const proto::RingReady &r) {
     peer_ready_.resize(n_, 0);
     peer_seen_.resize(n_, 0);
     peer_protocol_.resize(n_, 0);
+    peer_flags_.resize(n_, 0);
     peer_ready_[peer] = r.ready;
+    peer_flags_[peer] = r.flags;
     peer_seen_[peer] = std::max(peer_seen_[peer], r.generation);
     // A host of 8 does not say: it runs at most its connection to this one's version.
     peer_protocol_[peer] = r.protocol ? std::min(r.protocol, peers_[peer].protocol) : peers_[peer].protocol;
@@ -801,23 +805,28 @@ void ControlPlane::maybe_start() {
     peer_ready_.resize(n_, 0);
     peer_seen_.resize(n_, 0);
     peer_protocol_.resize(n_, 0);
+    peer_flags_.resize(n_, 0);
     uint64_t newest = announced_generation();
     uint16_t protocol = this->protocol();
+    bool ring_only = !config_.wire.exchange;  // (any host's wire.schedule: ring)
     for (uint32_t i = 1; i < n_; ++i) {
         if (!peer_ready_[i]) return;
         newest = std::max(newest, peer_seen_[i]);
         protocol = std::min(protocol, peer_protocol_[i]);
+        ring_only = ring_only || (peer_flags_[i] & proto::kGenerationRingOnly);
     }
+    const uint16_t flags = protocol >= proto::kExchangeProtocol && ring_only ? proto::kGenerationRingOnly : 0;
     const uint64_t g = newest + 1;
     peer_ready_.assign(n_, 0);  // used up: a host says so again for the next generation
     for (uint32_t i = 1; i < n_; ++i)
         if (peers_[i].control)
-            (void)send(i, proto::encode_ring_start({g, peers_[i].protocol >= proto::kGenerationProtocolVersion ? protocol
-                                                                                                                : uint16_t{0}}));
-    on_ring_start(g, protocol);
+            (void)send(i, proto::encode_ring_start({g,
+                                                    peers_[i].protocol >= proto::kGenerationProtocolVersion ? protocol : uint16_t{0},
+                                                    flags}));
+    on_ring_start(g, protocol, flags);
 }
 
-void ControlPlane::on_ring_start(uint64_t g, uint16_t protocol) {
+void ControlPlane::on_ring_start(uint64_t g, uint16_t protocol, uint16_t flags) {
     if (ring_up_ && g == generation_) return;
     if (ring_up_) abort_ring("the coordinator started ring generation " + std::to_string(g));
     if (g <= aborted_max_) return;  // a host ended it already (its RingAbort came first)
@@ -872,7 +881,9 @@ void ControlPlane::on_ring_start(uint64_t g, uint16_t protocol) {
     links_ready_ = false;
     generation_ = g;
     generation_protocol_ = protocol;
-    spdlog::info("{}ring up: generation {}, {} hosts, protocol {}", label(), generation_, n_, protocol);
+    generation_exchange_ = protocol >= proto::kExchangeProtocol && !(flags & proto::kGenerationRingOnly);
+    spdlog::info("{}ring up: generation {}, {} hosts, protocol {}{}", label(), generation_, n_, protocol,
+                 protocol >= proto::kExchangeProtocol && !generation_exchange_ ? " (compressed allreduces on the ring)" : "");
     Event e;
     e.kind = Event::Kind::RingUp;
     e.generation = generation_;

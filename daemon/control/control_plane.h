@@ -133,6 +133,9 @@ public:
     // decided it and its RingStart said (a coordinator of 8 says nothing: this host's own
     // protocol()). Algorithms, solo lanes and frame layouts follow it, alike on every host.
     uint16_t generation_protocol() const { return generation_protocol_; }
+    // Whether the running generation runs compressed f32 allreduces as the exchange of shards: it
+    // runs at protocol 13 or later and no host's wire.schedule says ring (its RingStart's flags).
+    bool generation_exchange() const { return generation_exchange_; }
     std::vector<std::string> hosts_differ() const;
     // The hosts of this domain known to be down, each with what was last seen of it: no control
     // connection (since it ended, or since this plane's first tick) for kDownAfter and a dial to
@@ -314,7 +317,7 @@ private:
     void tell_ready();
     void on_ring_ready(uint32_t peer, const proto::RingReady &r);
     void maybe_start();
-    void on_ring_start(uint64_t generation, uint16_t protocol);
+    void on_ring_start(uint64_t generation, uint16_t protocol, uint16_t flags);
     void on_ring_abort(const proto::RingAbort &a);
     void send_to_all(const proto::Bytes &frame);
     void set_state(uint32_t peer, const std::string &state);
@@ -382,7 +385,9 @@ private:
     std::vector<uint8_t> peer_ready_;   // coordinator: which hosts' links are up
     std::vector<uint64_t> peer_seen_;   // coordinator: the newest generation each host saw
     std::vector<uint16_t> peer_protocol_;  // coordinator: the protocol each host can run (RingReady)
+    std::vector<uint16_t> peer_flags_;     // coordinator: each host's RingReady flags
     uint16_t generation_protocol_ = 0;     // the running generation's, as its RingStart said
+    bool generation_exchange_ = false;     // generation_exchange()
     Clock::time_point next_heartbeat_{};
     uint64_t heartbeat_generation_ = 0;
     std::optional<std::pair<Clock::time_point, std::string>> pending_link_failure_;

@@ -49,6 +49,12 @@ uint64_t ExchangeEngine::staging_needed(WireFormat wire, uint64_t count, uint32_
     return 4 * slot_bytes(wire, piece_values(count, hosts));
 }
 
+uint64_t ExchangeEngine::staging_bound() {
+    uint64_t most = 0;
+    for (WireFormat f : {WireFormat::BF16, WireFormat::FP16, WireFormat::Int8}) most = std::max(most, slot_bytes(f, kMostPiece));
+    return 16 * most;
+}
+
 Status ExchangeEngine::run(const ExchangeOp &op, std::chrono::steady_clock::time_point deadline) {
     const uint32_t hosts = static_cast<uint32_t>(op.links.size());
     if (hosts < 2 || op.self >= hosts) return make_error(-EINVAL, "exchange: a ring of " + std::to_string(hosts) + " hosts");
@@ -90,6 +96,7 @@ Status ExchangeEngine::run(const ExchangeOp &op, std::chrono::steady_clock::time
         gather_recv[i].assign(scatter_send[i].size(), -1);
     }
     std::vector<int32_t> gather_send(mine, -1);
+    std::vector<std::vector<uint8_t>> gather_done(peers_.size(), std::vector<uint8_t>(mine, 0));
     arrived_.assign(mine, 0);
     folded_.assign(mine, 0);
     uint64_t final_next = 0;  // our shard's next piece to finish
@@ -270,12 +277,14 @@ Status ExchangeEngine::run(const ExchangeOp &op, std::chrono::steady_clock::time
             const bool gather = e.tag & kGather;
             const uint64_t k = e.tag & (kGather - 1);
             if (e.kind == LinkEvent::Kind::SendDone) {
-                const int32_t s = gather ? (k < gather_send.size() ? gather_send[k] : -1)
+                const int32_t s = gather ? (k < gather_send.size() && !gather_done[i][k] ? gather_send[k] : -1)
                                          : (k < scatter_send[i].size() ? scatter_send[i][k] : -1);
                 if (s < 0 || slots_[s].users == 0 || q.sends_out == 0)
                     return make_error(-EPROTO, "exchange: a send of piece " + std::to_string(k) + " to " + q.link->peer() +
                                                    " done that was not out");
                 if (--slots_[s].users == 0) free_send_.push_back(s);
+                if (gather) gather_done[i][k] = 1;  // (its slot is shared: users count the peers)
+                else scatter_send[i][k] = -1;
                 --q.sends_out;
                 continue;
             }
@@ -292,6 +301,7 @@ Status ExchangeEngine::run(const ExchangeOp &op, std::chrono::steady_clock::time
                 const int32_t s = scatter_recv[i][k];
                 wire_accumulate(op.wire, op.staging.base + slot_at(s), n, data + b);
                 free_recv_.push_back(s);
+                scatter_recv[i][k] = -1;  // (a second completion of it is refused)
                 ++arrived_[k];
                 ++q.scatter_recvd;
             } else {
@@ -302,6 +312,7 @@ Status ExchangeEngine::run(const ExchangeOp &op, std::chrono::steady_clock::time
                 const int32_t s = gather_recv[i][k];
                 deliver(op.staging.base + slot_at(s), b, n);
                 free_recv_.push_back(s);
+                gather_recv[i][k] = -1;
                 ++q.gather_recvd;
             }
         }

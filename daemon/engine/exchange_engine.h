@@ -69,8 +69,10 @@ public:
     // Values per message: an eighth of a shard (so that mid-sized ops keep a pipeline), at least
     // 4 Ki and at most 256 Ki, a multiple of kWireBlock. Every host computes the same.
     static uint64_t piece_values(uint64_t count, uint32_t hosts);
-    // The staging an op needs at least: two slots each way.
+    // The staging an op needs at least: two slots each way; and what a lane's staging has at
+    // least (eight slots each way of the largest piece in any format: 8 MiB).
     static uint64_t staging_needed(WireFormat wire, uint64_t count, uint32_t hosts);
+    static uint64_t staging_bound();
 
     // Until every rank's buffer holds the result and every peer has taken what this host sent
     // (Ok), a link fails or the deadline passes (error, naming the host).

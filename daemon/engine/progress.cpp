@@ -434,9 +434,14 @@ EngineResult ProgressEngine::execute_ring(EngineWork &w) {
     if (residual_lock.owns_lock()) {
         // (a tag's first op, or one of another size: it starts over; the engine's count of the
         // buffer with a block per rank, from the rank map it runs with)
+        // A residual of the other schedule, or of another place in the ring, means something else
+        // (the ring's: partial sums this host forwarded; the exchange's: its contributions and
+        // its shard's sums): it starts over too.
         std::vector<float> &r = w.residual->values;
         const uint64_t want = op.full_count();
-        if (r.size() != want) r.assign(want, 0.0f);
+        const uint64_t kind = (w.exchange ? 1ull << 63 : 0) | uint64_t{pos_.size} << 32 | pos_.rank;
+        if (r.size() != want || w.residual->kind != kind) r.assign(want, 0.0f);
+        w.residual->kind = kind;
         op.residual = r.data();
     }
     op.op_tag = w.op_tag;
@@ -586,14 +591,27 @@ EngineResult ProgressEngine::execute_exchange(EngineWork &w, const RingOp &ring_
     op.cancelled = ring_op.cancelled;
     op.progress_ns = &progress_ns_;
     op.beat_ns = &beat_ns_;
+    if (const uint64_t need = ExchangeEngine::staging_needed(op.wire, op.count, static_cast<uint32_t>(peers_.size()));
+        staging_.bytes < need)  // (RingDomain sizes the staging for it: not on a ringd of this build)
+        return done(-ENOBUFS, "allreduce (exchange): " + std::to_string(need) + " bytes of staging needed, the lane has " +
+                                  std::to_string(staging_.bytes), false);
     const std::vector<Link *> links = this->links();
     uint64_t sent0 = 0, recv0 = 0;
     for (Link *l : links) sent0 += l->bytes_sent(), recv0 += l->bytes_received();
+    // (what goes to the next host and comes from the previous one counts as the ring's does, in
+    // the members' and rails' figures)
+    const uint64_t next0 = next_->bytes_sent(), prev0 = prev_->bytes_received();
+    std::array<uint64_t, kMaxRailsPerLink> rail0;
+    for (uint32_t r = 0; r < kMaxRailsPerLink; ++r) rail0[r] = next_->bytes_sent_on_rail(r);
     Status s = exchange_->run(op, w.deadline != std::chrono::steady_clock::time_point{} ? w.deadline : Clock::now() + op_timeout_);
     uint64_t sent = 0, recv = 0;
     for (Link *l : links) sent += l->bytes_sent(), recv += l->bytes_received();
     exchange_sent_ += sent - sent0;
     exchange_received_ += recv - recv0;
+    bytes_to_next_ += next_->bytes_sent() - next0;
+    bytes_from_prev_ += prev_->bytes_received() - prev0;
+    for (uint32_t r = 0; r < kMaxRailsPerLink; ++r)
+        if (const uint64_t d = next_->bytes_sent_on_rail(r) - rail0[r]) rail_bytes_to_next_[r] += d;
     exchange_ops_ += s.ok() ? 1 : 0;
     count_resent();
     if (!s && s.error().code == -ECANCELED && solo) {

@@ -41,6 +41,7 @@ class NetworkTransport;
 struct WireResidual {
     std::mutex mu;
     std::vector<float> values;
+    uint64_t kind = 0;  // what the values are of: the schedule, the ring's size and this host's place
 };
 
 struct EngineWork {

@@ -50,10 +50,12 @@ Status RingDomain::setup(UniqueFd listener) {
     ring_options.chunk_bytes = config_.tuning.chunk_bytes;
     ring_options.depth = config_.tuning.depth;
     ring_options.spin_us = config_.poll == PollMode::Busy ? -1 : config_.poll == PollMode::Event ? 0 : 50;
-    // (and over TCP an all_to_all's: a piece to drop into and every peer's counts, both ways)
+    // (and over TCP an all_to_all's: a piece to drop into and every peer's counts, both ways; and
+    // the exchange of shards' slots)
     const uint64_t staging_bytes =
-        std::max(RingEngine::staging_bytes(ring_options),
-                 config_.transport == "tcp" ? AllToAllEngine::staging_bound(static_cast<uint32_t>(config_.hosts.size())) : 0);
+        std::max({RingEngine::staging_bytes(ring_options),
+                  config_.transport == "tcp" ? AllToAllEngine::staging_bound(static_cast<uint32_t>(config_.hosts.size())) : 0,
+                  config_.transport == "tcp" ? ExchangeEngine::staging_bound() : 0});
     for (uint32_t k = 0; k < std::max<uint32_t>(1, config_.tuning.lanes); ++k) {
         auto l = std::make_unique<Lane>();
         if (whole_ring() && k == 0 && !sh_.transport_taken) {
@@ -171,6 +173,7 @@ void RingDomain::on_ring_up(uint64_t generation, DataSockets to_next, DataSocket
     // The generation is agreed: every host reports ops in it from now on, at the one protocol the
     // coordinator chose for all of its hosts, so every host chooses algorithms alike.
     generation_protocol_ = control_->generation_protocol();
+    generation_exchange_ = control_->generation_exchange();
     coord_generation_ = generation;
     coord_known_ = true;
     if (coordinator_) coordinator_->reset(generation, control_->instances(), solo_lanes());

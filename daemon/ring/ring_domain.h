@@ -257,6 +257,8 @@ private:
     // generation of protocol 12 on TCP. On a solo lane it starts without the coordinator like
     // the lane's ring ops, and is cancelled like them (on every link).
     bool mesh_links() const;
+    // The generation runs compressed f32 allreduces as the exchange of shards (ring_work).
+    bool exchange_schedule() const;
     static uint32_t solo_op_tag(uint32_t epoch, uint64_t seq, const OpRun *op);
     void start_solo(GroupRun &run, HostOp op);
     EngineWork ring_work(HostOp &op, const GroupRun &run, uint32_t total_ranks, uint32_t op_tag) const;
@@ -290,6 +292,7 @@ private:
     std::unique_ptr<DirectExchange> exchange_;
     uint64_t ops_one_shot_ = 0, ops_two_shot_ = 0, ops_ring_ = 0, ops_doubling_ = 0, ops_halving_doubling_ = 0;
     uint16_t generation_protocol_ = proto::kPeerBaseVersion;  // the oldest of the generation's hosts
+    bool generation_exchange_ = false;  // ControlPlane::generation_exchange(), for the running generation
     // Whether ops of `a` are reported to the coordinator only when they stall or differ (their
     // data checked by the hosts): doubling and halving-doubling; one-/two-shot too from protocol 8
     // on (below it their data is their sender's report, as the previous release expects).

@@ -23,6 +23,10 @@ bool RingDomain::solo_lanes() const {
            lanes_[0]->transport->name() == "tcp";
 }
 
+bool RingDomain::exchange_schedule() const {
+    return generation_exchange_ && mesh_links() && config_.hosts.size() >= 3;
+}
+
 bool RingDomain::mesh_links() const {
     return generation_protocol_ >= proto::kMeshProtocol && !lanes_.empty() && lanes_[0]->transport &&
            lanes_[0]->transport->name() == "tcp";
@@ -58,11 +62,11 @@ EngineWork RingDomain::ring_work(HostOp &op, const GroupRun &run, uint32_t total
     w.splits = op.run.splits;
     w.slots = std::move(op.slots);
     w.ring = true;
-    // A compressed f32 allreduce on 3 hosts or more: the exchange of shards where every host has
-    // the data links to every other (wire.schedule; every host decides alike).
+    // A compressed f32 allreduce on 3 hosts or more: the exchange of shards where the generation
+    // runs it (protocol 13, no host's wire.schedule says ring: its RingStart) and every host has
+    // the data links to every other. Every host of the generation decides alike.
     const OpDesc &d = op.run.desc;
-    w.exchange = config_.wire.exchange && mesh_links() && config_.hosts.size() >= 3 && d.collective == Collective::Allreduce &&
-                 d.dtype == DType::F32 && d.wire != WireFormat::Exact;
+    w.exchange = exchange_schedule() && d.collective == Collective::Allreduce && d.dtype == DType::F32 && d.wire != WireFormat::Exact;
     w.generation = local_generation_;
     w.op_tag = op_tag;
     return w;

@@ -111,7 +111,7 @@ nlohmann::json RingDomain::status() const {
     wire = {{"ops_ring", by_format},
             // Compressed f32 allreduces of 3 hosts or more: how they run here now (wire.schedule,
             // and whether the lanes have links to every host), and those run so.
-            {"schedule", config_.wire.exchange && mesh_links() && config_.hosts.size() >= 3 ? "exchange" : "ring"},
+            {"schedule", exchange_schedule() ? "exchange" : "ring"},
             {"exchange_ops", x_ops},
             {"exchange_bytes_out", x_out},
             {"exchange_bytes_in", x_in},

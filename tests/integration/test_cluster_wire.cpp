@@ -131,8 +131,12 @@ TEST_CASE("compressed wires through the daemons: every format and collective wit
     (void)ops;
 }
 
-TEST_CASE("wire.schedule: ring keeps compressed f32 allreduces on the ring", "[cluster][wire]") {
-    TestCluster c(3, "10s", "wire: {schedule: ring}\n");
+TEST_CASE("wire.schedule: ring on one host keeps every host's compressed f32 allreduces on the ring", "[cluster][wire]") {
+    // The generation agrees it (RingReady's and RingStart's flags): no host runs the exchange
+    // while another runs the ring.
+    ClusterOptions o{"10s"};
+    o.own_yaml = {"", "wire: {schedule: ring}\n", ""};
+    TestCluster c(3, o);
     REQUIRE(c.wait_up());
     auto tr = join_ranked(c, "wire-ring", {1, 2, 1}, {0, 1, 2, 3}, 4 << 20);
     REQUIRE(tr.size() == 4);

@@ -15,6 +15,7 @@
 
 #include <thread>
 
+#include "proto/frame.h"
 #include "tests/support/cluster.h"
 
 using namespace ringd;
@@ -88,11 +89,11 @@ TEST_CASE("a rolling upgrade from the previous release: a ring of both runs at p
         // the same on every host whichever of them coordinates.
         for (uint32_t x = 0; x < c.n; ++x) {
             INFO("host " << x);
-            CHECK(c.status(x)["ring"]["protocol"] == (h == 1 ? 12 : 8));
+            CHECK(c.status(x)["ring"]["protocol"] == (h == 1 ? proto::kPeerProtocolVersion : 8));
         }
         CHECK(c.status(h)["version"] == "0.4.0");
         // It found an older peer by the hello it refused (node1 last: no older peer was left).
-        const bool found = c.d[h]->log().find("does not speak protocol 12") != std::string::npos;
+        const bool found = c.d[h]->log().find("does not speak protocol " + std::to_string(proto::kPeerProtocolVersion)) != std::string::npos;
         CHECK(found == (h != 1));
         if (h == 2) {
             // node2 runs this build, node0 and node1 the previous release: node2's trainer (rank 2
@@ -129,11 +130,11 @@ TEST_CASE("a rolling upgrade from the previous release: a ring of both runs at p
             allreduce_checked(mixed, DType::F32, ReduceOp::Sum, 600000, seed += 10);
         }
     }
-    // Every host runs this build now: protocol 12, and the handshakes carry what each host runs.
+    // Every host runs this build now: its protocol, and the handshakes carry what each host runs.
     for (uint32_t h = 0; h < c.n; ++h) {
         INFO("host " << h);
         const json s = c.status(h);
-        CHECK(s["ring"]["protocol"] == 12);
+        CHECK(s["ring"]["protocol"] == proto::kPeerProtocolVersion);
         CHECK(s["ring"]["hosts_differ"].empty());
         for (const auto &m : s["ring"]["members"]) CHECK(m["config_version"].get<std::string>().size() == 12);
     }

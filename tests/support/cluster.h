@@ -41,6 +41,7 @@ struct ClusterOptions {
     // null: 127.0.0.1, a port each.
     const NetnsHosts *netns = nullptr;
     std::string host_yaml{};  // appended to every host's entry in hosts: (e.g. ", weights: [3, 1]")
+    std::vector<std::string> own_yaml{};  // appended to host i's config alone (i < size)
 };
 
 struct TestCluster {
@@ -72,7 +73,7 @@ struct TestCluster {
             opt.gid = o.gid;
             opt.bin = o.bin;
             if (netns) opt.netns = netns->ns(i);
-            opt.extra_yaml = "tcp: {streams: 2}\n" + auth + o.extra_yaml;
+            opt.extra_yaml = "tcp: {streams: 2}\n" + auth + o.extra_yaml + (i < o.own_yaml.size() ? o.own_yaml[i] : "");
             d.push_back(std::make_unique<Daemon>(opt));
             REQUIRE(d.back()->ready());
         }

@@ -748,7 +748,8 @@ TEST_CASE("peer frame bytes are pinned", "[proto]") {
     CHECK(decode_peer_hello(payload_of(g), 10).ok());
     CHECK(decode_peer_hello(payload_of(g), 11).ok());
     CHECK(decode_peer_hello(payload_of(g), 12).ok());
-    CHECK(decode_peer_hello(payload_of(g), 13).error().code == -EPROTONOSUPPORT);
+    CHECK(decode_peer_hello(payload_of(g), 13).ok());
+    CHECK(decode_peer_hello(payload_of(g), 14).error().code == -EPROTONOSUPPORT);
     // A config version must be printable and end with a NUL.
     Bytes bad(g.begin() + kFrameHeaderBytes, g.end());
     bad[kPeerHelloBytes + 8 + 3] = 0x01;
@@ -774,26 +775,26 @@ TEST_CASE("peer frame bytes are pinned", "[proto]") {
     CHECK_FALSE(decode_peer_accept(payload_of(af), 6).ok());
 }
 
-TEST_CASE("peer frame headers: versions 6 to 12 are read, others refused naming both; a hello of 6 is refused", "[proto]") {
+TEST_CASE("peer frame headers: versions 6 to 13 are read, others refused naming both; a hello of 6 is refused", "[proto]") {
     Bytes h = header_bytes(20, 16);
     CHECK(decode_frame_header(h, 4096).ok());  // 6
-    for (uint8_t v : {7, 8, 9, 10, 11}) {
+    for (uint8_t v : {7, 8, 9, 10, 11, 12, 13}) {
         h[4] = v;
         auto d = decode_frame_header(h, 4096);
         REQUIRE(d.ok());
         CHECK(d->version == v);
     }
-    for (uint8_t v : {5, 13}) {
+    for (uint8_t v : {5, 14}) {
         h[4] = v;
         auto e = decode_frame_header(h, 4096);
         REQUIRE_FALSE(e.ok());
         CHECK(e.error().code == -EPROTONOSUPPORT);
-        CHECK_THAT(e.error().message, Catch::Contains("speaks 7 to 12"));
+        CHECK_THAT(e.error().message, Catch::Contains("speaks 7 to 13"));
     }
     // A hello says the version its connection runs at: 7 is the oldest spoken (a ringd of 6
     // closed the connection at a newer hello, which a dialer cannot tell from a host that died).
     Bytes hello = header_bytes(16, 16);
-    for (uint8_t v : {7, 8, 9, 10, 11, 12}) {
+    for (uint8_t v : {7, 8, 9, 10, 11, 12, 13}) {
         hello[4] = v;
         CHECK(decode_frame_header(hello, 4096).ok());
     }
@@ -821,8 +822,29 @@ TEST_CASE("ring ready and ring start: the generation's protocol after version 6'
     // A generation of a ring that still has a host of 8 runs at 8 (or 7): said from 9 on too.
     CHECK(decode_ring_start(payload_of(encode_ring_start({5, 7}))).value().protocol == 7);
     CHECK(decode_ring_ready(payload_of(encode_ring_ready({4, true, 8}))).value().protocol == 8);
+    // Flags from 13 on: a host's wire.schedule says ring, and the generation runs so.
+    CHECK(encode_ring_ready({4, true, 13, kGenerationRingOnly}).size() == kFrameHeaderBytes + 20);
+    auto rf = decode_ring_ready(payload_of(encode_ring_ready({4, true, 13, kGenerationRingOnly})));
+    REQUIRE(rf.ok());
+    CHECK(rf->protocol == 13);
+    CHECK(rf->flags == kGenerationRingOnly);
+    auto sf = decode_ring_start(payload_of(encode_ring_start({5, 13, kGenerationRingOnly})));
+    REQUIRE(sf.ok());
+    CHECK(sf->protocol == 13);
+    CHECK(sf->flags == kGenerationRingOnly);
+    CHECK(decode_ring_start(payload_of(encode_ring_start({5, 13}))).value().flags == 0);
+    // Flags below 13, or ones this ringd does not know, are refused.
+    for (uint32_t v : {0x10009u, 0x1000cu, 0x2000du, 0x8000000du}) {
+        CAPTURE(v);
+        Bytes p = body_of(encode_ring_start({5, 9}));
+        std::memcpy(&p[8], &v, 4);  // little-endian here
+        CHECK_THAT(decode_ring_start(p).error().message, Catch::Contains("says flags"));
+        Bytes q = body_of(encode_ring_ready({4, true, 9}));
+        std::memcpy(&q[16], &v, 4);
+        CHECK_THAT(decode_ring_ready(q).error().message, Catch::Contains("says flags"));
+    }
     // A protocol this ringd does not run a generation at, or a field cut short, is refused.
-    for (uint32_t v : {1u, 6u, 13u, 0x10009u}) {
+    for (uint32_t v : {1u, 6u, 14u, 0x1000eu}) {
         CAPTURE(v);
         Bytes p = body_of(encode_ring_start({5, 9}));
         std::memcpy(&p[8], &v, 4);  // little-endian here
