@@ -132,9 +132,10 @@ struct Config {
     struct Wire {
         WireFormat format = WireFormat::Exact;  // wire.default
         uint64_t feedback_max_bytes = 1ull << 30;
-        // wire.schedule: a compressed f32 allreduce on 3 hosts or more runs as the exchange of
-        // shards (ExchangeEngine: each value encoded twice) where the lanes have data links to
-        // every host (peer protocol 12, TCP); false (`ring`): always the ring (one encoding per host).
+        // wire.schedule: a compressed f32 allreduce or reduce_scatter on 3 hosts or more runs as
+        // the exchange of shards (ExchangeEngine: each value encoded twice, resp. once) where the
+        // lanes have data links to every host (peer protocol 13, TCP) and no host says ring;
+        // false (`ring`): this host keeps the ring's generations on the ring (one encoding per host).
         bool exchange = true;
     } wire;
     std::string secret_file;  // auth.secret_file; empty: no authentication

@@ -22,7 +22,7 @@ constexpr uint64_t kGather = uint64_t{1} << 31;
 constexpr uint64_t kLeastPiece = 4096, kMostPiece = 256 << 10;
 constexpr size_t kMostSlots = 256;
 
-// Shard s of the buffer: [at(s), at(s + 1)), cut on blocks of kWireBlock values.
+// Allreduce: shard s of the buffer, [at(s), at(s + 1)), cut on blocks of kWireBlock values.
 struct Shards {
     uint64_t count;
     uint32_t hosts;
@@ -30,10 +30,7 @@ struct Shards {
         const uint64_t blocks = (count + kWireBlock - 1) / kWireBlock;
         return std::min(count, blocks * s / hosts * kWireBlock);
     }
-    uint64_t size(uint32_t s) const { return at(s + 1) - at(s); }
 };
-
-uint64_t pieces(uint64_t values, uint64_t piece) { return (values + piece - 1) / piece; }
 
 uint64_t slot_bytes(WireFormat wire, uint64_t piece) { return (wire_bytes(wire, piece) + 63) / 64 * 64; }
 
@@ -61,21 +58,51 @@ Status ExchangeEngine::run(const ExchangeOp &op, std::chrono::steady_clock::time
     if (op.wire == WireFormat::Exact || static_cast<uint32_t>(op.wire) >= kWireFormatCount ||
         (op.op != ReduceOp::Sum && op.op != ReduceOp::Avg))
         return make_error(-EINVAL, "exchange: f32 sums and averages over a compressed wire only");
-    if (op.data_offset + op.count * sizeof(float) > op.data.bytes)
-        return make_error(-EINVAL, "exchange: the buffer is outside the slot");
-    const Shards shards{op.count, hosts};
-    const uint64_t piece = piece_values(op.count, hosts), sb = slot_bytes(op.wire, piece);
+    const bool rs = op.collective == Collective::ReduceScatter;
+    if (!rs && op.collective != Collective::Allreduce) return make_error(-EINVAL, "exchange: allreduce and reduce_scatter only");
+    if (rs && op.host_ranks.size() != hosts) return make_error(-EINVAL, "exchange: the rank map and the links differ");
+    uint64_t ranks = 0;
+    for (const auto &h : op.host_ranks) ranks += h.size();
+    const uint64_t full = rs ? op.count * ranks : op.count;
+    if (rs)
+        for (const auto &h : op.host_ranks)
+            for (uint32_t r : h)
+                if (r >= ranks) return make_error(-EINVAL, "exchange: rank " + std::to_string(r) + " of " + std::to_string(ranks));
+    const uint64_t piece = piece_values(full, hosts), sb = slot_bytes(op.wire, piece);
     const size_t nslots = std::min<uint64_t>(op.staging.bytes / sb, kMostSlots);
     if (nslots < 4)
-        return make_error(-ENOBUFS, "exchange: " + std::to_string(staging_needed(op.wire, op.count, hosts)) +
+        return make_error(-ENOBUFS, "exchange: " + std::to_string(staging_needed(op.wire, full, hosts)) +
                                         " bytes of staging needed, the lane has " + std::to_string(op.staging.bytes));
+    if (op.data_offset + full * sizeof(float) > op.data.bytes ||
+        (rs && op.out_offset + op.count * sizeof(float) > op.data.bytes))
+        return make_error(-EINVAL, "exchange: the buffer is outside the slot");
+    if (rs && op.local_outputs.size() != op.locals.size())
+        return make_error(-EINVAL, "exchange: the local ranks' inputs and outputs differ");
     float *const data = reinterpret_cast<float *>(op.data.base + op.data_offset);
     auto local = [&](size_t i) { return reinterpret_cast<float *>(op.locals[i]); };
-    const uint64_t mine = pieces(shards.size(op.self), piece);
+    // Each host's pieces, in the order both ends post them: allreduce, its shard's; reduce_scatter,
+    // its ranks' blocks (local-rank order), each cut alike.
+    segs_.resize(hosts);
+    const Shards shards{full, hosts};
+    for (uint32_t s = 0; s < hosts; ++s) {
+        auto &v = segs_[s];
+        v.clear();
+        auto cut = [&](uint64_t b, uint64_t e, int32_t owner) {
+            for (; b < e; b += piece) v.push_back(Seg{b, std::min(piece, e - b), owner});
+        };
+        if (!rs) cut(shards.at(s), shards.at(s + 1), -1);
+        else
+            for (size_t l = 0; l < op.host_ranks[s].size(); ++l)
+                cut(op.host_ranks[s][l] * op.count, (op.host_ranks[s][l] + 1) * op.count, static_cast<int32_t>(l));
+    }
+    const uint64_t mine = segs_[op.self].size();
     auto piece_of = [&](uint32_t s, uint64_t k, uint64_t *elems) {
-        const uint64_t b = shards.at(s) + k * piece;
-        *elems = std::min(piece, shards.at(s + 1) - b);
-        return b;
+        *elems = segs_[s][k].elems;
+        return segs_[s][k].begin;
+    };
+    // reduce_scatter: where a local rank's result goes.
+    auto output = [&](int32_t l) {
+        return reinterpret_cast<float *>(l == 0 ? op.data.base + op.out_offset : op.local_outputs[static_cast<size_t>(l - 1)]);
     };
 
     slots_.assign(nslots, Slot{});
@@ -91,9 +118,9 @@ Status ExchangeEngine::run(const ExchangeOp &op, std::chrono::steady_clock::time
     // Per peer and piece: the slot each message is in (send or receive), by phase.
     std::vector<std::vector<int32_t>> scatter_send(peers_.size()), scatter_recv(peers_.size()), gather_recv(peers_.size());
     for (size_t i = 0; i < peers_.size(); ++i) {
-        scatter_send[i].assign(pieces(shards.size(peers_[i].p), piece), -1);
+        scatter_send[i].assign(segs_[peers_[i].p].size(), -1);
         scatter_recv[i].assign(mine, -1);
-        gather_recv[i].assign(scatter_send[i].size(), -1);
+        gather_recv[i].assign(rs ? 0 : scatter_send[i].size(), -1);  // (reduce_scatter: no gather)
     }
     std::vector<int32_t> gather_send(mine, -1);
     std::vector<std::vector<uint8_t>> gather_done(peers_.size(), std::vector<uint8_t>(mine, 0));
@@ -151,10 +178,17 @@ Status ExchangeEngine::run(const ExchangeOp &op, std::chrono::steady_clock::time
                 more = true;
             }
         }
+        // reduce_scatter: a piece of our ranks' blocks with every host's contribution is the
+        // result (f32, no encoding), the mean scaled, in its rank's output.
+        while (rs && final_next < mine && arrived_[final_next] == peers_.size()) {
+            const Seg &g = segs_[op.self][final_next++];
+            float *out = output(g.owner) + (g.begin - op.host_ranks[op.self][static_cast<size_t>(g.owner)] * op.count);
+            for (uint64_t j = 0; j < g.elems; ++j) out[j] = data[g.begin + j] * mean;
+        }
         bool scatter_out = true;
         for (size_t i = 0; i < peers_.size(); ++i)
             if (peers_[i].scatter_posted < scatter_send[i].size()) scatter_out = false;
-        while (scatter_out && final_next < mine && arrived_[final_next] == peers_.size() && !free_send_.empty()) {
+        while (!rs && scatter_out && final_next < mine && arrived_[final_next] == peers_.size() && !free_send_.empty()) {
             const int32_t s = free_send_.back();
             free_send_.pop_back();
             uint64_t n;

@@ -1,4 +1,4 @@
-// ExchangeEngine: a compressed allreduce of f32 data (sum, avg) as an exchange of shards over the
+// ExchangeEngine: a compressed allreduce or reduce_scatter of f32 data (sum, avg) as an exchange of shards over the
 // lane's links to every host (AllToAllEngine's: the ring's own to the next and previous host and
 // the mesh links; peer protocol 12, TCP), so that each host's contribution is encoded once and
 // every sum is accumulated in f32 where it is owned:
@@ -19,7 +19,12 @@
 // with H (each host encodes the partial sum it forwards, ring_engine.h). The bytes each host's
 // NIC carries are the ring's: (H - 1)/H of the buffer encoded out and in, each way.
 //
-// Each shard is cut into pieces of piece_values() values; on the link to host p, each way:
+// reduce_scatter: a host's shard is its ranks' blocks (local-rank order; each cut into pieces
+// alike), and the scatter is all of it: a block's piece with every host's contribution is the
+// result, in f32 (avg scaled to the mean), written to its rank's output. One encoding per value.
+//
+// Each shard is cut into pieces of piece_values() values (of the buffer with a block per rank); on
+// the link to host p, each way:
 //   tag (op tag << 32) | k            scatter: piece k of the receiver's shard (wire_bytes)
 //   tag (op tag << 32) | 1 << 31 | k  gather: piece k of the sender's shard, encoded once
 // every scatter message of a way before its gather messages. Messages are encoded into and
@@ -43,14 +48,20 @@
 namespace ringd {
 
 struct ExchangeOp {
+    Collective collective = Collective::Allreduce;  // or reduce_scatter
     ReduceOp op = ReduceOp::Sum;  // sum or avg
     WireFormat wire = WireFormat::BF16;
-    uint64_t count = 0;             // f32 values of the buffer
+    uint64_t count = 0;             // f32 values of the buffer (reduce_scatter: of one rank's block)
     uint32_t avg_divisor = 1;       // contributions in total (all ranks of all hosts)
     float *residual = nullptr;      // error feedback: one per value (null: none)
     RegionHandle data;              // local rank 0's slot
-    uint64_t data_offset = 0;       // its buffer (in and out)
-    std::span<std::byte *const> locals;  // the other local ranks' buffers (in and out)
+    uint64_t data_offset = 0;       // its buffer (in and out; reduce_scatter: in, a block per rank)
+    std::span<std::byte *const> locals;  // the other local ranks' buffers (in and out; reduce_scatter: in)
+    // reduce_scatter: the group's ranks on each host (by ring position, each in local-rank
+    // order: block b of the input is rank b's), local rank 0's output and the others'.
+    std::span<const std::vector<uint32_t>> host_ranks;
+    uint64_t out_offset = 0;
+    std::span<std::byte *const> local_outputs;
     RegionHandle staging;           // the lane's staging: the slots
     uint32_t self = 0;              // this host's ring position
     std::span<Link *const> links;   // by ring position: the link to that host (self: unused)
@@ -94,6 +105,11 @@ private:
 
     Transport &t_;
     int spin_us_;
+    struct Seg {
+        uint64_t begin, elems;  // values of the buffer with a block per rank (allreduce: the buffer)
+        int32_t owner;          // reduce_scatter: the local rank whose block it is (its host's)
+    };
+    std::vector<std::vector<Seg>> segs_;  // by host: its pieces
     std::vector<Peer> peers_;
     std::vector<Slot> slots_;
     std::vector<int32_t> free_send_, free_recv_;

@@ -574,6 +574,10 @@ EngineResult ProgressEngine::execute_exchange(EngineWork &w, const RingOp &ring_
         return std::move(res);
     };
     ExchangeOp op;
+    op.collective = ring_op.collective;
+    op.host_ranks = ring_op.host_ranks;
+    op.out_offset = ring_op.out_offset;
+    op.local_outputs = ring_op.local_outputs;
     op.op = ring_op.op;
     op.wire = ring_op.wire;
     op.count = ring_op.count;
@@ -591,7 +595,7 @@ EngineResult ProgressEngine::execute_exchange(EngineWork &w, const RingOp &ring_
     op.cancelled = ring_op.cancelled;
     op.progress_ns = &progress_ns_;
     op.beat_ns = &beat_ns_;
-    if (const uint64_t need = ExchangeEngine::staging_needed(op.wire, op.count, static_cast<uint32_t>(peers_.size()));
+    if (const uint64_t need = ExchangeEngine::staging_needed(op.wire, ring_op.full_count(), static_cast<uint32_t>(peers_.size()));
         staging_.bytes < need)  // (RingDomain sizes the staging for it: not on a ringd of this build)
         return done(-ENOBUFS, "allreduce (exchange): " + std::to_string(need) + " bytes of staging needed, the lane has " +
                                   std::to_string(staging_.bytes), false);

@@ -152,7 +152,7 @@ public:
     uint64_t a2a_bytes_sent() const { return a2a_sent_.load(std::memory_order_relaxed); }
     uint64_t a2a_bytes_received() const { return a2a_received_.load(std::memory_order_relaxed); }
     uint64_t a2a_bytes_by_reference() const { return a2a_by_reference_.load(std::memory_order_relaxed); }  // of sent
-    // Compressed allreduces run as the exchange of shards, and their bytes sent and received.
+    // Compressed allreduces and reduce_scatters run as the exchange of shards, and their bytes sent and received.
     uint64_t exchange_ops() const { return exchange_ops_.load(std::memory_order_relaxed); }
     uint64_t exchange_bytes_sent() const { return exchange_sent_.load(std::memory_order_relaxed); }
     uint64_t exchange_bytes_received() const { return exchange_received_.load(std::memory_order_relaxed); }

@@ -109,7 +109,7 @@ nlohmann::json RingDomain::status() const {
         x_in += l->engine->exchange_bytes_received();
     }
     wire = {{"ops_ring", by_format},
-            // Compressed f32 allreduces of 3 hosts or more: how they run here now (wire.schedule,
+            // Compressed f32 allreduces and reduce_scatters of 3 hosts or more: how they run here now (wire.schedule,
             // and whether the lanes have links to every host), and those run so.
             {"schedule", exchange_schedule() ? "exchange" : "ring"},
             {"exchange_ops", x_ops},

@@ -203,7 +203,7 @@ std::string Daemon::metrics_text() const {
             for (const auto &[f, n] : (*r)["wire"]["ops_ring"].items())
                 e.sample("ringd_wire_ops_total", {{"hosts", hosts_label(*r)}, {"wire", f}}, n.get<double>());
     e.family("ringd_wire_exchange_ops_total", "counter",
-             "Compressed f32 allreduces run as the exchange of shards (each value encoded twice) rather than the ring.");
+             "Compressed f32 allreduces and reduce_scatters run as the exchange of shards (each value encoded twice, resp. once) rather than the ring.");
     for (const json *r : rings)
         if (r->contains("wire")) e.sample("ringd_wire_exchange_ops_total", {{"hosts", hosts_label(*r)}}, num((*r)["wire"], "exchange_ops"));
     e.family("ringd_wire_feedback_bytes", "gauge", "Error-feedback residuals the group runs keep (wire.feedback_max_bytes each).");

@@ -147,7 +147,7 @@ std::vector<double> run_and_check(Ring &ring, std::vector<Host> &hosts, const Ca
             for (uint64_t i = 0; i < full; ++i) bench::store(k.buf.data() + k.in_at, i, c.dtype, input(g, i, seed));
             h.ranks.push_back(std::move(k));
         }
-        h.staging.resize(mesh ? 16 * ExchangeEngine::staging_needed(c.wire, c.count, n) : RingEngine::staging_bytes(opt));
+        h.staging.resize(mesh ? 16 * ExchangeEngine::staging_needed(c.wire, full, n) : RingEngine::staging_bytes(opt));
         h.data_reg = RegisteredRegion(ring.transports[r].get(),
                                       *ring.transports[r]->register_region(h.ranks[0].buf.data(), h.ranks[0].buf.size()));
         h.staging_reg =
@@ -186,6 +186,10 @@ std::vector<double> run_and_check(Ring &ring, std::vector<Host> &hosts, const Ca
             threads.emplace_back([&, r] {
                 const RingOp o = make_op(r);
                 ExchangeOp x;
+                x.collective = o.collective;
+                x.host_ranks = o.host_ranks;
+                x.out_offset = o.out_offset;
+                x.local_outputs = o.local_outputs;
                 x.op = o.op;
                 x.wire = o.wire;
                 x.count = o.count;
@@ -212,7 +216,10 @@ std::vector<double> run_and_check(Ring &ring, std::vector<Host> &hosts, const Ca
     // (int8: of their block maxima, over any 256 values around i), the f32 accumulation's
     // roundings, and bf16's rounding of the result.
     const double u = unit_error(c.wire);
-    const uint32_t encodings = n == 1 ? 0 : mesh ? 2 : c.coll == Collective::Allreduce ? n : n - 1;
+    const uint32_t encodings = n == 1                            ? 0
+                               : mesh                              ? (c.coll == Collective::Allreduce ? 2 : 1)
+                               : c.coll == Collective::Allreduce ? n
+                                                                   : n - 1;
     std::vector<std::vector<double>> x(ranks, std::vector<double>(full));
     std::vector<std::vector<double>> blockmax(ranks, std::vector<double>(full / 256 + 1, 0.0));
     for (uint32_t g = 0; g < ranks; ++g)
@@ -363,16 +370,20 @@ TEST_CASE("compressed allreduce by the exchange of shards: two encodings per val
         std::vector<Host> hosts;
         uint32_t tag = 1;
         for (WireFormat f : {WireFormat::BF16, WireFormat::FP16, WireFormat::Int8})
-            for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg}) {
-                const auto per = spread(n, tag % 2 ? std::vector<uint32_t>{1} : std::vector<uint32_t>{2, 1, 3});
-                // (300: shards of one block or none; 4097 n: a value past a block; 40000 n + 77:
-                // eight pieces a shard and a short last one)
-                for (uint64_t count : {uint64_t{1}, uint64_t{300}, 4097 * uint64_t{n}, 40000 * uint64_t{n} + 77}) {
-                    const uint32_t op_tag = tag++;
-                    run_and_check(ring, hosts, {Collective::Allreduce, DType::F32, op, f, count, per}, opt, op_tag, op_tag, false,
-                                  true, &mesh);
+            for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg})
+                for (Collective coll : {Collective::Allreduce, Collective::ReduceScatter}) {
+                    const auto per = spread(n, tag % 2 ? std::vector<uint32_t>{1} : std::vector<uint32_t>{2, 1, 3});
+                    const uint32_t ranks = std::accumulate(per.begin(), per.end(), 0u);
+                    // Allreduce (300: shards of one block or none; 4097 n: a value past a block;
+                    // 40000 n + 77: eight pieces a shard and a short last one); reduce_scatter's
+                    // blocks alike (a block of 1, of 300, one of a piece and a value, several pieces).
+                    const uint64_t k = coll == Collective::Allreduce ? n : 1;
+                    for (uint64_t count : {uint64_t{1}, uint64_t{300}, 4097 * k, 40000 * k + 77}) {
+                        if (coll == Collective::ReduceScatter && count == 4097) count = ExchangeEngine::piece_values(4097 * ranks, n) + 1;
+                        const uint32_t op_tag = tag++;
+                        run_and_check(ring, hosts, {coll, DType::F32, op, f, count, per}, opt, op_tag, op_tag, false, true, &mesh);
+                    }
                 }
-            }
     }
 }
 
