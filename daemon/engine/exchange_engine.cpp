@@ -63,6 +63,11 @@ Status ExchangeEngine::run(const ExchangeOp &op, std::chrono::steady_clock::time
     if (rs && op.host_ranks.size() != hosts) return make_error(-EINVAL, "exchange: the rank map and the links differ");
     uint64_t ranks = 0;
     for (const auto &h : op.host_ranks) ranks += h.size();
+    if (rs && op.host_ranks[op.self].size() != op.locals.size() + 1)
+        return make_error(-EINVAL, "exchange: the rank map has " + std::to_string(op.host_ranks[op.self].size()) +
+                                       " ranks on this host, which runs " + std::to_string(op.locals.size() + 1));
+    if (op.count > (uint64_t{1} << 58) / std::max<uint64_t>(ranks, 1))
+        return make_error(-EINVAL, "exchange: " + std::to_string(op.count) + " values a rank is too many");
     const uint64_t full = rs ? op.count * ranks : op.count;
     if (rs)
         for (const auto &h : op.host_ranks)
@@ -282,7 +287,7 @@ Status ExchangeEngine::run(const ExchangeOp &op, std::chrono::steady_clock::time
                              q.link->peer(), q.scatter_posted, scatter_send[i].size(), q.sends_out, q.scatter_recvd, mine,
                              q.gather_posted, mine, q.gather_recvd, gather_recv[i].size(), q.link->describe());
             }
-            return make_error(-ETIMEDOUT, "allreduce (exchange) timed out: waiting for " + waiting);
+            return make_error(-ETIMEDOUT, std::string(collective_name(op.collective)) + " (exchange) timed out: waiting for " + waiting);
         }
         const auto now = std::chrono::steady_clock::now();
         const auto spin_for = std::chrono::microseconds(spin_us_);

@@ -1,6 +1,6 @@
-// ExchangeEngine: a compressed allreduce or reduce_scatter of f32 data (sum, avg) as an exchange of shards over the
-// lane's links to every host (AllToAllEngine's: the ring's own to the next and previous host and
-// the mesh links; peer protocol 12, TCP), so that each host's contribution is encoded once and
+// ExchangeEngine: a compressed allreduce or reduce_scatter of f32 data (sum, avg) as an exchange
+// of shards over the lane's links to every host (AllToAllEngine's: the ring's own to the next and
+// previous host and the mesh links; TCP, a generation of peer protocol 13), so that each host's contribution is encoded once and
 // every sum is accumulated in f32 where it is owned:
 //
 //   scatter  the buffer is cut into one shard per host (ring position; shard bounds on blocks of

@@ -595,10 +595,6 @@ EngineResult ProgressEngine::execute_exchange(EngineWork &w, const RingOp &ring_
     op.cancelled = ring_op.cancelled;
     op.progress_ns = &progress_ns_;
     op.beat_ns = &beat_ns_;
-    if (const uint64_t need = ExchangeEngine::staging_needed(op.wire, ring_op.full_count(), static_cast<uint32_t>(peers_.size()));
-        staging_.bytes < need)  // (RingDomain sizes the staging for it: not on a ringd of this build)
-        return done(-ENOBUFS, "allreduce (exchange): " + std::to_string(need) + " bytes of staging needed, the lane has " +
-                                  std::to_string(staging_.bytes), false);
     const std::vector<Link *> links = this->links();
     uint64_t sent0 = 0, recv0 = 0;
     for (Link *l : links) sent0 += l->bytes_sent(), recv0 += l->bytes_received();

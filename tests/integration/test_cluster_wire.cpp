@@ -132,6 +132,31 @@ TEST_CASE("compressed wires through the daemons: every format and collective wit
     (void)ops;
 }
 
+TEST_CASE("the exchange of shards over the mesh links: 4 hosts, ranks numbered unlike the ring, within the bound",
+          "[cluster][wire]") {
+    TestCluster c(4, "10s");
+    REQUIRE(c.wait_up());
+    // Host 0 has ranks 5 and 0; host 1 rank 3; host 2 rank 1; host 3 ranks 4 and 2. Hosts 0 and 2,
+    // 1 and 3 are joined by mesh links.
+    auto tr = join_ranked(c, "wire-mesh", {2, 1, 1, 2}, {5, 0, 3, 1, 4, 2}, 8 << 20);
+    REQUIRE(tr.size() == 6);
+    Checked r;
+    REQUIRE(run(tr, Collective::Allreduce, DType::F32, ReduceOp::Avg, 300007, RINGD_WIRE_INT8, WireFormat::Int8, 4, r) == 0);
+    REQUIRE(run(tr, Collective::ReduceScatter, DType::F32, ReduceOp::Sum, 70001, RINGD_WIRE_BF16, WireFormat::BF16, 4, r) == 0);
+    REQUIRE(run(tr, Collective::Allreduce, DType::F32, ReduceOp::Sum, 300007, RINGD_WIRE_FP16, WireFormat::FP16, 4, r) == 0);
+    CHECK(r.wrong == 0);
+    CHECK(r.guard == 0);
+    CHECK(r.differ == 0);
+    for (uint32_t h = 0; h < c.n; ++h) {
+        INFO("host " << h);
+        const auto j = c.status(h);
+        CHECK(j["ops"]["failed"] == 0);
+        CHECK(j["ring"]["all_to_all"]["mesh_links"] == 1);
+        CHECK(j["ring"]["wire"]["schedule"] == "exchange");
+        CHECK(j["ring"]["wire"]["exchange_ops"] == 3);
+    }
+}
+
 TEST_CASE("wire.schedule: ring on one host keeps every host's compressed f32 allreduces on the ring", "[cluster][wire]") {
     // The generation agrees it (RingReady's and RingStart's flags): no host runs the exchange
     // while another runs the ring.
