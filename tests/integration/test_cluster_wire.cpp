@@ -160,7 +160,8 @@ TEST_CASE("the exchange of shards over the mesh links: 4 hosts, ranks numbered u
 TEST_CASE("wire.schedule: ring on one host keeps every host's compressed f32 allreduces on the ring", "[cluster][wire]") {
     // The generation agrees it (RingReady's and RingStart's flags): no host runs the exchange
     // while another runs the ring.
-    ClusterOptions o{"10s"};
+    ClusterOptions o;
+    o.op_timeout = "10s";
     o.own_yaml = {"", "wire: {schedule: ring}\n", ""};
     TestCluster c(3, o);
     REQUIRE(c.wait_up());
