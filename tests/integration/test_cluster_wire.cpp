@@ -159,10 +159,13 @@ TEST_CASE("the exchange of shards over the mesh links: 4 hosts, ranks numbered u
 
 TEST_CASE("wire.schedule: ring on one host keeps every host's compressed f32 allreduces on the ring", "[cluster][wire]") {
     // The generation agrees it (RingReady's and RingStart's flags): no host runs the exchange
-    // while another runs the ring.
+    // while another runs the ring. Said by a host (its RingReady) or by the coordinator (node0).
+    const uint32_t who = GENERATE(1u, 0u);
+    INFO("node" << who << " says ring");
     ClusterOptions o;
     o.op_timeout = "10s";
-    o.own_yaml = {"", "wire: {schedule: ring}\n", ""};
+    o.own_yaml = {"", "", ""};
+    o.own_yaml[who] = "wire: {schedule: ring}\n";
     TestCluster c(3, o);
     REQUIRE(c.wait_up());
     auto tr = join_ranked(c, "wire-ring", {1, 2, 1}, {0, 1, 2, 3}, 4 << 20);
