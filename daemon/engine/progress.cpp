@@ -541,25 +541,35 @@ EngineResult ProgressEngine::execute_all_to_all(EngineWork &w, bool solo) {
     a2a_by_reference_ += ref - ref0;
     a2a_received_ += recv - recv0;
     count_resent();
-    if (!s && s.error().code == -ECANCELED && solo) {
-        std::vector<Link *> by_reference;  // (the ways its blocks went by reference)
+    std::vector<Link *> by_reference;  // (the ways its blocks went by reference)
+    if (!s && s.error().code == -ECANCELED && solo)
         for (Link *l : links)
             if (a2a_->sent_by_reference(l)) by_reference.push_back(l);
-        if (drain_cancelled(w.op_tag, by_reference)) return done(-ECANCELED, s.error().message, false);
-        link_failure_reported_ = true;
-        drop_links();
-        return done(-ECANCELED, "the cancelled all_to_all's messages did not leave within " +
-                                    std::to_string(std::chrono::duration_cast<std::chrono::seconds>(kCancelDrain).count()) +
-                                    " s: the lane's links are treated as broken", true);
-    }
-    if (!s) {
-        const bool aborted = s.error().code == -ECONNABORTED && aborted_generation_.load() >= w.generation;
-        if (!aborted) link_failure_reported_ = true;
-        drop_links();  // (receives may still be posted into the trainers' slots)
-        return done(s.error().code, s.error().message, !aborted);
-    }
+    if (!s) return end_failed_mesh_op(w, s, solo, by_reference, "all_to_all");
     if (!op_error.empty()) return done(-EPROTO, op_error, false);
     return done(0, {}, false);
+}
+
+// An op over the links to every host that failed: a cancelled solo op drains its sends (`fence`:
+// the links it sent by reference to), else, or when they do not leave in time, the generation
+// ends (receives may still be posted into the trainers' slots or the staging).
+EngineResult ProgressEngine::end_failed_mesh_op(EngineWork &w, const Status &s, bool solo, const std::vector<Link *> &fence,
+                                                std::string_view what) {
+    EngineResult res{w.op_id, s.error().code, s.error().message, false, w.generation, std::move(w.slots)};
+    if (s.error().code == -ECANCELED && solo) {
+        if (drain_cancelled(w.op_tag, fence)) return res;
+        res.message = "the cancelled " + std::string(what) + "'s messages did not leave within " +
+                      std::to_string(std::chrono::duration_cast<std::chrono::seconds>(kCancelDrain).count()) +
+                      " s: the lane's links are treated as broken";
+        res.link_failed = link_failure_reported_ = true;
+        drop_links();
+        return res;
+    }
+    const bool aborted = s.error().code == -ECONNABORTED && aborted_generation_.load() >= w.generation;
+    res.link_failed = !aborted;
+    if (!aborted) link_failure_reported_ = true;
+    drop_links();
+    return res;
 }
 
 // A compressed f32 allreduce as the exchange of shards (ExchangeEngine) over the links to every
@@ -614,20 +624,7 @@ EngineResult ProgressEngine::execute_exchange(EngineWork &w, const RingOp &ring_
         if (const uint64_t d = next_->bytes_sent_on_rail(r) - rail0[r]) rail_bytes_to_next_[r] += d;
     exchange_ops_ += s.ok() ? 1 : 0;
     count_resent();
-    if (!s && s.error().code == -ECANCELED && solo) {
-        if (drain_cancelled(w.op_tag, {})) return done(-ECANCELED, s.error().message, false);  // (sends are copies)
-        link_failure_reported_ = true;
-        drop_links();
-        return done(-ECANCELED, "the cancelled allreduce's messages did not leave within " +
-                                    std::to_string(std::chrono::duration_cast<std::chrono::seconds>(kCancelDrain).count()) +
-                                    " s: the lane's links are treated as broken", true);
-    }
-    if (!s) {
-        const bool aborted = s.error().code == -ECONNABORTED && aborted_generation_.load() >= w.generation;
-        if (!aborted) link_failure_reported_ = true;
-        drop_links();  // (receives may still be posted into the staging)
-        return done(s.error().code, s.error().message, !aborted);
-    }
+    if (!s) return end_failed_mesh_op(w, s, solo, {}, collective_name(w.desc.collective));  // (sends are copies: no fence)
     return done(0, {}, false);
 }
 

@@ -258,6 +258,8 @@ private:
     std::vector<AllToAllLayout> a2a_layouts_;
     EngineResult execute_all_to_all(EngineWork &w, bool solo);
     EngineResult execute_exchange(EngineWork &w, const RingOp &ring_op, bool solo);
+    EngineResult end_failed_mesh_op(EngineWork &w, const Status &s, bool solo, const std::vector<Link *> &fence,
+                                    std::string_view what);
 
     std::thread thread_;  // last: started after everything it uses exists
 };
