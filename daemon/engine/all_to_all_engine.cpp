@@ -7,13 +7,10 @@
 #include <spdlog/spdlog.h>
 
 #include "common/fd_io.h"
+#include "daemon/engine/op_wait.h"
 
 namespace ringd {
 namespace {
-
-int64_t now_ns() {
-    return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
 
 // A way's first message: its flags word, then the counts.
 uint64_t header_bytes(size_t from, size_t to) { return 8 + 8 * uint64_t{from} * to; }
@@ -153,8 +150,7 @@ Status AllToAllEngine::run(const AllToAllOp &op, std::chrono::steady_clock::time
         }
         return true;
     };
-    auto last_progress = std::chrono::steady_clock::now();
-    bool spin_pays = true;
+    LinkPoll poll(spin_us_);
     for (;;) {
         if (copy < copies.size()) {
             const Copy &c = copies[copy];
@@ -163,10 +159,7 @@ Status AllToAllEngine::run(const AllToAllOp &op, std::chrono::steady_clock::time
             if ((copied += n) == c.bytes) ++copy, copied = 0;
         }
         if (complete()) break;
-        if (op.aborted_generation && op.aborted_generation->load(std::memory_order_acquire) >= op.generation)
-            return make_error(-ECONNABORTED, "ring generation " + std::to_string(op.generation) + " was aborted");
-        if (op.cancelled && op.cancelled->load(std::memory_order_acquire)) return make_error(-ECANCELED, "the op was cancelled");
-        if (op.beat_ns) op.beat_ns->store(now_ns(), std::memory_order_relaxed);
+        if (auto st = wait_turn(op); !st) return st;
         const int wait_ms = ms_until(deadline);
         if (wait_ms == 0) {
             std::string waiting;
@@ -180,20 +173,8 @@ Status AllToAllEngine::run(const AllToAllOp &op, std::chrono::steady_clock::time
             log_ways(op, "timed out");
             return make_error(-ETIMEDOUT, "all_to_all timed out: waiting for " + (waiting.empty() ? std::string("the links") : waiting));
         }
-        const auto now = std::chrono::steady_clock::now();
-        const auto spin_for = std::chrono::microseconds(spin_us_);
-        bool spin = spin_us_ < 0 || copy < copies.size();
-        if (!spin && spin_us_ > 0 && spin_pays) {
-            spin = now - last_progress < spin_for;
-            if (!spin) spin_pays = false;
-        }
-        events_.clear();
-        if (auto s = t_.poll(events_, spin ? 0 : std::min(wait_ms, 100)); !s) return s;
-        if (!events_.empty()) {
-            last_progress = std::chrono::steady_clock::now();
-            if (!spin && last_progress - now < spin_for) spin_pays = true;
-            if (op.progress_ns) op.progress_ns->store(now_ns(), std::memory_order_relaxed);
-        }
+        if (auto st = poll.poll(t_, events_, wait_ms, copy < copies.size()); !st) return st;
+        if (!events_.empty() && op.progress_ns) op.progress_ns->store(poll.last_progress_ns(), std::memory_order_relaxed);
         for (const LinkEvent &e : events_) {
             uint32_t p = hosts;
             for (uint32_t q : peers)

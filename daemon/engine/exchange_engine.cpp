@@ -8,15 +8,12 @@
 #include <spdlog/spdlog.h>
 
 #include "common/fd_io.h"
+#include "daemon/engine/op_wait.h"
 #include "daemon/engine/reduce.h"
 #include "daemon/engine/wire.h"
 
 namespace ringd {
 namespace {
-
-int64_t now_ns() {
-    return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
 
 constexpr uint64_t kGather = uint64_t{1} << 31;
 constexpr uint64_t kLeastPiece = 4096, kMostPiece = 256 << 10;
@@ -114,21 +111,19 @@ Status ExchangeEngine::run(const ExchangeOp &op, std::chrono::steady_clock::time
     free_send_.clear();
     free_recv_.clear();
     for (size_t i = 0; i < nslots; ++i) (i < nslots / 2 ? free_send_ : free_recv_).push_back(static_cast<int32_t>(i));
-    peers_.clear();
-    for (uint32_t p = 0; p < hosts; ++p) {
+    // The peers' entries are reset, not rebuilt: their tables keep their memory from op to op.
+    peers_.resize(hosts - 1);
+    for (uint32_t p = 0, i = 0; p < hosts; ++p) {
         if (p == op.self) continue;
         if (!op.links[p]) return make_error(-ENOTCONN, "exchange: no data link to the host at ring position " + std::to_string(p));
-        peers_.push_back(Peer{op.links[p], p});
+        Peer &q = peers_[i++];
+        q.reset(op.links[p], p);
+        q.scatter_send.assign(segs_[p].size(), -1);
+        q.scatter_recv.assign(mine, -1);
+        q.gather_recv.assign(rs ? 0 : segs_[p].size(), -1);  // (reduce_scatter: no gather)
+        q.gather_done.assign(mine, 0);
     }
-    // Per peer and piece: the slot each message is in (send or receive), by phase.
-    std::vector<std::vector<int32_t>> scatter_send(peers_.size()), scatter_recv(peers_.size()), gather_recv(peers_.size());
-    for (size_t i = 0; i < peers_.size(); ++i) {
-        scatter_send[i].assign(segs_[peers_[i].p].size(), -1);
-        scatter_recv[i].assign(mine, -1);
-        gather_recv[i].assign(rs ? 0 : scatter_send[i].size(), -1);  // (reduce_scatter: no gather)
-    }
-    std::vector<int32_t> gather_send(mine, -1);
-    std::vector<std::vector<uint8_t>> gather_done(peers_.size(), std::vector<uint8_t>(mine, 0));
+    gather_send_.assign(mine, -1);
     arrived_.assign(mine, 0);
     folded_.assign(mine, 0);
     uint64_t final_next = 0;  // our shard's next piece to finish
@@ -168,7 +163,7 @@ Status ExchangeEngine::run(const ExchangeOp &op, std::chrono::steady_clock::time
             more = false;
             for (size_t i = 0; i < peers_.size() && !free_send_.empty(); ++i) {
                 Peer &q = peers_[i];
-                if (q.scatter_posted == scatter_send[i].size()) continue;
+                if (q.scatter_posted == q.scatter_send.size()) continue;
                 const int32_t s = free_send_.back();
                 free_send_.pop_back();
                 uint64_t n;
@@ -178,7 +173,7 @@ Status ExchangeEngine::run(const ExchangeOp &op, std::chrono::steady_clock::time
                 if (auto st = q.link->post_send(op.staging, slot_at(s), wire_bytes(op.wire, n), tag(false, q.scatter_posted)); !st)
                     return st;
                 slots_[s].users = 1;
-                scatter_send[i][q.scatter_posted++] = s;
+                q.scatter_send[q.scatter_posted++] = s;
                 ++q.sends_out;
                 more = true;
             }
@@ -191,8 +186,8 @@ Status ExchangeEngine::run(const ExchangeOp &op, std::chrono::steady_clock::time
             for (uint64_t j = 0; j < g.elems; ++j) out[j] = data[g.begin + j] * mean;
         }
         bool scatter_out = true;
-        for (size_t i = 0; i < peers_.size(); ++i)
-            if (peers_[i].scatter_posted < scatter_send[i].size()) scatter_out = false;
+        for (const Peer &q : peers_)
+            if (q.scatter_posted < q.scatter_send.size()) scatter_out = false;
         while (!rs && scatter_out && final_next < mine && arrived_[final_next] == peers_.size() && !free_send_.empty()) {
             const int32_t s = free_send_.back();
             free_send_.pop_back();
@@ -209,11 +204,11 @@ Status ExchangeEngine::run(const ExchangeOp &op, std::chrono::steady_clock::time
                 ++q.sends_out;
             }
             slots_[s].users = static_cast<uint32_t>(peers_.size());
-            gather_send[final_next++] = s;
+            gather_send_[final_next++] = s;
         }
         bool scatter_in = true;
-        for (size_t i = 0; i < peers_.size(); ++i)
-            if (peers_[i].scatter_recv_posted < mine) scatter_in = false;
+        for (const Peer &q : peers_)
+            if (q.scatter_recv_posted < mine) scatter_in = false;
         for (bool more = true; more && !free_recv_.empty();) {
             more = false;
             for (size_t i = 0; i < peers_.size() && !free_recv_.empty(); ++i) {
@@ -226,15 +221,15 @@ Status ExchangeEngine::run(const ExchangeOp &op, std::chrono::steady_clock::time
                     if (auto st = q.link->post_recv(op.staging, slot_at(s), wire_bytes(op.wire, n), tag(false, q.scatter_recv_posted)); !st)
                         return st;
                     free_recv_.pop_back();
-                    scatter_recv[i][q.scatter_recv_posted++] = s;
+                    q.scatter_recv[q.scatter_recv_posted++] = s;
                 } else {
-                    if (q.gather_recv_posted == gather_recv[i].size()) continue;
+                    if (q.gather_recv_posted == q.gather_recv.size()) continue;
                     const int32_t s = free_recv_.back();
                     piece_of(q.p, q.gather_recv_posted, &n);
                     if (auto st = q.link->post_recv(op.staging, slot_at(s), wire_bytes(op.wire, n), tag(true, q.gather_recv_posted)); !st)
                         return st;
                     free_recv_.pop_back();
-                    gather_recv[i][q.gather_recv_posted++] = s;
+                    q.gather_recv[q.gather_recv_posted++] = s;
                 }
                 more = true;
             }
@@ -249,22 +244,17 @@ Status ExchangeEngine::run(const ExchangeOp &op, std::chrono::steady_clock::time
     };
     auto complete = [&] {
         if (final_next < mine) return false;
-        for (size_t i = 0; i < peers_.size(); ++i) {
-            const Peer &q = peers_[i];
-            if (q.scatter_posted < scatter_send[i].size() || q.sends_out || q.scatter_recvd < mine || q.gather_recvd < gather_recv[i].size())
+        for (const Peer &q : peers_) {
+            if (q.scatter_posted < q.scatter_send.size() || q.sends_out || q.scatter_recvd < mine || q.gather_recvd < q.gather_recv.size())
                 return false;
         }
         return true;
     };
 
     if (auto st = post(); !st) return st;
-    auto last_progress = std::chrono::steady_clock::now();
-    bool spin_pays = true;
+    LinkPoll poll(spin_us_);
     while (!complete()) {
-        if (op.aborted_generation && op.aborted_generation->load(std::memory_order_acquire) >= op.generation)
-            return make_error(-ECONNABORTED, "ring generation " + std::to_string(op.generation) + " was aborted");
-        if (op.cancelled && op.cancelled->load(std::memory_order_acquire)) return make_error(-ECANCELED, "the op was cancelled");
-        if (op.beat_ns) op.beat_ns->store(now_ns(), std::memory_order_relaxed);
+        if (auto st = wait_turn(op); !st) return st;
         const int wait_ms = ms_until(deadline);
         if (wait_ms == 0) {
             // The first thing missing in the op's order: a host's contribution to our shard (the
@@ -275,8 +265,8 @@ Status ExchangeEngine::run(const ExchangeOp &op, std::chrono::steady_clock::time
                 for (size_t i = 0; i < peers_.size() && waiting.empty(); ++i) {
                     const Peer &q = peers_[i];
                     if (stage == 0 && q.scatter_recvd < mine) waiting = "data from " + q.link->peer();
-                    if (stage == 1 && q.gather_recvd < gather_recv[i].size()) waiting = "data from " + q.link->peer();
-                    if (stage == 2 && (q.sends_out || q.scatter_posted < scatter_send[i].size()))
+                    if (stage == 1 && q.gather_recvd < q.gather_recv.size()) waiting = "data from " + q.link->peer();
+                    if (stage == 2 && (q.sends_out || q.scatter_posted < q.scatter_send.size()))
                         waiting = "host " + q.link->peer() + " to take data";
                 }
             if (waiting.empty()) waiting = "the links";
@@ -284,25 +274,13 @@ Status ExchangeEngine::run(const ExchangeOp &op, std::chrono::steady_clock::time
             for (size_t i = 0; i < peers_.size(); ++i) {
                 const Peer &q = peers_[i];
                 spdlog::warn("  host {}: scatter sent {}/{} (out {}), received {}/{}; gather sent {}/{}, received {}/{}; link: {}",
-                             q.link->peer(), q.scatter_posted, scatter_send[i].size(), q.sends_out, q.scatter_recvd, mine,
-                             q.gather_posted, mine, q.gather_recvd, gather_recv[i].size(), q.link->describe());
+                             q.link->peer(), q.scatter_posted, q.scatter_send.size(), q.sends_out, q.scatter_recvd, mine,
+                             q.gather_posted, mine, q.gather_recvd, q.gather_recv.size(), q.link->describe());
             }
             return make_error(-ETIMEDOUT, std::string(collective_name(op.collective)) + " (exchange) timed out: waiting for " + waiting);
         }
-        const auto now = std::chrono::steady_clock::now();
-        const auto spin_for = std::chrono::microseconds(spin_us_);
-        bool spin = spin_us_ < 0;
-        if (!spin && spin_us_ > 0 && spin_pays) {
-            spin = now - last_progress < spin_for;
-            if (!spin) spin_pays = false;
-        }
-        events_.clear();
-        if (auto st = t_.poll(events_, spin ? 0 : std::min(wait_ms, 100)); !st) return st;
-        if (!events_.empty()) {
-            last_progress = std::chrono::steady_clock::now();
-            if (!spin && last_progress - now < spin_for) spin_pays = true;
-            if (op.progress_ns) op.progress_ns->store(now_ns(), std::memory_order_relaxed);
-        }
+        if (auto st = poll.poll(t_, events_, wait_ms); !st) return st;
+        if (!events_.empty() && op.progress_ns) op.progress_ns->store(poll.last_progress_ns(), std::memory_order_relaxed);
         for (const LinkEvent &e : events_) {
             size_t i = peers_.size();
             for (size_t j = 0; j < peers_.size(); ++j)
@@ -316,42 +294,42 @@ Status ExchangeEngine::run(const ExchangeOp &op, std::chrono::steady_clock::time
             const bool gather = e.tag & kGather;
             const uint64_t k = e.tag & (kGather - 1);
             if (e.kind == LinkEvent::Kind::SendDone) {
-                const int32_t s = gather ? (k < gather_send.size() && !gather_done[i][k] ? gather_send[k] : -1)
-                                         : (k < scatter_send[i].size() ? scatter_send[i][k] : -1);
+                const int32_t s = gather ? (k < gather_send_.size() && !q.gather_done[k] ? gather_send_[k] : -1)
+                                         : (k < q.scatter_send.size() ? q.scatter_send[k] : -1);
                 if (s < 0 || slots_[s].users == 0 || q.sends_out == 0)
                     return make_error(-EPROTO, "exchange: a send of piece " + std::to_string(k) + " to " + q.link->peer() +
                                                    " done that was not out");
                 if (--slots_[s].users == 0) free_send_.push_back(s);
-                if (gather) gather_done[i][k] = 1;  // (its slot is shared: users count the peers)
-                else scatter_send[i][k] = -1;
+                if (gather) q.gather_done[k] = 1;  // (its slot is shared: users count the peers)
+                else q.scatter_send[k] = -1;
                 --q.sends_out;
                 continue;
             }
             uint64_t n;
             if (!gather) {
                 // Piece k of our shard from q: added, in f32, to our local ranks' reduction of it.
-                if (k >= mine || scatter_recv[i][k] < 0)
+                if (k >= mine || q.scatter_recv[k] < 0)
                     return make_error(-EPROTO, "exchange: host " + q.link->peer() + " sent piece " + std::to_string(k) + " of our shard unasked");
                 const uint64_t b = piece_of(op.self, k, &n);
                 if (!folded_[k]) {
                     fold(b, n);
                     folded_[k] = 1;
                 }
-                const int32_t s = scatter_recv[i][k];
+                const int32_t s = q.scatter_recv[k];
                 wire_accumulate(op.wire, op.staging.base + slot_at(s), n, data + b);
                 free_recv_.push_back(s);
-                scatter_recv[i][k] = -1;  // (a second completion of it is refused)
+                q.scatter_recv[k] = -1;  // (a second completion of it is refused)
                 ++arrived_[k];
                 ++q.scatter_recvd;
             } else {
                 // Piece k of q's shard, finished there: every local rank's result.
-                if (k >= gather_recv[i].size() || gather_recv[i][k] < 0)
+                if (k >= q.gather_recv.size() || q.gather_recv[k] < 0)
                     return make_error(-EPROTO, "exchange: host " + q.link->peer() + " sent piece " + std::to_string(k) + " of its shard unasked");
                 const uint64_t b = piece_of(q.p, k, &n);
-                const int32_t s = gather_recv[i][k];
+                const int32_t s = q.gather_recv[k];
                 deliver(op.staging.base + slot_at(s), b, n);
                 free_recv_.push_back(s);
-                gather_recv[i][k] = -1;
+                q.gather_recv[k] = -1;
                 ++q.gather_recvd;
             }
         }

@@ -96,11 +96,22 @@ private:
     struct Peer {
         Link *link = nullptr;
         uint32_t p = 0;  // ring position
-        uint64_t scatter_sent = 0, scatter_posted = 0;  // pieces of its shard
+        uint64_t scatter_posted = 0;  // pieces of its shard
         uint64_t gather_posted = 0;                     // pieces of our shard
         uint64_t sends_out = 0;                         // posted, not done
         uint64_t scatter_recv_posted = 0, scatter_recvd = 0;  // pieces of our shard
         uint64_t gather_recv_posted = 0, gather_recvd = 0;    // pieces of its shard
+        // By piece: the slot each message is in (-1: none, or done), by phase and way; our
+        // shard's pieces whose gather send to it is done. Sized per op, kept from op to op.
+        std::vector<int32_t> scatter_send, scatter_recv, gather_recv;
+        std::vector<uint8_t> gather_done;
+
+        void reset(Link *l, uint32_t position) {
+            link = l;
+            p = position;
+            scatter_posted = gather_posted = sends_out = 0;
+            scatter_recv_posted = scatter_recvd = gather_recv_posted = gather_recvd = 0;
+        }
     };
 
     Transport &t_;
@@ -115,6 +126,7 @@ private:
     std::vector<int32_t> free_send_, free_recv_;
     std::vector<uint32_t> arrived_;  // our shard's pieces: contributions added
     std::vector<uint8_t> folded_;    // our shard's pieces: the local ranks reduced
+    std::vector<int32_t> gather_send_;  // our shard's pieces: the slot of its encoding (-1: not yet)
     std::vector<LinkEvent> events_;
 };
 

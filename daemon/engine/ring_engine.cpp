@@ -5,6 +5,7 @@
 #include <spdlog/spdlog.h>
 
 #include "common/fd_io.h"
+#include "daemon/engine/op_wait.h"
 #include "daemon/engine/reduce.h"
 #include "daemon/engine/wire.h"
 
@@ -13,18 +14,6 @@ namespace {
 
 constexpr uint32_t kMaxChunks = 1u << 20;
 constexpr uint32_t kMaxSteps = 1u << 11;
-
-// Every turn of a wait: an aborted generation ends the op; else the progress thread's heartbeat.
-Status wait_turn(const RingOp &op) {
-    if (op.aborted_generation && op.aborted_generation->load(std::memory_order_acquire) >= op.generation)
-        return make_error(-ECONNABORTED, "ring generation " + std::to_string(op.generation) + " was aborted");
-    if (op.cancelled && op.cancelled->load(std::memory_order_acquire)) return make_error(-ECANCELED, "the op was cancelled");
-    if (op.beat_ns)
-        op.beat_ns->store(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                              std::chrono::steady_clock::now().time_since_epoch()).count(),
-                          std::memory_order_relaxed);
-    return Ok{};
-}
 
 // Receives that reduce land in a staging slot; the others in the data region.
 bool lands_in_staging(Prim p) { return p == Prim::RecvReduceSend || p == Prim::RecvReduceCopy || p == Prim::RecvReduceCopySend; }
@@ -410,8 +399,7 @@ Status RingEngine::run_window(const RingPosition &pos, const RingOp &op, Window 
     plan(pos, op, w, std::max<uint64_t>(1, chunk_bytes / ps), static_cast<uint32_t>(opt_.chunk_bytes * opt_.depth / chunk_bytes));
 
     size_t next_send = 0, next_recv = 0, sends_done = 0, recvs_done = 0;
-    auto last_progress = std::chrono::steady_clock::now();
-    bool spin_pays = true;  // adaptive polling: whether spinning has been catching events
+    LinkPoll poll(opt_.spin_us);
     auto ready_to_send = [&](const Msg &m) {
         const Prim p = schedule_[m.entry].send;
         return p != Prim::Forward || recvs_[index(recv_base_, m.entry - 1, m.chunk)].done;
@@ -481,26 +469,7 @@ Status RingEngine::run_window(const RingPosition &pos, const RingOp &op, Window 
                                               (recvs_done < recvs_.size() ? "data from " + pos.prev->peer()
                                                                           : "host " + pos.next->peer() + " to take data"));
         }
-        events_.clear();
-        // busy: never block; adaptive: spin for a while after the last progress, then block;
-        // event: block at once. Blocking is bounded so that aborts are seen promptly.
-        // adaptive spins only while it pays: a spin that ran out without an event stops the
-        // spinning, and a block that an event ended within the spin time starts it again — an op
-        // whose events are further apart than that (a link slower than the host) blocks between
-        // them rather than burning a core on every gap; one whose events come close together
-        // (latency-bound, or links faster than the host) spins as before.
-        const auto now = std::chrono::steady_clock::now();
-        const auto spin_for = std::chrono::microseconds(opt_.spin_us);
-        bool spin = opt_.spin_us < 0;
-        if (opt_.spin_us > 0 && spin_pays) {
-            spin = now - last_progress < spin_for;
-            if (!spin) spin_pays = false;  // ran out: block, and until a block ends quickly
-        }
-        if (auto s = t_.poll(events_, spin ? 0 : std::min(wait_ms, 100)); !s) return s;
-        if (!events_.empty()) {
-            last_progress = std::chrono::steady_clock::now();
-            if (!spin && last_progress - now < spin_for) spin_pays = true;
-        }
+        if (auto s = poll.poll(t_, events_, wait_ms); !s) return s;
         for (const LinkEvent &e : events_) {
             if (e.kind == LinkEvent::Kind::Failed) {
                 if (e.link == pos.next || e.link == pos.prev) return e.error;
@@ -516,8 +485,7 @@ Status RingEngine::run_window(const RingPosition &pos, const RingOp &op, Window 
             const uint32_t entry = (phase == kAllgather && allreduce ? pos.size - 1 : 0) + step;
             if (entry >= schedule_.size() || schedule_[entry].phase != phase) continue;  // not a message of this op
             if (op.progress_ns)
-                op.progress_ns->store(std::chrono::duration_cast<std::chrono::nanoseconds>(last_progress.time_since_epoch()).count(),
-                                      std::memory_order_relaxed);
+                op.progress_ns->store(poll.last_progress_ns(), std::memory_order_relaxed);
             if (e.kind == LinkEvent::Kind::SendDone && e.link == pos.next) {
                 Msg &m = sends_[index(send_base_, entry, chunk)];
                 if (m.done) continue;
