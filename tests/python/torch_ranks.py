@@ -41,6 +41,7 @@ Scenarios:
 """
 import datetime
 import faulthandler
+import gc
 import os
 import sys
 import time
@@ -1136,4 +1137,11 @@ if __name__ == "__main__":
         SCENARIOS[name]()
         if dist.is_initialized():
             dist.destroy_process_group()
+        # Every process group is gone, and with it every tensor the scenario had over ringd's
+        # slot (lent to FSDP, the comm hook's results): the slot is unmapped, so a process that
+        # makes and destroys groups in turn does not keep each one's slot.
+        gc.collect()
+        with open("/proc/self/maps") as maps:
+            left = sorted({line.split()[-2] for line in maps if "/memfd:ringd-" in line})
+        check(not left, f"{name}: ringd's slot still mapped after destroy_process_group: {left}")
         print(f"torch_ranks: rank {RANK}: {name} ok", flush=True)

@@ -267,8 +267,7 @@ class _Engine(DeviceOps):
         off = res.rng[0]
         # A tensor of its own over the range (storage offset 0): DDP takes views of the result
         # with as_strided at offsets from the start of its storage.
-        view = torch.frombuffer(self.ps.view[off:off + nbytes], dtype=buffer.dtype).view(buffer.shape)
-        self.ps.handed_out = True
+        view = torch.frombuffer(self.ps.hand_out(off, nbytes), dtype=buffer.dtype).view(buffer.shape)
         opf = _compat.OpFuture()
         rec = _Op(view, buffer.detach().view(-1), False, opf, view, op, _DTYPES[buffer.dtype])
         rec.resident, rec.view = res, view.view(-1)

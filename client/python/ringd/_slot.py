@@ -166,10 +166,8 @@ def _lend(ps, numel, dtype):
         return None
     ps.space.lent[rng[0]] = rng[1]
     ps.space.lent_bytes += rng[1]
-    ps.handed_out = True  # the mapping outlives the groups while such a tensor may live
-    import ctypes
     import weakref
-    memory = (ctypes.c_char * rng[1]).from_address(ps.address + rng[0])
+    memory = ps.hand_out(rng[0], rng[1])  # (the mapping outlives the groups while the tensor lives)
     weakref.finalize(memory, ps.space.returned.append, rng)  # (no lock: any thread, any time)
     return torch.frombuffer(memory, dtype=dtype, count=numel)
 
@@ -254,12 +252,53 @@ class _ProcessSlot:
         self.lock = threading.Lock()
         self.room = threading.Condition(self.lock)
         # The mapping outlives the clients: ranges are released only once ringd is done with them,
-        # and the comm hook hands out tensors over the slot (set when it does), which may outlive
-        # the process groups: then the memory stays mapped for the process's life.
+        # and tensors handed out over the slot (lent to FSDP, the comm hook's results) may outlive
+        # the process groups. It is unmapped once the last group's client is closed and the last
+        # such tensor is gone (hand_out), so that a process that makes and destroys process
+        # groups in turn does not keep every slot it had.
         self.hold, self.unhold = client.hold_slot(), client.unhold_slot
-        self.handed_out = False
+        self.out = 0  # memories handed out (hand_out) still alive
+        self.orphaned = False  # the last group's client is closed
+        self.out_lock = threading.Lock()  # (taken by finalizers, in any thread: nothing is freed under it)
         # Tensors over the slot of ops still in ringd when their group closed: never lent again.
         self.kept = []
+
+    def hand_out(self, off, nbytes):
+        """A buffer over [off, off + nbytes) of the slot for a tensor given to the caller
+        (torch.frombuffer keeps it alive as long as the tensor's storage): the mapping stays
+        while it lives."""
+        import ctypes
+        import weakref
+        memory = (ctypes.c_char * nbytes).from_address(self.address + off)
+        with self.out_lock:
+            self.out += 1
+        weakref.finalize(memory, self._given_back)
+        return memory
+
+    def _given_back(self):
+        with self.out_lock:
+            self.out -= 1
+            last = self.out == 0 and self.orphaned
+        if last:
+            self.unmap()
+
+    def orphan(self):
+        """The last group's client is closed: the slot's ranges are never lent again, so the
+        tensors kept for ops that were in ringd are dropped, and the mapping goes now, or with
+        the last tensor handed out."""
+        self.kept.clear()
+        with self.out_lock:
+            self.orphaned = True
+            now = self.out == 0
+        if now:
+            self.unmap()
+
+    def unmap(self):
+        with self.out_lock:
+            hold, self.hold = self.hold, None
+        if hold:
+            self.tensor = None
+            self.unhold(hold)
 
 
 _process_slots = {}  # socket path -> _ProcessSlot
@@ -304,8 +343,7 @@ def _connect(group, local_rank, local_size, slot_bytes, socket, hosts, timeout=N
 
 def _disconnect(client, ps, socket):
     """Closes a group's client (it leaves its ringd group). The process's slot stays mapped while
-    another group uses it; after the last one, until the process ends if the comm hook handed out
-    tensors over it (they may still be referenced), else it is unmapped."""
+    another group uses it; after the last one, while a tensor handed out over it lives."""
     with _process_slots_lock:
         if client in ps.clients:
             ps.clients.remove(client)
@@ -313,7 +351,5 @@ def _disconnect(client, ps, socket):
         if last and _process_slots.get(socket) is ps:
             del _process_slots[socket]
     client.close()
-    if last and not ps.handed_out and ps.hold:
-        ps.tensor = None
-        ps.unhold(ps.hold)
-        ps.hold = None
+    if last:
+        ps.orphan()
