@@ -57,10 +57,13 @@ inline constexpr uint16_t kProtocolVersion = 1;      // frames between trainers/
 //      says that (kGenerationRingOnly, bits 16-31 of its protocol word) and RingStart what the
 //      generation does, so that every host runs the same. Only in a generation of 13; every
 //      frame's layout is 12's.
+//  14: the exchange of shards runs compressed bf16 allreduces and reduce_scatters too (summed in
+//      f32 a window of the buffer at a time). Only in a generation of 14; every frame's layout is
+//      13's.
 // A ringd of 6 (before 0.2.0) is no longer spoken to: it closed the connection at a hello it could
 // not read, which a dialer cannot tell from a host that died. Every release since refuses with an
 // Error frame, and only that refusal makes a dialer try an older version.
-inline constexpr uint16_t kPeerProtocolVersion = 13;
+inline constexpr uint16_t kPeerProtocolVersion = 14;
 inline constexpr uint16_t kPeerProtocolOldest = 7;
 inline constexpr uint16_t kGenerationProtocolVersion = 9;  // RingReady / RingStart carry the protocol
 inline constexpr uint16_t kCollectivesProtocol = 10;  // reduce_scatter and allgather across hosts
@@ -68,6 +71,7 @@ inline constexpr uint16_t kRootedProtocol = 11;       // broadcast, reduce and b
 inline constexpr uint16_t kWireProtocol = 11;         // compressed wires (an op report's wire: its dtype word's bits 8-15)
 inline constexpr uint16_t kMeshProtocol = 12;         // mesh data streams; all_to_all over the data links
 inline constexpr uint16_t kExchangeProtocol = 13;     // compressed allreduce as the exchange of shards
+inline constexpr uint16_t kExchangeBf16Protocol = 14;  // ... of bf16 data too
 inline constexpr uint16_t kPeerBaseVersion = 6;  // the layout version of every peer frame but the handshake's
 inline constexpr size_t kFrameHeaderBytes = 16;
 

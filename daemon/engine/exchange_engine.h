@@ -23,6 +23,11 @@
 // alike), and the scatter is all of it: a block's piece with every host's contribution is the
 // result, in f32 (avg scaled to the mean), written to its rank's output. One encoding per value.
 //
+// f32 data is summed in local rank 0's buffer. bf16 data (protocol 14) has no room for f32 sums
+// there: they go to acc_ (acc_values, 8 MiB), and the op runs as windows of the buffer
+// (allreduce; reduce_scatter: of every rank's block) whose shard fits it, one after the other,
+// each a whole exchange as above with piece numbers of its own; results are rounded to bf16 once.
+//
 // Each shard is cut into pieces of piece_values() values (of the buffer with a block per rank); on
 // the link to host p, each way:
 //   tag (op tag << 32) | k            scatter: piece k of the receiver's shard (wire_bytes)
@@ -50,8 +55,9 @@ namespace ringd {
 struct ExchangeOp {
     Collective collective = Collective::Allreduce;  // or reduce_scatter
     ReduceOp op = ReduceOp::Sum;  // sum or avg
+    DType dtype = DType::F32;     // or bf16 (summed in f32 all the same)
     WireFormat wire = WireFormat::BF16;
-    uint64_t count = 0;             // f32 values of the buffer (reduce_scatter: of one rank's block)
+    uint64_t count = 0;             // values of the buffer (reduce_scatter: of one rank's block)
     uint32_t avg_divisor = 1;       // contributions in total (all ranks of all hosts)
     float *residual = nullptr;      // error feedback: one per value (null: none)
     RegionHandle data;              // local rank 0's slot
@@ -75,7 +81,11 @@ struct ExchangeOp {
 
 class ExchangeEngine {
 public:
-    ExchangeEngine(Transport &transport, int spin_us) : t_(transport), spin_us_(spin_us) {}
+    // acc_values: bf16's sums of our shard per window (every host of an op must use the same:
+    // the daemon's default; tests make windows small).
+    static constexpr uint64_t kAccValues = 2 << 20;
+    ExchangeEngine(Transport &transport, int spin_us, uint64_t acc_values = kAccValues)
+        : t_(transport), spin_us_(spin_us), acc_values_(acc_values) {}
 
     // Values per message: an eighth of a shard (so that mid-sized ops keep a pipeline), at least
     // 4 Ki and at most 256 Ki, a multiple of kWireBlock. Every host computes the same.
@@ -116,6 +126,7 @@ private:
 
     Transport &t_;
     int spin_us_;
+    uint64_t acc_values_;
     struct Seg {
         uint64_t begin, elems;  // values of the buffer with a block per rank (allreduce: the buffer)
         int32_t owner;          // reduce_scatter: the local rank whose block it is (its host's)
@@ -127,6 +138,8 @@ private:
     std::vector<uint32_t> arrived_;  // our shard's pieces: contributions added
     std::vector<uint8_t> folded_;    // our shard's pieces: the local ranks reduced
     std::vector<int32_t> gather_send_;  // our shard's pieces: the slot of its encoding (-1: not yet)
+    std::vector<float> acc_;  // bf16: our shard's sums, a window at a time (8 MiB, at least a block per local rank)
+    std::vector<float> tmp_;  // bf16: one piece in f32 (a contribution to encode, a result to round)
     std::vector<LinkEvent> events_;
 };
 

@@ -589,6 +589,7 @@ EngineResult ProgressEngine::execute_exchange(EngineWork &w, const RingOp &ring_
     op.out_offset = ring_op.out_offset;
     op.local_outputs = ring_op.local_outputs;
     op.op = ring_op.op;
+    op.dtype = ring_op.dtype;
     op.wire = ring_op.wire;
     op.count = ring_op.count;
     op.avg_divisor = ring_op.avg_divisor;

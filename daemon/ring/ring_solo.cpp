@@ -64,10 +64,12 @@ EngineWork RingDomain::ring_work(HostOp &op, const GroupRun &run, uint32_t total
     w.ring = true;
     // A compressed f32 allreduce or reduce_scatter on 3 hosts or more: the exchange of shards where the generation
     // runs it (protocol 13, no host's wire.schedule says ring: its RingStart) and every host has
-    // the data links to every other. Every host of the generation decides alike.
+    // the data links to every other; bf16 ones too in a generation of 14. Every host of the
+    // generation decides alike.
     const OpDesc &d = op.run.desc;
     w.exchange = exchange_schedule() && (d.collective == Collective::Allreduce || d.collective == Collective::ReduceScatter) &&
-                 d.dtype == DType::F32 && d.wire != WireFormat::Exact;
+                 (d.dtype == DType::F32 || (d.dtype == DType::BF16 && generation_protocol_ >= proto::kExchangeBf16Protocol)) &&
+                 d.wire != WireFormat::Exact;
     w.generation = local_generation_;
     w.op_tag = op_tag;
     return w;

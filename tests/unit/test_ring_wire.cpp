@@ -123,7 +123,8 @@ Mesh full_mesh(Ring &ring) {
 // exchange of shards (ExchangeEngine: two encodings per value, whatever the hosts). Returns each
 // result element's value at local rank 0 of host 0 (allreduce) for the caller's sums over calls.
 std::vector<double> run_and_check(Ring &ring, std::vector<Host> &hosts, const Case &c, RingOptions opt, uint32_t op_tag,
-                                  uint32_t seed, bool feedback, bool check_bound = true, const Mesh *mesh = nullptr) {
+                                  uint32_t seed, bool feedback, bool check_bound = true, const Mesh *mesh = nullptr,
+                                  uint64_t acc_values = ExchangeEngine::kAccValues) {
     const uint32_t n = ring.n;
     const size_t es = dtype_size(c.dtype);
     const auto host_ranks = deal(c.per_host);
@@ -193,6 +194,7 @@ std::vector<double> run_and_check(Ring &ring, std::vector<Host> &hosts, const Ca
                 x.out_offset = o.out_offset;
                 x.local_outputs = o.local_outputs;
                 x.op = o.op;
+                x.dtype = o.dtype;
                 x.wire = o.wire;
                 x.count = o.count;
                 x.avg_divisor = o.avg_divisor;
@@ -204,7 +206,7 @@ std::vector<double> run_and_check(Ring &ring, std::vector<Host> &hosts, const Ca
                 x.self = r;
                 x.links = (*mesh)[r];
                 x.op_tag = op_tag;
-                ExchangeEngine e(*ring.transports[r], 50);
+                ExchangeEngine e(*ring.transports[r], 50, acc_values);
                 results[r] = e.run(x, std::chrono::steady_clock::now() + std::chrono::seconds(30));
             });
         for (auto &t : threads) t.join();
@@ -374,22 +376,27 @@ TEST_CASE("compressed allreduce by the exchange of shards: two encodings per val
         const Mesh mesh = full_mesh(ring);
         std::vector<Host> hosts;
         uint32_t tag = 1;
-        for (WireFormat f : {WireFormat::BF16, WireFormat::FP16, WireFormat::Int8})
-            for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg})
-                for (Collective coll : {Collective::Allreduce, Collective::ReduceScatter}) {
-                    const auto per = spread(n, tag % 2 ? std::vector<uint32_t>{1} : std::vector<uint32_t>{2, 1, 3});
-                    // Allreduce (300: shards of one block or none; 4097 n: a value past a block;
-                    // 40000 n + 77: eight pieces a shard and a short last one); reduce_scatter's
-                    // blocks alike (a block of 1, of 300, of a piece (4 Ki here) and a value, of
-                    // several pieces), every other op's outputs in place (each rank's own block).
-                    const uint64_t k = coll == Collective::Allreduce ? n : 1;
-                    for (uint64_t count : {uint64_t{1}, uint64_t{300}, 4097 * k, 40000 * k + 77}) {
-                        const uint32_t op_tag = tag++;
-                        Case c{coll, DType::F32, op, f, count, per};
-                        c.in_place = coll == Collective::ReduceScatter && op_tag % 2;
-                        run_and_check(ring, hosts, c, opt, op_tag, op_tag, false, true, &mesh);
+        for (DType t : {DType::F32, DType::BF16})
+            for (WireFormat f : {WireFormat::BF16, WireFormat::FP16, WireFormat::Int8})
+                for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg})
+                    for (Collective coll : {Collective::Allreduce, Collective::ReduceScatter}) {
+                        const auto per = spread(n, tag % 2 ? std::vector<uint32_t>{1} : std::vector<uint32_t>{2, 1, 3});
+                        // Allreduce (300: shards of one block or none; 4097 n: a value past a block;
+                        // 40000 n + 77: eight pieces a shard and a short last one); reduce_scatter's
+                        // blocks alike (a block of 1, of 300, of a piece (4 Ki here) and a value, of
+                        // several pieces), every other op's outputs in place (each rank's own block).
+                        // bf16 data is summed a window at a time: 8 Ki values of sums per host make
+                        // 40000 n + 77 values five windows (reduce_scatter: five, or sixteen with
+                        // 3 ranks on a host), the smaller ones one.
+                        const uint64_t k = coll == Collective::Allreduce ? n : 1;
+                        for (uint64_t count : {uint64_t{1}, uint64_t{300}, 4097 * k, 40000 * k + 77}) {
+                            const uint32_t op_tag = tag++;
+                            Case c{coll, t, op, f, count, per};
+                            c.in_place = coll == Collective::ReduceScatter && op_tag % 2;
+                            run_and_check(ring, hosts, c, opt, op_tag, op_tag, false, true, &mesh,
+                                          t == DType::BF16 ? 8192 : ExchangeEngine::kAccValues);
+                        }
                     }
-                }
     }
 }
 
