@@ -572,8 +572,9 @@ EngineResult ProgressEngine::end_failed_mesh_op(EngineWork &w, const Status &s, 
     return res;
 }
 
-// A compressed f32 allreduce as the exchange of shards (ExchangeEngine) over the links to every
-// host, from and into the local ranks' slots; a failed run ends the generation like a ring op's.
+// A compressed allreduce or reduce_scatter (f32, bf16) as the exchange of shards (ExchangeEngine)
+// over the links to every host, from and into the local ranks' slots; a failed run ends the
+// generation like a ring op's.
 EngineResult ProgressEngine::execute_exchange(EngineWork &w, const RingOp &ring_op, bool solo) {
     EngineResult res{w.op_id, 0, {}, false, w.generation, {}};
     auto done = [&](int code, std::string msg, bool link) {

@@ -205,7 +205,8 @@ class _Engine(DeviceOps):
         t = None
         if dtype in _DTYPES:
             with self.lock:
-                t = _lend(self.ps, numel, dtype)
+                if not self.closing and not self.dead:
+                    t = _lend(self.ps, numel, dtype)
         if t is None:
             t = torch.empty(numel, dtype=dtype)
         else:

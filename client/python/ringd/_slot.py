@@ -259,6 +259,7 @@ class _ProcessSlot:
         self.hold, self.unhold = client.hold_slot(), client.unhold_slot
         self.out = 0  # memories handed out (hand_out) still alive
         self.orphaned = False  # the last group's client is closed
+        self.unmapped = False
         self.out_lock = threading.Lock()  # (taken by finalizers, in any thread: nothing is freed under it)
         # Tensors over the slot of ops still in ringd when their group closed: never lent again.
         self.kept = []
@@ -266,13 +267,15 @@ class _ProcessSlot:
     def hand_out(self, off, nbytes):
         """A buffer over [off, off + nbytes) of the slot for a tensor given to the caller
         (torch.frombuffer keeps it alive as long as the tensor's storage): the mapping stays
-        while it lives."""
+        while it lives. Not at the interpreter's exit: such a tensor may still be used then."""
         import ctypes
         import weakref
-        memory = (ctypes.c_char * nbytes).from_address(self.address + off)
         with self.out_lock:
+            if self.unmapped:
+                raise RuntimeError("ringd: the process group's slot is gone (its process groups were destroyed)")
             self.out += 1
-        weakref.finalize(memory, self._given_back)
+        memory = (ctypes.c_char * nbytes).from_address(self.address + off)
+        weakref.finalize(memory, self._given_back).atexit = False
         return memory
 
     def _given_back(self):
@@ -296,8 +299,9 @@ class _ProcessSlot:
     def unmap(self):
         with self.out_lock:
             hold, self.hold = self.hold, None
+            self.unmapped = True
         if hold:
-            self.tensor = None
+            self.tensor = self.view = None
             self.unhold(hold)
 
 
