@@ -276,24 +276,19 @@ Status ExchangeEngine::run(const ExchangeOp &op, std::chrono::steady_clock::time
                 more = false;
                 for (size_t i = 0; i < peers_.size() && !free_recv_.empty(); ++i) {
                     Peer &q = peers_[i];
+                    // Scatter: pieces of our shard from q; gather (once every scatter receive is
+                    // posted): pieces of q's shard.
+                    const bool gather = scatter_in;
+                    uint64_t &posted = gather ? q.gather_recv_posted : q.scatter_recv_posted;
+                    std::vector<int32_t> &slots = gather ? q.gather_recv : q.scatter_recv;
+                    if (posted == slots.size()) continue;
+                    const int32_t s = free_recv_.back();
                     uint64_t n;
-                    if (!scatter_in) {
-                        if (q.scatter_recv_posted == mine) continue;
-                        const int32_t s = free_recv_.back();
-                        piece_of(op.self, q.scatter_recv_posted, &n);
-                        if (auto st = q.link->post_recv(op.staging, slot_at(s), wire_bytes(op.wire, n), tag(false, q.scatter_recv_posted)); !st)
-                            return st;
-                        free_recv_.pop_back();
-                        q.scatter_recv[q.scatter_recv_posted++] = s;
-                    } else {
-                        if (q.gather_recv_posted == q.gather_recv.size()) continue;
-                        const int32_t s = free_recv_.back();
-                        piece_of(q.p, q.gather_recv_posted, &n);
-                        if (auto st = q.link->post_recv(op.staging, slot_at(s), wire_bytes(op.wire, n), tag(true, q.gather_recv_posted)); !st)
-                            return st;
-                        free_recv_.pop_back();
-                        q.gather_recv[q.gather_recv_posted++] = s;
-                    }
+                    piece_of(gather ? q.p : op.self, posted, &n);
+                    if (auto st = q.link->post_recv(op.staging, slot_at(s), wire_bytes(op.wire, n), tag(gather, posted)); !st)
+                        return st;
+                    free_recv_.pop_back();
+                    slots[posted++] = s;
                     more = true;
                 }
                 if (!scatter_in) {
