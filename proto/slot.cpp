@@ -125,15 +125,21 @@ Result<Submission> validate_submit(const SubmitDesc &d, uint64_t data_bytes, boo
         // Device buffers: allreduce, broadcast and reduce in place on one buffer, reduce_scatter
         // and allgather by blocks; the rest on slot buffers only.
         const bool in_place = s.desc.collective == Collective::Allreduce || collective_is_rooted(s.desc.collective);
-        // (an all_to_all of equal blocks: staged by blocks on both sides)
-        const bool a2a = s.desc.collective == Collective::AllToAll && !(d.flags & kSubmitSplits);
-        if (s.desc.collective == Collective::AllToAll && !a2a)
-            return make_error(-EINVAL, at + "an all_to_all of device buffers with split sizes (ringd runs those on slot buffers only)");
+        // (an all_to_all: staged by blocks on both sides, or with split sizes whole in one part)
+        const bool a2a = s.desc.collective == Collective::AllToAll;
+        const bool splits = a2a && (d.flags & kSubmitSplits);
         if (!collective_blocked(s.desc.collective) && !in_place && !a2a)
             return make_error(-EINVAL, at + "a " + cname + " of device buffers (ringd runs it on slot buffers only)");
         if (in_place) {
             if (d.cuda_out_reg != 0 || d.cuda_out_offset != 0 || d.cuda_block != 0 || d.cuda_part != 0)
                 return make_error(-EINVAL, at + "a device " + cname + " with cuda_out_reg, cuda_out_offset, cuda_block or cuda_part set");
+        } else if (splits) {
+            // The whole input and output, as many elements as the split sizes say (take_splits).
+            if (d.cuda_block != 0 || d.cuda_part != 0)
+                return make_error(-EINVAL, at + "a device all_to_all with split sizes and cuda_block or cuda_part set "
+                                               "(it runs whole, in one part)");
+            s.cuda_out_reg = d.cuda_out_reg;
+            s.cuda_out_offset = d.cuda_out_offset;
         } else {
             // The part lies inside the device op's blocks; the device ranges (a block per rank on
             // one side) are the CUDA registry's to check against the registrations.

@@ -54,6 +54,10 @@ inline constexpr uint16_t kSlotFeatureCudaAllToAll = 256;
 // A refusal (flags kSubmitRefused): the rank cannot run its next op, which ringd fails on every rank
 // of the group, naming it (a ringd without it refuses the flag: EINVAL, the op's seq taken alike).
 inline constexpr uint16_t kSlotFeatureRefuse = 512;
+// all_to_all of device buffers with split sizes (flags kSubmitSplits, BufferKind::Cuda): one op,
+// the whole input staged in at `offset` and the whole output out from `out_offset` (a ringd
+// without it refuses it: EINVAL).
+inline constexpr uint16_t kSlotFeatureCudaAllToAllSplits = 1024;
 inline constexpr size_t kSlotHeaderBytes = 4096;
 inline constexpr size_t kSlotDataAlign = 4096;
 inline constexpr uint32_t kQueueDepth = 64;
@@ -134,7 +138,8 @@ struct SubmitDesc {
     uint32_t ranks;       // reduce_scatter, allgather: the group's ranks (the blocks of the larger range)
     uint64_t out_offset;  // reduce_scatter, allgather: the output's bytes into the slot data area
     // kSlotFeatureCudaCollectives, a device reduce_scatter or allgather (kSlotFeatureCudaAllToAll:
-    // all_to_all, `ranks` blocks of cuda_block elements on both sides; 0 otherwise). Its input
+    // all_to_all, `ranks` blocks of cuda_block elements on both sides; kSlotFeatureCudaAllToAllSplits:
+    // with split sizes, cuda_block and cuda_part 0, the whole op in one part; 0 otherwise). Its input
     // starts cuda_offset bytes into registration cuda_reg (reduce_scatter: `ranks` blocks of
     // cuda_block elements; allgather: one block), its output cuda_out_offset bytes into
     // cuda_out_reg (one block, resp. `ranks`). This op is the part [cuda_part, cuda_part + count)

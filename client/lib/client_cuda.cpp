@@ -98,6 +98,10 @@ struct ringd_client_detail::CudaClient {
         // part_bytes: a part's staging (a reduce_scatter's or allgather's: its input and output,
         // mult = ranks + 1 times its elements' bytes; an allreduce's: mult = 1).
         uint64_t part_bytes = 0, max_ranges = 0, mult = 1;
+        // An all_to_all with split sizes (one part): its sizes, written beside its output in the
+        // staging range, and its input's bytes.
+        std::vector<uint64_t> splits;
+        uint64_t in_bytes = 0;
         std::vector<uint64_t> range_seq;  // per staging range: the part in it (0: free); empty: no window yet
     };
     std::map<uint64_t, Stream> streams;  // by last seq, until the op's ticket settles
@@ -556,8 +560,9 @@ void cuda_pump(ringd_client &c) {
             const uint64_t parts = st.last - st.first + 1;
             uint64_t ranges = st.max_ranges;
             for (; ranges > 0; --ranges) {
-                const uint64_t window = ranges == parts ? st.part_bytes * (parts - 1) + (st.count - (parts - 1) * st.per) * st.esize * st.mult
-                                                        : ranges * st.part_bytes;
+                const uint64_t window = !st.splits.empty() ? st.part_bytes
+                                        : ranges == parts ? st.part_bytes * (parts - 1) + (st.count - (parts - 1) * st.per) * st.esize * st.mult
+                                                          : ranges * st.part_bytes;
                 if (find_staging(c, window, &st.staging, st.first)) {
                     cc.ops[st.last] = CudaClient::Op{st.staging, window};
                     break;
@@ -577,7 +582,12 @@ void cuda_pump(ringd_client &c) {
             d.seq = st.next;
             d.count = std::min(st.per, st.count - k * st.per);
             d.offset = st.staging + (k % st.range_seq.size()) * st.part_bytes;
-            if (!collective_blocked(static_cast<Collective>(d.collective)) &&
+            if (!st.splits.empty()) {  // one part: its input, output and sizes as submit_device placed them
+                d.count = 0;
+                d.out_offset += d.offset;
+                d.splits_offset += d.offset;
+                std::memcpy(c.data + d.splits_offset, st.splits.data(), st.splits.size() * sizeof(uint64_t));
+            } else if (!collective_blocked(static_cast<Collective>(d.collective)) &&
                 d.collective != static_cast<uint32_t>(Collective::AllToAll)) {  // in place
                 d.cuda_offset = st.reg_offset + k * st.per * st.esize;
                 if (d.collective != static_cast<uint32_t>(Collective::Allreduce)) d.out_offset = d.offset;
@@ -802,6 +812,8 @@ struct DeviceOpArgs {
     uint64_t count;
     CUdeviceptr in, out;  // allreduce, broadcast, reduce: the same
     uint32_t root = 0;    // broadcast, reduce
+    // all_to_all with split sizes: ranks elements to send to each rank, to receive from each
+    const uint64_t *send_counts = nullptr, *recv_counts = nullptr;
 };
 
 // Any collective on device buffers (ringd_submit_cuda, ringd_submit_coll_cuda).
@@ -846,24 +858,48 @@ int submit_device(ringd_client *c, const DeviceOpArgs &a, CUstream stream, uint6
         }
         const uint64_t ranks = coll ? c->ranks : 1;
         const uint64_t esize = dtype_size(static_cast<DType>(a.dtype));
+        // An all_to_all with split sizes: one op of the whole input and output, staged with its sizes.
+        const bool splits = a2a && a.send_counts;
+        std::vector<uint64_t> table;
         uint64_t bytes = 0, whole = 0;  // a block's, the side with a block per rank's
         if (__builtin_mul_overflow(count, esize, &bytes) || __builtin_mul_overflow(bytes, ranks, &whole))
             return c->fail(-EOVERFLOW, "count " + std::to_string(count) + " overflows");
-        const uint64_t in_bytes = rs || a2a ? whole : bytes, out_bytes = coll && !rs ? whole : bytes;
+        uint64_t in_bytes = rs || a2a ? whole : bytes, out_bytes = coll && !rs ? whole : bytes;
+        if (splits) {
+            if (!(c->header->features & proto::kSlotFeatureCudaAllToAllSplits))
+                return c->fail(-ENOTSUP, "this ringd runs no all_to_all of device buffers with split sizes (an older release)");
+            if (count != 0) return c->fail(-EINVAL, "an all_to_all with split sizes takes count 0 (not " + std::to_string(count) + ")");
+            table.assign(a.send_counts, a.send_counts + ranks);
+            table.insert(table.end(), a.recv_counts, a.recv_counts + ranks);
+            uint64_t sums[2] = {0, 0};
+            for (uint64_t k = 0; k < 2 * ranks; ++k)
+                if (__builtin_add_overflow(sums[k / ranks], table[k], &sums[k / ranks]))
+                    return c->fail(-EOVERFLOW, "the all_to_all's split sizes overflow");
+            if (__builtin_mul_overflow(sums[0], esize, &in_bytes) || __builtin_mul_overflow(sums[1], esize, &out_bytes))
+                return c->fail(-EOVERFLOW, "the all_to_all's split sizes overflow");
+        }
         uint64_t reg = 0, reg_offset = 0, out_reg = 0, out_reg_offset = 0;
-        if (!find_registration(cc, a.in, in_bytes, &reg, &reg_offset))
+        // (A side of no elements needs no registration: it takes the other side's, unread.)
+        const bool in_empty = splits && in_bytes == 0, out_empty = splits && out_bytes == 0;
+        if (in_empty && out_empty)
+            return c->fail(-EINVAL, "an all_to_all of device buffers that sends and receives nothing: submit it as a "
+                                    "slot all_to_all (ringd_submit_coll), which copies nothing either");
+        if (!in_empty && !find_registration(cc, a.in, in_bytes, &reg, &reg_offset))
             return c->fail(-ENOENT, std::string(coll ? "input " : "") + "device buffer [" + hex(a.in) + ", +" + std::to_string(in_bytes) +
                                         ") is in no registration of this client: register it with ringd_register_cuda "
                                         "or allocate it with ringd_cuda_alloc");
         if (coll) {
-            if (!find_registration(cc, a.out, out_bytes, &out_reg, &out_reg_offset))
+            if (out_empty) {
+                out_reg = reg, out_reg_offset = reg_offset;
+            } else if (!find_registration(cc, a.out, out_bytes, &out_reg, &out_reg_offset))
                 return c->fail(-ENOENT, "output device buffer [" + hex(a.out) + ", +" + std::to_string(out_bytes) +
                                             ") is in no registration of this client: register it with ringd_register_cuda "
                                             "or allocate it with ringd_cuda_alloc");
+            if (in_empty) reg = out_reg, reg_offset = out_reg_offset;
             // Apart, or in place: the rank's own block of the side with a block per rank (an
             // all_to_all: apart only).
             const uint64_t own = uint64_t{c->rank} * bytes;
-            const bool apart = a.in + in_bytes <= a.out || a.out + out_bytes <= a.in;
+            const bool apart = in_empty || out_empty || a.in + in_bytes <= a.out || a.out + out_bytes <= a.in;
             const bool in_place = !a2a && (rs ? a.out == a.in + own : a.in == a.out + own);
             if (!apart && !in_place)
                 return c->fail(-EINVAL, "the " + what + "'s output [" + hex(a.out) + ", +" + std::to_string(out_bytes) +
@@ -897,16 +933,27 @@ int submit_device(ringd_client *c, const DeviceOpArgs &a, CUstream stream, uint6
         // kMaxRanges part-sized ranges of the slot, so an op of any size streams through it.
         // A reduce_scatter's or allgather's part is the same elements of every block: its input and
         // output are staged apart, (ranks + 1) x its elements; an all_to_all's 2 x ranks x them.
+        // An all_to_all with split sizes is one part: its input, output and sizes, each 64-aligned.
         const uint64_t mult = a2a ? 2 * ranks : coll ? ranks + 1 : 1;
         // The window is placed when the op is next to go to ringd (cuda_pump): as many ranges as
         // the slot then has room for beside the ops in flight, at least one.
         const uint64_t room = c->staging_end() - c->cuda_staging_offset;
         const uint64_t per = std::max<uint64_t>(1, (cc.part_bytes ? cc.part_bytes : default_part_bytes(room)) / (esize * mult));
         const uint64_t parts = count == 0 ? 1 : (count + per - 1) / per;
+        auto align64 = [](uint64_t b) { return (b + 63) / 64 * 64; };
         uint64_t part_bytes = 0;
-        if (__builtin_mul_overflow(parts == 1 ? count : per, esize * mult, &part_bytes))
+        if (splits) {
+            if (in_bytes > room || out_bytes > room) part_bytes = room + 1;  // (does not fit; no overflow below)
+            else part_bytes = align64(in_bytes) + align64(out_bytes) + 16 * ranks;
+        } else if (__builtin_mul_overflow(parts == 1 ? count : per, esize * mult, &part_bytes)) {
             return c->fail(-EOVERFLOW, "count " + std::to_string(count) + " overflows");
+        }
         const uint64_t ranges = std::min<uint64_t>({parts, kMaxRanges, room / std::max<uint64_t>(part_bytes, 1)});
+        if (splits && (part_bytes > room || ranges == 0))
+            return c->fail(-E2BIG, "an all_to_all with split sizes of " + std::to_string(in_bytes) + " bytes in and " +
+                                       std::to_string(out_bytes) + " out is staged whole and does not fit the " +
+                                       std::to_string(room) + " bytes of the slot it is staged in (connect with a "
+                                       "larger slot_bytes / RINGD_SLOT_BYTES)");
         if (part_bytes > room || ranges == 0)
             return c->fail(-E2BIG, (parts == 1 ? "a device op of " + std::to_string(part_bytes) + " bytes of staging"
                                                : "a part of " + std::to_string(part_bytes) + " bytes") +
@@ -915,6 +962,12 @@ int submit_device(ringd_client *c, const DeviceOpArgs &a, CUstream stream, uint6
                                        "RINGD_CUDA_PART_BYTES, ringd_set_cuda_part_bytes)");
         d.count = std::min<uint64_t>(count, per);
         if (coll) d.out_offset = (rs || a2a ? ranks : 1) * d.count * esize;  // (placed in the window by cuda_pump)
+        if (splits) {  // (placed alike by cuda_pump; the sizes written there)
+            d.flags |= proto::kSubmitSplits;
+            d.cuda_block = 0;
+            d.out_offset = align64(in_bytes);
+            d.splits_offset = align64(in_bytes) + align64(out_bytes);
+        }
         if (rooted) d.out_offset = d.offset;                            // (in place; so is its placing)
         d.cuda_ready_seq = d.seq + parts - 1;
         if (parts > 1 && !(c->header->features & proto::kSlotFeatureCudaReadySeq))
@@ -947,6 +1000,8 @@ int submit_device(ringd_client *c, const DeviceOpArgs &a, CUstream stream, uint6
         st.part_bytes = part_bytes;
         st.max_ranges = ranges;
         st.mult = mult;
+        st.splits = std::move(table);
+        st.in_bytes = in_bytes;
         {
             ContextScope scope(api, cc.ctx);
             // "The buffer is produced" in the stream's order, once for the whole op: every part's
@@ -1037,8 +1092,20 @@ int ringd_submit_coll_cuda(ringd_client *c, const ringd_coll_cuda *coll, struct 
     DeviceOpArgs a{kind, static_cast<uint32_t>(coll->dtype), static_cast<uint32_t>(kind == Collective::Broadcast ? RINGD_SUM : coll->op),
                    coll->count, in, out};
     a.root = has_root ? coll->root : 0;
+    // send_counts, recv_counts: in the struct since all_to_all with split sizes of device buffers.
+    if (coll->struct_size >= offsetof(ringd_coll_cuda, recv_counts) + sizeof(const uint64_t *)) {
+        if ((coll->send_counts != nullptr) != (coll->recv_counts != nullptr) ||
+            (coll->send_counts && kind != Collective::AllToAll)) {
+            std::lock_guard lock(c->mu);
+            return c->fail(-EINVAL, "ringd_submit_coll_cuda: send_counts and recv_counts go together, and only with an all_to_all");
+        }
+        a.send_counts = coll->send_counts;
+        a.recv_counts = coll->recv_counts;
+    }
     return submit_device(c, a, stream, ticket);
 }
+
+int ringd_cuda_all_to_all_splits(void) { return 1; }
 
 unsigned int ringd_cuda_collectives(void) {
     return 1u << RINGD_ALLREDUCE | 1u << RINGD_REDUCE_SCATTER | 1u << RINGD_ALLGATHER | 1u << RINGD_BROADCAST |
@@ -1178,6 +1245,7 @@ int ringd_submit_cuda(ringd_client *c, void *, size_t, ringd_dtype, ringd_op, st
 }
 int ringd_submit_coll_cuda(ringd_client *c, const ringd_coll_cuda *, struct CUstream_st *, uint64_t *) { return RINGD_NO_CUDA(c); }
 unsigned int ringd_cuda_collectives(void) { return 0; }
+int ringd_cuda_all_to_all_splits(void) { return 0; }
 int ringd_stream_wait(ringd_client *c, uint64_t, struct CUstream_st *) { return RINGD_NO_CUDA(c); }
 int ringd_set_cuda_part_bytes(ringd_client *c, size_t) { return RINGD_NO_CUDA(c); }
 int ringd_set_cuda_staging(ringd_client *c, size_t, size_t) { return RINGD_NO_CUDA(c); }

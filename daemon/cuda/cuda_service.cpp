@@ -470,13 +470,18 @@ Status CudaService::stage_in(MemberId id, const proto::Submission &s, uint32_t r
     // coll: by blocks (reduce_scatter, allgather, all_to_all: a block per rank on one side or both)
     const bool a2a = d.collective == Collective::AllToAll;
     const bool coll = collective_blocked(d.collective) || a2a, rs = d.collective == Collective::ReduceScatter;
+    // An all_to_all with split sizes runs whole: its input and output as the table says (s.bytes,
+    // s.out_bytes, from take_splits).
+    const bool splits = a2a && s.splits != nullptr;
+    if (a2a && s.splits_pending) return make_error(-EINVAL, at + "split sizes not taken");
     const uint64_t es = dtype_size(d.dtype), block = s.cuda_block * es, part = d.count * es;
     auto in = device_range(c->regs, at, coll ? "input" : "", s.cuda_reg, s.cuda_offset,
-                           coll ? (rs || a2a ? d.ranks * block : block) : s.bytes);
+                           splits ? s.bytes : coll ? (rs || a2a ? d.ranks * block : block) : s.bytes);
     if (!in) return in.error();
     const Registration *out_reg = *in;
     if (coll) {
-        auto out = device_range(c->regs, at, "output", s.cuda_out_reg, s.cuda_out_offset, rs ? block : d.ranks * block);
+        auto out = device_range(c->regs, at, "output", s.cuda_out_reg, s.cuda_out_offset,
+                                splits ? s.out_bytes : rs ? block : d.ranks * block);
         if (!out) return out.error();
         out_reg = *out;
     }
@@ -521,7 +526,10 @@ Status CudaService::stage_in(MemberId id, const proto::Submission &s, uint32_t r
         const CUdeviceptr dev_out = (om ? om->base : m.base) + out_reg->offset + s.cuda_out_offset;
         std::byte *host_out = c->slot->data() + s.out_offset;
         const uint64_t at_part = s.cuda_part * es;
-        if (a2a) {  // a piece of every block each way
+        if (splits) {  // the whole of each side
+            op.in = Op::Copy{dev_in, host_in, s.bytes};
+            op.out = Op::Copy{dev_out, host_out, s.out_bytes};
+        } else if (a2a) {  // a piece of every block each way
             op.in = Op::Copy{dev_in + at_part, host_in, part, d.ranks, block, part};
             op.out = Op::Copy{dev_out + at_part, host_out, part, d.ranks, block, part};
         } else if (rs) {

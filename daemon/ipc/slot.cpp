@@ -33,7 +33,8 @@ Result<std::shared_ptr<Slot>> Slot::make(const std::string &name, const proto::S
     h.features = proto::kSlotFeatureCudaReadySeq | proto::kSlotFeatureCollectives | proto::kSlotFeatureCudaCollectives |
                  proto::kSlotFeatureRootedCollectives | proto::kSlotFeatureCopyCounters |
                  proto::kSlotFeatureAllToAll | proto::kSlotFeatureWire | proto::kSlotFeatureCudaRooted |
-                 proto::kSlotFeatureCudaAllToAll | proto::kSlotFeatureRefuse;
+                 proto::kSlotFeatureCudaAllToAll | proto::kSlotFeatureRefuse |
+                 proto::kSlotFeatureCudaAllToAllSplits;
     h.sq_depth = geo.sq_depth;
     h.cq_depth = geo.cq_depth;
     h.data_offset = geo.data_offset;

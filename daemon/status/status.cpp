@@ -21,6 +21,8 @@ nlohmann::json Daemon::status_doc(uint32_t viewer) const {
     j["collectives"] = {"allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "barrier", "all_to_all"};
     // And of device buffers (ringd_submit_coll_cuda), where ringd has a CUDA driver.
     j["device_collectives"] = cuda_ ? json{"allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "all_to_all"} : json::array();
+    // And an all_to_all of device buffers with split sizes (a ringd without the key: equal blocks only).
+    j["device_all_to_all_splits"] = cuda_ != nullptr;
     j["host"] = host_;
     j["drained"] = gateway_ && gateway_->drained();
     j["config"] = {{"path", config_path_},

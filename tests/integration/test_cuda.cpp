@@ -309,7 +309,7 @@ TEST_CASE("reduce_scatter and allgather of device buffers: ranks 2 and 1 per hos
                         REQUIRE(api()->cuMemcpyHtoD(outs[g]->base, out_image[g].data(), kBuf) == CUDA_SUCCESS);
                         const ringd_coll_cuda d{sizeof(ringd_coll_cuda), static_cast<ringd_collective>(coll),
                                                 static_cast<ringd_dtype>(t), static_cast<ringd_op>(op), count,
-                                                bufs[g]->at(p.in), (where == OtherRegistration ? outs[g] : bufs[g])->at(p.out), 0};
+                                                bufs[g]->at(p.in), (where == OtherRegistration ? outs[g] : bufs[g])->at(p.out), 0, nullptr, nullptr};
                         INFO("rank " << tr[g].rank << ": " << ringd_last_error(tr[g].c.get()));
                         REQUIRE(ringd_submit_coll_cuda(tr[g].c.get(), &d, nullptr, &tickets[g]) == 0);
                         pl.push_back(p);
@@ -353,7 +353,7 @@ TEST_CASE("reduce_scatter and allgather of device buffers: ranks 2 and 1 per hos
     // What a caller gets wrong, named to it alone; the group goes on.
     ringd_client *r0 = tr[1].c.get();  // rank 0
     uint64_t ticket = 0;
-    ringd_coll_cuda bad{sizeof(ringd_coll_cuda), RINGD_REDUCE_SCATTER, RINGD_F32, RINGD_SUM, 100, bufs[1]->at(0), bufs[1]->at(400), 0};
+    ringd_coll_cuda bad{sizeof(ringd_coll_cuda), RINGD_REDUCE_SCATTER, RINGD_F32, RINGD_SUM, 100, bufs[1]->at(0), bufs[1]->at(400), 0, nullptr, nullptr};
     CHECK(ringd_submit_coll_cuda(r0, &bad, nullptr, &ticket) == -EINVAL);  // rank 0's own block is at 0, not 400
     CHECK_THAT(ringd_last_error(r0), Catch::Contains("overlaps its input") && Catch::Contains("rank 0's own block"));
     bad.output = reinterpret_cast<void *>(outs[1]->base + kBuf - 200);
@@ -363,7 +363,7 @@ TEST_CASE("reduce_scatter and allgather of device buffers: ranks 2 and 1 per hos
     CHECK(ringd_submit_coll_cuda(r0, &bad, nullptr, &ticket) == -EINVAL);
     Clients unranked = connect_all(c, "unranked", 1, 1 << 20);
     DeviceBuf ub(unranked[0]->get(), 4096, false);
-    ringd_coll_cuda ag{sizeof(ringd_coll_cuda), RINGD_ALLGATHER, RINGD_F32, RINGD_SUM, 10, ub.at(0), ub.at(1024), 0};
+    ringd_coll_cuda ag{sizeof(ringd_coll_cuda), RINGD_ALLGATHER, RINGD_F32, RINGD_SUM, 10, ub.at(0), ub.at(1024), 0, nullptr, nullptr};
     CHECK(ringd_submit_coll_cuda(unranked[0]->get(), &ag, nullptr, &ticket) == -EINVAL);
     CHECK_THAT(ringd_last_error(unranked[0]->get()), Catch::Contains("needs this trainer's rank"));
 }
@@ -417,7 +417,7 @@ TEST_CASE("broadcast and reduce of device buffers: ranks 2 and 1 per host number
                         REQUIRE(api()->cuMemcpyHtoD(bufs[g]->base, image[g].data(), kBuf) == CUDA_SUCCESS);
                         const ringd_coll_cuda d{sizeof(ringd_coll_cuda), static_cast<ringd_collective>(coll),
                                                 static_cast<ringd_dtype>(t), static_cast<ringd_op>(op), count,
-                                                bufs[g]->at(at[g]), nullptr, root};
+                                                bufs[g]->at(at[g]), nullptr, root, nullptr, nullptr};
                         INFO("rank " << tr[g].rank << ": " << ringd_last_error(tr[g].c.get()));
                         REQUIRE(ringd_submit_coll_cuda(tr[g].c.get(), &d, nullptr, &tickets[g]) == 0);
                     }
@@ -461,7 +461,7 @@ TEST_CASE("broadcast and reduce of device buffers: ranks 2 and 1 per host number
     // group goes on.
     ringd_client *r0 = tr[1].c.get();  // rank 0
     uint64_t ticket = 0;
-    ringd_coll_cuda bad{sizeof(ringd_coll_cuda), RINGD_BROADCAST, RINGD_F32, RINGD_SUM, 100, bufs[1]->at(4096), nullptr, 3};
+    ringd_coll_cuda bad{sizeof(ringd_coll_cuda), RINGD_BROADCAST, RINGD_F32, RINGD_SUM, 100, bufs[1]->at(4096), nullptr, 3, nullptr, nullptr};
     CHECK(ringd_submit_coll_cuda(r0, &bad, nullptr, &ticket) == -EINVAL);
     CHECK_THAT(ringd_last_error(r0), Catch::Contains("root rank 3 in a group of 3"));
     bad.root = 0;
@@ -474,7 +474,7 @@ TEST_CASE("broadcast and reduce of device buffers: ranks 2 and 1 per host number
     CHECK_THAT(ringd_last_error(r0), Catch::Contains("slot buffers only"));
     // A caller built before the root field (a smaller struct_size) names no root: its broadcast
     // or reduce is refused, not run from rank 0; its reduce_scatter still runs as before.
-    bad = ringd_coll_cuda{offsetof(ringd_coll_cuda, root), RINGD_REDUCE, RINGD_F32, RINGD_SUM, 100, bufs[1]->at(4096), nullptr, 0};
+    bad = ringd_coll_cuda{offsetof(ringd_coll_cuda, root), RINGD_REDUCE, RINGD_F32, RINGD_SUM, 100, bufs[1]->at(4096), nullptr, 0, nullptr, nullptr};
     CHECK(ringd_submit_coll_cuda(r0, &bad, nullptr, &ticket) == -EINVAL);
     CHECK_THAT(ringd_last_error(r0), Catch::Contains("needs its root"));
     // The group still runs: a reduce to rank 0 after the refusals, then a reduce_scatter from
@@ -484,7 +484,7 @@ TEST_CASE("broadcast and reduce of device buffers: ranks 2 and 1 per host number
         std::vector<std::byte> image(kBuf);
         for (size_t i = 0; i < 100; ++i) bench::store(image.data() + 4096, i, DType::F32, static_cast<double>(bench::value(tr[g].rank, i)));
         REQUIRE(api()->cuMemcpyHtoD(bufs[g]->base, image.data(), kBuf) == CUDA_SUCCESS);
-        const ringd_coll_cuda d{sizeof(ringd_coll_cuda), RINGD_REDUCE, RINGD_F32, RINGD_SUM, 100, bufs[g]->at(4096), nullptr, 0};
+        const ringd_coll_cuda d{sizeof(ringd_coll_cuda), RINGD_REDUCE, RINGD_F32, RINGD_SUM, 100, bufs[g]->at(4096), nullptr, 0, nullptr, nullptr};
         INFO(ringd_last_error(tr[g].c.get()));
         REQUIRE(ringd_submit_coll_cuda(tr[g].c.get(), &d, nullptr, &tickets[g]) == 0);
     }
@@ -500,7 +500,7 @@ TEST_CASE("broadcast and reduce of device buffers: ranks 2 and 1 per host number
         for (size_t i = 0; i < 300; ++i) bench::store(image.data() + 4096, i, DType::F32, static_cast<double>(bench::value(tr[g].rank, i)));
         REQUIRE(api()->cuMemcpyHtoD(bufs[g]->base, image.data(), kBuf) == CUDA_SUCCESS);
         const ringd_coll_cuda d{offsetof(ringd_coll_cuda, root), RINGD_REDUCE_SCATTER, RINGD_F32, RINGD_SUM, 100,
-                                bufs[g]->at(4096), bufs[g]->at(16384), 0};
+                                bufs[g]->at(4096), bufs[g]->at(16384), 0, nullptr, nullptr};
         INFO(ringd_last_error(tr[g].c.get()));
         REQUIRE(ringd_submit_coll_cuda(tr[g].c.get(), &d, nullptr, &tickets[g]) == 0);
     }
@@ -556,7 +556,7 @@ TEST_CASE("all_to_all of device buffers, equal blocks: ranks 2 and 1 per host nu
                     REQUIRE(api()->cuMemcpyHtoD(bufs[g]->base, image[g].data(), kBuf) == CUDA_SUCCESS);
                     REQUIRE(api()->cuMemcpyHtoD(outs[g]->base, out_image[g].data(), kBuf) == CUDA_SUCCESS);
                     const ringd_coll_cuda d{sizeof(ringd_coll_cuda), RINGD_ALL_TO_ALL, static_cast<ringd_dtype>(t), RINGD_SUM,
-                                            count, bufs[g]->at(in_at[g]), (other ? outs[g] : bufs[g])->at(out_at[g]), 0};
+                                            count, bufs[g]->at(in_at[g]), (other ? outs[g] : bufs[g])->at(out_at[g]), 0, nullptr, nullptr};
                     INFO("rank " << tr[g].rank << ": " << ringd_last_error(tr[g].c.get()));
                     REQUIRE(ringd_submit_coll_cuda(tr[g].c.get(), &d, nullptr, &tickets[g]) == 0);
                     want[g < 2 ? 0 : 1] += n * es;
@@ -593,9 +593,188 @@ TEST_CASE("all_to_all of device buffers, equal blocks: ranks 2 and 1 per host nu
     ringd_client *r0 = tr[1].c.get();
     uint64_t ticket = 0;
     const ringd_coll_cuda bad{sizeof(ringd_coll_cuda), RINGD_ALL_TO_ALL, RINGD_F32, RINGD_SUM, 100, bufs[1]->at(4096),
-                              bufs[1]->at(4096 + 400), 0};
+                              bufs[1]->at(4096 + 400), 0, nullptr, nullptr};
     CHECK(ringd_submit_coll_cuda(r0, &bad, nullptr, &ticket) == -EINVAL);
     CHECK_THAT(ringd_last_error(r0), Catch::Contains("overlaps its input"));
+}
+
+TEST_CASE("all_to_all of device buffers with split sizes: ranks 2 and 1 per host numbered unlike the ring, uneven "
+          "blocks with zeros (a rank that sends nothing), every dtype, into the same registration and another: exact, the "
+          "input and the bytes around untouched; one that does not fit the staging is refused in its place",
+          "[cuda][collectives]") {
+    NEED_CUDA();
+    use_device();
+    TestCluster c(2, cuda_cluster("10s", cuda_yaml()));
+    REQUIRE(c.wait_up());
+    std::vector<Trainer> tr = join_ranked(c, "deva2av", {2, 1}, {2, 0, 1}, 1 << 20);
+    REQUIRE(tr.size() == 3);
+    REQUIRE(ringd_cuda_all_to_all_splits() != 0);
+    {
+        auto st = fetch_status(c.d[0]->socket());
+        REQUIRE(st.ok());
+        CHECK(json::parse(*st)["device_all_to_all_splits"] == true);
+    }
+    constexpr size_t kBuf = 128 << 10;
+    constexpr uint32_t n = 3;
+    std::vector<std::unique_ptr<DeviceBuf>> bufs, outs;
+    for (size_t g = 0; g < tr.size(); ++g) {
+        bufs.push_back(std::make_unique<DeviceBuf>(tr[g].c.get(), kBuf, g == 2));
+        outs.push_back(std::make_unique<DeviceBuf>(tr[g].c.get(), kBuf, false));
+    }
+    const std::pair<uint64_t, uint64_t> before[2] = {staged_bytes(*c.d[0]), staged_bytes(*c.d[1])};
+    uint64_t want_in[2] = {0, 0}, want_out[2] = {0, 0};
+    uint64_t ops = 0;
+    for (uint64_t seed = 1; seed <= 2; ++seed)
+        for (uint32_t ti = 0; ti < kDTypeCount; ++ti)
+            for (bool other : {false, true}) {
+                const auto t = static_cast<DType>(ti);
+                const size_t es = dtype_size(t);
+                // sizes[q][r]: what rank q sends rank r; a quarter of them 0, and in the second
+                // round rank 1 sends nothing at all.
+                uint64_t sizes[n][n];
+                for (uint32_t q = 0; q < n; ++q)
+                    for (uint32_t r = 0; r < n; ++r)
+                        sizes[q][r] = (q + 2 * r + seed + ti) % 4 == 0 || (seed == 2 && q == 1) ? 0 : 1 + (q * 301 + r * 97 + seed * 13 + ti * 7) % 2000;
+                auto sent_before = [&](uint32_t q, uint32_t r) {  // rank q's input elements before its block for r
+                    uint64_t a = 0;
+                    for (uint32_t k = 0; k < r; ++k) a += sizes[q][k];
+                    return a;
+                };
+                INFO("all_to_all with split sizes " << dtype_name(t) << " round " << seed << (other ? " into another registration" : ""));
+                std::vector<std::vector<std::byte>> image(tr.size()), out_image(tr.size());
+                std::vector<size_t> in_at(tr.size()), out_at(tr.size()), in_n(tr.size()), out_n(tr.size());
+                std::vector<uint64_t> tickets(tr.size());
+                for (size_t g = 0; g < tr.size(); ++g) {
+                    const uint32_t me = tr[g].rank;
+                    uint64_t send[n], recv[n];
+                    in_n[g] = out_n[g] = 0;
+                    for (uint32_t r = 0; r < n; ++r) {
+                        send[r] = sizes[me][r], recv[r] = sizes[r][me];
+                        in_n[g] += send[r], out_n[g] += recv[r];
+                    }
+                    in_at[g] = bench::kGuardBytes + ((seed + me * 7) % 64) * 8;
+                    out_at[g] = other ? bench::kGuardBytes + 512 : (in_at[g] + in_n[g] * es + bench::kGuardBytes + 255) / 256 * 256;
+                    REQUIRE(out_at[g] + out_n[g] * es + bench::kGuardBytes <= kBuf);
+                    image[g].assign(kBuf, std::byte{0});
+                    bench::guard_fill(image[g].data(), 0, kBuf, seed + g + ti);
+                    out_image[g].assign(kBuf, std::byte{0});
+                    bench::guard_fill(out_image[g].data(), 0, kBuf, seed + 7 + g + ti);
+                    for (size_t i = 0; i < in_n[g]; ++i)
+                        bench::store(image[g].data() + in_at[g], i, t, static_cast<double>(bench::value(me, i)));
+                    REQUIRE(api()->cuMemcpyHtoD(bufs[g]->base, image[g].data(), kBuf) == CUDA_SUCCESS);
+                    REQUIRE(api()->cuMemcpyHtoD(outs[g]->base, out_image[g].data(), kBuf) == CUDA_SUCCESS);
+                    const ringd_coll_cuda d{sizeof(ringd_coll_cuda), RINGD_ALL_TO_ALL, static_cast<ringd_dtype>(t), RINGD_SUM, 0,
+                                            bufs[g]->at(in_at[g]), (other ? outs[g] : bufs[g])->at(out_at[g]), 0, send, recv};
+                    INFO("rank " << me << ": " << ringd_last_error(tr[g].c.get()));
+                    REQUIRE(ringd_submit_coll_cuda(tr[g].c.get(), &d, nullptr, &tickets[g]) == 0);
+                    want_in[g < 2 ? 0 : 1] += in_n[g] * es;
+                    want_out[g < 2 ? 0 : 1] += out_n[g] * es;
+                }
+                for (size_t g = 0; g < tr.size(); ++g) {
+                    INFO("rank " << tr[g].rank << ": " << ringd_last_error(tr[g].c.get()));
+                    REQUIRE(ringd_wait(tr[g].c.get(), tickets[g], 20000) == 0);
+                }
+                for (size_t g = 0; g < tr.size(); ++g) {
+                    const uint32_t me = tr[g].rank;
+                    std::vector<std::byte> in_after(kBuf), out_after(kBuf);
+                    REQUIRE(api()->cuMemcpyDtoH(in_after.data(), bufs[g]->base, kBuf) == CUDA_SUCCESS);
+                    REQUIRE(api()->cuMemcpyDtoH(out_after.data(), outs[g]->base, kBuf) == CUDA_SUCCESS);
+                    INFO("rank " << me);
+                    // The output: rank q's block for this rank, in rank order, every byte; everything
+                    // else (the guards, the input, the other buffer) as it was.
+                    std::vector<std::byte> &was = other ? out_image[g] : image[g];
+                    std::vector<std::byte> want = was;
+                    uint64_t at = 0;
+                    for (uint32_t q = 0; q < n; ++q)
+                        for (uint64_t i = 0; i < sizes[q][me]; ++i, ++at)
+                            bench::store(want.data() + out_at[g], at, t, static_cast<double>(bench::value(q, sent_before(q, me) + i)));
+                    REQUIRE(at == out_n[g]);
+                    CHECK((other ? out_after : in_after) == want);
+                    CHECK((other ? in_after : out_after) == (other ? image[g] : out_image[g]));
+                }
+                ++ops;
+            }
+    CHECK(ops == 2 * kDTypeCount * 2);
+    for (int h = 0; h < 2; ++h) {
+        const auto [in, out] = staged_bytes(*c.d[h]);
+        INFO("host " << h);
+        CHECK(in - before[h].first == want_in[h]);
+        CHECK(out - before[h].second == want_out[h]);
+    }
+    // Sizes that do not fit rank 0's staging (the 1 MiB slot): refused on it before anything is
+    // taken; it refuses the op in its place, and the others' op fails at once naming it.
+    {
+        uint64_t big_send[n] = {0, 100000, 100000}, big_recv[n] = {0, 100000, 100000};  // 800 KB each way
+        size_t g0 = 0;
+        while (tr[g0].rank != 0) ++g0;
+        uint64_t send[n] = {0, 10, 10}, recv[n] = {0, 10, 10};
+        std::vector<uint64_t> tickets(tr.size());
+        for (size_t g = 0; g < tr.size(); ++g) {
+            const uint32_t me = tr[g].rank;
+            if (me == 0) {
+                DeviceBuf large(tr[g].c.get(), 2 << 20, false);
+                const ringd_coll_cuda d{sizeof(ringd_coll_cuda), RINGD_ALL_TO_ALL, RINGD_F32, RINGD_SUM, 0,
+                                        large.at(0), large.at(1 << 20), 0, big_send, big_recv};
+                CHECK(ringd_submit_coll_cuda(tr[g].c.get(), &d, nullptr, &tickets[g]) == -E2BIG);
+                CHECK_THAT(ringd_last_error(tr[g].c.get()), Catch::Contains("staged whole and does not fit"));
+                REQUIRE(ringd_refuse(tr[g].c.get(), RINGD_ALL_TO_ALL, 1600128, &tickets[g]) == 0);
+                continue;
+            }
+            send[0] = recv[0] = 0;
+            const ringd_coll_cuda d{sizeof(ringd_coll_cuda), RINGD_ALL_TO_ALL, RINGD_F32, RINGD_SUM, 0,
+                                    bufs[g]->at(0), outs[g]->at(0), 0, send, recv};
+            REQUIRE(ringd_submit_coll_cuda(tr[g].c.get(), &d, nullptr, &tickets[g]) == 0);
+        }
+        for (size_t g = 0; g < tr.size(); ++g) {
+            INFO("rank " << tr[g].rank);
+            CHECK(ringd_wait(tr[g].c.get(), tickets[g], 20000) == -E2BIG);
+            CHECK_THAT(ringd_last_error(tr[g].c.get()), Catch::Contains("host node0 local rank " + std::to_string(g0) + " refused it") &&
+                                                            Catch::Contains("1600128"));
+        }
+    }
+    // The group goes on: the same op that fits, exact on every rank.
+    {
+        uint64_t send[n] = {5, 6, 7};
+        std::vector<uint64_t> tickets(tr.size());
+        for (size_t g = 0; g < tr.size(); ++g) {
+            uint64_t recv[n] = {send[tr[g].rank], send[tr[g].rank], send[tr[g].rank]};
+            std::vector<std::byte> img(kBuf);
+            for (size_t i = 0; i < 18; ++i) bench::store(img.data(), i, DType::F32, static_cast<double>(bench::value(tr[g].rank, i)));
+            REQUIRE(api()->cuMemcpyHtoD(bufs[g]->base, img.data(), kBuf) == CUDA_SUCCESS);
+            const ringd_coll_cuda d{sizeof(ringd_coll_cuda), RINGD_ALL_TO_ALL, RINGD_F32, RINGD_SUM, 0,
+                                    bufs[g]->at(0), outs[g]->at(0), 0, send, recv};
+            INFO(ringd_last_error(tr[g].c.get()));
+            REQUIRE(ringd_submit_coll_cuda(tr[g].c.get(), &d, nullptr, &tickets[g]) == 0);
+        }
+        for (size_t g = 0; g < tr.size(); ++g) {
+            const uint32_t me = tr[g].rank;
+            INFO("rank " << me << ": " << ringd_last_error(tr[g].c.get()));
+            REQUIRE(ringd_wait(tr[g].c.get(), tickets[g], 20000) == 0);
+            std::vector<std::byte> got(3 * send[me] * 4), want(got.size());
+            REQUIRE(api()->cuMemcpyDtoH(got.data(), outs[g]->base, got.size()) == CUDA_SUCCESS);
+            uint64_t at = 0;
+            for (uint32_t q = 0; q < n; ++q) {
+                const uint64_t from = (me >= 1 ? send[0] : 0) + (me >= 2 ? send[1] : 0);
+                for (uint64_t i = 0; i < send[me]; ++i, ++at)
+                    bench::store(want.data(), at, DType::F32, static_cast<double>(bench::value(q, from + i)));
+            }
+            CHECK(got == want);
+        }
+    }
+    // What a caller gets wrong is named to it alone: sizes without their other half, sizes of
+    // another collective, a count beside sizes.
+    ringd_client *r1 = tr[1].c.get();
+    uint64_t ticket = 0, some[n] = {1, 1, 1};
+    ringd_coll_cuda bad{sizeof(ringd_coll_cuda), RINGD_ALL_TO_ALL, RINGD_F32, RINGD_SUM, 0, bufs[1]->at(0), outs[1]->at(0), 0, some, nullptr};
+    CHECK(ringd_submit_coll_cuda(r1, &bad, nullptr, &ticket) == -EINVAL);
+    CHECK_THAT(ringd_last_error(r1), Catch::Contains("go together"));
+    bad.recv_counts = some;
+    bad.collective = RINGD_ALLGATHER;
+    CHECK(ringd_submit_coll_cuda(r1, &bad, nullptr, &ticket) == -EINVAL);
+    bad.collective = RINGD_ALL_TO_ALL;
+    bad.count = 3;
+    CHECK(ringd_submit_coll_cuda(r1, &bad, nullptr, &ticket) == -EINVAL);
+    CHECK_THAT(ringd_last_error(r1), Catch::Contains("count 0"));
 }
 
 TEST_CASE("a delayed producer stream still gives exact results", "[cuda]") {

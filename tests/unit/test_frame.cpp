@@ -352,7 +352,7 @@ TEST_CASE("submit descriptors are validated with overflow-safe bounds", "[proto]
         d.offset = 1024;
         CHECK(validate_submit(d, 1024, true).error().code == -ERANGE);
     }
-    SECTION("CUDA buffers: broadcast and reduce in place with a root, all_to_all by blocks, with split sizes refused") {
+    SECTION("CUDA buffers: broadcast and reduce in place with a root, all_to_all by blocks or whole with split sizes") {
         d.buffer_kind = static_cast<uint32_t>(BufferKind::Cuda);
         d.cuda_reg = 7;
         d.collective = static_cast<uint32_t>(Collective::Reduce);
@@ -388,7 +388,19 @@ TEST_CASE("submit descriptors are validated with overflow-safe bounds", "[proto]
         d.count = 0;
         d.flags = kSubmitSplits;
         d.splits_offset = 768;
-        CHECK_THAT(validate_submit(d, 1024, true).error().message, Catch::Contains("with split sizes"));
+        // With split sizes: whole, in one part (no block, no part); its sizes taken from the slot.
+        CHECK_THAT(validate_submit(d, 1024, true).error().message, Catch::Contains("with split sizes and cuda_block"));
+        d.cuda_block = 0;
+        d.cuda_out_offset = 64;
+        auto v = validate_submit(d, 1024, true);
+        REQUIRE(v.ok());
+        CHECK(v->splits_pending);
+        CHECK(v->cuda_out_reg == 7);
+        CHECK(v->cuda_out_offset == 64);
+        d.cuda_part = 2;
+        CHECK_THAT(validate_submit(d, 1024, true).error().message, Catch::Contains("it runs whole"));
+        d.cuda_part = 0;
+        d.cuda_out_offset = 0;
         d.flags = 0;
         d.count = 8;
         d.collective = static_cast<uint32_t>(Collective::Barrier);

@@ -237,13 +237,16 @@ RINGD_API int ringd_stream_wait(ringd_client *c, uint64_t ticket, struct CUstrea
 /* Any collective on device buffers: ringd_coll's description with device pointers (the struct may
  * grow: struct_size). input and output lie in the client's registrations, apart or in place as
  * for slot buffers (reduce_scatter's output its rank's block of the input, allgather's input its
- * rank's block of the output); an all_to_all of equal blocks (count elements each; no split
- * sizes) apart only; allreduce, broadcast and reduce run in place on input (output NULL or
+ * rank's block of the output); an all_to_all apart only, of equal blocks (count elements each) or
+ * with split sizes (send_counts, recv_counts); allreduce, broadcast and reduce run in place on input (output NULL or
  * input): a broadcast's buffer becomes the root's on every rank (the root's is only read), a
  * reduce's the reduction on the root only (the others' are only read). Staged, cut into parts
  * and stream-ordered as ringd_submit_cuda: a part of a reduce_scatter, allgather or all_to_all is
  * the same elements of every block, and takes (ranks + 1) x its bytes of staging (all_to_all:
- * 2 x ranks x them). ringd_cuda_collectives
+ * 2 x ranks x them). An all_to_all with split sizes is one op, never cut: its whole input, its
+ * whole output and 16 x ranks bytes of sizes must fit the staging room (else -E2BIG, nothing
+ * taken: the caller may ringd_refuse it in its place, so that the group's other ranks fail it at
+ * once). ringd_cuda_collectives (and ringd_cuda_all_to_all_splits)
  * says which this library submits; -ENOTSUP from a ringd without them (an older release); -EINVAL
  * on a client that did not say its rank. */
 typedef struct ringd_coll_cuda {
@@ -256,6 +259,12 @@ typedef struct ringd_coll_cuda {
     void *output;
     /* Since broadcast and reduce of device buffers (a struct_size without it: 0). */
     uint32_t root; /* broadcast, reduce: the root's rank in the group (< ringd_options.ranks) */
+    /* Since all_to_all of device buffers with split sizes (a struct_size without them: equal
+       blocks only). An all_to_all's elements to send to each rank and to receive from each
+       (ringd_options.ranks each, in rank order; count 0), read during the call; both NULL: equal
+       blocks of count. A side of no elements needs no registration. */
+    const uint64_t *send_counts;
+    const uint64_t *recv_counts;
 } ringd_coll_cuda;
 RINGD_API int ringd_submit_coll_cuda(ringd_client *c, const ringd_coll_cuda *coll, struct CUstream_st *stream,
                                      uint64_t *ticket);
@@ -263,6 +272,10 @@ RINGD_API int ringd_submit_coll_cuda(ringd_client *c, const ringd_coll_cuda *col
  * (a library without this function: allreduce, reduce_scatter and allgather; 0 in a library built
  * without CUDA). What a ringd runs is in its status ("device_collectives"). */
 RINGD_API unsigned int ringd_cuda_collectives(void);
+/* Nonzero when this library submits an all_to_all of device buffers with split sizes
+ * (ringd_coll_cuda's send_counts and recv_counts; 0 in a library built without CUDA). What a ringd
+ * runs is in its status ("device_all_to_all_splits"). */
+RINGD_API int ringd_cuda_all_to_all_splits(void);
 /* The part size of this client's device ops from now on (0: RINGD_CUDA_PART_BYTES, else a quarter
  * of the staging room in whole pages, 64 KiB to 16 MiB; at least 4096). It decides how an op is cut
  * into ringd ops, so every rank of a group must use the same (by default, the same slot size); the
