@@ -4,7 +4,8 @@ trainer processes on the one GPU, init_process_group("ringd"), CUDA tensors. Pha
                 view, 1 to 20M elements), through dist.all_reduce (sync and async) and the comm
                 hook's path, reduce_scatter_tensor / all_gather_into_tensor (apart and in
                 place), broadcast and reduce (roots on every rank), all_to_all_single of equal
-                blocks; every value and guard byte checked on the host
+                blocks and of uneven split sizes, the list forms of all_to_all and all_gather;
+                every value and guard byte checked on the host
   ddp           DDP, 20 steps of the reference MLP and of a small CNN: over Gloo's CUDA path, over
                 ringd, over ringd with allreduce_hook; losses against Gloo's, parameters identical on
                 every rank; step times side by side
@@ -250,7 +251,7 @@ def phase_ops(torch, dist, rank, world, dev, sync, fail, rep, gloo, write):
     if cuda and _ringd_status_staged() == staged0:
         fail("broadcast and reduce of CUDA tensors staged nothing through ringd (they went another way)")
     # all_to_all_single of equal blocks (capacity-padded MoE): every dtype, without split sizes
-    # (ringd's CUDA path) and with equal ones (Gloo's); output block q is rank q's block for this rank
+    # and with equal ones (both ringd's CUDA path); output block q is rank q's block for this rank
     staged0 = _ringd_status_staged() if cuda else 0
     for dtype in DTYPES:
         for n, splits in ((1000, False), (300_001, False), (4097, True)):
@@ -273,6 +274,40 @@ def phase_ops(torch, dist, rank, world, dev, sync, fail, rep, gloo, write):
     rooted("float32", "premul", 4097, salt, salt % world)
     if cuda and _ringd_status_staged() == staged0:
         fail("all_to_all_single of CUDA tensors staged nothing through ringd (it went another way)")
+    # all_to_all_single with uneven split sizes (zeros among them; mixture-of-experts' routing) and
+    # the list forms of all_to_all and all_gather, all through ringd's CUDA path
+    staged0 = _ringd_status_staged() if cuda else 0
+    for dtype in DTYPES:
+        salt += 1
+        t = getattr(torch, dtype)
+
+        def size(q, r):  # rows rank q sends rank r, 2 elements a row
+            return 0 if (q + 2 * r + salt) % 4 == 0 else 1 + (q * 301 + r * 97 + salt * 13) % 3000
+        ins = [size(rank, r) for r in range(world)]
+        outs = [size(q, rank) for q in range(world)]
+        big = torch.full((2 * guard_n + 2 * sum(outs),), 3, dtype=t, device=dev)
+        out = big[guard_n:guard_n + 2 * sum(outs)].view(-1, 2)
+        inp = inputs(dtype, 2 * sum(ins), rank, salt).to(dev).view(-1, 2)
+        dist.all_to_all_single(out, inp, outs, ins)
+        want = torch.cat([inputs(dtype, 2 * sum(size(q, r) for r in range(world)), q, salt)
+                          [2 * sum(size(q, r) for r in range(rank)):][:2 * outs[q]] for q in range(world)])
+        host = big.cpu()
+        wrong = int((host[guard_n:guard_n + 2 * sum(outs)] != want).sum())
+        changed = int((host[:guard_n] != 3).sum() + (host[guard_n + 2 * sum(outs):] != 3).sum())
+        rep["checked"] += 2 * sum(outs)
+        if wrong or changed:
+            fail(f"all_to_all_single {dtype} with split sizes: {wrong} wrong values, {changed} guard elements changed")
+        outl = [torch.full((2 * outs[q],), 3, dtype=t, device=dev) for q in range(world)]
+        dist.all_to_all(outl, list(inp.reshape(-1).split([2 * k for k in ins])))
+        if not all(torch.equal(o.cpu(), w) for o, w in zip(outl, want.split([2 * k for k in outs]))):
+            fail(f"all_to_all (list form) {dtype}: wrong values")
+        gathered = [torch.full((777,), 3, dtype=t, device=dev) for _ in range(world)]
+        dist.all_gather(gathered, inputs(dtype, 777, rank, salt).to(dev))
+        if not all(torch.equal(o.cpu(), inputs(dtype, 777, q, salt)) for q, o in enumerate(gathered)):
+            fail(f"all_gather (list form) {dtype}: wrong values")
+        rep["checked"] += 2 * sum(outs) + 777 * world
+    if cuda and _ringd_status_staged() == staged0:
+        fail("all_to_all with split sizes and the list forms of CUDA tensors staged nothing through ringd")
     one("float32", "sum", 50_000, 901, "strided")
     one("float32", "sum", 20_000_000, 902, "sync")  # 80 MB: parts through the staging range
     one("float32", "avg", 20_000_000, 903, "hook")

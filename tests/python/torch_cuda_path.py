@@ -14,7 +14,9 @@ on both sides of each op's range:
     apart and in place, in one part and in several, every byte of the buffer checked;
   - broadcast and reduce (the same group): roots on every rank, every dtype x op, in one part and in
     several; what the op only reads (the root's broadcast, the others' reduce) unchanged; all_to_all
-    of equal blocks, every dtype, in one part and in several;
+    of equal blocks, every dtype, in one part and in several; all_to_all with split sizes, every
+    dtype, uneven with zeros, a rank that sends nothing and one that neither sends nor receives,
+    and one too large for a rank's staging, refused in its place (every rank fails at once);
   - a rank that dies before an op: the others get RuntimeError within timeouts.op + margin, and a
     stream waiting on the op moves on.
 Usage: torch_cuda_path.py RINGD_BIN LIBRINGD_CLIENT EMULATED_CUDA_LIB. Exit 0 when every check held,
@@ -350,6 +352,89 @@ def worker(rank, sock, group, out):
             rooted_ops += 1
             if changed:
                 fail(f"{what}: {changed} bytes differ from what the op must leave")
+    # all_to_all with split sizes through the CUDA path (one op, staged whole): every dtype, uneven
+    # blocks with zeros; in the second round rank 1 sends nothing and rank 2 neither sends nor
+    # receives anything (its place in the group's order: a slot op of nothing); the input, and
+    # every byte around the output, kept
+    a2av_ops = 0
+    for dtype in tdtypes:
+        for round_ in (0, 1):
+            salt += 1
+            esize = torch.tensor([], dtype=tdtypes[dtype]).element_size()
+
+            def size(q, r):  # what rank q sends rank r
+                if round_ and (q == 1 or 2 in (q, r)):
+                    return 0
+                return 0 if (q + 2 * r + salt) % 4 == 0 else 1 + (q * 301 + r * 97 + salt * 13) % 1500
+            send = [size(g, r) for r in range(WORLD)]
+            recv = [size(q, g) for q in range(WORLD)]
+            in_off = GUARD + (salt % 8) * 64
+            out_off = (in_off + sum(send) * esize + GUARD + 255) // 256 * 256
+            mem = tensor_at(cbase, cbytes)
+            image = torch.full((cbytes,), (rank * 31 + salt) % 251, dtype=torch.uint8)
+            sent = values(dtype, sum(send), g, salt)
+            image[in_off:in_off + sum(send) * esize].copy_(sent.view(torch.uint8))
+            mem.copy_(image)
+            opf = _compat.OpFuture()
+            what = f"all_to_all with split sizes {dtype} round {round_} (sends {sum(send)}, receives {sum(recv)})"
+            try:
+                ceng.all_to_all_device(DeviceBuffer(cbase + in_off, sum(send), dtype, 0, 0),
+                                       DeviceBuffer(cbase + out_off, sum(recv), dtype, 0, 0), send, recv, opf, "done")
+                opf.future.wait()
+            except RuntimeError as e:
+                fail(f"{what}: {e}")
+                continue
+            want = torch.cat([values(dtype, sum(size(q, r) for r in range(WORLD)), q, salt)
+                              [sum(size(q, r) for r in range(g)):][:size(q, g)] for q in range(WORLD)])
+            expected = image.clone()
+            expected[out_off:out_off + sum(recv) * esize].copy_(want.view(torch.uint8))
+            changed = int((mem != expected).sum())
+            report["checks"] += sum(recv)
+            a2av_ops += 1
+            if changed:
+                fail(f"{what}: {changed} bytes differ from what the op must leave")
+    if a2av_ops != 2 * len(tdtypes):
+        fail(f"{a2av_ops} all_to_alls with split sizes checked, not {2 * len(tdtypes)}")
+    # One that does not fit rank 3's staging range: refused there before anything is taken, and
+    # in its place in the group's order, so every rank's op fails at once naming it; then the
+    # group goes on, exact.
+    for big in (True, False):
+        n_each = 10000 if big and g == 3 else 40
+        send, recv = [n_each] * WORLD, [10000 if big and q == 3 else 40 for q in range(WORLD)]
+        if g == 3:
+            recv = [n_each] * WORLD
+        else:
+            send = [10000 if big and r == 3 else 40 for r in range(WORLD)]
+        mem = tensor_at(cbase, cbytes)
+        image = torch.full((cbytes,), 5, dtype=torch.uint8)
+        image[GUARD:GUARD + sum(send) * 4].copy_(values("float32", sum(send), g, 77).view(torch.uint8))
+        mem.copy_(image)
+        out_off = GUARD + (256 << 10)
+        opf = _compat.OpFuture()
+        t0 = time.monotonic()
+        try:
+            ceng.all_to_all_device(DeviceBuffer(cbase + GUARD, sum(send), "float32", 0, 0),
+                                   DeviceBuffer(cbase + out_off, sum(recv), "float32", 0, 0), send, recv, opf, "done")
+            opf.future.wait()
+            if big:
+                fail("an all_to_all that does not fit rank 3's staging succeeded")
+            else:
+                got = tensor_at(cbase + out_off, sum(recv) * 4).view(torch.float32)
+                want = torch.cat([values("float32", sum(40 for _ in range(WORLD)), q, 77)[g * 40:][:40]
+                                  for q in range(WORLD)])
+                if not torch.equal(got, want):
+                    fail("the all_to_all after a refused one is not exact")
+                a2av_ops += 1
+        except RuntimeError as e:
+            if not big:
+                fail(f"the all_to_all after a refused one: {e}")
+            elif ("does not fit" if g == 3 else "refused it") not in str(e) or time.monotonic() - t0 > 3:
+                fail(f"the refused all_to_all failed with {e} after {time.monotonic() - t0:.1f} s")
+            else:
+                a2av_ops += 1
+    report["a2av_ops"] = a2av_ops
+    if a2av_ops != 2 * len(tdtypes) + 2:
+        fail(f"{a2av_ops} all_to_alls with split sizes ran as they must, not {2 * len(tdtypes) + 2}")
     report["rooted_ops"] = rooted_ops
     planned = 8 + 30 + 8  # broadcast, reduce, all_to_all: the loops above (two counts for float32 and bfloat16)
     if rooted_ops != planned:

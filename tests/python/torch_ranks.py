@@ -1031,13 +1031,22 @@ def scenario_a2a():
     want = torch.cat([data(i, k * WORLD, torch.float32, salt)[me * k:(me + 1) * k] for i in range(WORLD)])
     check(torch.equal(out, want), f"all_to_all_single (equal blocks of {k}, in parts)")
     check(ringd_ops_completed() - first >= 2, f"an all_to_all of {4 * k * WORLD} bytes went as one ringd op")
-    # The same with equal split sizes given on some ranks only: every rank submits the same ops.
-    out = torch.full((k * WORLD,), -7.0)
-    if me % 2:
-        dist.all_to_all_single(out, inp, [k] * WORLD, [k] * WORLD)
-    else:
-        dist.all_to_all_single(out, inp)
-    check(torch.equal(out, want), f"all_to_all_single (equal blocks of {k}, split sizes on odd ranks only)")
+    # Split sizes all equal on one rank (a mixture-of-experts rank whose experts are all at
+    # capacity) and uneven on the others, more than an all_to_all's first part: one op on every
+    # rank (a rank that cut its equal ones into parts as for equal blocks left the group's ops
+    # out of step).
+    k2 = (1536 << 10) // (4 * WORLD)  # (1.5 MiB: several parts of a quarter of the test's 4 MiB slots)
+
+    def uneven(i, j):
+        return k2 if 0 in (i, j) else k2 + (i * 7 + j * 3) % 5 * 1000
+    ins = [uneven(me, j) for j in range(WORLD)]
+    outs = [uneven(i, me) for i in range(WORLD)]
+    inp = data(me, sum(ins), torch.float32, salt)
+    out = torch.full((sum(outs),), -7.0)
+    dist.all_to_all_single(out, inp, outs, ins)
+    want = torch.cat([data(i, sum(uneven(i, j) for j in range(WORLD)), torch.float32, salt)
+                      [sum(uneven(i, j) for j in range(me)):][:outs[i]] for i in range(WORLD)])
+    check(torch.equal(out, want), f"all_to_all_single (split sizes of {k2} on rank 0, uneven on the others)")
     calls += 2
     # Mixture-of-experts' shape: [tokens, hidden] split by rows; then input split sizes only (the
     # output in equal blocks).

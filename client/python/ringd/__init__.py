@@ -113,7 +113,8 @@ class _CollCuda(ctypes.Structure):
     """ringd_coll_cuda (ringd.h)."""
     _fields_ = [("struct_size", ctypes.c_size_t), ("collective", ctypes.c_int), ("dtype", ctypes.c_int),
                 ("op", ctypes.c_int), ("count", ctypes.c_size_t), ("input", ctypes.c_void_p),
-                ("output", ctypes.c_void_p), ("root", ctypes.c_uint32)]
+                ("output", ctypes.c_void_p), ("root", ctypes.c_uint32),
+                ("send_counts", ctypes.POINTER(ctypes.c_uint64)), ("recv_counts", ctypes.POINTER(ctypes.c_uint64))]
 
 
 def _declare(lib):
@@ -147,6 +148,9 @@ def _declare(lib):
     if hasattr(lib, "ringd_cuda_collectives"):
         lib.ringd_cuda_collectives.restype = ctypes.c_uint
         lib.ringd_cuda_collectives.argtypes = []
+    if hasattr(lib, "ringd_cuda_all_to_all_splits"):
+        lib.ringd_cuda_all_to_all_splits.restype = ctypes.c_int
+        lib.ringd_cuda_all_to_all_splits.argtypes = []
     if hasattr(lib, "ringd_submit_coll_cuda"):  # (device buffers' reduce_scatter and allgather)
         lib.ringd_submit_coll_cuda.restype = ctypes.c_int
         lib.ringd_submit_coll_cuda.argtypes = [c_client, ctypes.POINTER(_CollCuda), ctypes.c_void_p,
@@ -280,6 +284,13 @@ class Client:
         return 1 << COLLECTIVES["allreduce"]
 
     @staticmethod
+    def cuda_all_to_all_splits():
+        """Whether this libringd-client submits all_to_all of device buffers with split sizes
+        (ringd_cuda_all_to_all_splits)."""
+        lib = _load()
+        return hasattr(lib, "ringd_cuda_all_to_all_splits") and bool(lib.ringd_cuda_all_to_all_splits())
+
+    @staticmethod
     def has_device_collectives():
         """Whether this libringd-client has ringd_submit_coll_cuda (reduce_scatter, allgather of
         device buffers)."""
@@ -411,17 +422,24 @@ class Client:
                                                 ctypes.c_void_p(int(stream)), ctypes.byref(t)))
         return t.value
 
-    def submit_coll_cuda(self, collective, count, dtype, op, in_ptr, out_ptr, stream=0, root=0):
+    def submit_coll_cuda(self, collective, count, dtype, op, in_ptr, out_ptr, stream=0, root=0, splits=None):
         """Queues any collective of device memory (ringd_submit_coll_cuda): `count` elements as for
         submit_coll, the input at `in_ptr` and the output at `out_ptr` (allreduce, broadcast and
         reduce: in place, out_ptr the input), after what `stream` queued so far; `root` a
-        broadcast's or reduce's root rank. Returns its ticket."""
+        broadcast's or reduce's root rank; `splits` an all_to_all's (elements to send to each rank,
+        elements to receive from each), count 0. Returns its ticket."""
         if not hasattr(self._lib, "ringd_submit_coll_cuda"):
             raise RingdError(-errno.ENOTSUP, "this libringd-client has no reduce_scatter or allgather of device buffers")
         if not self.cuda_collectives() & (1 << COLLECTIVES[collective]):
             raise RingdError(-errno.ENOTSUP, f"this libringd-client has no {collective} of device buffers")
         d = _CollCuda(ctypes.sizeof(_CollCuda), COLLECTIVES[collective], DTYPES[dtype_name(dtype)], OPS[op_name(op)],
                       int(count), ctypes.c_void_p(int(in_ptr)), ctypes.c_void_p(int(out_ptr)), int(root))
+        if splits is not None:
+            if not self.cuda_all_to_all_splits():
+                raise RingdError(-errno.ENOTSUP, "this libringd-client has no all_to_all of device buffers with split sizes")
+            send = (ctypes.c_uint64 * len(splits[0]))(*map(int, splits[0]))
+            recv = (ctypes.c_uint64 * len(splits[1]))(*map(int, splits[1]))
+            d.send_counts, d.recv_counts = send, recv
         t = ctypes.c_uint64(0)
         self._check(self._lib.ringd_submit_coll_cuda(self._handle(), ctypes.byref(d), ctypes.c_void_p(int(stream)),
                                                      ctypes.byref(t)))

@@ -156,11 +156,6 @@ class _Engine(DeviceOps):
             if len(in_splits) != n or len(out_splits) != n or sum(in_splits) != src.numel() or sum(out_splits) != flat.numel():
                 raise RuntimeError(f"ringd: all_to_all's split sizes must be {n} each, summing to the input's "
                                    f"{src.numel()} and the output's {flat.numel()} elements")
-            if self.taper and len(set(in_splits) | set(out_splits)) == 1:
-                # Equal blocks given as split sizes: the same ops as a rank that gives none submits
-                # (equal blocks are cut into parts, split sizes are not; a group with a rank of an
-                # earlier release cuts neither, and its ops stay as that release's).
-                in_splits, out_splits = [], []
         elif src.numel() % n or flat.numel() != src.numel():
             raise RuntimeError(f"ringd: all_to_all without split sizes needs input and output of the same size, "
                                f"a multiple of {n} elements (not {src.numel()} and {flat.numel()})")

@@ -40,7 +40,7 @@ from torch._C._distributed_c10d import ProcessGroup
 
 import ringd as _ringd
 from ringd import _compat
-from ringd._device import DeviceBuffer, allreduce_cuda, collective_cuda
+from ringd._device import DeviceBuffer, all_to_all_cuda, allreduce_cuda, collective_cuda
 from ringd._engine import _Engine
 from ringd._slot import _DTYPES, _chunk_bytes, _env_bytes, _env_int, _process_slots, _process_slots_lock
 
@@ -168,6 +168,9 @@ class ProcessGroupRingd(ProcessGroup):
                        all(_ringd.Client.cuda_collectives() & (1 << _ringd.COLLECTIVES[c]) for c in colls))
         store.set(f"ringd/device-rooted/{rank}", str(runs_device("broadcast", "reduce")))
         store.set(f"ringd/device-a2a/{rank}", str(runs_device("all_to_all")))
+        # And all_to_all of CUDA tensors with split sizes (the list forms ride on it).
+        store.set(f"ringd/device-a2av/{rank}", str(int(runs_device("all_to_all") and bool(st.get("device_all_to_all_splits")) and
+                                                       _ringd.Client.cuda_all_to_all_splits())))
         # And whether it runs broadcast, reduce, barrier and all_to_all (a key of its own, as above).
         rooted = int(mine and {"broadcast", "all_to_all"} <= set(st.get("collectives", ())) and
                      _ringd.Client.has_rooted_collectives() and _ringd.Client.has_all_to_all())
@@ -178,7 +181,7 @@ class ProcessGroupRingd(ProcessGroup):
         store.set(f"ringd/taper/{rank}", "1")
         store.set(f"ringd/member/{rank}", f"{me[0]}:{me[1]}:{slot_bytes}:{mine}")
         members, smallest_slot, collectives, device_collectives, rooted_collectives = [], slot_bytes, True, True, True
-        device_rooted_collectives = device_a2a = True
+        device_rooted_collectives = device_a2a = device_a2av = True
         taper = True
         for r in range(size):
             entry = store.get(f"ringd/member/{r}").decode()
@@ -195,6 +198,7 @@ class ProcessGroupRingd(ProcessGroup):
             device_rooted_collectives = (device_rooted_collectives and
                                          store.compare_set(f"ringd/device-rooted/{r}", "?", "?") == b"1")
             device_a2a = device_a2a and store.compare_set(f"ringd/device-a2a/{r}", "?", "?") == b"1"
+            device_a2av = device_a2av and store.compare_set(f"ringd/device-a2av/{r}", "?", "?") == b"1"
             taper = taper and store.compare_set(f"ringd/taper/{r}", "?", "?") == b"1"
         on_my_host = sorted(m for m in members if m[0] == me[0])
         local_rank = [m[2] for m in on_my_host].index(rank)
@@ -212,6 +216,8 @@ class ProcessGroupRingd(ProcessGroup):
         # broadcast and reduce, and all_to_all (no split sizes), of CUDA tensors through ringd's CUDA path
         self._device_rooted = self._rooted and self._device_collectives and device_rooted_collectives
         self._device_a2a = self._rooted and self._device_collectives and device_a2a
+        # and all_to_all of CUDA tensors with split sizes, and the list forms of all_to_all and allgather
+        self._device_a2av = self._device_a2a and device_a2av
         self._coalesced = None  # the Works since _start_coalescing
         self._gloo = _gloo_group(store, rank, size, timeout)
         _compat.attach(self, self._gloo)
@@ -453,8 +459,21 @@ class ProcessGroupRingd(ProcessGroup):
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         """allgather's list form: through ringd into one buffer of n blocks, then into each output
-        (where ringd can take the tensors: CPU tensors), else through Gloo."""
+        (where ringd can take the tensors: CPU tensors, and CUDA tensors where every rank's ringd
+        runs the list forms of them), else through Gloo."""
         n = self.size()
+        if (len(input_tensors) == 1 and len(output_tensors) == 1 and len(output_tensors[0]) == n and
+                input_tensors[0].is_cuda and input_tensors[0].numel() > 0 and self._device_a2av and
+                self._device_collectives and self._a2a_device(input_tensors[0], *output_tensors[0]) and
+                all(o.numel() == input_tensors[0].numel() for o in output_tensors[0])):
+            inp, outs = input_tensors[0], list(output_tensors[0])
+
+            def copy_back(flat):
+                for o, part in zip(outs, flat.view(n, -1).unbind(0)):
+                    o.copy_(part.view(o.shape))
+            flat = torch.empty(n * inp.numel(), dtype=inp.dtype, device=inp.device)
+            return self._track(collective_cuda(self._engine, "allgather", inp.reshape(-1), flat, "sum", outs, outs,
+                                               copy_back=copy_back))
         if (len(input_tensors) == 1 and len(output_tensors) == 1 and len(output_tensors[0]) == n and
                 all(o.numel() == input_tensors[0].numel() and o.dtype == input_tensors[0].dtype
                     for o in output_tensors[0]) and not input_tensors[0].is_cuda and
@@ -584,7 +603,7 @@ class ProcessGroupRingd(ProcessGroup):
 
     def _a2a_through_ringd(self, *tensors):
         """Whether an all_to_all of these tensors goes through ringd: CPU tensors of one ringd dtype
-        in a group whose every rank's ringd runs it (CUDA tensors: _a2a_cuda)."""
+        in a group whose every rank's ringd runs it (CUDA tensors: _a2a_device)."""
         if not self._rooted or self._engine is None:
             return False
         for t in tensors:
@@ -592,38 +611,18 @@ class ProcessGroupRingd(ProcessGroup):
                 raise RuntimeError(f"ringd: {t.device.type} tensors are not supported (CPU and CUDA tensors are)")
         return all(not t.is_cuda and not t.is_sparse and t.dtype in _DTYPES and t.dtype == tensors[0].dtype for t in tensors)
 
-    def _a2a_cuda(self, output, input, output_split_sizes, input_split_sizes):
-        """Whether an all_to_all_single goes through ringd's CUDA path: CUDA tensors of one ringd
-        dtype on one GPU with no split sizes (equal blocks of dim 0), input and output of the same
-        size, in a group whose every rank's ringd and library run it. Decided by the call's form,
-        never by split values, which differ from rank to rank: with split sizes (even equal ones)
-        every rank takes Gloo, so ranks must agree on whether they pass them (docs/pytorch.md)."""
-        if not (self._device_a2a and self._engine is not None and output.is_cuda and input.is_cuda):
+    def _a2a_device(self, *tensors):
+        """Whether an all_to_all of these tensors may go through ringd's CUDA path: CUDA tensors of
+        one ringd dtype on one GPU, in a group whose every rank's ringd and library run it."""
+        if not (self._device_a2a and self._engine is not None):
             return False
-        if output_split_sizes or input_split_sizes:
-            return False
-        n = self.size()
-        return (output.dtype == input.dtype and output.dtype in _DTYPES and output.device == input.device and
-                not output.is_sparse and not input.is_sparse and output.numel() == input.numel() and
-                input.dim() > 0 and output.dim() > 0 and input.size(0) % n == 0 and output.size(0) % n == 0 and
-                input.numel() > 0)
+        t0 = tensors[0]
+        return t0.dtype in _DTYPES and all(t.is_cuda and not t.is_sparse and t.dtype == t0.dtype and t.device == t0.device
+                                           for t in tensors)
 
-    def _all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
-        """all_to_all_single (uneven split sizes included) through ringd: one message between each
-        pair of hosts carrying every local rank's blocks; CUDA tensors without split sizes through
-        ringd's CUDA path, with split sizes through Gloo. Defined under this torch's name
-        (all_to_all_single, or alltoall_base before it)."""
-        if self._a2a_cuda(output, input, output_split_sizes, input_split_sizes):
-            # (input and output apart: an overlapping output goes through a copy of the input)
-            src = input.detach()
-            if _overlaps(src, output):
-                src = src.clone()
-            return self._track(collective_cuda(self._engine, "all_to_all", src.reshape(-1), output, "sum", [output],
-                                               [output]))
-        if not self._a2a_through_ringd(output, input):
-            gloo = getattr(self._gloo, "all_to_all_single", None) or self._gloo.alltoall_base
-            return self._track(gloo(output, input, output_split_sizes, input_split_sizes, opts or dist.AllToAllOptions()))
-        # Split sizes count rows (dim 0); ringd counts elements. An empty side is equal blocks.
+    def _a2a_elements(self, output, input, output_split_sizes, input_split_sizes):
+        """An all_to_all_single's split sizes in elements, (to receive, to send): torch's count rows
+        of dim 0, ringd's elements; a side without them is equal blocks. ([], []): none given."""
         n = self.size()
 
         def elements(t, splits):
@@ -639,14 +638,55 @@ class ProcessGroupRingd(ProcessGroup):
                                    f"does not cut into {n} equal blocks")
             equal = [side.numel() // n] * n
             ins, outs = (equal, outs) if not ins else (ins, equal)
+        return outs, ins
+
+    def _all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        """all_to_all_single (uneven split sizes included) through ringd: one message between each
+        pair of hosts carrying every local rank's blocks. Without split sizes (equal blocks) as
+        several ops, each the same part of every block; with them (even equal ones) as one op. CUDA
+        tensors through ringd's CUDA path the same way (with split sizes where every rank's ringd
+        runs them: else Gloo's). Defined under this torch's name (all_to_all_single, or
+        alltoall_base before it)."""
+        n = self.size()
+        given = bool(output_split_sizes or input_split_sizes)
+        if (self._a2a_device(output, input) and
+                (self._device_a2av or not given) and (given or output.numel() == input.numel() > 0)):
+            # (input and output apart: an overlapping output goes through a copy of the input)
+            src = input.detach()
+            if _overlaps(src, output):
+                src = src.clone()
+            if not given and input.dim() > 0 and output.dim() > 0 and not input.size(0) % n and not output.size(0) % n:
+                return self._track(collective_cuda(self._engine, "all_to_all", src.reshape(-1), output, "sum", [output],
+                                                   [output]))
+            if given:
+                outs, ins = self._a2a_elements(output, input, output_split_sizes, input_split_sizes)
+                return self._track(all_to_all_cuda(self._engine, src, output, ins, outs, [output], [output]))
+        if not self._a2a_through_ringd(output, input):
+            gloo = getattr(self._gloo, "all_to_all_single", None) or self._gloo.alltoall_base
+            return self._track(gloo(output, input, output_split_sizes, input_split_sizes, opts or dist.AllToAllOptions()))
+        outs, ins = self._a2a_elements(output, input, output_split_sizes, input_split_sizes)
         fut = self._engine.all_to_all(output, input, outs, ins, [output])
         return self._track(_compat.work(fut, [output]))
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
         """all_to_all's list form through ringd (one op: the inputs laid end to end, the outputs
-        cut from its result), else Gloo."""
+        cut from its result; CUDA tensors where every rank's ringd runs split sizes of them), else
+        Gloo."""
         n = self.size()
-        if len(output_tensors) != n or len(input_tensors) != n or not self._a2a_through_ringd(*output_tensors, *input_tensors):
+        tensors = [*output_tensors, *input_tensors]
+        if len(output_tensors) == n and len(input_tensors) == n and self._device_a2av and self._a2a_device(*tensors):
+            flat_in = torch.cat([t.detach().reshape(-1) for t in input_tensors])  # (on the current stream)
+            outs = list(output_tensors)
+
+            def copy_back(flat):
+                at = 0
+                for o in outs:
+                    o.copy_(flat[at:at + o.numel()].view(o.shape))
+                    at += o.numel()
+            flat_out = torch.empty(sum(t.numel() for t in outs), dtype=outs[0].dtype, device=outs[0].device)
+            return self._track(all_to_all_cuda(self._engine, flat_in, flat_out, [t.numel() for t in input_tensors],
+                                               [t.numel() for t in outs], outs, outs, copy_back=copy_back))
+        if len(output_tensors) != n or len(input_tensors) != n or not self._a2a_through_ringd(*tensors):
             return self._track(self._gloo.alltoall(output_tensors, input_tensors, opts or dist.AllToAllOptions()))
         flat_in = torch.cat([t.detach().reshape(-1) for t in input_tensors])
         flat_out = torch.empty(sum(t.numel() for t in output_tensors), dtype=output_tensors[0].dtype)
