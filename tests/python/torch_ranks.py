@@ -632,9 +632,14 @@ def scenario_contract():
         time.sleep(0.05)
     # abort: an op that cannot complete (only the even ranks submit it) fails at once with the
     # abort's reason; the odd ranks abort only after that (else ringd fails it first: a rank left).
-    stuck = dist.new_group(list(range(WORLD)))
+    # The op takes the whole slot (8 MiB in 1 MiB ops through the 4 MiB slot): the ranges of its
+    # ops still in ringd stay held until ringd surely ended them (the group's 4 s op timeout + the
+    # 2 s wait margin), then the process's other groups have them again.
+    margin = os.environ.get("RINGD_WAIT_MARGIN_MS")
+    os.environ["RINGD_WAIT_MARGIN_MS"] = "2000"
+    stuck = dist.new_group(list(range(WORLD)), timeout=datetime.timedelta(seconds=4))
     if RANK % 2 == 0:
-        w = dist.all_reduce(torch.ones(1000), group=stuck, async_op=True)
+        w = dist.all_reduce(torch.ones(2 << 20), group=stuck, async_op=True)
         time.sleep(0.3)
         start = time.monotonic()
         stuck.abort()
@@ -643,9 +648,20 @@ def scenario_contract():
             fail("an op of an aborted group completed")
         except RuntimeError as e:
             check("aborted" in str(e) and time.monotonic() - start < 2, f"after abort, {time.monotonic() - start:.1f} s: {e}")
+        held = pg._engine.space.held_bytes()
+        check(held >= 1 << 20, f"{held} bytes of the slot held after an abort with ops in ringd")
     dist.barrier()
     if RANK % 2:
         stuck.abort()
+    if margin is None:
+        del os.environ["RINGD_WAIT_MARGIN_MS"]
+    else:
+        os.environ["RINGD_WAIT_MARGIN_MS"] = margin
+    t, start = torch.full((1 << 20,), float(RANK)), time.monotonic()  # (a MiB op: room only once they come back)
+    dist.all_reduce(t)
+    check(bool((t == sum(range(WORLD))).all()) and pg._engine.space.held_bytes() == 0 and time.monotonic() - start < 10,
+          f"after the abort's ranges came back ({time.monotonic() - start:.1f} s, {pg._engine.space.held_bytes()} "
+          f"bytes held): {t[:3].tolist()}")
     # DeviceMesh over ringd's group.
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh("cpu", (WORLD,))

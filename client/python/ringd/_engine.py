@@ -3,8 +3,10 @@ process's slot in chunks, submitted, completed and their futures completed on th
 import collections
 import datetime
 import errno
+import os
 import select
 import threading
+import time
 
 import torch
 
@@ -16,6 +18,14 @@ from ringd._slot import (_DTYPES, _FIRST_CHUNK_BYTES, _POLL_MS, _WINDOW_BYTES, _
 
 
 _ROOTED = ("broadcast", "reduce", "barrier")  # (the ops of _submit_rooted)
+# After a group closed with ops in ringd: how long past their op timeout their slot ranges stay
+# held (ringd ends an op within its op timeout of the submission plus about a second): the client
+# library's wait margin (RINGD_WAIT_MARGIN_MS, default 10 s, at least 2 s; ringd.h, Deadlines).
+def _hold_margin_s():
+    try:
+        return max(2.0, int(os.environ.get("RINGD_WAIT_MARGIN_MS", "10000")) / 1000)
+    except ValueError:
+        return 10.0
 
 
 def _copied(to, view):
@@ -823,14 +833,25 @@ class _Engine(DeviceOps):
         for t in self.threads[:2]:  # submitting and completing: whatever they hold is queued to finish
             t.join()
         with self.lock:
-            # Still queued, or still in ringd: failed, their ranges kept (ringd may still write
-            # them until the connection closes; they go with the slot).
+            # Still queued, or still in ringd: failed. The ranges of those in ringd are held until
+            # ringd is surely done with them: it may write them until the op's deadline (its op
+            # timeout from the submission, at most the one this group asked for, plus about a
+            # second), and by then it ended every op it took (ringd.h, Deadlines). Ops running
+            # where their tensors lie (lent over the slot) hold those tensors alike, so that their
+            # ranges are not lent again before. With no timeout asked for (ringd's own), they are
+            # held as long as the slot is mapped.
             left = list(self.pending) + [entry[0] for entry in self.inflight.values()]
-            # Ops running where their tensors lie (lent over the slot): the tensors are kept as
-            # long as the slot is mapped, so that their ranges are not lent again while ringd may
-            # still write them.
-            self.ps.kept.extend((rec.flat, rec.src) for rec, copy_out, view, rng, nbytes in self.inflight.values()
-                                if rec.resident is None and copy_out is None and rng is None and rec.flat is not None)
+            until = None if self.timeout is None else time.monotonic() + self.timeout.total_seconds() + _hold_margin_s()
+            held = [rng for rec, copy_out, view, rng, nbytes in self.inflight.values() if rng is not None]
+            lent = [(rec.flat, rec.src) for rec, copy_out, view, rng, nbytes in self.inflight.values()
+                    if rec.resident is None and copy_out is None and rng is None and rec.flat is not None]
+            busy = [res.rng for res in self.resident.values() if res.busy]
+            for key in [k for k, res in self.resident.items() if res.busy]:  # (held: no longer the hook's)
+                self.ps.resident_bytes -= self.resident.pop(key).rng[1]
+            if self.staging is not None and left:
+                held.append(self.staging)  # (a device op of this group may still be in ringd)
+                self.staging = None
+            self.space.hold(until, held + busy, lent)
             self.pending.clear()
             self.inflight.clear()
             for rec in left:
@@ -844,11 +865,10 @@ class _Engine(DeviceOps):
         self.threads[2].join()
         del self.slot
         with self.lock:
-            for res in self.resident.values():
-                if not res.busy:
-                    self.space.release(*res.rng)
-                    self.ps.resident_bytes -= res.rng[1]
-            if self.staging is not None and not self.lost and not left:
+            for res in self.resident.values():  # (the busy ones are held above)
+                self.space.release(*res.rng)
+                self.ps.resident_bytes -= res.rng[1]
+            if self.staging is not None:
                 # No device op of this group is in ringd any more (none was left in flight).
                 self.space.release(*self.staging)
                 self.staging = None

@@ -5,6 +5,7 @@ import collections
 import errno
 import os
 import threading
+import time
 
 import torch
 
@@ -118,9 +119,29 @@ class _SlotSpace:
         self.returned = collections.deque()  # lent ranges given back, not yet free again
         self.lent = {}  # offset -> length of the ranges lent out
         self.lent_bytes = 0
+        # Ranges (and tensors over ranges) of ops that were still in ringd when their group closed:
+        # ringd may write them until the ops' deadline, so they come back only after it
+        # ([deadline (time.monotonic()), ranges, tensors]).
+        self.held = []
+
+    def hold(self, until, ranges, tensors):
+        """`ranges` are free again (and `tensors` dropped) only at time.monotonic() `until` (None:
+        never, while the slot is mapped)."""
+        if ranges or tensors:
+            self.held.append([until, list(ranges), list(tensors)])
+
+    def held_bytes(self):
+        return sum(n for _, ranges, _ in self.held for _, n in ranges)
 
     def reclaim(self):
-        """The lent ranges given back are free again."""
+        """The lent ranges given back, and the held ones past their deadline, are free again."""
+        if self.held:
+            now = time.monotonic()
+            for entry in [e for e in self.held if e[0] is not None and e[0] <= now]:
+                self.held.remove(entry)
+                for rng in entry[1]:
+                    self.release(*rng)
+                entry[2].clear()  # (a lent tensor's range comes back through `returned` when it goes)
         while self.returned:
             off, length = self.returned.popleft()
             self.lent_bytes -= length
@@ -261,8 +282,6 @@ class _ProcessSlot:
         self.orphaned = False  # the last group's client is closed
         self.unmapped = False
         self.out_lock = threading.Lock()  # (taken by finalizers, in any thread: nothing is freed under it)
-        # Tensors over the slot of ops still in ringd when their group closed: never lent again.
-        self.kept = []
 
     def hand_out(self, off, nbytes):
         """A buffer over [off, off + nbytes) of the slot for a tensor given to the caller
@@ -289,7 +308,8 @@ class _ProcessSlot:
         """The last group's client is closed: the slot's ranges are never lent again, so the
         tensors kept for ops that were in ringd are dropped, and the mapping goes now, or with
         the last tensor handed out."""
-        self.kept.clear()
+        with self.lock:
+            self.space.held.clear()
         with self.out_lock:
             self.orphaned = True
             now = self.out == 0
