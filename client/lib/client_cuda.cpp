@@ -557,6 +557,9 @@ void cuda_pump(ringd_client &c) {
         }
         CudaClient::Stream &st = cc.streams.at(h.stream);
         if (st.range_seq.empty()) {  // its window, as large as the slot's room now allows
+            // (The slot ops taken in this pass go first: until then they count as held, and
+            // find_staging would not keep clear of their ranges.)
+            flush();
             const uint64_t parts = st.last - st.first + 1;
             uint64_t ranges = st.max_ranges;
             for (; ranges > 0; --ranges) {
@@ -878,6 +881,14 @@ int submit_device(ringd_client *c, const DeviceOpArgs &a, CUstream stream, uint6
             if (__builtin_mul_overflow(sums[0], esize, &in_bytes) || __builtin_mul_overflow(sums[1], esize, &out_bytes))
                 return c->fail(-EOVERFLOW, "the all_to_all's split sizes overflow");
         }
+        // One with split sizes is staged whole: too large for the staging room is said first (the
+        // caller may take another way, e.g. through host memory), whatever its registrations.
+        const uint64_t room = c->staging_end() - c->cuda_staging_offset;
+        if (splits && (in_bytes > room || out_bytes > room || (in_bytes + 63) / 64 * 64 + (out_bytes + 63) / 64 * 64 + 16 * ranks > room))
+            return c->fail(-E2BIG, "an all_to_all with split sizes of " + std::to_string(in_bytes) + " bytes in and " +
+                                       std::to_string(out_bytes) + " out is staged whole and does not fit the " +
+                                       std::to_string(room) + " bytes of the slot it is staged in (connect with a "
+                                       "larger slot_bytes / RINGD_SLOT_BYTES)");
         uint64_t reg = 0, reg_offset = 0, out_reg = 0, out_reg_offset = 0;
         // (A side of no elements needs no registration: it takes the other side's, unread.)
         const bool in_empty = splits && in_bytes == 0, out_empty = splits && out_bytes == 0;
@@ -937,23 +948,16 @@ int submit_device(ringd_client *c, const DeviceOpArgs &a, CUstream stream, uint6
         const uint64_t mult = a2a ? 2 * ranks : coll ? ranks + 1 : 1;
         // The window is placed when the op is next to go to ringd (cuda_pump): as many ranges as
         // the slot then has room for beside the ops in flight, at least one.
-        const uint64_t room = c->staging_end() - c->cuda_staging_offset;
         const uint64_t per = std::max<uint64_t>(1, (cc.part_bytes ? cc.part_bytes : default_part_bytes(room)) / (esize * mult));
         const uint64_t parts = count == 0 ? 1 : (count + per - 1) / per;
         auto align64 = [](uint64_t b) { return (b + 63) / 64 * 64; };
         uint64_t part_bytes = 0;
         if (splits) {
-            if (in_bytes > room || out_bytes > room) part_bytes = room + 1;  // (does not fit; no overflow below)
-            else part_bytes = align64(in_bytes) + align64(out_bytes) + 16 * ranks;
+            part_bytes = align64(in_bytes) + align64(out_bytes) + 16 * ranks;  // (fits the room: checked above)
         } else if (__builtin_mul_overflow(parts == 1 ? count : per, esize * mult, &part_bytes)) {
             return c->fail(-EOVERFLOW, "count " + std::to_string(count) + " overflows");
         }
         const uint64_t ranges = std::min<uint64_t>({parts, kMaxRanges, room / std::max<uint64_t>(part_bytes, 1)});
-        if (splits && (part_bytes > room || ranges == 0))
-            return c->fail(-E2BIG, "an all_to_all with split sizes of " + std::to_string(in_bytes) + " bytes in and " +
-                                       std::to_string(out_bytes) + " out is staged whole and does not fit the " +
-                                       std::to_string(room) + " bytes of the slot it is staged in (connect with a "
-                                       "larger slot_bytes / RINGD_SLOT_BYTES)");
         if (part_bytes > room || ranges == 0)
             return c->fail(-E2BIG, (parts == 1 ? "a device op of " + std::to_string(part_bytes) + " bytes of staging"
                                                : "a part of " + std::to_string(part_bytes) + " bytes") +

@@ -15,8 +15,9 @@ on both sides of each op's range:
   - broadcast and reduce (the same group): roots on every rank, every dtype x op, in one part and in
     several; what the op only reads (the root's broadcast, the others' reduce) unchanged; all_to_all
     of equal blocks, every dtype, in one part and in several; all_to_all with split sizes, every
-    dtype, uneven with zeros, a rank that sends nothing and one that neither sends nor receives,
-    and one too large for a rank's staging, refused in its place (every rank fails at once);
+    dtype, uneven with zeros, a rank that sends nothing and one that neither sends nor receives;
+    one too large for a rank's staging range (through host memory there, exact everywhere) and
+    one too large for its slot, refused in its place (every rank fails at once);
   - a rank that dies before an op: the others get RuntimeError within timeouts.op + margin, and a
     stream waiting on the op moves on.
 Usage: torch_cuda_path.py RINGD_BIN LIBRINGD_CLIENT EMULATED_CUDA_LIB. Exit 0 when every check held,
@@ -352,6 +353,23 @@ def worker(rank, sock, group, out):
             rooted_ops += 1
             if changed:
                 fail(f"{what}: {changed} bytes differ from what the op must leave")
+    class Host:
+        """all_to_all_device's way through host memory, over the software device's memory (host
+        memory at the same address), as ringd.torch's does it with tensor copies."""
+
+        def __init__(self, ptr, count, dtype, out_ptr):
+            self.ptr, self.count, self.dtype, self.out_ptr = ptr, count, dtype, out_ptr
+            self.used = 0
+
+        def read(self):
+            self.used += 1
+            esize = torch.tensor([], dtype=tdtypes[self.dtype]).element_size()
+            return tensor_at(self.ptr, self.count * esize).view(tdtypes[self.dtype]).clone()
+
+        def finish(self, t, complete):
+            tensor_at(self.out_ptr, t.numel() * t.element_size()).copy_(t.view(torch.uint8))
+            complete()
+
     # all_to_all with split sizes through the CUDA path (one op, staged whole): every dtype, uneven
     # blocks with zeros; in the second round rank 1 sends nothing and rank 2 neither sends nor
     # receives anything (its place in the group's order: a slot op of nothing); the input, and
@@ -379,7 +397,8 @@ def worker(rank, sock, group, out):
             what = f"all_to_all with split sizes {dtype} round {round_} (sends {sum(send)}, receives {sum(recv)})"
             try:
                 ceng.all_to_all_device(DeviceBuffer(cbase + in_off, sum(send), dtype, 0, 0),
-                                       DeviceBuffer(cbase + out_off, sum(recv), dtype, 0, 0), send, recv, opf, "done")
+                                       DeviceBuffer(cbase + out_off, sum(recv), dtype, 0, 0), send, recv,
+                                       Host(cbase + in_off, sum(send), dtype, cbase + out_off), opf, "done")
                 opf.future.wait()
             except RuntimeError as e:
                 fail(f"{what}: {e}")
@@ -395,46 +414,51 @@ def worker(rank, sock, group, out):
                 fail(f"{what}: {changed} bytes differ from what the op must leave")
     if a2av_ops != 2 * len(tdtypes):
         fail(f"{a2av_ops} all_to_alls with split sizes checked, not {2 * len(tdtypes)}")
-    # One that does not fit rank 3's staging range: refused there before anything is taken, and
-    # in its place in the group's order, so every rank's op fails at once naming it; then the
-    # group goes on, exact.
-    for big in (True, False):
-        n_each = 10000 if big and g == 3 else 40
-        send, recv = [n_each] * WORLD, [10000 if big and q == 3 else 40 for q in range(WORLD)]
-        if g == 3:
-            recv = [n_each] * WORLD
-        else:
-            send = [10000 if big and r == 3 else 40 for r in range(WORLD)]
+    # One too large for rank 3's staging range (256 KiB) goes through host memory there, the same
+    # ringd op, exact on every rank; one too large for its slot (1 MiB) too is refused in its
+    # place, every rank's op failing at once naming it; then the group goes on, exact.
+    for case, big_n in (("host", 10000), ("refused", 40000), ("after", 40)):
+        def size(q, r):
+            return big_n if 3 in (q, r) else 40
+        send, recv = [size(g, r) for r in range(WORLD)], [size(q, g) for q in range(WORLD)]
+        in_off, out_off = GUARD, GUARD + (256 << 10)
         mem = tensor_at(cbase, cbytes)
         image = torch.full((cbytes,), 5, dtype=torch.uint8)
-        image[GUARD:GUARD + sum(send) * 4].copy_(values("float32", sum(send), g, 77).view(torch.uint8))
+        if sum(send) * 4 <= (256 << 10) - GUARD and out_off + sum(recv) * 4 <= cbytes:
+            image[in_off:in_off + sum(send) * 4].copy_(values("float32", sum(send), g, 77 + big_n).view(torch.uint8))
         mem.copy_(image)
-        out_off = GUARD + (256 << 10)
         opf = _compat.OpFuture()
+        host = Host(cbase + in_off, sum(send), "float32", cbase + out_off)
         t0 = time.monotonic()
         try:
-            ceng.all_to_all_device(DeviceBuffer(cbase + GUARD, sum(send), "float32", 0, 0),
-                                   DeviceBuffer(cbase + out_off, sum(recv), "float32", 0, 0), send, recv, opf, "done")
+            if case == "refused" and g == 3:  # (its buffers are not that large: it never reads them)
+                host.read = lambda: torch.zeros(sum(send))
+            ceng.all_to_all_device(DeviceBuffer(cbase + in_off, sum(send), "float32", 0, 0),
+                                   DeviceBuffer(cbase + out_off, sum(recv), "float32", 0, 0), send, recv, host, opf, "done")
             opf.future.wait()
-            if big:
-                fail("an all_to_all that does not fit rank 3's staging succeeded")
+            if case == "refused":
+                fail("an all_to_all larger than rank 3's slot succeeded")
+                continue
+            got = tensor_at(cbase + out_off, sum(recv) * 4).view(torch.float32)
+            want = torch.cat([values("float32", sum(size(q, r) for r in range(WORLD)), q, 77 + big_n)
+                              [sum(size(q, r) for r in range(g)):][:size(q, g)] for q in range(WORLD)])
+            if not torch.equal(got, want):
+                fail(f"all_to_all with split sizes ({case}): wrong values")
+            elif host.used != (1 if case == "host" and g == 3 else 0):
+                fail(f"all_to_all with split sizes ({case}): read through host memory {host.used} times on rank {g}")
             else:
-                got = tensor_at(cbase + out_off, sum(recv) * 4).view(torch.float32)
-                want = torch.cat([values("float32", sum(40 for _ in range(WORLD)), q, 77)[g * 40:][:40]
-                                  for q in range(WORLD)])
-                if not torch.equal(got, want):
-                    fail("the all_to_all after a refused one is not exact")
                 a2av_ops += 1
         except RuntimeError as e:
-            if not big:
-                fail(f"the all_to_all after a refused one: {e}")
+            if case != "refused":
+                fail(f"all_to_all with split sizes ({case}): {e}")
             elif ("does not fit" if g == 3 else "refused it") not in str(e) or time.monotonic() - t0 > 3:
                 fail(f"the refused all_to_all failed with {e} after {time.monotonic() - t0:.1f} s")
             else:
                 a2av_ops += 1
+    report["host_staged"] = ceng.device_host_ops
     report["a2av_ops"] = a2av_ops
-    if a2av_ops != 2 * len(tdtypes) + 2:
-        fail(f"{a2av_ops} all_to_alls with split sizes ran as they must, not {2 * len(tdtypes) + 2}")
+    if a2av_ops != 2 * len(tdtypes) + 3:
+        fail(f"{a2av_ops} all_to_alls with split sizes ran as they must, not {2 * len(tdtypes) + 3}")
     report["rooted_ops"] = rooted_ops
     planned = 8 + 30 + 8  # broadcast, reduce, all_to_all: the loops above (two counts for float32 and bfloat16)
     if rooted_ops != planned:

@@ -45,6 +45,7 @@ class DeviceOps:
         self.staging = None
         self.device_regs = collections.OrderedDict()
         self.device_ops = self.device_registrations = self.device_last_reg = 0
+        self.device_host_ops = 0  # all_to_alls too large for the staging range: through host memory
 
     def allreduce_device(self, buf, op, opf, result, keep=None, stream=None, deferred=False):
         """Submits the allreduce of a DeviceBuffer now, in the caller's thread (so that ringd reads
@@ -74,41 +75,50 @@ class DeviceOps:
                                lambda: self.client.submit_coll_cuda(name, block, out.dtype, op, src.ptr, out.ptr, src.stream),
                                op, opf, result, keep, stream, deferred)
 
-    def all_to_all_device(self, src, out, send, recv, opf, result, keep=None, stream=None, deferred=False):
+    def all_to_all_device(self, src, out, send, recv, host, opf, result, keep=None, stream=None, deferred=False):
         """Submits an all_to_all with split sizes of DeviceBuffers now, as collective_device does
         one of equal blocks: `send` (elements to each rank, in rank order) of `src`, `recv` (from
-        each) into `out`. One ringd op, staged whole: one that does not fit the group's staging
-        range is refused in its place (every rank's op fails naming this one, the group goes on)
-        and raises here. A rank that sends and receives nothing has no device op: its place in the
-        group's order is a slot all_to_all of nothing, and (None, None) is returned."""
+        each) into `out`. One ringd op, staged whole through the group's staging range. Its sizes
+        differ from rank to rank, so no rank can cut it as the others do: one that does not fit
+        the staging range goes through host memory instead (`host`: read() gives the input as a
+        CPU tensor once the device produced it, finish(t, complete) puts the CPU result t where
+        `out` goes, in stream order, and calls complete()), as a slot all_to_all, the same ringd op (more than the slot: refused in its place,
+        every rank's op fails naming this one, as for CPU tensors); so does one that sends and
+        receives nothing. Then (None, None) is returned and `opf` completes after write()."""
         n = self.ranks
         send, recv = [int(k) for k in send], [int(k) for k in recv]
         if len(send) != n or len(recv) != n or sum(send) != src.count or sum(recv) != out.count or min(send + recv) < 0:
             raise RuntimeError(f"ringd: all_to_all's split sizes must be {n} each, summing to the input's {src.count} "
                                f"and the output's {out.count} elements")
-        if not src.count and not out.count:
-            empty = torch.empty(0, dtype=_TORCH_DTYPES[out.dtype])
-            fut = self.all_to_all(empty, empty, [0] * n, [0] * n, [])
-
-            def done(f):
-                try:
-                    f.value()
-                except Exception as e:
-                    opf.set_error(str(e))
-                    return
-                opf.set_result(result)
-            fut.then(done)
-            return None, None
         if src.count and out.count and src.device != out.device:
             raise RuntimeError(f"ringd: an all_to_all's input (cuda:{src.device}) and output (cuda:{out.device}) must be "
                                "on one GPU")
-        esize = torch.tensor([], dtype=_TORCH_DTYPES[out.dtype]).element_size()
-        needed = -(-src.count * esize // 64) * 64 + -(-out.count * esize // 64) * 64 + 16 * n
-        bufs = [b for b in (src, out) if b.count]
-        return self._device_op(out.dtype, bufs,
-                               lambda: self.client.submit_coll_cuda("all_to_all", 0, out.dtype, "sum", src.ptr, out.ptr,
-                                                                    bufs[0].stream, splits=(send, recv)),
-                               "sum", opf, result, keep, stream, deferred, refuse=needed)
+        if src.count or out.count:
+            bufs = [b for b in (src, out) if b.count]
+            staged = self._device_op(out.dtype, bufs,
+                                     lambda: self.client.submit_coll_cuda("all_to_all", 0, out.dtype, "sum", src.ptr,
+                                                                          out.ptr, bufs[0].stream, splits=(send, recv)),
+                                     "sum", opf, result, keep, stream, deferred, too_big_ok=True)
+            if staged is not None:
+                return staged
+            self.device_host_ops += 1
+        dtype = _TORCH_DTYPES[out.dtype]
+        cpu_in = host.read() if src.count else torch.empty(0, dtype=dtype)
+        cpu_out = torch.empty(out.count, dtype=dtype)
+        fut = self.all_to_all(cpu_out, cpu_in, recv, send, [])
+
+        def done(f):
+            try:
+                f.value()
+                if out.count:
+                    host.finish(cpu_out, lambda: opf.set_result(result))
+                else:
+                    opf.set_result(result)
+            except Exception as e:
+                text = _compat.ringd_message(e)
+                opf.set_error(text if text.startswith("ringd") else f"ringd: {text}")
+        fut.then(done)
+        return None, None
 
     def rooted_device(self, name, buf, root, op, opf, result, keep=None, stream=None, deferred=False):
         """Submits a broadcast or reduce (`name`) of a DeviceBuffer to or from group rank `root`
@@ -119,7 +129,10 @@ class DeviceOps:
                                                                     buf.stream, root=root),
                                op, opf, result, keep, stream, deferred)
 
-    def _device_op(self, dtype, bufs, submit, op, opf, result, keep, stream, deferred, refuse=None):
+    def _device_op(self, dtype, bufs, submit, op, opf, result, keep, stream, deferred, too_big_ok=False):
+        """The device op submit() submits, tracked until it ends: (ticket, record). too_big_ok: an
+        op that does not fit the staging range (E2BIG from the library, nothing taken) gives None
+        instead of ending the group."""
         rec = _Op(None, None, False, opf, result, op, dtype)
         rec.keep = keep
         rec.stream = stream
@@ -132,9 +145,8 @@ class DeviceOps:
                     reg = self._device_registration_locked(buf)
                 ticket = self._submit_device_locked(submit)
             except BaseException as e:
-                if (refuse is not None and isinstance(e, _ringd.RingdError) and e.code == -errno.E2BIG and
-                        self._refuse_device_locked(refuse)):
-                    raise RuntimeError(f"ringd: {e}") from None
+                if too_big_ok and isinstance(e, _ringd.RingdError) and e.code == -errno.E2BIG:
+                    return None
                 if not self.dead:
                     self.dead = (f"ringd: a device op of group {self.group} could not be submitted ({e}); this "
                                  "process group cannot be used any more: restart the job")
@@ -145,22 +157,6 @@ class DeviceOps:
             self.inflight[ticket] = (rec, None, None, None, 0)
             self.room.notify_all()  # the completion thread waits for work when nothing is in flight
         return ticket, rec
-
-    def _refuse_device_locked(self, needed):
-        """Refuses this rank's next op, an all_to_all that does not fit (ringd_refuse): every rank's
-        op fails at once naming this one and the `needed` bytes, and the group goes on. False
-        where the library or ringd has no refusals."""
-        if not self.client.refuses():
-            return False
-        try:
-            ticket = self.client.refuse("all_to_all", needed)
-        except _ringd.RingdError:
-            return False
-        rec = _Op(None, None, False, _compat.OpFuture(), [], "sum", "float32")
-        rec.chunks_left, rec.submitted_all = 1, True
-        self.inflight[ticket] = (rec, None, None, None, 0)
-        self.room.notify_all()
-        return True
 
     def release_finish(self, rec):
         """The caller queued what follows a deferred op (allreduce_device's `stream`): its future
@@ -322,14 +318,13 @@ def collective_cuda(engine, name, src, out, op, result, tensors, copy_back=None)
     """A reduce_scatter, allgather or all_to_all (equal blocks) of CUDA tensors through ringd's
     CUDA path, in the order of the current stream, as allreduce_cuda: `src` (read only) and `out`
     hold the group's blocks in rank order; an output that is not contiguous gets the result
-    through a contiguous copy. `copy_back(out)`: where the result goes from `out` (queued on the
-    stream after ringd's result; a list form's outputs), else `out` is the caller's."""
+    through a contiguous copy. `copy_back(result)`: where the result goes from there (queued on
+    the stream after ringd's result; a list form's outputs), `out` then the caller's scratch."""
     stream = torch.cuda.current_stream(out.device)
     src = src.detach()
     src = src if src.is_contiguous() else src.contiguous()  # a copy on the current stream
     given = out.detach()
-    flat = given if given.is_contiguous() and copy_back is None else torch.empty(given.shape, dtype=given.dtype,
-                                                                                   device=given.device)
+    flat = given if given.is_contiguous() else torch.empty(given.shape, dtype=given.dtype, device=given.device)
     opf = _compat.OpFuture(devices=[out.device])
     dtype = _DTYPES[out.dtype]
     sbuf = DeviceBuffer(src.data_ptr(), src.numel(), dtype, src.device.index, stream.cuda_stream)
@@ -337,39 +332,57 @@ def collective_cuda(engine, name, src, out, op, result, tensors, copy_back=None)
     if obuf.count == 0:
         opf.set_result(result)
         return _compat.work(opf.future, tensors)
-    if flat is given:
+    if flat is given and copy_back is None:
         ticket, _ = engine.collective_device(name, sbuf, obuf, op, opf, result, keep=src)
         return _compat.work(opf.future, tensors,
                             on_wait=lambda: engine.stream_wait(ticket, torch.cuda.current_stream(out.device).cuda_stream))
     ticket, rec = engine.collective_device(name, sbuf, obuf, op, opf, result, keep=(src, flat), stream=stream,
                                            deferred=True)
-    return _copied_back(engine, ticket, rec, stream, (lambda: copy_back(flat)) if copy_back else lambda: given.copy_(flat),
-                        out.device, opf, tensors)
+    return _copied_back(engine, ticket, rec, stream, lambda: (copy_back or given.copy_)(flat), out.device, opf, tensors)
+
+
+class _HostStaging:
+    """all_to_all_device's way through host memory for CUDA tensors (an op too large for the
+    staging range): the input read once the stream produced it, the result written back on the
+    stream, after which the op's future completes (its event recorded there)."""
+
+    def __init__(self, src, put, stream):
+        self.src, self.put, self.stream = src, put, stream
+
+    def read(self):
+        with torch.cuda.stream(self.stream):
+            return self.src.cpu()  # (waits for what the stream queued so far)
+
+    def finish(self, result, complete):
+        with torch.cuda.stream(self.stream), torch.no_grad():
+            self.put(result)
+            complete()
 
 
 def all_to_all_cuda(engine, src, out, send, recv, result, tensors, copy_back=None):
     """An all_to_all with split sizes (elements to send to each rank, to receive from each) of
     CUDA tensors through ringd's CUDA path, in the order of the current stream, as
     collective_cuda: `src` (read only) holds the blocks to send in rank order, `out` gets the
-    received ones; an output that is not contiguous gets the result through a contiguous copy
-    (`copy_back(flat)`: where the result goes instead, as for collective_cuda)."""
+    received ones (`copy_back(result)`: where they go from there, `out` then the caller's
+    scratch). One too large for the staging range goes through host memory: the calling thread
+    then waits for the stream to produce the input."""
     stream = torch.cuda.current_stream(out.device)
-    src = src.detach().reshape(-1)  # (a copy on the current stream where it is not contiguous)
+    src = src.detach().contiguous().view(-1)  # (a copy on the current stream where it is not contiguous)
     given = out.detach()
-    flat = (given.view(-1) if given.is_contiguous() and copy_back is None else
-            torch.empty(given.numel(), dtype=given.dtype, device=given.device))
+    flat = given.view(-1) if given.is_contiguous() else torch.empty(given.numel(), dtype=given.dtype, device=given.device)
+    put = copy_back or (lambda r: given.copy_(r.view(given.shape)))
+    host = _HostStaging(src, put, stream)
     opf = _compat.OpFuture(devices=[out.device])
     dtype = _DTYPES[out.dtype]
     sbuf = DeviceBuffer(src.data_ptr(), src.numel(), dtype, src.device.index, stream.cuda_stream)
     obuf = DeviceBuffer(flat.data_ptr(), flat.numel(), dtype, out.device.index, stream.cuda_stream)
-    if flat.numel() == 0 or (given.is_contiguous() and copy_back is None):
-        ticket, _ = engine.all_to_all_device(sbuf, obuf, send, recv, opf, result, keep=src)
-        if ticket is None:  # nothing sent or received here
-            return _compat.work(opf.future, tensors)
+    through_copy = flat is not given or copy_back is not None
+    ticket, rec = engine.all_to_all_device(sbuf, obuf, send, recv, host, opf, result,
+                                           keep=(src, flat) if through_copy else src, stream=stream if through_copy else None,
+                                           deferred=through_copy)
+    if ticket is None:  # through host memory, or nothing sent or received here
+        return _compat.work(opf.future, tensors)
+    if not through_copy:
         return _compat.work(opf.future, tensors,
                             on_wait=lambda: engine.stream_wait(ticket, torch.cuda.current_stream(out.device).cuda_stream))
-    ticket, rec = engine.all_to_all_device(sbuf, obuf, send, recv, opf, result, keep=(src, flat), stream=stream,
-                                           deferred=True)
-    return _copied_back(engine, ticket, rec, stream,
-                        (lambda: copy_back(flat)) if copy_back else lambda: given.copy_(flat.view(given.shape)),
-                        out.device, opf, tensors)
+    return _copied_back(engine, ticket, rec, stream, lambda: put(flat), out.device, opf, tensors)

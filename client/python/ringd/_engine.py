@@ -44,7 +44,7 @@ class _Engine(DeviceOps):
     so a callback may submit again."""
 
     def __init__(self, group, local_rank, local_size, slot_bytes, socket, timeout, hosts=None, max_chunk=None,
-                 rank=None, ranks=None, taper=True):
+                 rank=None, ranks=None, taper=True, splits_whole=True):
         self.client, self.ps = _connect(group, local_rank, local_size, slot_bytes, socket, hosts, timeout, rank, ranks)
         # This rank in the group (None: its ringd runs allreduce only; see collective()).
         self.rank, self.ranks = (rank, ranks) if ranks else (None, None)
@@ -57,6 +57,9 @@ class _Engine(DeviceOps):
         self.max_chunk = max_chunk or _chunk_bytes(self.ps.bytes)
         self.window = max(self.max_chunk, _WINDOW_BYTES)
         self.taper = taper  # how a tensor is cut into ops (_chunks): the same on every rank of the group
+        # An all_to_all given split sizes is one op whatever their values (False: a group with a
+        # rank of an earlier release, which cuts all-equal ones into parts as equal blocks).
+        self.splits_whole = splits_whole
         # The client, the slot's ranges, the queue, the ops in flight: the process's lock, for all
         # its groups (their ranges are of the same memory); `room`: a range, a ticket or window
         # came free, an op was queued.
@@ -166,6 +169,8 @@ class _Engine(DeviceOps):
             if len(in_splits) != n or len(out_splits) != n or sum(in_splits) != src.numel() or sum(out_splits) != flat.numel():
                 raise RuntimeError(f"ringd: all_to_all's split sizes must be {n} each, summing to the input's "
                                    f"{src.numel()} and the output's {flat.numel()} elements")
+            if not self.splits_whole and self.taper and len(set(in_splits) | set(out_splits)) == 1:
+                in_splits, out_splits = [], []  # (what a rank of the earlier release submits)
         elif src.numel() % n or flat.numel() != src.numel():
             raise RuntimeError(f"ringd: all_to_all without split sizes needs input and output of the same size, "
                                f"a multiple of {n} elements (not {src.numel()} and {flat.numel()})")

@@ -179,10 +179,14 @@ class ProcessGroupRingd(ProcessGroup):
         # group must cut alike, so the group tapers only if every rank does (an earlier release
         # writes no key).
         store.set(f"ringd/taper/{rank}", "1")
+        # And that an all_to_all given split sizes is one op whatever their values (an earlier
+        # release cuts all-equal ones into parts, as equal blocks): the group does so only if every
+        # rank does.
+        store.set(f"ringd/a2a-splits-whole/{rank}", "1")
         store.set(f"ringd/member/{rank}", f"{me[0]}:{me[1]}:{slot_bytes}:{mine}")
         members, smallest_slot, collectives, device_collectives, rooted_collectives = [], slot_bytes, True, True, True
         device_rooted_collectives = device_a2a = device_a2av = True
-        taper = True
+        taper = splits_whole = True
         for r in range(size):
             entry = store.get(f"ringd/member/{r}").decode()
             if entry.startswith("!"):
@@ -200,6 +204,7 @@ class ProcessGroupRingd(ProcessGroup):
             device_a2a = device_a2a and store.compare_set(f"ringd/device-a2a/{r}", "?", "?") == b"1"
             device_a2av = device_a2av and store.compare_set(f"ringd/device-a2av/{r}", "?", "?") == b"1"
             taper = taper and store.compare_set(f"ringd/taper/{r}", "?", "?") == b"1"
+            splits_whole = splits_whole and store.compare_set(f"ringd/a2a-splits-whole/{r}", "?", "?") == b"1"
         on_my_host = sorted(m for m in members if m[0] == me[0])
         local_rank = [m[2] for m in on_my_host].index(rank)
         local_size = len(on_my_host)
@@ -231,7 +236,7 @@ class ProcessGroupRingd(ProcessGroup):
                                    hosts=None if set(hosts) == set(ring_hosts) else ",".join(hosts),
                                    max_chunk=_chunk_bytes(smallest_slot),
                                    rank=rank if collectives else None, ranks=size if collectives else None,
-                                   taper=taper)
+                                   taper=taper, splits_whole=splits_whole)
         except _ringd.RingdError as e:
             why = f"ringd: {e}"
         # Every rank learns whether every other one joined: a group refused on one rank fails on
