@@ -366,6 +366,9 @@ def worker(rank, sock, group, out):
             esize = torch.tensor([], dtype=tdtypes[self.dtype]).element_size()
             return tensor_at(self.ptr, self.count * esize).view(tdtypes[self.dtype]).clone()
 
+        def empty(self, count):
+            return torch.empty(count, dtype=tdtypes[self.dtype])
+
         def finish(self, t, complete):
             tensor_at(self.out_ptr, t.numel() * t.element_size()).copy_(t.view(torch.uint8))
             complete()
@@ -415,9 +418,10 @@ def worker(rank, sock, group, out):
     if a2av_ops != 2 * len(tdtypes):
         fail(f"{a2av_ops} all_to_alls with split sizes checked, not {2 * len(tdtypes)}")
     # One too large for rank 3's staging range (256 KiB) goes through host memory there, the same
-    # ringd op, exact on every rank; one too large for its slot (1 MiB) too is refused in its
-    # place, every rank's op failing at once naming it; then the group goes on, exact.
-    for case, big_n in (("host", 10000), ("refused", 40000), ("after", 40)):
+    # ringd op, exact on every rank; one too large for its slot (1 MiB), and one within the slot
+    # but larger than what its staging range leaves of it, are refused in its place, every rank's
+    # op failing at once naming it; then the group goes on, exact.
+    for case, big_n in (("host", 10000), ("refused", 40000), ("refused", 26000), ("after", 40)):
         def size(q, r):
             return big_n if 3 in (q, r) else 40
         send, recv = [size(g, r) for r in range(WORLD)], [size(q, g) for q in range(WORLD)]
@@ -431,7 +435,7 @@ def worker(rank, sock, group, out):
         host = Host(cbase + in_off, sum(send), "float32", cbase + out_off)
         t0 = time.monotonic()
         try:
-            if case == "refused" and g == 3:  # (its buffers are not that large: it never reads them)
+            if case == "refused" and g == 3:  # (its buffers are not that large: what it reads is not used)
                 host.read = lambda: torch.zeros(sum(send))
             ceng.all_to_all_device(DeviceBuffer(cbase + in_off, sum(send), "float32", 0, 0),
                                    DeviceBuffer(cbase + out_off, sum(recv), "float32", 0, 0), send, recv, host, opf, "done")
@@ -457,8 +461,8 @@ def worker(rank, sock, group, out):
                 a2av_ops += 1
     report["host_staged"] = ceng.device_host_ops
     report["a2av_ops"] = a2av_ops
-    if a2av_ops != 2 * len(tdtypes) + 3:
-        fail(f"{a2av_ops} all_to_alls with split sizes ran as they must, not {2 * len(tdtypes) + 3}")
+    if a2av_ops != 2 * len(tdtypes) + 4:
+        fail(f"{a2av_ops} all_to_alls with split sizes ran as they must, not {2 * len(tdtypes) + 4}")
     report["rooted_ops"] = rooted_ops
     planned = 8 + 30 + 8  # broadcast, reduce, all_to_all: the loops above (two counts for float32 and bfloat16)
     if rooted_ops != planned:

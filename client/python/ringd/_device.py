@@ -82,9 +82,11 @@ class DeviceOps:
         differ from rank to rank, so no rank can cut it as the others do: one that does not fit
         the staging range goes through host memory instead (`host`: read() gives the input as a
         CPU tensor once the device produced it, finish(t, complete) puts the CPU result t where
-        `out` goes, in stream order, and calls complete()), as a slot all_to_all, the same ringd op (more than the slot: refused in its place,
-        every rank's op fails naming this one, as for CPU tensors); so does one that sends and
-        receives nothing. Then (None, None) is returned and `opf` completes after write()."""
+        `out` goes, in stream order, and calls complete(); empty(n) a CPU tensor of n of its
+        elements for the result), as a slot all_to_all, the same ringd op (one larger than the
+        slot's room: refused in its place, every rank's op fails naming this one, as for CPU
+        tensors); so does one that sends and receives nothing. Then (None, None) is returned and
+        `opf` completes after finish()."""
         n = self.ranks
         send, recv = [int(k) for k in send], [int(k) for k in recv]
         if len(send) != n or len(recv) != n or sum(send) != src.count or sum(recv) != out.count or min(send + recv) < 0:
@@ -95,16 +97,26 @@ class DeviceOps:
                                "on one GPU")
         if src.count or out.count:
             bufs = [b for b in (src, out) if b.count]
+            esize = torch.empty((), dtype=_TORCH_DTYPES[out.dtype]).element_size()
+            needed = -(-src.count * esize // 64) * 64 + -(-out.count * esize // 64) * 64 + 16 * n
             staged = self._device_op(out.dtype, bufs,
                                      lambda: self.client.submit_coll_cuda("all_to_all", 0, out.dtype, "sum", src.ptr,
                                                                           out.ptr, bufs[0].stream, splits=(send, recv)),
-                                     "sum", opf, result, keep, stream, deferred, too_big_ok=True)
+                                     "sum", opf, result, keep, stream, deferred,
+                                     fits=lambda: needed <= self.staging_bytes)
             if staged is not None:
                 return staged
-            self.device_host_ops += 1
+            with self.lock:
+                self.device_host_ops += 1
         dtype = _TORCH_DTYPES[out.dtype]
-        cpu_in = host.read() if src.count else torch.empty(0, dtype=dtype)
-        cpu_out = torch.empty(out.count, dtype=dtype)
+        try:
+            cpu_in = host.read() if src.count else torch.empty(0, dtype=dtype)
+            cpu_out = host.empty(out.count) if out.count else torch.empty(0, dtype=dtype)
+        except Exception as e:
+            # Not submitted: the others submit it, so this rank refuses it in its place (or, with
+            # no refusals, the group cannot be used any more), as when a CPU tensor's cannot be.
+            self._not_submitted(out.dtype, f"ringd: an all_to_all through host memory: {e}")
+            raise RuntimeError(f"ringd: an all_to_all through host memory: {e}") from None
         fut = self.all_to_all(cpu_out, cpu_in, recv, send, [])
 
         def done(f):
@@ -129,10 +141,11 @@ class DeviceOps:
                                                                     buf.stream, root=root),
                                op, opf, result, keep, stream, deferred)
 
-    def _device_op(self, dtype, bufs, submit, op, opf, result, keep, stream, deferred, too_big_ok=False):
-        """The device op submit() submits, tracked until it ends: (ticket, record). too_big_ok: an
-        op that does not fit the staging range (E2BIG from the library, nothing taken) gives None
-        instead of ending the group."""
+    def _device_op(self, dtype, bufs, submit, op, opf, result, keep, stream, deferred, fits=None):
+        """The device op submit() submits, tracked until it ends: (ticket, record). fits: whether
+        the op fits the group's staging range (asked once it is set up, before anything is
+        registered); one that does not (or that the library finds too large: E2BIG, nothing
+        taken) gives None instead of ending the group."""
         rec = _Op(None, None, False, opf, result, op, dtype)
         rec.keep = keep
         rec.stream = stream
@@ -141,11 +154,13 @@ class DeviceOps:
             self._wait_locked(lambda: not self.pending, f"ringd: the ops queued before did not go within {self.timeout}")
             try:
                 self._device_setup_locked(bufs[0].device)
+                if fits is not None and not fits():
+                    return None
                 for buf in bufs:
                     reg = self._device_registration_locked(buf)
                 ticket = self._submit_device_locked(submit)
             except BaseException as e:
-                if too_big_ok and isinstance(e, _ringd.RingdError) and e.code == -errno.E2BIG:
+                if fits is not None and isinstance(e, _ringd.RingdError) and e.code == -errno.E2BIG:
                     return None
                 if not self.dead:
                     self.dead = (f"ringd: a device op of group {self.group} could not be submitted ({e}); this "
@@ -203,6 +218,7 @@ class DeviceOps:
             self.space.release(*rng)
             raise
         self.device, self.device_part, self.staging, self.staging_bytes = device, part, rng, staging
+        self.ps.staging_bytes += rng[1]
 
     def _device_registration_locked(self, buf):
         """The ringd registration of the driver allocation holding the buffer: made once per
@@ -346,12 +362,17 @@ class _HostStaging:
     staging range): the input read once the stream produced it, the result written back on the
     stream, after which the op's future completes (its event recorded there)."""
 
-    def __init__(self, src, put, stream):
-        self.src, self.put, self.stream = src, put, stream
+    def __init__(self, src, put, stream, dtype):
+        self.src, self.put, self.stream, self.dtype = src, put, stream, dtype
 
     def read(self):
         with torch.cuda.stream(self.stream):
             return self.src.cpu()  # (waits for what the stream queued so far)
+
+    def empty(self, count):
+        # Pinned: the copy back is queued on the stream without waiting for it (torch's host
+        # allocator keeps the memory until the copy ran).
+        return torch.empty(count, dtype=self.dtype, pin_memory=True)
 
     def finish(self, result, complete):
         with torch.cuda.stream(self.stream), torch.no_grad():
@@ -370,13 +391,13 @@ def all_to_all_cuda(engine, src, out, send, recv, result, tensors, copy_back=Non
     src = src.detach().contiguous().view(-1)  # (a copy on the current stream where it is not contiguous)
     given = out.detach()
     flat = given.view(-1) if given.is_contiguous() else torch.empty(given.numel(), dtype=given.dtype, device=given.device)
-    put = copy_back or (lambda r: given.copy_(r.view(given.shape)))
-    host = _HostStaging(src, put, stream)
+    put = copy_back or (lambda r: given.copy_(r.view(given.shape), non_blocking=True))
+    host = _HostStaging(src, put, stream, given.dtype)
     opf = _compat.OpFuture(devices=[out.device])
     dtype = _DTYPES[out.dtype]
     sbuf = DeviceBuffer(src.data_ptr(), src.numel(), dtype, src.device.index, stream.cuda_stream)
     obuf = DeviceBuffer(flat.data_ptr(), flat.numel(), dtype, out.device.index, stream.cuda_stream)
-    through_copy = flat is not given or copy_back is not None
+    through_copy = not given.is_contiguous() or copy_back is not None
     ticket, rec = engine.all_to_all_device(sbuf, obuf, send, recv, host, opf, result,
                                            keep=(src, flat) if through_copy else src, stream=stream if through_copy else None,
                                            deferred=through_copy)

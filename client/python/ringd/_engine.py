@@ -176,21 +176,16 @@ class _Engine(DeviceOps):
                                f"a multiple of {n} elements (not {src.numel()} and {flat.numel()})")
         total = (src.numel() + flat.numel()) * esize + 64 + 16 * n
         cut = not (in_splits or out_splits) and self.taper  # in parts of at most max_chunk: they fit
-        if total > self.ps.bytes and not cut:
-            # The other ranks submit it. This rank refuses it in its place in the sequence, so that
-            # ringd fails it on every rank at once, naming this one, and the group goes on; a
-            # library or ringd without refusals leaves the others waiting their op timeout, and
-            # this rank's next ops would pair with their earlier ones: the group is unusable.
+        with self.lock:
+            room = self.ps.room_bytes()
+        if total > room and not cut:
+            # More than the slot has beside what stays taken (device staging ranges, the comm
+            # hook's kept ranges, tensors lent out, ranges held for ops of closed groups): it
+            # would wait for room that does not come.
+            beside = "" if room == self.ps.bytes else f" ({room} of them free of what stays taken)"
             why = (f"ringd: an all_to_all of {src.numel() * esize} bytes in and {flat.numel() * esize} out "
-                   f"does not fit the {self.ps.bytes}-byte slot (set RINGD_SLOT_BYTES higher)")
-            if not self.client.refuses():
-                with self.lock:
-                    self.dead = self.dead or f"{why}; this process group cannot be used any more: restart the job"
-                raise RuntimeError(why)
-            opf = _compat.OpFuture()
-            rec = _Op(None, None, False, opf, [], "sum", _DTYPES[out.dtype])
-            rec.collective, rec.refused = "refuse", total
-            self._queue(rec)
+                   f"does not fit the {self.ps.bytes}-byte slot{beside} (set RINGD_SLOT_BYTES higher)")
+            self._not_submitted(_DTYPES[out.dtype], why, total)
             raise RuntimeError(why)
         opf = _compat.OpFuture()
         rec = _Op(given, flat, not contiguous, opf, result, "sum", dtype)
@@ -553,6 +548,20 @@ class _Engine(DeviceOps):
         except BaseException as e:
             self._submit_failed(rec, 0, e)
 
+    def _not_submitted(self, dtype, why, needed=0):
+        """This rank cannot submit its next op, an all_to_all the other ranks submit (`needed`: the
+        slot bytes it would take, 0: not said). It refuses it in its place in the sequence, so
+        that ringd fails it on every rank at once, naming this one, and the group goes on; a
+        library or ringd without refusals leaves the others waiting their op timeout, and this
+        rank's next ops would pair with their earlier ones: the group is unusable."""
+        if not self.client.refuses():
+            with self.lock:
+                self.dead = self.dead or f"{why}; this process group cannot be used any more: restart the job"
+            return
+        rec = _Op(None, None, False, _compat.OpFuture(), [], "sum", dtype)
+        rec.collective, rec.refused = "refuse", needed
+        self._queue(rec)
+
     def _refused_instead(self, rec, e):
         """Refuses `rec`'s one ringd op (ringd_refuse, no bytes said: "it could not submit its
         all_to_all") after it could not be submitted: `rec` fails with `e`, and the ranks' ops stay
@@ -846,7 +855,6 @@ class _Engine(DeviceOps):
             # ranges are not lent again before. With no timeout asked for (ringd's own), they are
             # held as long as the slot is mapped.
             left = list(self.pending) + [entry[0] for entry in self.inflight.values()]
-            until = None if self.timeout is None else time.monotonic() + self.timeout.total_seconds() + _hold_margin_s()
             held = [rng for rec, copy_out, view, rng, nbytes in self.inflight.values() if rng is not None]
             lent = [(rec.flat, rec.src) for rec, copy_out, view, rng, nbytes in self.inflight.values()
                     if rec.resident is None and copy_out is None and rng is None and rec.flat is not None]
@@ -855,8 +863,11 @@ class _Engine(DeviceOps):
                 self.ps.resident_bytes -= self.resident.pop(key).rng[1]
             if self.staging is not None and left:
                 held.append(self.staging)  # (a device op of this group may still be in ringd)
+                self.ps.staging_bytes -= self.staging[1]
                 self.staging = None
-            self.space.hold(until, held + busy, lent)
+            # (Their deadline counts from the client's close below: until then the library may
+            # still hand ringd parts of a device op.)
+            holding = self.space.hold(None, held + busy, lent)
             self.pending.clear()
             self.inflight.clear()
             for rec in left:
@@ -876,6 +887,10 @@ class _Engine(DeviceOps):
             if self.staging is not None:
                 # No device op of this group is in ringd any more (none was left in flight).
                 self.space.release(*self.staging)
+                self.ps.staging_bytes -= self.staging[1]
                 self.staging = None
         self.resident.clear()
         _disconnect(self.client, self.ps, self.socket)
+        if holding is not None and self.timeout is not None:
+            with self.lock:
+                holding[0] = time.monotonic() + self.timeout.total_seconds() + _hold_margin_s()

@@ -126,9 +126,12 @@ class _SlotSpace:
 
     def hold(self, until, ranges, tensors):
         """`ranges` are free again (and `tensors` dropped) only at time.monotonic() `until` (None:
-        never, while the slot is mapped)."""
-        if ranges or tensors:
-            self.held.append([until, list(ranges), list(tensors)])
+        not yet; the entry returned, whose [0] may be set later)."""
+        if not ranges and not tensors:
+            return None
+        entry = [until, list(ranges), list(tensors)]
+        self.held.append(entry)
+        return entry
 
     def held_bytes(self):
         return sum(n for _, ranges, _ in self.held for _, n in ranges)
@@ -270,6 +273,7 @@ class _ProcessSlot:
         self.tensor = torch.frombuffer(self.view, dtype=torch.uint8)
         self.space = _SlotSpace(self.bytes)
         self.resident_bytes = 0
+        self.staging_bytes = 0  # the groups' device staging ranges (DeviceOps), taken for their lives
         self.lock = threading.Lock()
         self.room = threading.Condition(self.lock)
         # The mapping outlives the clients: ranges are released only once ringd is done with them,
@@ -282,6 +286,12 @@ class _ProcessSlot:
         self.orphaned = False  # the last group's client is closed
         self.unmapped = False
         self.out_lock = threading.Lock()  # (taken by finalizers, in any thread: nothing is freed under it)
+
+    def room_bytes(self):
+        """What ops can take of the slot at most: all of it but what stays taken (device staging
+        ranges, the comm hook's kept ranges, tensors lent out, ranges held for ops of closed
+        groups). Call with the lock held."""
+        return self.bytes - self.staging_bytes - self.resident_bytes - self.space.lent_bytes - self.space.held_bytes()
 
     def hand_out(self, off, nbytes):
         """A buffer over [off, off + nbytes) of the slot for a tensor given to the caller
