@@ -308,6 +308,22 @@ def phase_ops(torch, dist, rank, world, dev, sync, fail, rep, gloo, write):
         rep["checked"] += 2 * sum(outs) + 777 * world
     if cuda and _ringd_status_staged() == staged0:
         fail("all_to_all with split sizes and the list forms of CUDA tensors staged nothing through ringd")
+    # One larger than the group's staging range (a quarter of the 256 MiB slot) on rank 0 only: it
+    # goes through host memory there and staged on the others, the same ringd op, exact
+    salt += 1
+    big = 10_000_000 if rank == 0 else 0  # rows of 2 floats rank 0 sends every rank (80 MB each way on it)
+    ins = [big + 1000 * (r + 1) for r in range(world)] if rank == 0 else [1000 * (rank + r + 1) for r in range(world)]
+    sent = {q: ([10_000_000 + 1000 * (r + 1) for r in range(world)] if q == 0 else [1000 * (q + r + 1) for r in range(world)])
+            for q in range(world)}
+    outs = [sent[q][rank] for q in range(world)]
+    inp = inputs("float32", 2 * sum(ins), rank, salt).to(dev).view(-1, 2)
+    out = torch.full((sum(outs), 2), 3.0, device=dev)
+    dist.all_to_all_single(out, inp, outs, ins)
+    want = torch.cat([inputs("float32", 2 * sum(sent[q]), q, salt)[2 * sum(sent[q][:rank]):][:2 * outs[q]]
+                      for q in range(world)])
+    if not torch.equal(out.reshape(-1).cpu(), want):
+        fail("all_to_all_single with split sizes larger than the staging range: wrong values")
+    rep["checked"] += 2 * sum(outs)
     one("float32", "sum", 50_000, 901, "strided")
     one("float32", "sum", 20_000_000, 902, "sync")  # 80 MB: parts through the staging range
     one("float32", "avg", 20_000_000, 903, "hook")
