@@ -2,7 +2,8 @@
 // checked against a slot of any data size, as the daemon checks each copied descriptor. Whatever
 // it accepts lies inside the slot, aligned, with both ranges' byte counts exact, a device
 // reduce_scatter/allgather's part inside its block, a broadcast or reduce in place from or to one
-// of its ranks, and an all_to_all's ranges those of its split sizes; a refusal is only that. An
+// of its ranks, and an all_to_all's ranges those of its split sizes (a device one whole: no block,
+// no part); a refusal is only that. An
 // input of odd size checks as a ringd with CUDA.
 #include <algorithm>
 #include <cstdint>
@@ -37,7 +38,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     auto s = validate_submit(d, data_bytes, (size & 1) != 0);
     if (!s) return 0;
     if (d.flags & kSubmitRefused) __builtin_trap();
-    if (s->cuda && s->splits_pending) __builtin_trap();  // (device buffers never have split sizes)
+    // (Device buffers have split sizes only in an all_to_all, which then runs whole.)
+    if (s->cuda && s->splits_pending &&
+        (s->desc.collective != Collective::AllToAll || s->cuda_block != 0 || s->cuda_part != 0))
+        __builtin_trap();
     if (s->splits_pending) {
         // An all_to_all's split sizes, read from a slot whose bytes are the rest of the input:
         // whatever take_splits accepts lies inside the slot, its byte counts the tables' sums.
